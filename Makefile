@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Both install what
+# is missing (never replacing a torch that is already there), build the
+# extension when its sources changed, and run.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+export PIP_ROOT_USER_ACTION := ignore
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# torch 2.13.0: the CPU wheel on this machine's disk; any torch >= 2.6 already installed is kept.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+BUILD_STAMP := build/.prime-built
+
+.PHONY: all deps build test demo bench clean
+
+all: build
+
+deps:
+	@$(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null \
+		|| $(PIP) install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import numpy, ninja, pybind11, pytest" 2>/dev/null || $(PIP) install -q numpy ninja pybind11 pytest
+	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q triton || echo "prime: triton not installed; its tests will skip"
+
+$(BUILD_STAMP): setup.py $(CSRC)
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PIP) install -q --no-build-isolation -e .
+	@mkdir -p build && touch $@
+
+build: deps $(BUILD_STAMP)
+
+test: build
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+
+demo: build
+	$(PYTHON) -m prime.demo
+
+bench: build
+	$(PYTHON) benchmarks/bench_quantize.py --quick
+
+clean:
+	rm -rf build prime/_C*.so *.egg-info

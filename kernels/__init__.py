@@ -1,0 +1,1 @@
+"""Triton versions of the codec ops (installed as prime.kernels), bit-identical to the C++ ones."""

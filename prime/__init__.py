@@ -1,0 +1,9 @@
+"""PRIME: DiLoCo training over the internet with an int8 ring all-reduce over TCP."""
+
+from prime import _extension, ops
+from prime import _fake  # noqa: F401  (fake kernels so torch.compile and opcheck see the ops)
+from prime.ops import dequantize_add_int8_, dequantize_int8, quantize_int8
+
+__version__ = "0.1.0"
+
+__all__ = ["ops", "quantize_int8", "dequantize_int8", "dequantize_add_int8_", "__version__"]

@@ -1,0 +1,21 @@
+"""Fake (meta) implementations of the prime::* ops: shapes only, for torch.compile and opcheck."""
+
+import torch
+
+from prime import _extension
+
+if _extension.available():
+
+    @torch.library.register_fake("prime::quantize_int8")
+    def _quantize_int8_fake(x, block_size, seed=None):
+        n = x.numel()
+        nb = (n + block_size - 1) // block_size
+        return x.new_empty((n,), dtype=torch.int8), x.new_empty((nb,), dtype=torch.float32)
+
+    @torch.library.register_fake("prime::dequantize_int8")
+    def _dequantize_int8_fake(q, scales, block_size, dtype):
+        return q.new_empty((q.numel(),), dtype=dtype)
+
+    @torch.library.register_fake("prime::dequantize_add_int8_")
+    def _dequantize_add_int8_fake(acc, q, scales, block_size):
+        return None
