@@ -86,9 +86,8 @@ setup(
     name="prime",
     version="0.1.0",
     description="DiLoCo training over the internet: an int8 ring all-reduce over TCP and the training loop around it",
-    # kernels/ (the Triton codec) is installed as prime.kernels
-    packages=find_packages(include=["prime", "prime.*"]) + ["prime.kernels"],
-    package_dir={"prime.kernels": "kernels"},
+    # kernels/ (the Triton codec) is reached as prime.kernels through the link prime/kernels
+    packages=find_packages(include=["prime", "prime.*"]),
     python_requires=">=3.10",
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch  # noqa: F401  (loads libc10 and libtorch, which prime._C links against)
+
 _BUILD_HINT = "Build it with `pip install --no-build-isolation -e .` in the repository (or `make build`)."
 
 try:
