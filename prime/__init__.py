@@ -7,3 +7,16 @@ from prime.ops import dequantize_add_int8_, dequantize_int8, quantize_int8
 __version__ = "0.1.0"
 
 __all__ = ["ops", "quantize_int8", "dequantize_int8", "dequantize_add_int8_", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy: `prime.DiLoCo` and `prime.comm` pull in torch.distributed only when used.
+    if name == "DiLoCo":
+        from prime.diloco import DiLoCo
+
+        return DiLoCo
+    if name == "comm":
+        import importlib
+
+        return importlib.import_module("prime.comm")
+    raise AttributeError(f"module 'prime' has no attribute {name!r}")

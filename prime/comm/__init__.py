@@ -1,0 +1,1 @@
+"""The TCP ring between nodes: Ring, Work, CommError (see csrc/ring/)."""
