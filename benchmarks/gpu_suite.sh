@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU path in one call (H100/H200 machine: Python 3.12, torch 2.11 cu130, triton 3.6, no downloads):
+# build prime._C with CUDA, run the whole test suite with GPU tests enabled, run the codec benchmark.
+#   usage: benchmarks/gpu_suite.sh RESULTS_DIR [--quick]
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_suite.sh RESULTS_DIR [--quick]}
+quick=${2:-}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+status=0
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$out/machine.txt"
+
+echo "== build (CUDA, sm_90)"
+t0=$(date +%s)
+if ! PRIME_CUDA_ARCHS=${PRIME_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "built in $(( $(date +%s) - t0 )) s"; grep -E "ptxas info|registers" "$out/build.log" | head -40 > "$out/ptxas.txt" || true
+python3 -c "import prime; from prime import ops; print('backends on cuda:', ops.available_backends('cuda'))"
+
+echo "== tests (GPU tests enabled)"
+PYTHONPATH=$PWD timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x --junitxml="$out/tests.xml" tests ${PYTEST_ARGS:-} 2>&1 | tee "$out/tests.log" | tail -25 || status=1
+
+echo "== codec benchmark"
+PYTHONPATH=$PWD timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_quantize.py --device cuda ${quick:+--quick} --out "$out" 2>&1 | tee "$out/bench_quantize.log" | tail -40 || status=1
+exit $status
