@@ -18,7 +18,8 @@ Bit-exactness, point by point (each was a trap):
 - Round-half-to-even is `(v + 1.5 * 2^23) - 1.5 * 2^23`, exact for |v| < 2^22
   (here |v| <= 127 * (1 + 2^-23)): in [2^23, 2^24) the fp32 spacing is 1, so the
   add itself rounds to the nearest integer, ties to even. Plain IEEE adds behave
-  the same compiled and interpreted, unlike library rint.
+  the same compiled and interpreted, unlike library rint. floor is derived from
+  it too: tl.floor goes through libdevice, whose NVIDIA build flushes subnormals.
 - bf16 is widened and narrowed with integer bit operations, not casts: exact on
   every backend (Triton's interpreter truncates fp32 -> bf16 and mangles bf16
   subnormals), and it is the same round-to-nearest-even as torch's conversion.
@@ -97,7 +98,10 @@ def _quantize_tile(
         lo = start.to(tl.uint32) + local.to(tl.uint32)
         h = _fmix32(_fmix32(lo ^ key) + key)
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
-        f = tl.floor(v)
+        # floor(v) from the nearest integer: tl.floor lowers to libdevice's
+        # flush-to-zero cvt.rmi.ftz on NVIDIA, which the format never allows.
+        nearest = _round_half_even(v)
+        f = nearest - tl.where(nearest > v, 1.0, 0.0)
         r = f + tl.where(u < v - f, 1.0, 0.0)
     else:
         r = _round_half_even(v)
@@ -141,18 +145,20 @@ def _to_bf16_bits(y):
 @triton.jit
 def _dequantize_tile(
     q_ptr, scale_ptr, out_ptr, start, n,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_IS_BF16_BITS: tl.constexpr,
-    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr, MASKED: tl.constexpr,
 ):
     rows = tl.arange(0, ROWS)
-    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    local = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
     q_ptrs = (q_ptr + start) + local
     out_ptrs = (out_ptr + start) + local
-    scale_ptrs = (scale_ptr + start // BLOCK) + rows
+    # A row lies inside one block: either ROWS > 1 and COLS == BLOCK (start is a
+    # multiple of BLOCK), or ROWS == 1; so this is (start + row * COLS) // BLOCK.
+    scale_ptrs = (scale_ptr + start // BLOCK) + (rows * COLS) // BLOCK
     if MASKED:
         in_range = local < n - start
         q = tl.load(q_ptrs, mask=in_range, other=0)
-        scale = tl.load(scale_ptrs, mask=rows * BLOCK < n - start, other=0.0)
+        scale = tl.load(scale_ptrs, mask=rows * COLS < n - start, other=0.0)
     else:
         q = tl.load(q_ptrs)
         scale = tl.load(scale_ptrs)
@@ -176,11 +182,15 @@ def _dequantize_tile(
 @triton.jit
 def _dequantize_kernel(
     q_ptr, scale_ptr, out_ptr, n,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_IS_BF16_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr,
 ):
-    """out = float(q) * scale (ACCUMULATE: out = out + float(q) * scale), ROWS blocks per program."""
-    start = tl.program_id(0).to(tl.int64) * (ROWS * BLOCK)
-    if start + ROWS * BLOCK <= n:
-        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, ACCUMULATE, OUT_IS_BF16_BITS, False)
+    """out = float(q) * scale (ACCUMULATE: out = out + float(q) * scale) on ROWS x COLS elements.
+
+    COLS = min(BLOCK, tile): unlike the encoder, a decoder needs no whole block per
+    program, so its tile can be sized for the memory system alone."""
+    start = tl.program_id(0).to(tl.int64) * (ROWS * COLS)
+    if start + ROWS * COLS <= n:
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, False)
     else:
-        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, ACCUMULATE, OUT_IS_BF16_BITS, True)
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, True)

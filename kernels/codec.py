@@ -32,15 +32,25 @@ MIN_BLOCK_SIZE = 32
 MAX_BLOCK_SIZE = 4096
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Launch shape. A program handles max(B, 4096) elements as 4096 / B blocks:
-# 16 KiB of fp32 input per program, 32 elements (8 vectors of 16 bytes) per
-# thread with 4 warps, enough bytes in flight per SM to saturate HBM when ~16
-# programs are resident, and few enough registers for that. Several blocks per
-# program keep small blocks (B = 32) as efficient as big ones. Chosen by this
-# reasoning, not yet by a sweep on H100: benchmarks/ can pass `tile=` and
-# `num_warps=` to the launchers below to sweep them.
-_TILE = 4096
-_NUM_WARPS = 4
+# Launch shapes. Chosen by reasoning and by reading the code Triton 3.9 generates
+# for sm_90 (PTX + ptxas register counts, no GPU run yet; benchmarks/ can sweep
+# them through the `tile=` and `num_warps=` arguments of the launchers below):
+#
+# quantize: a program encodes max(B, 4096) elements as 4096 / B whole blocks, so
+#   small blocks (B = 32) cost no more per byte than big ones. With 4 warps that
+#   is 32 values a thread, read as 16-byte vectors and written as 16-byte int8
+#   vectors, in one layout (no shared-memory shuffles besides the reduction);
+#   16 KiB of fp32 in flight per program and <= 96 registers a thread, so ~5
+#   programs fit on an SM: ~80 KiB in flight, ample for HBM3 latency.
+# dequantize(-add): a decoder needs no whole block, so a program takes 1024
+#   elements and 8 warps: 4 values a thread, the one shape where the int8 loads
+#   and the fp32 loads/stores share a layout (with more values a thread Triton
+#   moves the tile through shared memory between them); ~22 registers, so the
+#   SM is full (2048 threads, 8 programs, ~72 KiB in flight for dequantize-add).
+_QUANTIZE_TILE = 4096
+_QUANTIZE_WARPS = 4
+_DEQUANTIZE_TILE = 1024
+_DEQUANTIZE_WARPS = 8
 
 
 # ---------------------------------------------------------------------------
@@ -102,10 +112,8 @@ def _on_device(device: torch.device):
 # typed launchers: flat contiguous tensors in, no checks, no host syncs
 
 
-def _rows_per_program(block_size: int, tile: int) -> int:
-    rows = max(1, tile // block_size)
-    assert rows & (rows - 1) == 0, f"tile {tile} and block {block_size} must be powers of two"
-    return rows
+def _check_tile(tile: int) -> None:
+    assert tile > 0 and tile & (tile - 1) == 0, f"tile must be a power of two, got {tile}"
 
 
 def _launch_quantize(
@@ -115,14 +123,15 @@ def _launch_quantize(
     block_size: int,
     seed: Optional[int],
     *,
-    tile: int = _TILE,
-    num_warps: int = _NUM_WARPS,
+    tile: int = _QUANTIZE_TILE,
+    num_warps: int = _QUANTIZE_WARPS,
 ):
     """q[:] , scales[:] = quantize(x) for flat contiguous x (fp32/bf16/fp16), q (int8), scales (fp32).
 
     Returns the launched kernel handle (its .asm holds the PTX on CUDA)."""
+    _check_tile(tile)
     n = x.numel()
-    rows = _rows_per_program(block_size, tile)
+    rows = max(1, tile // block_size)  # whole blocks per program
     x_is_bf16 = x.dtype == torch.bfloat16
     seed_bits = 0 if seed is None else seed & 0xFFFFFFFF
     seed_i32 = seed_bits - (1 << 32) if seed_bits >= (1 << 31) else seed_bits  # an i32 argument, always
@@ -150,17 +159,19 @@ def _launch_dequantize(
     block_size: int,
     accumulate: bool,
     *,
-    tile: int = _TILE,
-    num_warps: int = _NUM_WARPS,
+    tile: int = _DEQUANTIZE_TILE,
+    num_warps: int = _DEQUANTIZE_WARPS,
 ):
     """out[:] = float(q) * scale, or out[:] += float(q) * scale (accumulate; out fp32).
 
     Flat contiguous q (int8), scales (fp32), out (fp32/bf16/fp16). Returns the kernel handle."""
+    _check_tile(tile)
     n = q.numel()
-    rows = _rows_per_program(block_size, tile)
+    cols = min(block_size, tile)  # a row lies in one block
+    rows = tile // cols
     out_is_bf16 = out.dtype == torch.bfloat16
     assert not (accumulate and out.dtype != torch.float32), "the accumulator is fp32"
-    grid = (triton.cdiv(n, rows * block_size),)
+    grid = (triton.cdiv(n, rows * cols),)
     with _on_device(q.device):
         return _kernels._dequantize_kernel[grid](
             q,
@@ -169,6 +180,7 @@ def _launch_dequantize(
             n,
             BLOCK=block_size,
             ROWS=rows,
+            COLS=cols,
             ACCUMULATE=accumulate,
             OUT_IS_BF16_BITS=out_is_bf16,
             num_warps=num_warps,

@@ -19,7 +19,8 @@ Two ways the kernels run:
 The interpreter runs a program of 4096 elements in a few ms, so cpu sizes are
 chosen to cover every path with few programs: per block size n = 1, B-1, B, B+1
 (one masked tile), 3 full tiles (unmasked path only), 3 tiles + B + 5 (both paths),
-and 123457 (31 tiles) for the value patterns; one test at 2^20 + 7.
+and 123457 (31 tiles) with a value pattern drawn per block; one test at 2^20 + 7.
+On CUDA the same tests run, plus 2^24 + 7 for every block size and n > 2^32.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ DEVICES = (["cpu"] if INTERPRETED else []) + [
 ]
 BLOCK_SIZES = [32, 64, 128, 256, 512, 1024, 2048, 4096]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TILE = 4096  # elements per program in kernels/codec.py (sizes below straddle it)
+TILE = codec._QUANTIZE_TILE  # elements per quantize program (a multiple of the decoder's); sizes straddle it
 FLT_MAX = torch.finfo(torch.float32).max
 NAN_BITS = 0x7FC00000
 
@@ -178,13 +179,11 @@ def check_quantize(x, block, seed, device, context):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 def test_quantize_matches_reference(device, block, dtype, rng):
-    for n in sizes_for(block):
-        for kind in ("normal", "heavy", "outlier", "special"):
+    for n in sizes_for(block) + [123457]:
+        # every block of a "special" input draws its own pattern, so big inputs need no other kind
+        for kind in ("normal", "heavy", "outlier", "special") if n <= block + 1 else ("special",):
             x = make_input(kind, n, block, dtype, rng)
             check_quantize(x, block, None, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} {kind}")
-    n = 123457
-    x = make_input("special", n, block, dtype, rng)
-    check_quantize(x, block, None, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} special")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,7 +191,7 @@ def test_quantize_matches_reference(device, block, dtype, rng):
 @pytest.mark.parametrize("block", [32, 256, 4096])
 def test_quantize_stochastic_matches_reference(device, block, dtype, rng):
     seeds = [int(torch.randint(2**32, (), generator=rng, dtype=torch.int64)), 0, 0xFFFFFFFF]
-    for n, seed in zip([block + 1, 3 * TILE + block + 5, 123457], seeds):
+    for n, seed in zip([block + 1, 3 * TILE + block + 5, 5 * TILE + 3], seeds):
         x = make_input("special", n, block, dtype, rng)
         check_quantize(x, block, seed, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} sr-seed {seed}")
 
@@ -202,7 +201,6 @@ def test_quantize_million(device, rng):
     n = 2**20 + 7
     x = make_input("special", n, 256, torch.float32, rng)
     check_quantize(x, 256, None, device, f"seed {rng.initial_seed()} n={n}")
-    check_quantize(x, 256, 7, device, f"seed {rng.initial_seed()} n={n} stochastic")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -299,7 +297,7 @@ def make_encoded(n: int, block: int, gen: torch.Generator):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 def test_dequantize_matches_reference(device, block, dtype, rng):
-    for n in [1, block + 1, 3 * TILE + block + 5, 50001]:
+    for n in [1, block + 1, 3 * TILE + block + 5]:
         q, scales = make_encoded(n, block, rng)
         got = codec.dequantize_int8(q.to(device), scales.to(device), block, dtype)
         want = ops.dequantize_int8_reference(q, scales, block, dtype)
@@ -320,7 +318,7 @@ def test_round_trip_matches_reference(device, dtype, rng):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 def test_dequantize_add_matches_reference(device, block, rng):
-    for n in [1, block + 1, 3 * TILE + block + 5, 50001]:
+    for n in [1, block + 1, 3 * TILE + block + 5]:
         q, scales = make_encoded(n, block, rng)
         # accumulators of every magnitude, so q * scale and acc often nearly cancel:
         # that is where a fused multiply-add would differ
