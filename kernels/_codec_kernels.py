@@ -118,7 +118,9 @@ def _quantize_tile(
         tl.store(scale_ptrs, scale_bits)
 
 
-@triton.jit(do_not_specialize=["seed"])
+# n is not specialized (on n % 16 or n == 1): full tiles take the unmasked path
+# whatever n is, so a specialization would only multiply compilations.
+@triton.jit(do_not_specialize=["n", "seed"])
 def _quantize_kernel(
     x_ptr, q_ptr, scale_bits_ptr, n, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -179,7 +181,7 @@ def _dequantize_tile(
         tl.store(out_ptrs, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _dequantize_kernel(
     q_ptr, scale_ptr, out_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,

@@ -34,14 +34,18 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch shapes. Chosen by reasoning and by reading the code Triton 3.9 generates
 # for sm_90 (PTX + ptxas register counts, no GPU run yet; benchmarks/ can sweep
-# them through the `tile=` and `num_warps=` arguments of the launchers below):
+# them through the keyword arguments of the launchers below):
 #
 # quantize: a program encodes max(B, 4096) elements as 4096 / B whole blocks, so
 #   small blocks (B = 32) cost no more per byte than big ones. With 4 warps that
 #   is 32 values a thread, read as 16-byte vectors and written as 16-byte int8
 #   vectors, in one layout (no shared-memory shuffles besides the reduction);
-#   16 KiB of fp32 in flight per program and <= 96 registers a thread, so ~5
-#   programs fit on an SM: ~80 KiB in flight, ample for HBM3 latency.
+#   16 KiB of fp32 in flight per program. The masked path of the last tile
+#   (scalar loads: n is not specialized, to compile once per block size) would
+#   raise the kernel to ~90 registers; capping at 64 costs no spill with
+#   round-to-nearest (ptxas: 60-64 registers, no local memory) and lets 8
+#   programs share an SM, 128 KiB in flight, ample for HBM3 latency. Stochastic
+#   rounding needs ~96 (it spills at 64), so it keeps 5 programs an SM.
 # dequantize(-add): a decoder needs no whole block, so a program takes 1024
 #   elements and 8 warps: 4 values a thread, the one shape where the int8 loads
 #   and the fp32 loads/stores share a layout (with more values a thread Triton
@@ -49,6 +53,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #   SM is full (2048 threads, 8 programs, ~72 KiB in flight for dequantize-add).
 _QUANTIZE_TILE = 4096
 _QUANTIZE_WARPS = 4
+_QUANTIZE_MAX_REGISTERS = 64  # round-to-nearest only
 _DEQUANTIZE_TILE = 1024
 _DEQUANTIZE_WARPS = 8
 
@@ -125,6 +130,7 @@ def _launch_quantize(
     *,
     tile: int = _QUANTIZE_TILE,
     num_warps: int = _QUANTIZE_WARPS,
+    max_registers: Optional[int] = _QUANTIZE_MAX_REGISTERS,
 ):
     """q[:] , scales[:] = quantize(x) for flat contiguous x (fp32/bf16/fp16), q (int8), scales (fp32).
 
@@ -136,6 +142,7 @@ def _launch_quantize(
     seed_bits = 0 if seed is None else seed & 0xFFFFFFFF
     seed_i32 = seed_bits - (1 << 32) if seed_bits >= (1 << 31) else seed_bits  # an i32 argument, always
     grid = (triton.cdiv(n, rows * block_size),)
+    options = {"maxnreg": max_registers} if max_registers and seed is None else {}
     with _on_device(x.device):
         return _kernels._quantize_kernel[grid](
             x.view(torch.int16) if x_is_bf16 else x,
@@ -149,6 +156,7 @@ def _launch_quantize(
             STOCHASTIC=seed is not None,
             num_warps=num_warps,
             enable_fp_fusion=False,
+            **options,
         )
 
 

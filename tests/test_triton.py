@@ -64,10 +64,6 @@ def rng():
     return gen
 
 
-def _uniform(gen, lo, hi):
-    return lo + (hi - lo) * torch.rand((), generator=gen).item()
-
-
 def sizes_for(block: int) -> list[int]:
     return sorted({1, block - 1, block, block + 1, 3 * TILE, 3 * TILE + block + 5})
 
@@ -76,34 +72,36 @@ def sizes_for(block: int) -> list[int]:
 # input data: fp32 values in every pattern the format has a rule for
 
 
-def _block_pattern(kind: str, block: int, gen: torch.Generator) -> torch.Tensor:
-    """One block of `kind` (fp32)."""
+def _blocks_of(kind: str, nb: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """nb blocks of `kind`, as an fp32 [nb, block] tensor (each block with its own scale)."""
+
+    def uniform(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=gen)
+
     if kind == "normal":
-        return torch.randn(block, generator=gen) * 10 ** _uniform(gen, -4, 4)
+        return torch.randn(nb, block, generator=gen) * torch.pow(10.0, uniform(-4, 4, nb, 1))
     if kind == "heavy":  # Student-t with 3 degrees of freedom
-        chi2 = (torch.randn(3, block, generator=gen) ** 2).sum(0)
-        return torch.randn(block, generator=gen) / torch.sqrt(chi2 / 3)
+        chi2 = (torch.randn(3, nb, block, generator=gen) ** 2).sum(0)
+        return torch.randn(nb, block, generator=gen) / torch.sqrt(chi2 / 3)
     if kind == "outlier":
-        x = torch.randn(block, generator=gen)
-        x[torch.randint(block, (2,), generator=gen)] *= 1e4
-        return x
+        x = torch.randn(nb, block, generator=gen)
+        where = torch.randint(block, (nb, 2), generator=gen)
+        return x.scatter_(1, where, x.gather(1, where) * 1e4)
     if kind == "zero":
-        return torch.zeros(block)
+        return torch.zeros(nb, block)
     if kind == "tiny":  # around 127 / FLT_MAX, where 127 / a overflows; subnormals included
-        return (torch.rand(block, generator=gen) * 2 - 1) * 10 ** _uniform(gen, -45, -35)
+        return uniform(-1, 1, nb, block) * torch.pow(10.0, uniform(-45, -35, nb, 1))
     if kind == "huge":
-        return (torch.rand(block, generator=gen) * 2 - 1) * FLT_MAX
+        return uniform(-1, 1, nb, block) * FLT_MAX
     if kind == "ties":  # a = 127 * 2^k, so inv = 2^-k exactly and every v is a half-integer
-        k = int(torch.randint(-8, 9, (), generator=gen))
-        x = torch.randint(-254, 255, (block,), generator=gen).float() / 2
-        x[torch.randint(block, (), generator=gen)] = 127.0 * (1 if torch.rand((), generator=gen) < 0.5 else -1)
-        return x * 2.0**k
+        x = torch.randint(-254, 255, (nb, block), generator=gen).float() / 2
+        sign = torch.randint(2, (nb, 1), generator=gen).float() * 2 - 1
+        x.scatter_(1, torch.randint(block, (nb, 1), generator=gen), 127.0 * sign)
+        return x * torch.pow(2.0, torch.randint(-8, 9, (nb, 1), generator=gen).float())
     if kind == "nonfinite":
-        x = torch.randn(block, generator=gen)
-        bad = torch.tensor([float("nan"), float("inf"), float("-inf")])
-        for _ in range(int(torch.randint(1, 3, (), generator=gen))):
-            x[torch.randint(block, (), generator=gen)] = bad[torch.randint(3, (), generator=gen)]
-        return x
+        x = torch.randn(nb, block, generator=gen)
+        bad = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.randint(3, (nb, 2), generator=gen)]
+        return x.scatter_(1, torch.randint(block, (nb, 2), generator=gen), bad)
     raise AssertionError(kind)
 
 
@@ -113,11 +111,15 @@ SPECIAL_KINDS = ["normal", "heavy", "outlier", "zero", "tiny", "huge", "ties", "
 def make_input(kind: str, n: int, block: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """n values of `dtype`; kind "special" draws a pattern per block, the others fill every block."""
     nb = max(1, -(-n // block))
-    kinds = [SPECIAL_KINDS[int(i)] for i in torch.randint(len(SPECIAL_KINDS), (nb,), generator=gen)]
     if kind != "special":
-        kinds = [kind] * nb
-    x = torch.cat([_block_pattern(k, block, gen) for k in kinds])[:n]
-    return x.to(dtype)
+        return _blocks_of(kind, nb, block, gen).reshape(-1)[:n].to(dtype)
+    pick = torch.randint(len(SPECIAL_KINDS), (nb,), generator=gen)
+    x = torch.empty(nb, block)
+    for k, name in enumerate(SPECIAL_KINDS):
+        chosen = pick == k
+        if chosen.any():
+            x[chosen] = _blocks_of(name, int(chosen.sum()), block, gen)
+    return x.reshape(-1)[:n].to(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -411,14 +413,26 @@ def test_ptx_has_true_divisions_and_no_fma():
             assert "div.rn.f32" in ptx, f"{name}: no div.rn.f32 in the PTX"
 
 
+LARGE_CASES = [(block, torch.float32) for block in BLOCK_SIZES] + [
+    (block, dtype) for dtype in (torch.bfloat16, torch.float16) for block in (32, 256, 4096)
+]
+
+
 @pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("block,dtype", LARGE_CASES, ids=str)
 def test_cuda_large_matches_reference(block, dtype, rng):
     n = 2**24 + 7
     x = make_input("special", n, block, dtype, rng)
     check_quantize(x, block, None, "cuda", f"seed {rng.initial_seed()} B={block} {dtype} n={n}")
-    check_quantize(x, block, 99, "cuda", f"seed {rng.initial_seed()} B={block} {dtype} n={n} stochastic")
+
+
+@pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_large_stochastic_matches_reference(dtype, rng):
+    n = 2**22 + 7  # the reference's integer hash is slow on the CPU
+    x = make_input("special", n, 256, dtype, rng)
+    seed = int(torch.randint(2**32, (), generator=rng, dtype=torch.int64))
+    check_quantize(x, 256, seed, "cuda", f"seed {rng.initial_seed()} {dtype} n={n} sr-seed {seed}")
 
 
 @pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
