@@ -4,10 +4,11 @@ Only kernels live here; the typed launchers are in kernels/codec.py. The same
 source runs compiled on CUDA and, under TRITON_INTERPRET=1, interpreted on CPU
 (that is how CI tests it), so nothing here may depend on either.
 
-Every kernel views its data as a 2-D tile of ROWS blocks of BLOCK elements, so a
-block's reduction is one `tl.max(axis=1)` and its scale one broadcast. A program
-handles TILE = ROWS * BLOCK consecutive elements: full tiles take an unmasked
-path (vector loads even when n is not a multiple of 16), the last tile a masked one.
+Both kernels view their data as 2-D tiles of ROWS rows, a row lying in one block
+(the encoder's rows are whole blocks, so a block's reduction is one
+`tl.max(axis=1)`), and each scale is one broadcast along its row. A program
+handles one tile of consecutive elements; full tiles take an unmasked path
+(vector loads whatever n is), the last tile a masked one.
 
 Bit-exactness, point by point (each was a trap):
 - Divisions use `tl.math.div_rn` (IEEE `div.rn.f32`): `/` on fp32 lowers to an

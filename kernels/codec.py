@@ -57,6 +57,10 @@ _QUANTIZE_MAX_REGISTERS = 64  # round-to-nearest only
 _DEQUANTIZE_TILE = 1024
 _DEQUANTIZE_WARPS = 8
 
+# Compiler options of every launch. No fused multiply-add: the format rounds
+# every product before the add that follows it (docs/wire-format.md).
+_COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
 
 # ---------------------------------------------------------------------------
 # where the kernels run
@@ -155,7 +159,7 @@ def _launch_quantize(
             X_IS_BF16_BITS=x_is_bf16,
             STOCHASTIC=seed is not None,
             num_warps=num_warps,
-            enable_fp_fusion=False,
+            **_COMPILE_OPTIONS,
             **options,
         )
 
@@ -192,7 +196,7 @@ def _launch_dequantize(
             ACCUMULATE=accumulate,
             OUT_IS_BF16_BITS=out_is_bf16,
             num_warps=num_warps,
-            enable_fp_fusion=False,
+            **_COMPILE_OPTIONS,
         )
 
 

@@ -34,7 +34,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 # The interpreter evaluates IEEE edge cases (127 / tiny -> inf, inf * 0) in numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -389,6 +389,58 @@ def test_interpreter_in_subprocess():
 
 
 # ---------------------------------------------------------------------------
+# the machine code, compiled for an H100 (sm_90) without a GPU
+
+# PTX that would break bit-exactness: fused multiply-add, approximate division or
+# reciprocal, flush-to-zero (libdevice's default on NVIDIA).
+_FORBIDDEN_PTX = re.compile(r"\bfma\.|\bmad\.[^ \t]*f32|div\.(full|approx)|rcp\.approx|\.ftz")
+
+SM90_CASES = {
+    "quantize": ("_quantize_kernel", {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_bits_ptr": "*i32", "n": "i32",
+                 "seed": "i32"}, {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False}),
+    "quantize-bf16-stochastic": ("_quantize_kernel", {"x_ptr": "*i16", "q_ptr": "*i8", "scale_bits_ptr": "*i32",
+                                 "n": "i32", "seed": "i32"},
+                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True}),
+    "dequantize-bf16": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i32"},
+                        {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False, "OUT_IS_BF16_BITS": True}),
+    "dequantize-add": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+                       {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True, "OUT_IS_BF16_BITS": False}),
+}
+
+
+def _compile_for_sm90(name, fusion=False):
+    try:  # Triton's ahead-of-time entry points (as in triton/tools/compile.py), stable since 3.3
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
+
+    kernel_name, signature, constants = SM90_CASES[name]
+    kernel = getattr(codec._kernels, kernel_name)
+    signature = dict(signature, **{k: "constexpr" for k in constants})
+    options = dict(codec._COMPILE_OPTIONS, enable_fp_fusion=fusion) if fusion else dict(codec._COMPILE_OPTIONS)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernel objects, not interpreted ones")
+@pytest.mark.parametrize("name", list(SM90_CASES))
+def test_sm90_code_has_true_divisions_and_no_fma(name):
+    """Triton compiles for sm_90 on any machine: the launch options must keep the PTX exact."""
+    ptx = _compile_for_sm90(name)
+    bad = [line.strip() for line in ptx.splitlines() if _FORBIDDEN_PTX.search(line)]
+    assert not bad, f"{name}: {bad[:5]}"
+    if name.startswith("quantize"):
+        assert "div.rn.f32" in ptx, f"{name}: no IEEE division (div.rn.f32) in the PTX"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernel objects, not interpreted ones")
+def test_sm90_check_sees_fused_multiply_add():
+    """The check above can fail: with fusion allowed, dequantize-add gets an fma."""
+    assert any(_FORBIDDEN_PTX.search(line) for line in _compile_for_sm90("dequantize-add", fusion=True).splitlines())
+
+
+# ---------------------------------------------------------------------------
 # GPU only
 
 
@@ -407,7 +459,7 @@ def test_ptx_has_true_divisions_and_no_fma():
     }
     for name, kernel in kernels.items():
         ptx = kernel.asm["ptx"]
-        bad = [line.strip() for line in ptx.splitlines() if re.search(r"\bfma\.|\bmad\.[^ ]*f32|div\.(full|approx)|rcp\.approx|\.ftz", line)]
+        bad = [line.strip() for line in ptx.splitlines() if _FORBIDDEN_PTX.search(line)]
         assert not bad, f"{name}: {bad[:5]}"
         if name.startswith("quantize"):
             assert "div.rn.f32" in ptx, f"{name}: no div.rn.f32 in the PTX"
