@@ -21,6 +21,10 @@ chosen to cover every path with few programs: per block size n = 1, B-1, B, B+1
 (one masked tile), 3 full tiles (unmasked path only), 3 tiles + B + 5 (both paths),
 and 123457 (31 tiles) with a value pattern drawn per block; one test at 2^20 + 7.
 On CUDA the same tests run, plus 2^24 + 7 for every block size and n > 2^32.
+
+Without a GPU, the GPU-only traps (approximate division, FMA contraction,
+flush-to-zero) are still checked: Triton compiles the kernels for sm_90 on any
+machine, and the PTX must contain none of them.
 """
 
 from __future__ import annotations
