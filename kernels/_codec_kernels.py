@@ -1,0 +1,199 @@
+"""The Triton kernels of the int8 block codec (docs/wire-format.md), bit for bit.
+
+Only kernels live here; the typed launchers are in kernels/codec.py. The same
+source runs compiled on CUDA and, under TRITON_INTERPRET=1, interpreted on CPU
+(that is how CI tests it), so nothing here may depend on either.
+
+Both kernels view their data as 2-D tiles of ROWS rows, a row lying in one block
+(the encoder's rows are whole blocks, so a block's reduction is one
+`tl.max(axis=1)`), and each scale is one broadcast along its row. A program
+handles one tile of consecutive elements; full tiles take an unmasked path
+(vector loads whatever n is), the last tile a masked one.
+
+Bit-exactness, point by point (each was a trap):
+- Divisions use `tl.math.div_rn` (IEEE `div.rn.f32`): `/` on fp32 lowers to an
+  approximate division on NVIDIA GPUs.
+- No operation here may be contracted into an FMA (`x * inv` followed by the
+  rounding add, `q * s` followed by the accumulate): the launchers pass
+  `enable_fp_fusion=False`, and tests/test_triton.py checks the PTX.
+- Round-half-to-even is `(v + 1.5 * 2^23) - 1.5 * 2^23`, exact for |v| < 2^22
+  (here |v| <= 127 * (1 + 2^-23)): in [2^23, 2^24) the fp32 spacing is 1, so the
+  add itself rounds to the nearest integer, ties to even. Plain IEEE adds behave
+  the same compiled and interpreted, unlike library rint. floor is derived from
+  it too: tl.floor goes through libdevice, whose NVIDIA build flushes subnormals.
+- bf16 is widened and narrowed with integer bit operations, not casts: exact on
+  every backend (Triton's interpreter truncates fp32 -> bf16 and mangles bf16
+  subnormals), and it is the same round-to-nearest-even as torch's conversion.
+- The NaN flag is written as the integer 0x7FC00000 into an int32 view of the
+  scales, so no arithmetic NaN (whose bits differ between CPU and GPU) is stored.
+"""
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2^23: adding it to |v| < 2^22 rounds v to an integer, ties to even.
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+_QMAX = tl.constexpr(127.0)
+# The canonical quiet NaN of fp32 (the non-finite flag of a block's scale).
+_NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def _fmix32(h):
+    """MurmurHash3's finalizer on uint32 (multiplications wrap modulo 2^32)."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _round_half_even(v):
+    return (v + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr,
+    STOCHASTIC: tl.constexpr, MASKED: tl.constexpr,
+):
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # int32, < TILE
+    x_ptrs = (x_ptr + start) + local
+    if MASKED:
+        in_range = local < n - start
+        raw = tl.load(x_ptrs, mask=in_range, other=0)  # zero padding never raises |x|'s max
+    else:
+        raw = tl.load(x_ptrs)
+    if X_IS_BF16_BITS:
+        # bf16 arrives as its int16 bits: its fp32 value is those bits in the top half.
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
+
+    ax = tl.abs(x)
+    # A NaN would vanish in max (max.f32 drops NaN operands): count it as +inf, which
+    # no finite input reaches, so `a == inf` flags every non-finite block.
+    ax = tl.where(ax == ax, ax, float("inf"))
+    a = tl.max(ax, axis=1)
+    nonfinite = a == float("inf")
+
+    c127 = tl.full([ROWS], _QMAX, tl.float32)
+    scale = tl.math.div_rn(a, c127)
+    positive = a > 0.0
+    inv = tl.math.div_rn(c127, tl.where(positive, a, 1.0))
+    # 0 when a == 0, when 127 / a overflows (tiny subnormal blocks) and, since then
+    # a == inf and 127 / inf == 0, for non-finite blocks.
+    inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
+
+    v = x * inv[:, None]
+    if STOCHASTIC:
+        # Counter-based uniform keyed by (seed, flattened index i). A tile is a
+        # power of two <= 2^32 elements starting at a multiple of its size, so
+        # i >> 32 is the same for the whole tile and i mod 2^32 never carries.
+        hi = (start >> 32).to(tl.uint32)
+        key = _fmix32(seed.to(tl.uint32, bitcast=True) ^ _fmix32(hi ^ 0x9E3779B9))
+        lo = start.to(tl.uint32) + local.to(tl.uint32)
+        h = _fmix32(_fmix32(lo ^ key) + key)
+        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
+        # floor(v) from the nearest integer: tl.floor lowers to libdevice's
+        # flush-to-zero cvt.rmi.ftz on NVIDIA, which the format never allows.
+        nearest = _round_half_even(v)
+        f = nearest - tl.where(nearest > v, 1.0, 0.0)
+        r = f + tl.where(u < v - f, 1.0, 0.0)
+    else:
+        r = _round_half_even(v)
+    r = tl.where(nonfinite[:, None], 0.0, r)  # before the clamp: v may be NaN there
+    q = tl.minimum(tl.maximum(r, -_QMAX), _QMAX).to(tl.int8)
+
+    scale_bits = tl.where(nonfinite, _NAN_BITS, scale.to(tl.int32, bitcast=True))
+    scale_ptrs = (scale_bits_ptr + start // BLOCK) + rows
+    if MASKED:
+        tl.store((q_ptr + start) + local, q, mask=in_range)
+        tl.store(scale_ptrs, scale_bits, mask=rows * BLOCK < n - start)
+    else:
+        tl.store((q_ptr + start) + local, q)
+        tl.store(scale_ptrs, scale_bits)
+
+
+# n is not specialized (on n % 16 or n == 1): full tiles take the unmasked path
+# whatever n is, so a specialization would only multiply compilations.
+@triton.jit(do_not_specialize=["n", "seed"])
+def _quantize_kernel(
+    x_ptr, q_ptr, scale_bits_ptr, n, seed,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    """One program encodes ROWS blocks of BLOCK elements: x -> (q int8, scale bits int32)."""
+    start = tl.program_id(0).to(tl.int64) * (ROWS * BLOCK)
+    if start + ROWS * BLOCK <= n:
+        _quantize_tile(x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
+                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, False)
+    else:
+        _quantize_tile(x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
+                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, True)
+
+
+@triton.jit
+def _to_bf16_bits(y):
+    """fp32 -> bf16 bits (int16), round to nearest even; any NaN -> 0x7FC0."""
+    bits = y.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = tl.where(y == y, rounded, 0x7FC0)
+    return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _dequantize_tile(
+    q_ptr, scale_ptr, out_ptr, start, n,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr, MASKED: tl.constexpr,
+):
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    q_ptrs = (q_ptr + start) + local
+    out_ptrs = (out_ptr + start) + local
+    # A row lies inside one block: either ROWS > 1 and COLS == BLOCK (start is a
+    # multiple of BLOCK), or ROWS == 1; so this is (start + row * COLS) // BLOCK.
+    scale_ptrs = (scale_ptr + start // BLOCK) + (rows * COLS) // BLOCK
+    if MASKED:
+        in_range = local < n - start
+        q = tl.load(q_ptrs, mask=in_range, other=0)
+        scale = tl.load(scale_ptrs, mask=rows * COLS < n - start, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        scale = tl.load(scale_ptrs)
+    y = q.to(tl.float32) * scale[:, None]
+    if ACCUMULATE:
+        if MASKED:
+            acc = tl.load(out_ptrs, mask=in_range, other=0.0)
+        else:
+            acc = tl.load(out_ptrs)
+        y = acc + y  # a separate add: the launch forbids fusing it with the multiply
+    if OUT_IS_BF16_BITS:
+        y = _to_bf16_bits(y)
+    else:
+        y = y.to(out_ptr.dtype.element_ty)  # fp32, or fp16 (round to nearest even)
+    if MASKED:
+        tl.store(out_ptrs, y, mask=in_range)
+    else:
+        tl.store(out_ptrs, y)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _dequantize_kernel(
+    q_ptr, scale_ptr, out_ptr, n,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr,
+):
+    """out = float(q) * scale (ACCUMULATE: out = out + float(q) * scale) on ROWS x COLS elements.
+
+    COLS = min(BLOCK, tile): unlike the encoder, a decoder needs no whole block per
+    program, so its tile can be sized for the memory system alone."""
+    start = tl.program_id(0).to(tl.int64) * (ROWS * COLS)
+    if start + ROWS * COLS <= n:
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, False)
+    else:
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, True)

@@ -1,0 +1,521 @@
+"""The Triton codec (kernels/codec.py) against the torch reference, bit for bit.
+
+Every comparison is exact: q bytes, scale bits (through an int32 view, so the NaN
+flag must be exactly 0x7FC00000) and decoded bits (NaN-aware: a decoder must give
+NaN where the reference does, but NaN payloads differ between CPU and GPU).
+Each test draws fresh data from a printed seed; PRIME_TEST_SEED=<n> replays one.
+
+Two ways the kernels run:
+- cuda: compiled kernels on a GPU (skipped without one).
+- cpu: the same kernels under Triton's interpreter. It needs TRITON_INTERPRET=1
+  in the environment before triton is first imported, and in a pytest session
+  another test file may import triton first; so when this process's kernels
+  are compiled ones, `test_interpreter_in_subprocess` runs this file's cpu tests
+  in a fresh python with the variable set (a few seconds of start-up, and it
+  works whatever the import order); the cpu cases are then not collected in
+  this process. Run with TRITON_INTERPRET=1 in the environment, they run
+  in-process instead (and the subprocess test skips).
+
+The interpreter runs a program of 4096 elements in a few ms, so cpu sizes are
+chosen to cover every path with few programs: per block size n = 1, B-1, B, B+1
+(one masked tile), 3 full tiles (unmasked path only), 3 tiles + B + 5 (both paths),
+and 123457 (31 tiles) with a value pattern drawn per block; one test at 2^20 + 7.
+On CUDA the same tests run, plus 2^24 + 7 for every block size and n > 2^32.
+
+Without a GPU, the GPU-only traps (approximate division, FMA contraction,
+flush-to-zero) are still checked: Triton compiles the kernels for sm_90 on any
+machine, and the PTX must contain none of them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+# The interpreter evaluates IEEE edge cases (127 / tiny -> inf, inf * 0) in numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+from prime import ops  # noqa: E402
+from prime.kernels import codec  # noqa: E402
+
+INTERPRETED = codec.available("cpu")  # the kernels were built under TRITON_INTERPRET=1
+COMPILED_GPU = torch.cuda.is_available() and not INTERPRETED and codec.available("cuda")
+
+# "cpu" cases exist only where the kernels are interpreted (elsewhere the subprocess runs them).
+DEVICES = (["cpu"] if INTERPRETED else []) + [
+    pytest.param("cuda", marks=pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")),
+]
+BLOCK_SIZES = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TILE = codec._QUANTIZE_TILE  # elements per quantize program (a multiple of the decoder's); sizes straddle it
+FLT_MAX = torch.finfo(torch.float32).max
+NAN_BITS = 0x7FC00000
+
+
+@pytest.fixture
+def rng():
+    """A torch.Generator with a fresh seed, printed (shown by pytest on failure)."""
+    seed = int(os.environ.get("PRIME_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"PRIME_TEST_SEED={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    return gen
+
+
+def sizes_for(block: int) -> list[int]:
+    return sorted({1, block - 1, block, block + 1, 3 * TILE, 3 * TILE + block + 5})
+
+
+# ---------------------------------------------------------------------------
+# input data: fp32 values in every pattern the format has a rule for
+
+
+def _blocks_of(kind: str, nb: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """nb blocks of `kind`, as an fp32 [nb, block] tensor (each block with its own scale)."""
+
+    def uniform(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=gen)
+
+    if kind == "normal":
+        return torch.randn(nb, block, generator=gen) * torch.pow(10.0, uniform(-4, 4, nb, 1))
+    if kind == "heavy":  # Student-t with 3 degrees of freedom
+        chi2 = (torch.randn(3, nb, block, generator=gen) ** 2).sum(0)
+        return torch.randn(nb, block, generator=gen) / torch.sqrt(chi2 / 3)
+    if kind == "outlier":
+        x = torch.randn(nb, block, generator=gen)
+        where = torch.randint(block, (nb, 2), generator=gen)
+        return x.scatter_(1, where, x.gather(1, where) * 1e4)
+    if kind == "zero":
+        return torch.zeros(nb, block)
+    if kind == "tiny":  # around 127 / FLT_MAX, where 127 / a overflows; subnormals included
+        return uniform(-1, 1, nb, block) * torch.pow(10.0, uniform(-45, -35, nb, 1))
+    if kind == "huge":
+        return uniform(-1, 1, nb, block) * FLT_MAX
+    if kind == "ties":  # a = 127 * 2^k, so inv = 2^-k exactly and every v is a half-integer
+        x = torch.randint(-254, 255, (nb, block), generator=gen).float() / 2
+        sign = torch.randint(2, (nb, 1), generator=gen).float() * 2 - 1
+        x.scatter_(1, torch.randint(block, (nb, 1), generator=gen), 127.0 * sign)
+        return x * torch.pow(2.0, torch.randint(-8, 9, (nb, 1), generator=gen).float())
+    if kind == "nonfinite":
+        x = torch.randn(nb, block, generator=gen)
+        bad = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.randint(3, (nb, 2), generator=gen)]
+        return x.scatter_(1, torch.randint(block, (nb, 2), generator=gen), bad)
+    raise AssertionError(kind)
+
+
+SPECIAL_KINDS = ["normal", "heavy", "outlier", "zero", "tiny", "huge", "ties", "nonfinite"]
+
+
+def make_input(kind: str, n: int, block: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """n values of `dtype`; kind "special" draws a pattern per block, the others fill every block."""
+    nb = max(1, -(-n // block))
+    if kind != "special":
+        return _blocks_of(kind, nb, block, gen).reshape(-1)[:n].to(dtype)
+    pick = torch.randint(len(SPECIAL_KINDS), (nb,), generator=gen)
+    x = torch.empty(nb, block)
+    for k, name in enumerate(SPECIAL_KINDS):
+        chosen = pick == k
+        if chosen.any():
+            x[chosen] = _blocks_of(name, int(chosen.sum()), block, gen)
+    return x.reshape(-1)[:n].to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# comparisons
+
+
+def assert_same_encoding(x, got, want, context):
+    q, scales = got
+    rq, rscales = want
+    assert q.dtype == torch.int8 and q.shape == rq.shape, f"{context}: q {q.dtype} {tuple(q.shape)}"
+    assert scales.dtype == torch.float32 and scales.shape == rscales.shape, f"{context}: scales {tuple(scales.shape)}"
+    q, scales = q.cpu(), scales.cpu()
+    bits, rbits = scales.view(torch.int32), rscales.view(torch.int32)
+    if not torch.equal(bits, rbits):
+        k = int((bits != rbits).nonzero()[0, 0])
+        raise AssertionError(
+            f"{context}: {int((bits != rbits).sum())} scales differ; first block {k}: "
+            f"got {scales[k].item()!r} ({int(bits[k]) & 0xFFFFFFFF:#010x}), "
+            f"want {rscales[k].item()!r} ({int(rbits[k]) & 0xFFFFFFFF:#010x})"
+        )
+    if not torch.equal(q, rq):
+        i = int((q != rq).nonzero()[0, 0])
+        raise AssertionError(
+            f"{context}: {int((q != rq).sum())} of {q.numel()} q differ; first at {i}: "
+            f"x={x.reshape(-1)[i].item()!r} got {int(q[i])} want {int(rq[i])}"
+        )
+
+
+def assert_same_floats(got, want, context):
+    """Bit equality, except that NaN only has to be NaN (its payload is the hardware's)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{context}: {got.dtype} {tuple(got.shape)}"
+    got = got.cpu()
+    nan, rnan = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan, rnan):
+        i = int((nan != rnan).nonzero()[0, 0])
+        raise AssertionError(f"{context}: NaN at different places; first {i}: got {got[i]!r} want {want[i]!r}")
+    int_type = torch.int32 if got.dtype == torch.float32 else torch.int16
+    bits, rbits = got.view(int_type)[~rnan], want.view(int_type)[~rnan]
+    if not torch.equal(bits, rbits):
+        i = int((bits != rbits).nonzero()[0, 0])
+        raise AssertionError(
+            f"{context}: {int((bits != rbits).sum())} values differ; first (non-NaN #{i}): "
+            f"got {got[~rnan][i].item()!r} want {want[~rnan][i].item()!r}"
+        )
+
+
+def check_quantize(x, block, seed, device, context):
+    got = codec.quantize_int8(x.to(device), block, seed)
+    want = ops.quantize_int8_reference(x, block, seed)
+    assert_same_encoding(x, got, want, context)
+    return got
+
+
+# ---------------------------------------------------------------------------
+# quantize
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_quantize_matches_reference(device, block, dtype, rng):
+    for n in sizes_for(block) + [123457]:
+        # every block of a "special" input draws its own pattern, so big inputs need no other kind
+        for kind in ("normal", "heavy", "outlier", "special") if n <= block + 1 else ("special",):
+            x = make_input(kind, n, block, dtype, rng)
+            check_quantize(x, block, None, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} {kind}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [32, 256, 4096])
+def test_quantize_stochastic_matches_reference(device, block, dtype, rng):
+    seeds = [int(torch.randint(2**32, (), generator=rng, dtype=torch.int64)), 0, 0xFFFFFFFF]
+    for n, seed in zip([block + 1, 3 * TILE + block + 5, 5 * TILE + 3], seeds):
+        x = make_input("special", n, block, dtype, rng)
+        check_quantize(x, block, seed, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} sr-seed {seed}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_million(device, rng):
+    n = 2**20 + 7
+    x = make_input("special", n, 256, torch.float32, rng)
+    check_quantize(x, 256, None, device, f"seed {rng.initial_seed()} n={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_layouts(device, dtype, rng):
+    """Non-contiguous views and any shape are read in row-major order."""
+    base = make_input("special", 96 * 130, 32, dtype, rng).view(96, 130)
+    views = {
+        "transposed": lambda t: t.t(),
+        "strided": lambda t: t[:, ::3],
+        "sliced": lambda t: t[5:70, 7:100],
+        "3d": lambda t: t.reshape(12, 8, 130)[:, ::2, :],
+        "scalar": lambda t: t[3, 4],
+    }
+    for name, view in views.items():
+        x = view(base)
+        for block in (32, 256):
+            got = codec.quantize_int8(view(base.to(device)), block, None)
+            want = ops.quantize_int8_reference(x, block, None)
+            assert_same_encoding(x, got, want, f"seed {rng.initial_seed()} {name} {dtype} B={block}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_empty(device):
+    q, scales = codec.quantize_int8(torch.empty(0, device=device), 256, None)
+    assert q.shape == (0,) and q.dtype == torch.int8 and scales.shape == (0,) and scales.dtype == torch.float32
+    y = codec.dequantize_int8(q, scales, 256, torch.bfloat16)
+    assert y.shape == (0,) and y.dtype == torch.bfloat16
+    acc = torch.empty(0, device=device)
+    assert codec.dequantize_add_int8_(acc, q, scales, 256) is acc
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_blocks_flagged(device, rng):
+    """Stated directly, not through the reference: NaN scale bits 0x7FC00000 and zero q."""
+    block, nb = 64, 40
+    x = torch.randn(nb * block, generator=rng)
+    bad_blocks = torch.randperm(nb, generator=rng)[:10]
+    for j, k in enumerate(bad_blocks.tolist()):
+        x[k * block + int(torch.randint(block, (), generator=rng))] = [float("nan"), float("inf"), float("-inf")][j % 3]
+    q, scales = codec.quantize_int8(x.to(device), block, None)
+    q, bits = q.cpu().view(nb, block), scales.cpu().view(torch.int32)
+    bad = torch.zeros(nb, dtype=torch.bool)
+    bad[bad_blocks] = True
+    assert (bits[bad] == NAN_BITS).all(), f"seed {rng.initial_seed()}: flag bits {bits[bad].tolist()}"
+    assert (q[bad] == 0).all()
+    assert torch.isfinite(scales.cpu()[~bad]).all() and (q[~bad] != 0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_error_bound(device, rng):
+    """Independent of the reference: |q * scale - x| <= scale / 2 (+ the rounding of x * inv), in float64."""
+    block = 128
+    for kind in ("normal", "heavy", "outlier"):
+        x = make_input(kind, 50 * block + 17, block, torch.float32, rng)
+        q, scales = codec.quantize_int8(x.to(device), block, None)
+        q, scales = q.cpu().double(), scales.cpu().double()
+        s = scales.repeat_interleave(block)[: x.numel()]
+        err = (q * s - x.double()).abs()
+        assert (err <= s * 0.50005).all(), f"seed {rng.initial_seed()} {kind}: max err/scale {(err / s).max().item()}"
+        assert q.abs().max() == 127 and q.min() >= -127
+
+
+# ---------------------------------------------------------------------------
+# decode
+
+
+def make_encoded(n: int, block: int, gen: torch.Generator):
+    """Random (q, scales) as a decoder may meet them, not only as the encoder makes them.
+
+    Scales take random fp32 bit patterns (every exponent: subnormal and overflowing
+    products), bf16 / fp16 rounding ties (low mantissa bits 0x8000 / 0x1000 with q a
+    power of two keeps them), zeros and the NaN flag."""
+    nb = -(-n // block)
+    q = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+    powers = torch.tensor([1, 2, 4, 8, 16, 32, 64], dtype=torch.int8)
+    pick = torch.rand(n, generator=gen) < 0.3
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, 1, -1).to(torch.int8)
+    q[pick] = (powers[torch.randint(7, (n,), generator=gen)] * sign)[pick]
+    bits = torch.randint(0, 0x7F800000, (nb,), generator=gen, dtype=torch.int64)
+    low = torch.tensor([0x8000, 0x1000, 0x7FFF, 0x18000, 0x0])[torch.randint(5, (nb,), generator=gen)]
+    tie = torch.rand(nb, generator=gen) < 0.4
+    bits[tie] = (bits[tie] & ~0x1FFFF) | low[tie]
+    typical = torch.rand(nb, generator=gen) < 0.3
+    bits[typical] = (torch.rand(int(typical.sum()), generator=gen) * 0.05).view(torch.int32).long()
+    bits[torch.rand(nb, generator=gen) < 0.05] = 0
+    bits[torch.rand(nb, generator=gen) < 0.05] = NAN_BITS
+    bits |= torch.where(torch.rand(nb, generator=gen) < 0.5, 0, 1 << 31)
+    scales = bits.to(torch.int32).view(torch.float32)  # the int64 -> int32 cast wraps the sign bit in
+    return q, scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_dequantize_matches_reference(device, block, dtype, rng):
+    for n in [1, block + 1, 3 * TILE + block + 5]:
+        q, scales = make_encoded(n, block, rng)
+        got = codec.dequantize_int8(q.to(device), scales.to(device), block, dtype)
+        want = ops.dequantize_int8_reference(q, scales, block, dtype)
+        assert_same_floats(got, want, f"seed {rng.initial_seed()} B={block} {dtype} n={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_matches_reference(device, dtype, rng):
+    """Encoder output through the decoder, including the blocks the encoder flagged."""
+    x = make_input("special", 3 * TILE + 77, 256, dtype, rng)
+    q, scales = codec.quantize_int8(x.to(device), 256, None)
+    got = codec.dequantize_int8(q, scales, 256, dtype)
+    want = ops.dequantize_int8_reference(*ops.quantize_int8_reference(x, 256, None), 256, dtype)
+    assert_same_floats(got, want, f"seed {rng.initial_seed()} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_dequantize_add_matches_reference(device, block, rng):
+    for n in [1, block + 1, 3 * TILE + block + 5]:
+        q, scales = make_encoded(n, block, rng)
+        # accumulators of every magnitude, so q * scale and acc often nearly cancel:
+        # that is where a fused multiply-add would differ
+        acc = torch.randn(n, generator=rng) * torch.pow(10.0, torch.randint(-30, 30, (n,), generator=rng))
+        acc[torch.rand(n, generator=rng) < 0.1] = 0.0
+        want = ops.dequantize_add_int8_reference_(acc.clone(), q, scales, block)
+        acc_dev = acc.to(device)
+        out = codec.dequantize_add_int8_(acc_dev, q.to(device), scales.to(device), block)
+        assert out is acc_dev
+        assert_same_floats(acc_dev, want, f"seed {rng.initial_seed()} B={block} n={n}")
+
+
+# ---------------------------------------------------------------------------
+# arguments and availability (no kernel runs)
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.randn(100)
+    q, scales = torch.zeros(100, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(ValueError, match="power of two"):
+        codec.quantize_int8(x, 48)
+    with pytest.raises(ValueError, match="power of two"):
+        codec.quantize_int8(x, 8192)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        codec.quantize_int8(x.double(), 256)
+    with pytest.raises(TypeError, match="seed"):
+        codec.quantize_int8(x, 32, seed=1.5)
+    with pytest.raises(ValueError, match="needs 1 scales"):
+        codec.dequantize_int8(q, scales, 256)
+    with pytest.raises(TypeError, match="int8"):
+        codec.dequantize_int8(q.float(), torch.ones(1), 256)
+    with pytest.raises(TypeError, match="dtype"):
+        codec.dequantize_int8(q, scales, 32, torch.float64)
+    with pytest.raises(TypeError, match="float32"):
+        codec.dequantize_add_int8_(torch.zeros(100, dtype=torch.bfloat16), q, scales, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        codec.dequantize_add_int8_(torch.zeros(200)[::2], q, scales, 32)
+    with pytest.raises(ValueError, match="elements"):
+        codec.dequantize_add_int8_(torch.zeros(99), q, scales, 32)
+
+
+def test_cpu_only_under_the_interpreter():
+    if INTERPRETED:
+        assert codec.available("cpu")
+        return
+    assert not codec.available("cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        codec.quantize_int8(torch.ones(64), 32)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter tests already run in this process")
+def test_interpreter_in_subprocess():
+    """Runs this file's cpu tests in a python started with TRITON_INTERPRET=1 (see the module docstring)."""
+    import prime
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(prime.__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH")] if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-k", "cpu"]
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, f"interpreted tests failed ({' '.join(cmd)}):\n{out[-8000:]}"
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+    print(summary)
+
+
+# ---------------------------------------------------------------------------
+# the machine code, compiled for an H100 (sm_90) without a GPU
+
+# PTX that would break bit-exactness: fused multiply-add, approximate division or
+# reciprocal, flush-to-zero (libdevice's default on NVIDIA).
+_FORBIDDEN_PTX = re.compile(r"\bfma\.|\bmad\.[^ \t]*f32|div\.(full|approx)|rcp\.approx|\.ftz")
+
+SM90_CASES = {
+    "quantize": ("_quantize_kernel", {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_bits_ptr": "*i32", "n": "i32",
+                 "seed": "i32"}, {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False}),
+    "quantize-bf16-stochastic": ("_quantize_kernel", {"x_ptr": "*i16", "q_ptr": "*i8", "scale_bits_ptr": "*i32",
+                                 "n": "i32", "seed": "i32"},
+                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True}),
+    "dequantize-bf16": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i32"},
+                        {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False, "OUT_IS_BF16_BITS": True}),
+    "dequantize-add": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+                       {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True, "OUT_IS_BF16_BITS": False}),
+}
+
+
+def _compile_for_sm90(name, fusion=False):
+    try:  # Triton's ahead-of-time entry points (as in triton/tools/compile.py), stable since 3.3
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
+
+    kernel_name, signature, constants = SM90_CASES[name]
+    kernel = getattr(codec._kernels, kernel_name)
+    signature = dict(signature, **{k: "constexpr" for k in constants})
+    options = dict(codec._COMPILE_OPTIONS, enable_fp_fusion=fusion) if fusion else dict(codec._COMPILE_OPTIONS)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernel objects, not interpreted ones")
+@pytest.mark.parametrize("name", list(SM90_CASES))
+def test_sm90_code_has_true_divisions_and_no_fma(name):
+    """Triton compiles for sm_90 on any machine: the launch options must keep the PTX exact."""
+    ptx = _compile_for_sm90(name)
+    bad = [line.strip() for line in ptx.splitlines() if _FORBIDDEN_PTX.search(line)]
+    assert not bad, f"{name}: {bad[:5]}"
+    if name.startswith("quantize"):
+        assert "div.rn.f32" in ptx, f"{name}: no IEEE division (div.rn.f32) in the PTX"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernel objects, not interpreted ones")
+def test_sm90_check_sees_fused_multiply_add():
+    """The check above can fail: with fusion allowed, dequantize-add gets an fma."""
+    assert any(_FORBIDDEN_PTX.search(line) for line in _compile_for_sm90("dequantize-add", fusion=True).splitlines())
+
+
+# ---------------------------------------------------------------------------
+# GPU only
+
+
+@pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
+def test_ptx_has_true_divisions_and_no_fma():
+    """The compiled code itself: IEEE div.rn, no approximate division, no FMA, no flush-to-zero."""
+    x = torch.randn(5000, device="cuda")
+    q = torch.empty(5000, dtype=torch.int8, device="cuda")
+    scales = torch.empty(-(-5000 // 256), device="cuda")
+    acc = torch.zeros(5000, device="cuda")
+    kernels = {
+        "quantize": codec._launch_quantize(x, q, scales, 256, None),
+        "quantize stochastic": codec._launch_quantize(x, q, scales, 256, 3),
+        "dequantize bf16": codec._launch_dequantize(q, scales, torch.empty_like(x, dtype=torch.bfloat16), 256, False),
+        "dequantize-add": codec._launch_dequantize(q, scales, acc, 256, True),
+    }
+    for name, kernel in kernels.items():
+        ptx = kernel.asm["ptx"]
+        bad = [line.strip() for line in ptx.splitlines() if _FORBIDDEN_PTX.search(line)]
+        assert not bad, f"{name}: {bad[:5]}"
+        if name.startswith("quantize"):
+            assert "div.rn.f32" in ptx, f"{name}: no div.rn.f32 in the PTX"
+
+
+LARGE_CASES = [(block, torch.float32) for block in BLOCK_SIZES] + [
+    (block, dtype) for dtype in (torch.bfloat16, torch.float16) for block in (32, 256, 4096)
+]
+
+
+@pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
+@pytest.mark.parametrize("block,dtype", LARGE_CASES, ids=str)
+def test_cuda_large_matches_reference(block, dtype, rng):
+    n = 2**24 + 7
+    x = make_input("special", n, block, dtype, rng)
+    check_quantize(x, block, None, "cuda", f"seed {rng.initial_seed()} B={block} {dtype} n={n}")
+
+
+@pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_large_stochastic_matches_reference(dtype, rng):
+    n = 2**22 + 7  # the reference's integer hash is slow on the CPU
+    x = make_input("special", n, 256, dtype, rng)
+    seed = int(torch.randint(2**32, (), generator=rng, dtype=torch.int64))
+    check_quantize(x, 256, seed, "cuda", f"seed {rng.initial_seed()} {dtype} n={n} sr-seed {seed}")
+
+
+@pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")
+@pytest.mark.parametrize("seed", [None, 12345])
+def test_cuda_beyond_32_bit_indices(seed, rng):
+    """n > 2^32: 64-bit offsets, and the high half of the index in the stochastic key."""
+    n = 2**32 + 3 * TILE + 5
+    need = n * (2 + 1) + (1 << 30)
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    block = 256
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    x.normal_(generator=torch.Generator("cuda").manual_seed(rng.initial_seed()))
+    q, scales = codec.quantize_int8(x, block, seed)
+    for start in [0, 2**31 - 2 * TILE, 2**32 - 2 * TILE, n - 3 * TILE - 5]:  # block-aligned windows
+        stop = min(n, start + 4 * TILE)
+        xs = x[start:stop].cpu()
+        want_q, want_scales = ops.quantize_int8_reference(xs, block, None)
+        if seed is not None:  # the reference keyed by the global element index
+            nb = -(-xs.numel() // block)
+            padded = torch.nn.functional.pad(xs.float(), (0, nb * block - xs.numel())).view(nb, block)
+            a = padded.abs().amax(1)  # the reference's steps (finite data)
+            inv = torch.where(a > 0, torch.full_like(a, 127.0) / torch.where(a > 0, a, 1.0), 0.0)
+            inv = torch.where(torch.isinf(inv), 0.0, inv)
+            v = padded * inv[:, None]
+            u = ops.stochastic_uniform_reference(seed, torch.arange(start, start + nb * block).view(nb, block))
+            f = torch.floor(v)
+            want_q = (f + (u < v - f).float()).clamp(-127, 127).to(torch.int8).reshape(-1)[: xs.numel()]
+        got = (q[start:stop], scales[start // block : -(-stop // block)])
+        assert_same_encoding(xs, got, (want_q, want_scales), f"seed {rng.initial_seed()} window at {start}")
