@@ -188,28 +188,48 @@ def test_ring_statistics_adapter_reads_known_names_or_says_unknown():
 # one tiny run, end to end
 
 
-def test_tiny_loopback_run_with_two_gloo_ranks(tmp_path):
+def test_tiny_unshaped_run_of_gloo_and_of_the_ring_path(tmp_path):
+    # Two rank processes on 127.0.0.1, 1 MiB, gloo baselines plus the harness's ring path
+    # (adapter, wire counters, error measure) through tests/fake_ring.py, which quantizes
+    # once with the reference codec and sums with gloo: the real ring is tested elsewhere.
     out = tmp_path / "res"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_allreduce.py"), "--conditions", "loopback",
-           "--world-sizes", "2", "--sizes", "1", "--methods", "gloo-fp32,gloo-bf16", "--warmup", "1",
-           "--min-iters", "2", "--max-iters", "3", "--timeout-s", "20", "--no-plot", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_allreduce.py"), "--conditions",
+           "loopback,ratelimit-1gbit", "--world-sizes", "2", "--sizes", "1", "--methods",
+           "gloo-fp32,gloo-bf16,ring-fp32,ring-int8", "--warmup", "1", "--min-iters", "2", "--max-iters", "3",
+           "--timeout-s", "20", "--no-plot", "--out", str(out)]
+    env = dict(os.environ, PRIME_BENCH_RING="fake_ring:FakeRing",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = json.loads((out.with_suffix(".json")).read_text())
-    rows = {r["method"]: r for r in rec["rows"]}
-    assert set(rows) == {"gloo-fp32", "gloo-bf16"}, rec["rows"]
+    rows = {(r["condition"], r["method"]): r for r in rec["rows"]}
     seed = rec["seed"]
-    for r in rows.values():
-        assert r["size_bytes"] == 1 << 20 and r["world_size"] == 2
+    n = (1 << 20) // 4
+    assert len(rows) == 8, rec["rows"]
+    for (cond, method), r in rows.items():
+        if cond == "ratelimit-1gbit" and method.startswith("gloo"):
+            assert r["skipped"] == "gloo has no rate limit"
+            continue
+        assert r["size_bytes"] == 4 * n and r["world_size"] == 2
         assert 2 <= r["iters"] <= 3 and len(r["times_s"]) == r["iters"]
         assert all(t > 0 for t in r["times_s"])
         assert r["ranks_agree_rel"] == 0.0, f"ranks disagree (seed {seed})"
-        assert r["link_util"] is None  # loopback has no rate
         assert r["busbw_bits"] == pytest.approx(r["algbw_bits"])  # 2 ranks: 2(N-1)/N = 1
+        assert (r["link_util"] is None) == (cond == "loopback")
     # fp32 sum of two values is exact to one rounding; bf16 keeps 8 bits of mantissa.
-    assert rows["gloo-fp32"]["rel_l2_err"] < 1e-7, f"seed {seed}"
-    assert 1e-4 < rows["gloo-bf16"]["rel_l2_err"] < 1e-2, f"seed {seed}"
-    assert rows["gloo-bf16"]["wire_bytes"] == (1 << 20) // 2
-    assert rows["gloo-fp32"]["speedup_vs_gloo-fp32"] == 1.0
-    assert "loopback N=2" in proc.stdout and "gloo-bf16" in proc.stdout
+    assert rows[("loopback", "gloo-fp32")]["rel_l2_err"] < 1e-7, f"seed {seed}"
+    assert 1e-4 < rows[("loopback", "gloo-bf16")]["rel_l2_err"] < 1e-2, f"seed {seed}"
+    assert rows[("loopback", "gloo-bf16")]["wire_bytes"] == 2 * n
+    assert rows[("loopback", "gloo-fp32")]["speedup_vs_gloo-fp32"] == 1.0
+    assert rows[("loopback", "ring-int8")]["speedup_vs_gloo-bf16"] > 0
+    for cond in ("loopback", "ratelimit-1gbit"):
+        fp32, int8 = rows[(cond, "ring-fp32")], rows[(cond, "ring-int8")]
+        assert fp32["wire_source"] == "ring counters" and fp32["wire_bytes"] == 4 * n
+        assert int8["wire_bytes"] == bench.int8_bytes(n)
+        assert fp32["rel_l2_err"] < 1e-7, f"seed {seed}"
+        # One quantization of each of 2 inputs: about 0.4% on normal data, never exact.
+        assert 1e-3 < int8["rel_l2_err"] < 2e-2, f"seed {seed}"
+    limited = rows[("ratelimit-1gbit", "ring-int8")]
+    assert limited["link_util"] == pytest.approx(limited["wire_bytes"] * 8 / 1e9 / limited["median_s"])
+    assert limited["speedup_vs_ring-fp32"] > 0
+    assert "loopback N=2" in proc.stdout and "ratelimit-1gbit N=2" in proc.stdout
