@@ -3,6 +3,7 @@
 Every rank is a separate process. Link conditions:
 
   loopback          all ranks on 127.0.0.1, no shaping
+  netns             one network namespace per rank on a bridge, no shaping
   tc-<rate>         one network namespace per rank on a bridge, each rank's uplink and
                     downlink shaped to <rate> with tc tbf (benchmarks/netns.py; needs root, ip, tc)
   ratelimit-<rate>  ranks on 127.0.0.1, the ring paces itself with max_rate=<rate>; for
@@ -86,14 +87,17 @@ class Condition:
 
 
 def parse_condition(name: str) -> Condition:
-    """'loopback' | 'tc-<rate>' | 'ratelimit-<rate>' with rates like 100mbit, 1gbit."""
+    """'loopback' | 'netns' | 'tc-<rate>' | 'ratelimit-<rate>' with rates like 100mbit, 1gbit."""
     if name == "loopback":
         return Condition(name, "loopback")
+    if name == "netns":  # namespaces on the bridge, unshaped: what the veths and bridge cost
+        return Condition(name, "tc")
     for kind in ("tc", "ratelimit"):
         if name.startswith(kind + "-"):
             rate = name[len(kind) + 1:]
             return Condition(name, kind, netns.rate_to_bits(rate), rate)
-    raise ValueError(f"condition {name!r} is not 'loopback', 'tc-<rate>' or 'ratelimit-<rate>' (rate like 1gbit)")
+    raise ValueError(f"condition {name!r} is not 'loopback', 'netns', 'tc-<rate>' or 'ratelimit-<rate>' "
+                     "(rate like 1gbit)")
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
@@ -251,9 +255,9 @@ def row_metrics(times_s: list[float], n: int, world_size: int, wire_bytes: float
     """median / p90 time, algbw and busbw (bit/s, counted on the fp32 tensor), link utilization.
 
     link_util = (wire bytes / rate) / median time: the share of the physical floor reached.
-    A token bucket lets `burst_bytes` through at once when it starts full (it refills between
-    iterations), so link_util may pass 100%; link_util_burst_adj credits that burst:
-    ((wire bytes - burst) / rate) / median time.
+    A token bucket lets `burst_bytes` through at once when it starts full (the workers wait
+    for it to refill before each iteration), so link_util may pass 100%; link_util_burst_adj
+    credits that burst: ((wire bytes - burst) / rate) / median time.
     """
     med = percentile(times_s, 50)
     algbw = 4 * n * 8 / med
@@ -451,6 +455,8 @@ def worker_main(spec: dict) -> None:
 
                 def once() -> tuple[float, float | None]:
                     work_buf.copy_(x)
+                    if spec["refill_s"]:
+                        time.sleep(spec["refill_s"])  # every iteration starts with a full token bucket
                     dist.barrier()
                     t0 = time.perf_counter()
                     if method.startswith("gloo"):
@@ -466,7 +472,7 @@ def worker_main(spec: dict) -> None:
                 # The number of timed iterations comes from the slowest rank's warm-up time,
                 # so every rank loops the same number of times.
                 est = slowest([first if first is not None else 0.0])[0]
-                iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / est)
+                iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / (est + spec["refill_s"]))
                 iters = max(spec["min_iters"], min(spec["max_iters"], iters))
                 times, sent = [], []
                 for _ in range(iters):
@@ -566,6 +572,10 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
         "case_budget_s": plan.case_budget_s, "threads": plan.threads, "seed": plan.seed,
         "timeout_s": plan.timeout_s, "skips": skips,
         "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
+        # tbf lets a full bucket (the burst) through at once; waiting burst/rate before each
+        # iteration refills it, so every iteration gets the same credit (link_util_burst_adj).
+        "refill_s": 1.1 * netns.size_to_bytes(plan.burst) * 8 / cond.rate_bits
+        if cond.kind == "tc" and cond.rate_bits else 0.0,
     }
     env = dict(os.environ, OMP_NUM_THREADS=str(plan.threads))
     net = None
@@ -662,8 +672,10 @@ def finish_row(row: dict, conditions: dict[str, Condition], burst_bytes: int) ->
     else:
         row["wire_source"] = "ring counters" if row.get("wire_bytes") is not None else "unknown"
     cond = conditions[row["condition"]]
-    row.update(row_metrics(row["times_s"], n, world, row["wire_bytes"], cond.rate_bits,
-                           burst_bytes if cond.kind == "tc" else 0))
+    burst = burst_bytes if cond.kind == "tc" and cond.rate_bits else 0
+    row.update(row_metrics(row["times_s"], n, world, row["wire_bytes"], cond.rate_bits, burst))
+    # Rows where the token bucket's burst is a tenth or more of the bytes sent mostly time the burst.
+    row["burst_dominated"] = bool(burst and row["wire_bytes"] and burst >= 0.1 * row["wire_bytes"])
     return row
 
 
@@ -678,15 +690,18 @@ def progress_line(row: dict) -> str:
     util = fmt_pct(row.get("link_util"))
     if row.get("link_util_burst_adj") is not None:
         util += f" ({fmt_pct(row['link_util_burst_adj'])} burst-adj)"
+    if row.get("burst_dominated"):
+        util += " [burst-dominated]"
     err = f"{row['rel_l2_err']:.2e}" if row.get("rel_l2_err") is not None else "-"
+    agree = f"  RANKS DIFFER by {row['ranks_agree_rel']:.1e}" if row.get("ranks_agree_rel") else ""
     return (f"{head} median {row['median_s']:.4f} s  p90 {row['p90_s']:.4f} s  busbw {fmt_bits(row['busbw_bits'])}"
-            f"  util {util}  err {err}  ({row['iters']} iters)")
+            f"  util {util}  err {err}  ({row['iters']} iters){agree}")
 
 
 def table(rows: list[dict]) -> str:
     """The final table, one line per measured case."""
     hdr = (f"{'condition':>16} {'N':>2} {'size':>9} {'method':<18} {'median s':>9} {'p90 s':>9} {'algbw':>7} "
-           f"{'busbw':>7} {'wire/rank':>10} {'util':>6} {'adj':>6} {'x gloo32':>8} {'x bf16':>7} {'x ring32':>8} {'rel L2':>9}")
+           f"{'busbw':>7} {'wire/rank':>10} {'util':>7} {'adj':>6} {'x gloo32':>8} {'x bf16':>7} {'x ring32':>8} {'rel L2':>9}")
     out = [hdr, "-" * len(hdr)]
     for r in rows:
         if "median_s" not in r:
@@ -697,48 +712,66 @@ def table(rows: list[dict]) -> str:
             return f"{v:.2f}" if v else "-"
 
         util, adj = fmt_pct(r.get("link_util")), fmt_pct(r.get("link_util_burst_adj"))
+        if r.get("burst_dominated"):
+            util += "*"
         err = f"{r['rel_l2_err']:.2e}" if r.get("rel_l2_err") is not None else "-"
         out.append(f"{r['condition']:>16} {r['world_size']:>2} {fmt_size(r['size_bytes']):>9} {r['method']:<18} "
                    f"{r['median_s']:>9.4f} {r['p90_s']:>9.4f} {fmt_bits(r['algbw_bits']):>7} "
-                   f"{fmt_bits(r['busbw_bits']):>7} {fmt_size(r.get('wire_bytes')):>10} {util:>6} {adj:>6} "
+                   f"{fmt_bits(r['busbw_bits']):>7} {fmt_size(r.get('wire_bytes')):>10} {util:>7} {adj:>6} "
                    f"{sp('speedup_vs_gloo-fp32'):>8} {sp('speedup_vs_gloo-bf16'):>7} {sp('speedup_vs_ring-fp32'):>8} "
                    f"{err:>9}")
+    out.append("")
+    out.append("time: slowest rank, median and p90 over the timed iterations; algbw = fp32 tensor bytes / time;")
+    out.append("busbw = algbw * 2(N-1)/N; wire/rank: the ring's counters, gloo's theory; util = (wire / rate) / time;")
+    out.append("adj = util with one tbf burst credited ((wire - burst) / rate / time); * = burst >= 10% of wire bytes,")
+    out.append("so the row mostly times the burst; x gloo32 / x bf16 / x ring32 = that method's median / this one's;")
+    out.append("rel L2 = ||result - float64 sum|| / ||float64 sum|| on rank 0.")
     return "\n".join(out)
 
 
 def plot(rows: list[dict], path: str) -> str | None:
-    """time vs size, one line per method, one panel per (condition, world size). Returns a reason if skipped."""
+    """Median time vs size, one line per method; one panel per link condition (rows of the
+    figure) and world size (columns). Returns why it drew nothing, or None."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullLocator
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib)"
     measured = [r for r in rows if "median_s" in r]
-    panels = sorted({(r["condition"], r["world_size"]) for r in measured})
-    if not panels:
+    if not measured:
         return "no measured rows"
-    cols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4 * nrows), squeeze=False)
-    for ax, (cond, world) in zip(axes.flat, panels):
-        for method in ALL_METHODS:
-            pts = sorted((r["size_bytes"] / MiB, r["median_s"]) for r in measured
-                         if r["condition"] == cond and r["world_size"] == world and r["method"] == method)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("fp32 MiB per rank")
-        ax.set_ylabel("median time (s)")
-        ax.set_title(f"{cond}, {world} ranks")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
+    conds = list(dict.fromkeys(r["condition"] for r in measured))
+    worlds = sorted({r["world_size"] for r in measured})
+    sizes = sorted({r["size_bytes"] / MiB for r in measured})
+    fig, axes = plt.subplots(len(conds), len(worlds), figsize=(5 * len(worlds), 3.8 * len(conds)), squeeze=False)
+    for i, cond in enumerate(conds):
+        for j, world in enumerate(worlds):
+            ax = axes[i][j]
+            drawn = False
+            for method in ALL_METHODS:
+                pts = sorted((r["size_bytes"] / MiB, r["median_s"]) for r in measured
+                             if r["condition"] == cond and r["world_size"] == world and r["method"] == method)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method)
+                    drawn = True
+            if not drawn:
+                ax.set_visible(False)
+                continue
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(sizes))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([f"{s:g}" for s in sizes])
+            ax.set_xlabel("fp32 MiB per rank")
+            ax.set_ylabel("median time (s)")
+            ax.set_title(f"{cond}, {world} ranks")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 
