@@ -233,3 +233,56 @@ def test_tiny_unshaped_run_of_gloo_and_of_the_ring_path(tmp_path):
     assert limited["link_util"] == pytest.approx(limited["wire_bytes"] * 8 / 1e9 / limited["median_s"])
     assert limited["speedup_vs_ring-fp32"] > 0
     assert "loopback N=2" in proc.stdout and "ratelimit-1gbit N=2" in proc.stdout
+
+
+# ---------------------------------------------------------------------------
+# namespaces: only where this machine allows them (root, ip, tc); never left behind
+
+needs_netns = pytest.mark.skipif(netns.check_support() is not None, reason=str(netns.check_support()))
+
+
+@needs_netns
+def test_network_is_shaped_both_ways_and_removed_on_error():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.Network(2, rate="100mbit", burst="1mb") as net:
+            names = netns.namespaces_of(os.getpid())
+            assert sorted(names) == sorted([net.bridge_ns, net.ns(0), net.ns(1)])
+            up = subprocess.run(net.exec_argv(1, ["tc", "qdisc", "show", "dev", netns.RANK_IFNAME]),
+                                capture_output=True, text=True).stdout
+            down = subprocess.run(["ip", "netns", "exec", net.bridge_ns, "tc", "qdisc", "show", "dev", "pvb1"],
+                                  capture_output=True, text=True).stdout
+            assert "tbf" in up and "100Mbit" in up, up
+            assert "tbf" in down and "100Mbit" in down, down
+            addr = subprocess.run(net.exec_argv(1, ["ip", "-4", "addr", "show", netns.RANK_IFNAME]),
+                                  capture_output=True, text=True).stdout
+            assert "192.168.77.11/24" in addr, addr
+            raise RuntimeError("boom")
+    assert netns.namespaces_of(os.getpid()) == []
+
+
+@needs_netns
+def test_network_is_removed_on_sigterm_and_leftovers_of_dead_runs_are_swept(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'benchmarks')!r})\n"
+        "import netns\n"
+        "netns.install_signal_handlers()\n"
+        "with netns.Network(2):\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(60)\n")
+    for sig in ("TERM", "KILL"):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "up"
+            assert len(netns.namespaces_of(proc.pid)) == 3
+            proc.send_signal(getattr(__import__("signal"), "SIG" + sig))
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if sig == "KILL":  # nothing can run on SIGKILL: the next run sweeps what is left
+            assert len(netns.namespaces_of(proc.pid)) == 3
+            netns.remove_stale()
+        assert netns.namespaces_of(proc.pid) == [], sig
