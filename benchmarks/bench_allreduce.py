@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed iterations stop after about this many seconds (once --min-iters ran)")
     p.add_argument("--max-case-s", type=float, default=90.0,
                    help="skip a case whose predicted time (from link rate and bytes) exceeds this")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors live; cuda puts rank r on GPU r mod count (gloo and the ring copy)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank process")
     p.add_argument("--shape", choices=("both", "uplink"), default="both",
                    help="tc: shape each rank's uplink only, or uplink and downlink (default)")
@@ -166,6 +168,7 @@ class Plan:
     case_budget_s: float
     max_case_s: float
     threads: int
+    device: str
     shape: str
     mtu: int
     burst: str
@@ -215,7 +218,7 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     out = args.out or os.path.join(HERE, "results", "allreduce_quick" if args.quick else "allreduce")
     return Plan(conditions, world_sizes, sizes, methods, args.streams, args.warmup, args.min_iters,
-                args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.shape, args.mtu,
+                args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.device, args.shape, args.mtu,
                 args.burst, seed, args.timeout_s, out, not args.no_plot, notes)
 
 
@@ -416,6 +419,10 @@ def worker_main(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     rank, world = spec["rank"], spec["world_size"]
+    device = torch.device("cpu")
+    if spec["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     timeout = timedelta(seconds=spec["timeout_s"])
     store = dist.TCPStore(spec["store_host"], spec["store_port"], world, is_master=(rank == 0),
                           timeout=timeout, wait_for_workers=True)
@@ -435,7 +442,7 @@ def worker_main(spec: dict) -> None:
     try:
         for size_mib in spec["sizes_mib"]:
             n = size_mib * MiB // 4
-            x = make_input(spec["seed"], rank, n)
+            x = make_input(spec["seed"], rank, n).to(device)
             ref = exact_sum(spec["seed"], world, n) if rank == 0 else None
             buf = torch.empty_like(x)
             for method in spec["methods"]:
@@ -464,6 +471,8 @@ def worker_main(spec: dict) -> None:
                         sent = None
                     else:
                         sent = rings[method].all_reduce(work_buf)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # the op may return before the GPU is done
                     return time.perf_counter() - t0, sent
 
                 first = None
@@ -486,7 +495,7 @@ def worker_main(spec: dict) -> None:
                 # Do all ranks hold the same result? (float64 sum and sum of squares per rank)
                 digest = torch.zeros(world, 2, dtype=torch.float64)
                 xd = work_buf.double()
-                digest[rank, 0], digest[rank, 1] = xd.sum(), (xd * xd).sum()
+                digest[rank, 0], digest[rank, 1] = float(xd.sum()), float((xd * xd).sum())
                 del xd
                 dist.all_reduce(digest)
                 spread = float(((digest - digest[0]).abs() / digest[0].abs().clamp_min(1e-30)).max())
@@ -569,7 +578,7 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
     base = {
         "world_size": world, "sizes_mib": plan.sizes_mib, "methods": plan.methods, "streams": plan.streams,
         "warmup": plan.warmup, "min_iters": plan.min_iters, "max_iters": plan.max_iters,
-        "case_budget_s": plan.case_budget_s, "threads": plan.threads, "seed": plan.seed,
+        "case_budget_s": plan.case_budget_s, "threads": plan.threads, "device": plan.device, "seed": plan.seed,
         "timeout_s": plan.timeout_s, "skips": skips,
         "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
         # tbf lets a full bucket (the burst) through at once; waiting burst/rate before each
