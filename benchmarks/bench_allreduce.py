@@ -387,11 +387,24 @@ class RingAdapter:
             kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
         self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
 
-    def all_reduce(self, tensor) -> float | None:
-        """Sums `tensor` in place over all ranks; returns the bytes this rank sent, if the ring says."""
+    def all_reduce(self, tensor) -> tuple[float | None, dict]:
+        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent if the ring says,
+        every numeric statistic the work exposes, for the record: times, bytes received...)."""
         work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=INT8_BLOCK)
         work.wait()
-        return self.wire_bytes(work)
+        return self.wire_bytes(work), self.numeric_stats(work)
+
+    @staticmethod
+    def numeric_stats(work) -> dict:
+        """Numeric fields of work.stats (a dict, an object, or a method returning either)."""
+        stats = getattr(work, "stats", None)
+        if callable(stats):
+            stats = stats()
+        if stats is None:
+            return {}
+        items = stats.items() if isinstance(stats, dict) else (
+            (k, getattr(stats, k)) for k in dir(stats) if not k.startswith("_"))
+        return {k: float(v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     @staticmethod
     def wire_bytes(work) -> float | None:
@@ -466,16 +479,19 @@ def worker_main(spec: dict) -> None:
                         time.sleep(spec["refill_s"])  # every iteration starts with a full token bucket
                     dist.barrier()
                     t0 = time.perf_counter()
+                    stats = {}
                     if method.startswith("gloo"):
                         dist.all_reduce(work_buf, op=dist.ReduceOp.SUM)
                         sent = None
                     else:
-                        sent = rings[method].all_reduce(work_buf)
+                        sent, stats = rings[method].all_reduce(work_buf)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)  # the op may return before the GPU is done
+                    ring_stats.append(stats)
                     return time.perf_counter() - t0, sent
 
                 first = None
+                ring_stats: list[dict] = []
                 for _ in range(spec["warmup"]):
                     first = once()[0]
                 # The number of timed iterations comes from the slowest rank's warm-up time,
@@ -484,6 +500,7 @@ def worker_main(spec: dict) -> None:
                 iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / (est + spec["refill_s"]))
                 iters = max(spec["min_iters"], min(spec["max_iters"], iters))
                 times, sent = [], []
+                ring_stats.clear()
                 for _ in range(iters):
                     dt, s = once()
                     times.append(dt)
@@ -502,6 +519,9 @@ def worker_main(spec: dict) -> None:
                 row = {**case, "iters": iters, "times_s": times, "wire_bytes": wire, "ranks_agree_rel": spread}
                 if rank == 0:
                     row["rel_l2_err"] = rel_l2(work_buf, ref)
+                    keys = set().union(*ring_stats) if ring_stats else set()
+                    row["ring_stats_rank0"] = {k: sum(st.get(k, 0.0) for st in ring_stats) / len(ring_stats)
+                                               for k in sorted(keys)}
                 emit(row)
             del x, ref, buf
     finally:

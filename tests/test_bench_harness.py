@@ -182,6 +182,17 @@ def test_ring_statistics_adapter_reads_known_names_or_says_unknown():
 
     assert bench.RingAdapter.wire_bytes(S()) == 7.0
     assert bench.RingAdapter.wire_bytes(object()) is None
+    assert bench.RingAdapter.numeric_stats(S()) == {"bytes_sent": 7.0}
+    assert bench.RingAdapter.numeric_stats(W()) == {}
+
+    class O:
+        class stats:
+            bytes_received = 5
+            seconds_quantize = 0.25
+            codec = "int8"
+            ok = True
+
+    assert bench.RingAdapter.numeric_stats(O()) == {"bytes_received": 5.0, "seconds_quantize": 0.25}
 
 
 # ---------------------------------------------------------------------------
@@ -221,6 +232,7 @@ def test_tiny_unshaped_run_of_gloo_and_of_the_ring_path(tmp_path):
     assert 1e-4 < rows[("loopback", "gloo-bf16")]["rel_l2_err"] < 1e-2, f"seed {seed}"
     assert rows[("loopback", "gloo-bf16")]["wire_bytes"] == 2 * n
     assert rows[("loopback", "gloo-fp32")]["speedup_vs_gloo-fp32"] == 1.0
+    assert rows[("loopback", "gloo-fp32")]["ring_stats_rank0"] == {}  # gloo exposes no statistics
     assert rows[("loopback", "ring-int8")]["speedup_vs_gloo-bf16"] > 0
     for cond in ("loopback", "ratelimit-1gbit"):
         fp32, int8 = rows[(cond, "ring-fp32")], rows[(cond, "ring-int8")]
