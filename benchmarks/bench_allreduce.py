@@ -1,0 +1,897 @@
+"""All-reduce over emulated internet links: gloo fp32 / bf16 against our TCP ring (exact fp32, int8).
+
+Every rank is a separate process. Link conditions:
+
+  loopback          all ranks on 127.0.0.1, no shaping
+  netns             one network namespace per rank on a bridge, no shaping
+  tc-<rate>         one network namespace per rank on a bridge, each rank's uplink and
+                    downlink shaped to <rate> with tc tbf (benchmarks/netns.py; needs root, ip, tc)
+  ratelimit-<rate>  ranks on 127.0.0.1, the ring paces itself with max_rate=<rate>; for
+                    machines without tc (the GPU machines). gloo cannot be limited, so rows
+                    compare against our exact fp32 ring under the same limit.
+
+Methods, run on the same input tensors in the same process group:
+
+  gloo-fp32, gloo-bf16      torch.distributed.all_reduce(SUM) with the gloo backend; bf16
+                            times only the all_reduce of a bf16 copy (the casts are free for it)
+  ring-fp32                 prime.comm.Ring, codec "none", --streams streams, checksums on
+  ring-int8                 prime.comm.Ring, codec "int8", --streams streams, checksums on
+  ring-int8-1stream         as ring-int8 with one TCP stream per link
+  ring-int8-nocheck         as ring-int8 with checksums off
+
+Per row: median / p90 over the timed iterations of the slowest rank's time (each iteration
+starts after a barrier), algbw = fp32 tensor bytes / time, busbw = algbw * 2(N-1)/N (NCCL's
+definition, always counted on the fp32 tensor so that rows compare), bytes sent per rank
+(the ring's own counters; for gloo the theory 2(N-1)/N * buffer bytes), link utilization =
+(bytes sent per rank / link rate) / time, speedups against gloo fp32 and bf16 of the same
+row group, and the relative L2 error against the exact sum computed in float64.
+
+Input: rank r's tensor is standard normal, drawn chunk by chunk from seeds derived from
+(--seed, r, chunk), so rank 0 can rebuild every rank's input for the float64 reference.
+
+Quick run (about a minute):   python benchmarks/bench_allreduce.py --quick
+Full run:                     python benchmarks/bench_allreduce.py
+Output: a table on stdout, benchmarks/results/allreduce[_quick].json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import netns  # noqa: E402  (benchmarks/netns.py, next to this file)
+
+MiB = 1 << 20
+CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
+INT8_BLOCK = 256  # elements per fp32 scale in the int8 codec (docs/wire-format.md)
+GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
+RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck")
+ALL_METHODS = GLOO_METHODS + RING_METHODS
+RESULT_TAG = "@@RESULT "  # rank 0 prints one such line (JSON) per finished case
+STORE_PORT_NETNS = 29500  # each namespace is fresh, so a fixed port is free there
+LOOPBACK_ASSUMED_BITS = 8e9  # only for skipping cases that would run too long on loopback
+
+
+# ---------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class Condition:
+    """A link condition: how ranks are connected and how fast."""
+
+    name: str
+    # "loopback", "tc" (namespaces + tbf) or "ratelimit" (the ring's own max_rate)
+    kind: str
+    # link rate in bits per second; None when unshaped
+    rate_bits: float | None = None
+    # the tc spelling of the rate, e.g. "1gbit"
+    rate: str | None = None
+
+
+def parse_condition(name: str) -> Condition:
+    """'loopback' | 'netns' | 'tc-<rate>' | 'ratelimit-<rate>' with rates like 100mbit, 1gbit."""
+    if name == "loopback":
+        return Condition(name, "loopback")
+    if name == "netns":  # namespaces on the bridge, unshaped: what the veths and bridge cost
+        return Condition(name, "tc")
+    for kind in ("tc", "ratelimit"):
+        if name.startswith(kind + "-"):
+            rate = name[len(kind) + 1:]
+            return Condition(name, kind, netns.rate_to_bits(rate), rate)
+    raise ValueError(f"condition {name!r} is not 'loopback', 'netns', 'tc-<rate>' or 'ratelimit-<rate>' "
+                     "(rate like 1gbit)")
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1,4,64' -> [1, 4, 64]; each value must be a positive integer."""
+    try:
+        values = [int(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def default_conditions(tc_reason: str | None) -> list[str]:
+    """All link conditions this machine can run."""
+    if tc_reason is None:
+        return ["loopback", "tc-100mbit", "tc-1gbit", "tc-10gbit", "ratelimit-1gbit"]
+    return ["loopback", "ratelimit-100mbit", "ratelimit-1gbit", "ratelimit-10gbit"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (also used by the tests)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="about a minute: 4 ranks, 4 and 64 MiB, loopback and 1 Gbit/s (tc or ratelimit)")
+    p.add_argument("--conditions", help="comma list of loopback, tc-<rate>, ratelimit-<rate> "
+                   "(default: all this machine can run)")
+    p.add_argument("--world-sizes", default="2,4,8", help="comma list of rank counts (default 2,4,8)")
+    p.add_argument("--sizes", default="1,4,16,64,256,1024", help="comma list of MiB of fp32 per rank")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
+    p.add_argument("--streams", type=int, default=4, help="TCP streams per ring link for the ring-* methods")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
+    p.add_argument("--min-iters", type=int, default=3, help="timed iterations per case, at least")
+    p.add_argument("--max-iters", type=int, default=20, help="timed iterations per case, at most")
+    p.add_argument("--case-budget-s", type=float, default=4.0,
+                   help="timed iterations stop after about this many seconds (once --min-iters ran)")
+    p.add_argument("--max-case-s", type=float, default=90.0,
+                   help="skip a case whose predicted time (from link rate and bytes) exceeds this")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors live; cuda puts rank r on GPU r mod count (gloo and the ring copy)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank process")
+    p.add_argument("--shape", choices=("both", "uplink"), default="both",
+                   help="tc: shape each rank's uplink only, or uplink and downlink (default)")
+    p.add_argument("--mtu", type=int, default=1500, help="tc: MTU of the veths (default 1500, as on the internet)")
+    p.add_argument("--burst", default=netns.TBF_BURST, help="tc: tbf burst (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="ring / gloo / store timeout per operation")
+    p.add_argument("--out", default=None,
+                   help="output path without extension (default benchmarks/results/allreduce[_quick])")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: JSON spec of one rank process
+    return p
+
+
+@dataclass
+class Plan:
+    """Everything the parent decided from the command line."""
+
+    conditions: list[Condition]
+    world_sizes: list[int]
+    sizes_mib: list[int]
+    methods: list[str]
+    streams: int
+    warmup: int
+    min_iters: int
+    max_iters: int
+    case_budget_s: float
+    max_case_s: float
+    threads: int
+    device: str
+    shape: str
+    mtu: int
+    burst: str
+    seed: int
+    timeout_s: float
+    out: str
+    plot: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked") -> Plan:
+    """Parses and validates the command line. tc_reason: netns.check_support() (None = usable)."""
+    if tc_reason == "unchecked":
+        tc_reason = netns.check_support()
+    args = build_parser().parse_args(argv)
+    notes = []
+    if args.quick:
+        cond_names = ["loopback", "tc-1gbit" if tc_reason is None else "ratelimit-1gbit"]
+        world_sizes, sizes = [4], [4, 64]
+        args.max_iters = min(args.max_iters, 5)
+        args.case_budget_s = min(args.case_budget_s, 2.0)
+    else:
+        world_sizes = parse_int_list(args.world_sizes, "--world-sizes")
+        sizes = parse_int_list(args.sizes, "--sizes")
+        cond_names = default_conditions(tc_reason)
+    if args.conditions:
+        cond_names = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    conditions = [parse_condition(c) for c in cond_names]
+    if any(c.kind == "tc" for c in conditions) and tc_reason is not None:
+        dropped = [c.name for c in conditions if c.kind == "tc"]
+        notes.append(f"skipped {', '.join(dropped)}: {tc_reason}; only loopback and ratelimit-* run")
+        conditions = [c for c in conditions if c.kind != "tc"]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(ALL_METHODS)}")
+    if any(w < 2 for w in world_sizes):
+        raise ValueError(f"world sizes must be at least 2, got {world_sizes}")
+    if any(w > netns.MAX_RANKS for w in world_sizes):
+        raise ValueError(f"world sizes must be at most {netns.MAX_RANKS}, got {world_sizes}")
+    if args.streams < 1:
+        raise ValueError(f"--streams({args.streams}) must be at least 1")
+    if not 1 <= args.min_iters <= args.max_iters:
+        raise ValueError(f"need 1 <= --min-iters({args.min_iters}) <= --max-iters({args.max_iters})")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup({args.warmup}) must be >= 0")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    out = args.out or os.path.join(HERE, "results", "allreduce_quick" if args.quick else "allreduce")
+    return Plan(conditions, world_sizes, sizes, methods, args.streams, args.warmup, args.min_iters,
+                args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.device, args.shape, args.mtu,
+                args.burst, seed, args.timeout_s, out, not args.no_plot, notes)
+
+
+# ---------------------------------------------------------------------------
+# metrics (pure functions; tested in tests/test_bench_harness.py)
+
+
+def ring_factor(world_size: int) -> float:
+    """Bytes each rank sends per byte of tensor in a ring all-reduce: 2(N-1)/N."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def int8_bytes(n: int, block: int = INT8_BLOCK) -> int:
+    """Bytes of n values in the int8 codec: one byte each plus one fp32 scale per block."""
+    return n + 4 * ((n + block - 1) // block)
+
+
+def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
+    """Bytes a rank sends for an all-reduce of n fp32 values by `method`, in theory."""
+    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n}.get(method)
+    payload = per_value if per_value is not None else int8_bytes(n)
+    return ring_factor(world_size) * payload
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default) of a non-empty list; q in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of an empty list")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def row_metrics(times_s: list[float], n: int, world_size: int, wire_bytes: float | None,
+                rate_bits: float | None, burst_bytes: int = 0) -> dict:
+    """median / p90 time, algbw and busbw (bit/s, counted on the fp32 tensor), link utilization.
+
+    link_util = (wire bytes / rate) / median time: the share of the physical floor reached.
+    A token bucket lets `burst_bytes` through at once when it starts full (the workers wait
+    for it to refill before each iteration), so link_util may pass 100%; link_util_burst_adj
+    credits that burst: ((wire bytes - burst) / rate) / median time.
+    """
+    med = percentile(times_s, 50)
+    algbw = 4 * n * 8 / med
+    util = util_adj = None
+    if rate_bits and wire_bytes is not None:
+        util = (wire_bytes * 8 / rate_bits) / med
+        if burst_bytes:
+            util_adj = (max(wire_bytes - burst_bytes, 0.0) * 8 / rate_bits) / med
+    return {
+        "median_s": med,
+        "p90_s": percentile(times_s, 90),
+        "algbw_bits": algbw,
+        "busbw_bits": algbw * ring_factor(world_size),
+        "link_util": util,
+        "link_util_burst_adj": util_adj,
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Adds speedup_vs_<baseline> = baseline median / row median within each (condition, world, size)."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r.get("median_s"):
+            groups.setdefault((r["condition"], r["world_size"], r["size_bytes"]), {})[r["method"]] = r
+    for members in groups.values():
+        for r in members.values():
+            for base in ("gloo-fp32", "gloo-bf16", "ring-fp32"):
+                b = members.get(base)
+                r[f"speedup_vs_{base}"] = b["median_s"] / r["median_s"] if b else None
+
+
+def fmt_bits(b: float | None) -> str:
+    """bit/s as a short human string."""
+    if b is None:
+        return "-"
+    return f"{b / 1e9:.2f}G" if b >= 1e9 else f"{b / 1e6:.0f}M"
+
+
+def fmt_pct(v: float | None) -> str:
+    """0.953 -> '95.3%'; None -> '-'."""
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def fmt_size(nbytes: float | None) -> str:
+    """bytes as MiB / GiB."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / (1 << 30):.2f}GiB" if nbytes >= 1 << 30 else f"{nbytes / MiB:.1f}MiB"
+
+
+# ---------------------------------------------------------------------------
+# rank worker (runs inside the rank's namespace, or on loopback)
+
+
+def chunk_seed(seed: int, rank: int, chunk: int) -> int:
+    """Seed of one CHUNK of one rank's input, independent of the tensor size."""
+    h = hashlib.sha256(f"{seed}:{rank}:{chunk}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def make_input(seed: int, rank: int, n: int):
+    """Rank `rank`'s fp32 input of n values (standard normal), reproducible by any process."""
+    import torch
+
+    out = torch.empty(n, dtype=torch.float32)
+    g = torch.Generator()
+    for c, start in enumerate(range(0, n, CHUNK)):
+        g.manual_seed(chunk_seed(seed, rank, c))
+        stop = min(n, start + CHUNK)
+        out[start:stop] = torch.randn(stop - start, generator=g)
+    return out
+
+
+def exact_sum(seed: int, world_size: int, n: int):
+    """The float64 sum of all ranks' inputs, chunk by chunk (memory: 8n bytes)."""
+    import torch
+
+    ref = torch.zeros(n, dtype=torch.float64)
+    g = torch.Generator()
+    for r in range(world_size):
+        for c, start in enumerate(range(0, n, CHUNK)):
+            g.manual_seed(chunk_seed(seed, r, c))
+            stop = min(n, start + CHUNK)
+            ref[start:stop] += torch.randn(stop - start, generator=g).double()
+    return ref
+
+
+def rel_l2(result, ref) -> float:
+    """||result - ref|| / ||ref|| in float64, chunked to keep memory at one chunk."""
+    import torch
+
+    num = den = 0.0
+    for start in range(0, ref.numel(), 8 * CHUNK):
+        r = ref[start:start + 8 * CHUNK]
+        x = result[start:start + 8 * CHUNK].to(device="cpu", dtype=torch.float64)
+        num += float(torch.sum((x - r) ** 2))
+        den += float(torch.sum(r * r))
+    return math.sqrt(num / den) if den > 0 else float("nan")
+
+
+class RingAdapter:
+    """The one place that knows prime.comm.Ring's constructor, all_reduce and statistics.
+
+    Ring is being written in parallel; its statistics attribute names are not final, so
+    `wire_bytes` looks for the names it knows and returns None if it finds none (the table
+    then shows "-" instead of assuming a number).
+    """
+
+    def __init__(self, store, rank: int, world_size: int, spec: dict, method: str):
+        import importlib
+
+        import torch.distributed as dist
+
+        # PRIME_BENCH_RING=module:Class swaps in another implementation with the same API
+        # (the harness tests use tests/fake_ring.py); default prime.comm:Ring.
+        module, _, cls = os.environ.get("PRIME_BENCH_RING", "prime.comm:Ring").partition(":")
+        ring_cls = getattr(importlib.import_module(module), cls)
+        self.codec = "none" if method == "ring-fp32" else "int8"
+        streams = 1 if method == "ring-int8-1stream" else spec["streams"]
+        checksum = method != "ring-int8-nocheck"
+        kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), streams=streams,
+                      secret=f"bench-{spec['seed']}", max_rate=spec["max_rate_bytes"], checksum=checksum)
+        if spec["addr"]:
+            kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
+        self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
+
+    def all_reduce(self, tensor) -> tuple[float | None, dict]:
+        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent if the ring says,
+        every numeric statistic the work exposes, for the record: times, bytes received...)."""
+        work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=INT8_BLOCK)
+        work.wait()
+        return self.wire_bytes(work), self.numeric_stats(work)
+
+    @staticmethod
+    def numeric_stats(work) -> dict:
+        """Numeric fields of work.stats (a dict, an object, or a method returning either)."""
+        stats = getattr(work, "stats", None)
+        if callable(stats):
+            stats = stats()
+        if stats is None:
+            return {}
+        items = stats.items() if isinstance(stats, dict) else (
+            (k, getattr(stats, k)) for k in dir(stats) if not k.startswith("_"))
+        return {k: float(v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    @staticmethod
+    def wire_bytes(work) -> float | None:
+        """Bytes this rank sent on the wire for `work`, from the ring's counters (None if unknown)."""
+        stats = work.stats() if callable(getattr(work, "stats", None)) else getattr(work, "stats", None)
+        for obj in (stats, work):
+            if obj is None:
+                continue
+            for name in ("bytes_sent", "wire_bytes_sent", "sent_bytes", "tx_bytes"):
+                if isinstance(obj, dict) and name in obj:
+                    return float(obj[name])
+                if hasattr(obj, name):
+                    return float(getattr(obj, name))
+        return None
+
+    def close(self) -> None:
+        """Closes the ring's sockets and threads."""
+        self.ring.close()
+
+
+def worker_main(spec: dict) -> None:
+    """One rank: runs every (size, method) case of the spec; rank 0 prints a RESULT line per case."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    rank, world = spec["rank"], spec["world_size"]
+    device = torch.device("cpu")
+    if spec["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=spec["timeout_s"])
+    store = dist.TCPStore(spec["store_host"], spec["store_port"], world, is_master=(rank == 0),
+                          timeout=timeout, wait_for_workers=True)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world,
+                            timeout=timeout)
+    rings: dict[str, RingAdapter] = {}
+
+    def emit(obj: dict) -> None:
+        if rank == 0:
+            print(RESULT_TAG + json.dumps(obj), flush=True)
+
+    def slowest(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    try:
+        for size_mib in spec["sizes_mib"]:
+            n = size_mib * MiB // 4
+            x = make_input(spec["seed"], rank, n).to(device)
+            ref = exact_sum(spec["seed"], world, n) if rank == 0 else None
+            buf = torch.empty_like(x)
+            for method in spec["methods"]:
+                case = {"size_bytes": 4 * n, "method": method}
+                skip = spec["skips"].get(f"{size_mib}:{method}")
+                if skip:
+                    emit({**case, "skipped": skip})
+                    continue
+                try:
+                    if method.startswith("ring") and method not in rings:
+                        rings[method] = RingAdapter(store, rank, world, spec, method)
+                except Exception as e:  # the ring is not there yet, or refused the options
+                    emit({**case, "skipped": f"ring unavailable: {type(e).__name__}: {e}"})
+                    spec["skips"].update({f"{s}:{method}": "ring unavailable" for s in spec["sizes_mib"]})
+                    continue
+                work_buf = buf.to(torch.bfloat16) if method == "gloo-bf16" else buf
+
+                def once() -> tuple[float, float | None]:
+                    work_buf.copy_(x)
+                    if spec["refill_s"]:
+                        time.sleep(spec["refill_s"])  # every iteration starts with a full token bucket
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    stats = {}
+                    if method.startswith("gloo"):
+                        dist.all_reduce(work_buf, op=dist.ReduceOp.SUM)
+                        sent = None
+                    else:
+                        sent, stats = rings[method].all_reduce(work_buf)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # the op may return before the GPU is done
+                    ring_stats.append(stats)
+                    return time.perf_counter() - t0, sent
+
+                first = None
+                ring_stats: list[dict] = []
+                for _ in range(spec["warmup"]):
+                    first = once()[0]
+                # The number of timed iterations comes from the slowest rank's warm-up time,
+                # so every rank loops the same number of times.
+                est = slowest([first if first is not None else 0.0])[0]
+                iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / (est + spec["refill_s"]))
+                iters = max(spec["min_iters"], min(spec["max_iters"], iters))
+                times, sent = [], []
+                ring_stats.clear()
+                for _ in range(iters):
+                    dt, s = once()
+                    times.append(dt)
+                    sent.append(s)
+                times = slowest(times)
+                wire = None
+                if all(s is not None for s in sent):
+                    wire = max(slowest([sum(sent) / len(sent)]))
+                # Do all ranks hold the same result? (float64 sum and sum of squares per rank)
+                digest = torch.zeros(world, 2, dtype=torch.float64)
+                xd = work_buf.double()
+                digest[rank, 0], digest[rank, 1] = float(xd.sum()), float((xd * xd).sum())
+                del xd
+                dist.all_reduce(digest)
+                spread = float(((digest - digest[0]).abs() / digest[0].abs().clamp_min(1e-30)).max())
+                row = {**case, "iters": iters, "times_s": times, "wire_bytes": wire, "ranks_agree_rel": spread}
+                if rank == 0:
+                    row["rel_l2_err"] = rel_l2(work_buf, ref)
+                    keys = set().union(*ring_stats) if ring_stats else set()
+                    row["ring_stats_rank0"] = {k: sum(st.get(k, 0.0) for st in ring_stats) / len(ring_stats)
+                                               for k in sorted(keys)}
+                emit(row)
+            del x, ref, buf
+    finally:
+        for r in rings.values():
+            r.close()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# parent: launch rank processes per (condition, world size), collect rows
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (a large number where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50
+
+
+def plan_skips(plan: Plan, cond: Condition, world: int) -> dict[str, str]:
+    """Cases to skip, with a reason: too much memory for this machine, or too long at this rate."""
+    skips = {}
+    avail = mem_available_bytes()
+    for size_mib in plan.sizes_mib:
+        nbytes = size_mib * MiB
+        # Per rank: input + result buffer + a bf16 copy + about one tensor of ring buffers;
+        # rank 0 also holds the float64 reference (2x); plus ~400 MB of torch per process.
+        need = world * (3.5 * nbytes + 400 * MiB) + 2 * nbytes
+        for method in plan.methods:
+            key = f"{size_mib}:{method}"
+            if need > 0.85 * avail:
+                skips[key] = f"needs ~{need / (1 << 30):.1f} GiB of {avail / (1 << 30):.1f} GiB available"
+                continue
+            rate = cond.rate_bits or LOOPBACK_ASSUMED_BITS
+            if cond.kind == "ratelimit" and method.startswith("gloo"):
+                skips[key] = "gloo has no rate limit"
+                continue
+            predicted = expected_wire_bytes(method, nbytes // 4, world) * 8 / rate
+            if predicted * (plan.warmup + plan.min_iters) > plan.max_case_s:
+                skips[key] = f"predicted {predicted:.0f} s per iteration (over --max-case-s)"
+    return skips
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the kernel SIGKILLs it when the benchmark process dies,
+    # even by SIGKILL, so no rank outlives the run (prctl PR_SET_PDEATHSIG = 1; survives exec).
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+def _pump(stream, sink: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        sink.put(line)
+    sink.put(None)
+
+
+def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> None:
+    """Runs all sizes and methods for one (condition, world size); calls on_row(row) per case."""
+    skips = plan_skips(plan, cond, world)
+    expected = len(plan.sizes_mib) * len(plan.methods)
+    base = {
+        "world_size": world, "sizes_mib": plan.sizes_mib, "methods": plan.methods, "streams": plan.streams,
+        "warmup": plan.warmup, "min_iters": plan.min_iters, "max_iters": plan.max_iters,
+        "case_budget_s": plan.case_budget_s, "threads": plan.threads, "device": plan.device, "seed": plan.seed,
+        "timeout_s": plan.timeout_s, "skips": skips,
+        "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
+        # tbf lets a full bucket (the burst) through at once; waiting burst/rate before each
+        # iteration refills it, so every iteration gets the same credit (link_util_burst_adj).
+        "refill_s": 1.1 * netns.size_to_bytes(plan.burst) * 8 / cond.rate_bits
+        if cond.kind == "tc" and cond.rate_bits else 0.0,
+    }
+    env = dict(os.environ, OMP_NUM_THREADS=str(plan.threads))
+    net = None
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        if cond.kind == "tc":
+            net = netns.Network(world, rate=cond.rate, shape=plan.shape, mtu=plan.mtu, burst=plan.burst)
+            net.up()
+            env["GLOO_SOCKET_IFNAME"] = netns.RANK_IFNAME
+            store_host, store_port = net.addr(0), STORE_PORT_NETNS
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+            store_host, store_port = "127.0.0.1", free_port()
+        for rank in range(world):
+            addr = net.addr(rank) if net else "127.0.0.1"
+            spec = dict(base, rank=rank, store_host=store_host, store_port=store_port, addr=addr)
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+            if net:
+                argv = net.exec_argv(rank, argv)
+            log = open(os.path.join(logdir, f"{cond.name}-w{world}-r{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if rank == 0 else log,
+                                          stderr=log, text=True, start_new_session=True,
+                                          preexec_fn=_die_with_parent))
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_pump, args=(procs[0].stdout, lines), daemon=True).start()
+        got = 0
+        # A case may take (warmup + max iters) slow iterations; give it that and some.
+        idle_limit = plan.timeout_s * 2 + 60
+        last = time.monotonic()
+        while got < expected:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line.startswith(RESULT_TAG):
+                row = json.loads(line[len(RESULT_TAG):])
+                row.update(condition=cond.name, world_size=world)
+                on_row(row)
+                got += 1
+                last = time.monotonic()
+            elif line:
+                print(f"  [rank 0] {line.rstrip()}", flush=True)
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank(s) {failed} exited with {[procs[i].returncode for i in failed]}")
+            if time.monotonic() - last > idle_limit:
+                raise RuntimeError(f"no case finished for {idle_limit:.0f} s: ranks hang")
+        for p in procs:
+            p.wait(timeout=plan.timeout_s)
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if bad or got < expected:
+            raise RuntimeError(f"ranks ended with {bad or 'exit 0'} after {got} of {expected} cases")
+    except Exception as e:
+        tails = []
+        for i, log in enumerate(logs):
+            log.flush()
+            log.seek(0)
+            text = log.read().strip().splitlines()[-15:]
+            if text:
+                tails.append(f"--- rank {i} log (last lines) ---\n" + "\n".join(text))
+        print(f"! {cond.name} world {world} failed: {e}\n" + "\n".join(tails), file=sys.stderr, flush=True)
+        on_row({"condition": cond.name, "world_size": world, "failed": str(e)})
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        for log in logs:
+            log.close()
+        if net:
+            net.down()
+
+
+# ---------------------------------------------------------------------------
+# output
+
+
+def finish_row(row: dict, conditions: dict[str, Condition], burst_bytes: int) -> dict:
+    """Adds the metrics to a raw case row from a worker."""
+    if "times_s" not in row:
+        return row
+    n = row["size_bytes"] // 4
+    world = row["world_size"]
+    if row["method"].startswith("gloo"):
+        row["wire_bytes"] = expected_wire_bytes(row["method"], n, world)
+        row["wire_source"] = "theory"
+    else:
+        row["wire_source"] = "ring counters" if row.get("wire_bytes") is not None else "unknown"
+    cond = conditions[row["condition"]]
+    burst = burst_bytes if cond.kind == "tc" and cond.rate_bits else 0
+    row.update(row_metrics(row["times_s"], n, world, row["wire_bytes"], cond.rate_bits, burst))
+    # Rows where the token bucket's burst is a tenth or more of the bytes sent mostly time the burst.
+    row["burst_dominated"] = bool(burst and row["wire_bytes"] and burst >= 0.1 * row["wire_bytes"])
+    return row
+
+
+def progress_line(row: dict) -> str:
+    """One line per finished case, printed while the benchmark runs."""
+    head = f"{row['condition']:>16} N={row['world_size']}"
+    if "failed" in row:
+        return f"{head} FAILED: {row['failed']}"
+    head += f" {fmt_size(row['size_bytes']):>9} {row['method']:<18}"
+    if "skipped" in row:
+        return f"{head} skipped: {row['skipped']}"
+    util = fmt_pct(row.get("link_util"))
+    if row.get("link_util_burst_adj") is not None:
+        util += f" ({fmt_pct(row['link_util_burst_adj'])} burst-adj)"
+    if row.get("burst_dominated"):
+        util += " [burst-dominated]"
+    err = f"{row['rel_l2_err']:.2e}" if row.get("rel_l2_err") is not None else "-"
+    agree = f"  RANKS DIFFER by {row['ranks_agree_rel']:.1e}" if row.get("ranks_agree_rel") else ""
+    return (f"{head} median {row['median_s']:.4f} s  p90 {row['p90_s']:.4f} s  busbw {fmt_bits(row['busbw_bits'])}"
+            f"  util {util}  err {err}  ({row['iters']} iters){agree}")
+
+
+def table(rows: list[dict]) -> str:
+    """The final table, one line per measured case."""
+    hdr = (f"{'condition':>16} {'N':>2} {'size':>9} {'method':<18} {'median s':>9} {'p90 s':>9} {'algbw':>7} "
+           f"{'busbw':>7} {'wire/rank':>10} {'util':>7} {'adj':>6} {'x gloo32':>8} {'x bf16':>7} {'x ring32':>8} {'rel L2':>9}")
+    out = [hdr, "-" * len(hdr)]
+    for r in rows:
+        if "median_s" not in r:
+            continue
+
+        def sp(key):
+            v = r.get(key)
+            return f"{v:.2f}" if v else "-"
+
+        util, adj = fmt_pct(r.get("link_util")), fmt_pct(r.get("link_util_burst_adj"))
+        if r.get("burst_dominated"):
+            util += "*"
+        err = f"{r['rel_l2_err']:.2e}" if r.get("rel_l2_err") is not None else "-"
+        out.append(f"{r['condition']:>16} {r['world_size']:>2} {fmt_size(r['size_bytes']):>9} {r['method']:<18} "
+                   f"{r['median_s']:>9.4f} {r['p90_s']:>9.4f} {fmt_bits(r['algbw_bits']):>7} "
+                   f"{fmt_bits(r['busbw_bits']):>7} {fmt_size(r.get('wire_bytes')):>10} {util:>7} {adj:>6} "
+                   f"{sp('speedup_vs_gloo-fp32'):>8} {sp('speedup_vs_gloo-bf16'):>7} {sp('speedup_vs_ring-fp32'):>8} "
+                   f"{err:>9}")
+    out.append("")
+    out.append("time: slowest rank, median and p90 over the timed iterations; algbw = fp32 tensor bytes / time;")
+    out.append("busbw = algbw * 2(N-1)/N; wire/rank: the ring's counters, gloo's theory; util = (wire / rate) / time;")
+    out.append("adj = util with one tbf burst credited ((wire - burst) / rate / time); * = burst >= 10% of wire bytes,")
+    out.append("so the row mostly times the burst; x gloo32 / x bf16 / x ring32 = that method's median / this one's;")
+    out.append("rel L2 = ||result - float64 sum|| / ||float64 sum|| on rank 0.")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    """Median time vs size, one line per method; one panel per link condition (rows of the
+    figure) and world size (columns). Returns why it drew nothing, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullLocator
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    measured = [r for r in rows if "median_s" in r]
+    if not measured:
+        return "no measured rows"
+    conds = list(dict.fromkeys(r["condition"] for r in measured))
+    worlds = sorted({r["world_size"] for r in measured})
+    sizes = sorted({r["size_bytes"] / MiB for r in measured})
+    fig, axes = plt.subplots(len(conds), len(worlds), figsize=(5 * len(worlds), 3.8 * len(conds)), squeeze=False)
+    for i, cond in enumerate(conds):
+        for j, world in enumerate(worlds):
+            ax = axes[i][j]
+            drawn = False
+            for method in ALL_METHODS:
+                pts = sorted((r["size_bytes"] / MiB, r["median_s"]) for r in measured
+                             if r["condition"] == cond and r["world_size"] == world and r["method"] == method)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=method)
+                    drawn = True
+            if not drawn:
+                ax.set_visible(False)
+                continue
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(sizes))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([f"{s:g}" for s in sizes])
+            ax.set_xlabel("fp32 MiB per rank")
+            ax.set_ylabel("median time (s)")
+            ax.set_title(f"{cond}, {world} ranks")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def machine_description() -> str:
+    """CPU count, model and kernel, for the record."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} cpus ({model}), {platform.system()} {platform.release()}, load at start {load:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parent: plan, run every (condition, world size) group, write table, JSON and PNG."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker_main(json.loads(argv[1]))
+        return 0
+    netns.install_signal_handlers()
+    tc_reason = netns.check_support()
+    try:
+        plan = make_plan(argv, tc_reason)
+    except ValueError as e:
+        print(f"bench_allreduce: {e}", file=sys.stderr)
+        return 2
+    if tc_reason is None:
+        stale = netns.remove_stale()
+        if stale:
+            print(f"removed namespaces left by dead runs: {', '.join(stale)}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    command = "python benchmarks/bench_allreduce.py " + " ".join(shlex.quote(a) for a in argv)
+    machine = machine_description()
+    print(f"machine: {machine}\nseed: {plan.seed}\ncommand: {command}")
+    if any(c.kind == "tc" for c in plan.conditions):
+        print(f"tc links: tbf burst {plan.burst} latency {netns.TBF_LATENCY}, shaped {plan.shape}, mtu {plan.mtu}")
+    conditions = {c.name: c for c in plan.conditions}
+    rows: list[dict] = []
+
+    def on_row(row: dict) -> None:
+        rows.append(finish_row(row, conditions, netns.size_to_bytes(plan.burst)))
+        print(progress_line(row), flush=True)
+
+    t0 = time.time()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as logdir:
+            for cond in plan.conditions:
+                for world in plan.world_sizes:
+                    run_group(plan, cond, world, on_row, logdir)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # run_group's finally has already killed the ranks and removed the namespaces.
+        code = e.code if isinstance(e, SystemExit) else 130
+        print(f"\ninterrupted after {len(rows)} cases; rank processes and namespaces removed", file=sys.stderr)
+        return code
+    add_speedups(rows)
+    print()
+    print(table(rows))
+    os.makedirs(os.path.dirname(plan.out) or ".", exist_ok=True)
+    record = {
+        "machine": machine, "command": command, "seed": plan.seed,
+        "torch": _torch_version(), "elapsed_s": time.time() - t0,
+        "config": {k: v for k, v in asdict(plan).items() if k not in ("conditions", "notes")},
+        "conditions": [asdict(c) for c in plan.conditions], "notes": plan.notes,
+        "tc": {"burst": plan.burst, "latency": netns.TBF_LATENCY, "shape": plan.shape, "mtu": plan.mtu},
+        "rows": rows,
+    }
+    with open(plan.out + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\nwrote {plan.out}.json", end="")
+    if plan.plot:
+        why = plot(rows, plan.out + ".png")
+        print(f", {plan.out}.png" if why is None else f" (no plot: {why})", end="")
+    print()
+    return 1 if any("failed" in r for r in rows) else 0
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:
+        return "not installed"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
