@@ -19,7 +19,7 @@ all: build
 deps:
 	@$(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null \
 		|| $(PIP) install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import numpy, ninja, pybind11, pytest" 2>/dev/null || $(PIP) install -q numpy ninja pybind11 pytest
+	@$(PYTHON) -c "import numpy, ninja, pybind11, pytest, matplotlib" 2>/dev/null || $(PIP) install -q numpy ninja pybind11 pytest matplotlib
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q triton || echo "prime: triton not installed; its tests will skip"
 
 $(BUILD_STAMP): setup.py $(CSRC)
