@@ -220,7 +220,9 @@ class DiLoCo:
         self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
         self.nesterov, self.codec, self.block_size, self.retries = nesterov, codec, block_size, retries
         self.measure_compression_error = measure_compression_error and codec == "int8"
-        self._check_pending = check_replicas and ring is not None
+        # Fixed at construction: a ring that broke (and was dropped) must not turn syncing off.
+        self.distributed = ring is not None or ring_factory is not None
+        self._check_pending = check_replicas and self.distributed
         if local_group is None:
             import torch.distributed as dist
 
@@ -232,7 +234,7 @@ class DiLoCo:
         self.since_sync = 0  # inner steps since the last outer step
         self._generation = 0  # rings built by ring_factory so far
         self._outer = self._momentum = self._grad = None
-        if ring is not None:
+        if self.distributed:
             self._build_buffers()
 
     # -- layout ------------------------------------------------------------
@@ -279,7 +281,7 @@ class DiLoCo:
         """Call after every inner optimizer step. Runs an outer step when inner_steps steps have passed."""
         self.inner_step += 1
         self.since_sync += 1
-        if self.ring is None and self.ring_factory is None:
+        if not self.distributed:
             self.since_sync = 0
             return OuterStepResult(False, self.inner_step, self.outer_step)
         if self.since_sync < self.inner_steps:
@@ -289,10 +291,8 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> OuterStepResult:
         """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the all-reduce keeps failing."""
-        if self._outer is None:
-            if self.ring is None and self.ring_factory is None:
-                raise RuntimeError("DiLoCo.sync() needs a ring; this DiLoCo was built with ring=None")
-            self._build_buffers()
+        if not self.distributed:
+            raise RuntimeError("DiLoCo.sync() needs a ring; this DiLoCo was built with ring=None")
         t0 = time.perf_counter()
         if self._check_pending:
             self.check_replicas()
@@ -407,13 +407,17 @@ class DiLoCo:
             stats = {}
             try:
                 if self.ring is None:
+                    if self.ring_factory is None:
+                        raise OuterSyncError(
+                            "the ring failed earlier and no ring_factory was given to rebuild it; restart the job"
+                        )
                     self._new_ring(f"o{self.outer_step}a{attempt}")
                 work = self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
                 work.wait()
                 stats = work_stats(work)
             except Exception as e:
-                if not _is_comm_error(e):
-                    raise
+                if not (_is_comm_error(e) or isinstance(e, OuterSyncError)):
+                    raise  # a bug or a bad argument, not a network failure: no retry
                 err = e
             if self._all_local(err is None):
                 return stats, attempts, time.perf_counter() - t0
@@ -462,12 +466,17 @@ class DiLoCo:
             self._check_pending = False
             return  # a ring that does not tell its rank: nothing to compare with
         slots = 11
-        vec = torch.zeros(size * slots, dtype=torch.float32)
         w, s, n = self._fingerprint()
         pieces = [(w >> (16 * i)) & 0xFFFF for i in range(4)] + [(s >> (16 * i)) & 0xFFFF for i in range(4)]
         pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
-        vec[rank * slots : (rank + 1) * slots] = torch.tensor(pieces, dtype=torch.float32)
-        self._allreduce(vec, op="sum", codec="none", recompute=None)
+
+        def fill(v: torch.Tensor) -> None:
+            v.zero_()
+            v[rank * slots : (rank + 1) * slots] = torch.tensor(pieces, dtype=torch.float32)
+
+        vec = torch.empty(size * slots, dtype=torch.float32)
+        fill(vec)
+        self._allreduce(vec, op="sum", codec="none", recompute=fill)
         table = vec.view(size, slots).to(torch.int64).tolist()
         problems = []
         for what, lo, hi in (("shard sizes", 8, 11), ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 4, 8), ("outer weights", 0, 4)):
@@ -508,7 +517,7 @@ class DiLoCo:
                 )
             self._outer.copy_(sd["outer"])
             self._momentum.copy_(sd["momentum"])
-        if self.ring is not None or self.ring_factory is not None:
+        if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
     def close(self) -> None:
