@@ -109,6 +109,15 @@ class TwoParams(nn.Module):
         self.b = nn.Parameter(w_b.clone())
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # On a loaded 2-core machine torch's second OpenMP thread makes tiny ops ~30x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def seed():
     s = random.randrange(2**31)
