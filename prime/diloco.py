@@ -95,7 +95,7 @@ _STAT_NAMES = {
     "bytes_sent": ("bytes_sent", "sent_bytes", "tx_bytes", "bytes_out"),
     "bytes_received": ("bytes_received", "bytes_recv", "recv_bytes", "rx_bytes", "bytes_in"),
     "quantize_s": ("quantize_s", "quantize_time_s", "time_quantize_s", "quantize_time", "quantize_seconds"),
-    "wire_s": ("wire_s", "wire_time_s", "time_wire_s", "wire_time", "wire_seconds", "network_s"),
+    "wire_s": ("wire_s", "wait_s", "wire_time_s", "wire_time", "network_s"),
     "reduce_s": ("reduce_s", "reduce_time_s", "time_reduce_s", "reduce_time", "reduce_seconds", "dequantize_s"),
     "total_s": ("total_s", "elapsed_s", "time_s", "duration_s"),
 }
