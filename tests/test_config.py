@@ -112,3 +112,12 @@ def test_help_exits_zero(capsys):
         config_from_argv(["--help"])
     assert info.value.code == 0
     assert "[diloco]" in capsys.readouterr().out
+
+
+def test_docs_list_every_field():
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        doc = f.read()
+    for sec in dataclasses.fields(Config):
+        assert f"### [{sec.name}]" in doc
+        for f in dataclasses.fields(sec.default_factory):
+            assert f"| `{f.name}` |" in doc, f"docs/training.md lacks {sec.name}.{f.name}"
