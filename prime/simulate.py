@@ -58,6 +58,23 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             p.wait()
 
 
+def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
+    """Disjoint GPUs for each node when the machine has enough (else [] and the nodes share what they see)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d for d in visible.split(",") if d.strip()]
+    else:
+        try:
+            import torch
+
+            ids = [str(i) for i in range(torch.cuda.device_count())]
+        except ImportError:
+            ids = []
+    if len(ids) < nodes * procs_per_node:
+        return []
+    return [ids[r * procs_per_node : (r + 1) * procs_per_node] for r in range(nodes)]
+
+
 def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dict | None = None,
              out=None, threads_per_proc: int | None = None) -> int:
     """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status."""
@@ -67,6 +84,7 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if threads_per_proc:
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
+    gpu_slices = _gpu_slices(nodes, procs_per_node, base_env)
     lock = threading.Lock()
     procs, pumps = [], []
     for r in range(nodes):
@@ -76,6 +94,8 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
             "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
         ]
         node_env = dict(base_env, PRIME_NODE_RANK=str(r), PRIME_NUM_NODES=str(nodes))
+        if gpu_slices:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices[r])
         # Each node in its own process group, so that stopping it stops torchrun's workers too.
         p = subprocess.Popen(cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
