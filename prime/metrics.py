@@ -73,15 +73,20 @@ class MetricsLogger:
     """Prints and records the metrics of one node (only its local rank 0 writes)."""
 
     def __init__(self, out_dir: str, node_rank: int, *, enabled: bool, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "prime", config: Optional[dict] = None, resume: bool = False):
+                 wandb_project: str = "prime", config: Optional[dict] = None, resume_step: Optional[int] = None):
         self.node_rank, self.enabled = node_rank, enabled
         self.path = os.path.join(out_dir, f"metrics_node{node_rank}.jsonl")
         self._file = self._tb = self._wandb = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        # A resumed run appends, so the file holds the whole curve; a fresh run starts a new file.
-        self._file = open(self.path, "a" if resume else "w", buffering=1)
+        kept = []
+        if resume_step is not None and os.path.exists(self.path):
+            # A resumed run keeps the records up to its checkpoint, so the file holds one continuous curve.
+            kept = [r for r in read_records(self.path) if r["step"] <= resume_step and r["kind"] != "summary"]
+        self._file = open(self.path, "w", buffering=1)
+        for r in kept:
+            self._file.write(json.dumps(r) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -61,6 +61,12 @@ class Trainer:
         self._init_data()
         self._init_diloco()
         self._init_checkpoints()
+        # Opened last: a resumed run keeps the curve up to its checkpoint and appends to it.
+        m = cfg.metrics
+        self.log = MetricsLogger(
+            m.out_dir, self.node_rank, enabled=self.is_logger, tensorboard=m.tensorboard, wandb=m.wandb,
+            wandb_project=m.wandb_project, config=cfg.to_dict(), resume_step=self.resumed_from,
+        )
 
     # -- construction ------------------------------------------------------------
 
@@ -103,11 +109,6 @@ class Trainer:
             else:  # fsdp = 'on' in a single process without torchrun
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
         self.is_logger = self.local_rank == 0
-        self.log = MetricsLogger(
-            cfg.metrics.out_dir, self.node_rank, enabled=self.is_logger, tensorboard=cfg.metrics.tensorboard,
-            wandb=cfg.metrics.wandb, wandb_project=cfg.metrics.wandb_project, config=cfg.to_dict(),
-            resume=bool(cfg.checkpoint.dir) and cfg.checkpoint.resume,
-        )
         # The cross-node store: node 0's first process hosts it, everyone else connects.
         self.store = None
         if self.num_nodes > 1:
@@ -219,8 +220,8 @@ class Trainer:
                     torch.set_rng_state(extra["rng"])
                     self.step = int(extra["step"])
                     resumed_from = step
-                elif steps:
-                    self.log.print(f"checkpoints of steps {steps} exist here but not on every node: starting fresh")
+                elif steps and self.is_logger:
+                    print(f"checkpoints of steps {steps} exist here but not on every node: starting fresh", flush=True)
         self.resumed_from = resumed_from
 
     # -- the loop ----------------------------------------------------------------
@@ -292,12 +293,6 @@ class Trainer:
         cfg = self.cfg
         self._describe()
         fault_step = int(os.environ.get(_FAULT_ENV, "0") or 0)
-        if self.diloco.ring is not None:
-            if cfg.diloco.check_replicas:
-                self.diloco.check_replicas()
-            if self.diloco.since_sync >= cfg.diloco.inner_steps:
-                # The checkpoint was written after a failed outer step: do that outer step first.
-                self._after_outer(self.diloco.sync())
         self.losses: list[tuple[int, float]] = []
         self.total_sent = 0.0
         self.sent_measured = True
@@ -307,6 +302,12 @@ class Trainer:
         self._phase_t0 = time.perf_counter()
         t_start = time.perf_counter()
         try:
+            if self.diloco.distributed:
+                if cfg.diloco.check_replicas:
+                    self.diloco.check_replicas()
+                if self.diloco.since_sync >= cfg.diloco.inner_steps:
+                    # The checkpoint was written after a failed outer step: do that outer step first.
+                    self._after_outer(self.diloco.sync())
             while self.step < cfg.train.steps:
                 self.step += 1
                 lr = lr_at(self.step, cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,

@@ -110,7 +110,7 @@ def test_fsdp_node_resume_matches_uninterrupted_run(tmp_path, seed):
     rc, out = run_torchrun(2, common + ck)
     assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
     ref, got = losses(full), records(part)
-    assert [r["step"] for r in got] == list(range(1, 9)) + list(range(7, 13))
+    assert [r["step"] for r in got] == list(range(1, 13))  # the resumed run replaced the records after step 6
     for r in got:  # FSDP on CPU and the data order are deterministic: bit-identical
         assert r["loss"] == ref[r["step"]], f"step {r['step']}: {r['loss']} vs {ref[r['step']]} (seed {seed})"
     assert ref[12] < ref[1] - 1.0
