@@ -244,7 +244,7 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     log_every: int = 1
-    """Print one line every this many inner steps (outer steps are always printed)."""
+    """Print a step line every this many inner steps (the first, the last and outer steps always; the JSONL file gets every step)."""
     out_dir: str = "runs/default"
     """Where metrics_node<rank>.jsonl and loss.png go."""
     plot: bool = True

@@ -322,8 +322,8 @@ class Trainer:
                 self.compute_s += step_s
                 self._phase_compute += step_s
                 result = self.diloco.step()
-                if self.step % cfg.metrics.log_every == 0 or result.did_sync or self.step == cfg.train.steps:
-                    self._log_step(float(loss), float(gnorm), lr, step_s)
+                show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
+                self._log_step(float(loss), float(gnorm), lr, step_s, show)
                 if result.did_sync:
                     self._after_outer(result)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
@@ -348,16 +348,18 @@ class Trainer:
         wall = time.perf_counter() - t_start
         return self._summary(wall)
 
-    def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float) -> None:
+    def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> None:
+        """Records every step in the JSONL file; prints the line when `show`."""
         loss = self._local_sum([loss])[0] / self.local_world
         tok_s = self.tokens_per_step / step_s
         mfu = self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
         self.losses.append((self.step, loss))
         mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-        self.log.print(
-            f"step {self.step:>6}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
-            f"{tok_s / 1e3:.1f}k tok/s | MFU {mfu_s} | {step_s * 1e3:.0f} ms"
-        )
+        if show:
+            self.log.print(
+                f"step {self.step:>6}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+                f"{tok_s / 1e3:.1f}k tok/s | MFU {mfu_s} | {step_s * 1e3:.0f} ms"
+            )
         self.log.record("step", self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
                         step_s=step_s, tokens=self.step * self.tokens_per_step)
 
@@ -395,17 +397,17 @@ class Trainer:
                         pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **r.ring_stats)
 
     def _summary(self, wall: float) -> dict:
-        k = max(1, min(5, len(self.losses) // 4))
-        first = mean(l for _, l in self.losses[:k])
+        k = max(1, min(10, len(self.losses) // 5))
+        first_step, first = self.losses[0] if self.losses else (0, float("nan"))
         last = mean(l for _, l in self.losses[-k:])
         util = self.compute_s / wall if wall > 0 else float("nan")
-        s = {"node": self.node_rank, "steps": self.step, "first_loss": first, "last_loss": last,
-             "bytes_sent": self.total_sent, "bytes_measured": self.sent_measured, "dp_bytes": self.total_dp,
-             "utilization": util, "wall_s": wall, "outer_steps": self.diloco.outer_step}
+        s = {"node": self.node_rank, "steps": self.step, "first_step": first_step, "first_loss": first,
+             "last_loss": last, "bytes_sent": self.total_sent, "bytes_measured": self.sent_measured,
+             "dp_bytes": self.total_dp, "utilization": util, "wall_s": wall, "outer_steps": self.diloco.outer_step}
         self.log.record("summary", self.step, **{k2: v for k2, v in s.items() if k2 != "node"})
         if self.is_logger:
             lines = [f"summary (node {self.node_rank}): {self.step} steps in {wall:.1f} s, "
-                     f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} logged steps)"]
+                     f"loss {first:.3f} at step {first_step} -> {last:.3f} (mean of the last {k} steps)"]
             if self.num_nodes > 1:
                 ratio = self.total_dp / self.total_sent if self.total_sent else float("nan")
                 lines.append(
