@@ -178,9 +178,6 @@ class Trainer:
             kwargs["streams"] = d.streams
         if d.max_rate_mbit:
             kwargs["max_rate"] = d.max_rate_mbit * 1e6 / 8  # bytes per second
-        secret = os.environ.get("PRIME_RING_SECRET")
-        if secret:
-            kwargs["secret"] = secret
         return Ring(store, self.node_rank, self.num_nodes, **kwargs)
 
     def _init_diloco(self) -> None:
