@@ -26,6 +26,7 @@ import glob
 import os
 import re
 import shutil
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -103,13 +104,16 @@ class Checkpointer:
         marker = os.path.join(path, f"done_rank{self.local_rank}")
         dist_kwargs = {"process_group": self.pg} if self.pg is not None else {"no_dist": True}
 
-        if self.async_save and not block:
-            dcp_future = dcp.async_save(state, checkpoint_id=path, **dist_kwargs)
-            if hasattr(dcp_future, "upload_completion"):  # newer torch returns an AsyncSaveResponse
-                dcp_future = dcp_future.upload_completion
-        else:
-            dcp.save(state, checkpoint_id=path, **dist_kwargs)
-            dcp_future = None
+        with warnings.catch_warnings():
+            # Without a process group DCP warns that it assumes a single process: that is what we asked for.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if self.async_save and not block:
+                dcp_future = dcp.async_save(state, checkpoint_id=path, **dist_kwargs)
+                if hasattr(dcp_future, "upload_completion"):  # newer torch returns an AsyncSaveResponse
+                    dcp_future = dcp_future.upload_completion
+            else:
+                dcp.save(state, checkpoint_id=path, **dist_kwargs)
+                dcp_future = None
 
         def finish():
             if dcp_future is not None:
@@ -156,7 +160,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dist_kwargs = {"process_group": self.pg} if self.pg is not None else {"no_dist": True}
-        dcp.load(state, checkpoint_id=path, **dist_kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, **dist_kwargs)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return torch.load(extra_path, map_location="cpu", weights_only=True)
 

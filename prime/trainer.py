@@ -334,9 +334,10 @@ class Trainer:
         except (OuterSyncError, ReplicaMismatchError) as e:
             if isinstance(e, OuterSyncError) and self.ckpt is not None:
                 self._save(block=True)
-                where = f"; checkpoint of step {self.step} saved under {cfg.checkpoint.dir}, restart every node to resume"
+                where = (f" Checkpoint of step {self.step} saved under {cfg.checkpoint.dir}: restart every node "
+                         "with the same command to resume.")
             elif isinstance(e, OuterSyncError):
-                where = "; no checkpoint.dir was set, so progress since the start is lost"
+                where = " No checkpoint.dir was set, so the progress of this run is lost."
             else:
                 where = ""
             raise TrainingStopped(f"{e}{where}") from e

@@ -189,3 +189,28 @@ def test_a_failing_node_stops_the_simulation(tmp_path):
                     "--metrics.out_dir", str(tmp_path)]
     rc, out = run_simulate(2, 1, args, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "3"})
     assert rc != 0 and "stopping the other nodes" in out, out
+
+
+@needs_ring
+def test_lost_peer_stops_with_a_checkpoint_and_status_3(tmp_path):
+    """Node 1 dies before the first outer step: node 0 retries on a new ring, gives up, saves a checkpoint, exits 3."""
+    store = f"127.0.0.1:{free_port()}"
+    ck = str(tmp_path / "ck")
+    args = QUICK + ["--train.steps", "20", "--diloco.inner_steps", "5", "--diloco.timeout_s", "4",
+                    "--diloco.retries", "1", "--num-nodes", "2", "--store-addr", store, "--checkpoint.dir", ck,
+                    "--metrics.out_dir", str(tmp_path / "m")]
+    procs = []
+    for node, fault in ((0, "0"), (1, "3")):
+        env = dict(_env(), PRIME_FAULT_EXIT_AFTER_STEP=fault)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *args,
+               "--node-rank", str(node)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert procs[1].returncode != 0 and "exiting as if killed" in outs[1], outs[1]
+    assert procs[0].returncode != 0, outs[0]
+    assert "prime-train: stopped: outer step 1: the all-reduce across nodes failed 2 time(s)" in outs[0], outs[0]
+    assert "Checkpoint of step 5 saved" in outs[0], outs[0]
+    state = torch.load(os.path.join(ck, "node0", "step_00000005", "rank0.pt"), weights_only=True)
+    assert state["step"] == 5 and state["diloco"]["outer_step"] == 0 and state["diloco"]["since_sync"] == 5
