@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn

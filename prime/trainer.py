@@ -11,12 +11,10 @@ TCPStore hosted by node 0's first process.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +117,6 @@ class Trainer:
                 wait_for_workers=False,
             )
             self.store = dist.PrefixStore(f"prime/{cfg.nodes.run_id}", raw)
-            self._raw_store = raw
 
     def _init_model(self) -> None:
         cfg = self.cfg
@@ -294,7 +291,7 @@ class Trainer:
         self.total_sent = 0.0
         self.sent_measured = True
         self.total_dp = 0.0
-        self.compute_s = self.outer_s_total = 0.0
+        self.compute_s = 0.0
         self._phase_compute = 0.0
         self._phase_t0 = time.perf_counter()
         t_start = time.perf_counter()
@@ -381,7 +378,6 @@ class Trainer:
         now = time.perf_counter()
         wall = now - self._phase_t0
         util = self._phase_compute / wall if wall > 0 else float("nan")
-        self.outer_s_total += r.outer_s
         self._phase_t0, self._phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
         self.log.print(
