@@ -25,7 +25,7 @@ node, nodes, (host, port) = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].rspl
 store = dist.TCPStore(host, int(port), is_master=node == 0, wait_for_workers=False)  # DiLoCo
 ring = prime.comm.Ring(store, node, nodes, timeout=timedelta(seconds=60))  # DiLoCo
 
-torch.manual_seed(0)  # the same seed on every node: the same initial weights
+torch.manual_seed(0)  # the same seed on every node: the same initial weights (unchanged line)
 model = Transformer(preset("tiny"))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 data = ShardedLoader(load_source("embedded"), seq_len=128, batch_size=8, shard=node, num_shards=nodes)  # DiLoCo
@@ -39,7 +39,7 @@ for step in range(1, 101):
     opt.zero_grad()
     result = diloco.step()  # DiLoCo
     if step % 10 == 0:
-        print(f"node {node} step {step} loss {loss.item():.3f}", flush=True)
+        print(f"node {node} step {step} loss {loss.item():.3f}", flush=True)  # DiLoCo: says which node
     if result.did_sync:  # DiLoCo
         print(f"node {node} outer step {result.outer_step}: all-reduce {result.allreduce_s:.2f} s", flush=True)
 
