@@ -1,0 +1,494 @@
+"""Run configuration: one dataclass per component, loaded from TOML, overridable from the command line.
+
+    prime-train --config configs/demo.toml --diloco.inner_steps 50 --optim.lr=1e-3
+
+Every field is documented right under it (the docstring after a field is what
+`prime-train --help-config` prints). Precedence, lowest first: dataclass
+default, TOML file, environment (only the [nodes] section: PRIME_NODE_RANK,
+PRIME_NUM_NODES, PRIME_STORE_ADDR), command line. `Config.validate()` raises
+ValueError naming the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+try:  # Python 3.11+
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as _toml
+    except ModuleNotFoundError:
+        _toml = None
+
+__all__ = [
+    "Config",
+    "ModelConfig",
+    "OptimConfig",
+    "DiLoCoConfig",
+    "TrainConfig",
+    "DataConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "NodesConfig",
+    "load_config",
+    "parse_cli",
+    "describe",
+]
+
+
+def _require(cond: bool, name: str, rule: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset shape: tiny, 150M, 1B or 10B (see prime/model.py). The fields below replace preset values when set."""
+    dim: Optional[int] = None
+    """Hidden size (None: the preset's)."""
+    n_layers: Optional[int] = None
+    """Number of transformer blocks (None: the preset's)."""
+    n_heads: Optional[int] = None
+    """Attention heads (None: the preset's)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (None: the preset's)."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU hidden size (None: the preset's)."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size (None: the preset's; the byte-level data needs >= 256)."""
+    max_seq_len: Optional[int] = None
+    """Longest sequence (None: the preset's)."""
+    rope_theta: Optional[float] = None
+    """Rotary base (None: the preset's)."""
+    tie_embeddings: Optional[bool] = None
+    """Share input and output embeddings (None: the preset's)."""
+
+    def validate(self) -> None:
+        from prime.model import PRESETS
+
+        _require(self.name in PRESETS, "model.name", f"one of {sorted(PRESETS)}", self.name)
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            _require(v is None or v >= 1, f"model.{name}", ">= 1 (or unset)", v)
+        self.args().validate()
+
+    def args(self):
+        """The ModelArgs this section describes."""
+        from prime.model import preset
+
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        return preset(self.name, **overrides)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate of the inner AdamW."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 100
+    """Linear warmup from 0 to lr over this many inner steps."""
+    decay_steps: int = 0
+    """Warmup-stable-decay: the last decay_steps steps decay linearly to min_lr_ratio * lr (0: no decay)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr at the end of the decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+    def validate(self) -> None:
+        _require(self.lr > 0, "optim.lr", "> 0", self.lr)
+        _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        _require(0 <= self.beta1 < 1, "optim.beta1", "in [0, 1)", self.beta1)
+        _require(0 <= self.beta2 < 1, "optim.beta2", "in [0, 1)", self.beta2)
+        _require(self.eps > 0, "optim.eps", "> 0", self.eps)
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
+        _require(self.decay_steps >= 0, "optim.decay_steps", ">= 0", self.decay_steps)
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _require(self.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 disables clipping)", self.grad_clip)
+
+
+@dataclass
+class DiLoCoConfig:
+    inner_steps: int = 100
+    """H: inner optimizer steps between two outer steps (INTELLECT-1 used 100)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov SGD."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD (False: heavy ball)."""
+    codec: str = "int8"
+    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes) or none (exact fp32)."""
+    block_size: int = 256
+    """int8 codec block: one fp32 scale per block_size values (power of two, 32..4096)."""
+    retries: int = 2
+    """How many times a failed all-reduce is retried, each on a freshly built ring, before the job stops."""
+    timeout_s: float = 300.0
+    """Ring timeout in seconds for any single wait (connect, send, receive)."""
+    streams: int = 0
+    """Parallel TCP streams per ring link (0: the ring's default)."""
+    max_rate_mbit: float = 0.0
+    """Cap the ring's send rate per link in Mbit/s, to emulate slow links (0: unlimited)."""
+    compression_error: bool = True
+    """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one quantize+dequantize)."""
+    check_replicas: bool = True
+    """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings."""
+
+    def validate(self) -> None:
+        _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
+        _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
+        _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
+        _require(self.codec in ("int8", "none"), "diloco.codec", "'int8' or 'none'", self.codec)
+        bs = self.block_size
+        _require(32 <= bs <= 4096 and bs & (bs - 1) == 0, "diloco.block_size", "a power of two from 32 to 4096", bs)
+        _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
+        _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)
+        _require(self.streams >= 0, "diloco.streams", ">= 0", self.streams)
+        _require(self.max_rate_mbit >= 0, "diloco.max_rate_mbit", ">= 0 (0: unlimited)", self.max_rate_mbit)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Total inner optimizer steps of the run."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on each process."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (the batch per node is micro_batch_size * grad_accum * procs)."""
+    seed: int = 0
+    """Seed of the weight initialization (must be the same on every node) and of the data order."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available)."""
+    fsdp: str = "auto"
+    """Shard the model over the node's processes with FSDP2: on, off or auto (on when a node runs > 1 process)."""
+    mixed_precision: str = "auto"
+    """bf16 (bf16 compute, fp32 master weights and gradient reduction), fp32, or auto (bf16 on GPU, fp32 on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (saves memory, costs ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    threads: int = 0
+    """torch CPU threads per process (0: torch's default)."""
+
+    def validate(self) -> None:
+        _require(self.steps >= 1, "train.steps", ">= 1", self.steps)
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", self.micro_batch_size)
+        _require(self.grad_accum >= 1, "train.grad_accum", ">= 1", self.grad_accum)
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device", "'auto', 'cpu' or 'cuda'", self.device)
+        _require(self.fsdp in ("auto", "on", "off"), "train.fsdp", "'auto', 'on' or 'off'", self.fsdp)
+        _require(
+            self.mixed_precision in ("auto", "bf16", "fp32"), "train.mixed_precision", "'auto', 'bf16' or 'fp32'",
+            self.mixed_precision,
+        )
+        _require(self.threads >= 0, "train.threads", ">= 0", self.threads)
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"
+    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (pre-tokenized .bin shards)."""
+    path: str = ""
+    """Directory for source = text or bin (ignored for embedded)."""
+    bin_dtype: str = "uint16"
+    """Token dtype of the .bin shards: uint16 or uint32 (nanoGPT writes uint16)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+
+    def validate(self) -> None:
+        _require(self.source in ("embedded", "text", "bin"), "data.source", "'embedded', 'text' or 'bin'", self.source)
+        _require(self.bin_dtype in ("uint16", "uint32"), "data.bin_dtype", "'uint16' or 'uint32'", self.bin_dtype)
+        _require(self.seq_len >= 1, "data.seq_len", ">= 1", self.seq_len)
+        if self.source in ("text", "bin"):
+            if not self.path:
+                raise ValueError(f"data.path must name a directory when data.source is {self.source!r}, got ''")
+            if not os.path.isdir(self.path):
+                raise ValueError(
+                    f"data.path {self.path!r} does not exist or is not a directory "
+                    f"(data.source = {self.source!r}); point it at your data or use data.source = 'embedded'"
+                )
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory (each node writes under dir/node<rank>/step_<n>/); empty: no checkpoints."""
+    every: int = 0
+    """Save every this many inner steps (0: only at the end and when the job stops on an error)."""
+    resume: bool = True
+    """Resume from the newest checkpoint that every node has, when dir holds one."""
+    async_save: bool = True
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save) so training does not stall."""
+    keep: int = 2
+    """Keep this many newest checkpoints per node (0: keep all)."""
+
+    def validate(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
+        _require(self.keep >= 0, "checkpoint.keep", ">= 0", self.keep)
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1
+    """Print a step line every this many inner steps (the first, the last and outer steps always; the JSONL file gets every step)."""
+    out_dir: str = "runs/default"
+    """Where metrics_node<rank>.jsonl and loss.png go."""
+    plot: bool = True
+    """Write out_dir/loss.png at the end (needs matplotlib; skipped with a note when it is missing)."""
+    peak_tflops: float = 0.0
+    """Peak bf16 TFLOP/s per device for MFU (0: from the table for H100/H200/A100; CPU: MFU shown as n/a)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard under out_dir/tb (needs tensorboard)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs wandb and a login)."""
+    wandb_project: str = "prime"
+    """W&B project name."""
+
+    def validate(self) -> None:
+        _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
+        _require(self.peak_tflops >= 0, "metrics.peak_tflops", ">= 0", self.peak_tflops)
+        _require(bool(self.out_dir), "metrics.out_dir", "a directory path", self.out_dir)
+
+
+@dataclass
+class NodesConfig:
+    num_nodes: int = 1
+    """Nodes in the DiLoCo ring (env PRIME_NUM_NODES, flag --num-nodes)."""
+    node_rank: int = 0
+    """This node's rank, 0..num_nodes-1 (env PRIME_NODE_RANK, flag --node-rank)."""
+    store_addr: str = "127.0.0.1:29600"
+    """host:port of the cross-node TCPStore, hosted by node 0's first process (env PRIME_STORE_ADDR, flag --store-addr)."""
+    run_id: str = "prime"
+    """Name of the run; nodes with another run_id never join this ring (env PRIME_RUN_ID)."""
+
+    def validate(self) -> None:
+        _require(self.num_nodes >= 1, "nodes.num_nodes", ">= 1", self.num_nodes)
+        _require(
+            0 <= self.node_rank < self.num_nodes, "nodes.node_rank", f"in [0, {self.num_nodes - 1}]", self.node_rank
+        )
+        host, _, port = self.store_addr.rpartition(":")
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
+
+    @property
+    def store_host(self) -> str:
+        return self.store_addr.rpartition(":")[0]
+
+    @property
+    def store_port(self) -> int:
+        return int(self.store_addr.rpartition(":")[2])
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+
+    def validate(self) -> "Config":
+        """Checks every section and the rules that span sections; returns self."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        args = self.model.args()
+        if self.data.source in ("embedded", "text") and args.vocab_size < 256:
+            raise ValueError(
+                f"model.vocab_size must be >= 256 for byte-level data (data.source = {self.data.source!r}), "
+                f"got {args.vocab_size}"
+            )
+        if self.data.seq_len > args.max_seq_len:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({args.max_seq_len})")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# loading and overriding
+
+_ENV = {"PRIME_NUM_NODES": "nodes.num_nodes", "PRIME_NODE_RANK": "nodes.node_rank",
+        "PRIME_STORE_ADDR": "nodes.store_addr", "PRIME_RUN_ID": "nodes.run_id"}
+_FLAG_ALIASES = {"--num-nodes": "nodes.num_nodes", "--node-rank": "nodes.node_rank",
+                 "--store-addr": "nodes.store_addr", "--run-id": "nodes.run_id"}
+
+
+def _section_types(section_cls) -> dict:
+    return typing.get_type_hints(section_cls)
+
+
+def _convert(dotted: str, raw: Any, tp) -> Any:
+    """Converts a TOML value or a command-line string to the field's type, or raises ValueError naming the field."""
+    origin, targs = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in targs:  # Optional[X]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            return None
+        tp = next(t for t in targs if t is not type(None))
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(raw, str) and raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(raw, bool):
+                raise ValueError
+            if isinstance(raw, int):
+                return raw
+            if isinstance(raw, float) and raw.is_integer():
+                return int(raw)
+            if isinstance(raw, str):
+                return int(raw.strip().replace("_", ""))
+            raise ValueError
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if tp is str:
+            if not isinstance(raw, str):
+                raise ValueError
+            return raw
+    except (ValueError, TypeError, SyntaxError):
+        pass
+    else:
+        raise AssertionError(f"unsupported field type {tp} for {dotted}")
+    name = getattr(tp, "__name__", str(tp))
+    raise ValueError(f"{dotted} must be {'a' if name != 'int' else 'an'} {name}, got {raw!r}")
+
+
+def _set(cfg: Config, dotted: str, raw: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections or not key:
+        raise ValueError(f"unknown config field {dotted!r}; sections are {sorted(sections)} (write section.field)")
+    section = getattr(cfg, section_name)
+    types = _section_types(type(section))
+    if key not in types:
+        raise ValueError(f"unknown config field {dotted!r}; {section_name} has {sorted(types)}")
+    setattr(section, key, _convert(dotted, raw, types[key]))
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[tuple[str, Any]]] = None, env=None) -> Config:
+    """Builds a Config from defaults, the TOML file at `path`, the environment and `overrides` (dotted name, value)."""
+    cfg = Config()
+    if path:
+        if _toml is None:
+            raise RuntimeError("reading TOML needs Python 3.11+ (tomllib) or the tomli package: pip install tomli")
+        if not os.path.isfile(path):
+            raise ValueError(f"config file {path!r} does not exist")
+        with open(path, "rb") as f:
+            try:
+                doc = _toml.load(f)
+            except Exception as e:  # tomllib.TOMLDecodeError: say which file
+                raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+        for section_name, table in doc.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: top-level key {section_name!r} must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, f"{section_name}.{key}", value)
+    env = os.environ if env is None else env
+    for var, dotted in _ENV.items():
+        if env.get(var):
+            _set(cfg, dotted, env[var])
+    for dotted, value in overrides or []:
+        _set(cfg, dotted, value)
+    return cfg
+
+
+def parse_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]], bool]:
+    """Splits argv into (config path, [(dotted field, value)], help_requested)."""
+    path, overrides, want_help = None, [], False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help", "--help-config"):
+            want_help = True
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; use --config FILE and --section.field VALUE")
+        name, eq, value = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{name} needs a value")
+            value = argv[i + 1]
+            i += 2
+        else:
+            i += 1
+        if name == "--config":
+            path = value
+        elif name in _FLAG_ALIASES:
+            overrides.append((_FLAG_ALIASES[name], value))
+        else:
+            overrides.append((name[2:], value))
+    return path, overrides, want_help
+
+
+def describe() -> str:
+    """Every field with its type, default and documentation: the text of --help-config."""
+    lines = [__doc__.strip(), ""]
+    for sec in dataclasses.fields(Config):
+        cls = sec.default_factory
+        lines.append(f"[{sec.name}]")
+        docs = _field_docs(cls)
+        types = _section_types(cls)
+        for f in dataclasses.fields(cls):
+            tp = types[f.name]
+            targs = [t for t in typing.get_args(tp) if t is not type(None)]
+            tname = f"{targs[0].__name__} or None" if targs else tp.__name__
+            lines.append(f"  {f.name} ({tname}, default {f.default!r})")
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_docs(cls) -> dict:
+    """The string literal written under each field of a dataclass (read from its source)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def config_from_argv(argv: Optional[list[str]] = None) -> Config:
+    """parse_cli + load_config + validate; prints the field reference and exits on --help."""
+    argv = sys.argv[1:] if argv is None else argv
+    path, overrides, want_help = parse_cli(argv)
+    if want_help:
+        print("usage: prime-train --config FILE [--section.field VALUE ...] [--node-rank N --num-nodes N --store-addr H:P]\n")
+        print(describe())
+        raise SystemExit(0)
+    return load_config(path, overrides).validate()

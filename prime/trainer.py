@@ -1,0 +1,444 @@
+"""The Trainer: builds everything from a Config and runs the inner loop; DiLoCo does the outer steps.
+
+One process per device, one torchrun per node. Inside a node the processes
+share the model through FSDP2 (gloo on CPU, NCCL on GPU). Between nodes there
+is no process group at all: local rank g of every node joins ring g
+(prime.comm.Ring), which carries that rank's shard of the pseudo-gradient; a
+node with G devices therefore uses G parallel links. The rings meet through a
+TCPStore hosted by node 0's first process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+from prime.checkpoint import Checkpointer, agree_on_resume_step
+from prime.config import Config
+from prime.data import ShardedLoader, load_source
+from prime.diloco import DiLoCo, OuterSyncError, ReplicaMismatchError
+from prime.metrics import MetricsLogger, human_bytes, mean, peak_flops, plot_losses
+from prime.model import Transformer
+from prime.parallelize import parallelize
+
+__all__ = ["Trainer", "lr_at", "TrainingStopped"]
+
+# Test hook: after this inner step, wait for checkpoint writes and exit at once
+# with status 17, as a killed process would (the resume test uses it).
+_FAULT_ENV = "PRIME_FAULT_EXIT_AFTER_STEP"
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on an error that a checkpoint and a restart can get past (message says what to do)."""
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int, decay: int, min_ratio: float) -> float:
+    """Warmup-stable-decay: linear warmup over `warmup` steps, flat, then linear decay to min_ratio * lr over the last `decay` steps."""
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    decay_start = total - decay
+    if decay > 0 and step > decay_start:
+        frac = min(1.0, (step - decay_start) / decay)
+        return lr * (1.0 - (1.0 - min_ratio) * frac)
+    return lr
+
+
+class Trainer:
+    """Owns the model, the inner optimizer, the data, DiLoCo, checkpoints and metrics of one process."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._init_processes()
+        self._init_model()
+        self._init_data()
+        self._init_diloco()
+        self._init_checkpoints()
+        # Opened last: a resumed run keeps the curve up to its checkpoint and appends to it.
+        m = cfg.metrics
+        self.log = MetricsLogger(
+            m.out_dir, self.node_rank, enabled=self.is_logger, tensorboard=m.tensorboard, wandb=m.wandb,
+            wandb_project=m.wandb_project, config=cfg.to_dict(), resume_step=self.resumed_from,
+        )
+
+    # -- construction ------------------------------------------------------------
+
+    def _init_processes(self) -> None:
+        cfg = self.cfg
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", str(self.local_world)))
+        if world != self.local_world:
+            raise ValueError(
+                f"WORLD_SIZE ({world}) is not LOCAL_WORLD_SIZE ({self.local_world}): start one torchrun per node "
+                "(--nnodes 1); nodes are joined by the DiLoCo ring (--node-rank/--num-nodes), not by torchrun"
+            )
+        self.node_rank, self.num_nodes = cfg.nodes.node_rank, cfg.nodes.num_nodes
+        want = cfg.train.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ValueError("train.device is 'cuda' but torch sees no GPU; use train.device = 'cpu' or 'auto'")
+        self.device = torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.fsdp = cfg.train.fsdp == "on" or (cfg.train.fsdp == "auto" and self.local_world > 1)
+        if self.local_world > 1 and not self.fsdp:
+            raise ValueError(
+                f"train.fsdp is 'off' but this node runs {self.local_world} processes: replicas inside a node "
+                "are not supported; use train.fsdp = 'on' (or 'auto') or one process per node"
+            )
+        import torch.distributed as dist
+
+        self.dist = dist
+        if self.fsdp and not dist.is_initialized():
+            # CPU collectives always go through gloo (DiLoCo's small agreements, async checkpoints).
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            # Local collectives may wait while a ring retries: allow for every attempt.
+            wait = timedelta(seconds=600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
+            if "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend, timeout=wait)
+            else:  # fsdp = 'on' in a single process without torchrun
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+        self.is_logger = self.local_rank == 0
+        # The cross-node store: node 0's first process hosts it, everyone else connects.
+        self.store = None
+        if self.num_nodes > 1:
+            host, port = cfg.nodes.store_host, cfg.nodes.store_port
+            is_master = self.node_rank == 0 and self.local_rank == 0
+            raw = dist.TCPStore(
+                host, port, is_master=is_master, timeout=timedelta(seconds=cfg.diloco.timeout_s),
+                wait_for_workers=False,
+            )
+            self.store = dist.PrefixStore(f"prime/{cfg.nodes.run_id}", raw)
+
+    def _init_model(self) -> None:
+        cfg = self.cfg
+        self.model_args = args = cfg.model.args()
+        torch.manual_seed(cfg.train.seed)  # the same on every node and process: identical initial weights
+        bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and self.device.type == "cuda")
+        if self.device.type == "cuda":
+            with torch.device("meta"):  # no process ever holds the whole model in memory
+                model = Transformer(args)
+        else:
+            model = Transformer(args)  # initialized here, then sharded: the same values whatever the sharding
+        parallelize(
+            model, device_type=self.device.type, fsdp=self.fsdp, bf16=bf16,
+            activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile,
+        )
+        if self.device.type == "cuda":
+            model.to_empty(device=self.device)
+            torch.manual_seed(cfg.train.seed)
+            model.init_weights(buffer_device=self.device)
+        self.model = model
+        # Without FSDP, bf16 compute comes from autocast; FSDP's MixedPrecisionPolicy does it otherwise.
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 and not self.fsdp else contextlib.nullcontext()
+        )
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]  # norm weights
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=self.device.type == "cuda" or None,
+        )
+        self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
+        self.peak = peak_flops(self.device, cfg.metrics.peak_tflops)
+
+    def _init_data(self) -> None:
+        cfg = self.cfg
+        self.source = load_source(cfg.data.source, cfg.data.path, cfg.data.bin_dtype)
+        self.loader = ShardedLoader(
+            self.source, cfg.data.seq_len, cfg.train.micro_batch_size,
+            shard=self.node_rank * self.local_world + self.local_rank, num_shards=self.num_nodes * self.local_world,
+            seed=cfg.train.seed, vocab_size=self.model_args.vocab_size,
+        )
+        self.tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.local_world
+
+    def _make_ring(self, tag: str):
+        """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
+        try:
+            from prime.comm import Ring
+        except ImportError as e:
+            raise RuntimeError(f"prime.comm.Ring is not available ({e}); build the extension: make build") from None
+        d = self.cfg.diloco
+        g = self.local_rank
+        store = self.dist.PrefixStore(f"ring/{g}/{tag}", self.store)
+        kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}"}
+        if d.streams:
+            kwargs["streams"] = d.streams
+        if d.max_rate_mbit:
+            kwargs["max_rate"] = d.max_rate_mbit * 1e6 / 8  # bytes per second
+        return Ring(store, self.node_rank, self.num_nodes, **kwargs)
+
+    def _init_diloco(self) -> None:
+        d = self.cfg.diloco
+        ring = self._make_ring("start") if self.num_nodes > 1 else None
+        self.diloco = DiLoCo(
+            self.model, self.optimizer, ring,
+            inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
+            codec=d.codec, block_size=d.block_size, ring_factory=self._make_ring if ring is not None else None,
+            retries=d.retries, local_group=self.dist.group.WORLD if self.dist.is_initialized() else None,
+            measure_compression_error=d.compression_error, check_replicas=d.check_replicas,
+        )
+        # Per node, what one outer step would cost data parallelism: a ring all-reduce of fp32
+        # gradients every inner step (see prime/metrics.py).
+        n = self.num_nodes
+        self.model_numel = sum(p.numel() for p in self.model.parameters())
+        self.dp_bytes_per_step = 2 * (n - 1) / n * 4 * self.model_numel if n > 1 else 0.0
+
+    def _init_checkpoints(self) -> None:
+        cfg = self.cfg
+        self.step = 0
+        self.ckpt = None
+        resumed_from = None
+        if cfg.checkpoint.dir:
+            pg = self.dist.new_group(backend="gloo") if self.dist.is_initialized() else None
+            self.ckpt = Checkpointer(
+                cfg.checkpoint.dir, self.node_rank, self.local_rank, self.local_world, process_group=pg,
+                keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
+            )
+            if cfg.checkpoint.resume:
+                steps = self.ckpt.complete_steps()
+                step = agree_on_resume_step(steps, self.store, self.node_rank, self.num_nodes, publish=self.local_rank == 0)
+                if step is not None:
+                    extra = self.ckpt.load(step, self.model, self.optimizer)
+                    self.loader.load_state_dict(extra["data"])
+                    self.diloco.load_state_dict(extra["diloco"])
+                    torch.set_rng_state(extra["rng"])
+                    self.step = int(extra["step"])
+                    resumed_from = step
+                elif steps and self.is_logger:
+                    print(f"checkpoints of steps {steps} exist here but not on every node: starting fresh", flush=True)
+        self.resumed_from = resumed_from
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _describe(self) -> None:
+        c, a = self.cfg, self.model_args
+        peak = f"{self.peak / 1e12:.0f} TFLOP/s per device" if self.peak else "n/a (set metrics.peak_tflops)"
+        self.log.print(
+            f"model {c.model.name}: {a.num_params() / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token "
+            f"at seq_len {c.data.seq_len}; device {self.device.type} x {self.local_world}"
+            f"{' (FSDP2)' if self.fsdp else ''}; peak {peak}"
+        )
+        self.log.print(
+            f"data {self.source.description}; shard {self.loader.shard} of {self.loader.num_shards} "
+            f"({self.loader.windows_per_epoch} sequences per epoch); {self.tokens_per_step} tokens per step per node"
+        )
+        if self.num_nodes > 1:
+            d = c.diloco
+            self.log.print(
+                f"DiLoCo: node {self.node_rank} of {self.num_nodes}, outer step every {d.inner_steps} inner steps, "
+                f"codec {d.codec}, outer lr {d.outer_lr} momentum {d.outer_momentum}{' nesterov' if d.nesterov else ''}"
+            )
+        if self.resumed_from is not None:
+            self.log.print(f"resumed from the checkpoint of step {self.resumed_from}")
+
+    def _local_sum(self, values: list[float]) -> list[float]:
+        """Sums small values over the node's processes (a CPU collective; every process must call it)."""
+        if not self.dist.is_initialized():
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t)
+        return t.tolist()
+
+    def _save(self, block: bool = False) -> None:
+        if self.ckpt is None:
+            return
+        extra = {"step": self.step, "data": self.loader.state_dict(), "diloco": self.diloco.state_dict(),
+                 "rng": torch.get_rng_state()}
+        self.ckpt.save(self.step, self.model, self.optimizer, extra, block=block)
+
+    def train_step(self) -> tuple[float, float]:
+        """One inner step (forward/backward over grad_accum micro-batches, clip, AdamW). Returns (loss, grad norm) tensors."""
+        cfg = self.cfg
+        accum = cfg.train.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            inputs, targets = self.loader.next_batch()
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            if self.fsdp:
+                # Reduce-scatter gradients only after the last micro-batch (costs memory for unsharded grads).
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            with self.autocast:
+                logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        if cfg.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+    def train(self) -> dict:
+        """Runs the inner steps up to train.steps, with outer steps, logging and checkpoints. Returns the summary."""
+        cfg = self.cfg
+        self._describe()
+        fault_step = int(os.environ.get(_FAULT_ENV, "0") or 0)
+        self.losses: list[tuple[int, float]] = []
+        self.total_sent = 0.0
+        self.sent_measured = True
+        self.total_dp = 0.0
+        self.compute_s = 0.0
+        self._phase_compute = 0.0
+        self._phase_t0 = time.perf_counter()
+        t_start = time.perf_counter()
+        try:
+            if self.diloco.distributed:
+                if cfg.diloco.check_replicas:
+                    self.diloco.check_replicas()
+                if self.diloco.since_sync >= cfg.diloco.inner_steps:
+                    # The checkpoint was written after a failed outer step: do that outer step first.
+                    self._after_outer(self.diloco.sync())
+            while self.step < cfg.train.steps:
+                self.step += 1
+                lr = lr_at(self.step, cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,
+                           cfg.optim.min_lr_ratio)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                loss, gnorm = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # honest step times; the loss is read below anyway
+                step_s = time.perf_counter() - t0
+                self.compute_s += step_s
+                self._phase_compute += step_s
+                result = self.diloco.step()
+                show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
+                self._log_step(float(loss), float(gnorm), lr, step_s, show)
+                if result.did_sync:
+                    self._after_outer(result)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+                    self._save()
+                if fault_step and self.step == fault_step:
+                    if self.ckpt is not None:
+                        self.ckpt.wait()
+                    self.log.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
+                    sys.stdout.flush()
+                    os._exit(17)
+        except (OuterSyncError, ReplicaMismatchError) as e:
+            if isinstance(e, OuterSyncError) and self.ckpt is not None:
+                self._save(block=True)
+                where = (f" Checkpoint of step {self.step} saved under {cfg.checkpoint.dir}: restart every node "
+                         "with the same command to resume.")
+            elif isinstance(e, OuterSyncError):
+                where = " No checkpoint.dir was set, so the progress of this run is lost."
+            else:
+                where = ""
+            raise TrainingStopped(f"{e}{where}") from e
+        if self.ckpt is not None:
+            self._save(block=True)
+        wall = time.perf_counter() - t_start
+        return self._summary(wall)
+
+    def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> None:
+        """Records every step in the JSONL file; prints the line when `show`."""
+        loss = self._local_sum([loss])[0] / self.local_world
+        tok_s = self.tokens_per_step / step_s
+        mfu = self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
+        self.losses.append((self.step, loss))
+        mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        if show:
+            self.log.print(
+                f"step {self.step:>6}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+                f"{tok_s / 1e3:.1f}k tok/s | MFU {mfu_s} | {step_s * 1e3:.0f} ms"
+            )
+        self.log.record("step", self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
+                        step_s=step_s, tokens=self.step * self.tokens_per_step)
+
+    def _after_outer(self, r) -> None:
+        """Logs one outer step: all-reduce time and bytes (summed over the node's processes), error, utilization."""
+        n = self.num_nodes
+        measured = r.bytes_sent is not None
+        if measured:
+            sent = float(r.bytes_sent)
+        else:  # estimate a ring all-reduce of the wire format: 2 (N-1)/N of the encoded buffer
+            per_value = (1 + 4 / self.cfg.diloco.block_size) if self.cfg.diloco.codec == "int8" else 4
+            sent = 2 * (n - 1) / n * r.numel * per_value
+        measured = self._local_sum([1.0 if measured else 0.0])[0] == self.local_world
+        sent, ar_s = self._local_sum([sent, r.allreduce_s])
+        ar_s /= self.local_world
+        err = r.compression_error
+        dp = self.dp_bytes_per_step * self.cfg.diloco.inner_steps
+        self.total_sent += sent
+        self.sent_measured &= measured
+        self.total_dp += dp
+        now = time.perf_counter()
+        wall = now - self._phase_t0
+        util = self._phase_compute / wall if wall > 0 else float("nan")
+        self._phase_t0, self._phase_compute = now, 0.0
+        err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
+        self.log.print(
+            f"outer {r.outer_step} (step {self.step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
+            f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "
+            f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
+            + (f" | {r.attempts} attempts" if r.attempts > 1 else "")
+        )
+        self.log.record("outer", self.step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
+                        bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
+                        pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **r.ring_stats)
+
+    def _summary(self, wall: float) -> dict:
+        k = max(1, min(10, len(self.losses) // 5))
+        first_step, first = self.losses[0] if self.losses else (0, float("nan"))
+        last = mean(l for _, l in self.losses[-k:])
+        util = self.compute_s / wall if wall > 0 else float("nan")
+        s = {"node": self.node_rank, "steps": self.step, "first_step": first_step, "first_loss": first,
+             "last_loss": last, "bytes_sent": self.total_sent, "bytes_measured": self.sent_measured,
+             "dp_bytes": self.total_dp, "utilization": util, "wall_s": wall, "outer_steps": self.diloco.outer_step}
+        self.log.record("summary", self.step, **{k2: v for k2, v in s.items() if k2 != "node"})
+        if self.is_logger:
+            lines = [f"summary (node {self.node_rank}): {self.step} steps in {wall:.1f} s, "
+                     f"loss {first:.3f} at step {first_step} -> {last:.3f} (mean of the last {k} steps)"]
+            if self.num_nodes > 1:
+                ratio = self.total_dp / self.total_sent if self.total_sent else float("nan")
+                lines.append(
+                    f"  {self.diloco.outer_step} outer steps sent {human_bytes(self.total_sent)}"
+                    f"{'' if self.sent_measured else ' (estimated)'}; data parallel would have sent "
+                    f"{human_bytes(self.total_dp)} ({ratio:.0f}x more)"
+                )
+            lines.append(f"  compute utilization {100 * util:.1f}% (inner-step time / wall time)")
+            self.log.print("\n".join(lines))
+        return s
+
+    def close(self, failed: bool = False) -> None:
+        """Finishes checkpoint writes, closes rings and logs, writes the plot (node 0), releases the store.
+
+        After a failure (`failed`) the store's host does not wait for the other nodes."""
+        try:
+            if self.ckpt is not None:
+                self.ckpt.close()
+        finally:
+            self.diloco.close()
+            self.log.close()
+            if self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
+                path = plot_losses(self.cfg.metrics.out_dir, os.path.join(self.cfg.metrics.out_dir, "loss.png"))
+                if path:
+                    print(f"loss plot: {path}", flush=True)
+            if not failed:
+                self._release_store()
+            if self.dist.is_initialized():
+                self.dist.destroy_process_group()
+
+    def _release_store(self) -> None:
+        """The store's host (node 0, process 0) waits until every process is done with it before exiting."""
+        if self.store is None:
+            return
+        total = self.num_nodes * self.local_world
+        self.store.add("finished", 1)
+        if self.node_rank == 0 and self.local_rank == 0:
+            deadline = time.monotonic() + self.cfg.diloco.timeout_s
+            while self.store.add("finished", 0) < total and time.monotonic() < deadline:
+                time.sleep(0.05)

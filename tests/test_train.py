@@ -1,0 +1,216 @@
+"""End to end: prime-train under torchrun, prime-simulate with several nodes, checkpoints and resume.
+
+The multi-node tests need the real ring (prime.comm.Ring); they skip when it is
+not built. Every run uses the `tiny` model on short byte sequences of the
+embedded corpus, so each takes seconds of compute; most of the time is
+process start-up.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from prime.simulate import free_port
+from prime.train import main as train_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small and quick: 4 x 64 tokens per step and process.
+QUICK = ["--model.name", "tiny", "--data.seq_len", "64", "--train.micro_batch_size", "4", "--train.threads", "1",
+         "--optim.lr", "3e-3", "--optim.warmup_steps", "5", "--optim.decay_steps", "0", "--metrics.plot", "false"]
+
+
+def _has_ring() -> bool:
+    try:
+        import prime.comm
+
+        return hasattr(prime.comm, "Ring")
+    except Exception:
+        return False
+
+
+needs_ring = pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for k in ("PRIME_NODE_RANK", "PRIME_NUM_NODES", "PRIME_STORE_ADDR", "PRIME_FAULT_EXIT_AFTER_STEP"):
+        env.pop(k, None)
+    return env
+
+
+def run_simulate(nodes, procs, args, env_extra=None, timeout=300):
+    env = dict(_env(), **(env_extra or {}))
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", str(nodes), "--procs-per-node", str(procs), "--", *args]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def run_torchrun(procs, args, env_extra=None, timeout=300):
+    env = dict(_env(), **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *args]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def records(out_dir, node=0, kind="step"):
+    with open(os.path.join(out_dir, f"metrics_node{node}.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def losses(out_dir, node=0):
+    return {r["step"]: r["loss"] for r in records(out_dir, node)}
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(1000)
+    print(f"seed {s}")
+    return s
+
+
+# -- errors before anything starts -------------------------------------------------
+
+
+def test_bad_config_value_exits_2_with_the_field(capsys):
+    assert train_main(["--diloco.inner_steps", "0"]) == 2
+    assert "diloco.inner_steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_missing_data_path_exits_2(capsys, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert train_main(["--data.source", "bin", "--data.path", missing]) == 2
+    err = capsys.readouterr().err
+    assert missing in err and "does not exist" in err
+
+
+def test_unknown_field_exits_2(capsys):
+    assert train_main(["--train.stepz", "3"]) == 2
+    assert "unknown config field 'train.stepz'" in capsys.readouterr().err
+
+
+# -- one node ---------------------------------------------------------------------
+
+
+def test_fsdp_node_resume_matches_uninterrupted_run(tmp_path, seed):
+    """2 FSDP2 processes on one node: kill after step 8, resume from the step-6 checkpoint, same losses as a run without the kill."""
+    common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    rc, out = run_torchrun(2, common + ["--metrics.out_dir", full])
+    assert rc == 0, out
+    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
+    rc, out = run_torchrun(2, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
+    assert rc != 0 and "exiting as if killed" in out, out
+    rc, out = run_torchrun(2, common + ck)
+    assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
+    ref, got = losses(full), records(part)
+    assert [r["step"] for r in got] == list(range(1, 13))  # the resumed run replaced the records after step 6
+    for r in got:  # FSDP on CPU and the data order are deterministic: bit-identical
+        assert r["loss"] == ref[r["step"]], f"step {r['step']}: {r['loss']} vs {ref[r['step']]} (seed {seed})"
+    assert ref[12] < ref[1] - 1.0
+
+
+# -- several nodes through the ring -------------------------------------------------
+
+
+@needs_ring
+def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
+    """2 nodes x 2 FSDP processes: loss goes down, and after the last outer step every node holds the same bits."""
+    out_dir, ck = str(tmp_path / "run"), str(tmp_path / "ck")
+    args = QUICK + ["--train.steps", "30", "--diloco.inner_steps", "10", "--train.seed", str(seed),
+                    "--metrics.out_dir", out_dir, "--checkpoint.dir", ck, "--checkpoint.async_save", "false",
+                    "--metrics.log_every", "1"]
+    rc, out = run_simulate(2, 2, args)
+    assert rc == 0, out
+    for node in (0, 1):
+        ls = losses(out_dir, node)
+        first, last = sum(ls[s] for s in range(1, 4)) / 3, sum(ls[s] for s in range(28, 31)) / 3
+        assert last < first - 1.0, (node, first, last)
+        outer = records(out_dir, node, "outer")
+        assert [r["outer_step"] for r in outer] == [1, 2, 3]
+        assert all(r["bytes_sent"] > 0 for r in outer)
+    for g in (0, 1):  # each local rank's shard: outer weights and momentum identical on both nodes
+        a = torch.load(os.path.join(ck, "node0", "step_00000030", f"rank{g}.pt"), weights_only=True)["diloco"]
+        b = torch.load(os.path.join(ck, "node1", "step_00000030", f"rank{g}.pt"), weights_only=True)["diloco"]
+        assert a["outer_step"] == b["outer_step"] == 3
+        assert torch.equal(a["outer"], b["outer"]) and torch.equal(a["momentum"], b["momentum"])
+        assert a["outer"].abs().sum() > 0
+
+
+@needs_ring
+def test_int8_and_exact_reach_the_same_loss(tmp_path, seed):
+    """The same seed with the int8 ring and with exact fp32: final losses within 2%."""
+    final = {}
+    for codec in ("int8", "none"):
+        out_dir = str(tmp_path / codec)
+        args = QUICK + ["--train.steps", "40", "--diloco.inner_steps", "10", "--diloco.codec", codec,
+                        "--train.seed", str(seed), "--metrics.out_dir", out_dir, "--metrics.log_every", "1"]
+        rc, out = run_simulate(2, 1, args)
+        assert rc == 0, out
+        per_node = [losses(out_dir, n) for n in (0, 1)]
+        final[codec] = sum(ls[s] for ls in per_node for s in range(31, 41)) / 20  # last 10 steps, both nodes
+        if codec == "int8":
+            errs = [r["compression_error"] for r in records(out_dir, 0, "outer")]
+            assert all(0 < e < 0.05 for e in errs), errs
+    assert abs(final["int8"] - final["none"]) / final["none"] < 0.02, final
+
+
+@needs_ring
+def test_two_nodes_resume_matches_uninterrupted_run(tmp_path, seed):
+    """Kill both nodes after step 8, resume from the step-6 checkpoint (mid outer phase): same losses on both nodes."""
+    common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "4", "--train.seed", str(seed),
+                      "--metrics.log_every", "1"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    rc, out = run_simulate(2, 1, common + ["--metrics.out_dir", full])
+    assert rc == 0, out
+    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
+    rc, out = run_simulate(2, 1, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
+    assert rc != 0 and "exiting as if killed" in out, out
+    rc, out = run_simulate(2, 1, common + ck)
+    assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
+    for node in (0, 1):
+        ref = losses(full, node)
+        got = {r["step"]: r["loss"] for r in records(part, node) if r["step"] > 6}
+        assert sorted(got) == list(range(7, 13))
+        for s, l in got.items():
+            assert l == ref[s], f"node {node} step {s}: {l} vs {ref[s]} (seed {seed})"  # bit-identical
+
+
+@needs_ring
+def test_a_failing_node_stops_the_simulation(tmp_path):
+    """One node dies: prime-simulate reports it, stops the other and exits non-zero."""
+    args = QUICK + ["--train.steps", "200", "--diloco.inner_steps", "5", "--diloco.timeout_s", "20",
+                    "--metrics.out_dir", str(tmp_path)]
+    rc, out = run_simulate(2, 1, args, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "3"})
+    assert rc != 0 and "stopping the other nodes" in out, out
+
+
+@needs_ring
+def test_lost_peer_stops_with_a_checkpoint_and_status_3(tmp_path):
+    """Node 1 dies before the first outer step: node 0 retries on a new ring, gives up, saves a checkpoint, exits 3."""
+    store = f"127.0.0.1:{free_port()}"
+    ck = str(tmp_path / "ck")
+    args = QUICK + ["--train.steps", "20", "--diloco.inner_steps", "5", "--diloco.timeout_s", "4",
+                    "--diloco.retries", "1", "--num-nodes", "2", "--store-addr", store, "--checkpoint.dir", ck,
+                    "--metrics.out_dir", str(tmp_path / "m")]
+    procs = []
+    for node, fault in ((0, "0"), (1, "3")):
+        env = dict(_env(), PRIME_FAULT_EXIT_AFTER_STEP=fault)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *args,
+               "--node-rank", str(node)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert procs[1].returncode != 0 and "exiting as if killed" in outs[1], outs[1]
+    assert procs[0].returncode != 0, outs[0]
+    assert "prime-train: stopped: outer step 1: the all-reduce across nodes failed 2 time(s)" in outs[0], outs[0]
+    assert "Checkpoint of step 5 saved" in outs[0], outs[0]
+    state = torch.load(os.path.join(ck, "node0", "step_00000005", "rank0.pt"), weights_only=True)
+    assert state["step"] == 5 and state["diloco"]["outer_step"] == 0 and state["diloco"]["since_sync"] == 5
