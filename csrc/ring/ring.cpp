@@ -161,10 +161,6 @@ void Ring::worker_loop() {
       running_ = true;
     }
     execute(p);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;
-    }
   }
 }
 
@@ -176,20 +172,29 @@ void Ring::execute(Pending& p) {
   stats.queue_s = std::chrono::duration<double>(t0 - p.submitted).count();
   auto done = [&](std::optional<ErrorInfo> error) {
     stats.total_s = seconds_since(t0);
+    {
+      // Before finish(): a caller woken by it may close() the ring at once, and must
+      // then see an idle ring (a clean close, not an abort of its neighbours).
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
     p.work->finish(std::move(error), stats);
   };
+  std::optional<ErrorInfo> refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return done(broken_error(p.work->seq()));
-    if (closing_) {
+    if (broken_) {
+      refused = broken_error(p.work->seq());
+    } else if (closing_) {
       ErrorInfo e;
       e.kind = ErrorKind::kClosed;
       e.rank = e.origin = opt_.rank;
       e.where = Context{p.work->seq()};
       e.cause = "the ring was closed before this collective ran";
-      return done(e);
+      refused = e;
     }
   }
+  if (refused) return done(refused);
   const AllReduceSpec& spec = p.job.spec;
   ScheduleOutcome outcome;
   if (opt_.world_size == 1) {

@@ -17,6 +17,9 @@ constexpr size_t kLimitedPiece = 64 << 10;
 constexpr size_t kCoalesceBytes = 64 << 10;
 // How long shutdown() tries to deliver its abort/close frame per socket.
 constexpr Millis kControlDeadline{1000};
+// How long a bare EOF waits for a neighbour's abort frame (which names the root
+// cause) to arrive on another path before it is reported as the failure itself.
+constexpr Millis kRootCauseGrace{250};
 
 std::string frame_name(const FrameHeader& h) {
   std::ostringstream s;
@@ -62,6 +65,7 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Socket> right, 
 TcpTransport::~TcpTransport() { shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring"); }
 
 void TcpTransport::record(Failure f) {
+  if (stop_) return;  // our own shutdown makes sockets fail: not news
   {
     std::lock_guard<std::mutex> lock(fail_mu_);
     if (failure_) return;
@@ -74,6 +78,12 @@ void TcpTransport::record(Failure f) {
   { std::lock_guard<std::mutex> lock(recv_mu_); }
   recv_cv_.notify_all();
   if (on_failure_) on_failure_();
+}
+
+void TcpTransport::record_lost(Failure f) {
+  const auto until = Clock::now() + kRootCauseGrace;
+  while (!failed_ && !stop_ && Clock::now() < until) std::this_thread::sleep_for(Millis(5));
+  record(std::move(f));
 }
 
 ErrorInfo TcpTransport::error_from(const Failure& f, const Context& where) const {
@@ -184,6 +194,10 @@ void TcpTransport::sender_loop(int j) {
       } else {
         fail.cause = "send to rank " + std::to_string(opt_.right) + " failed: " + io_cause(e) + " (while sending " +
                      frame_name(f.header) + ")";
+        // A neighbour that failed on its own wrote why on this socket's return path
+        // before closing it: let the watcher read that first.
+        record_lost(std::move(fail));
+        return;
       }
       record(std::move(fail));
       return;
@@ -247,7 +261,7 @@ void TcpTransport::receiver_loop(int j) {
         recv_cv_.notify_all();
         return;
       }
-      record({ErrorKind::kConnectionLost, opt_.left, "connection from " + from + " lost: " + io_cause(e)});
+      record_lost({ErrorKind::kConnectionLost, opt_.left, "connection from " + from + " lost: " + io_cause(e)});
       return;
     }
     const std::string bad = decode_header(raw, &h);
@@ -275,8 +289,8 @@ void TcpTransport::receiver_loop(int j) {
       recv_all(s.socket, f.payload.data(), h.payload_len, limits);
     } catch (const IoError& e) {
       if (e.reason() == IoError::Reason::kStopped) return;
-      record({ErrorKind::kConnectionLost, opt_.left,
-              "connection from " + from + " lost in the middle of a frame: " + io_cause(e)});
+      record_lost({ErrorKind::kConnectionLost, opt_.left,
+                   "connection from " + from + " lost in the middle of a frame: " + io_cause(e)});
       return;
     }
     if (h.kind == FrameKind::kData) {
@@ -404,7 +418,7 @@ void TcpTransport::watcher_loop() {
       } catch (const IoError& e) {
         if (e.reason() == IoError::Reason::kStopped) return;
         if (right_closed_) continue;
-        record({ErrorKind::kConnectionLost, opt_.right, "connection to " + from + " lost: " + io_cause(e)});
+        record_lost({ErrorKind::kConnectionLost, opt_.right, "connection to " + from + " lost: " + io_cause(e)});
         return;
       }
     }

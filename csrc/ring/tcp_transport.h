@@ -83,6 +83,7 @@ class TcpTransport : public Transport {
   void watcher_loop();
   void write_frame(SendStream& s, OutFrame& f);
   void record(Failure f);
+  void record_lost(Failure f);  // record() after a short grace for a better-informed report
   ErrorInfo error_from(const Failure& f, const Context& where) const;
   ErrorInfo local_error(ErrorKind kind, int peer, std::string cause, const Context& where) const;
   void send_control(const Socket& s, FrameKind kind, int origin, const std::string& message);

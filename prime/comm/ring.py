@@ -186,6 +186,8 @@ class Ring:
         self.timeout = timeout_s
         self.streams = streams
         self.address: Optional[str] = None
+        # Connections dropped during the rendezvous (bad secret, garbage, ...), also logged.
+        self.rejected_connections: list = []
         self._ring = None
         deadline = time.monotonic() + timeout_s
         timeout_ms = int(timeout_s * 1000)
@@ -220,7 +222,8 @@ class Ring:
             try:
                 self._ring.connect(host, port)
             finally:
-                for line in self._ring.rejected_connections():
+                self.rejected_connections = list(self._ring.rejected_connections())
+                for line in self.rejected_connections:
                     logger.warning("prime ring rank %d: %s", rank, line)
             rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms)
         except BaseException as e:
