@@ -313,6 +313,57 @@ def test_concurrent_and_soak(ranks):
         assert results[r]["last_seq"] == len(specs) + 999
 
 
+def _rank_options(ctx, seed):
+    """Several streams per link, a rate limit, checksums off: same results."""
+    out = []
+    for kwargs in ({"streams": 3, "segment_bytes": 1 << 16}, {"checksum": False}, {"streams": 2, "max_rate": 5e7}):
+        with ctx.ring(**kwargs) as ring:
+            for codec in ("int8", "none"):
+                x = make_input(seed, ctx.rank, 200003, torch.float32)
+                ring.all_reduce(x, op="avg", codec=codec).wait()
+                out.append(x if ctx.rank == 0 else _digest(x))
+    return out
+
+
+def test_streams_rate_limit_and_no_checksum_give_the_same_result(ranks):
+    world = 3
+    results = ranks.run(_rank_options, SEED, world_size=world)
+    inputs = [make_input(SEED, r, 200003, torch.float32) for r in range(world)]
+    models = {c: model_all_reduce(inputs, "avg", c) for c in ("int8", "none")}
+    for i, y in enumerate(results[0]):
+        model = models[("int8", "none")[i % 2]]
+        assert torch.equal(_bits(y), _bits(model)), f"configuration {i // 2} {_seed_note()}"
+        for r in range(1, world):
+            assert results[r][i] == _digest(model)
+
+
+def _rank_close_in_flight(ctx, seed, closer):
+    from prime.comm import CommError
+
+    ring = ctx.ring(timeout=10, max_rate=2e6)
+    x = make_input(seed, ctx.rank, 1 << 20, torch.float32)
+    keep = x.clone()
+    w = ring.all_reduce(x, op="sum", codec="none")
+    if ctx.rank == closer:
+        time.sleep(0.5)
+        ring.close()
+    try:
+        w.wait()
+        res = {"raised": False}
+    except CommError as e:
+        res = {"raised": True, "kind": e.kind, "message": str(e), "intact": torch.equal(x, keep)}
+    ring.close()
+    return res
+
+
+def test_close_during_a_collective_fails_it_everywhere(ranks):
+    results = ranks.run(_rank_close_in_flight, SEED, 0, world_size=3)
+    assert results[0]["raised"] and results[0]["kind"] == "closed", results[0]
+    for r in range(3):
+        assert results[r]["raised"] and results[r]["intact"], results[r]
+        assert "rank 0 closed the ring" in results[r]["message"] or r == 0, results[r]["message"]
+
+
 def _rank_world_one(ctx, seed):
     with ctx.ring() as ring:
         x = make_input(seed, 0, 1000, torch.float32)

@@ -12,15 +12,17 @@ namespace prime::ring {
 class ByteBuffer {
  public:
   ByteBuffer() = default;
-  explicit ByteBuffer(size_t size) : size_(size) {
+  explicit ByteBuffer(size_t size) : size_(size), capacity_((size + 63) / 64 * 64) {
     if (size == 0) return;
-    const size_t rounded = (size + 63) / 64 * 64;
-    data_.reset(static_cast<char*>(std::aligned_alloc(64, rounded)));
+    data_.reset(static_cast<char*>(std::aligned_alloc(64, capacity_)));
     if (!data_) throw std::bad_alloc();
   }
   char* data() { return data_.get(); }
   const char* data() const { return data_.get(); }
   size_t size() const { return size_; }
+  size_t capacity() const { return capacity_; }
+  // Reuses the storage for `size` bytes (at most capacity()).
+  void resize(size_t size) { size_ = size; }
   template <typename T>
   T* as() {
     return reinterpret_cast<T*>(data_.get());
@@ -36,6 +38,7 @@ class ByteBuffer {
   };
   std::unique_ptr<char, Free> data_;
   size_t size_ = 0;
+  size_t capacity_ = 0;
 };
 
 }  // namespace prime::ring

@@ -93,7 +93,9 @@ void Ring::connect(const std::string& right_host, int right_port) {
     t.job = job_;
     t.max_payload = static_cast<uint32_t>(opt_.segment_elems * 4);  // an fp32 segment, the largest payload
     t.corrupt_after_bytes = opt_.corrupt_after_bytes;
-    transport_ = std::make_unique<TcpTransport>(std::move(t), std::move(links.right), std::move(links.left), [this] {
+    // Idle frame buffers kept for reuse: a few chunks' worth at the default segment size.
+    pool_ = BufferPool::create(size_t{256} << 20);
+    transport_ = std::make_unique<TcpTransport>(std::move(t), std::move(links.right), std::move(links.left), pool_, [this] {
       { std::lock_guard<std::mutex> lock(mu_); }
       cv_.notify_all();
     });
@@ -206,7 +208,7 @@ void Ring::execute(Pending& p) {
     RingGeometry g{opt_.rank, opt_.world_size, opt_.segment_elems, job_};
     std::optional<ErrorInfo> failure;
     try {
-      outcome = run_all_reduce(*transport_, g, static_cast<uint64_t>(p.work->seq()), spec, counters, times);
+      outcome = run_all_reduce(*transport_, *pool_, g, static_cast<uint64_t>(p.work->seq()), spec, counters, times);
     } catch (const CommError& e) {
       failure = e.info();
     } catch (const std::exception& e) {

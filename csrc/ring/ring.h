@@ -83,6 +83,7 @@ class Ring {
 
   const RingOptions opt_;
   const uint64_t job_;
+  std::shared_ptr<BufferPool> pool_;
   std::unique_ptr<Rendezvous> rendezvous_;
   std::unique_ptr<TcpTransport> transport_;
   std::thread worker_;

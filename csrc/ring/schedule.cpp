@@ -24,9 +24,10 @@ class Timer {
 
 class AllReduce {
  public:
-  AllReduce(Transport& transport, const RingGeometry& g, uint64_t seq, const AllReduceSpec& spec,
+  AllReduce(Transport& transport, BufferPool& pool, const RingGeometry& g, uint64_t seq, const AllReduceSpec& spec,
             std::shared_ptr<WireCounters> counters, ScheduleTimes& times)
       : t_(transport),
+        pool_(pool),
         g_(g),
         seq_(seq),
         spec_(spec),
@@ -101,10 +102,10 @@ class AllReduce {
   }
 
   // Quantizes `len` values of `type` into a fresh [scales | q] payload.
-  std::shared_ptr<ByteBuffer> quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
+  Buffer quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
     Timer timer(times_.quantize_s);
     const int64_t nb = codec::num_blocks(len, spec_.block);
-    auto buf = std::make_shared<ByteBuffer>(static_cast<size_t>(int8_bytes(len)));
+    Buffer buf = pool_.acquire(static_cast<size_t>(int8_bytes(len)));
     *bad_blocks = codec::quantize(x, type, len, spec_.block, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
                                   buf->as<float>());
     return buf;
@@ -141,7 +142,7 @@ class AllReduce {
         // Zero copy: the input outlives the collective's final flush.
         send(Phase::kReduceScatter, 0, k, in(sp.begin), static_cast<size_t>(sp.size()) * 4, nullptr);
       } else {
-        auto buf = std::make_shared<ByteBuffer>(static_cast<size_t>(sp.size()) * 4);
+        Buffer buf = pool_.acquire(static_cast<size_t>(sp.size()) * 4);
         {
           Timer timer(times_.reduce_s);
           own_bad_ |= !widen(in(sp.begin), spec_.dtype, sp.size(), buf->as<float>());
@@ -195,17 +196,17 @@ class AllReduce {
     const int64_t len = sp.size();
     const bool last = s == n_ - 2;  // this rank owns chunk c: the sum is complete here
     InFrame f = receive(Phase::kReduceScatter, s, k, int8_ ? int8_bytes(len) : len * 4);
-    auto acc = std::make_shared<ByteBuffer>(static_cast<size_t>(len) * 4);
+    Buffer acc = pool_.acquire(static_cast<size_t>(len) * 4);
     float* a = acc->as<float>();
     {
       Timer timer(times_.reduce_s);
       if (int8_) {
         own_bad_ |= !widen(in(sp.begin), spec_.dtype, len, a);
         const int64_t nb = codec::num_blocks(len, spec_.block);
-        codec::dequantize_add(a, reinterpret_cast<const int8_t*>(f.payload.data() + 4 * nb),
-                              f.payload.as<float>(), len, spec_.block);
+        codec::dequantize_add(a, reinterpret_cast<const int8_t*>(f.payload->data() + 4 * nb),
+                              f.payload->as<float>(), len, spec_.block);
       } else {
-        own_bad_ |= !add_widened(in(sp.begin), spec_.dtype, f.payload.as<float>(), len, a);
+        own_bad_ |= !add_widened(in(sp.begin), spec_.dtype, f.payload->as<float>(), len, a);
       }
       if (last && spec_.op == ReduceOp::kAvg) divide(a, len, static_cast<float>(n_));
     }
@@ -249,24 +250,25 @@ class AllReduce {
     {
       Timer timer(times_.reduce_s);
       if (int8_) {
-        std::unique_ptr<ByteBuffer> scratch;
-        if (spec_.dtype != DType::kFloat32) scratch = std::make_unique<ByteBuffer>(static_cast<size_t>(len) * 4);
-        dequantize_to_output(f.payload.data(), sp.begin, len, scratch ? scratch->as<float>() : nullptr);
+        Buffer scratch;
+        if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(len) * 4);
+        dequantize_to_output(f.payload->data(), sp.begin, len, scratch ? scratch->as<float>() : nullptr);
       } else if (len > 0) {
-        std::memcpy(out(sp.begin), f.payload.data(), static_cast<size_t>(len) * esize_);
+        std::memcpy(out(sp.begin), f.payload->data(), static_cast<size_t>(len) * esize_);
       }
     }
     if (s < n_ - 2) {
       // Forward the owner's bytes verbatim; their checksum was verified on arrival.
       const uint32_t crc = f.header.payload_crc;
       const bool had_crc = (f.header.flags & kFlagChecksum) != 0;
-      auto buf = std::make_shared<ByteBuffer>(std::move(f.payload));
+      Buffer buf = std::move(f.payload);
       send(Phase::kAllGather, s + 1, k, buf->data(), static_cast<size_t>(f.header.payload_len), buf,
            had_crc ? std::optional<uint32_t>(crc) : std::nullopt);
     }
   }
 
   Transport& t_;
+  BufferPool& pool_;
   const RingGeometry g_;
   const uint64_t seq_;
   const AllReduceSpec spec_;
@@ -318,10 +320,10 @@ std::string describe_spec(const AllReduceSpec& spec) {
   return s.str();
 }
 
-ScheduleOutcome run_all_reduce(Transport& transport, const RingGeometry& geometry, uint64_t seq,
+ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,
                                const AllReduceSpec& spec, const std::shared_ptr<WireCounters>& counters,
                                ScheduleTimes& times) {
-  AllReduce job(transport, geometry, seq, spec, counters, times);
+  AllReduce job(transport, pool, geometry, seq, spec, counters, times);
   return job.run();
 }
 

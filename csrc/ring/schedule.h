@@ -63,7 +63,7 @@ std::string describe_spec(const AllReduceSpec& spec);
 // Runs all-reduce number `seq`. Writes the result into spec.output only; returns
 // which ranks had non-finite input (the caller decides whether to commit). Throws
 // CommError on any wire failure.
-ScheduleOutcome run_all_reduce(Transport& transport, const RingGeometry& geometry, uint64_t seq,
+ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,
                                const AllReduceSpec& spec, const std::shared_ptr<WireCounters>& counters,
                                ScheduleTimes& times);
 

@@ -38,9 +38,10 @@ std::string io_cause(const IoError& e) {
 }  // namespace
 
 TcpTransport::TcpTransport(TransportOptions options, std::vector<Socket> right, std::vector<Socket> left,
-                           std::function<void()> on_failure)
+                           std::shared_ptr<BufferPool> pool, std::function<void()> on_failure)
     : opt_(std::move(options)),
       k_(static_cast<int>(right.size())),
+      pool_(std::move(pool)),
       on_failure_(std::move(on_failure)),
       limiter_(opt_.max_rate, std::max<double>(kLimitedPiece, opt_.max_rate * 0.01)) {
   send_progress_ns_ = now_ns();
@@ -285,8 +286,8 @@ void TcpTransport::receiver_loop(int j) {
     InFrame f;
     f.header = h;
     try {
-      f.payload = ByteBuffer(h.payload_len);
-      recv_all(s.socket, f.payload.data(), h.payload_len, limits);
+      f.payload = pool_->acquire(h.payload_len);
+      recv_all(s.socket, f.payload->data(), h.payload_len, limits);
     } catch (const IoError& e) {
       if (e.reason() == IoError::Reason::kStopped) return;
       record_lost({ErrorKind::kConnectionLost, opt_.left,
@@ -299,7 +300,7 @@ void TcpTransport::receiver_loop(int j) {
         return;
       }
       if (h.flags & kFlagChecksum) {
-        const uint32_t got = crc32c(f.payload.data(), h.payload_len);
+        const uint32_t got = crc32c(f.payload->data(), h.payload_len);
         if (got != h.payload_crc) {
           char text[96];
           std::snprintf(text, sizeof(text), "payload checksum mismatch (header 0x%08x, computed 0x%08x)",
@@ -318,7 +319,7 @@ void TcpTransport::receiver_loop(int j) {
     }
     int origin = -1;
     std::string message;
-    if (!decode_control(f.payload.data(), h.payload_len, &origin, &message)) {
+    if (!decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
       record({ErrorKind::kCorruptFrame, opt_.left, "corrupt control frame from " + from});
       return;
     }

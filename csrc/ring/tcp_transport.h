@@ -41,7 +41,7 @@ class TcpTransport : public Transport {
  public:
   // `on_failure` runs (on an I/O thread, no lock held) when a failure is first recorded.
   TcpTransport(TransportOptions options, std::vector<Socket> right, std::vector<Socket> left,
-               std::function<void()> on_failure);
+               std::shared_ptr<BufferPool> pool, std::function<void()> on_failure);
   ~TcpTransport() override;
 
   void send(OutFrame frame) override;
@@ -90,6 +90,7 @@ class TcpTransport : public Transport {
 
   const TransportOptions opt_;
   const int k_;
+  std::shared_ptr<BufferPool> pool_;
   std::function<void()> on_failure_;
   RateLimiter limiter_;
   std::atomic<bool> stop_{false};

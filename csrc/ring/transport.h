@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "buffer.h"
+#include "buffer_pool.h"
 #include "errors.h"
 #include "tcp/frame.h"
 
@@ -34,7 +34,7 @@ struct OutFrame {
 
 struct InFrame {
   FrameHeader header;
-  ByteBuffer payload;  // checksum already verified
+  Buffer payload;  // never null; checksum already verified
 };
 
 class Transport {
