@@ -172,7 +172,7 @@ def test_crc32c_matches_known_values_and_both_paths():
     assert C._ring_crc32c(b"", False) == 0
     assert C._ring_crc32c(bytes(32), True) == 0x8A9136AA  # RFC 3720 B.4: 32 zero bytes
     rng = random.Random(SEED)
-    for n in [1, 3, 7, 8, 9, 63, 64, 65, 1000, 4099]:
+    for n in [1, 3, 7, 8, 9, 63, 64, 65, 1000, 4099, 12288, 12295, 40000]:  # >= 12288: three lanes
         data = bytes(rng.getrandbits(8) for _ in range(n))
         for off in range(3):  # unaligned starts
             assert C._ring_crc32c(data[off:], False) == C._ring_crc32c(data[off:], True), _seed_note()

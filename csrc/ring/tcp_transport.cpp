@@ -17,6 +17,12 @@ constexpr size_t kLimitedPiece = 64 << 10;
 constexpr size_t kCoalesceBytes = 64 << 10;
 // How long shutdown() tries to deliver its abort/close frame per socket.
 constexpr Millis kControlDeadline{1000};
+// Frames received ahead of the consumer, per stream. A correct peer never gets
+// near this (it is at most about a collective ahead); it bounds the memory a
+// misbehaving one can make us hold. Reading stops (TCP pushes back) until the
+// consumer catches up, so this cannot deadlock: the queue holds the next frames
+// the consumer needs.
+constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
 // How long a bare EOF waits for a neighbour's abort frame (which names the root
 // cause) to arrive on another path before it is reported as the failure itself.
 constexpr Millis kRootCauseGrace{250};
@@ -311,7 +317,11 @@ void TcpTransport::receiver_loop(int j) {
         }
       }
       {
-        std::lock_guard<std::mutex> lock(recv_mu_);
+        std::unique_lock<std::mutex> lock(recv_mu_);
+        while (s.queued_bytes > 0 && s.queued_bytes + h.payload_len > kMaxQueuedBytes && !stop_) {
+          recv_cv_.wait_for(lock, Millis(kPollSliceMs));
+        }
+        s.queued_bytes += h.payload_len;
         s.queue.push_back(std::move(f));
       }
       recv_cv_.notify_all();
@@ -343,7 +353,9 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
     if (!s.queue.empty()) {
       InFrame f = std::move(s.queue.front());
       s.queue.pop_front();
+      s.queued_bytes -= f.header.payload_len;
       ++next_recv_;
+      recv_cv_.notify_all();  // a receiver may wait for room
       counters.bytes_received += kHeaderBytes + f.header.payload_len;
       counters.frames_received += 1;
       return f;

@@ -74,6 +74,7 @@ class TcpTransport : public Transport {
     Socket socket;
     std::deque<InFrame> queue;
     bool ended = false;  // EOF after the peer's close frame
+    size_t queued_bytes = 0;
     std::atomic<int64_t> progress_ns{0};
     std::thread thread;
   };
