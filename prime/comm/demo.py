@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -32,7 +33,8 @@ def _rank_main(rank: int, world_size: int, port: int, numel: int, links, results
 
     from prime.comm import Ring
 
-    torch.set_num_threads(1)  # the ranks share this machine's cores
+    # The ranks share this machine's cores; the codec runs on this many threads.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     x = _input(rank, numel)
     out = []
