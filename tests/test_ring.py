@@ -539,9 +539,14 @@ def test_stalled_rank_times_out_everywhere(ranks):
     assert "timed out after 2000 ms waiting for recv from rank 2" in results[right]["message"]
 
 
+def _open_fds_and_threads():
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
 def _rank_corrupt(ctx, seed, bad_rank):
     from prime.comm import CommError
 
+    before = _open_fds_and_threads()
     ring = ctx.ring(timeout=10, _corrupt_after_bytes=5000 if ctx.rank == bad_rank else None)
     x = make_input(seed, ctx.rank, 100000, torch.float32)
     keep = x.clone()
@@ -556,6 +561,7 @@ def _rank_corrupt(ctx, seed, bad_rank):
         y = torch.full((1000,), float(ctx.rank))
         ring2.all_reduce(y, op="sum", codec="none").wait()
         res["rebuilt_ok"] = bool((y == ctx.world_size * (ctx.world_size - 1) / 2).all())
+    res["leaked"] = (before, _open_fds_and_threads())  # after a failure and a clean close
     return res
 
 
@@ -564,6 +570,8 @@ def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks):
     results = ranks.run(_rank_corrupt, SEED, bad, world_size=world)
     for r in range(world):
         assert results[r]["raised"] and results[r]["intact"] and results[r]["rebuilt_ok"], results[r]
+        before, after = results[r]["leaked"]
+        assert before == after, f"rank {r}: (open fds, threads) {before} before two rings, {after} after"
     detector = results[(bad + 1) % world]
     assert detector["kind"] == "corrupt_frame" and detector["peer"] == bad, detector["message"]
     assert "checksum mismatch" in detector["message"]

@@ -9,7 +9,7 @@ constexpr size_t kPoolMin = 64 << 10;
 }  // namespace
 
 std::shared_ptr<BufferPool> BufferPool::create(size_t max_cached_bytes) {
-  return std::shared_ptr<BufferPool>(new BufferPool(max_cached_bytes));  // private constructor
+  return std::make_shared<BufferPool>(Key{}, max_cached_bytes);
 }
 
 Buffer BufferPool::acquire(size_t size) {

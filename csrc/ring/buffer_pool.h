@@ -16,15 +16,17 @@ namespace prime::ring {
 using Buffer = std::shared_ptr<ByteBuffer>;
 
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
+  struct Key {};  // only create() can construct: buffers hold a weak_ptr to the pool
+
  public:
   // Keeps at most `max_cached_bytes` of idle buffers.
   static std::shared_ptr<BufferPool> create(size_t max_cached_bytes);
+  BufferPool(Key, size_t max_cached_bytes) : max_cached_(max_cached_bytes) {}
   // A buffer of exactly `size` bytes (contents undefined); it returns to the pool
   // when the last reference goes, even from another thread.
   Buffer acquire(size_t size);
 
  private:
-  explicit BufferPool(size_t max_cached_bytes) : max_cached_(max_cached_bytes) {}
   void release(std::unique_ptr<ByteBuffer> buffer);
 
   const size_t max_cached_;

@@ -92,9 +92,12 @@ Links Rendezvous::complete(const std::string& right_host, int right_port) {
       throw error(ErrorKind::kHandshake, right_, "handshake with " + where + " failed: " + e.what());
     } catch (const IoError& e) {
       stop();
-      throw error(ErrorKind::kTimeout, right_,
-                  "timed out after " + std::to_string(opt_.timeout.count()) + " ms connecting to " + where + ": " +
-                      e.what());
+      if (e.reason() == IoError::Reason::kTimeout) {
+        throw error(ErrorKind::kTimeout, right_,
+                    "timed out after " + std::to_string(opt_.timeout.count()) + " ms connecting to " + where + ": " +
+                        e.what());
+      }
+      throw error(ErrorKind::kConnectionLost, right_, "could not connect to " + where + ": " + e.what());
     }
     links.right.push_back(std::move(s));
   }

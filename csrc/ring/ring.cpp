@@ -78,8 +78,8 @@ std::vector<std::string> Ring::rejected_connections() const {
 void Ring::connect(const std::string& right_host, int right_port) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (connected_ || closed_) throw std::logic_error("connect() may be called once, before close()");
-    connected_ = true;
+    if (connecting_ || closed_) throw std::logic_error("connect() may be called once, before close()");
+    connecting_ = true;
   }
   if (opt_.world_size > 1) {
     Links links = rendezvous_->complete(right_host, right_port);
@@ -101,6 +101,8 @@ void Ring::connect(const std::string& right_host, int right_port) {
     });
   }
   worker_ = std::thread(&Ring::worker_loop, this);
+  std::lock_guard<std::mutex> lock(mu_);
+  connected_ = true;  // only now may collectives be queued
 }
 
 std::shared_ptr<Work> Ring::all_reduce(AllReduceJob job) {

@@ -95,6 +95,7 @@ class Ring {
   bool running_ = false;  // the worker is inside a job
   bool closing_ = false;
   bool closed_ = false;
+  bool connecting_ = false;
   bool connected_ = false;
   std::optional<ErrorInfo> broken_;
 };
