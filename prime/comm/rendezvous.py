@@ -29,6 +29,7 @@ ENV_SECRET = "PRIME_RING_SECRET"
 
 
 def namespace(job_id: str) -> str:
+    """The store key prefix of the ring named job_id."""
     return f"prime_ring/{job_id}"
 
 
@@ -134,10 +135,12 @@ def shared_secret(
 
 
 def format_address(host: str, port: int) -> str:
+    """host:port, with IPv6 hosts in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_address(text: str) -> Tuple[str, int]:
+    """The inverse of format_address."""
     host, _, port = text.rpartition(":")
     return host.strip("[]"), int(port)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from prime import _extension
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
+from prime.ops import check_block_size
 
 __all__ = ["Ring", "Work", "WorkStats", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
@@ -252,8 +253,6 @@ class Ring:
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         if codec not in ("int8", "none"):
             raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
-        from prime.ops import check_block_size
-
         check_block_size(block_size)
         return Work(self._ring.all_reduce(tensor, op, codec, block_size), self, tensor)
 
