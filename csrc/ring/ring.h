@@ -1,0 +1,103 @@
+// One rank's end of the ring: its links, its background worker, its collectives.
+//
+// all_reduce() only queues a job; a single worker thread runs the jobs in FIFO
+// order (every rank must issue them in the same order, as with NCCL; the frame
+// header's sequence number and descriptor check it). A job works on staging
+// buffers and calls its `commit` (copy into the caller's tensor) only when every
+// check passed, so a failed collective leaves the caller's tensor untouched.
+//
+// After a wire failure the ring is broken: the worker tells both neighbours (abort
+// frames), closes every socket, fails the job and every later one. Build a new
+// ring (new job id) with the survivors.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rendezvous.h"
+#include "schedule.h"
+#include "tcp_transport.h"
+#include "work.h"
+
+namespace prime::ring {
+
+struct RingOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string job_id = "prime";
+  std::string secret;
+  int64_t timeout_ms = 60000;             // every wait of a collective
+  int64_t rendezvous_timeout_ms = 60000;  // forming the links, from construction on
+  int streams = 1;
+  double max_rate = 0;  // bytes/s of this rank's uplink (to its right); <= 0 unlimited
+  bool checksum = true;
+  int64_t segment_elems = 1 << 18;
+  std::string bind_addr = "127.0.0.1";
+  int socket_buffer_bytes = 0;       // 0: kernel autotuning
+  int64_t corrupt_after_bytes = -1;  // tests only (see TransportOptions)
+};
+
+struct AllReduceJob {
+  AllReduceSpec spec;
+  std::function<void()> commit;       // copies spec.output into the caller's tensor
+  std::shared_ptr<void> keep_alive;   // tensors behind spec.input / spec.output
+};
+
+uint64_t job_hash(const std::string& job_id, int world_size);
+
+class Ring {
+ public:
+  explicit Ring(RingOptions options);  // validates, binds the listener (world_size > 1)
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+
+  int rank() const { return opt_.rank; }
+  int world_size() const { return opt_.world_size; }
+  int port() const;  // 0 when there is no listener
+  // Forms the links (connect right, accept left) and starts the worker.
+  void connect(const std::string& right_host, int right_port);
+  std::vector<std::string> rejected_connections() const;
+  std::shared_ptr<Work> all_reduce(AllReduceJob job);
+  // Joins every thread and closes every socket; queued jobs fail with kClosed.
+  void close();
+
+ private:
+  struct Pending {
+    AllReduceJob job;
+    std::shared_ptr<Work> work;
+    Clock::time_point submitted;
+  };
+
+  void worker_loop();
+  void execute(Pending& p);
+  void break_ring(const ErrorInfo& e);
+  ErrorInfo broken_error(int64_t seq) const;
+
+  const RingOptions opt_;
+  const uint64_t job_;
+  std::shared_ptr<BufferPool> pool_;
+  std::unique_ptr<Rendezvous> rendezvous_;
+  std::unique_ptr<TcpTransport> transport_;
+  std::thread worker_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  int64_t next_seq_ = 0;
+  bool running_ = false;  // the worker is inside a job
+  bool closing_ = false;
+  bool closed_ = false;
+  bool connecting_ = false;
+  bool connected_ = false;
+  std::optional<ErrorInfo> broken_;
+};
+
+}  // namespace prime::ring

@@ -1,0 +1,70 @@
+// The ring all-reduce schedule: reduce-scatter then all-gather over N chunks, each
+// chunk cut into segments so that one segment is on the wire while the previous is
+// reduced. It knows only "send to the right, receive from the left" (transport.h).
+//
+// Chunk c holds the partition units [c*U/N, (c+1)*U/N) of the U = ceil(n/unit)
+// units (unit = the codec block size for int8, 256 values otherwise). Chunk c
+// starts at rank c, is summed along the ring c, c+1, ..., c-1, and rank c-1 (its
+// owner) computes the final value, which the all-gather forwards verbatim.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "convert.h"
+#include "transport.h"
+
+namespace prime::ring {
+
+enum class ReduceOp : int { kSum = 0, kAvg = 1 };
+enum class CodecKind : int { kNone = 0, kInt8 = 1 };
+
+constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact path (values)
+
+struct AllReduceSpec {
+  const void* input = nullptr;  // n values of dtype; read only
+  void* output = nullptr;       // n values of dtype: the staging buffer the result goes to
+  int64_t n = 0;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kAvg;
+  CodecKind codec = CodecKind::kInt8;
+  int64_t block = 256;
+};
+
+struct RingGeometry {
+  int rank = 0;
+  int world_size = 1;
+  int64_t segment_elems = 1 << 18;  // a multiple of every partition unit
+  uint64_t job = 0;
+};
+
+struct ScheduleTimes {
+  double quantize_s = 0;  // codec quantize
+  double reduce_s = 0;    // dequantize(-add), widening, sums, rounding, copies
+  double wait_s = 0;      // blocked on the wire (recv and final flush)
+};
+
+struct ScheduleOutcome {
+  uint64_t nonfinite_ranks = 0;  // bit r: rank r's input held NaN/Inf
+  bool overflow = false;         // inputs finite, the sum (or its rounding to dtype) not
+};
+
+struct Span {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+};
+
+int64_t partition_unit(const AllReduceSpec& spec);
+Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk);
+uint32_t descriptor_of(const AllReduceSpec& spec);
+std::string describe_spec(const AllReduceSpec& spec);
+
+// Runs all-reduce number `seq`. Writes the result into spec.output only; returns
+// which ranks had non-finite input (the caller decides whether to commit). Throws
+// CommError on any wire failure.
+ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,
+                               const AllReduceSpec& spec, const std::shared_ptr<WireCounters>& counters,
+                               ScheduleTimes& times);
+
+}  // namespace prime::ring

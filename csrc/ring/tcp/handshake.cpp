@@ -1,0 +1,237 @@
+#include "handshake.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "../crypto/sha256.h"
+#include "connection.h"
+
+namespace prime::ring {
+namespace {
+
+constexpr char kMagic[8] = {'P', 'R', 'I', 'M', 'E', 'H', 'S', '1'};
+constexpr size_t kHelloBytes = 72;
+constexpr uint16_t kServerStream = 0xFFFF;
+
+enum Status : uint8_t {
+  kAccepted = 0,
+  kBadMac = 1,
+  kWrongJob = 2,
+  kWrongRank = 3,
+  kConfigMismatch = 4,
+};
+
+struct Hello {
+  uint16_t version = 1;
+  uint16_t world_size = 0;
+  uint16_t streams = 0;
+  uint16_t flags = 0;  // bit 0: payload checksums on
+  uint64_t segment_elems = 0;
+  uint64_t job = 0;
+  uint16_t rank = 0;
+  uint16_t stream = 0;
+  uint8_t nonce[32] = {};
+};
+
+template <typename T>
+void put(uint8_t* p, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i));
+}
+
+template <typename T>
+T get(const uint8_t* p) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return static_cast<T>(v);
+}
+
+void encode(const Hello& h, uint8_t* out) {
+  std::memcpy(out, kMagic, 8);
+  put<uint16_t>(out + 8, h.version);
+  put<uint16_t>(out + 10, h.world_size);
+  put<uint16_t>(out + 12, h.streams);
+  put<uint16_t>(out + 14, h.flags);
+  put<uint64_t>(out + 16, h.segment_elems);
+  put<uint64_t>(out + 24, h.job);
+  put<uint16_t>(out + 32, h.rank);
+  put<uint16_t>(out + 34, h.stream);
+  put<uint32_t>(out + 36, 0);
+  std::memcpy(out + 40, h.nonce, 32);
+}
+
+bool decode(const uint8_t* in, Hello* h) {
+  if (std::memcmp(in, kMagic, 8) != 0) return false;
+  h->version = get<uint16_t>(in + 8);
+  h->world_size = get<uint16_t>(in + 10);
+  h->streams = get<uint16_t>(in + 12);
+  h->flags = get<uint16_t>(in + 14);
+  h->segment_elems = get<uint64_t>(in + 16);
+  h->job = get<uint64_t>(in + 24);
+  h->rank = get<uint16_t>(in + 32);
+  h->stream = get<uint16_t>(in + 34);
+  std::memcpy(h->nonce, in + 40, 32);
+  return true;
+}
+
+Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream) {
+  Hello h;
+  h.world_size = static_cast<uint16_t>(c.world_size);
+  h.streams = static_cast<uint16_t>(c.streams);
+  h.flags = c.checksum ? 1 : 0;
+  h.segment_elems = c.segment_elems;
+  h.job = c.job;
+  h.rank = static_cast<uint16_t>(rank);
+  h.stream = stream;
+  size_t got = 0;
+  while (got < sizeof(h.nonce)) {
+    const ssize_t k = ::getrandom(h.nonce + got, sizeof(h.nonce) - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) throw HandshakeError("getrandom failed: " + errno_text(errno));
+    got += static_cast<size_t>(k);
+  }
+  return h;
+}
+
+// What differs between the peer's ring shape and ours, "" when nothing.
+std::string config_mismatch(const Hello& peer, const Hello& mine) {
+  std::ostringstream s;
+  if (peer.version != mine.version) s << "protocol version " << peer.version << " vs " << mine.version << "; ";
+  if (peer.world_size != mine.world_size) s << "world_size " << peer.world_size << " vs " << mine.world_size << "; ";
+  if (peer.streams != mine.streams) s << "streams " << peer.streams << " vs " << mine.streams << "; ";
+  if (peer.flags != mine.flags) {
+    s << "checksum " << ((peer.flags & 1) ? "on" : "off") << " vs " << ((mine.flags & 1) ? "on" : "off") << "; ";
+  }
+  if (peer.segment_elems != mine.segment_elems) {
+    s << "segment " << peer.segment_elems << " vs " << mine.segment_elems << " values; ";
+  }
+  return s.str();
+}
+
+Digest mac(const std::string& secret, const char* label, const uint8_t* hello_s, const uint8_t* hello_c) {
+  std::string msg(label);
+  msg.append(reinterpret_cast<const char*>(hello_s), kHelloBytes);
+  msg.append(reinterpret_cast<const char*>(hello_c), kHelloBytes);
+  return hmac_sha256(secret, msg.data(), msg.size());
+}
+
+const char* status_text(uint8_t status) {
+  switch (status) {
+    case kBadMac: return "authentication failed (the secret differs: set the same PRIME_RING_SECRET / secret= on every rank)";
+    case kWrongJob: return "the job id differs (a rank of another job or an older ring generation?)";
+    case kWrongRank: return "the server expected another rank as its left neighbour";
+    case kConfigMismatch: return "the ring configuration differs (streams, segment_bytes or checksum)";
+    default: return "refused";
+  }
+}
+
+IoLimits limits(Deadline d) {
+  IoLimits l;
+  l.deadline = d;
+  return l;
+}
+
+void send_status(const Socket& s, uint8_t status, Deadline deadline) {
+  uint8_t reply[33] = {};
+  reply[0] = status;
+  try {
+    send_all(s, reply, sizeof(reply), limits(deadline));
+  } catch (const IoError&) {
+    // The peer is being refused anyway; the status is only a courtesy.
+  }
+}
+
+}  // namespace
+
+int handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
+                     Deadline deadline) {
+  const Hello mine = make_hello(config, my_rank, kServerStream);
+  uint8_t hello_s[kHelloBytes];
+  encode(mine, hello_s);
+  uint8_t hello_c[kHelloBytes + 32];
+  try {
+    send_all(s, hello_s, kHelloBytes, limits(deadline));
+    recv_all(s, hello_c, sizeof(hello_c), limits(deadline));
+  } catch (const IoError& e) {
+    throw HandshakeError(std::string("no valid handshake: ") + e.what());
+  }
+  Hello peer;
+  if (!decode(hello_c, &peer)) throw HandshakeError("garbage instead of a handshake (bad magic)");
+  if (peer.job != config.job) {
+    send_status(s, kWrongJob, deadline);
+    throw HandshakeError("peer belongs to another job id or ring generation");
+  }
+  const std::string mismatch = config_mismatch(peer, mine);
+  if (!mismatch.empty()) {
+    send_status(s, kConfigMismatch, deadline);
+    throw HandshakeError("ring configuration differs: " + mismatch);
+  }
+  const Digest want = mac(config.secret, "prime-ring client", hello_s, hello_c);
+  Digest got;
+  std::memcpy(got.data(), hello_c + kHelloBytes, 32);
+  if (!digests_equal(want, got)) {
+    send_status(s, kBadMac, deadline);
+    throw HandshakeError("authentication failed: wrong secret");
+  }
+  if (peer.rank != expected_rank) {
+    send_status(s, kWrongRank, deadline);
+    throw HandshakeError("peer proved the secret but is rank " + std::to_string(peer.rank) + ", expected rank " +
+                         std::to_string(expected_rank) + " (the left neighbour)");
+  }
+  if (peer.stream >= config.streams) {
+    send_status(s, kConfigMismatch, deadline);
+    throw HandshakeError("stream index " + std::to_string(peer.stream) + " out of range");
+  }
+  uint8_t reply[33];
+  reply[0] = kAccepted;
+  const Digest proof = mac(config.secret, "prime-ring server", hello_s, hello_c);
+  std::memcpy(reply + 1, proof.data(), 32);
+  try {
+    send_all(s, reply, sizeof(reply), limits(deadline));
+  } catch (const IoError& e) {
+    throw HandshakeError(std::string("peer vanished during the handshake: ") + e.what());
+  }
+  return peer.stream;
+}
+
+void handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank, int stream,
+                      Deadline deadline) {
+  const Hello mine = make_hello(config, my_rank, static_cast<uint16_t>(stream));
+  uint8_t hello_s[kHelloBytes];
+  uint8_t hello_c[kHelloBytes + 32];
+  uint8_t reply[33];
+  try {
+    recv_all(s, hello_s, kHelloBytes, limits(deadline));
+  } catch (const IoError& e) {
+    throw HandshakeError(std::string("no handshake from the server: ") + e.what());
+  }
+  Hello peer;
+  if (!decode(hello_s, &peer)) throw HandshakeError("the server is not a prime ring rank (bad magic)");
+  if (peer.job != config.job) throw HandshakeError("the server belongs to another job id or ring generation");
+  const std::string mismatch = config_mismatch(peer, mine);
+  if (!mismatch.empty()) throw HandshakeError("ring configuration differs (theirs vs ours): " + mismatch);
+  if (peer.rank != expected_rank) {
+    throw HandshakeError("the server is rank " + std::to_string(peer.rank) + ", expected rank " +
+                         std::to_string(expected_rank));
+  }
+  encode(mine, hello_c);
+  const Digest proof = mac(config.secret, "prime-ring client", hello_s, hello_c);
+  std::memcpy(hello_c + kHelloBytes, proof.data(), 32);
+  try {
+    send_all(s, hello_c, sizeof(hello_c), limits(deadline));
+    recv_all(s, reply, sizeof(reply), limits(deadline));
+  } catch (const IoError& e) {
+    throw HandshakeError(std::string("the server dropped the handshake: ") + e.what());
+  }
+  if (reply[0] != kAccepted) throw HandshakeError(std::string("refused by the server: ") + status_text(reply[0]));
+  const Digest want = mac(config.secret, "prime-ring server", hello_s, hello_c);
+  Digest got;
+  std::memcpy(got.data(), reply + 1, 32);
+  if (!digests_equal(want, got)) {
+    throw HandshakeError("the server could not prove the secret (wrong secret, or not our neighbour)");
+  }
+}
+
+}  // namespace prime::ring

@@ -1,0 +1,492 @@
+#include "tcp_transport.h"
+
+#include <poll.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "crypto/crc32c.h"
+#include "tcp/connection.h"
+
+namespace prime::ring {
+namespace {
+
+// Rate-limited writes go in pieces of this size so streams interleave smoothly.
+constexpr size_t kLimitedPiece = 64 << 10;
+// Frames below this size are copied next to their header and sent in one call.
+constexpr size_t kCoalesceBytes = 64 << 10;
+// How long shutdown() tries to deliver its abort/close frame per socket.
+constexpr Millis kControlDeadline{1000};
+// Frames received ahead of the consumer, per stream. A correct peer never gets
+// near this (it is at most about a collective ahead); it bounds the memory a
+// misbehaving one can make us hold. Reading stops (TCP pushes back) until the
+// consumer catches up, so this cannot deadlock: the queue holds the next frames
+// the consumer needs.
+constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
+// How long a bare EOF waits for a neighbour's abort frame (which names the root
+// cause) to arrive on another path before it is reported as the failure itself.
+constexpr Millis kRootCauseGrace{250};
+
+std::string frame_name(const FrameHeader& h) {
+  std::ostringstream s;
+  s << phase_name(h.phase) << " step " << h.step << ", segment " << h.segment << " of all_reduce #" << h.seq;
+  return s.str();
+}
+
+std::string io_cause(const IoError& e) {
+  switch (e.reason()) {
+    case IoError::Reason::kEof: return "connection closed unexpectedly (EOF; did the process die?)";
+    case IoError::Reason::kReset: return std::string("connection reset (") + e.what() + "; did the process die?)";
+    default: return e.what();
+  }
+}
+
+}  // namespace
+
+TcpTransport::TcpTransport(TransportOptions options, std::vector<Socket> right, std::vector<Socket> left,
+                           std::shared_ptr<BufferPool> pool, std::function<void()> on_failure)
+    : opt_(std::move(options)),
+      k_(static_cast<int>(right.size())),
+      pool_(std::move(pool)),
+      on_failure_(std::move(on_failure)),
+      limiter_(opt_.max_rate, std::max<double>(kLimitedPiece, opt_.max_rate * 0.01)) {
+  send_progress_ns_ = now_ns();
+  for (auto& s : right) {
+    auto stream = std::make_unique<SendStream>();
+    stream->socket = std::move(s);
+    send_.push_back(std::move(stream));
+  }
+  for (auto& s : left) {
+    auto stream = std::make_unique<RecvStream>();
+    stream->socket = std::move(s);
+    stream->progress_ns = now_ns();
+    recv_.push_back(std::move(stream));
+  }
+  for (int j = 0; j < k_; ++j) {
+    send_[j]->thread = std::thread(&TcpTransport::sender_loop, this, j);
+    recv_[j]->thread = std::thread(&TcpTransport::receiver_loop, this, j);
+  }
+  watcher_ = std::thread(&TcpTransport::watcher_loop, this);
+}
+
+TcpTransport::~TcpTransport() { shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring"); }
+
+void TcpTransport::record(Failure f) {
+  if (stop_) return;  // our own shutdown makes sockets fail: not news
+  {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    if (failure_) return;
+    failure_ = std::move(f);
+    failed_ = true;
+  }
+  { std::lock_guard<std::mutex> lock(send_mu_); }
+  send_cv_.notify_all();
+  sent_cv_.notify_all();
+  { std::lock_guard<std::mutex> lock(recv_mu_); }
+  recv_cv_.notify_all();
+  if (on_failure_) on_failure_();
+}
+
+void TcpTransport::record_lost(Failure f) {
+  const auto until = Clock::now() + kRootCauseGrace;
+  while (!failed_ && !stop_ && Clock::now() < until) std::this_thread::sleep_for(Millis(5));
+  record(std::move(f));
+}
+
+ErrorInfo TcpTransport::error_from(const Failure& f, const Context& where) const {
+  ErrorInfo e;
+  e.kind = f.kind;
+  e.rank = opt_.rank;
+  e.peer = f.peer;
+  e.origin = f.kind == ErrorKind::kPeerFailed ? f.origin : opt_.rank;
+  e.where = where;
+  e.cause = f.cause;
+  e.origin_message = f.origin_message;
+  return e;
+}
+
+ErrorInfo TcpTransport::local_error(ErrorKind kind, int peer, std::string cause, const Context& where) const {
+  return error_from(Failure{kind, peer, std::move(cause)}, where);
+}
+
+std::optional<ErrorInfo> TcpTransport::failure(const Context& where) const {
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  if (!failure_) return std::nullopt;
+  return error_from(*failure_, where);
+}
+
+// ---------------------------------------------------------------------------
+// sending
+
+void TcpTransport::send(OutFrame frame) {
+  std::lock_guard<std::mutex> lock(send_mu_);
+  SendStream& s = *send_[next_send_++ % k_];
+  s.queue.push_back(std::move(frame));
+  send_cv_.notify_all();
+}
+
+void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
+  f.header.payload_len = static_cast<uint32_t>(f.size);
+  if (opt_.checksum) {
+    f.header.flags |= kFlagChecksum;
+    if (!f.crc_known) f.header.payload_crc = crc32c(f.data, f.size);
+  } else {
+    f.header.flags &= static_cast<uint16_t>(~kFlagChecksum);
+    f.header.payload_crc = 0;
+  }
+  uint8_t header[kHeaderBytes];
+  encode_header(f.header, header);
+
+  IoLimits limits;
+  limits.idle = opt_.timeout;
+  limits.stop = &stop_;
+  limits.progress_ns = &send_progress_ns_;
+
+  if (!limiter_.limited() && f.size <= kCoalesceBytes && opt_.corrupt_after_bytes < 0) {
+    char joined[kHeaderBytes + kCoalesceBytes];
+    std::memcpy(joined, header, kHeaderBytes);
+    if (f.size) std::memcpy(joined + kHeaderBytes, f.data, f.size);
+    s.mid_frame = true;
+    send_all(s.socket, joined, kHeaderBytes + f.size, limits);
+    s.mid_frame = false;
+    return;
+  }
+  if (!limiter_.acquire(kHeaderBytes, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+  s.mid_frame = true;
+  send_all(s.socket, header, kHeaderBytes, limits);
+  const size_t piece = limiter_.limited() ? kLimitedPiece : (size_t{4} << 20);
+  for (size_t off = 0; off < f.size; off += piece) {
+    const size_t len = std::min(piece, f.size - off);
+    if (!limiter_.acquire(len, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+    const int64_t base = payload_bytes_sent_.fetch_add(static_cast<int64_t>(len));
+    const int64_t target = opt_.corrupt_after_bytes;
+    if (target >= base && target < base + static_cast<int64_t>(len)) {
+      // Test hook: the bytes leave with one bit flipped, after the checksum was taken.
+      ByteBuffer copy(len);
+      std::memcpy(copy.data(), f.data + off, len);
+      copy.data()[target - base] ^= 0x10;
+      send_all(s.socket, copy.data(), len, limits);
+    } else {
+      send_all(s.socket, f.data + off, len, limits);
+    }
+  }
+  s.mid_frame = false;
+}
+
+void TcpTransport::sender_loop(int j) {
+  SendStream& s = *send_[j];
+  for (;;) {
+    OutFrame f;
+    {
+      std::unique_lock<std::mutex> lock(send_mu_);
+      send_cv_.wait(lock, [&] { return stop_.load() || failed_.load() || !s.queue.empty(); });
+      if (stop_.load() || failed_.load()) return;
+      f = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.busy = true;
+    }
+    try {
+      write_frame(s, f);
+    } catch (const IoError& e) {
+      if (e.reason() == IoError::Reason::kStopped) return;
+      Failure fail{ErrorKind::kConnectionLost, opt_.right, ""};
+      if (right_closed_) {
+        fail.kind = ErrorKind::kClosed;
+        fail.cause = "rank " + std::to_string(opt_.right) + " closed the ring (it called close()) while this rank sent " +
+                     frame_name(f.header) + " to it";
+      } else if (e.reason() == IoError::Reason::kTimeout) {
+        fail.kind = ErrorKind::kTimeout;
+        fail.cause = "timed out after " + std::to_string(opt_.timeout.count()) + " ms sending to rank " +
+                     std::to_string(opt_.right) + " (it stopped reading; while sending " + frame_name(f.header) + ")";
+      } else {
+        fail.cause = "send to rank " + std::to_string(opt_.right) + " failed: " + io_cause(e) + " (while sending " +
+                     frame_name(f.header) + ")";
+        // A neighbour that failed on its own wrote why on this socket's return path
+        // before closing it: let the watcher read that first.
+        record_lost(std::move(fail));
+        return;
+      }
+      record(std::move(fail));
+      return;
+    }
+    if (f.counters) {
+      f.counters->bytes_sent += kHeaderBytes + f.size;
+      f.counters->frames_sent += 1;
+    }
+    {
+      std::lock_guard<std::mutex> lock(send_mu_);
+      s.busy = false;
+    }
+    sent_cv_.notify_all();
+  }
+}
+
+void TcpTransport::flush(const Context& where) {
+  std::unique_lock<std::mutex> lock(send_mu_);
+  // The senders enforce the timeout on every write; this guard only catches a sender
+  // that somehow stopped without recording why.
+  const auto guard = opt_.timeout + Millis(5000);
+  for (;;) {
+    bool idle = true;
+    for (auto& s : send_) idle &= s->queue.empty() && !s->busy;
+    if (idle) return;
+    if (auto e = failure(where)) throw CommError(*e);
+    if (stop_) throw CommError(local_error(ErrorKind::kClosed, -1, "the ring was closed", where));
+    const int64_t last = send_progress_ns_.load();
+    if (now_ns() - last > std::chrono::duration_cast<std::chrono::nanoseconds>(guard).count()) {
+      throw CommError(local_error(ErrorKind::kTimeout, opt_.right,
+                                  "timed out after " + std::to_string(guard.count()) + " ms flushing frames to rank " +
+                                      std::to_string(opt_.right),
+                                  where));
+    }
+    sent_cv_.wait_for(lock, Millis(kPollSliceMs));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// receiving
+
+void TcpTransport::receiver_loop(int j) {
+  RecvStream& s = *recv_[j];
+  const std::string from = "rank " + std::to_string(opt_.left);
+  IoLimits limits;
+  limits.stop = &stop_;
+  limits.progress_ns = &s.progress_ns;
+  for (;;) {
+    uint8_t raw[kHeaderBytes];
+    FrameHeader h;
+    try {
+      if (!wait_readable(s.socket, limits)) return;  // stopped
+      recv_all(s.socket, raw, kHeaderBytes, limits);
+    } catch (const IoError& e) {
+      if (e.reason() == IoError::Reason::kStopped) return;
+      if (left_closed_ && e.reason() == IoError::Reason::kEof) {
+        {
+          std::lock_guard<std::mutex> lock(recv_mu_);
+          s.ended = true;
+        }
+        recv_cv_.notify_all();
+        return;
+      }
+      record_lost({ErrorKind::kConnectionLost, opt_.left, "connection from " + from + " lost: " + io_cause(e)});
+      return;
+    }
+    const std::string bad = decode_header(raw, &h);
+    if (!bad.empty()) {
+      record({ErrorKind::kCorruptFrame, opt_.left, "corrupt frame from " + from + ": " + bad});
+      return;
+    }
+    if (h.src_rank != opt_.left || h.job != opt_.job) {
+      record({ErrorKind::kProtocol, opt_.left,
+              "frame from " + from + " claims to come from rank " + std::to_string(h.src_rank) +
+                  (h.job != opt_.job ? " of another job" : "")});
+      return;
+    }
+    const uint32_t limit = h.kind == FrameKind::kData ? opt_.max_payload : kMaxControlPayload;
+    if (h.payload_len > limit) {
+      record({ErrorKind::kCorruptFrame, opt_.left,
+              "corrupt frame from " + from + ": payload length " + std::to_string(h.payload_len) +
+                  " exceeds the limit " + std::to_string(limit)});
+      return;
+    }
+    InFrame f;
+    f.header = h;
+    try {
+      f.payload = pool_->acquire(h.payload_len);
+      recv_all(s.socket, f.payload->data(), h.payload_len, limits);
+    } catch (const IoError& e) {
+      if (e.reason() == IoError::Reason::kStopped) return;
+      record_lost({ErrorKind::kConnectionLost, opt_.left,
+                   "connection from " + from + " lost in the middle of a frame: " + io_cause(e)});
+      return;
+    }
+    if (h.kind == FrameKind::kData) {
+      if (opt_.checksum && !(h.flags & kFlagChecksum)) {
+        record({ErrorKind::kProtocol, opt_.left, "frame from " + from + " carries no checksum but this ring expects one"});
+        return;
+      }
+      if (h.flags & kFlagChecksum) {
+        const uint32_t got = crc32c(f.payload->data(), h.payload_len);
+        if (got != h.payload_crc) {
+          char text[96];
+          std::snprintf(text, sizeof(text), "payload checksum mismatch (header 0x%08x, computed 0x%08x)",
+                        h.payload_crc, got);
+          record({ErrorKind::kCorruptFrame, opt_.left,
+                  "corrupt frame from " + from + ": " + text + " in " + frame_name(h)});
+          return;
+        }
+      }
+      {
+        std::unique_lock<std::mutex> lock(recv_mu_);
+        while (s.queued_bytes > 0 && s.queued_bytes + h.payload_len > kMaxQueuedBytes && !stop_) {
+          recv_cv_.wait_for(lock, Millis(kPollSliceMs));
+        }
+        s.queued_bytes += h.payload_len;
+        s.queue.push_back(std::move(f));
+      }
+      recv_cv_.notify_all();
+      continue;
+    }
+    int origin = -1;
+    std::string message;
+    if (!decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
+      record({ErrorKind::kCorruptFrame, opt_.left, "corrupt control frame from " + from});
+      return;
+    }
+    if (h.kind == FrameKind::kAbort) {
+      record({ErrorKind::kPeerFailed, opt_.left, message, origin, message});
+      return;
+    }
+    left_closed_ = true;  // kClose: frames already queued stay valid; EOF follows
+  }
+}
+
+InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
+  std::unique_lock<std::mutex> lock(recv_mu_);
+  RecvStream& s = *recv_[next_recv_ % k_];
+  const int64_t start = now_ns();
+  const int64_t timeout_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(opt_.timeout).count();
+  for (;;) {
+    // Frames that arrived whole are used even after a failure was recorded: they
+    // may be all this collective still needs (a neighbour that closed after its
+    // last collective, for instance).
+    if (!s.queue.empty()) {
+      InFrame f = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.queued_bytes -= f.header.payload_len;
+      ++next_recv_;
+      recv_cv_.notify_all();  // a receiver may wait for room
+      counters.bytes_received += kHeaderBytes + f.header.payload_len;
+      counters.frames_received += 1;
+      return f;
+    }
+    if (auto e = failure(where)) throw CommError(*e);
+    if (stop_) throw CommError(local_error(ErrorKind::kClosed, -1, "the ring was closed", where));
+    if (s.ended) {
+      throw CommError(local_error(ErrorKind::kClosed, opt_.left,
+                                  "rank " + std::to_string(opt_.left) +
+                                      " closed the ring (it called close()) while this rank waits for recv from it; "
+                                      "did every rank call all_reduce the same number of times?",
+                                  where));
+    }
+    const int64_t last = std::max(start, s.progress_ns.load());
+    const int64_t left_ns = last + timeout_ns - now_ns();
+    if (left_ns <= 0) {
+      throw CommError(local_error(ErrorKind::kTimeout, opt_.left,
+                                  "timed out after " + std::to_string(opt_.timeout.count()) +
+                                      " ms waiting for recv from rank " + std::to_string(opt_.left),
+                                  where));
+    }
+    recv_cv_.wait_for(lock, std::min<std::chrono::nanoseconds>(std::chrono::nanoseconds(left_ns), Millis(kPollSliceMs)));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// the right neighbour's reports, and shutting down
+
+void TcpTransport::watcher_loop() {
+  std::vector<bool> open(k_, true);
+  const std::string from = "rank " + std::to_string(opt_.right);
+  while (!stop_) {
+    std::vector<pollfd> fds;
+    std::vector<int> index;
+    for (int j = 0; j < k_; ++j) {
+      if (open[j]) {
+        fds.push_back({send_[j]->socket.fd(), POLLIN, 0});
+        index.push_back(j);
+      }
+    }
+    if (fds.empty()) return;
+    const int rc = ::poll(fds.data(), fds.size(), kPollSliceMs);
+    if (rc <= 0 || stop_) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      const int j = index[i];
+      open[j] = false;  // one report per stream is all a neighbour sends
+      IoLimits limits;
+      limits.deadline = Deadline::after(kControlDeadline);
+      limits.stop = &stop_;
+      uint8_t raw[kHeaderBytes];
+      FrameHeader h;
+      try {
+        recv_all(send_[j]->socket, raw, kHeaderBytes, limits);
+        const std::string bad = decode_header(raw, &h);
+        if (!bad.empty() || h.kind == FrameKind::kData || h.payload_len > kMaxControlPayload) {
+          record({ErrorKind::kCorruptFrame, opt_.right, "unexpected bytes from " + from + " on the return path"});
+          return;
+        }
+        ByteBuffer payload(h.payload_len);
+        recv_all(send_[j]->socket, payload.data(), h.payload_len, limits);
+        int origin = -1;
+        std::string message;
+        if (!decode_control(payload.data(), h.payload_len, &origin, &message)) {
+          record({ErrorKind::kCorruptFrame, opt_.right, "corrupt control frame from " + from});
+          return;
+        }
+        if (h.kind == FrameKind::kAbort) {
+          record({ErrorKind::kPeerFailed, opt_.right, message, origin, message});
+          return;
+        }
+        right_closed_ = true;  // a clean close: only later sends to it are errors
+      } catch (const IoError& e) {
+        if (e.reason() == IoError::Reason::kStopped) return;
+        if (right_closed_) continue;
+        record_lost({ErrorKind::kConnectionLost, opt_.right, "connection to " + from + " lost: " + io_cause(e)});
+        return;
+      }
+    }
+  }
+}
+
+void TcpTransport::send_control(const Socket& s, FrameKind kind, int origin, const std::string& message) {
+  const std::string payload = encode_control(origin, message);
+  FrameHeader h;
+  h.kind = kind;
+  h.src_rank = static_cast<uint16_t>(opt_.rank);
+  h.job = opt_.job;
+  h.payload_len = static_cast<uint32_t>(payload.size());
+  uint8_t buf[kHeaderBytes + kMaxControlPayload];
+  encode_header(h, buf);
+  std::memcpy(buf + kHeaderBytes, payload.data(), payload.size());
+  IoLimits limits;
+  limits.deadline = Deadline::after(kControlDeadline);
+  try {
+    send_all(s, buf, kHeaderBytes + payload.size(), limits);
+  } catch (const IoError&) {
+    // Best effort: the neighbour may be gone already.
+  }
+}
+
+void TcpTransport::shutdown(FrameKind kind, int origin, const std::string& message) {
+  std::lock_guard<std::mutex> guard(shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  stop_ = true;
+  { std::lock_guard<std::mutex> lock(send_mu_); }
+  send_cv_.notify_all();
+  sent_cv_.notify_all();
+  { std::lock_guard<std::mutex> lock(recv_mu_); }
+  recv_cv_.notify_all();
+  for (auto& s : send_) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+  // Senders are stopped: a stream that is between frames can carry our report.
+  for (auto& s : send_) {
+    if (!s->mid_frame) send_control(s->socket, kind, origin, message);
+    s->socket.shutdown_write();
+  }
+  for (auto& s : recv_) send_control(s->socket, kind, origin, message);  // the return path to the left
+  for (auto& s : recv_) {
+    s->socket.shutdown_both();
+    if (s->thread.joinable()) s->thread.join();
+  }
+  if (watcher_.joinable()) watcher_.join();
+  for (auto& s : send_) s->socket.close();
+  for (auto& s : recv_) s->socket.close();
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    for (auto& s : send_) s->queue.clear();  // releases payload owners
+  }
+}
+
+}  // namespace prime::ring

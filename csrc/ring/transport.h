@@ -1,0 +1,52 @@
+// What the ring schedule needs from the network: send a frame to the right
+// neighbour, receive the next frame from the left one, each bounded by the ring's
+// timeout. The TCP implementation is tcp_transport.h.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "buffer_pool.h"
+#include "errors.h"
+#include "tcp/frame.h"
+
+namespace prime::ring {
+
+// Bytes and frames on the wire for one collective, counted by the transport as it
+// writes and reads them (headers included).
+struct WireCounters {
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_received{0};
+  std::atomic<uint64_t> frames_sent{0};
+  std::atomic<uint64_t> frames_received{0};
+};
+
+struct OutFrame {
+  FrameHeader header;  // payload_len and payload_crc are filled in by the transport
+  const char* data = nullptr;
+  size_t size = 0;
+  // Owns `data` when it is not memory the collective keeps alive until flush().
+  std::shared_ptr<const ByteBuffer> owner;
+  bool crc_known = false;  // header.payload_crc already holds the payload's checksum
+  std::shared_ptr<WireCounters> counters;
+};
+
+struct InFrame {
+  FrameHeader header;
+  Buffer payload;  // never null; checksum already verified
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Queues a frame for the right neighbour and returns at once (frames leave in order).
+  virtual void send(OutFrame frame) = 0;
+  // The next frame from the left neighbour. Throws CommError (with `where` as context)
+  // when nothing arrives for the timeout, or when the ring failed.
+  virtual InFrame recv(const Context& where, WireCounters& counters) = 0;
+  // Blocks until every queued frame has been handed to the network. Throws like recv.
+  virtual void flush(const Context& where) = 0;
+};
+
+}  // namespace prime::ring

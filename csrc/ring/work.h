@@ -1,0 +1,49 @@
+// The handle of one asynchronous all-reduce: completion, error, statistics.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+
+#include "deadline.h"
+#include "errors.h"
+
+namespace prime::ring {
+
+struct WorkStats {
+  int64_t seq = -1;
+  int64_t n = 0;
+  uint64_t bytes_sent = 0;      // on the wire, frame headers included
+  uint64_t bytes_received = 0;  // likewise
+  uint64_t frames_sent = 0;
+  uint64_t frames_received = 0;
+  double quantize_s = 0;  // codec quantize
+  double reduce_s = 0;    // dequantize(-add), sums, conversions, copies
+  double wait_s = 0;      // blocked on the wire
+  double commit_s = 0;    // copying the staged result into the caller's tensor
+  double queue_s = 0;     // from submission until the worker started it
+  double total_s = 0;     // from start to completion (queue time excluded)
+};
+
+class Work {
+ public:
+  explicit Work(int64_t seq) : seq_(seq) {}
+  int64_t seq() const { return seq_; }
+  // Waits up to `timeout` (negative: without limit). Returns whether the work completed.
+  bool wait_for(Millis timeout);
+  bool completed() const;
+  std::optional<ErrorInfo> error() const;
+  WorkStats stats() const;
+  void finish(std::optional<ErrorInfo> error, const WorkStats& stats);
+
+ private:
+  const int64_t seq_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::optional<ErrorInfo> error_;
+  WorkStats stats_;
+};
+
+}  // namespace prime::ring

@@ -1,0 +1,282 @@
+"""Ring: one rank's end of the int8 ring all-reduce over TCP (C++ core in csrc/ring/).
+
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0)
+    with prime.comm.Ring(store, rank, world_size) as ring:
+        work = ring.all_reduce(tensor, op="avg", codec="int8")   # in place, async
+        ...                                                     # overlap other work
+        work.wait()                                             # CommError on failure
+
+See docs/ring.md for the guarantees, the failure behaviour and the wire format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from prime import _extension
+from prime.comm import rendezvous
+from prime.comm.errors import CommError, error_from_info
+from prime.ops import check_block_size
+
+__all__ = ["Ring", "Work", "WorkStats", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+
+logger = logging.getLogger("prime.comm")
+
+# 1 MiB of fp32 values (262144 values, 256 KiB + scales as int8) per pipeline
+# segment: small enough that quantizing one segment overlaps sending the previous,
+# large enough that the 64-byte frame header is noise (0.02%).
+DEFAULT_SEGMENT_BYTES = 1 << 20
+# One TCP stream per link. More streams help only where a single TCP flow cannot
+# fill the path (long fat pipes with loss); on loopback and shaped links one
+# stream already runs at the link's rate (docs/ring.md).
+DEFAULT_STREAMS = 1
+_SEGMENT_ALIGN = 4096  # values: the largest codec block, so every block size divides a segment
+
+ENV_STREAMS = "PRIME_RING_STREAMS"
+ENV_MAX_RATE = "PRIME_RING_MAX_RATE"
+ENV_JOB_ID = "PRIME_RING_JOB_ID"
+ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
+
+
+@dataclass(frozen=True)
+class WorkStats:
+    """What one all-reduce cost, measured by this rank."""
+
+    seq: int
+    numel: int
+    bytes_sent: int  # on the wire to the right neighbour, frame headers included
+    bytes_received: int  # on the wire from the left neighbour
+    frames_sent: int
+    frames_received: int
+    quantize_s: float  # codec quantize
+    reduce_s: float  # dequantize(-add), sums, conversions, copies
+    wait_s: float  # blocked on the wire
+    commit_s: float  # copying the result into the caller's tensor
+    queue_s: float  # waiting behind earlier collectives
+    total_s: float  # start to completion, queue time excluded
+
+
+class Work:
+    """Handle of one in-flight all-reduce (returned by Ring.all_reduce)."""
+
+    def __init__(self, handle, ring: "Ring", tensor: torch.Tensor):
+        self._handle = handle
+        self._ring = ring  # keeps the ring open while this work may run
+        self._tensor = tensor
+
+    @property
+    def seq(self) -> int:
+        """The collective's sequence number on this ring (0, 1, 2, ...)."""
+        return self._handle.seq
+
+    def is_completed(self) -> bool:
+        """True once the collective finished, successfully or not."""
+        return self._handle.is_completed()
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Blocks until the all-reduce finished and returns True; the tensor then holds
+        the result. Raises CommError (NonFiniteError for NaN/Inf) if it failed, in
+        which case the tensor is unchanged. With `timeout` (seconds or timedelta),
+        raises CommError(kind="timeout") if the work is still running by then; the
+        work itself goes on (its own deadlines are the ring's timeout)."""
+        limit = None if timeout is None else _seconds(timeout)
+        start = time.monotonic()
+        # Short waits (GIL released inside) so Ctrl-C is seen promptly.
+        while not self._handle.wait(0.2 if limit is None else max(0.0, min(0.2, limit - (time.monotonic() - start)))):
+            if limit is not None and time.monotonic() - start >= limit:
+                raise CommError(
+                    f"rank {self._ring.rank}: all_reduce #{self.seq} did not complete within {limit:g} s "
+                    "(Work.wait timeout); it is still running",
+                    kind="timeout",
+                    rank=self._ring.rank,
+                    origin=self._ring.rank,
+                    seq=self.seq,
+                )
+        info = self._handle.error()
+        if info is not None:
+            raise error_from_info(info)
+        return True
+
+    def exception(self) -> Optional[CommError]:
+        """The failure of a completed work, or None."""
+        info = self._handle.error()
+        return None if info is None else error_from_info(info)
+
+    def stats(self) -> WorkStats:
+        """Bytes on the wire and where the time went (complete once the work is)."""
+        return WorkStats(**self._handle.stats())
+
+
+def _seconds(t: Union[float, int, timedelta]) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+class Ring:
+    """One rank's end of a ring all-reduce over raw TCP.
+
+    Args:
+      store: any torch.distributed.Store all ranks share (TCPStore, PrefixStore, ...),
+        used only to exchange addresses (and a secret if none is given).
+      rank, world_size: this rank and the number of ranks (1 to 64).
+      timeout: how long any wait may last without progress (seconds or timedelta),
+        also the limit for forming the ring. A dead, stalled or hostile peer makes every
+        survivor's Work.wait() raise CommError within about this long.
+      streams: TCP streams per link (default $PRIME_RING_STREAMS or 1).
+      secret: shared secret (bytes/str) authenticating every stream; default
+        $PRIME_RING_SECRET, else rank 0 draws one and shares it through the store.
+      max_rate: cap on this rank's sending rate in bytes/s (default $PRIME_RING_MAX_RATE
+        or unlimited): emulates a slow uplink.
+      bind_addr, advertise_addr: where to listen and what address to publish
+        (see rendezvous.resolve_addresses; default: only the address others reach us on).
+      job_id: names this ring in the store; a new ring on the same store (say after a
+        failure) needs a new one. Default $PRIME_RING_JOB_ID or "prime".
+      checksum: CRC32C of every payload, verified on arrival (default on).
+      segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
+      _corrupt_after_bytes: TESTS ONLY: flip one bit of the payload byte at this
+        offset of everything this rank sends (after its checksum was taken).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: Union[float, timedelta] = timedelta(seconds=60),
+        streams: Optional[int] = None,
+        secret: Optional[Union[bytes, str]] = None,
+        max_rate: Optional[float] = None,
+        bind_addr: Optional[str] = None,
+        advertise_addr: Optional[str] = None,
+        job_id: Optional[str] = None,
+        checksum: bool = True,
+        segment_bytes: Optional[int] = None,
+        *,
+        _corrupt_after_bytes: Optional[int] = None,
+    ):
+        C = _extension.require()
+        if not isinstance(world_size, int) or not 1 <= world_size <= 64:
+            raise ValueError(f"world_size must be an int from 1 to 64, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        timeout_s = _seconds(timeout)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        streams = int(os.environ.get(ENV_STREAMS, DEFAULT_STREAMS)) if streams is None else streams
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
+        if max_rate is None:
+            max_rate = float(os.environ.get(ENV_MAX_RATE, 0))
+        if max_rate < 0:
+            raise ValueError(f"max_rate must be >= 0 bytes/s (0: unlimited), got {max_rate}")
+        segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+        if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
+            raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
+        segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
+
+        self.rank = rank
+        self.world_size = world_size
+        self.job_id = job_id or os.environ.get(ENV_JOB_ID, "prime")
+        self.timeout = timeout_s
+        self.streams = streams
+        self.address: Optional[str] = None
+        # Connections dropped during the rendezvous (bad secret, garbage, ...), also logged.
+        self.rejected_connections: list = []
+        self._ring = None
+        deadline = time.monotonic() + timeout_s
+        timeout_ms = int(timeout_s * 1000)
+        ns = rendezvous.namespace(self.job_id)
+        common = dict(
+            rank=rank,
+            world_size=world_size,
+            job_id=self.job_id,
+            timeout_s=timeout_s,
+            streams=streams,
+            max_rate=float(max_rate),
+            checksum=bool(checksum),
+            segment_elems=segment_elems,
+            socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
+            corrupt_after_bytes=-1 if _corrupt_after_bytes is None else int(_corrupt_after_bytes),
+        )
+        if world_size == 1:
+            self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)
+            self._ring.connect("", 0)
+            return
+
+        rendezvous.claim_job(store, ns, rank, world_size, self.job_id)
+        try:
+            bind, advertise = rendezvous.resolve_addresses(store, bind_addr, advertise_addr)
+            key = rendezvous.shared_secret(store, ns, rank, secret, deadline, timeout_ms)
+            left_s = max(0.001, deadline - time.monotonic())
+            self._ring = C._Ring(secret=key, rendezvous_timeout_s=left_s, bind_addr=bind, **common)
+            self.address = rendezvous.format_address(advertise, self._ring.port)
+            host, port = rendezvous.publish_and_find_right(
+                store, ns, rank, world_size, self.address, deadline, timeout_ms
+            )
+            try:
+                self._ring.connect(host, port)
+            finally:
+                self.rejected_connections = list(self._ring.rejected_connections())
+                for line in self.rejected_connections:
+                    logger.warning("prime ring rank %d: %s", rank, line)
+            rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms)
+        except BaseException as e:
+            rendezvous.report_failure(store, ns, rank, str(e))
+            self.close()
+            raise
+
+    # -- collectives ---------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256) -> Work:
+        """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
+        asynchronously; returns a Work. codec="int8" sends int8 values plus one fp32
+        scale per `block_size` values (0.254x the bytes of fp32); codec="none" sends
+        exact values. Every rank must call all_reduce in the same order with tensors of
+        the same size and dtype and the same op, codec and block_size. The tensor holds
+        the result once wait() returned; on failure it is left unchanged."""
+        if self._ring is None:
+            raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"all_reduce expects a float32, bfloat16 or float16 tensor, got {tensor.dtype}; convert it first"
+            )
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        if codec not in ("int8", "none"):
+            raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
+        check_block_size(block_size)
+        return Work(self._ring.all_reduce(tensor, op, codec, block_size), self, tensor)
+
+    # -- lifetime ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the ring: joins its threads and closes its sockets. Collectives still
+        queued fail with CommError(kind="closed"). Idempotent."""
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._ring is None else "open"
+        return f"Ring(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"

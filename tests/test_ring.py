@@ -1,0 +1,731 @@
+"""Tests of the TCP ring all-reduce (prime.comm, csrc/ring/).
+
+Ranks are processes on 127.0.0.1 (tests/conftest.py: one pool for the session).
+Results are checked against
+  * a float64 sum of the ranks' inputs (with the error bounds of docs/ring.md),
+  * a pure-torch model of the ring algorithm built on the codec reference
+    (prime.ops.quantize_int8_reference): the C++ ring must match it bit for bit,
+  * gloo's check: rank r contributes r, the sum is N(N-1)/2,
+and every rank's output bytes must be identical. Inputs are fresh random data
+each run; the seed is printed on failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import random
+import signal
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from conftest import MAX_RANKS, Died
+
+prime = pytest.importorskip("prime")
+from prime import _extension  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _extension.available(), reason="prime._C is not built")
+
+SEED = random.SystemRandom().randrange(1 << 30)
+BIG = (1 << 20) + 3
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK = 256
+
+# Relative L2 error of int8 avg against the exact float64 mean (docs/ring.md).
+# Measured with the model below on n = 2^20 (Gaussian / Student-t(3)):
+#   N     2      3      4      5      8
+#   gauss 0.85%  0.98%  1.10%  1.21%  1.48%
+#   t3    1.96%  2.25%  2.36%  2.62%  2.89%
+INT8_BOUND = {"gauss": lambda n: 0.0065 * n**0.5 + 0.002, "t3": lambda n: 0.012 * n**0.5 + 0.008}
+
+
+@pytest.fixture(autouse=True)
+def _print_seed():
+    print(f"test_ring SEED={SEED}")  # captured: pytest shows it when the test fails
+
+
+def _seed_note() -> str:
+    return f"(SEED={SEED})"
+
+
+# ---------------------------------------------------------------------------
+# inputs and references (used by the ranks and by the test process alike)
+
+
+def make_input(seed: int, rank: int, n: int, dtype: torch.dtype, kind: str = "gauss") -> torch.Tensor:
+    """Rank `rank`'s contribution; the test process rebuilds it from the same seed."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if kind == "gauss":
+        x = torch.randn(n, generator=g)
+    elif kind == "t3":  # Student-t with 3 degrees of freedom: heavy tails
+        z = torch.randn(n, generator=g)
+        chi2 = torch.randn(3, n, generator=g).pow(2).sum(0)
+        x = z / (chi2 / 3).sqrt()
+    elif kind == "rank":  # gloo's check
+        x = torch.full((n,), float(rank))
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def _span(n: int, unit: int, world: int, c: int):
+    units = -(-n // unit)
+    return min(n, units * c // world * unit), min(n, units * (c + 1) // world * unit)
+
+
+def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(BLOCK)[: q.numel()]
+
+
+def model_all_reduce(inputs, op: str, codec: str) -> torch.Tensor:
+    """The ring algorithm of docs/ring.md in plain torch: chunk c starts at rank c and
+    is summed along c, c+1, ..., c-1, each hop sending (for int8) the quantized partial
+    sum; the owner (rank c-1) averages and quantizes once; everyone decodes those bytes."""
+    from prime.ops import quantize_int8_reference as quantize
+
+    world, n, dtype = len(inputs), inputs[0].numel(), inputs[0].dtype
+    unit = BLOCK if codec == "int8" else 256
+    out = torch.empty(n, dtype=dtype)
+    for c in range(world):
+        b, e = _span(n, unit, world, c)
+        if codec == "int8":
+            q, s = quantize(inputs[c][b:e], BLOCK)
+            for j in range(1, world):
+                acc = inputs[(c + j) % world][b:e].float() + _dequant(q, s)
+                if j == world - 1 and op == "avg":
+                    acc = acc / torch.full_like(acc, world)  # a true division, like the C++
+                q, s = quantize(acc, BLOCK)
+            out[b:e] = (_dequant(q, s) if world > 1 else inputs[c][b:e].float()).to(dtype)
+        else:
+            acc = inputs[c][b:e].float()
+            for j in range(1, world):
+                acc = inputs[(c + j) % world][b:e].float() + acc
+            if op == "avg" and world > 1:
+                acc = acc / torch.full_like(acc, world)
+            out[b:e] = acc.to(dtype) if world > 1 else inputs[c][b:e]
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(_bits(t).numpy().tobytes()).hexdigest()
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype` at |x| (float64)."""
+    info = torch.finfo(dtype)
+    mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    e = torch.floor(torch.log2(x.abs().clamp_min(info.tiny)))
+    return torch.exp2(e.clamp_min(torch.log2(torch.tensor(info.tiny, dtype=torch.float64))) - mant)
+
+
+def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: str, note: str) -> None:
+    world = len(inputs)
+    x64 = torch.stack([x.double() for x in inputs]) if inputs[0].numel() else torch.zeros(world, 0, dtype=torch.float64)
+    ref = x64.sum(0)
+    if op == "avg":
+        ref = ref / world
+    if y.numel() == 0:
+        return
+    if world == 1:
+        assert torch.equal(_bits(y), _bits(inputs[0])), f"world_size 1 must leave the tensor as it is {note}"
+        return
+    y64 = y.double()
+    if codec == "none":
+        # fp32 sums of N terms: |error| <= (N-1) u sum|x|; avg adds one rounding; the
+        # final rounding to the dtype adds up to one ulp of the dtype (docs/ring.md).
+        scale = 1.0 / world if op == "avg" else 1.0
+        bound = (world * 2.0**-24) * x64.abs().sum(0) * scale + _ulp(ref, y.dtype)
+        bad = (y64 - ref).abs() > bound
+        assert not bad.any(), (
+            f"exact all_reduce off the float64 reference at {int(bad.sum())} positions, e.g. index "
+            f"{int(bad.nonzero()[0, 0])}: got {y64[bad][0].item()}, want {ref[bad][0].item()} {note}"
+        )
+    elif kind == "rank":
+        assert torch.allclose(y64, ref, rtol=2e-2, atol=0), f"int8 gloo check off: {y64[:4]} vs {ref[:4]} {note}"
+    elif y.numel() >= 1000 and op == "avg":
+        rel = float((y64 - ref).norm() / ref.norm())
+        bound = INT8_BOUND[kind](world)
+        if y.dtype != torch.float32:  # the final rounding to 8 or 11 mantissa bits adds its own error
+            bound += 0.003 if y.dtype == torch.bfloat16 else 0.0005
+        assert rel <= bound, f"int8 relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
+
+
+# ---------------------------------------------------------------------------
+# primitives (no processes)
+
+
+def test_crc32c_matches_known_values_and_both_paths():
+    C = _extension.require()
+    assert C._ring_crc32c(b"123456789", False) == 0xE3069283  # the CRC32C check value
+    assert C._ring_crc32c(b"123456789", True) == 0xE3069283
+    assert C._ring_crc32c(b"", False) == 0
+    assert C._ring_crc32c(bytes(32), True) == 0x8A9136AA  # RFC 3720 B.4: 32 zero bytes
+    rng = random.Random(SEED)
+    for n in [1, 3, 7, 8, 9, 63, 64, 65, 1000, 4099, 12288, 12295, 40000]:  # >= 12288: three lanes
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        for off in range(3):  # unaligned starts
+            assert C._ring_crc32c(data[off:], False) == C._ring_crc32c(data[off:], True), _seed_note()
+
+
+def test_sha256_and_hmac_match_hashlib():
+    C = _extension.require()
+    rng = random.Random(SEED)
+    for n in [0, 1, 55, 56, 63, 64, 65, 127, 128, 1000]:
+        msg = bytes(rng.getrandbits(8) for _ in range(n))
+        assert C._ring_sha256(msg) == hashlib.sha256(msg).digest(), _seed_note()
+        for key_len in [0, 16, 64, 65, 200]:
+            key = bytes(rng.getrandbits(8) for _ in range(key_len))
+            assert C._ring_hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest(), _seed_note()
+
+
+def test_bad_arguments_are_refused_before_any_network():
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="world_size"):
+        Ring(store, 0, 0)
+    with pytest.raises(ValueError, match="rank"):
+        Ring(store, 3, 2)
+    with pytest.raises(ValueError, match="streams"):
+        Ring(store, 0, 2, streams=0)
+    with pytest.raises(ValueError, match="segment_bytes"):
+        Ring(store, 0, 2, segment_bytes=100)
+    with Ring(store, 0, 1) as ring:
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+            ring.all_reduce(torch.zeros(3, dtype=torch.int32))
+        with pytest.raises(ValueError, match="op"):
+            ring.all_reduce(torch.zeros(3), op="max")
+        with pytest.raises(ValueError, match="codec"):
+            ring.all_reduce(torch.zeros(3), codec="fp8")
+        with pytest.raises(ValueError, match="block_size"):
+            ring.all_reduce(torch.zeros(3), block_size=100)
+
+
+# ---------------------------------------------------------------------------
+# correctness
+
+
+def _cases(world: int):
+    cases = []
+    for n in (0, 1, 7, 1000):
+        for dtype in DTYPES:
+            for codec in ("none", "int8"):
+                for op in ("sum", "avg"):
+                    cases.append((n, dtype, codec, op, "gauss", False))
+    for dtype in DTYPES:
+        cases.append((BIG, dtype, "none", "sum", "gauss", False))
+        cases.append((BIG, dtype, "int8", "avg", "gauss", False))
+        cases.append((4097, dtype, "none", "sum", "rank", False))
+        cases.append((4097, dtype, "int8", "avg", "rank", False))
+    cases.append((1 << 20, torch.float32, "int8", "avg", "t3", False))
+    cases.append((64 * 33, torch.float32, "int8", "avg", "gauss", True))  # non-contiguous
+    cases.append((64 * 33, torch.bfloat16, "none", "sum", "gauss", True))
+    return cases
+
+
+def _rank_run_cases(ctx, seed, cases):
+    out = []
+    with ctx.ring(segment_bytes=1 << 18) as ring:  # small segments: several per chunk
+        for n, dtype, codec, op, kind, strided in cases:
+            x = make_input(seed, ctx.rank, n, dtype, kind)
+            t = x.view(33, 64).t() if strided else x.clone()  # strided: a transposed view
+            w = ring.all_reduce(t, op=op, codec=codec)
+            w.wait()
+            y = t.reshape(-1)  # the tensor's logical order: what the ring reduces
+            out.append((_digest(y), y.clone() if ctx.rank == 0 else None))
+    return out
+
+
+@pytest.mark.parametrize("world_size", list(range(1, MAX_RANKS + 1)))
+def test_all_reduce_matches_references(ranks, world_size):
+    cases = _cases(world_size)
+    results = ranks.run(_rank_run_cases, SEED, cases, world_size=world_size)
+    for i, (n, dtype, codec, op, kind, strided) in enumerate(cases):
+        note = f"[N={world_size} n={n} {dtype} codec={codec} op={op} data={kind}] {_seed_note()}"
+        digests = {results[r][i][0] for r in range(world_size)}
+        assert len(digests) == 1, f"ranks ended with different bytes {note}"
+        y = results[0][i][1]
+        inputs = [make_input(SEED, r, n, dtype, kind) for r in range(world_size)]
+        if strided:
+            inputs = [x.view(33, 64).t().reshape(-1) for x in inputs]
+        model = model_all_reduce(inputs, op, codec)
+        assert torch.equal(_bits(y), _bits(model)), f"ring differs from the torch model of the algorithm {note}"
+        check_against_float64(y, inputs, op, codec, kind, note)
+        if kind == "rank" and codec == "none":
+            want = world_size * (world_size - 1) / 2 / (world_size if op == "avg" else 1)
+            assert bool((y.double() == want).all()), f"gloo check: want {want} everywhere {note}"
+
+
+def _rank_concurrent_and_soak(ctx, seed):
+    specs = [(1000, torch.float32, "int8", "avg"), (BIG // 4, torch.bfloat16, "none", "sum"),
+             (5, torch.float16, "int8", "sum"), (0, torch.float32, "none", "avg"),
+             (70000, torch.float32, "none", "avg"), (3000, torch.float16, "none", "sum")]
+    with ctx.ring() as ring:
+        tensors = [make_input(seed + i, ctx.rank, n, dt) for i, (n, dt, _, _) in enumerate(specs)]
+        works = [ring.all_reduce(t, op=op, codec=c) for t, (_, _, c, op) in zip(tensors, specs)]
+        for w in works:  # all in flight, waited in order
+            w.wait()
+        concurrent = [(_digest(t), t if ctx.rank == 0 else None) for t in tensors]
+        # Soak: 1000 small exact sums, ten in flight at a time; rank r adds r + i.
+        wrong = 0
+        rng = random.Random(seed)
+        for batch in range(100):
+            ts, ws = [], []
+            for j in range(10):
+                i = batch * 10 + j
+                t = torch.full((rng.randrange(1, 65),), float(ctx.rank + i))
+                ts.append((i, t))
+                ws.append(ring.all_reduce(t, op="sum", codec="none"))
+            for (i, t), w in zip(ts, ws):
+                w.wait()
+                want = ctx.world_size * (ctx.world_size - 1) / 2 + ctx.world_size * i
+                wrong += int((t != want).sum())
+        seqs = ws[-1].seq
+    return {"concurrent": concurrent, "soak_wrong": wrong, "last_seq": seqs}
+
+
+def test_concurrent_and_soak(ranks):
+    world = 3
+    results = ranks.run(_rank_concurrent_and_soak, SEED, world_size=world)
+    specs = [(1000, torch.float32, "int8", "avg"), (BIG // 4, torch.bfloat16, "none", "sum"),
+             (5, torch.float16, "int8", "sum"), (0, torch.float32, "none", "avg"),
+             (70000, torch.float32, "none", "avg"), (3000, torch.float16, "none", "sum")]
+    for i, (n, dt, codec, op) in enumerate(specs):
+        assert len({results[r]["concurrent"][i][0] for r in range(world)}) == 1, _seed_note()
+        inputs = [make_input(SEED + i, r, n, dt) for r in range(world)]
+        model = model_all_reduce(inputs, op, codec)
+        assert torch.equal(_bits(results[0]["concurrent"][i][1]), _bits(model)), f"collective {i} {_seed_note()}"
+    for r in range(world):
+        assert results[r]["soak_wrong"] == 0
+        assert results[r]["last_seq"] == len(specs) + 999
+
+
+def _rank_options(ctx, seed):
+    """Several streams per link, a rate limit, checksums off: same results."""
+    out = []
+    for kwargs in ({"streams": 3, "segment_bytes": 1 << 16}, {"checksum": False}, {"streams": 2, "max_rate": 5e7}):
+        with ctx.ring(**kwargs) as ring:
+            for codec in ("int8", "none"):
+                x = make_input(seed, ctx.rank, 200003, torch.float32)
+                ring.all_reduce(x, op="avg", codec=codec).wait()
+                out.append(x if ctx.rank == 0 else _digest(x))
+    return out
+
+
+def test_streams_rate_limit_and_no_checksum_give_the_same_result(ranks):
+    world = 3
+    results = ranks.run(_rank_options, SEED, world_size=world)
+    inputs = [make_input(SEED, r, 200003, torch.float32) for r in range(world)]
+    models = {c: model_all_reduce(inputs, "avg", c) for c in ("int8", "none")}
+    for i, y in enumerate(results[0]):
+        model = models[("int8", "none")[i % 2]]
+        assert torch.equal(_bits(y), _bits(model)), f"configuration {i // 2} {_seed_note()}"
+        for r in range(1, world):
+            assert results[r][i] == _digest(model)
+
+
+def _rank_close_in_flight(ctx, seed, closer):
+    from prime.comm import CommError
+
+    ring = ctx.ring(timeout=10, max_rate=2e6)
+    x = make_input(seed, ctx.rank, 1 << 20, torch.float32)
+    keep = x.clone()
+    w = ring.all_reduce(x, op="sum", codec="none")
+    if ctx.rank == closer:
+        time.sleep(0.5)
+        ring.close()
+    try:
+        w.wait()
+        res = {"raised": False}
+    except CommError as e:
+        res = {"raised": True, "kind": e.kind, "message": str(e), "intact": torch.equal(x, keep)}
+    ring.close()
+    return res
+
+
+def test_close_during_a_collective_fails_it_everywhere(ranks):
+    results = ranks.run(_rank_close_in_flight, SEED, 0, world_size=3)
+    assert results[0]["raised"] and results[0]["kind"] == "closed", results[0]
+    for r in range(3):
+        assert results[r]["raised"] and results[r]["intact"], results[r]
+        assert "rank 0 closed the ring" in results[r]["message"] or r == 0, results[r]["message"]
+
+
+def _rank_world_one(ctx, seed):
+    with ctx.ring() as ring:
+        x = make_input(seed, 0, 1000, torch.float32)
+        keep = x.clone()
+        w = ring.all_reduce(x, op="avg", codec="int8")
+        assert w.wait() is True and w.is_completed()
+        assert torch.equal(x, keep), "world_size 1: the average of one tensor is itself"
+        stats = w.stats()
+        assert stats.bytes_sent == 0 and stats.bytes_received == 0
+        x[3] = float("nan")
+        keep = x.clone()
+        from prime.comm import NonFiniteError
+
+        with pytest.raises(NonFiniteError) as info:
+            ring.all_reduce(x).wait()
+        assert info.value.nonfinite_ranks == [0]
+        assert torch.equal(_bits(x), _bits(keep))
+    return True
+
+
+def test_world_size_one_is_a_no_op(ranks):
+    assert ranks.run(_rank_world_one, SEED, world_size=1) == [True]
+
+
+# ---------------------------------------------------------------------------
+# bytes on the wire
+
+
+def _expected_bytes_sent(rank, world, n, dtype, codec, segment_elems=1 << 18):
+    unit = BLOCK if codec == "int8" else 256
+    esize = 4 if dtype == torch.float32 else 2
+    total = 0
+    for phase in ("rs", "ag"):
+        for s in range(world - 1):
+            c = (rank - s) % world if phase == "rs" else (rank + 1 - s) % world
+            b, e = _span(n, unit, world, c)
+            length = e - b
+            seg = -(-segment_elems // unit) * unit
+            sizes = [min(seg, length - k * seg) for k in range(max(1, -(-length // seg)))]
+            for m in sizes:
+                if codec == "int8":
+                    payload = m + 4 * (-(-m // BLOCK))
+                else:
+                    payload = 4 * m if phase == "rs" else esize * m
+                total += 64 + payload
+    return total
+
+
+def _rank_wire_stats(ctx, seed):
+    with ctx.ring() as ring:
+        out = {}
+        for codec in ("none", "int8"):
+            x = make_input(seed, ctx.rank, BIG, torch.float32)
+            w = ring.all_reduce(x, op="avg", codec=codec)
+            w.wait()
+            out[codec] = w.stats()
+    return out
+
+
+def test_int8_sends_a_quarter_of_the_bytes(ranks):
+    world = 3
+    results = ranks.run(_rank_wire_stats, SEED, world_size=world)
+    for r in range(world):
+        for codec in ("none", "int8"):
+            st = results[r][codec]
+            assert st.bytes_sent == _expected_bytes_sent(r, world, BIG, torch.float32, codec)
+            assert st.bytes_received == _expected_bytes_sent((r - 1) % world, world, BIG, torch.float32, codec)
+        ratio = results[r]["int8"].bytes_sent / results[r]["none"].bytes_sent
+        # n + 4n/256 bytes against 4n, plus the same 64-byte headers on both sides
+        assert abs(ratio - (1 + 4 / 256) / 4) < 0.001, f"int8/fp32 wire bytes {ratio:.4f}"
+
+
+# ---------------------------------------------------------------------------
+# failures
+
+
+def _rank_kill_mid_transfer(ctx, seed, victim, timeout):
+    from prime.comm import CommError
+
+    ring = ctx.ring(timeout=timeout, max_rate=4e6)  # 4 MB/s: the transfer takes seconds
+    x = make_input(seed, ctx.rank, 1 << 21, torch.float32)
+    keep = x.clone()
+    if ctx.rank == victim:
+        threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    w = ring.all_reduce(x, op="avg", codec="none")
+    try:
+        w.wait()
+        return {"raised": False}
+    except CommError as e:
+        return {"raised": True, "elapsed": time.monotonic() - t0, "kind": e.kind, "peer": e.peer,
+                "origin": e.origin, "message": str(e), "intact": torch.equal(_bits(x), _bits(keep))}
+    finally:
+        ring.close()
+
+
+def test_killed_rank_fails_every_survivor_fast(ranks):
+    world, victim, timeout = 4, 2, 10
+    results = ranks.run(_rank_kill_mid_transfer, SEED, victim, timeout, world_size=world, may_die={victim})
+    assert isinstance(results[victim], Died)
+    for r in range(world):
+        if r == victim:
+            continue
+        res = results[r]
+        assert res["raised"], f"rank {r} finished an all_reduce whose rank {victim} died"
+        assert res["intact"], f"rank {r}'s tensor was modified by a failed all_reduce"
+        assert res["elapsed"] < 0.7 + 3, f"rank {r} took {res['elapsed']:.1f} s to notice: {res['message']}"
+        print(f"rank {r}: {res['message']}")
+    for neighbour in ((victim - 1) % world, (victim + 1) % world):
+        assert f"rank {victim}" in results[neighbour]["message"], results[neighbour]["message"]
+
+
+def _rank_missing(ctx, absent, timeout):
+    from prime.comm import CommError
+
+    if ctx.rank == absent:
+        return None
+    t0 = time.monotonic()
+    try:
+        ctx.ring(timeout=timeout).close()
+        return {"raised": False}
+    except CommError as e:
+        return {"raised": True, "elapsed": time.monotonic() - t0, "peer": e.peer, "kind": e.kind, "message": str(e)}
+
+
+def test_rank_that_never_arrives_is_named(ranks):
+    world, absent, timeout = 3, 2, 3.0
+    results = ranks.run(_rank_missing, absent, timeout, world_size=world)
+    for r in range(world):
+        if r == absent:
+            continue
+        res = results[r]
+        assert res["raised"]
+        assert res["elapsed"] < timeout + 3
+        assert res["peer"] == absent and f"rank {absent}" in res["message"], res["message"]
+
+
+def _rank_stall(ctx, seed, staller, timeout):
+    from prime.comm import CommError
+
+    with ctx.ring(timeout=timeout) as ring:
+        x = make_input(seed, ctx.rank, 100000, torch.float32)
+        keep = x.clone()
+        if ctx.rank == staller:
+            time.sleep(timeout + 3)  # alive, connected, but not taking part
+        t0 = time.monotonic()
+        w = ring.all_reduce(x, op="avg", codec="int8")
+        early = None
+        if ctx.rank != staller:
+            try:
+                w.wait(timeout=0.2)
+            except CommError as e:
+                early = e.kind
+        try:
+            w.wait()
+            return {"raised": False}
+        except CommError as e:
+            return {"raised": True, "elapsed": time.monotonic() - t0, "kind": e.kind, "peer": e.peer,
+                    "message": str(e), "intact": torch.equal(x, keep), "early": early}
+
+
+def test_stalled_rank_times_out_everywhere(ranks):
+    world, staller, timeout = 3, 2, 2.0
+    results = ranks.run(_rank_stall, SEED, staller, timeout, world_size=world)
+    for r in range(world):
+        res = results[r]
+        assert res["raised"] and res["intact"], res
+        if r != staller:
+            assert res["early"] == "timeout", "Work.wait(timeout=0.2) must raise while the collective runs"
+            assert res["elapsed"] < timeout + 3, res["message"]
+    right = (staller + 1) % world
+    assert results[right]["kind"] == "timeout" and results[right]["peer"] == staller, results[right]["message"]
+    assert "timed out after 2000 ms waiting for recv from rank 2" in results[right]["message"]
+
+
+def _open_fds_and_threads():
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def _rank_corrupt(ctx, seed, bad_rank):
+    from prime.comm import CommError
+
+    before = _open_fds_and_threads()
+    ring = ctx.ring(timeout=10, _corrupt_after_bytes=5000 if ctx.rank == bad_rank else None)
+    x = make_input(seed, ctx.rank, 100000, torch.float32)
+    keep = x.clone()
+    try:
+        ring.all_reduce(x, op="avg", codec="int8").wait()
+        res = {"raised": False}
+    except CommError as e:
+        res = {"raised": True, "kind": e.kind, "peer": e.peer, "message": str(e), "intact": torch.equal(x, keep)}
+    ring.close()
+    # The survivors rebuild a ring (new job id) and carry on.
+    with ctx.ring(timeout=10) as ring2:
+        y = torch.full((1000,), float(ctx.rank))
+        ring2.all_reduce(y, op="sum", codec="none").wait()
+        res["rebuilt_ok"] = bool((y == ctx.world_size * (ctx.world_size - 1) / 2).all())
+    res["leaked"] = (before, _open_fds_and_threads())  # after a failure and a clean close
+    return res
+
+
+def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks):
+    world, bad = 3, 1
+    results = ranks.run(_rank_corrupt, SEED, bad, world_size=world)
+    for r in range(world):
+        assert results[r]["raised"] and results[r]["intact"] and results[r]["rebuilt_ok"], results[r]
+        before, after = results[r]["leaked"]
+        assert before == after, f"rank {r}: (open fds, threads) {before} before two rings, {after} after"
+    detector = results[(bad + 1) % world]
+    assert detector["kind"] == "corrupt_frame" and detector["peer"] == bad, detector["message"]
+    assert "checksum mismatch" in detector["message"]
+    for r in range(world):
+        assert "checksum mismatch" in results[r]["message"], results[r]["message"]
+
+
+def _rank_nonfinite(ctx, seed):
+    from prime.comm import NonFiniteError
+
+    out = []
+    with ctx.ring() as ring:
+        for dtype in DTYPES:
+            for codec in ("none", "int8"):
+                x = make_input(seed, ctx.rank, 5000, dtype)
+                if ctx.rank == 1:
+                    x[17] = float("nan")
+                if ctx.rank == 2:
+                    x[4999] = float("-inf")
+                keep = x.clone()
+                try:
+                    ring.all_reduce(x, op="avg", codec=codec).wait()
+                    out.append(None)
+                except NonFiniteError as e:
+                    out.append((e.nonfinite_ranks, e.overflow, torch.equal(_bits(x), _bits(keep))))
+        # Finite inputs whose sum overflows the dtype.
+        for dtype, value in ((torch.float16, 40000.0), (torch.float32, 2e38)):
+            for codec in ("none", "int8"):
+                x = torch.full((300,), value, dtype=dtype)
+                try:
+                    ring.all_reduce(x, op="sum", codec=codec).wait()
+                    out.append(None)
+                except NonFiniteError as e:
+                    out.append((e.nonfinite_ranks, e.overflow, bool((x == value).all())))
+        # The ring is still healthy.
+        y = torch.full((100,), float(ctx.rank))
+        ring.all_reduce(y, op="sum", codec="int8").wait()
+        out.append(torch.allclose(y, torch.full((100,), 3.0), rtol=1e-5))
+    return out
+
+
+def test_non_finite_input_fails_every_rank_and_touches_nothing(ranks):
+    results = ranks.run(_rank_nonfinite, SEED, world_size=3)
+    for r in range(3):
+        res = results[r]
+        for item in res[:6]:
+            assert item == ([1, 2], False, True), f"rank {r}: {item}"
+        for item in res[6:10]:
+            assert item == ([], True, True), f"rank {r}: overflow case {item}"
+        assert res[10] is True
+
+
+def _rank_mismatch(ctx):
+    from prime.comm import CommError
+
+    with ctx.ring(timeout=10) as ring:
+        x = torch.ones(1000 + ctx.rank)
+        try:
+            ring.all_reduce(x).wait()
+            return None
+        except CommError as e:
+            return str(e)
+
+
+def test_mismatched_arguments_are_reported(ranks):
+    messages = ranks.run(_rank_mismatch, world_size=2)
+    for m in messages:
+        assert m is not None and "other arguments" in m, m
+
+
+# ---------------------------------------------------------------------------
+# intruders during the rendezvous
+
+
+def _rank_target(ctx, secret):
+    if ctx.rank == 1:
+        ctx.store.wait([f"{ctx.job}/go"], timedelta(seconds=60))
+    with ctx.ring(secret=secret, job_id=f"{ctx.job}/ring", timeout=30) as ring:
+        y = torch.full((1000,), float(ctx.rank))
+        ring.all_reduce(y, op="sum", codec="none").wait()
+        return {"rejected": ring.rejected_connections, "ok": bool((y == 1.0).all())}
+
+
+def _hello(world, streams, flags, segment, job, rank, stream, nonce):
+    """The 72-byte handshake hello of docs/ring.md, written independently of the C++."""
+    return b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 1, world, streams, flags, segment, job, rank, stream, 0) + nonce
+
+
+def _attack(address, secret, job_id, claim_rank, streams=1):
+    """Connects and runs the client side of the handshake; returns the server's status byte."""
+    host, port = address.rsplit(":", 1)
+    job = int.from_bytes(hashlib.sha256(f"{job_id}\0{2}".encode()).digest()[:8], "little")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        hello_s = b""
+        while len(hello_s) < 72:
+            chunk = s.recv(72 - len(hello_s))
+            assert chunk, "server closed before its hello"
+            hello_s += chunk
+        assert hello_s[:8] == b"PRIMEHS1"
+        hello_c = _hello(2, streams, 1, 1 << 18, job, claim_rank, 0, os.urandom(32))
+        mac = hmac.new(secret, b"prime-ring client" + hello_s + hello_c, hashlib.sha256).digest()
+        s.sendall(hello_c + mac)
+        reply = s.recv(33)
+        return reply[0] if reply else None
+
+
+def test_intruders_are_rejected_while_the_ring_forms(ranks):
+    secret = os.urandom(16).hex().encode()
+    job = ranks.start(_rank_target, secret, world_size=2)
+    job_id = f"{job}/ring"
+    ranks.store.wait([f"prime_ring/{job_id}/addr/0"], timedelta(seconds=60))
+    address = ranks.store.get(f"prime_ring/{job_id}/addr/0").decode()
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass  # a port scan: connect, close
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(os.urandom(200))  # garbage
+            s.settimeout(10)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:  # the server closed with our garbage unread
+                pass
+        assert _attack(address, b"wrong secret", job_id, claim_rank=1) == 1
+        assert _attack(address, secret, job_id + "x", claim_rank=1) == 2  # another job
+        assert _attack(address, secret, job_id, claim_rank=0) == 3  # right secret, wrong rank
+        assert _attack(address, secret, job_id, claim_rank=1, streams=4) == 4  # other configuration
+    finally:
+        ranks.store.set(f"{job}/go", "1")
+    results = ranks.gather(job, 2)
+    assert results[0]["ok"] and results[1]["ok"]
+    rejected = results[0]["rejected"]
+    assert len(rejected) == 6, rejected
+    text = "\n".join(rejected)
+    for reason in ("garbage", "wrong secret", "another job", "expected rank 1", "configuration differs"):
+        assert reason in text, text
+
+
+# ---------------------------------------------------------------------------
+# CUDA tensors (staged through pinned host memory)
+
+
+def _rank_cuda(ctx, seed):
+    with ctx.ring() as ring:
+        x = make_input(seed, ctx.rank, 100003, torch.float32).cuda()
+        ring.all_reduce(x, op="avg", codec="int8").wait()
+        return x.cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensor(ranks):
+    results = ranks.run(_rank_cuda, SEED, world_size=2)
+    inputs = [make_input(SEED, r, 100003, torch.float32) for r in range(2)]
+    model = model_all_reduce(inputs, "avg", "int8")
+    for y in results:
+        assert torch.equal(_bits(y), _bits(model))
