@@ -430,6 +430,10 @@ class Trainer:
             if not failed:
                 self._release_store()
             if self.dist.is_initialized():
+                if not failed:
+                    # every local rank leaves gloo together: a rank that tears down its
+                    # process group while a peer still uses it can abort that peer
+                    self.dist.barrier()
                 self.dist.destroy_process_group()
 
     def _release_store(self) -> None:
