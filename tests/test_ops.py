@@ -12,6 +12,9 @@ import functools
 import math
 import os
 import random
+import re
+import shutil
+import subprocess
 import zlib
 
 import pytest
@@ -513,3 +516,22 @@ def test_instruction_set_names():
     assert "scalar" in isas and len(set(isas)) == len(isas)
     with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
         torch.ops.prime._quantize_int8_isa(torch.zeros(4), 32, None, "sse9")
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
+def test_cuda_kernels_use_exact_float_ops(tmp_path):
+    """The PTX of csrc/codec/codec_cuda.cu has no FMA, approximate division or flush-to-zero.
+
+    Runs without a GPU (CI has nvcc): a kernel edit that lets the compiler fuse
+    x * inv + ... or use a fast division would change bits on the GPU only."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "codec", "codec_cuda.cu")
+    ptx = tmp_path / "codec_cuda.ptx"
+    cmd = [os.environ.get("NVCC", "nvcc"), "-arch=sm_90", "-O3", "--fmad=false", "-std=c++17", "-ptx", src, "-o", str(ptx)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    text = ptx.read_text()
+    for bad in (r"fma\.[a-z.]*f32", r"div\.(approx|full)", r"\.ftz", r"rcp\.approx"):
+        hits = re.findall(bad, text)
+        assert not hits, f"{bad} in the PTX of codec_cuda.cu: {hits[:3]}"
+    # the operations the format names are there
+    for want in ("div.rn.f32", "mul.rn.f32", "cvt.rni.s32.f32", "cvt.rmi.f32.f32"):
+        assert want in text, want
