@@ -123,6 +123,15 @@ def reference_impls(block, compile_ref, compile_sr):
     )
     out = {"ref-eager": eager}
     if compile_ref:
+        # Ask inductor for the eager numerics the wire format needs, where this torch
+        # has the switches: no FMA contraction in its Triton kernels, and IEEE
+        # division instead of Triton's approximate div.full. Whether it worked is
+        # checked bit for bit below.
+        cfg = torch._inductor.config
+        if hasattr(cfg, "emulate_precision_casts"):
+            cfg.emulate_precision_casts = True
+        if hasattr(getattr(cfg, "eager_numerics", None), "division_rounding"):
+            cfg.eager_numerics.division_rounding = True
         # the reference itself, unchanged: the bits are checked against eager below
         cq = torch.compile(ops.quantize_int8_reference, fullgraph=True, dynamic=False)
         cd = torch.compile(ops.dequantize_int8_reference, fullgraph=True, dynamic=False)
@@ -254,30 +263,37 @@ def bench_size(size_bytes, args, device, timer, impls, refs):
     want_deq = ops.dequantize_int8_reference(q0, s0, B, torch.float32)
     want_acc = ops.dequantize_add_int8_reference_(acc0.clone(), q0, s0, B)
 
-    skipped = []
+    skipped, inexact = [], []
+
+    def verify(name, op, ok):
+        """A backend that is not bit-exact fails the benchmark; the compiled reference is only flagged
+        (torch.compile may fuse or approximate: then its speed is not the same computation's)."""
+        if ok:
+            return
+        msg = f"{name} {op}: output differs from the eager reference at {size_bytes} bytes"
+        if name != "ref-compiled":
+            raise SystemExit(msg)
+        print(f"# WARNING: {msg}; its row is marked *", flush=True)
+        inexact.append((op, name))
+
     for name, (fq, fd, fa) in all_impls.items():
         t0 = time.perf_counter()
         # correctness of slot 0 first (compiles too, for ref-compiled)
-        got = fq(x0, None)
-        if not same_encoding(got, want_q["quantize"]):
-            raise SystemExit(f"{name}: quantize output differs from the reference at {size_bytes} bytes")
+        verify(name, "quantize", same_encoding(fq(x0, None), want_q["quantize"]))
         contenders.append(("quantize", name, lambda i, fq=fq: fq(xs[i], None), list(range(sets))))
         got = fq(x0, args.seed)
         if got is None:
             skipped.append(f"{name} quantize_sr (compile with --compile-sr)")
         else:
-            if not same_encoding(got, want_q["quantize_sr"]):
-                raise SystemExit(f"{name}: stochastic quantize differs from the reference at {size_bytes} bytes")
+            verify(name, "quantize_sr", same_encoding(got, want_q["quantize_sr"]))
             contenders.append(
                 ("quantize_sr", name, lambda i, fq=fq: fq(xs[i], args.seed + i), list(range(sets)))
             )
-        if not nan_aware_equal(fd(q0, s0), want_deq):
-            raise SystemExit(f"{name}: dequantize output differs from the reference at {size_bytes} bytes")
+        verify(name, "dequantize", nan_aware_equal(fd(q0, s0), want_deq))
         contenders.append(("dequantize", name, lambda i, fd=fd: fd(*qs[i]), list(range(sets))))
         acc = acc0.clone()
         fa(acc, q0, s0)
-        if not nan_aware_equal(acc, want_acc):
-            raise SystemExit(f"{name}: dequantize_add result differs from the reference at {size_bytes} bytes")
+        verify(name, "dequantize_add", nan_aware_equal(acc, want_acc))
         # the accumulator keeps growing over the repeats; magnitude does not change the speed
         contenders.append(("dequantize_add", name, lambda i, fa=fa: fa(accs[i], *qs[i]), list(range(sets))))
         if args.verbose:
@@ -324,6 +340,7 @@ def bench_size(size_bytes, args, device, timer, impls, refs):
                     "gbps": gbps,
                     "pct_of_copy": 100.0 * gbps / copy_gbps,
                     "rotating_sets": sets,
+                    "bit_exact": (op, name) not in inexact,
                 }
             )
     return rows, skipped
@@ -410,10 +427,13 @@ def main(argv=None):
         for r in rows:
             t = r["time_s"]
             ts = f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
-            print(f"{r['op']:<16}{r['impl']:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%")
+            impl = r["impl"] + ("" if r["bit_exact"] else " *")
+            print(f"{r['op']:<16}{impl:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%")
         sys.stdout.flush()
     for s in all_skipped:
         print(f"# skipped {s}")
+    if any(not r["bit_exact"] for r in all_rows):
+        print("# * not bit-identical to the eager reference (torch.compile fused or approximated): a different computation")
 
     slug = "cpu" if is_cpu else "cuda-" + desc.replace(" ", "-")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
