@@ -27,7 +27,6 @@ namespace {
 
 constexpr int kThreads = 256;       // threads per CTA, all kernels
 constexpr int kLoads = 4;           // 16-byte loads per thread in quantize
-constexpr int kDecodePerThread = 16;  // int8 values per thread in the decoders: one 16-byte load
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kInfBits = 0x7f800000u;
 constexpr uint32_t kCanonicalNaN = 0x7fc00000u;
@@ -248,14 +247,19 @@ void dispatch_quantize(const void* x, int64_t n, int64_t block, bool aligned, in
   }
 }
 
-// ---- decoding: each thread turns 16 int8 (one 16-byte load) into 16 outputs ----
+// ---- decoding ----
+// A warp decodes 512 consecutive values: lane t takes the 4 values at
+// warp_base + 128*k + 4*t for k = 0..3. Every load and store instruction of the
+// warp then covers one contiguous run (128 bytes of q, 512 bytes of fp32), which
+// keeps the writes full-sector. 32 | B, so 4 aligned values share one scale.
+
+constexpr int kDecodeRuns = 4;                        // runs of 4 values per thread
+constexpr int kDecodePerWarp = 32 * 4 * kDecodeRuns;  // 512
 
 struct OutF32 {
   __device__ static void store1(void* y, int64_t i, float v) { static_cast<float*>(y)[i] = v; }
-  __device__ static void store16(void* y, int64_t i, const float* v) {
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(y) + i);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+  __device__ static void store4(void* y, int64_t i, const float* v) {  // 16-byte aligned
+    *reinterpret_cast<float4*>(static_cast<float*>(y) + i) = make_float4(v[0], v[1], v[2], v[3]);
   }
 };
 struct OutBF16 {
@@ -263,13 +267,9 @@ struct OutBF16 {
   __device__ static void store1(void* y, int64_t i, float v) {
     static_cast<uint16_t*>(y)[i] = static_cast<uint16_t>(bits(v));
   }
-  __device__ static void store16(void* y, int64_t i, const float* v) {
-    uint32_t w[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = bits(v[2 * k]) | (bits(v[2 * k + 1]) << 16);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(y) + i);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  __device__ static void store4(void* y, int64_t i, const float* v) {  // 8-byte aligned
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(y) + i) =
+        make_uint2(bits(v[0]) | (bits(v[1]) << 16), bits(v[2]) | (bits(v[3]) << 16));
   }
 };
 struct OutF16 {
@@ -277,68 +277,81 @@ struct OutF16 {
   __device__ static void store1(void* y, int64_t i, float v) {
     static_cast<uint16_t*>(y)[i] = static_cast<uint16_t>(bits(v));
   }
-  __device__ static void store16(void* y, int64_t i, const float* v) {
-    uint32_t w[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = bits(v[2 * k]) | (bits(v[2 * k + 1]) << 16);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(y) + i);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  __device__ static void store4(void* y, int64_t i, const float* v) {
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(y) + i) =
+        make_uint2(bits(v[0]) | (bits(v[1]) << 16), bits(v[2]) | (bits(v[3]) << 16));
   }
 };
 
-__device__ __forceinline__ void unpack16(uint4 w, float* out) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+__device__ __forceinline__ void unpack4(uint32_t w, float* out) {
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    out[k] = static_cast<float>(static_cast<int8_t>((words[k / 4] >> (8 * (k % 4))) & 0xffu));
-  }
+  for (int k = 0; k < 4; ++k) out[k] = static_cast<float>(static_cast<int8_t>((w >> (8 * k)) & 0xffu));
 }
 
-// 16 | B, so the 16 values of a thread share one scale.
+__device__ __forceinline__ int64_t decode_warp_base() {
+  return (int64_t{blockIdx.x} * (kThreads / 32) + threadIdx.x / 32) * kDecodePerWarp;
+}
+
 template <class Out>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t n, int log2_block,
                       bool aligned, void* __restrict__ y) {
-  const int64_t i0 = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * kDecodePerThread;
-  if (i0 >= n) return;
-  const float s = scales[i0 >> log2_block];
-  if (aligned && i0 + kDecodePerThread <= n) {
-    float v[kDecodePerThread];
-    unpack16(*reinterpret_cast<const uint4*>(q + i0), v);
+  const int64_t base = decode_warp_base() + 4 * (threadIdx.x % 32);
+  if (aligned && base + 128 * (kDecodeRuns - 1) + 4 <= n) {
+    uint32_t w[kDecodeRuns];
+    float s[kDecodeRuns];
 #pragma unroll
-    for (int k = 0; k < kDecodePerThread; ++k) v[k] = __fmul_rn(v[k], s);
-    Out::store16(y, i0, v);
+    for (int k = 0; k < kDecodeRuns; ++k) {  // all loads first: 4 requests in flight
+      w[k] = *reinterpret_cast<const uint32_t*>(q + base + 128 * k);
+      s[k] = scales[(base + 128 * k) >> log2_block];
+    }
+#pragma unroll
+    for (int k = 0; k < kDecodeRuns; ++k) {
+      float v[4];
+      unpack4(w[k], v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = __fmul_rn(v[j], s[k]);
+      Out::store4(y, base + 128 * k, v);
+    }
   } else {
-    for (int64_t i = i0; i < n && i < i0 + kDecodePerThread; ++i) Out::store1(y, i, __fmul_rn(float(q[i]), s));
+    for (int k = 0; k < kDecodeRuns; ++k) {
+      for (int64_t i = base + 128 * k; i < base + 128 * k + 4 && i < n; ++i) {
+        Out::store1(y, i, __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+      }
+    }
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
     dequantize_add_kernel(float* __restrict__ acc, const int8_t* __restrict__ q, const float* __restrict__ scales,
                           int64_t n, int log2_block, bool aligned) {
-  const int64_t i0 = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * kDecodePerThread;
-  if (i0 >= n) return;
-  const float s = scales[i0 >> log2_block];
-  if (aligned && i0 + kDecodePerThread <= n) {
-    float v[kDecodePerThread];
-    unpack16(*reinterpret_cast<const uint4*>(q + i0), v);
-    float4* a = reinterpret_cast<float4*>(acc + i0);
-    float4 cur[4];
+  const int64_t base = decode_warp_base() + 4 * (threadIdx.x % 32);
+  if (aligned && base + 128 * (kDecodeRuns - 1) + 4 <= n) {
+    uint32_t w[kDecodeRuns];
+    float s[kDecodeRuns];
+    float4 a[kDecodeRuns];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) cur[k] = a[k];
+    for (int k = 0; k < kDecodeRuns; ++k) {
+      w[k] = *reinterpret_cast<const uint32_t*>(q + base + 128 * k);
+      s[k] = scales[(base + 128 * k) >> log2_block];
+      a[k] = *reinterpret_cast<const float4*>(acc + base + 128 * k);
+    }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kDecodeRuns; ++k) {
+      float v[4];
+      unpack4(w[k], v);
       // multiply, then add: two roundings, as the format says
-      cur[k].x = __fadd_rn(cur[k].x, __fmul_rn(v[4 * k + 0], s));
-      cur[k].y = __fadd_rn(cur[k].y, __fmul_rn(v[4 * k + 1], s));
-      cur[k].z = __fadd_rn(cur[k].z, __fmul_rn(v[4 * k + 2], s));
-      cur[k].w = __fadd_rn(cur[k].w, __fmul_rn(v[4 * k + 3], s));
-      a[k] = cur[k];
+      a[k].x = __fadd_rn(a[k].x, __fmul_rn(v[0], s[k]));
+      a[k].y = __fadd_rn(a[k].y, __fmul_rn(v[1], s[k]));
+      a[k].z = __fadd_rn(a[k].z, __fmul_rn(v[2], s[k]));
+      a[k].w = __fadd_rn(a[k].w, __fmul_rn(v[3], s[k]));
+      *reinterpret_cast<float4*>(acc + base + 128 * k) = a[k];
     }
   } else {
-    for (int64_t i = i0; i < n && i < i0 + kDecodePerThread; ++i) {
-      acc[i] = __fadd_rn(acc[i], __fmul_rn(float(q[i]), s));
+    for (int k = 0; k < kDecodeRuns; ++k) {
+      for (int64_t i = base + 128 * k; i < base + 128 * k + 4 && i < n; ++i) {
+        acc[i] = __fadd_rn(acc[i], __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+      }
     }
   }
 }
@@ -352,7 +365,7 @@ int log2_of(int64_t b) {
 }
 
 dim3 decode_grid(int64_t n) {
-  const int64_t per_cta = int64_t{kThreads} * kDecodePerThread;
+  const int64_t per_cta = int64_t{kThreads / 32} * kDecodePerWarp;
   return dim3(static_cast<unsigned>((n + per_cta - 1) / per_cta));
 }
 
