@@ -83,7 +83,7 @@ def backend_impls(device, block, all_isas):
             lambda q, s: torch.ops.prime.dequantize_int8(q, s, block, torch.float32),
             lambda acc, q, s: torch.ops.prime.dequantize_add_int8_(acc, q, s, block),
         )
-        notes.append(f"cpu backend uses {isas[0]} (supported here: {', '.join(isas)})")
+        notes.append(f"cpu backend uses {torch.ops.prime._cpu_codec_plan()} (supported here: {', '.join(isas)})")
         if all_isas:
             for isa in isas:
                 impls[f"cpu-{isa}"] = (

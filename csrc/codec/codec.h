@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace prime::codec {
 
@@ -51,6 +52,7 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 bool isa_supported(Isa isa);
 Isa best_isa();                 // fastest supported; kScalar off x86-64
 const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512"
+std::string cpu_kernel_plan();  // which kernels the entry points without an Isa use, in words
 
 // The multithreaded entry points with the instruction set named (tests run every
 // supported one against the reference). `isa` must be supported.

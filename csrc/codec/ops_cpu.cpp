@@ -4,7 +4,6 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -97,7 +96,6 @@ std::vector<std::string> cpu_codec_isas() {
   for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
     if (isa_supported(isa)) out.emplace_back(isa_name(isa));
   }
-  std::stable_partition(out.begin(), out.end(), [](const std::string& s) { return s == isa_name(best_isa()); });
   return out;
 }
 
@@ -111,7 +109,8 @@ TORCH_LIBRARY_IMPL(prime, CPU, m) {
 
 // Private, for tests and benchmarks: the CPU kernels of one named instruction set.
 TORCH_LIBRARY_FRAGMENT(prime, m) {
-  m.def("_cpu_codec_isas() -> str[]", &cpu_codec_isas);  // supported here, the one used by default first
+  m.def("_cpu_codec_isas() -> str[]", &cpu_codec_isas);  // supported here, widest first
+  m.def("_cpu_codec_plan() -> str", &cpu_kernel_plan);  // the kernels the public ops use, in words
   m.def("_quantize_int8_isa(Tensor x, int block_size, int? seed, str isa) -> (Tensor q, Tensor scales)");
   m.def("_dequantize_int8_isa(Tensor q, Tensor scales, int block_size, ScalarType dtype, str isa) -> Tensor");
   m.def("_dequantize_add_int8_isa_(Tensor(a!) acc, Tensor q, Tensor scales, int block_size, str isa) -> ()");
