@@ -4,13 +4,21 @@
 
 #include <torch/types.h>
 
+#include <string>
+
 #include "codec.h"
 
 namespace prime::codec {
 
+// Integers go into messages as std::to_string text, not through the iostream
+// that TORCH_CHECK formats with: with torch 2.11 (python 3.12, g++ 13) on the
+// GPU machines, formatting an integer there segfaulted while raising, so every
+// bad-argument error crashed the process instead of raising.
+inline std::string num(int64_t v) { return std::to_string(v); }
+
 inline void check_block_size(int64_t block_size) {
-  TORCH_CHECK(valid_block_size(block_size), "block_size must be a power of two from ", kMinBlock, " to ", kMaxBlock,
-              ", got ", block_size);
+  TORCH_CHECK(valid_block_size(block_size), "block_size must be a power of two from ", num(kMinBlock), " to ",
+              num(kMaxBlock), ", got ", num(block_size));
 }
 
 inline InputType input_type(const at::Tensor& x) {
@@ -36,8 +44,8 @@ inline void check_encoded(const at::Tensor& q, const at::Tensor& scales, int64_t
   TORCH_CHECK(q.device() == scales.device(), "q is on ", q.device(), " but scales is on ", scales.device(),
               "; move both to one device");
   const int64_t expected = num_blocks(q.numel(), block_size);
-  TORCH_CHECK(scales.numel() == expected, "q has ", q.numel(), " elements, which at block_size ", block_size,
-              " needs ", expected, " scales, but scales has ", scales.numel(),
+  TORCH_CHECK(scales.numel() == expected, "q has ", num(q.numel()), " elements, which at block_size ",
+              num(block_size), " needs ", num(expected), " scales, but scales has ", num(scales.numel()),
               "; were they made with another block_size?");
 }
 
@@ -45,8 +53,8 @@ inline void check_accumulator(const at::Tensor& acc, const at::Tensor& q) {
   TORCH_CHECK(acc.scalar_type() == at::kFloat, "the accumulator must be float32, got ", acc.scalar_type());
   TORCH_CHECK(acc.device() == q.device(), "the accumulator is on ", acc.device(), " but q is on ", q.device(),
               "; move them to one device");
-  TORCH_CHECK(acc.numel() == q.numel(), "the accumulator has ", acc.numel(), " elements but q has ", q.numel(),
-              "; they must match");
+  TORCH_CHECK(acc.numel() == q.numel(), "the accumulator has ", num(acc.numel()), " elements but q has ",
+              num(q.numel()), "; they must match");
   TORCH_CHECK(acc.is_contiguous(), "the accumulator must be contiguous (it is updated in place)");
 }
 

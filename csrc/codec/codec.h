@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace prime::codec {
 
@@ -35,5 +36,30 @@ int64_t quantize(const void* x, InputType type, int64_t n, int64_t block, int8_t
                  std::optional<uint32_t> seed = std::nullopt);
 void dequantize(const int8_t* q, const float* scales, int64_t n, int64_t block, float* y);
 void dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+
+// ---------------------------------------------------------------------------
+// Additions: decoding straight into bf16 / fp16, and the choice of instruction set.
+
+// y[i] = float(q[i]) * scale, rounded to `out_type` (nearest even; a NaN scale gives NaN).
+// Multithreaded; y holds n elements of out_type.
+void dequantize_as(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
+
+// The instruction sets the CPU kernels exist for. All give the same bits; the
+// fastest one the CPU supports is picked at run time (the build never uses
+// -march=native, so one binary serves every x86-64).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+bool isa_supported(Isa isa);
+Isa best_isa();                 // fastest supported; kScalar off x86-64
+const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512"
+std::string cpu_kernel_plan();  // which kernels the entry points without an Isa use, in words
+
+// The multithreaded entry points with the instruction set named (tests run every
+// supported one against the reference). `isa` must be supported.
+int64_t quantize(Isa isa, const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+                 std::optional<uint32_t> seed);
+void dequantize_as(Isa isa, const int8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                   InputType out_type);
+void dequantize_add(Isa isa, float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
 
 }  // namespace prime::codec

@@ -1,0 +1,102 @@
+// Internal to the CPU codec: the single-threaded block kernels of each
+// instruction set. codec_cpu.cpp picks one table at run time and splits the
+// work across threads at block boundaries.
+//
+// The SIMD tables live in their own files (cpu_avx2.cpp, cpu_avx512.cpp), which
+// switch the target with `#pragma GCC target` after their includes. Everything
+// defined there has internal linkage, so no AVX instruction can leak into an
+// inline function the linker might share with code that runs on older CPUs.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "codec.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PRIME_CODEC_X86 1
+#else
+#define PRIME_CODEC_X86 0
+#endif
+
+namespace prime::codec::cpu {
+
+// All kernels work on [0, n) of the given pointers; the first element is the
+// start of a block. `first_index` is the flattened index of x[0] (keys the
+// stochastic rounding). Full blocks and a shorter last block are both allowed.
+struct Kernels {
+  int64_t (*quantize)(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+                      bool stochastic, uint32_t seed, int64_t first_index);
+  void (*dequantize)(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
+  void (*dequantize_add)(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+};
+
+Kernels scalar_kernels();  // cpu_scalar.cpp: plain C++, any CPU
+#if PRIME_CODEC_X86
+Kernels avx2_kernels();    // cpu_avx2.cpp: AVX2 + F16C
+Kernels avx512_kernels();  // cpu_avx512.cpp: AVX-512F
+#endif
+
+// The scalar block kernels, also used by the SIMD files for the parts they
+// leave to plain code (a short last block, a stochastic block whose indices
+// cross a multiple of 2^32).
+int64_t quantize_scalar(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+                        bool stochastic, uint32_t seed, int64_t first_index);
+void dequantize_scalar(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
+void dequantize_add_scalar(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+
+// ---- shared scalar pieces (static: a private copy per file, see above) ----
+
+// The SIMD quantize kernels prefetch the input this far ahead of the block they
+// read. One core's streaming read rate rose from 10.4 to 13-14 GB/s with it
+// (2048: 12.6, 4096: 13.6, 8192: 14.1, 16384: 12.7 GB/s; 64 MiB fp32, one thread,
+// the 2-core Xeon of the CI machine, benchmarks/RESULTS.md).
+constexpr int64_t kPrefetchBytes = 8192;
+
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kInfBits = 0x7f800000u;       // |x| bits >= this: Inf or NaN
+constexpr uint32_t kCanonicalNaN = 0x7fc00000u;  // the flag scale of a non-finite block
+
+static inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// scale and inverse of a finite block whose largest |x| has the bits `amax_bits`
+// (docs/wire-format.md): two IEEE divisions; inv is 0 for a == 0 and when 127/a
+// overflows (tiny subnormal blocks).
+static inline void block_scale(uint32_t amax_bits, float* scale, float* inv) {
+  const float a = bits_float(amax_bits);
+  *scale = a / 127.0f;
+  float r = a > 0.f ? 127.0f / a : 0.f;
+  if (float_bits(r) == kInfBits) r = 0.f;
+  *inv = r;
+}
+
+static inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// The per-block key of the stochastic-rounding generator: depends only on the
+// high 32 bits of the element index.
+static inline uint32_t stochastic_key(uint32_t seed, uint32_t hi) { return fmix32(seed ^ fmix32(hi ^ 0x9e3779b9u)); }
+
+// Blocks hold at most 4096 elements, so a block at a block-aligned index never
+// straddles a multiple of 2^32; one at an arbitrary `first_index` might.
+static inline bool same_key_range(int64_t first, int64_t len) {
+  return (static_cast<uint64_t>(first) >> 32) == (static_cast<uint64_t>(first + len - 1) >> 32);
+}
+
+}  // namespace prime::codec::cpu
