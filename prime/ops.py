@@ -274,6 +274,10 @@ def quantize_int8(
     """
     _check_input(x)
     check_block_size(block_size)
+    if seed is not None:
+        # the generator keys on seed mod 2^32 (docs/wire-format.md); reducing here keeps
+        # any Python int working on every backend (the torch ops take an int64)
+        seed = int(seed) & _MASK32
     name = _pick_backend(backend, x.device)
     if name in ("cpu", "cuda"):
         q, scales = torch.ops.prime.quantize_int8(x, block_size, seed)

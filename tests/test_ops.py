@@ -227,6 +227,10 @@ def test_stochastic_seeds(impl):
     x = make("student_t", 50_001, torch.float32, gen_for("seeds", impl.name)).to(impl.device)
     for seed in [0, 1, 2**31 + 5, 2**32 - 1, SEED]:
         check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed))
+    if not impl.isa:  # the public API takes any Python int and keys on it mod 2^32
+        for seed in [-1, 2**64 + 7]:
+            assert_same_encoding(impl.quantize(x, 128, seed), ops.quantize_int8_reference(x.cpu(), 128, seed),
+                                 ctx(impl=impl, seed=seed))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
