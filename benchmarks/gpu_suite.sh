@@ -2,6 +2,7 @@
 # The GPU path in one call (H100/H200 machine: Python 3.12, torch 2.11 cu130, triton 3.6, no downloads):
 # build prime._C with CUDA, run the whole test suite with GPU tests enabled, run the codec benchmark.
 #   usage: benchmarks/gpu_suite.sh RESULTS_DIR [--quick]
+# env: PYTEST_TARGETS (default: tests), PYTEST_ARGS, BENCH_ARGS, TEST_TIMEOUT, BENCH_TIMEOUT
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh RESULTS_DIR [--quick]}
 quick=${2:-}
@@ -21,8 +22,8 @@ echo "built in $(( $(date +%s) - t0 )) s"; grep -E "ptxas info|registers" "$out/
 python3 -c "import prime; from prime import ops; print('backends on cuda:', ops.available_backends('cuda'))"
 
 echo "== tests (GPU tests enabled)"
-PYTHONPATH=$PWD timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x --junitxml="$out/tests.xml" tests ${PYTEST_ARGS:-} 2>&1 | tee "$out/tests.log" | tail -25 || status=1
+PYTHONPATH=$PWD timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --junitxml="$out/tests.xml" ${PYTEST_TARGETS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$out/tests.log" | tail -25 || status=1
 
 echo "== codec benchmark"
-PYTHONPATH=$PWD timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_quantize.py --device cuda ${quick:+--quick} --out "$out" 2>&1 | tee "$out/bench_quantize.log" | tail -40 || status=1
+PYTHONPATH=$PWD timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_quantize.py --device cuda ${quick:+--quick} ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/bench_quantize.log" | tail -40 || status=1
 exit $status
