@@ -25,5 +25,5 @@ echo "== tests (GPU tests enabled)"
 PYTHONPATH=$PWD timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --junitxml="$out/tests.xml" ${PYTEST_TARGETS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$out/tests.log" | tail -25 || status=1
 
 echo "== codec benchmark"
-PYTHONPATH=$PWD timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_quantize.py --device cuda ${quick:+--quick} ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/bench_quantize.log" | tail -40 || status=1
+PYTHONPATH=$PWD timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_quantize.py --device cuda ${quick:+--quick} ${BENCH_ARGS:-} --out "$out/bench_quantize.json" 2>&1 | tee "$out/bench_quantize.log" | tail -40 || status=1
 exit $status
