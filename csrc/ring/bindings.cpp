@@ -84,13 +84,14 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
   AllReduceJob job;
   job.spec.dtype = dtype_of(tensor);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
-              tensor.device());
+              tensor.device().str());
   TORCH_CHECK_VALUE(op == "sum" || op == "avg", "op must be 'sum' or 'avg', got '", op, "'");
   TORCH_CHECK_VALUE(codec == "int8" || codec == "none", "codec must be 'int8' or 'none', got '", codec, "'");
   job.spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
   job.spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : ring::CodecKind::kNone;
-  TORCH_CHECK_VALUE(codec::valid_block_size(block_size), "block_size must be a power of two from ", codec::kMinBlock,
-                    " to ", codec::kMaxBlock, ", got ", block_size);
+  TORCH_CHECK_VALUE(codec::valid_block_size(block_size), "block_size must be a power of two from ",
+                    std::to_string(codec::kMinBlock), " to ", std::to_string(codec::kMaxBlock), ", got ",
+                    std::to_string(block_size));  // no ostream ints: see str_builder.h
   job.spec.block = block_size;
 
   auto staging = std::make_shared<Staging>();

@@ -1,6 +1,6 @@
 #include "errors.h"
+#include "str_builder.h"
 
-#include <sstream>
 
 namespace prime::ring {
 
@@ -30,7 +30,7 @@ const char* phase_name(Phase phase) {
 }
 
 std::string describe(const Context& where) {
-  std::ostringstream s;
+  StrBuilder s;
   if (where.phase == Phase::kReduceScatter || where.phase == Phase::kAllGather) {
     s << "(" << phase_name(where.phase) << " step " << where.step;
     if (where.segment >= 0) s << ", segment " << where.segment;
@@ -56,7 +56,7 @@ std::vector<int> ranks_of_mask(uint64_t mask) {
 }
 
 std::string ErrorInfo::message() const {
-  std::ostringstream s;
+  StrBuilder s;
   s << "rank " << rank << ": ";
   if (kind == ErrorKind::kPeerFailed) {
     s << describe(where) << " aborted because rank " << origin << " failed";

@@ -1,11 +1,11 @@
 #include "schedule.h"
 
 #include <cstring>
-#include <sstream>
 
 #include "../codec/codec.h"
 #include "crypto/crc32c.h"
 #include "deadline.h"
+#include "str_builder.h"
 
 namespace prime::ring {
 namespace {
@@ -313,7 +313,7 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
 }
 
 std::string describe_spec(const AllReduceSpec& spec) {
-  std::ostringstream s;
+  StrBuilder s;
   s << "n=" << spec.n << ", dtype=" << dtype_name(spec.dtype) << ", op=" << (spec.op == ReduceOp::kSum ? "sum" : "avg")
     << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : "none");
   if (spec.codec == CodecKind::kInt8) s << ", block_size=" << spec.block;

@@ -3,10 +3,10 @@
 #include <poll.h>
 
 #include <cstring>
-#include <sstream>
 
 #include "crypto/crc32c.h"
 #include "tcp/connection.h"
+#include "str_builder.h"
 
 namespace prime::ring {
 namespace {
@@ -28,7 +28,7 @@ constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
 constexpr Millis kRootCauseGrace{250};
 
 std::string frame_name(const FrameHeader& h) {
-  std::ostringstream s;
+  StrBuilder s;
   s << phase_name(h.phase) << " step " << h.step << ", segment " << h.segment << " of all_reduce #" << h.seq;
   return s.str();
 }

@@ -4,9 +4,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
 #include "../crypto/sha256.h"
+#include "../str_builder.h"
 #include "connection.h"
 
 namespace prime::ring {
@@ -97,7 +97,7 @@ Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream) {
 
 // What differs between the peer's ring shape and ours, "" when nothing.
 std::string config_mismatch(const Hello& peer, const Hello& mine) {
-  std::ostringstream s;
+  StrBuilder s;
   if (peer.version != mine.version) s << "protocol version " << peer.version << " vs " << mine.version << "; ";
   if (peer.world_size != mine.world_size) s << "world_size " << peer.world_size << " vs " << mine.world_size << "; ";
   if (peer.streams != mine.streams) s << "streams " << peer.streams << " vs " << mine.streams << "; ";
