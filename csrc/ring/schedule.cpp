@@ -46,14 +46,30 @@ class AllReduce {
         int8_(spec.codec == CodecKind::kInt8) {}
 
   ScheduleOutcome run() {
+    try {
+      return run_phases();
+    } catch (...) {
+      restore();  // the tensor as it was before any early write
+      throw;
+    }
+  }
+
+ private:
+  ScheduleOutcome run_phases() {
     send_own_chunk();
     for (int s = 0; s < n_ - 1; ++s) {
       const int c = (r_ - s - 1 + 2 * n_) % n_;
       for (int k = 0; k < segments(c); ++k) reduce_scatter_segment(s, c, k);
     }
+    // The reduce-scatter read the input for the last time: from here on, final
+    // segments may go into the caller's tensor (early_output) as they are known.
+    write_early();
     for (int s = 0; s < n_ - 1; ++s) {
       const int c = (r_ - s + n_) % n_;
-      for (int k = 0; k < segments(c); ++k) all_gather_segment(s, c, k);
+      for (int k = 0; k < segments(c); ++k) {
+        all_gather_segment(s, c, k);
+        write_early();
+      }
     }
     {
       Timer wait(times_.wait_s);
@@ -62,11 +78,46 @@ class AllReduce {
     ScheduleOutcome out;
     out.nonfinite_ranks = mask();
     out.overflow = overflow_;
-    out.pieces = std::move(pieces_);
+    if (out.nonfinite_ranks || out.overflow) {
+      restore();  // the caller reports the failure and writes nothing
+    } else {
+      out.pieces = std::move(pieces_);  // what was not written early (all of it without early_output)
+    }
     return out;
   }
 
- private:
+  // Writes the pending final pieces into early_output, saving what they overwrite.
+  // Skipped once any rank's input is known to be non-finite (the result is discarded).
+  void write_early() {
+    if (!spec_.early_output || mask() || overflow_ || pieces_.empty()) return;
+    Timer timer(times_.reduce_s);
+    char* out = static_cast<char*>(spec_.early_output);
+    for (const FinalPiece& p : pieces_) {
+      if (p.len == 0) continue;
+      char* at = out + p.begin * static_cast<int64_t>(esize_);
+      Buffer saved = pool_.acquire(static_cast<size_t>(p.len) * esize_);
+      std::memcpy(saved->data(), at, saved->size());
+      backups_.push_back(FinalPiece{p.begin, p.len, saved});
+      if (int8_) {
+        Buffer scratch;
+        if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(p.len) * 4);
+        decode_int8(spec_, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
+      } else {
+        std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize_);
+      }
+    }
+    pieces_.clear();
+  }
+
+  // Puts back every value an early write replaced (memcpy only: cannot fail).
+  void restore() {
+    char* out = static_cast<char*>(spec_.early_output);
+    for (const FinalPiece& b : backups_) {
+      std::memcpy(out + b.begin * static_cast<int64_t>(esize_), b.bytes->data(), static_cast<size_t>(b.len) * esize_);
+    }
+    backups_.clear();
+  }
+
   int segments(int c) const {
     const Span span = chunk_span(spec_.n, unit_, n_, c);
     return static_cast<int>(std::max<int64_t>(1, (span.size() + seg_ - 1) / seg_));
@@ -276,7 +327,8 @@ class AllReduce {
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;
-  std::vector<FinalPiece> pieces_;
+  std::vector<FinalPiece> pieces_;   // final segments not yet written
+  std::vector<FinalPiece> backups_;  // what the early writes replaced
 };
 
 }  // namespace

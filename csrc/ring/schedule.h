@@ -25,6 +25,13 @@ constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact pat
 struct AllReduceSpec {
   const void* input = nullptr;  // n values of dtype; read only, and only during the reduce-scatter
   void* output = nullptr;       // unused by the schedule (write_result names its destination)
+  // The caller's tensor (n values of dtype), or null. When set, the schedule writes each
+  // final segment into it as soon as the segment is known, after saving the values it
+  // overwrites, and puts those back before it returns with any failure (wire error,
+  // close, non-finite input, overflow): the decode then overlaps the wire instead of
+  // trailing it, and a failed collective still leaves the tensor as it was. The caller
+  // must not read or write the tensor until the collective completed (as with NCCL).
+  void* early_output = nullptr;
   int64_t n = 0;
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kAvg;
