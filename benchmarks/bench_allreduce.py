@@ -16,7 +16,8 @@ Methods, run on the same input tensors in the same process group:
                             times only the all_reduce of a bf16 copy (the casts are free for it)
   ring-fp32                 prime.comm.Ring, codec "none", --streams streams, checksums on
   ring-int8                 prime.comm.Ring, codec "int8", --streams streams, checksums on
-  ring-int8-1stream         as ring-int8 with one TCP stream per link
+  ring-int8-1stream         as ring-int8 with one TCP stream per link (the same as ring-int8
+                            unless --streams is above 1)
   ring-int8-b128            as ring-int8 with block_size=128: one fp32 scale per 128 values
                             (1.031 bytes/value instead of 1.016) for a smaller error
   ring-int8-nocheck         as ring-int8 with checksums off
@@ -131,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-sizes", default="2,4,8", help="comma list of rank counts (default 2,4,8)")
     p.add_argument("--sizes", default="1,4,16,64,256,1024", help="comma list of MiB of fp32 per rank")
     p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
-    p.add_argument("--streams", type=int, default=4, help="TCP streams per ring link for the ring-* methods")
+    # Default 1, the ring's own default (prime.comm.ring.DEFAULT_STREAMS): on these links one
+    # stream fills the link, and every extra stream is two more threads on a busy CPU.
+    p.add_argument("--streams", type=int, default=1, help="TCP streams per ring link for the ring-* methods (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
     p.add_argument("--min-iters", type=int, default=3, help="timed iterations per case, at least")
     p.add_argument("--max-iters", type=int, default=20, help="timed iterations per case, at most")
