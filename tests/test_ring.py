@@ -606,6 +606,10 @@ def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec)
     world, bad = 3, 1
     results = ranks.run(_rank_corrupt_all_gather, SEED, bad, codec, world_size=world)
     for r in range(world):
+        # The corrupting rank itself may finish first: what it received was sound, and it
+        # may have its last frames before the abort arrives. Everyone else must fail.
+        if r == bad and not results[r]["raised"]:
+            continue
         assert results[r]["raised"] and results[r]["intact"], (r, results[r])
     assert "all_gather" in results[(bad + 1) % world]["message"] or "all-gather" in results[(bad + 1) % world]["message"], \
         results[(bad + 1) % world]["message"]
