@@ -63,12 +63,16 @@ class AllReduce {
     }
     // The reduce-scatter read the input for the last time: from here on, final
     // segments may go into the caller's tensor (early_output) as they are known.
-    write_early();
+    // Early writes cost a memory pass (saving what they overwrite), so they are done
+    // only while this rank would otherwise wait for the wire: on a slow link they hide
+    // the decode in the waits; when the CPU is the bottleneck (loopback) frames are
+    // always ready and the pieces are written once at the end, without the save.
     for (int s = 0; s < n_ - 1; ++s) {
       const int c = (r_ - s + n_) % n_;
       for (int k = 0; k < segments(c); ++k) {
+        while (!pieces_.empty() && !t_.frame_ready() && write_early_one()) {
+        }
         all_gather_segment(s, c, k);
-        write_early();
       }
     }
     {
@@ -86,27 +90,27 @@ class AllReduce {
     return out;
   }
 
-  // Writes the pending final pieces into early_output, saving what they overwrite.
-  // Skipped once any rank's input is known to be non-finite (the result is discarded).
-  void write_early() {
-    if (!spec_.early_output || mask() || overflow_ || pieces_.empty()) return;
+  // Writes the oldest pending final piece into early_output, saving what it overwrites;
+  // false when there is nothing it may write (no early_output, or a rank's input is
+  // known to be non-finite: the result will be discarded).
+  bool write_early_one() {
+    if (!spec_.early_output || mask() || overflow_ || pieces_.empty()) return false;
     Timer timer(times_.reduce_s);
-    char* out = static_cast<char*>(spec_.early_output);
-    for (const FinalPiece& p : pieces_) {
-      if (p.len == 0) continue;
-      char* at = out + p.begin * static_cast<int64_t>(esize_);
-      Buffer saved = pool_.acquire(static_cast<size_t>(p.len) * esize_);
-      std::memcpy(saved->data(), at, saved->size());
-      backups_.push_back(FinalPiece{p.begin, p.len, saved});
-      if (int8_) {
-        Buffer scratch;
-        if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(p.len) * 4);
-        decode_int8(spec_, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
-      } else {
-        std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize_);
-      }
+    const FinalPiece p = pieces_.front();
+    pieces_.erase(pieces_.begin());
+    if (p.len == 0) return true;
+    char* at = static_cast<char*>(spec_.early_output) + p.begin * static_cast<int64_t>(esize_);
+    Buffer saved = pool_.acquire(static_cast<size_t>(p.len) * esize_);
+    std::memcpy(saved->data(), at, saved->size());
+    backups_.push_back(FinalPiece{p.begin, p.len, saved});
+    if (int8_) {
+      Buffer scratch;
+      if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(p.len) * 4);
+      decode_int8(spec_, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
+    } else {
+      std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize_);
     }
-    pieces_.clear();
+    return true;
   }
 
   // Puts back every value an early write replaced (memcpy only: cannot fail).
