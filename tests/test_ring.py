@@ -579,6 +579,42 @@ def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks):
         assert "checksum mismatch" in results[r]["message"], results[r]["message"]
 
 
+def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec):
+    """A bit flips in the all-gather, after the ranks wrote their first final segments
+    into the tensor (small segments, corruption past the reduce-scatter's bytes)."""
+    from prime.comm import CommError
+
+    n, world = 100000, ctx.world_size
+    # Payload bytes the bad rank sends in the reduce-scatter (world - 1 chunks), then
+    # half a chunk into the all-gather's first step.
+    chunk_bytes = (n // world) * (1 if codec == "int8" else 4) * (1 + (4 / 256 if codec == "int8" else 0))
+    offset = int((world - 1 + 0.6) * chunk_bytes)
+    ring = ctx.ring(timeout=10, segment_bytes=1 << 14, _corrupt_after_bytes=offset if ctx.rank == bad_rank else None)
+    x = make_input(seed, ctx.rank, n, torch.float32)
+    keep = x.clone()
+    try:
+        ring.all_reduce(x, op="avg", codec=codec).wait()
+        res = {"raised": False}
+    except CommError as e:
+        res = {"raised": True, "kind": e.kind, "message": str(e), "intact": torch.equal(_bits(x), _bits(keep))}
+    ring.close()
+    return res
+
+
+@pytest.mark.parametrize("codec", ["int8", "none"])
+def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec):
+    world, bad = 3, 1
+    results = ranks.run(_rank_corrupt_all_gather, SEED, bad, codec, world_size=world)
+    for r in range(world):
+        # The corrupting rank itself may finish first: what it received was sound, and it
+        # may have its last frames before the abort arrives. Everyone else must fail.
+        if r == bad and not results[r]["raised"]:
+            continue
+        assert results[r]["raised"] and results[r]["intact"], (r, results[r])
+    assert "all_gather" in results[(bad + 1) % world]["message"] or "all-gather" in results[(bad + 1) % world]["message"], \
+        results[(bad + 1) % world]["message"]
+
+
 def _rank_nonfinite(ctx, seed):
     from prime.comm import NonFiniteError
 

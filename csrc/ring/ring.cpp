@@ -249,10 +249,14 @@ void Ring::execute(Pending& p) {
     }
     return done(e);
   }
-  if (opt_.world_size > 1 && p.job.commit) {
+  if (opt_.world_size > 1) {
     const auto c0 = Clock::now();
     try {
-      p.job.commit();
+      // Only now is the caller's tensor written: decoded straight from the wire bytes
+      // when it can be (no staging pass), else through the staging buffer.
+      write_result(spec, outcome, spec.output ? spec.output : p.job.direct, *pool_);
+      outcome.pieces.clear();  // back to the pool
+      if (spec.output && p.job.commit) p.job.commit();
     } catch (const std::exception& ex) {
       ErrorInfo e = invalid(opt_.rank, std::string("copying the result into the tensor failed: ") + ex.what());
       e.where = Context{p.work->seq()};

@@ -46,7 +46,11 @@ struct RingOptions {
 
 struct AllReduceJob {
   AllReduceSpec spec;
-  std::function<void()> commit;       // copies spec.output into the caller's tensor
+  // Where the result goes once every check passed: `direct` (the caller's tensor
+  // itself, when it is a contiguous CPU tensor) or else spec.output, a staging
+  // buffer that `commit` then copies into the caller's tensor.
+  void* direct = nullptr;
+  std::function<void()> commit;
   std::shared_ptr<void> keep_alive;   // tensors behind spec.input / spec.output
 };
 

@@ -8,6 +8,9 @@
 #include "str_builder.h"
 
 namespace prime::ring {
+
+void decode_int8(const AllReduceSpec& spec, const char* payload, int64_t len, void* dst, float* scratch);
+
 namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -43,14 +46,34 @@ class AllReduce {
         int8_(spec.codec == CodecKind::kInt8) {}
 
   ScheduleOutcome run() {
+    try {
+      return run_phases();
+    } catch (...) {
+      restore();  // the tensor as it was before any early write
+      throw;
+    }
+  }
+
+ private:
+  ScheduleOutcome run_phases() {
     send_own_chunk();
     for (int s = 0; s < n_ - 1; ++s) {
       const int c = (r_ - s - 1 + 2 * n_) % n_;
       for (int k = 0; k < segments(c); ++k) reduce_scatter_segment(s, c, k);
     }
+    // The reduce-scatter read the input for the last time: from here on, final
+    // segments may go into the caller's tensor (early_output) as they are known.
+    // Early writes cost a memory pass (saving what they overwrite), so they are done
+    // only while this rank would otherwise wait for the wire: on a slow link they hide
+    // the decode in the waits; when the CPU is the bottleneck (loopback) frames are
+    // always ready and the pieces are written once at the end, without the save.
     for (int s = 0; s < n_ - 1; ++s) {
       const int c = (r_ - s + n_) % n_;
-      for (int k = 0; k < segments(c); ++k) all_gather_segment(s, c, k);
+      for (int k = 0; k < segments(c); ++k) {
+        while (!pieces_.empty() && !t_.frame_ready() && write_early_one()) {
+        }
+        all_gather_segment(s, c, k);
+      }
     }
     {
       Timer wait(times_.wait_s);
@@ -59,10 +82,46 @@ class AllReduce {
     ScheduleOutcome out;
     out.nonfinite_ranks = mask();
     out.overflow = overflow_;
+    if (out.nonfinite_ranks || out.overflow) {
+      restore();  // the caller reports the failure and writes nothing
+    } else {
+      out.pieces = std::move(pieces_);  // what was not written early (all of it without early_output)
+    }
     return out;
   }
 
- private:
+  // Writes the oldest pending final piece into early_output, saving what it overwrites;
+  // false when there is nothing it may write (no early_output, or a rank's input is
+  // known to be non-finite: the result will be discarded).
+  bool write_early_one() {
+    if (!spec_.early_output || mask() || overflow_ || pieces_.empty()) return false;
+    Timer timer(times_.reduce_s);
+    const FinalPiece p = pieces_.front();
+    pieces_.erase(pieces_.begin());
+    if (p.len == 0) return true;
+    char* at = static_cast<char*>(spec_.early_output) + p.begin * static_cast<int64_t>(esize_);
+    Buffer saved = pool_.acquire(static_cast<size_t>(p.len) * esize_);
+    std::memcpy(saved->data(), at, saved->size());
+    backups_.push_back(FinalPiece{p.begin, p.len, saved});
+    if (int8_) {
+      Buffer scratch;
+      if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(p.len) * 4);
+      decode_int8(spec_, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
+    } else {
+      std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize_);
+    }
+    return true;
+  }
+
+  // Puts back every value an early write replaced (memcpy only: cannot fail).
+  void restore() {
+    char* out = static_cast<char*>(spec_.early_output);
+    for (const FinalPiece& b : backups_) {
+      std::memcpy(out + b.begin * static_cast<int64_t>(esize_), b.bytes->data(), static_cast<size_t>(b.len) * esize_);
+    }
+    backups_.clear();
+  }
+
   int segments(int c) const {
     const Span span = chunk_span(spec_.n, unit_, n_, c);
     return static_cast<int>(std::max<int64_t>(1, (span.size() + seg_ - 1) / seg_));
@@ -74,7 +133,6 @@ class AllReduce {
   }
   int64_t int8_bytes(int64_t len) const { return 4 * codec::num_blocks(len, spec_.block) + len; }
   const char* in(int64_t i) const { return static_cast<const char*>(spec_.input) + i * esize_; }
-  char* out(int64_t i) const { return static_cast<char*>(spec_.output) + i * esize_; }
   uint64_t mask() const { return received_mask_ | (own_bad_ ? (uint64_t{1} << r_) : 0); }
 
   void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner,
@@ -109,19 +167,6 @@ class AllReduce {
     *bad_blocks = codec::quantize(x, type, len, spec_.block, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
                                   buf->as<float>());
     return buf;
-  }
-
-  // Decodes a [scales | q] payload into the output staging buffer at `e0`.
-  void dequantize_to_output(const char* payload, int64_t e0, int64_t len, float* scratch) {
-    const int64_t nb = codec::num_blocks(len, spec_.block);
-    const float* scales = reinterpret_cast<const float*>(payload);
-    const int8_t* q = reinterpret_cast<const int8_t*>(payload + 4 * nb);
-    if (spec_.dtype == DType::kFloat32) {
-      codec::dequantize(q, scales, len, spec_.block, reinterpret_cast<float*>(out(e0)));
-    } else {
-      codec::dequantize(q, scales, len, spec_.block, scratch);
-      narrow(scratch, len, spec_.dtype, out(e0));
-    }
   }
 
   // Step 0 of the reduce-scatter: this rank's own chunk, as it is.
@@ -227,19 +272,28 @@ class AllReduce {
       {
         Timer timer(times_.reduce_s);
         overflow_ |= bad > 0;
-        // Every rank, this one included, writes dequantize(these bytes): all end identical.
-        dequantize_to_output(buf->data(), sp.begin, len, a);
-        overflow_ |= !all_finite(out(sp.begin), spec_.dtype, len);
+        // Every rank writes decode(these bytes) later (write_result): check now, on the
+        // same decode, that it is finite, so the flag reaches every rank in the
+        // all-gather headers before anyone writes. `a` is free once quantized.
+        Buffer narrowed;
+        if (spec_.dtype != DType::kFloat32) narrowed = pool_.acquire(static_cast<size_t>(len) * esize_);
+        decode_int8(spec_, buf->data(), len, narrowed ? static_cast<void*>(narrowed->data()) : a, a);
+        overflow_ |= !all_finite(narrowed ? static_cast<const void*>(narrowed->data()) : a, spec_.dtype, len);
       }
+      pieces_.push_back(FinalPiece{sp.begin, len, buf});
       send(Phase::kAllGather, 0, k, buf->data(), buf->size(), buf);
     } else {
+      Buffer fin = acc;  // fp32: the sum itself
       {
         Timer timer(times_.reduce_s);
-        narrow(a, len, spec_.dtype, out(sp.begin));
-        overflow_ |= !all_finite(out(sp.begin), spec_.dtype, len);
+        if (spec_.dtype != DType::kFloat32) {
+          fin = pool_.acquire(static_cast<size_t>(len) * esize_);
+          narrow(a, len, spec_.dtype, fin->data());
+        }
+        overflow_ |= !all_finite(fin->data(), spec_.dtype, len);
       }
-      // Zero copy from the staging buffer: this region is final and outlives the flush.
-      send(Phase::kAllGather, 0, k, out(sp.begin), static_cast<size_t>(len) * esize_, nullptr);
+      pieces_.push_back(FinalPiece{sp.begin, len, fin});
+      send(Phase::kAllGather, 0, k, fin->data(), static_cast<size_t>(len) * esize_, fin);
     }
   }
 
@@ -247,16 +301,8 @@ class AllReduce {
     const Span sp = segment(c, k);
     const int64_t len = sp.size();
     InFrame f = receive(Phase::kAllGather, s, k, int8_ ? int8_bytes(len) : len * static_cast<int64_t>(esize_));
-    {
-      Timer timer(times_.reduce_s);
-      if (int8_) {
-        Buffer scratch;
-        if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(len) * 4);
-        dequantize_to_output(f.payload->data(), sp.begin, len, scratch ? scratch->as<float>() : nullptr);
-      } else if (len > 0) {
-        std::memcpy(out(sp.begin), f.payload->data(), static_cast<size_t>(len) * esize_);
-      }
-    }
+    // Kept as it came; decoded into the caller's tensor once every check passed.
+    pieces_.push_back(FinalPiece{sp.begin, len, f.payload});
     if (s < n_ - 2) {
       // Forward the owner's bytes verbatim; their checksum was verified on arrival.
       const uint32_t crc = f.header.payload_crc;
@@ -285,9 +331,47 @@ class AllReduce {
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;
+  std::vector<FinalPiece> pieces_;   // final segments not yet written
+  std::vector<FinalPiece> backups_;  // what the early writes replaced
 };
 
 }  // namespace
+
+// Decodes one [scales | q] payload of `len` values into dst (len values of spec.dtype);
+// non-fp32 dtypes go through `scratch` (len floats) and are rounded like narrow().
+void decode_int8(const AllReduceSpec& spec, const char* payload, int64_t len, void* dst, float* scratch) {
+  if (len == 0) return;
+  const int64_t nb = codec::num_blocks(len, spec.block);
+  const float* scales = reinterpret_cast<const float*>(payload);
+  const int8_t* q = reinterpret_cast<const int8_t*>(payload + 4 * nb);
+  if (spec.dtype == DType::kFloat32) {
+    codec::dequantize(q, scales, len, spec.block, static_cast<float*>(dst));
+  } else {
+    codec::dequantize(q, scales, len, spec.block, scratch);
+    narrow(scratch, len, spec.dtype, dst);
+  }
+}
+
+void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool) {
+  const size_t esize = dtype_size(spec.dtype);
+  const bool int8 = spec.codec == CodecKind::kInt8;
+  Buffer scratch;
+  if (int8 && spec.dtype != DType::kFloat32) {
+    int64_t longest = 0;
+    for (const FinalPiece& p : outcome.pieces) longest = std::max(longest, p.len);
+    scratch = pool.acquire(static_cast<size_t>(longest) * 4);  // before the first write
+  }
+  char* out = static_cast<char*>(dst);
+  for (const FinalPiece& p : outcome.pieces) {
+    if (p.len == 0) continue;
+    char* at = out + p.begin * static_cast<int64_t>(esize);
+    if (int8) {
+      decode_int8(spec, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
+    } else {
+      std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize);
+    }
+  }
+}
 
 int64_t partition_unit(const AllReduceSpec& spec) {
   return spec.codec == CodecKind::kInt8 ? spec.block : kExactUnit;

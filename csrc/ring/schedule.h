@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "convert.h"
 #include "transport.h"
@@ -22,8 +23,15 @@ enum class CodecKind : int { kNone = 0, kInt8 = 1 };
 constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact path (values)
 
 struct AllReduceSpec {
-  const void* input = nullptr;  // n values of dtype; read only
-  void* output = nullptr;       // n values of dtype: the staging buffer the result goes to
+  const void* input = nullptr;  // n values of dtype; read only, and only during the reduce-scatter
+  void* output = nullptr;       // unused by the schedule (write_result names its destination)
+  // The caller's tensor (n values of dtype), or null. When set, the schedule writes each
+  // final segment into it as soon as the segment is known, after saving the values it
+  // overwrites, and puts those back before it returns with any failure (wire error,
+  // close, non-finite input, overflow): the decode then overlaps the wire instead of
+  // trailing it, and a failed collective still leaves the tensor as it was. The caller
+  // must not read or write the tensor until the collective completed (as with NCCL).
+  void* early_output = nullptr;
   int64_t n = 0;
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kAvg;
@@ -44,9 +52,21 @@ struct ScheduleTimes {
   double wait_s = 0;      // blocked on the wire (recv and final flush)
 };
 
+// One segment of the final result as it came off the wire (or, on its owner, as it
+// went onto it): int8 [scales | q] bytes for the int8 codec, dtype values otherwise.
+struct FinalPiece {
+  int64_t begin = 0;  // first value
+  int64_t len = 0;    // values
+  std::shared_ptr<const ByteBuffer> bytes;
+};
+
 struct ScheduleOutcome {
   uint64_t nonfinite_ranks = 0;  // bit r: rank r's input held NaN/Inf
   bool overflow = false;         // inputs finite, the sum (or its rounding to dtype) not
+  // Every segment of the result, kept (not decoded) until every check passed, so that
+  // write_result can decode straight into the caller's tensor: no staging tensor, no
+  // commit copy (for int8 that is 16 MiB of wire bytes held instead of 64 MiB of fp32).
+  std::vector<FinalPiece> pieces;
 };
 
 struct Span {
@@ -60,8 +80,14 @@ Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk);
 uint32_t descriptor_of(const AllReduceSpec& spec);
 std::string describe_spec(const AllReduceSpec& spec);
 
-// Runs all-reduce number `seq`. Writes the result into spec.output only; returns
-// which ranks had non-finite input (the caller decides whether to commit). Throws
+// Writes the result (the n values of spec.dtype) into dst: decodes the int8 pieces
+// (every rank decodes the same bytes with the same code, so all end bit-identical)
+// or copies the exact ones. Allocates everything it needs before the first write,
+// so it either throws before touching dst or writes all of it.
+void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool);
+
+// Runs all-reduce number `seq`. Writes nothing: returns the result's pieces and
+// which ranks had non-finite input (the caller decides whether to write_result). Throws
 // CommError on any wire failure.
 ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,
                                const AllReduceSpec& spec, const std::shared_ptr<WireCounters>& counters,

@@ -341,6 +341,11 @@ void TcpTransport::receiver_loop(int j) {
   }
 }
 
+bool TcpTransport::frame_ready() {
+  std::lock_guard<std::mutex> lock(recv_mu_);
+  return !recv_[next_recv_ % k_]->queue.empty();
+}
+
 InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
   std::unique_lock<std::mutex> lock(recv_mu_);
   RecvStream& s = *recv_[next_recv_ % k_];

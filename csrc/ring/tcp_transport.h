@@ -47,6 +47,7 @@ class TcpTransport : public Transport {
   void send(OutFrame frame) override;
   InFrame recv(const Context& where, WireCounters& counters) override;
   void flush(const Context& where) override;
+  bool frame_ready() override;
 
   bool failed() const { return failed_.load(); }
   // The recorded failure as seen from `where`, if any.

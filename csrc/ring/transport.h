@@ -47,6 +47,8 @@ class Transport {
   virtual InFrame recv(const Context& where, WireCounters& counters) = 0;
   // Blocks until every queued frame has been handed to the network. Throws like recv.
   virtual void flush(const Context& where) = 0;
+  // True when the next recv() would return without blocking (a frame is queued).
+  virtual bool frame_ready() { return true; }
 };
 
 }  // namespace prime::ring

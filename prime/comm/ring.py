@@ -59,7 +59,7 @@ class WorkStats:
     quantize_s: float  # codec quantize
     reduce_s: float  # dequantize(-add), sums, conversions, copies
     wait_s: float  # blocked on the wire
-    commit_s: float  # copying the result into the caller's tensor
+    commit_s: float  # writing what was left of the result after every check passed
     queue_s: float  # waiting behind earlier collectives
     total_s: float  # start to completion, queue time excluded
 
