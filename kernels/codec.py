@@ -24,6 +24,8 @@ import torch
 import triton
 from triton.runtime import JITFunction
 
+from prime.ops import _check_accumulator, _check_encoded, check_block_size
+
 from . import _codec_kernels as _kernels
 
 __all__ = ["available", "quantize_int8", "dequantize_int8", "dequantize_add_int8_"]
@@ -204,31 +206,8 @@ def _launch_dequantize(
 # argument checks (prime.ops checks too; these keep direct calls safe)
 
 
-def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, got {block_size}"
-        )
-
-
-def _check_encoded(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
-    _check_block_size(block_size)
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
-        raise TypeError(f"q must be an int8 tensor (from quantize_int8), got {getattr(q, 'dtype', type(q))}")
-    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
-        raise TypeError(
-            f"scales must be a float32 tensor (from quantize_int8), got {getattr(scales, 'dtype', type(scales))}"
-        )
-    if q.device != scales.device:
-        raise ValueError(f"q is on {q.device} but scales is on {scales.device}; move both to one device")
-    expected = triton.cdiv(q.numel(), block_size)
-    if scales.numel() != expected:
-        raise ValueError(
-            f"q has {q.numel()} elements, which at block_size {block_size} needs {expected} scales, "
-            f"but scales has {scales.numel()}; were they made with another block_size?"
-        )
+# The argument checks are prime.ops's own, so every backend words its errors alike.
+_check_block_size = check_block_size
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -291,14 +270,7 @@ def dequantize_add_int8_(
 ) -> torch.Tensor:
     """acc += dequantize(q, scales) in place: one fp32 multiply, then one fp32 add. Returns acc."""
     _check_encoded(q, scales, block_size)
-    if not isinstance(acc, torch.Tensor) or acc.dtype != torch.float32:
-        raise TypeError(f"the accumulator must be a float32 tensor, got {getattr(acc, 'dtype', type(acc))}")
-    if acc.device != q.device:
-        raise ValueError(f"the accumulator is on {acc.device} but q is on {q.device}; move them to one device")
-    if acc.numel() != q.numel():
-        raise ValueError(f"the accumulator has {acc.numel()} elements but q has {q.numel()}; they must match")
-    if not acc.is_contiguous():
-        raise ValueError("the accumulator must be contiguous (it is updated in place)")
+    _check_accumulator(acc, q)
     _check_device(q.device)
     if q.numel() > 0:
         _launch_dequantize(_flat(q), _flat(scales), acc.view(-1), block_size, accumulate=True)

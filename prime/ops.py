@@ -80,10 +80,12 @@ def _check_input(x: torch.Tensor) -> None:
 
 def _check_encoded(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
     check_block_size(block_size)
-    if q.dtype != torch.int8:
-        raise TypeError(f"q must be an int8 tensor (from quantize_int8), got {q.dtype}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"scales must be a float32 tensor (from quantize_int8), got {scales.dtype}")
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        raise TypeError(f"q must be an int8 tensor (from quantize_int8), got {getattr(q, 'dtype', type(q))}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise TypeError(
+            f"scales must be a float32 tensor (from quantize_int8), got {getattr(scales, 'dtype', type(scales))}"
+        )
     if q.device != scales.device:
         raise ValueError(f"q is on {q.device} but scales is on {scales.device}; move both to one device")
     expected = num_blocks(q.numel(), block_size)
@@ -95,8 +97,8 @@ def _check_encoded(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> No
 
 
 def _check_accumulator(acc: torch.Tensor, q: torch.Tensor) -> None:
-    if acc.dtype != torch.float32:
-        raise TypeError(f"the accumulator must be float32, got {acc.dtype}")
+    if not isinstance(acc, torch.Tensor) or acc.dtype != torch.float32:
+        raise TypeError(f"the accumulator must be float32, got {getattr(acc, 'dtype', type(acc))}")
     if acc.device != q.device:
         raise ValueError(f"the accumulator is on {acc.device} but q is on {q.device}; move them to one device")
     if acc.numel() != q.numel():

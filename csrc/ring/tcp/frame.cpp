@@ -4,21 +4,13 @@
 #include <cstring>
 
 #include "../crypto/crc32c.h"
+#include "le_bytes.h"
 
 namespace prime::ring {
 namespace {
 
-template <typename T>
-void put(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i));
-}
-
-template <typename T>
-T get(const uint8_t* p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<T>(v);
-}
+using le::get;
+using le::put;
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include "../crypto/sha256.h"
 #include "../str_builder.h"
 #include "connection.h"
+#include "le_bytes.h"
 
 namespace prime::ring {
 namespace {
@@ -36,17 +37,8 @@ struct Hello {
   uint8_t nonce[32] = {};
 };
 
-template <typename T>
-void put(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i));
-}
-
-template <typename T>
-T get(const uint8_t* p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<T>(v);
-}
+using le::get;
+using le::put;
 
 void encode(const Hello& h, uint8_t* out) {
   std::memcpy(out, kMagic, 8);
