@@ -561,7 +561,7 @@ class Membership:
                 return Outcome.from_json(raw)
             results = self._results(k, plan.attempt, plan.members)
             reporters = sorted(i for i in results if not self.monitor.gone(i))
-            pending = [i for i in plan.members if i not in results and not self.monitor.gone(i)]
+            pending = [i for i in plan.members if i not in results and not self._dead_or_suspect(i, results)]
             waited = time.monotonic() - t0
             if self.node_id in reporters:
                 idx, grace = self._order(reporters)
@@ -570,18 +570,37 @@ class Membership:
                     continue
             time.sleep(self.poll_s)
 
+    def _dead_or_suspect(self, node: int, results: dict) -> bool:
+        """Gone, or: a reporter's ring broke on it and its heartbeat has been silent for 3 intervals.
+
+        A killed node resets its TCP connections at once, so its neighbours fail
+        within milliseconds and blame it; waiting for the full heartbeat timeout
+        would only add latency. A node that is alive keeps beating (its thread
+        runs apart from training), so it is not suspected however broken its
+        links are: it is retried, then left out as blamed (_most_blamed)."""
+        if self.monitor.gone(node):
+            return True
+        blamed = any(r.get("blame") == node for r in results.values())
+        return blamed and self.monitor.silent_s(node) > 3 * self.hb_interval
+
     def _decide(self, k: int, plan: Plan, results: dict, waited: float) -> Outcome:
         missing = []
         for i in plan.members:
             if i not in results:
-                why = self.monitor.why_gone(i) if self.monitor.gone(i) else f"no result after {waited:.1f} s"
+                if self.monitor.gone(i):
+                    why = self.monitor.why_gone(i)
+                elif self._dead_or_suspect(i, results):
+                    why = (f"its neighbours lost the connection to it and it has sent no heartbeat for "
+                           f"{self.monitor.silent_s(i):.1f} s")
+                else:
+                    why = f"no result after {waited:.1f} s"
                 missing.append([i, f"did not report attempt {plan.attempt}: {why}"])
         failed = {str(i): r["error"] for i, r in results.items() if not r["ok"]}
         ok = [i for i in plan.members if i in results and results[i]["ok"]]
         base = dict(k=k, attempt=plan.attempt, failed=failed, missing=missing, by=self.node_id, time=time.time())
         if not failed and ok:
             return Outcome(commit=True, members=ok, **base)
-        alive = [i for i in plan.members if i in results and not self.monitor.gone(i)]
+        alive = [i for i in plan.members if i in results and not self._dead_or_suspect(i, results)]
         give_up = ""
         if plan.attempt + 1 >= self.max_attempts:
             give_up = (f"outer step {k} failed {plan.attempt + 1} times (elastic.max_attempts); last errors: "

@@ -271,11 +271,18 @@ class ElasticDiLoCo(DiLoCo):
             t_ar = time.perf_counter()
             ok, err, blame, st = self._allreduce_once(k, plan, g, "avg" if exact_avg else "sum")
             ar_s += time.perf_counter() - t_ar
+            if not ok and first_failure is None:
+                first_failure = time.monotonic()
             m.report(k, plan.attempt, ok, err, blame)
             outcome = m.await_outcome(k, plan)
             if outcome.commit:
                 if me not in outcome.members:
                     raise Evicted(f"outer step {k} committed without this node's result ({err or 'it was late'})")
+                if outcome.missing:  # died after its data went through: the average has it, the node is out
+                    lost += outcome.missing
+                    m.log(f"outer step {k} committed by nodes {outcome.members}; " + "; ".join(
+                        f"node {i} evicted: {w} (its pseudo-gradient is in the average)" for i, w in outcome.missing),
+                        event="commit_without", k=k, members=outcome.members, missing=outcome.missing)
                 stats = st
                 break
             self._drop_ring()
@@ -377,8 +384,9 @@ class ElasticDiLoCo(DiLoCo):
         ring = self.ring
         try:
             work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
-            if self._fault == f"allreduce:{k}":
-                time.sleep(0.05)
+            if self._fault == f"allreduce:{k}" or (
+                    self._fault.startswith("allreduce-after:") and os.path.exists(self._fault.split(":", 1)[1])):
+                time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)  # test hook (FAULT_ENV): die inside the all-reduce
             while not work.is_completed():
                 dead = self._dead_member(members)
@@ -482,12 +490,17 @@ class ElasticDiLoCo(DiLoCo):
 
 
 def _blame(e: BaseException, members: list, me: int) -> int:
-    """The node a ring error points at (the rank where it started, else the neighbour involved), as a node id;
-    -1 when it names none but this node."""
-    for attr in ("origin", "peer"):
-        r = getattr(e, attr, -1)
-        if isinstance(r, int) and 0 <= r < len(members) and members[r] != me:
-            return members[r]
+    """The node a ring error points at, as a node id (-1: none).
+
+    A failure this rank saw itself (lost connection, timeout, corrupt frame,
+    failed handshake) names the neighbour involved. A failure relayed from
+    another rank ("peer_failed") names only the rank that noticed first, which
+    is usually not the culprit: no blame."""
+    if getattr(e, "kind", "") == "peer_failed":
+        return -1
+    r = getattr(e, "peer", -1)
+    if isinstance(r, int) and 0 <= r < len(members) and members[r] != me:
+        return members[r]
     return -1
 
 
