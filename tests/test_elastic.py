@@ -268,3 +268,96 @@ def test_loss_goes_down_across_membership_changes(scenario_a):
     ls = {r["step"]: r["loss"] for r in job.records(0, "step")}
     first, last = sum(ls[s] for s in range(1, 4)) / 3, sum(ls[s] for s in range(91, 101)) / 10
     assert last < first - 1.0, (first, last, seed)
+
+
+# -- scenario B: the source of a live recovery dies; strangers try to join -------------------------
+
+
+def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
+    """A fake node that registers and beats like a real one, but signs its join requests with a wrong secret."""
+    import hmac
+
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("prime/prime/elastic", dist.TCPStore("127.0.0.1", job.store.port, is_master=False))
+    node = job.initial + int(store.add("joiners", 1)) - 1
+    out.append(node)
+    while not stop.is_set():
+        store.add(f"hb/{node}", 1)
+        if store.check(["members"]):
+            k = json.loads(store.get("members"))["k"]
+            mac = hmac.new(b"not-the-secret", f"prime|ready|{node}|{k}".encode(), hashlib.sha256).hexdigest()
+            store.set(f"ready/{node}", json.dumps({"outer_step": k, "mac": mac}))
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def scenario_b(tmp_path_factory):
+    """2 nodes. Node 2 joins; its source (node 0: id 2 mod 2 sources) SIGKILLs itself after serving 40% of
+    the state, and node 2 must finish the download from node 1. Meanwhile a node with a wrong secret
+    (rank 3) tries to join, and a fake node plants join requests signed with a wrong secret."""
+    seed = random.randrange(1000)
+    print(f"seed {seed}")
+    job = Job(tmp_path_factory.mktemp("b"), initial=2, steps=STEPS_B, seed=seed)
+    job.start(0, env={"PRIME_ELASTIC_FAULT": "serve:0.4"})
+    job.start(1)
+    stop, forged = threading.Event(), []
+    forger = threading.Thread(target=_forge_join_requests, args=(job, stop, forged), daemon=True)
+    try:
+        job.wait_line(0, r"^step\s+10/")
+        job.start(2)
+        job.wait_line(2, r"registered as joiner")  # id 2, so its first source is node 0 (2 mod 2)
+        forger.start()
+        job.wait_line(2, r"joined at outer step")
+        job.start(3, env={"PRIME_RING_SECRET": "not-the-secret"})
+        codes = job.wait()
+    finally:
+        stop.set()
+        job.stop()
+    print(f"node logs under {job.tmp}")
+    yield job, codes, forged
+
+
+STEPS_B = 80
+
+
+def test_joiner_resumes_from_another_peer_when_its_source_dies(scenario_b):
+    job, codes, _ = scenario_b
+    assert codes[0] == -signal.SIGKILL, job.text(0)
+    assert codes[1] == 0 and codes[2] == 0, job.text(1) + job.text(2)
+    dl = [r for r in job.records(2, "membership") if r.get("event") == "downloaded"][-1]
+    segs = dl["segments"]
+    assert segs[0][0] == 0 and segs[0][1] == 0 and 0 < segs[0][2] < dl["bytes"], segs  # part from node 0
+    assert segs[-1][0] == 1 and segs[-1][1] == segs[0][2] and segs[-1][2] == dl["bytes"], segs  # rest from node 1
+    assert any("node 0" in f for f in dl["failures"]), dl["failures"]
+    s = dl["outer_step"]
+    assert job.outer(1)[s]["digest"].startswith(dl["msg"].split("digest ")[1][:16])
+    # after the join nodes 1 and 2 stay identical to the end
+    assert _assert_identical(job, [0, 1, 2]) > 0
+    last = STEPS_B // INNER
+    assert max(job.outer(1)) == max(job.outer(2)) == last
+    assert job.outer(2)[last]["members"] == [1, 2]
+    a, b = job.final_state(1), job.final_state(2)
+    assert torch.equal(a["diloco"]["outer"], b["diloco"]["outer"])
+    assert torch.equal(a["diloco"]["momentum"], b["diloco"]["momentum"])
+
+
+def test_a_node_with_the_wrong_secret_cannot_join(scenario_b):
+    job, codes, _ = scenario_b
+    out = job.text(3)
+    assert codes[3] == 3, out
+    assert "could not download the job's state" in out and "secret" in out, out
+    assert not os.path.exists(os.path.join(job.ck, "node3")) or not os.listdir(os.path.join(job.ck, "node3"))
+    for r in (1, 2):
+        assert all(3 not in rec["members"] for rec in job.outer(r).values())
+    assert any("rejected a connection" in line for r in (1, 2) for _, line in job.lines[r])
+
+
+def test_a_forged_join_request_is_ignored(scenario_b):
+    job, codes, forged = scenario_b
+    assert forged, "the forger never ran"
+    fake = forged[0]
+    for r in (0, 1, 2):
+        assert all(fake not in rec["members"] for rec in job.outer(r).values())
+    assert any(f"ignoring node {fake}: its join request is not signed" in line
+               for r in (0, 1, 2) for _, line in job.lines[r])

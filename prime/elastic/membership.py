@@ -300,6 +300,7 @@ class Membership:
         self.genesis = False
         self.monitor: Optional[Monitor] = None
         self.registered_at = 0.0
+        self._warned: set[int] = set()
 
     # -- logging ---------------------------------------------------------------
 
@@ -482,8 +483,10 @@ class Membership:
             if int(d["outer_step"]) != outer_step:
                 continue
             if not hmac.compare_digest(str(d.get("mac", "")), self._mac("ready", i, outer_step)):
-                self.log(f"ignoring node {i}: its join request is not signed with the job secret", event="reject",
-                         node=i)
+                if i not in self._warned:
+                    self._warned.add(i)
+                    self.log(f"ignoring node {i}: its join request is not signed with the job secret",
+                             event="reject", node=i)
                 continue
             out.append(i)
         return out
