@@ -361,3 +361,111 @@ def test_a_forged_join_request_is_ignored(scenario_b):
         assert all(fake not in rec["members"] for rec in job.outer(r).values())
     assert any(f"ignoring node {fake}: its join request is not signed" in line
                for r in (0, 1, 2) for _, line in job.lines[r])
+
+
+# -- the average is over the nodes that contributed (API level, nodes as threads) -------------------
+
+
+def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
+    """An ElasticDiLoCo around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
+    import torch.distributed as dist
+
+    from prime.elastic import ElasticDiLoCo, Membership
+
+    def factory():
+        return dist.PrefixStore("api/elastic", dist.TCPStore("127.0.0.1", port, is_master=False))
+
+    model = torch.nn.Linear(w0.shape[1], w0.shape[0], bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    m = Membership(factory, node_rank=rank, initial_nodes=initial, run_id="api", secret=b"api-secret",
+                   heartbeat_interval_s=0.2, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=60,
+                   report_timeout_s=30)
+    return ElasticDiLoCo(model, None, m, inner_steps=1, codec="none", ring_timeout_s=RING_TIMEOUT,
+                         start_timeout_s=30, measure_compression_error=False)
+
+
+def _run_threads(fns) -> list:
+    out, errs = [None] * len(fns), []
+
+    def call(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+
+    ts = [threading.Thread(target=call, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs, errs
+    assert not any(t.is_alive() for t in ts), "a node hung"
+    return out
+
+
+def _expected(outer: torch.Tensor, momentum: torch.Tensor, deltas: list) -> torch.Tensor:
+    """The outer step in float64: mean of the contributors' pseudo-gradients, Nesterov (lr 0.7, mu 0.9)."""
+    avg = torch.stack([d.double() for d in deltas]).mean(0)
+    m = 0.9 * momentum.double() + avg
+    return outer.double() - 0.7 * (avg + 0.9 * m)
+
+
+def test_the_average_is_over_the_nodes_that_contributed():
+    """3 nodes average; one leaves, 2 average; a joiner takes part without contributing, 2 average.
+    Checked against float64 references, and the joiner ends bit-identical to the others."""
+    import torch.distributed as dist
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    w0 = torch.randn(24, 40, generator=gen)
+    nodes = _run_threads([lambda r=r: _api_node(store.port, r, 3, w0) for r in range(3)])
+    joiner = None
+    try:
+        for n in nodes:
+            n.start()
+
+        def outer_step(active):
+            """Moves each active node's weights by its own random delta, runs the outer step, checks it."""
+            ref_outer, ref_mom = active[0]._outer.clone(), active[0]._momentum.clone()
+            deltas = []
+            for n in active:
+                with torch.no_grad():
+                    n.model.weight.sub_(torch.randn(w0.shape, generator=gen))
+                deltas.append(ref_outer[: w0.numel()].view_as(w0).double() - n.model.weight.detach().double())
+            results = _run_threads([n.step for n in active])
+            want = _expected(ref_outer[: w0.numel()].view_as(w0), ref_mom[: w0.numel()].view_as(w0), deltas)
+            for n in active:
+                got = n._outer[: w0.numel()].view_as(w0).double()
+                assert torch.allclose(got, want.view_as(w0), rtol=1e-5, atol=1e-5), (got - want.view_as(w0)).abs().max()
+                assert torch.equal(n._outer, active[0]._outer) and torch.equal(n._momentum, active[0]._momentum)
+            return results
+
+        r = outer_step(nodes)
+        assert r[0].members == [0, 1, 2] and r[0].contributors == 3
+        nodes[2].close()  # leaves cleanly: dropped at once, no timeout
+        t0 = time.monotonic()
+        r = outer_step(nodes[:2])
+        assert time.monotonic() - t0 < HB_TIMEOUT, "a clean leave must not wait for the heartbeat timeout"
+        assert r[0].members == [0, 1] and r[0].evicted == [[2, "left cleanly"]]
+        joiner = _api_node(store.port, 5, 3, torch.zeros_like(w0))  # rank 5 >= 3 initial nodes: a joiner
+        got = []
+        jt = threading.Thread(target=lambda: got.append(joiner.join()), daemon=True)
+        jt.start()
+        ready = dist.PrefixStore("api/elastic", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+        deadline = time.monotonic() + 60
+        while not ready.check([f"ready/{joiner.node_id}"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = outer_step(nodes[:2])  # the joiner takes part with zeros: the average is still over 2
+        jt.join(60)
+        assert got and got[0].outer_step == 3
+        assert r[0].members == [0, 1, joiner.node_id] and r[0].contributors == 2 and r[0].joined == [joiner.node_id]
+        assert torch.equal(joiner._outer, nodes[0]._outer) and torch.equal(joiner._momentum, nodes[0]._momentum)
+        assert torch.equal(joiner.model.weight, nodes[0].model.weight)
+        r = _run_threads([n.step for n in (nodes[0], nodes[1], joiner)])  # and then it contributes
+        assert r[0].contributors == 3 and torch.equal(joiner._outer, nodes[0]._outer)
+    finally:
+        for n in nodes + ([joiner] if joiner else []):
+            n.close()
