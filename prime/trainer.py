@@ -332,12 +332,16 @@ class Trainer:
 
                 if not start_elastic(self):
                     return self._summary(time.perf_counter() - t_start)  # the job ended before this node got in
-            elif self.diloco.distributed:
-                if cfg.diloco.check_replicas:
+            if self.diloco.distributed:
+                if cfg.diloco.check_replicas and not self.elastic:  # elastic: joiners check a digest instead
                     self.diloco.check_replicas()
                 if self.diloco.since_sync >= cfg.diloco.inner_steps:
                     # The checkpoint was written after a failed outer step: do that outer step first.
-                    self._after_outer(self.diloco.sync())
+                    result = self.diloco.sync()
+                    if getattr(result, "rejoined", None) is not None:
+                        self._on_join(result.rejoined)
+                    else:
+                        self._after_outer(result)
             while self.step < cfg.train.steps:
                 self.step += 1
                 lr = lr_at(self.step, cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,

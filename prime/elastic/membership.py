@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
+from prime.diloco import OuterSyncError
+
 __all__ = [
     "Membership",
     "Monitor",
@@ -58,8 +60,11 @@ LEFT = 1 << 40
 ENV_SECRET = "PRIME_RING_SECRET"
 
 
-class MembershipError(RuntimeError):
-    """The membership protocol cannot go on (store unreachable, too few nodes, too many failed attempts)."""
+class MembershipError(OuterSyncError):
+    """The membership protocol cannot go on (store unreachable, too few nodes, too many failed attempts).
+
+    An OuterSyncError: the outer weights were not changed, and the trainer
+    saves a checkpoint and stops (status 3)."""
 
 
 class Evicted(Exception):
@@ -243,8 +248,8 @@ class Monitor:
         with self._lock:
             return sorted(self._exists)
 
-    def stop(self, leave: bool) -> None:
-        """Stops the heartbeat; `leave` tells the others at once that this node exits cleanly."""
+    def stop(self, leave: bool) -> bool:
+        """Stops the heartbeat; `leave` tells the others at once that this node exits cleanly. False: could not."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 + self.interval)
@@ -253,6 +258,8 @@ class Monitor:
                 self._store.add(f"hb/{self.node_id}", LEFT)
             except Exception as e:  # the store may be gone already; the others then time us out
                 logger.warning("elastic node %d: could not announce the clean exit: %s", self.node_id, e)
+                return False
+        return True
 
 
 class Membership:
@@ -698,8 +705,8 @@ class Membership:
     def leave(self) -> None:
         """Stops the heartbeat and tells the others that this node exits (it is dropped at once)."""
         if self.monitor is not None:
-            self.monitor.stop(leave=True)
-            self.log("left cleanly", event="leave")
+            if self.monitor.stop(leave=True):
+                self.log("left cleanly", event="leave")
             self.monitor = None
 
     def wait_all_gone(self, timeout_s: float) -> None:

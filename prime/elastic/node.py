@@ -227,9 +227,10 @@ class ElasticDiLoCo(DiLoCo):
                                  "training diverged; lower optim.lr or resume from an earlier checkpoint")
         k = self.outer_step + 1
         arrived = time.monotonic()
-        self.membership.arrive(k, self.inner_step)
         try:
-            r = self._boundary(k, g, contributor=True, since=arrived)
+            with _store_errors(k):
+                self.membership.arrive(k, self.inner_step)
+                r = self._boundary(k, g, contributor=True, since=arrived)
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
                                 reason=e.reason)
@@ -418,7 +419,12 @@ class ElasticDiLoCo(DiLoCo):
         Blocks until admitted (the others keep training meanwhile). Returns what
         the trainer needs to continue: the job's inner step, the data slot and
         its position. Raises JobFinished when the job ended first, JoinError
-        when it cannot join (no peer, wrong secret, another configuration)."""
+        when it cannot join (no peer, wrong secret, another configuration),
+        MembershipError when the store is unreachable."""
+        with _store_errors(self.outer_step + 1):
+            return self._join(reason)
+
+    def _join(self, reason: str) -> JoinInfo:
         m = self.membership
         t0 = time.monotonic()
         downloads, dl_s, dl_bytes, sources = 0, 0.0, 0, []
@@ -487,6 +493,27 @@ class ElasticDiLoCo(DiLoCo):
                 self.server.close()
             finally:
                 self.membership.leave()
+
+
+class _store_errors:
+    """Turns a failed store call into MembershipError: without the store no outer step can be agreed on."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, e, tb):
+        import torch.distributed as dist
+
+        if e is not None and isinstance(e, dist.DistError):
+            raise MembershipError(
+                f"outer step {self.k}: the job's store is unreachable ({e}); no outer step can be agreed on "
+                "without it. Restart the store (python -m prime.elastic.store, or node 0), then every node: they "
+                "resume from the newest checkpoint they all have."
+            ) from e
+        return False
 
 
 def _blame(e: BaseException, members: list, me: int) -> int:
