@@ -371,6 +371,8 @@ class Trainer:
                     self.log.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
                     sys.stdout.flush()
                     os._exit(17)
+        except self._finished_errors() as e:  # elastic: evicted, and the job ended before this node got back in
+            self.log.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self._stop_errors()) as e:
             if isinstance(e, OuterSyncError) and self.ckpt is not None:
                 self._save(block=True)
@@ -392,6 +394,13 @@ class Trainer:
         from prime.elastic import JoinError, MembershipError
 
         return (JoinError, MembershipError)
+
+    def _finished_errors(self) -> tuple:
+        if not self.elastic:
+            return ()
+        from prime.elastic import JobFinished
+
+        return (JobFinished,)
 
     def _on_join(self, info) -> None:
         """Elastic: this node was admitted; continue from the job's step with its data slot and fresh AdamW moments."""

@@ -363,6 +363,51 @@ def test_a_forged_join_request_is_ignored(scenario_b):
                for r in (0, 1, 2) for _, line in job.lines[r])
 
 
+# -- scenario C: a node alive but too slow is evicted at the barrier and joins again ------------------
+
+
+@pytest.fixture(scope="module")
+def scenario_c(tmp_path_factory):
+    """2 nodes, barrier timeout 2 s. Node 1 stalls 5 s in its inner steps (its heartbeat goes on): node 0
+    evicts it at the barrier and trains alone; node 1 finds itself evicted, downloads the state and is
+    admitted again."""
+    seed = random.randrange(1000)
+    print(f"seed {seed}")
+    job = Job(tmp_path_factory.mktemp("c"), initial=2, steps=STEPS_C, seed=seed,
+              extra=["--elastic.barrier_timeout_s", "2"])
+    # node 0 pauses too (at step 22, alone by then): the run must not end before node 1 is back
+    job.start(0, env={"PRIME_ELASTIC_FAULT": "stall:22:5"})
+    job.start(1, env={"PRIME_ELASTIC_FAULT": "stall:13:5"})
+    try:
+        codes = job.wait()
+    finally:
+        job.stop()
+    print(f"node logs under {job.tmp}")
+    yield job, codes
+
+
+STEPS_C = 80
+
+
+def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
+    job, codes = scenario_c
+    assert codes == {0: 0, 1: 0}, job.text(0) + job.text(1)
+    plan = next(r for r in job.records(0, "membership") if r.get("event") == "plan")
+    assert plan["k"] == 3 and plan["members"] == [0], plan
+    assert "missed the outer-step barrier" in plan["evicted"][0][1], plan
+    ev = next(r for r in job.records(1, "membership") if r.get("event") == "evicted")
+    assert ev["k"] == 3
+    joined = next(r for r in job.records(1, "membership") if r.get("event") == "joined")
+    k = joined["outer_step"]
+    assert job.outer(0)[k]["members"] == [0, 1] and job.outer(0)[k]["joined"] == [1]
+    assert job.outer(1)[k]["digest"] == job.outer(0)[k]["digest"]
+    assert _assert_identical(job, [0, 1]) >= STEPS_C // INNER - k
+    # node 1 continued from the job's step, not from where it stalled
+    steps1 = [r["step"] for r in job.records(1, "step")]
+    assert steps1 == sorted(set(steps1)) and steps1[-1] == STEPS_C
+    assert joined["inner_step"] == k * INNER and (k * INNER + 1) in steps1
+
+
 # -- the average is over the nodes that contributed (API level, nodes as threads) -------------------
 
 

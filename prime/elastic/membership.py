@@ -687,10 +687,16 @@ class Membership:
                 raise JoinError(f"not admitted at outer step {k} within {timeout_s:g} s (elastic.join_timeout_s)")
             time.sleep(self.poll_s * 5)
 
-    def live_sources(self) -> list[tuple[int, str]]:
-        """(id, address) of the live members of the newest committed outer step: where to download the state."""
+    def live_sources(self, total_steps: Optional[int] = None) -> list[tuple[int, str]]:
+        """(id, address) of the live members of the newest committed outer step: where to download the state.
+
+        Raises JobFinished when they all left after the job's last step, JoinError when they are all gone."""
         latest = self.latest_committed()
         members = latest["members"] if latest is not None else list(range(self.initial_nodes))
+        if all(i == self.node_id or self.monitor.gone(i) for i in members):
+            if latest is not None and total_steps is not None and int(latest["step"]) >= total_steps:
+                raise JobFinished(f"the job reached its last step ({latest['step']}) and its nodes left")
+            raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from")
         out = []
         for i in members:
             if i == self.node_id or self.monitor.gone(i):

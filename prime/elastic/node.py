@@ -176,6 +176,7 @@ class ElasticDiLoCo(DiLoCo):
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
         self._ring_members: Optional[list] = None
+        self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
         self._committed: Optional[Plan] = None
         self._fault = os.environ.get(FAULT_ENV, "")
         self.node_id = membership.register(start_timeout_s)
@@ -211,6 +212,14 @@ class ElasticDiLoCo(DiLoCo):
             self._publish_state()
 
     # -- the outer step ------------------------------------------------------------------
+
+    def step(self) -> OuterStepResult:
+        """Call after every inner optimizer step; runs an outer step every inner_steps steps (see sync())."""
+        if self._fault.startswith("stall:"):  # test hook (FAULT_ENV) "stall:<step>:<seconds>": a slow node
+            at, secs = self._fault.split(":")[1:]
+            if self.inner_step + 1 == int(at):
+                time.sleep(float(secs))
+        return super().step()
 
     @torch.no_grad()
     def sync(self) -> ElasticStepResult:
@@ -285,6 +294,8 @@ class ElasticDiLoCo(DiLoCo):
                         f"node {i} evicted: {w} (its pseudo-gradient is in the average)" for i, w in outcome.missing),
                         event="commit_without", k=k, members=outcome.members, missing=outcome.missing)
                 stats = st
+                if self.ring is not None:
+                    self._ring_k = k
                 break
             self._drop_ring()
             if first_failure is None:
@@ -365,8 +376,14 @@ class ElasticDiLoCo(DiLoCo):
 
         members = plan.members
         if len(members) == 1:
+            self._drop_ring()
             return True, "", -1, {}
-        if self.ring is None or self._ring_members != members:
+        # The ring of outer step k-1 serves again only when every member holds it: the same members
+        # committed k-1 through it, and nobody joins now (a joiner, or a node back from an eviction,
+        # has none). Otherwise a fresh ring under a fresh name.
+        reuse = (self.ring is not None and self._ring_members == members and self._ring_k == k - 1
+                 and plan.attempt == 0 and not plan.joined)
+        if not reuse:
             self._drop_ring()
             builder = _RingBuilder(lambda: self._make_ring(k, plan.attempt, members))
             builder.start()
@@ -383,6 +400,7 @@ class ElasticDiLoCo(DiLoCo):
                 return False, str(e), _blame(e, members, self.node_id), {}
             self.ring, self._ring_members = builder.ring, list(members)
         ring = self.ring
+        self._ring_k = None  # set again once this outer step commits through it
         try:
             work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
             if self._fault == f"allreduce:{k}" or (
@@ -409,7 +427,7 @@ class ElasticDiLoCo(DiLoCo):
                 self.ring.close()
             except Exception:  # already broken; closing is best effort
                 pass
-        self.ring, self._ring_members = None, None
+        self.ring, self._ring_members, self._ring_k = None, None, None
 
     # -- joining -------------------------------------------------------------------------
 
@@ -443,7 +461,8 @@ class ElasticDiLoCo(DiLoCo):
             self._drop_ring()
             self.server.retract()  # our buffers are about to be overwritten
             try:
-                res = fetch_state([self._outer, self._momentum], m.live_sources, secret=m.secret, job=m.run_id,
+                res = fetch_state([self._outer, self._momentum], lambda: m.live_sources(self.total_steps),
+                                  secret=m.secret, job=m.run_id,
                                   my_id=self.node_id, check_meta=check_meta, timeout_s=self.transfer_timeout_s,
                                   give_up_s=self.join_timeout_s, log=lambda msg: m.log(msg, event="download"))
             except TransferError as e:
