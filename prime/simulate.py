@@ -157,12 +157,14 @@ def main(argv=None) -> int:
     el.add_argument("--chaos-min-nodes", type=int, default=2, help="chaos never kills below this many nodes")
     el.add_argument("--chaos-every", type=int, default=20, metavar="STEPS",
                     help="a chaos event every STEPS to 2*STEPS inner steps (default 20)")
+    el.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="stop every node (cleanly) this long after the start")
     args = parser.parse_args(own)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
-    if args.elastic or args.kill_node or args.join_at or args.chaos:
+    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after:
         if args.procs_per_node != 1:
             parser.error("--elastic runs one process per node (--procs-per-node 1)")
         from prime.elastic.simulate import parse_join, parse_kill, run_elastic
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
             parser.error(str(e))
         return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
-                           chaos_every_steps=args.chaos_every, threads_per_proc=args.threads or None)
+                           chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after,
+                           threads_per_proc=args.threads or None)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None)
 
 

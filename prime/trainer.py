@@ -458,7 +458,8 @@ class Trainer:
         extra = {}
         if self.elastic:
             extra = dict(nodes=len(r.members), members=r.members, contributors=r.contributors, joined=r.joined,
-                         evicted=r.evicted, wait_s=r.wait_s, recovery_s=r.recovery_s, digest=r.digest)
+                         evicted=r.evicted, wait_s=r.wait_s, recovery_s=r.recovery_s, digest=r.digest,
+                         time=time.time())
         self.log.record("outer", self.step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
                         bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
                         pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **extra,

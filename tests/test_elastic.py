@@ -514,3 +514,61 @@ def test_the_average_is_over_the_nodes_that_contributed():
     finally:
         for n in nodes + ([joiner] if joiner else []):
             n.close()
+
+
+# -- chaos (long; PRIME_CHAOS=1) ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.environ.get("PRIME_CHAOS") != "1", reason="long chaos run: set PRIME_CHAOS=1")
+def test_chaos(tmp_path):
+    """prime-simulate --elastic --chaos: nodes killed and started at random for PRIME_CHAOS_SECONDS (180).
+
+    Training never stops (no gap between two outer steps longer than the failure timeouts allow), the
+    loss goes down, and every pair of nodes that committed an outer step holds the same bits after it."""
+    seconds = float(os.environ.get("PRIME_CHAOS_SECONDS", "180"))
+    seed = random.randrange(1 << 16)
+    print(f"chaos seed {seed}")
+    out = str(tmp_path / "metrics")
+    args = QUICK + ["--train.steps", "1000000", "--metrics.out_dir", out, "--metrics.log_every", "5",
+                    "--optim.lr", "1e-3"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               PRIME_RING_SECRET=SECRET)
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "3", "--elastic", "--chaos", str(seconds),
+           "--chaos-seed", str(seed), "--chaos-min-nodes", "1", "--chaos-every", "15",
+           "--stop-after", str(seconds + 30), "--", *args]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=seconds + 300)
+    with open(tmp_path / "simulate.log", "w") as f:
+        f.write(p.stdout + p.stderr)
+    print(f"log: {tmp_path / 'simulate.log'}")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    kills = p.stdout.count("with SIGKILL")
+    joins = p.stdout.count("(joiner) at step")
+    assert kills >= 2 and joins >= 2, (kills, joins)
+    outer: dict[int, dict] = {}
+    losses: dict[int, list] = {}
+    times = []
+    for name in os.listdir(out):
+        if not name.startswith("metrics_node"):
+            continue
+        with open(os.path.join(out, name)) as f:
+            for r in map(json.loads, f):
+                if r["kind"] == "outer":
+                    outer.setdefault(r["outer_step"], {})[r["node"]] = r["digest"]
+                    times.append((r["outer_step"], r["time"]))
+                elif r["kind"] == "step":
+                    losses.setdefault(r["step"], []).append(r["loss"])
+    ks = sorted(outer)
+    assert ks == list(range(1, ks[-1] + 1)), "an outer step is missing"
+    for k in ks:
+        assert len(set(outer[k].values())) == 1, f"outer step {k}: nodes differ: {outer[k]}"
+    first_commit = {}
+    for k, t in times:
+        first_commit[k] = min(t, first_commit.get(k, t))
+    gaps = [first_commit[k + 1] - first_commit[k] for k in ks[:-1]]
+    # the slowest outer step may include a heartbeat timeout, a ring timeout and a barrier retry
+    assert max(gaps) < HB_TIMEOUT + 2 * RING_TIMEOUT + 15, max(gaps)
+    steps = sorted(losses)
+    early = [sum(losses[s]) / len(losses[s]) for s in steps[:20]]
+    late = [sum(losses[s]) / len(losses[s]) for s in steps[-50:]]
+    assert sum(late) / len(late) < sum(early) / len(early) - 1.0, (early[:5], late[-5:])
+    print(f"{len(ks)} outer steps, {kills} kills, {joins} joins, largest gap {max(gaps):.1f} s")

@@ -12,6 +12,7 @@ job's step (the highest `step N/` or `(step N)` printed so far) and:
   --join-at step:S       starts a new node (the next free rank) once the job reached step S
   --chaos SECONDS        for that long, every few outer steps kill a random node or start a new one
                          (never fewer than --chaos-min-nodes alive; --chaos-seed picks the sequence)
+  --stop-after SECONDS   stop every node (SIGTERM: a clean leave) this long after the start
 
 and prints, for every kill, the fault-to-recovery time (from the kill to the
 first outer step that the survivors committed without the dead node) and,
@@ -186,8 +187,11 @@ class _Launcher:
 
 def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chaos_s: float = 0.0,
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
-                env: Optional[dict] = None, out=None, threads_per_proc: Optional[int] = None) -> int:
-    """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0."""
+                stop_after_s: Optional[float] = None, env: Optional[dict] = None, out=None,
+                threads_per_proc: Optional[int] = None) -> int:
+    """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0.
+
+    stop_after_s: stop every node (SIGTERM: they leave cleanly) this long after the start, if still running."""
     out = out or sys.stdout
     base_env = dict(os.environ if env is None else env)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -202,7 +206,8 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     rng = random.Random(chaos_seed)
     if chaos_s:
         L.say(f"chaos for {chaos_s:g} s (seed {chaos_seed}), at least {chaos_min_nodes} nodes alive")
-    chaos_end = time.monotonic() + chaos_s
+    t_start = time.monotonic()
+    chaos_end = t_start + chaos_s
     next_chaos_step = None
     status = 0
     try:
@@ -232,6 +237,13 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                         L.say(f"chaos: starting node {next_rank} (joiner) at step {step}")
                         L.start(next_rank)
                         next_rank += 1
+            if stop_after_s is not None and time.monotonic() - t_start > stop_after_s:
+                L.say(f"stopping every node after {stop_after_s:g} s (--stop-after)")
+                with L.lock:
+                    for n in L.s.nodes.values():
+                        if n.killed_at is None and n.proc.poll() is None:
+                            n.killed_at = time.monotonic()  # on purpose: not a failure
+                break
             with L.lock:
                 nodes = list(L.s.nodes.values())
             for n in nodes:
