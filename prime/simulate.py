@@ -159,24 +159,27 @@ def main(argv=None) -> int:
                     help="a chaos event every STEPS to 2*STEPS inner steps (default 20)")
     el.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                     help="stop every node (cleanly) this long after the start")
+    el.add_argument("--fault", action="append", default=[], metavar="R=SPEC",
+                    help="test hook for node R: allreduce:K, serve:FRACTION or stall:STEP:SECONDS (repeatable)")
     args = parser.parse_args(own)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
-    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after:
+    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after or args.fault:
         if args.procs_per_node != 1:
             parser.error("--elastic runs one process per node (--procs-per-node 1)")
-        from prime.elastic.simulate import parse_join, parse_kill, run_elastic
+        from prime.elastic.simulate import parse_fault, parse_join, parse_kill, run_elastic
 
         try:
             kills = [parse_kill(k) for k in args.kill_node]
             joins = [parse_join(j) for j in args.join_at]
+            faults = dict(parse_fault(f) for f in args.fault)
         except ValueError as e:
             parser.error(str(e))
         return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
-                           chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after,
+                           chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
                            threads_per_proc=args.threads or None)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None)
 

@@ -13,6 +13,9 @@ job's step (the highest `step N/` or `(step N)` printed so far) and:
   --chaos SECONDS        for that long, every few outer steps kill a random node or start a new one
                          (never fewer than --chaos-min-nodes alive; --chaos-seed picks the sequence)
   --stop-after SECONDS   stop every node (SIGTERM: a clean leave) this long after the start
+  --fault R=SPEC         test hook for node R (PRIME_ELASTIC_FAULT): allreduce:K dies inside the
+                         all-reduce of outer step K, serve:F dies after serving a fraction F of its
+                         state to a joiner, stall:S:SECONDS pauses at inner step S
 
 and prints, for every kill, the fault-to-recovery time (from the kill to the
 first outer step that the survivors committed without the dead node) and,
@@ -34,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["run_elastic", "parse_kill", "parse_join"]
+__all__ = ["run_elastic", "parse_kill", "parse_join", "parse_fault"]
 
 _STEP = re.compile(r"^(?:step\s+(\d+)/|outer \d+ \(step (\d+)\))")
 _REGISTERED = re.compile(r"node (\d+): registered as (?:initial node|joiner) \(rank (\d+)")
@@ -49,6 +52,15 @@ def parse_kill(text: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"--kill-node takes RANK@step:STEP (e.g. 1@step:30), got {text!r}")
     return int(m.group(1)), int(m.group(2))
+
+
+def parse_fault(text: str) -> tuple[int, str]:
+    """'2=allreduce:8' -> (2, 'allreduce:8')."""
+    m = re.fullmatch(r"(\d+)=((?:allreduce|serve|stall):[\d.:]+)", text)
+    if not m:
+        raise ValueError(f"--fault takes RANK=SPEC with SPEC allreduce:K, serve:FRACTION or stall:STEP:SECONDS, "
+                         f"got {text!r}")
+    return int(m.group(1)), m.group(2)
 
 
 def parse_join(text: str) -> int:
@@ -80,13 +92,14 @@ class _State:
 
 
 class _Launcher:
-    def __init__(self, initial: int, train_args: list[str], env: dict, out):
+    def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None):
         import torch.distributed as dist
         from datetime import timedelta
 
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
+        self.faults = faults or {}
         self.lock = threading.Lock()
         self.s = _State()
         self.pumps: list[threading.Thread] = []
@@ -101,6 +114,8 @@ class _Launcher:
                "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", str(self.initial),
                "--store-addr", f"127.0.0.1:{self.store.port}"]
         env = dict(self.env, PRIME_NODE_RANK=str(rank), PRIME_NUM_NODES=str(self.initial))
+        if rank in self.faults:
+            env["PRIME_ELASTIC_FAULT"] = self.faults[rank]
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         node = _Node(rank, p, time.monotonic())
         with self.lock:
@@ -187,7 +202,8 @@ class _Launcher:
 
 def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chaos_s: float = 0.0,
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
-                stop_after_s: Optional[float] = None, env: Optional[dict] = None, out=None,
+                stop_after_s: Optional[float] = None, faults: Optional[dict] = None, env: Optional[dict] = None,
+                out=None,
                 threads_per_proc: Optional[int] = None) -> int:
     """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0.
 
@@ -197,7 +213,7 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if threads_per_proc:
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
-    L = _Launcher(initial, train_args, base_env, out)
+    L = _Launcher(initial, train_args, base_env, out, faults)
     for r in range(initial):
         L.start(r)
     kills = sorted(kills, key=lambda x: x[1])
@@ -248,6 +264,12 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 nodes = list(L.s.nodes.values())
             for n in nodes:
                 rc = n.proc.poll()
+                if rc == -signal.SIGKILL and n.killed_at is None and n.rank in L.faults:
+                    with L.lock:  # a --fault hook killed it: time the recovery from now (50 ms polls)
+                        n.killed_at, n.killed_step = time.monotonic(), L.s.step
+                    L.say(f"node {n.rank} (id {n.node_id}) died from its fault hook {L.faults[n.rank]!r} at step "
+                          f"{n.killed_step}")
+                    continue
                 if rc is not None and rc != 0 and n.killed_at is None and status == 0:
                     status = rc
                     L.say(f"node {n.rank} exited with status {rc} (not killed by us)")
