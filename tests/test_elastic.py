@@ -516,6 +516,73 @@ def test_the_average_is_over_the_nodes_that_contributed():
             n.close()
 
 
+# -- the state transfer alone (in-process) -------------------------------------------------------
+
+
+def _served_state(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g), torch.randn(n // 3 + 5, generator=g)]
+
+
+def test_transfer_copies_the_state_exactly_and_survives_an_update_in_flight():
+    """A download keeps the state it started with when the server's tensors change mid-way (retract()),
+    lands bit for bit, and a second joiner then gets the new state."""
+    from prime.elastic import StateServer, fetch_state, state_digest
+    from prime.elastic.transfer import PIECE
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    parts = _served_state(seed, 3 * PIECE // 4 + 123)  # several pieces, a partial last one
+    old = [p.clone() for p in parts]
+    total = sum(p.numel() * 4 for p in parts)
+    server = StateServer(b"k" * 32, "job", 0, max_rate=total / 1.0)  # ~1 s per download
+    try:
+        server.publish(7, parts, {"inner_step": 70})
+        dst, got = [torch.zeros_like(p) for p in parts], []
+        t = threading.Thread(target=lambda: got.append(fetch_state(
+            dst, lambda: [(0, server.address)], secret=b"k" * 32, job="job", my_id=1,
+            check_meta=lambda meta: None, timeout_s=10)), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        server.retract()  # an outer step: the tensors change under the download
+        assert server.stats.frozen_copies == 1, "the download was not in flight"
+        for p in parts:
+            p.mul_(-2.0)
+        server.publish(8, parts, {"inner_step": 80})
+        t.join(30)
+        assert got and got[0].step == 7 and got[0].meta["inner_step"] == 70
+        assert all(torch.equal(a, b) for a, b in zip(dst, old))
+        assert got[0].digest == state_digest(old) != state_digest(parts)
+        dst2 = [torch.zeros_like(p) for p in parts]
+        r = fetch_state(dst2, lambda: [(0, server.address)], secret=b"k" * 32, job="job", my_id=2,
+                        check_meta=lambda meta: None, timeout_s=10)
+        assert r.step == 8 and all(torch.equal(a, b) for a, b in zip(dst2, parts))
+    finally:
+        server.close()
+
+
+def test_transfer_refuses_a_wrong_secret_and_another_config():
+    from prime.elastic import StateServer, TransferError, fetch_state
+
+    parts = _served_state(1, 1000)
+    server = StateServer(b"right", "job", 0)
+    try:
+        server.publish(1, parts, {"settings": {"numel": 1000}})
+        dst = [torch.zeros_like(p) for p in parts]
+        with pytest.raises(TransferError) as e:
+            fetch_state(dst, lambda: [(0, server.address)], secret=b"wrong", job="job", my_id=1,
+                        check_meta=lambda meta: None, timeout_s=5)
+        assert e.value.kind == "auth" and "secret" in str(e.value)
+        assert all(not d.any() for d in dst)
+        assert server.stats.rejected == 1 and server.stats.bytes_sent == 0
+        with pytest.raises(TransferError) as e:
+            fetch_state(dst, lambda: [(0, server.address)], secret=b"right", job="job", my_id=1,
+                        check_meta=lambda meta: "numel differs", timeout_s=5)
+        assert e.value.kind == "mismatch"
+    finally:
+        server.close()
+
+
 # -- chaos (long; PRIME_CHAOS=1) ------------------------------------------------------------------
 
 
