@@ -367,6 +367,10 @@ class Membership:
     def secret(self) -> bytes:
         return self._secret
 
+    def new_store(self):
+        """A new client of the job's store (under the elastic prefix), for another thread."""
+        return self._factory()
+
     def publish_address(self, address: str) -> None:
         self.store.set(f"addr/{self.node_id}", address)
 

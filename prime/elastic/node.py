@@ -364,7 +364,9 @@ class ElasticDiLoCo(DiLoCo):
             kwargs["streams"] = self.streams
         if self.max_rate:
             kwargs["max_rate"] = self.max_rate
-        store = dist.PrefixStore(f"ring/{k}/{attempt}", self.membership.store)
+        # Its own store connection: an abandoned builder may still be waiting on the store while this
+        # node's main thread goes on with its own calls (a store client is not shared between threads).
+        store = dist.PrefixStore(f"ring/{k}/{attempt}", self.membership.new_store())
         return Ring(store, members.index(self.node_id), len(members), **kwargs)
 
     def _dead_member(self, members: list) -> Optional[int]:
