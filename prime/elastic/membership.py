@@ -308,6 +308,7 @@ class Membership:
         self.monitor: Optional[Monitor] = None
         self.registered_at = 0.0
         self._warned: set[int] = set()
+        self._own_keys: dict[int, list] = {}
 
     # -- logging ---------------------------------------------------------------
 
@@ -408,7 +409,23 @@ class Membership:
 
     def arrive(self, k: int, step: int) -> None:
         """Says that this node has its pseudo-gradient for outer step k ready."""
+        self._written(k, f"b/{k}/arrive/{self.node_id}")
         self.store.set(f"b/{k}/arrive/{self.node_id}", json.dumps({"step": step, "time": time.time()}))
+
+    def _written(self, k: int, key: str) -> None:
+        self._own_keys.setdefault(k, []).append(key)
+
+    def forget(self, k: int, extra=()) -> None:
+        """Deletes this node's own keys of outer step k (arrival, results, and `extra`, e.g. its ring's).
+
+        Called two outer steps later, when nobody reads them any more. Plans and
+        outcomes stay: a node that comes back late must find the decision that
+        left it out, not take one of its own."""
+        for key in self._own_keys.pop(k, []) + list(extra):
+            try:
+                self.store.delete_key(key)
+            except Exception:  # only tidiness
+                pass
 
     def await_plan(self, k: int, attempt: int, prev: Plan, since: float, step: int,
                    prev_outcome: Optional[Outcome] = None) -> Plan:
@@ -556,6 +573,7 @@ class Membership:
 
     def report(self, k: int, attempt: int, ok: bool, error: str = "", blame: int = -1) -> None:
         """Publishes how this node's all-reduce of the attempt went."""
+        self._written(k, f"b/{k}/a{attempt}/result/{self.node_id}")
         self.store.set(f"b/{k}/a{attempt}/result/{self.node_id}",
                        json.dumps({"ok": ok, "error": error[:500], "blame": blame}))
 

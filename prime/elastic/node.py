@@ -177,6 +177,7 @@ class ElasticDiLoCo(DiLoCo):
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
         self._ring_members: Optional[list] = None
         self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
+        self._ring_keys: dict[int, list] = {}  # store keys of the rings built at each outer step
         self._committed: Optional[Plan] = None
         self._fault = os.environ.get(FAULT_ENV, "")
         self.node_id = membership.register(start_timeout_s)
@@ -327,6 +328,8 @@ class ElasticDiLoCo(DiLoCo):
         m.publish_committed(plan, outcome)
         if not was_joiner and self.slot_state_fn is not None:
             m.publish_slot(self.slot, self.slot_state_fn())
+        for old in [j for j in set(m._own_keys) | set(self._ring_keys) if j <= k - 2]:
+            m.forget(old, self._ring_keys.pop(old, []))
         return ElasticStepResult(
             did_sync=True, inner_step=self.inner_step, outer_step=self.outer_step, numel=self.numel,
             allreduce_s=ar_s, bytes_sent=stats.pop("bytes_sent", None),
@@ -356,7 +359,7 @@ class ElasticDiLoCo(DiLoCo):
     def _make_ring(self, k: int, attempt: int, members: list):
         import torch.distributed as dist
 
-        from prime.comm import Ring
+        from prime.comm import Ring, rendezvous
 
         kwargs = {"timeout": timedelta(seconds=self.ring_timeout_s), "secret": self.membership.secret,
                   "job_id": f"{self.membership.run_id}/elastic/{k}/{attempt}"}
@@ -367,7 +370,10 @@ class ElasticDiLoCo(DiLoCo):
         # Its own store connection: an abandoned builder may still be waiting on the store while this
         # node's main thread goes on with its own calls (a store client is not shared between threads).
         store = dist.PrefixStore(f"ring/{k}/{attempt}", self.membership.new_store())
-        return Ring(store, members.index(self.node_id), len(members), **kwargs)
+        rank = members.index(self.node_id)
+        ns = f"ring/{k}/{attempt}/{rendezvous.namespace(kwargs['job_id'])}"
+        self._ring_keys.setdefault(k, []).extend([f"{ns}/addr/{rank}", f"{ns}/ready/{rank}", f"{ns}/joined"])
+        return Ring(store, rank, len(members), **kwargs)
 
     def _dead_member(self, members: list) -> Optional[int]:
         return next((i for i in members if self.membership.gone(i)), None)
