@@ -24,8 +24,6 @@ admitted at the next outer step (join()). See docs/elastic.md.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import threading
@@ -38,7 +36,7 @@ import torch
 from torch import nn
 
 from prime.diloco import DiLoCo, OuterStepResult, OuterSyncError, work_stats
-from prime.elastic.membership import Evicted, JobFinished, JoinError, Membership, MembershipError, Outcome, Plan
+from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan
 from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fetch_state, state_digest
 
 __all__ = ["ElasticDiLoCo", "ElasticStepResult", "JoinInfo"]
@@ -488,6 +486,13 @@ class ElasticDiLoCo(DiLoCo):
             m.set_ready(s)
             plan = m.await_admission(s, self.total_steps, self.join_timeout_s)
             if plan is None:
+                if time.monotonic() - t0 > self.join_timeout_s:
+                    raise JoinError(
+                        f"node {self.node_id} could not catch up with the job within {self.join_timeout_s:g} s "
+                        f"(elastic.join_timeout_s): {downloads} downloads of {res.total_bytes / 2**20:.0f} MiB took "
+                        f"{dl_s / downloads:.1f} s each, and every time the job had moved past the state by then. "
+                        "A join needs a download shorter than one outer step (H inner steps): use a faster link, "
+                        "a larger diloco.inner_steps, or an unthrottled source (elastic.transfer_max_rate_mbit)")
                 m.log(f"the job committed outer step {s + 1} before this node was admitted; downloading again",
                       event="stale", outer_step=s)
                 continue
