@@ -1,6 +1,6 @@
 """Hosts the job's TCPStore on its own, so that no training node is the store.
 
-    python -m prime.elastic.store --host 0.0.0.0 --port 29600
+    python -m prime.elastic.store --port 29600
 
 Run it on the steadiest machine you have (it holds a few kilobytes per node and
 per outer step, and serves a handful of small requests per node and second),
@@ -26,12 +26,13 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     p = argparse.ArgumentParser(prog="python -m prime.elastic.store", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=29600, help="port (default 29600; 0: pick a free one)")
     args = p.parse_args(argv)
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,
+    # torch's TCPStore server listens on every interface of the machine, whatever host it is
+    # given: keep the port reachable only by the job's machines (firewall, VPN).
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    print(f"prime store listening on {args.host}:{store.port}", flush=True)
+    print(f"prime store listening on port {store.port} (every interface of this machine)", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
