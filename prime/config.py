@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointConfig",
     "MetricsConfig",
     "NodesConfig",
+    "ElasticConfig",
     "load_config",
     "parse_cli",
     "describe",
@@ -283,6 +284,13 @@ class NodesConfig:
         host, _, port = self.store_addr.rpartition(":")
         _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
 
+    def validate_elastic(self) -> None:
+        """As validate(), except that node_rank may be >= num_nodes: such a node joins a running job."""
+        _require(self.num_nodes >= 1, "nodes.num_nodes", ">= 1", self.num_nodes)
+        _require(self.node_rank >= 0, "nodes.node_rank", ">= 0", self.node_rank)
+        host, _, port = self.store_addr.rpartition(":")
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
+
     @property
     def store_host(self) -> str:
         return self.store_addr.rpartition(":")[0]
@@ -290,6 +298,44 @@ class NodesConfig:
     @property
     def store_port(self) -> int:
         return int(self.store_addr.rpartition(":")[2])
+
+
+@dataclass
+class ElasticConfig:
+    enabled: bool = False
+    """Elastic membership: nodes may die, leave and join mid-training (docs/elastic.md). One process per node; a node started with node_rank >= num_nodes joins the running job."""
+    heartbeat_interval_s: float = 1.0
+    """Each node bumps its heartbeat counter in the store this often (seconds)."""
+    heartbeat_timeout_s: float = 10.0
+    """A node whose heartbeat has not moved for this long is dead: an outer step in flight is retried without it."""
+    barrier_timeout_s: float = 300.0
+    """How long the first node at an outer step waits for a live member that has not arrived before evicting it."""
+    max_attempts: int = 5
+    """All-reduce attempts per outer step (each with the nodes still alive) before the job stops."""
+    min_nodes: int = 1
+    """Stop when fewer nodes than this would contribute to an outer step."""
+    transfer_timeout_s: float = 60.0
+    """Live recovery: a joiner gives up on a source that sends nothing for this long and resumes from another."""
+    transfer_max_rate_mbit: float = 0.0
+    """Cap on the rate at which a node serves its state to a joiner, Mbit/s (0: unlimited)."""
+    join_timeout_s: float = 600.0
+    """A joiner stops when it cannot download the state and be admitted within this long."""
+    external_store: bool = False
+    """The TCPStore at nodes.store_addr is hosted outside the nodes (python -m prime.elastic.store, prime-simulate --elastic); else node 0 hosts it and its death stops the job."""
+    digest: bool = False
+    """Hash the outer weights and momentum after every outer step (SHA-256, about 1 GB/s here) and record it, to prove that the nodes agree."""
+
+    def validate(self) -> None:
+        _require(self.heartbeat_interval_s > 0, "elastic.heartbeat_interval_s", "> 0", self.heartbeat_interval_s)
+        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s, "elastic.heartbeat_timeout_s",
+                 f"> heartbeat_interval_s ({self.heartbeat_interval_s})", self.heartbeat_timeout_s)
+        _require(self.barrier_timeout_s > 0, "elastic.barrier_timeout_s", "> 0", self.barrier_timeout_s)
+        _require(self.max_attempts >= 1, "elastic.max_attempts", ">= 1", self.max_attempts)
+        _require(self.min_nodes >= 1, "elastic.min_nodes", ">= 1", self.min_nodes)
+        _require(self.transfer_timeout_s > 0, "elastic.transfer_timeout_s", "> 0", self.transfer_timeout_s)
+        _require(self.transfer_max_rate_mbit >= 0, "elastic.transfer_max_rate_mbit", ">= 0 (0: unlimited)",
+                 self.transfer_max_rate_mbit)
+        _require(self.join_timeout_s > 0, "elastic.join_timeout_s", "> 0", self.join_timeout_s)
 
 
 @dataclass
@@ -302,11 +348,15 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def validate(self) -> "Config":
         """Checks every section and the rules that span sections; returns self."""
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
+            if f.name == "nodes" and self.elastic.enabled:
+                self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
+            else:
+                getattr(self, f.name).validate()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(

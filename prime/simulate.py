@@ -7,6 +7,10 @@ Starts `python -m torch.distributed.run --nproc-per-node P --master-port <free>
 127.0.0.1:<free>` for r = 0..N-1, prefixes each node's output lines with
 `[node r]`, and exits non-zero (after stopping the other nodes) as soon as one
 node fails. For demos, tests and benchmarks.
+
+With --elastic (docs/elastic.md) nodes may be killed and started during the
+run: `prime-simulate --nodes 3 --elastic --kill-node 1@step:30 --join-at
+step:50 -- ...` (see prime/elastic/simulate.py).
 """
 
 from __future__ import annotations
@@ -140,11 +144,43 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     parser.add_argument("--procs-per-node", type=int, default=1, help="processes (devices) per node (default 1)")
     parser.add_argument("--threads", type=int, default=0, help="OMP/torch threads per process (default: torch's)")
+    el = parser.add_argument_group("elastic (docs/elastic.md)")
+    el.add_argument("--elastic", action="store_true",
+                    help="elastic job: this process hosts the store; nodes may be killed and started")
+    el.add_argument("--kill-node", action="append", default=[], metavar="R@step:S",
+                    help="SIGKILL node R once the job reached step S (repeatable)")
+    el.add_argument("--join-at", action="append", default=[], metavar="step:S",
+                    help="start a new node once the job reached step S (repeatable)")
+    el.add_argument("--chaos", type=float, default=0.0, metavar="SECONDS",
+                    help="kill random nodes and start new ones for this long")
+    el.add_argument("--chaos-seed", type=int, default=None, help="seed of the chaos sequence")
+    el.add_argument("--chaos-min-nodes", type=int, default=2, help="chaos never kills below this many nodes")
+    el.add_argument("--chaos-every", type=int, default=20, metavar="STEPS",
+                    help="a chaos event every STEPS to 2*STEPS inner steps (default 20)")
+    el.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="stop every node (cleanly) this long after the start")
+    el.add_argument("--fault", action="append", default=[], metavar="R=SPEC",
+                    help="test hook for node R: allreduce:K, serve:FRACTION or stall:STEP:SECONDS (repeatable)")
     args = parser.parse_args(own)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
+    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after or args.fault:
+        if args.procs_per_node != 1:
+            parser.error("--elastic runs one process per node (--procs-per-node 1)")
+        from prime.elastic.simulate import parse_fault, parse_join, parse_kill, run_elastic
+
+        try:
+            kills = [parse_kill(k) for k in args.kill_node]
+            joins = [parse_join(j) for j in args.join_at]
+            faults = dict(parse_fault(f) for f in args.fault)
+        except ValueError as e:
+            parser.error(str(e))
+        return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
+                           chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
+                           chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
+                           threads_per_proc=args.threads or None)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None)
 
 

@@ -79,6 +79,12 @@ class Trainer:
                 "(--nnodes 1); nodes are joined by the DiLoCo ring (--node-rank/--num-nodes), not by torchrun"
             )
         self.node_rank, self.num_nodes = cfg.nodes.node_rank, cfg.nodes.num_nodes
+        self.elastic = cfg.elastic.enabled
+        if self.elastic and self.local_world > 1:
+            raise ValueError(
+                f"elastic.enabled needs one process per node, this node runs {self.local_world}: use "
+                "--nproc-per-node 1 (several GPUs per node are not supported by elastic training yet)"
+            )
         want = cfg.train.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ValueError("train.device is 'cuda' but torch sees no GPU; use train.device = 'cpu' or 'auto'")
@@ -109,9 +115,9 @@ class Trainer:
         self.is_logger = self.local_rank == 0
         # The cross-node store: node 0's first process hosts it, everyone else connects.
         self.store = None
-        if self.num_nodes > 1:
+        if self.num_nodes > 1 or self.elastic:
             host, port = cfg.nodes.store_host, cfg.nodes.store_port
-            is_master = self.node_rank == 0 and self.local_rank == 0
+            is_master = self.node_rank == 0 and self.local_rank == 0 and not (self.elastic and cfg.elastic.external_store)
             raw = dist.TCPStore(
                 host, port, is_master=is_master, timeout=timedelta(seconds=cfg.diloco.timeout_s),
                 wait_for_workers=False,
@@ -154,12 +160,24 @@ class Trainer:
     def _init_data(self) -> None:
         cfg = self.cfg
         self.source = load_source(cfg.data.source, cfg.data.path, cfg.data.bin_dtype)
-        self.loader = ShardedLoader(
-            self.source, cfg.data.seq_len, cfg.train.micro_batch_size,
-            shard=self.node_rank * self.local_world + self.local_rank, num_shards=self.num_nodes * self.local_world,
-            seed=cfg.train.seed, vocab_size=self.model_args.vocab_size,
-        )
+        if self.elastic:  # data slot = node rank for initial nodes; a joiner gets its slot when admitted
+            self.loader = self._slot_loader(self.node_rank % self.num_nodes)
+        else:
+            self.loader = ShardedLoader(
+                self.source, cfg.data.seq_len, cfg.train.micro_batch_size,
+                shard=self.node_rank * self.local_world + self.local_rank, num_shards=self.num_nodes * self.local_world,
+                seed=cfg.train.seed, vocab_size=self.model_args.vocab_size,
+            )
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.local_world
+
+    def _slot_loader(self, slot: int) -> ShardedLoader:
+        """Elastic: the data of slot s is shard s mod num_nodes; slots past num_nodes read it in another order."""
+        cfg = self.cfg
+        return ShardedLoader(
+            self.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=slot % self.num_nodes,
+            num_shards=self.num_nodes, seed=cfg.train.seed + 7919 * (slot // self.num_nodes),
+            vocab_size=self.model_args.vocab_size,
+        )
 
     def _make_ring(self, tag: str):
         """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
@@ -179,6 +197,13 @@ class Trainer:
 
     def _init_diloco(self) -> None:
         d = self.cfg.diloco
+        if self.elastic:
+            from prime.elastic.trainer import build_elastic_diloco
+
+            self.diloco = build_elastic_diloco(self)
+            self.model_numel = sum(p.numel() for p in self.model.parameters())
+            self.dp_bytes_per_step = 0.0  # set per outer step from its members (_after_outer)
+            return
         ring = self._make_ring("start") if self.num_nodes > 1 else None
         self.diloco = DiLoCo(
             self.model, self.optimizer, ring,
@@ -204,7 +229,7 @@ class Trainer:
                 cfg.checkpoint.dir, self.node_rank, self.local_rank, self.local_world, process_group=pg,
                 keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
             )
-            if cfg.checkpoint.resume:
+            if cfg.checkpoint.resume and not (self.elastic and self.diloco.is_joiner):  # a joiner downloads
                 steps = self.ckpt.complete_steps()
                 step = agree_on_resume_step(steps, self.store, self.node_rank, self.num_nodes, publish=self.local_rank == 0)
                 if step is not None:
@@ -232,7 +257,13 @@ class Trainer:
             f"data {self.source.description}; shard {self.loader.shard} of {self.loader.num_shards} "
             f"({self.loader.windows_per_epoch} sequences per epoch); {self.tokens_per_step} tokens per step per node"
         )
-        if self.num_nodes > 1:
+        if self.elastic:
+            d = c.diloco
+            self.log.print(
+                f"elastic DiLoCo: node {self.diloco.node_id} ({'joiner' if self.diloco.is_joiner else 'initial node'}), "
+                f"{self.num_nodes} initial nodes, outer step every {d.inner_steps} inner steps, codec {d.codec}"
+            )
+        elif self.num_nodes > 1:
             d = c.diloco
             self.log.print(
                 f"DiLoCo: node {self.node_rank} of {self.num_nodes}, outer step every {d.inner_steps} inner steps, "
@@ -296,12 +327,21 @@ class Trainer:
         self._phase_t0 = time.perf_counter()
         t_start = time.perf_counter()
         try:
+            if self.elastic:
+                from prime.elastic.trainer import start_elastic
+
+                if not start_elastic(self):
+                    return self._summary(time.perf_counter() - t_start)  # the job ended before this node got in
             if self.diloco.distributed:
-                if cfg.diloco.check_replicas:
+                if cfg.diloco.check_replicas and not self.elastic:  # elastic: joiners check a digest instead
                     self.diloco.check_replicas()
                 if self.diloco.since_sync >= cfg.diloco.inner_steps:
                     # The checkpoint was written after a failed outer step: do that outer step first.
-                    self._after_outer(self.diloco.sync())
+                    result = self.diloco.sync()
+                    if getattr(result, "rejoined", None) is not None:
+                        self._on_join(result.rejoined)
+                    else:
+                        self._after_outer(result)
             while self.step < cfg.train.steps:
                 self.step += 1
                 lr = lr_at(self.step, cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,
@@ -316,6 +356,9 @@ class Trainer:
                 self.compute_s += step_s
                 self._phase_compute += step_s
                 result = self.diloco.step()
+                if getattr(result, "rejoined", None) is not None:  # elastic: evicted, now back at the job's step
+                    self._on_join(result.rejoined)
+                    continue
                 show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
                 self._log_step(float(loss), float(gnorm), lr, step_s, show)
                 if result.did_sync:
@@ -328,7 +371,9 @@ class Trainer:
                     self.log.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
                     sys.stdout.flush()
                     os._exit(17)
-        except (OuterSyncError, ReplicaMismatchError) as e:
+        except self._finished_errors() as e:  # elastic: evicted, and the job ended before this node got back in
+            self.log.print(f"elastic: {e}; stopping")
+        except (OuterSyncError, ReplicaMismatchError, *self._stop_errors()) as e:
             if isinstance(e, OuterSyncError) and self.ckpt is not None:
                 self._save(block=True)
                 where = (f" Checkpoint of step {self.step} saved under {cfg.checkpoint.dir}: restart every node "
@@ -342,6 +387,26 @@ class Trainer:
             self._save(block=True)
         wall = time.perf_counter() - t_start
         return self._summary(wall)
+
+    def _stop_errors(self) -> tuple:
+        if not self.elastic:
+            return ()
+        from prime.elastic import JoinError, MembershipError
+
+        return (JoinError, MembershipError)
+
+    def _finished_errors(self) -> tuple:
+        if not self.elastic:
+            return ()
+        from prime.elastic import JobFinished
+
+        return (JobFinished,)
+
+    def _on_join(self, info) -> None:
+        """Elastic: this node was admitted; continue from the job's step with its data slot and fresh AdamW moments."""
+        from prime.elastic.trainer import on_join
+
+        on_join(self, info)
 
     def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> None:
         """Records every step in the JSONL file; prints the line when `show`."""
@@ -360,7 +425,9 @@ class Trainer:
 
     def _after_outer(self, r) -> None:
         """Logs one outer step: all-reduce time and bytes (summed over the node's processes), error, utilization."""
-        n = self.num_nodes
+        n = len(r.members) if getattr(r, "members", None) else self.num_nodes
+        if self.elastic:  # what data parallelism among this outer step's nodes would have sent
+            self.dp_bytes_per_step = 2 * (n - 1) / n * 4 * self.model_numel
         measured = r.bytes_sent is not None
         if measured:
             sent = float(r.bytes_sent)
@@ -385,10 +452,18 @@ class Trainer:
             f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "
             f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
             + (f" | {r.attempts} attempts" if r.attempts > 1 else "")
+            + (f" | nodes {len(r.members)}" if self.elastic else "")
+            + (f" | recovery {r.recovery_s:.2f} s" if getattr(r, "recovery_s", None) is not None else "")
         )
+        extra = {}
+        if self.elastic:
+            extra = dict(nodes=len(r.members), members=r.members, contributors=r.contributors, joined=r.joined,
+                         evicted=r.evicted, wait_s=r.wait_s, recovery_s=r.recovery_s, digest=r.digest,
+                         time=time.time())
         self.log.record("outer", self.step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
                         bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
-                        pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **r.ring_stats)
+                        pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **extra,
+                        **r.ring_stats)
 
     def _summary(self, wall: float) -> dict:
         k = max(1, min(10, len(self.losses) // 5))
@@ -402,7 +477,7 @@ class Trainer:
         if self.is_logger:
             lines = [f"summary (node {self.node_rank}): {self.step} steps in {wall:.1f} s, "
                      f"loss {first:.3f} at step {first_step} -> {last:.3f} (mean of the last {k} steps)"]
-            if self.num_nodes > 1:
+            if self.num_nodes > 1 or self.elastic:
                 ratio = self.total_dp / self.total_sent if self.total_sent else float("nan")
                 lines.append(
                     f"  {self.diloco.outer_step} outer steps sent {human_bytes(self.total_sent)}"
@@ -439,6 +514,10 @@ class Trainer:
     def _release_store(self) -> None:
         """The store's host (node 0, process 0) waits until every process is done with it before exiting."""
         if self.store is None:
+            return
+        if self.elastic:
+            if self.node_rank == 0 and not self.cfg.elastic.external_store:
+                self.diloco.membership.wait_all_gone(self.cfg.diloco.timeout_s)
             return
         total = self.num_nodes * self.local_world
         self.store.add("finished", 1)
