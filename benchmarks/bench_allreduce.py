@@ -371,6 +371,23 @@ def rel_l2(result, ref) -> float:
     return math.sqrt(num / den) if den > 0 else float("nan")
 
 
+def gpu_quantize_seconds(x, block_size: int, repeats: int = 10) -> float:
+    """Median time of prime.ops.quantize_int8 on the GPU tensor x (CUDA events)."""
+    import torch
+    from prime import ops
+
+    ops.quantize_int8(x, block_size)  # warm-up (and kernel load)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ops.quantize_int8(x, block_size)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 class RingAdapter:
     """The one place that knows prime.comm.Ring's constructor, all_reduce and statistics.
 
@@ -528,6 +545,9 @@ def worker_main(spec: dict) -> None:
                 dist.all_reduce(digest)
                 spread = float(((digest - digest[0]).abs() / digest[0].abs().clamp_min(1e-30)).max())
                 row = {**case, "iters": iters, "times_s": times, "wire_bytes": wire, "ranks_agree_rel": spread}
+                if device.type == "cuda" and method.startswith("ring-int8"):
+                    # What the ring's CPU quantize would cost on the GPU instead (the same tensor, median of 10).
+                    row["gpu_quantize_s"] = gpu_quantize_seconds(x, rings[method].block)
                 if rank == 0:
                     row["rel_l2_err"] = rel_l2(work_buf, ref)
                     keys = set().union(*ring_stats) if ring_stats else set()

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from prime.data import ShardedLoader, load_source
 from prime.diloco import DiLoCo, OuterSyncError, ReplicaMismatchError
 from prime.metrics import MetricsLogger, human_bytes, mean, peak_flops, plot_losses
 from prime.model import Transformer
-from prime.parallelize import parallelize
+from prime.parallelize import local_shard, parallelize
 
 __all__ = ["Trainer", "lr_at", "TrainingStopped"]
 
@@ -90,6 +91,12 @@ class Trainer:
             raise ValueError("train.device is 'cuda' but torch sees no GPU; use train.device = 'cpu' or 'auto'")
         self.device = torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
         if self.device.type == "cuda":
+            if self.local_rank >= torch.cuda.device_count():
+                raise ValueError(
+                    f"local rank {self.local_rank} has no GPU of its own: this node runs {self.local_world} processes "
+                    f"but sees {torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run one process per GPU or train.device = 'cpu'"
+                )
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         if cfg.train.threads:
@@ -319,6 +326,7 @@ class Trainer:
         self._describe()
         fault_step = int(os.environ.get(_FAULT_ENV, "0") or 0)
         self.losses: list[tuple[int, float]] = []
+        self.step_s: list[float] = []  # inner-step times, for the summary's medians
         self.total_sent = 0.0
         self.sent_measured = True
         self.total_dp = 0.0
@@ -386,7 +394,40 @@ class Trainer:
         if self.ckpt is not None:
             self._save(block=True)
         wall = time.perf_counter() - t_start
-        return self._summary(wall)
+        summary = self._summary(wall)
+        if self.diloco.distributed and not self.elastic and self.cfg.diloco.check_replicas:
+            summary["weights_digest"] = self._check_final_weights()
+        return summary
+
+    @torch.no_grad()
+    def _check_final_weights(self) -> str:
+        """Hashes this process's final weights and compares the hash with the same local rank
+        of every other node (through the store). Returns the hash; raises ReplicaMismatchError
+        when any node differs. The weights agree bit for bit only right after an outer step,
+        so a run whose last step is not one compares the outer weights instead."""
+        import hashlib
+
+        outer = self.diloco.state_dict().get("outer")
+        synced = self.diloco.since_sync == 0 or outer is None
+        h = hashlib.blake2b(digest_size=16)
+        if synced:
+            for p in self.model.parameters():
+                h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(outer.numpy().tobytes())
+        digest = h.hexdigest()
+        what = "weights" if synced else "outer weights (the run did not end on an outer step)"
+        key = f"final/{self.local_rank}/{{}}"
+        self.store.set(key.format(self.node_rank), digest)
+        others = [self.store.get(key.format(n)).decode() for n in range(self.num_nodes)]
+        differ = [n for n, d in enumerate(others) if d != digest]
+        if differ:
+            raise ReplicaMismatchError(f"node {self.node_rank}: final {what} differ from node(s) {differ} "
+                                       f"(blake2b {digest} here)")
+        if self.is_logger:
+            self.log.print(f"final {what} identical on all {self.num_nodes} nodes: blake2b {digest}"
+                           + (f" (local rank {self.local_rank})" if self.local_world > 1 else ""))
+        return digest
 
     def _stop_errors(self) -> tuple:
         if not self.elastic:
@@ -414,6 +455,7 @@ class Trainer:
         tok_s = self.tokens_per_step / step_s
         mfu = self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
         self.losses.append((self.step, loss))
+        self.step_s.append(step_s)
         mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         if show:
             self.log.print(
@@ -465,6 +507,16 @@ class Trainer:
                         pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **extra,
                         **r.ring_stats)
 
+    _WARMUP_STEPS = 3  # compilation, allocator warm-up and the first outer step's buffers
+
+    def _median_rates(self) -> Optional[tuple[float, Optional[float]]]:
+        """(tokens/s per node, MFU) at the median inner-step time, warm-up steps excluded; None if too few steps."""
+        times = sorted(self.step_s[self._WARMUP_STEPS:])
+        if not times:
+            return None
+        tok_s = self.tokens_per_step / times[len(times) // 2]
+        return tok_s, (self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None)
+
     def _summary(self, wall: float) -> dict:
         k = max(1, min(10, len(self.losses) // 5))
         first_step, first = self.losses[0] if self.losses else (0, float("nan"))
@@ -473,6 +525,9 @@ class Trainer:
         s = {"node": self.node_rank, "steps": self.step, "first_step": first_step, "first_loss": first,
              "last_loss": last, "bytes_sent": self.total_sent, "bytes_measured": self.sent_measured,
              "dp_bytes": self.total_dp, "utilization": util, "wall_s": wall, "outer_steps": self.diloco.outer_step}
+        rate = self._median_rates()
+        if rate:
+            s["median_tokens_per_s"], s["median_mfu"] = rate
         self.log.record("summary", self.step, **{k2: v for k2, v in s.items() if k2 != "node"})
         if self.is_logger:
             lines = [f"summary (node {self.node_rank}): {self.step} steps in {wall:.1f} s, "
@@ -485,6 +540,11 @@ class Trainer:
                     f"{human_bytes(self.total_dp)} ({ratio:.0f}x more)"
                 )
             lines.append(f"  compute utilization {100 * util:.1f}% (inner-step time / wall time)")
+            rate = self._median_rates()
+            if rate:
+                tok_s, mfu = rate
+                lines.append(f"  median inner step (first {self._WARMUP_STEPS} excluded): {tok_s / 1e3:.1f}k tok/s per node"
+                             + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
             self.log.print("\n".join(lines))
         return s
 

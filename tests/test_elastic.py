@@ -37,7 +37,7 @@ RING_TIMEOUT = 10.0
 INNER = 5
 STEPS_A = 100
 
-QUICK = ["--model.name", "tiny", "--data.seq_len", "64", "--train.micro_batch_size", "4", "--train.threads", "1",
+QUICK = ["--model.name", "tiny", "--train.device", "cpu", "--data.seq_len", "64", "--train.micro_batch_size", "4", "--train.threads", "1",
          "--optim.lr", "3e-3", "--optim.warmup_steps", "5", "--optim.decay_steps", "0", "--metrics.plot", "false",
          "--metrics.log_every", "1", "--diloco.inner_steps", str(INNER), "--diloco.timeout_s", str(RING_TIMEOUT),
          "--elastic.enabled", "true", "--elastic.external_store", "true", "--elastic.heartbeat_interval_s", "0.2",

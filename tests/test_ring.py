@@ -751,17 +751,25 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
 # CUDA tensors (staged through pinned host memory)
 
 
-def _rank_cuda(ctx, seed):
+def _rank_cuda(ctx, seed, dtype):
     with ctx.ring() as ring:
-        x = make_input(seed, ctx.rank, 100003, torch.float32).cuda()
-        ring.all_reduce(x, op="avg", codec="int8").wait()
-        return x.cpu()
+        x = make_input(seed, ctx.rank, 100003, dtype)
+        host = x.clone()
+        ring.all_reduce(host, op="avg", codec="int8").wait()  # the CPU path, for comparison
+        x = x.cuda(ctx.rank % torch.cuda.device_count())
+        work = ring.all_reduce(x, op="avg", codec="int8")
+        work.wait()
+        return x.cpu(), host, work.stats()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tensor(ranks):
-    results = ranks.run(_rank_cuda, SEED, world_size=2)
-    inputs = [make_input(SEED, r, 100003, torch.float32) for r in range(2)]
+@pytest.mark.parametrize("world_size,dtype", [(2, torch.float32), (4, torch.float32), (4, torch.bfloat16)])
+def test_cuda_tensor(ranks, world_size, dtype):
+    results = ranks.run(_rank_cuda, SEED, dtype, world_size=world_size)
+    inputs = [make_input(SEED, r, 100003, dtype) for r in range(world_size)]
     model = model_all_reduce(inputs, "avg", "int8")
-    for y in results:
+    for y, host, stats in results:
+        assert y.dtype == dtype
+        assert torch.equal(_bits(y), _bits(host))  # the CUDA path gives the CPU path's bits
+        assert stats.stage_s > 0 and stats.copy_back_s > 0  # staged through host memory, and timed
         assert torch.equal(_bits(y), _bits(model))

@@ -58,6 +58,8 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["commit_s"] = s.commit_s;
   d["queue_s"] = s.queue_s;
   d["total_s"] = s.total_s;
+  d["stage_s"] = s.stage_s;
+  d["copy_back_s"] = s.copy_back_s;
   return d;
 }
 
@@ -100,6 +102,7 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
   job.spec.n = n;
   {
     py::gil_scoped_release no_gil;  // a device-to-host copy can take a while
+    const auto s0 = std::chrono::steady_clock::now();
     const bool cuda = tensor.is_cuda();
     auto host = tensor.options().device(at::kCPU).pinned_memory(cuda);
     if (!cuda && tensor.is_contiguous()) {
@@ -117,6 +120,7 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
     } else {
       staging->output = at::empty({n}, host);
     }
+    job.stage_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
   }
   job.spec.input = staging->input.data_ptr();
   // (An empty tensor's data pointer may be null: test the staging tensor, not `direct`.)

@@ -172,6 +172,7 @@ void Ring::execute(Pending& p) {
   WorkStats stats;
   stats.seq = p.work->seq();
   stats.n = p.job.spec.n;
+  stats.stage_s = p.job.stage_s;
   const auto t0 = Clock::now();
   stats.queue_s = std::chrono::duration<double>(t0 - p.submitted).count();
   auto done = [&](std::optional<ErrorInfo> error) {
@@ -256,7 +257,11 @@ void Ring::execute(Pending& p) {
       // when it can be (no staging pass), else through the staging buffer.
       write_result(spec, outcome, spec.output ? spec.output : p.job.direct, *pool_);
       outcome.pieces.clear();  // back to the pool
-      if (spec.output && p.job.commit) p.job.commit();
+      if (spec.output && p.job.commit) {
+        const auto b0 = Clock::now();
+        p.job.commit();
+        stats.copy_back_s = seconds_since(b0);
+      }
     } catch (const std::exception& ex) {
       ErrorInfo e = invalid(opt_.rank, std::string("copying the result into the tensor failed: ") + ex.what());
       e.where = Context{p.work->seq()};

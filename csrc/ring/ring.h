@@ -52,6 +52,7 @@ struct AllReduceJob {
   void* direct = nullptr;
   std::function<void()> commit;
   std::shared_ptr<void> keep_alive;   // tensors behind spec.input / spec.output
+  double stage_s = 0;                 // time the caller spent filling spec.input (reported in WorkStats)
 };
 
 uint64_t job_hash(const std::string& job_id, int world_size);

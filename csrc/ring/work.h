@@ -21,7 +21,9 @@ struct WorkStats {
   double quantize_s = 0;  // codec quantize
   double reduce_s = 0;    // dequantize(-add), sums, conversions, copies
   double wait_s = 0;      // blocked on the wire
-  double commit_s = 0;    // copying the staged result into the caller's tensor
+  double commit_s = 0;    // writing the result, copy_back_s included
+  double stage_s = 0;     // before queueing: the device-to-host (or strided) copy into staging
+  double copy_back_s = 0; // the staged result copied into the caller's tensor (host-to-device for CUDA)
   double queue_s = 0;     // from submission until the worker started it
   double total_s = 0;     // from start to completion (queue time excluded)
 };

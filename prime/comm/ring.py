@@ -59,9 +59,11 @@ class WorkStats:
     quantize_s: float  # codec quantize
     reduce_s: float  # dequantize(-add), sums, conversions, copies
     wait_s: float  # blocked on the wire
-    commit_s: float  # writing what was left of the result after every check passed
+    commit_s: float  # writing what was left of the result after every check passed (copy_back_s included)
     queue_s: float  # waiting behind earlier collectives
     total_s: float  # start to completion, queue time excluded
+    stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into pinned host staging
+    copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
 
 
 class Work:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# DiLoCo across simulated nodes on one multi-GPU host: NODES nodes x PROCS GPUs each (FSDP2 on
+# NCCL inside a node), the int8 ring between them rate-limited to each of RATES (Mbit/s per link).
+#   usage: benchmarks/gpu_diloco.sh RESULTS_DIR
+# env: MODEL (1B), H (inner steps, 100), OUTER (outer steps, 2), NODES (2), PROCS (1), RATES ("1000 10000"),
+#      COMPILE (false), MB (micro-batch, 4), SEQ (2048)
+# Each run prints per-step MFU and tokens/s, each outer step's all-reduce time and utilization,
+# and at the end whether the nodes' final weights are bit-identical (blake2b of every node).
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_diloco.sh RESULTS_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/machine.txt"
+if ! python3 -c "import prime._C, prime.comm; prime.comm.Ring" 2>/dev/null; then
+  # The ring and the CPU codec are all DiLoCo needs between nodes: skip the CUDA kernels here.
+  echo "== build (CPU extension)"
+  PRIME_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
+fi
+H=${H:-100}
+status=0
+for rate in ${RATES:-1000 10000}; do
+  echo "== DiLoCo ${NODES:-2} nodes x ${PROCS:-1} GPU, ${MODEL:-1B}, H=$H, ring limited to $rate Mbit/s"
+  timeout ${RUN_TIMEOUT:-280} python3 -m prime.simulate --nodes ${NODES:-2} --procs-per-node ${PROCS:-1} -- \
+    --model.name ${MODEL:-1B} --data.seq_len ${SEQ:-2048} --train.micro_batch_size ${MB:-4} \
+    --train.steps $((H * ${OUTER:-2})) --diloco.inner_steps $H --diloco.max_rate_mbit $rate \
+    --optim.warmup_steps 10 --metrics.log_every 20 --metrics.plot false --train.threads 8 \
+    --train.compile ${COMPILE:-false} --metrics.out_dir "$out/r$rate" 2>&1 | tee "$out/diloco_${rate}mbit.log" \
+    | grep -E "model|outer|summary|utilization|median|identical|differ|rror" || status=1
+done
+exit $status
