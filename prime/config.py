@@ -148,7 +148,7 @@ class DiLoCoConfig:
     compression_error: bool = True
     """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one quantize+dequantize)."""
     check_replicas: bool = True
-    """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings."""
+    """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
