@@ -36,6 +36,7 @@ HB_TIMEOUT = 3.0
 RING_TIMEOUT = 10.0
 INNER = 5
 STEPS_A = 100
+HOLD_A = 17  # scenario A's survivors wait here (after outer step 3) for the joiner
 
 QUICK = ["--model.name", "tiny", "--train.device", "cpu", "--data.seq_len", "64", "--train.micro_batch_size", "4", "--train.threads", "1",
          "--optim.lr", "3e-3", "--optim.warmup_steps", "5", "--optim.decay_steps", "0", "--metrics.plot", "false",
@@ -113,6 +114,20 @@ class Job:
     def _pending(self, rank: int) -> bool:
         return False
 
+    def wait_ready(self, node_id: int, outer_step: int, timeout: float = 120) -> None:
+        """Waits until joiner `node_id` says it holds the state after `outer_step` (its ready key in the store)."""
+        import torch.distributed as dist
+
+        store = dist.PrefixStore("prime/prime/elastic", self.store)
+        key = f"ready/{node_id}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if store.check([key]) and json.loads(store.get(key))["outer_step"] == outer_step:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"node {node_id} never became ready with outer step {outer_step}:\n"
+                             + "\n".join(self.text(r) for r in self.procs))
+
     def kill(self, rank: int) -> float:
         self.procs[rank].send_signal(signal.SIGKILL)
         self.killed[rank] = time.time()
@@ -186,20 +201,32 @@ def _sha(state: dict) -> str:
 @pytest.fixture(scope="module")
 def scenario_a(tmp_path_factory):
     """3 nodes. Node 1 is SIGKILLed during inner steps; node 3 joins the 2 survivors; then node 2 SIGKILLs
-    itself inside the all-reduce of the next outer step. Nodes 0 and 3 finish the run."""
+    itself inside the all-reduce of the next outer step. Nodes 0 and 3 finish the run.
+
+    The moments that matter are pinned with the hold hook, not with timing, so that the scenario is the
+    same on a slow CI machine and on a fast host."""
     seed = random.randrange(1000)
     print(f"seed {seed}")
     tmp = tmp_path_factory.mktemp("a")
     trigger = os.path.join(str(tmp), "die-in-allreduce")
+    # The survivors wait at inner step HOLD_A (after outer step 3) until the joiner holds the state: on a
+    # fast machine they would otherwise run to the end while the joiner's Python starts.
+    release = os.path.join(str(tmp), "release")
+    hold = f"hold:{HOLD_A}:{release}"
     job = Job(tmp, initial=3, steps=STEPS_A, seed=seed)
-    job.start(0)
-    job.start(1)
-    job.start(2, env={"PRIME_ELASTIC_FAULT": f"allreduce-after:{trigger}"})
+    job.start(0, env={"PRIME_ELASTIC_FAULT": hold})
+    # node 1 waits at inner step 12 for a file that never comes: killed there, surely inside its inner steps
+    job.start(1, env={"PRIME_ELASTIC_FAULT": f"hold:12:{os.path.join(str(tmp), 'never')}"})
+    job.start(2, env={"PRIME_ELASTIC_FAULT": f"allreduce-after:{trigger},{hold}"})
     try:
-        job.wait_line(1, r"^step\s+12/")
+        job.wait_line(1, r"holding at inner step 12")
         job.kill(1)
         job.wait_line(0, r"nodes \[0, 2\] \(node 1 evicted")
+        job.wait_line(0, r"holding at inner step")
+        job.wait_line(2, r"holding at inner step")
         job.start(3)
+        job.wait_ready(3, HOLD_A // INNER)
+        open(release, "w").close()
         job.wait_line(3, r"joined at outer step")
         open(trigger, "w").close()
         codes = job.wait()
@@ -291,6 +318,17 @@ def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
         time.sleep(0.1)
 
 
+def _wait_forged(job: Job, forged: list, timeout: float = 30) -> None:
+    """Waits until the forger planted its join request (for the outer step the job holds at)."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("prime/prime/elastic", job.store)
+    deadline = time.monotonic() + timeout
+    while not (forged and store.check([f"ready/{forged[0]}"])):
+        assert time.monotonic() < deadline, "the forger planted no join request"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def scenario_b(tmp_path_factory):
     """2 nodes. Node 2 joins; its source (node 0: id 2 mod 2 sources) SIGKILLs itself after serving 40% of
@@ -298,18 +336,29 @@ def scenario_b(tmp_path_factory):
     (rank 3) tries to join, and a fake node plants join requests signed with a wrong secret."""
     seed = random.randrange(1000)
     print(f"seed {seed}")
-    job = Job(tmp_path_factory.mktemp("b"), initial=2, steps=STEPS_B, seed=seed)
-    job.start(0, env={"PRIME_ELASTIC_FAULT": "serve:0.4"})
-    job.start(1)
+    tmp = tmp_path_factory.mktemp("b")
+    # Both nodes wait at inner step HOLD_B (after outer step 2) until the joiner holds the state, the node
+    # with the wrong secret gave up and a forged join request is planted: on a fast machine the job would
+    # otherwise end while the newcomers' Python starts.
+    release = os.path.join(str(tmp), "release")
+    hold = f"hold:{HOLD_B}:{release}"
+    job = Job(tmp, initial=2, steps=STEPS_B, seed=seed)
+    job.start(0, env={"PRIME_ELASTIC_FAULT": f"serve:0.4,{hold}"})
+    job.start(1, env={"PRIME_ELASTIC_FAULT": hold})
     stop, forged = threading.Event(), []
     forger = threading.Thread(target=_forge_join_requests, args=(job, stop, forged), daemon=True)
     try:
-        job.wait_line(0, r"^step\s+10/")
+        job.wait_line(0, r"holding at inner step")
+        job.wait_line(1, r"holding at inner step")
         job.start(2)
         job.wait_line(2, r"registered as joiner")  # id 2, so its first source is node 0 (2 mod 2)
         forger.start()
-        job.wait_line(2, r"joined at outer step")
         job.start(3, env={"PRIME_RING_SECRET": "not-the-secret"})
+        job.wait_ready(2, HOLD_B // INNER)
+        job.procs[3].wait(timeout=120)
+        _wait_forged(job, forged)
+        open(release, "w").close()
+        job.wait_line(2, r"joined at outer step")
         codes = job.wait()
     finally:
         stop.set()
@@ -319,6 +368,7 @@ def scenario_b(tmp_path_factory):
 
 
 STEPS_B = 80
+HOLD_B = 12  # scenario B's nodes wait here (after outer step 2) for the newcomers
 
 
 def test_joiner_resumes_from_another_peer_when_its_source_dies(scenario_b):
@@ -576,6 +626,9 @@ def test_transfer_refuses_a_wrong_secret_and_another_config():
                         check_meta=lambda meta: None, timeout_s=5)
         assert e.value.kind == "auth" and "secret" in str(e.value)
         assert all(not d.any() for d in dst)
+        deadline = time.monotonic() + 5  # the server's thread notes the rejection when it sees the hang-up
+        while server.stats.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.stats.rejected == 1 and server.stats.bytes_sent == 0
         with pytest.raises(TransferError) as e:
             fetch_state(dst, lambda: [(0, server.address)], secret=b"right", job="job", my_id=1,
@@ -583,6 +636,124 @@ def test_transfer_refuses_a_wrong_secret_and_another_config():
         assert e.value.kind == "mismatch"
     finally:
         server.close()
+
+
+def test_a_joiner_backs_off_a_refused_source_and_takes_one_that_answers():
+    """A dead source stays listed until its heartbeat times out: the joiner asks it again only after a
+    growing pause (not every few ms), and downloads from a live source as soon as one is listed."""
+    import socket
+
+    from prime.elastic import StateServer, fetch_state
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    parts = _served_state(seed, 5000)
+    server = StateServer(b"k" * 32, "job", 1)
+    dead = socket.create_server(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nobody listens there any more: connection refused, as from a killed node
+    try:
+        server.publish(3, parts, {})
+        t0 = time.monotonic()
+
+        def sources():
+            live = [(1, server.address)] if time.monotonic() - t0 > 1.0 else []
+            return [(0, f"127.0.0.1:{port}")] + live
+
+        dst = [torch.zeros_like(p) for p in parts]
+        r = fetch_state(dst, sources, secret=b"k" * 32, job="job", my_id=0, check_meta=lambda meta: None,
+                        timeout_s=10)
+        assert r.step == 3 and all(torch.equal(a, b) for a, b in zip(dst, parts))
+        assert r.segments == [[1, 0, r.total_bytes]], r.segments
+        assert all(f.startswith("node 0: ") and "refused" in f for f in r.failures), r.failures
+        # pauses of 0.1, 0.2, 0.4 s... before node 1 shows up after 1 s: about 4 tries, not one every few ms
+        assert 2 <= len(r.failures) <= 6, r.failures
+    finally:
+        server.close()
+
+
+def _membership(port: int, rank: int, initial: int, secret: bytes = b"m-secret"):
+    import torch.distributed as dist
+
+    from prime.elastic import Membership
+
+    def factory():
+        return dist.PrefixStore("m/elastic", dist.TCPStore("127.0.0.1", port, is_master=False))
+
+    return Membership(factory, node_rank=rank, initial_nodes=initial, run_id="m", secret=secret,
+                      heartbeat_interval_s=0.2, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=60)
+
+
+def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
+    """After the last outer step there is nothing left to be admitted at: a joiner stops (JobFinished)
+    instead of downloading a state that no outer step will take it in with."""
+    import torch.distributed as dist
+
+    from prime.elastic import JobFinished
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    raw = dist.PrefixStore("m/elastic", store)
+    for i in (0, 1):
+        raw.add(f"hb/{i}", 1)
+        raw.set(f"addr/{i}", f"127.0.0.1:{1000 + i}")
+    m = _membership(store.port, 5, 2)
+    m.register()
+    try:
+        def commit(k):
+            raw.set("members", json.dumps({"k": k, "members": [0, 1], "step": k * INNER, "time": 0.0,
+                                           "slots": {"0": 0, "1": 1}}))
+
+        commit(15)
+        assert [i for i, _ in m.live_sources(16 * INNER)] == [0, 1]
+        commit(16)
+        with pytest.raises(JobFinished):
+            m.live_sources(16 * INNER)
+        with pytest.raises(JobFinished):
+            m.await_admission(16, 16 * INNER, timeout_s=5)
+        assert [i for i, _ in m.live_sources(None)] == [0, 1]  # an open-ended job goes on
+    finally:
+        m.leave()
+
+
+def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
+    """Outer step 5, attempt 0 with nodes [0, 1] fails (node 1 died). A joiner that became ready with the
+    state after outer step 4 meanwhile is admitted in attempt 1 (taking the free data slot), not left to
+    download the job's next state; a join request signed with another secret is not."""
+    import hashlib
+    import hmac
+
+    import torch.distributed as dist
+
+    from prime.elastic import Outcome, Plan
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    raw = dist.PrefixStore("m/elastic", store)
+    raw.add("hb/1", 1)
+    m = _membership(store.port, 0, 2)
+    m.register(start_timeout_s=5)
+    joiner = _membership(store.port, 7, 2)
+    joiner.register()
+    fake = 2 + int(raw.add("joiners", 1)) - 1
+    raw.add(f"hb/{fake}", 1)
+    try:
+        assert joiner.node_id == 2 and fake == 3
+        k = 5
+        prev = Plan(k=k, attempt=0, members=[0, 1], contributors=[0, 1], slots={"0": 0, "1": 1}, step=k * INNER)
+        raw.set(f"b/{k}/a0/plan", prev.to_json())
+        joiner.set_ready(k - 1)
+        mac = hmac.new(b"not-the-secret", f"m|ready|{fake}|{k - 1}".encode(), hashlib.sha256).hexdigest()
+        raw.set(f"ready/{fake}", json.dumps({"outer_step": k - 1, "mac": mac}))
+        outcome = Outcome(k=k, attempt=0, commit=False, members=[0], failed={"0": "connection to rank 1 lost"},
+                          missing=[[1, "did not report attempt 0"]])
+        raw.set(f"b/{k}/a0/outcome", outcome.to_json())
+        plan = m.await_plan(k, 1, prev, time.monotonic(), k * INNER, outcome)
+        assert plan.attempt == 1 and plan.members == [0, 2], plan
+        assert plan.contributors == [0] and plan.joined == [2] and plan.slot_of(2) == 1, plan
+        got = joiner.await_admission(k - 1, None, timeout_s=10)  # the joiner's side finds the retry's plan
+        assert got is not None and got.attempt == 1 and got.members == [0, 2]
+    finally:
+        joiner.leave()
+        m.leave()
 
 
 # -- chaos (long; PRIME_CHAOS=1) ------------------------------------------------------------------

@@ -544,10 +544,17 @@ class Membership:
             if blamed is not None and len(members) > 1:
                 members.remove(blamed)
                 evicted.append([blamed, f"blamed by the other nodes for failing attempt {attempt - 1}"])
-        return Plan(k=k, attempt=attempt, members=members,
-                    contributors=[i for i in prev.contributors if i in members],
-                    slots={str(i): prev.slot_of(i) for i in members}, step=prev.step,
-                    joined=[i for i in prev.joined if i in members], evicted=evicted, by=self.node_id,
+        slots = {str(i): prev.slot_of(i) for i in members}
+        # A joiner that became ready (with the state after k-1) since the previous attempt was
+        # planned takes part in this one: the outer state has not changed, and otherwise it
+        # would find the job one outer step ahead and download again.
+        late = self._ready_joiners(k - 1, exclude=set(prev.members) | set(outcome.members))
+        free = (s for s in range(10 ** 6) if s not in set(slots.values()))
+        for j in late:
+            slots[str(j)] = next(free)
+        return Plan(k=k, attempt=attempt, members=sorted(members + late),
+                    contributors=[i for i in prev.contributors if i in members], slots=slots, step=prev.step,
+                    joined=[i for i in prev.joined if i in members] + late, evicted=evicted, by=self.node_id,
                     time=time.time())
 
     def _most_blamed(self, k: int, attempt: int, members: list[int]) -> Optional[int]:
@@ -679,9 +686,10 @@ class Membership:
         except Exception:  # only tidiness: a stale ready entry is ignored anyway
             pass
 
-    def await_admission(self, outer_step: int, total_steps: Optional[int], timeout_s: float) -> Optional[Plan]:
+    def await_admission(self, outer_step: int, last_step: Optional[int], timeout_s: float) -> Optional[Plan]:
         """Waits to be admitted at outer step outer_step + 1. Returns the plan, or None when the job moved on
-        without this node (download a newer state). Raises JobFinished / JoinError."""
+        without this node (download a newer state). last_step: the inner step of the job's last outer step
+        (None: open-ended). Raises JobFinished / JoinError."""
         k = outer_step + 1
         attempt = 0
         deadline = time.monotonic() + timeout_s
@@ -700,8 +708,9 @@ class Membership:
             latest = self.latest_committed()
             if latest is not None and int(latest["k"]) >= k:
                 return None
-            if latest is not None and total_steps is not None and int(latest["step"]) >= total_steps:
-                raise JobFinished(f"the job reached its last step ({latest['step']}) before this node was admitted")
+            if latest is not None and last_step is not None and int(latest["step"]) >= last_step:
+                raise JobFinished(f"the job committed its last outer step (at step {latest['step']}) before this "
+                                  "node was admitted")
             members = latest["members"] if latest is not None else list(range(self.initial_nodes))
             if all(self.monitor.gone(i) for i in members):
                 raise JoinError(f"every member of the job ({members}) is gone; nobody left to admit this node")
@@ -709,15 +718,17 @@ class Membership:
                 raise JoinError(f"not admitted at outer step {k} within {timeout_s:g} s (elastic.join_timeout_s)")
             time.sleep(self.poll_s * 5)
 
-    def live_sources(self, total_steps: Optional[int] = None) -> list[tuple[int, str]]:
+    def live_sources(self, last_step: Optional[int] = None) -> list[tuple[int, str]]:
         """(id, address) of the live members of the newest committed outer step: where to download the state.
 
-        Raises JobFinished when they all left after the job's last step, JoinError when they are all gone."""
+        last_step: the inner step of the job's last outer step (None: open-ended). Raises
+        JobFinished once the job committed that outer step (none is left to be admitted at:
+        the members only finish their inner steps and exit), JoinError when they are all gone."""
         latest = self.latest_committed()
+        if latest is not None and last_step is not None and int(latest["step"]) >= last_step:
+            raise JobFinished(f"the job already committed its last outer step (at step {latest['step']})")
         members = latest["members"] if latest is not None else list(range(self.initial_nodes))
         if all(i == self.node_id or self.monitor.gone(i) for i in members):
-            if latest is not None and total_steps is not None and int(latest["step"]) >= total_steps:
-                raise JobFinished(f"the job reached its last step ({latest['step']}) and its nodes left")
             raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from")
         out = []
         for i in members:

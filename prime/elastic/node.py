@@ -37,9 +37,12 @@ from torch import nn
 
 from prime.diloco import DiLoCo, OuterStepResult, OuterSyncError, work_stats
 from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan
-from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fetch_state, state_digest
+from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fault_specs, fetch_state, state_digest
 
 __all__ = ["ElasticDiLoCo", "ElasticStepResult", "JoinInfo"]
+
+# The longest a "hold" test hook (FAULT_ENV) waits for its file.
+HOLD_MAX_S = 300.0
 
 
 @dataclass
@@ -177,7 +180,7 @@ class ElasticDiLoCo(DiLoCo):
         self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
         self._ring_keys: dict[int, list] = {}  # store keys of the rings built at each outer step
         self._committed: Optional[Plan] = None
-        self._fault = os.environ.get(FAULT_ENV, "")
+        self._faults = fault_specs()
         self.node_id = membership.register(start_timeout_s)
         from prime.comm.rendezvous import resolve_addresses
 
@@ -194,6 +197,13 @@ class ElasticDiLoCo(DiLoCo):
     def is_joiner(self) -> bool:
         """True when this node must join() before training (it was not one of the initial nodes)."""
         return not self.membership.genesis
+
+    def _last_outer_at(self) -> Optional[int]:
+        """The inner step of the job's last outer step (None: open-ended). Once the job committed it,
+        there is no outer step left to admit a joiner at: the nodes only finish their inner steps."""
+        if self.total_steps is None:
+            return None
+        return self.total_steps // self.inner_steps * self.inner_steps
 
     def _settings(self) -> dict:
         return {"inner_steps": self.inner_steps, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
@@ -214,11 +224,29 @@ class ElasticDiLoCo(DiLoCo):
 
     def step(self) -> OuterStepResult:
         """Call after every inner optimizer step; runs an outer step every inner_steps steps (see sync())."""
-        if self._fault.startswith("stall:"):  # test hook (FAULT_ENV) "stall:<step>:<seconds>": a slow node
-            at, secs = self._fault.split(":")[1:]
-            if self.inner_step + 1 == int(at):
-                time.sleep(float(secs))
+        for spec in self._faults:  # test hooks (FAULT_ENV)
+            if spec.startswith("stall:"):  # "stall:<step>:<seconds>": a slow node
+                at, secs = spec.split(":")[1:]
+                if self.inner_step + 1 == int(at):
+                    time.sleep(float(secs))
+            elif spec.startswith("hold:"):  # "hold:<step>:<path>": wait at that step until the file exists
+                _, at, path = spec.split(":", 2)
+                if self.inner_step + 1 == int(at):
+                    self._hold(int(at), path)
         return super().step()
+
+    def _hold(self, at: int, path: str) -> None:
+        """Test hook: pauses at inner step `at` (heartbeat and state server running) until `path` exists.
+
+        Lets a test keep the job at a known outer step while a joiner starts,
+        whatever the speed of the machine. Gives up after HOLD_MAX_S, so that a
+        node left behind by a crashed test does not wait forever."""
+        self.membership.log(f"test hook {FAULT_ENV}: holding at inner step {at} until {path} exists",
+                            event="hold", at=at)
+        deadline = time.monotonic() + HOLD_MAX_S
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.membership.log(f"test hook {FAULT_ENV}: released at inner step {at}", event="hold", at=at)
 
     @torch.no_grad()
     def sync(self) -> ElasticStepResult:
@@ -409,8 +437,8 @@ class ElasticDiLoCo(DiLoCo):
         self._ring_k = None  # set again once this outer step commits through it
         try:
             work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
-            if self._fault == f"allreduce:{k}" or (
-                    self._fault.startswith("allreduce-after:") and os.path.exists(self._fault.split(":", 1)[1])):
+            if any(f == f"allreduce:{k}" or (f.startswith("allreduce-after:") and os.path.exists(f.split(":", 1)[1]))
+                   for f in self._faults):
                 time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)  # test hook (FAULT_ENV): die inside the all-reduce
             while not work.is_completed():
@@ -467,7 +495,7 @@ class ElasticDiLoCo(DiLoCo):
             self._drop_ring()
             self.server.retract()  # our buffers are about to be overwritten
             try:
-                res = fetch_state([self._outer, self._momentum], lambda: m.live_sources(self.total_steps),
+                res = fetch_state([self._outer, self._momentum], lambda: m.live_sources(self._last_outer_at()),
                                   secret=m.secret, job=m.run_id,
                                   my_id=self.node_id, check_meta=check_meta, timeout_s=self.transfer_timeout_s,
                                   give_up_s=self.join_timeout_s, log=lambda msg: m.log(msg, event="download"))
@@ -484,7 +512,7 @@ class ElasticDiLoCo(DiLoCo):
                       f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
                   seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
             m.set_ready(s)
-            plan = m.await_admission(s, self.total_steps, self.join_timeout_s)
+            plan = m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
             if plan is None:
                 if time.monotonic() - t0 > self.join_timeout_s:
                     raise JoinError(
@@ -517,14 +545,17 @@ class ElasticDiLoCo(DiLoCo):
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leaves the job cleanly (the others drop this node at once), stops the state server and the ring."""
+        """Leaves the job cleanly (the others drop this node at once), stops the state server and the ring.
+
+        The leave is announced before the state server closes, so that joiners
+        stop choosing this node as a source before its port goes away."""
         try:
             self._drop_ring()
         finally:
             try:
-                self.server.close()
-            finally:
                 self.membership.leave()
+            finally:
+                self.server.close()
 
 
 class _store_errors:

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StateServer", "fetch_state", "FetchResult", "TransferError", "state_digest", "PIECE"]
+__all__ = ["StateServer", "fetch_state", "FetchResult", "TransferError", "state_digest", "fault_specs", "PIECE"]
 
 logger = logging.getLogger("prime.elastic")
 
@@ -66,9 +66,15 @@ _MAC = 32
 PIECE = 4 << 20
 _MAX_JSON = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
-# Test hook: "serve:<fraction>" makes a serving node SIGKILL itself once it sent that
-# fraction of a state (the recovery tests kill a source mid-transfer this way).
+# Test hooks, comma-separated: "serve:<fraction>" makes a serving node SIGKILL itself once
+# it sent that fraction of a state (the recovery tests kill a source mid-transfer this
+# way); the others are node.py's (allreduce:K, allreduce-after:PATH, stall:S:SEC, hold:S:PATH).
 FAULT_ENV = "PRIME_ELASTIC_FAULT"
+# A joiner waits this long before it asks a source again that just failed (refused, reset,
+# closed, stalled), doubling up to RETRY_MAX_S while it keeps failing: a dead source is
+# listed until its heartbeat times out, and asking it every few ms only burns the CPU.
+RETRY_MIN_S = 0.1
+RETRY_MAX_S = 2.0
 
 
 class TransferError(RuntimeError):
@@ -77,6 +83,11 @@ class TransferError(RuntimeError):
     def __init__(self, message: str, kind: str = "connection"):
         super().__init__(message)
         self.kind = kind
+
+
+def fault_specs() -> list[str]:
+    """The test hooks set in FAULT_ENV (comma-separated), e.g. ["serve:0.4", "hold:12:/tmp/go"]."""
+    return [f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()]
 
 
 def state_digest(parts: list[torch.Tensor]) -> str:
@@ -252,8 +263,8 @@ class StateServer:
         self.port = self._sock.getsockname()[1]
         host = advertise_addr or bind_addr
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        fault = os.environ.get(FAULT_ENV, "")
-        self._die_at = float(fault.split(":", 1)[1]) if fault.startswith("serve:") else None
+        serve = [f for f in fault_specs() if f.startswith("serve:")]
+        self._die_at = float(serve[0].split(":", 1)[1]) if serve else None
         self._thread = threading.Thread(target=self._accept_loop, name=f"prime-state-server-{node_id}", daemon=True)
         self._thread.start()
 
@@ -465,6 +476,8 @@ def fetch_state(
     each failure. When a source dies or stalls (nothing for timeout_s), the
     download resumes at the last verified piece from another source that
     holds the same outer step, or restarts from the newest step if none does.
+    A source that failed is asked again only after a pause (RETRY_MIN_S,
+    doubling up to RETRY_MAX_S while it keeps failing); the others meanwhile.
     check_meta(meta) returns an error message when the peer's settings do not
     fit this node (then TransferError(kind="mismatch")). Raises
     TransferError(kind="auth") when every peer rejects the handshake.
@@ -484,7 +497,9 @@ def fetch_state(
     segments: list = []
     failures: list = []
     auth_failed: dict[int, str] = {}
-    turn = my_id
+    # source id -> (monotonic time before which it is not asked again, the delay that set it)
+    backoff: dict[int, tuple[float, float]] = {}
+    turn = my_id  # the first choice is id mod #sources: joiners spread over the members
     while True:
         cands = [s for s in sources() if s[0] not in auth_failed]
         if not cands:
@@ -494,11 +509,23 @@ def fetch_state(
                 raise TransferError(f"no live node to download the state from within {give_up_s:g} s", "unavailable")
             time.sleep(0.2)
             continue
-        sid, addr = cands[turn % len(cands)]
-        turn += 1
-        start = received
+        # In turn from id mod #sources, skipping the ones that failed a moment ago: a source
+        # that died stays listed until its heartbeat times out, while another one answers.
+        now = time.monotonic()
+        rotation = [cands[(turn + j) % len(cands)] for j in range(len(cands))]
+        free = [c for c in rotation if backoff.get(c[0], (0.0, 0.0))[0] <= now]
+        if not free:
+            if now - t0 > give_up_s:
+                raise TransferError(f"could not download the state within {give_up_s:g} s: "
+                                    + "; ".join(failures[-3:]), "unavailable")
+            # then ask sources() again: a dead source drops out of it, a new one may appear
+            time.sleep(min(min(backoff[c[0]][0] for c in cands) - now, 0.2))
+            continue
+        sid, addr = free[0]
+        turn = cands.index(free[0]) + 1
+        start, moved_on = received, False
         try:
-            with _connect(addr, timeout_s) as sock:
+            with _connect(addr, min(timeout_s, HANDSHAKE_TIMEOUT_S)) as sock:
                 sock.settimeout(HANDSHAKE_TIMEOUT_S)
                 ch = _handshake(sock, secret, job.encode(), my_id, sid)
                 sock.settimeout(timeout_s)
@@ -507,7 +534,7 @@ def fetch_state(
                 if not hdr.get("ok"):
                     if step is not None and int(hdr.get("newest", -1)) > step:
                         log(f"node {sid} moved on to outer step {hdr['newest']}: restarting the download there")
-                        step, received = None, 0
+                        step, received, moved_on = None, 0, True
                     raise TransferError(hdr.get("error", "refused"), "unavailable")
                 if step is None:
                     problem = check_meta(hdr["meta"])
@@ -533,21 +560,26 @@ def fetch_state(
                     raise TransferError(f"the assembled state does not match node {sid}'s digest", "corrupt")
                 return FetchResult(step=step, meta=meta, total_bytes=total, seconds=time.monotonic() - t0,
                                    digest=digest, segments=segments, failures=failures)
-        except TransferError as e:
-            if e.kind == "mismatch":
+        except (TransferError, OSError) as e:
+            if isinstance(e, TransferError) and e.kind == "mismatch":
                 raise
-            if e.kind == "auth":
+            if isinstance(e, TransferError) and e.kind == "auth":
                 auth_failed[sid] = str(e)
             if received > start:
                 segments.append([sid, start, received])
             failures.append(f"node {sid}: {e}")
-            log(f"download from node {sid} failed at byte {received} of {total}: {e}")
-        except OSError as e:
-            if received > start:
-                segments.append([sid, start, received])
-            failures.append(f"node {sid}: {e}")
-            log(f"download from node {sid} failed at byte {received} of {total}: {e}; trying another node")
+            if moved_on:
+                backoff.pop(sid, None)  # it answered and serves a newer state: ask at once
+                then = ""
+            else:
+                # Wait before asking this source again: longer each time it fails in a row, short
+                # when it sent something (it was alive a moment ago).
+                last = backoff.get(sid, (0.0, 0.0))[1]
+                delay = RETRY_MIN_S if received > start or last == 0.0 else min(2 * last, RETRY_MAX_S)
+                backoff[sid] = (time.monotonic() + delay, delay)
+                then = ("" if sid in auth_failed else "; trying another node" if len(cands) > 1
+                        else f"; asking it again in {delay:.1f} s")
+            log(f"download from node {sid} failed at byte {received} of {total}: {e}{then}")
         if time.monotonic() - t0 > give_up_s:
             raise TransferError(f"could not download the state within {give_up_s:g} s: " + "; ".join(failures[-3:]),
                                 "unavailable")
-        time.sleep(0.05)
