@@ -54,7 +54,10 @@ def demangle(name: str) -> str:
     if filt is None:
         return name
     out = subprocess.run([filt, name], capture_output=True, text=True).stdout.strip()
-    return out.split("(")[0] if out else name  # the template arguments say enough
+    if not out:
+        return name
+    out = out.replace("(anonymous namespace)", "{anon}")
+    return out.split("(")[0]  # the name and template arguments say enough; drop the parameter list
 
 
 def triton_resources(n: int, block: int) -> list[str]:
