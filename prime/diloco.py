@@ -77,6 +77,10 @@ class OuterStepResult:
     """Wall time of the ring all-reduce (all attempts)."""
     outer_s: float = 0.0
     """Wall time of the whole outer step: copies, all-reduce, outer update."""
+    prepare_s: float = 0.0
+    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured) its int8 error."""
+    update_s: float = 0.0
+    """Part of outer_s: Nesterov update of the outer weights and the host-to-device copy back."""
     bytes_sent: Optional[int] = None
     """Bytes this process sent on the ring, as the ring reports them (None: not reported)."""
     bytes_received: Optional[int] = None
@@ -299,6 +303,7 @@ class DiLoCo:
         g = self._grad
         self._pseudo_gradient(g)
         norm, comp_err = self._inspect(g)
+        prepare_s = time.perf_counter() - t0
         finite = math.isfinite(norm)
         if not self._all_local(finite):
             raise OuterSyncError(
@@ -307,8 +312,10 @@ class DiLoCo:
                 "lower optim.lr or resume from an earlier checkpoint"
             )
         stats, attempts, ar_s = self._allreduce(g, op="avg", codec=self.codec, recompute=self._pseudo_gradient)
+        u0 = time.perf_counter()
         self._outer_update(g)
         self._scatter(self._outer)
+        update_s = time.perf_counter() - u0
         self.since_sync = 0
         self.outer_step += 1
         return OuterStepResult(
@@ -318,6 +325,8 @@ class DiLoCo:
             numel=self.numel,
             allreduce_s=ar_s,
             outer_s=time.perf_counter() - t0,
+            prepare_s=prepare_s,
+            update_s=update_s,
             bytes_sent=stats.pop("bytes_sent", None),
             bytes_received=stats.pop("bytes_received", None),
             compression_error=comp_err,

@@ -503,6 +503,7 @@ class Trainer:
                          evicted=r.evicted, wait_s=r.wait_s, recovery_s=r.recovery_s, digest=r.digest,
                          time=time.time())
         self.log.record("outer", self.step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
+                        prepare_s=getattr(r, "prepare_s", None), update_s=getattr(r, "update_s", None),
                         bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
                         pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **extra,
                         **r.ring_stats)

@@ -135,6 +135,8 @@ def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
         outer = records(out_dir, node, "outer")
         assert [r["outer_step"] for r in outer] == [1, 2, 3]
         assert all(r["bytes_sent"] > 0 for r in outer)
+        assert all(0 < r["prepare_s"] and 0 < r["update_s"] and r["prepare_s"] + r["update_s"] < r["outer_s"]
+                   for r in outer), outer  # the parts of the outer step besides the all-reduce
     for g in (0, 1):  # each local rank's shard: outer weights and momentum identical on both nodes
         a = torch.load(os.path.join(ck, "node0", "step_00000030", f"rank{g}.pt"), weights_only=True)["diloco"]
         b = torch.load(os.path.join(ck, "node1", "step_00000030", f"rank{g}.pt"), weights_only=True)["diloco"]
