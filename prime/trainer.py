@@ -541,7 +541,6 @@ class Trainer:
                     f"{human_bytes(self.total_dp)} ({ratio:.0f}x more)"
                 )
             lines.append(f"  compute utilization {100 * util:.1f}% (inner-step time / wall time)")
-            rate = self._median_rates()
             if rate:
                 tok_s, mfu = rate
                 lines.append(f"  median inner step (first {self._WARMUP_STEPS} excluded): {tok_s / 1e3:.1f}k tok/s per node"

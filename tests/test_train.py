@@ -64,6 +64,11 @@ def records(out_dir, node=0, kind="step"):
         return [r for r in map(json.loads, f) if r["kind"] == kind]
 
 
+def final_digests(out):
+    """The weights hashes the nodes printed after their end-of-run replica check, in print order."""
+    return [line.rsplit("blake2b ", 1)[1].split()[0] for line in out.splitlines() if "final weights identical" in line]
+
+
 def losses(out_dir, node=0):
     return {r["step"]: r["loss"] for r in records(out_dir, node)}
 
@@ -143,7 +148,7 @@ def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
         assert a["outer_step"] == b["outer_step"] == 3
         assert torch.equal(a["outer"], b["outer"]) and torch.equal(a["momentum"], b["momentum"])
         assert a["outer"].abs().sum() > 0
-    digests = [line.rsplit("blake2b ", 1)[1].split()[0] for line in out.splitlines() if "final weights identical" in line]
+    digests = final_digests(out)
     assert len(digests) == 2 and digests[0] == digests[1], out  # node 0 and node 1 (their local rank 0)
 
 
@@ -254,7 +259,7 @@ def test_gpu_two_nodes_diloco_agree(tmp_path, seed):
                   "--metrics.out_dir", out_dir, "--metrics.log_every", "1"]
     rc, out = run_simulate(2, 1, args)
     assert rc == 0, out
-    digests = [line.rsplit("blake2b ", 1)[1].split()[0] for line in out.splitlines() if "final weights identical" in line]
+    digests = final_digests(out)
     assert len(digests) == 2 and digests[0] == digests[1], out
     for node in (0, 1):
         ls = losses(out_dir, node)
