@@ -372,20 +372,18 @@ def rel_l2(result, ref) -> float:
 
 
 def gpu_quantize_seconds(x, block_size: int, repeats: int = 10) -> float:
-    """Median time of prime.ops.quantize_int8 on the GPU tensor x (CUDA events)."""
-    import torch
+    """Median time of prime.ops.quantize_int8 on the GPU tensor x (CUDA events, bench_quantize's Timer)."""
+    from bench_quantize import Timer  # benchmarks/bench_quantize.py, next to this file
+
     from prime import ops
 
-    ops.quantize_int8(x, block_size)  # warm-up (and kernel load)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        ops.quantize_int8(x, block_size)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    def quantize(t):
+        return ops.quantize_int8(t, block_size)
+
+    timer = Timer(x.device)
+    quantize(x)  # warm-up (and kernel load)
+    times = sorted(timer.batch(quantize, [x], 1) for _ in range(repeats))
+    return times[len(times) // 2]
 
 
 class RingAdapter:
@@ -545,10 +543,11 @@ def worker_main(spec: dict) -> None:
                 dist.all_reduce(digest)
                 spread = float(((digest - digest[0]).abs() / digest[0].abs().clamp_min(1e-30)).max())
                 row = {**case, "iters": iters, "times_s": times, "wire_bytes": wire, "ranks_agree_rel": spread}
-                if device.type == "cuda" and method.startswith("ring-int8"):
-                    # What the ring's CPU quantize would cost on the GPU instead (the same tensor, median of 10).
-                    row["gpu_quantize_s"] = gpu_quantize_seconds(x, rings[method].block)
                 if rank == 0:
+                    if device.type == "cuda" and method.startswith("ring-int8"):
+                        # What the ring's CPU quantize would cost on the GPU instead (the same tensor, median
+                        # of 10); rank 0 alone, so ranks sharing a GPU do not time each other's launches.
+                        row["gpu_quantize_s"] = gpu_quantize_seconds(x, rings[method].block)
                     row["rel_l2_err"] = rel_l2(work_buf, ref)
                     keys = set().union(*ring_stats) if ring_stats else set()
                     row["ring_stats_rank0"] = {k: sum(st.get(k, 0.0) for st in ring_stats) / len(ring_stats)

@@ -10,14 +10,10 @@ set -uo pipefail
 out=${1:?usage: benchmarks/gpu_diloco.sh RESULTS_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/machine.txt"
-if ! python3 -c "import prime._C, prime.comm; prime.comm.Ring" 2>/dev/null; then
-  # The ring and the CPU codec are all DiLoCo needs between nodes: skip the CUDA kernels here.
-  echo "== build (CPU extension)"
-  PRIME_SKIP_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
-    || { tail -30 "$out/build.log"; exit 1; }
-fi
+# The ring and the CPU codec are all DiLoCo needs between nodes: skip the CUDA kernels here.
+build_if_missing "$out/build.log" PRIME_SKIP_CUDA=1
 H=${H:-100}
 status=0
 for rate in ${RATES:-1000 10000}; do

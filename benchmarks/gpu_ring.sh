@@ -12,13 +12,9 @@ set -uo pipefail
 out=${1:?usage: benchmarks/gpu_ring.sh RESULTS_DIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
+source benchmarks/gpu_env.sh
 status=0
-if ! python3 -c "import prime._C, prime.comm; prime.comm.Ring" 2>/dev/null; then
-  echo "== build"
-  PRIME_CUDA_ARCHS=${PRIME_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
-    || { tail -30 "$out/build.log"; exit 1; }
-fi
+build_if_missing "$out/build.log" PRIME_CUDA_ARCHS=${PRIME_CUDA_ARCHS:-90}
 
 echo "== ring with CUDA tensors"
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_allreduce.py --device cuda --conditions loopback \

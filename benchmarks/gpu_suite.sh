@@ -9,7 +9,7 @@ out=${1:?usage: benchmarks/gpu_suite.sh RESULTS_DIR [--quick]}
 quick=${2:-}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source benchmarks/gpu_env.sh
 status=0
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$out/machine.txt"
