@@ -118,11 +118,14 @@ class Job:
         """Waits until joiner `node_id` says it holds the state after `outer_step` (its ready key in the store)."""
         import torch.distributed as dist
 
-        store = dist.PrefixStore("prime/prime/elastic", self.store)
+        from prime.comm.signed_store import SignedStore
+
+        store = SignedStore(dist.PrefixStore("prime/prime/elastic", self.store), SECRET.encode(), "prime")
         key = f"ready/{node_id}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if store.check([key]) and json.loads(store.get(key))["outer_step"] == outer_step:
+            offer = store.get(key)  # signed by the joiner
+            if offer is not None and offer["outer_step"] == outer_step:
                 return
             time.sleep(0.05)
         raise AssertionError(f"node {node_id} never became ready with outer step {outer_step}:\n"

@@ -261,20 +261,26 @@ def barrier(
     records are ignored."""
     signed = records(store, secret, ns)
     signed.put(keys.ring_ready(ns, rank), "1")
-    ready_keys = [keys.ring_ready(ns, r) for r in range(world_size)]
     ready: set[int] = set()
     while True:
-        # A store round trip per poll: cheap next to forming TCP links.
-        for r in range(world_size):
-            if r not in ready and signed.get(ready_keys[r]) is not None:
-                ready.add(r)
+        # One store round trip per poll while ranks are missing: cheap next to forming TCP links.
+        pending = [r for r in range(world_size) if r not in ready]
+        pending_keys = [keys.ring_ready(ns, r) for r in pending]
+        if store.check(pending_keys):
+            for r, k, raw in zip(pending, pending_keys, store.multi_get(pending_keys)):
+                if signed.open(k, raw) == "1":
+                    ready.add(r)
+                else:
+                    signed.reject(k)
         if len(ready) == world_size:
             return
         failed = {}
         for r in range(world_size):
-            why = signed.get(keys.ring_failed(ns, r))
-            if why is not None:
-                failed[r] = str(why)
+            fk = keys.ring_failed(ns, r)
+            if store.check([fk]):
+                why = signed.get(fk)
+                if why is not None:
+                    failed[r] = str(why)
         if failed or time.monotonic() >= deadline:
             missing = [r for r in range(world_size) if r not in ready]
             if failed:

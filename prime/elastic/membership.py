@@ -614,8 +614,10 @@ class Membership:
             self.node_id = self.node_rank
         else:
             self.node_id = self.initial_nodes + int(self.store.add(keys.JOINERS, 1)) - 1
-        self.monitor = Monitor(self._signed(self._factory()), self.node_id, self.initial_nodes, self.hb_interval,
-                               self.hb_timeout)
+        # The heartbeat thread warns through the logger only (the metrics writer belongs to the main thread).
+        hb_records = SignedStore(self._factory(), self._secret, self.run_id,
+                                 warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+        self.monitor = Monitor(hb_records, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
         self.monitor.start()
         role = "initial node" if self.genesis else "joiner"
         self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()})", event="register",
@@ -753,8 +755,9 @@ class Membership:
                 view = self._view(prev_outcome.members)
                 if retry_plan_due(prev_outcome, view, waited):
                     reports = []
-                    if attempt - 1 >= 1:
-                        reports = [self._results(k, a, prev_outcome.members) for a in (attempt - 2, attempt - 1)]
+                    if attempt - 1 >= 1:  # the reports of the live members in the last two attempts
+                        live = [i for i in prev_outcome.members if not view.is_gone(i)]
+                        reports = [self._results(k, a, live) for a in (attempt - 2, attempt - 1)]
                     late = self._ready_joiners(k - 1, exclude=set(prev.members) | set(prev_outcome.members))
                     proposal = propose_retry(k, attempt, prev, prev_outcome, view, reports, late, now=time.time())
             if proposal is not None:
