@@ -315,7 +315,7 @@ def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
     while not stop.is_set():
         store.add(f"hb/{node}", 1)
         if store.check(["members"]):
-            k = json.loads(store.get("members").split(b":", 1)[1])["k"]  # a signed record: "<mac>:<json>"
+            k = json.loads(store.get("members").split(b":", 2)[2])["k"]  # a signed record: "ps1:<mac>:<json>"
             mac = hmac.new(b"not-the-secret", f"prime|ready|{node}|{k}".encode(), hashlib.sha256).hexdigest()
             store.set(f"ready/{node}", json.dumps({"outer_step": k, "mac": mac}))
         time.sleep(0.1)

@@ -720,8 +720,8 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
     job = ranks.start(_rank_target, secret, world_size=2)
     job_id = f"{job}/ring"
     ranks.store.wait([f"prime_ring/{job_id}/addr/0"], timedelta(seconds=60))
-    # the record is signed, not secret: "<HMAC hex>:<JSON string>", readable by an intruder
-    address = json.loads(ranks.store.get(f"prime_ring/{job_id}/addr/0").decode().split(":", 1)[1])
+    # the record is signed, not secret: "ps1:<HMAC hex>:<JSON string>", readable by an intruder
+    address = json.loads(ranks.store.get(f"prime_ring/{job_id}/addr/0").decode().split(":", 2)[2])
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=10):

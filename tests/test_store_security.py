@@ -372,8 +372,9 @@ def test_signed_records_are_bound_to_key_job_and_secret_and_warned_about_once_pe
     other_secret = SignedStore(s.store, b"another-secret", "job")
     assert s.get("b/2/a0/plan") is None
     assert other_job.get("b/1/a0/plan") is None and other_secret.get("b/1/a0/plan") is None
-    body = raw.decode().split(":", 1)[1]
-    for bad in (body, "0" * 64 + ":" + body, raw.decode()[:-3], raw.decode().replace("1]", "2]"), "", "\xff"):
+    body = raw.decode().split(":", 2)[2]
+    for bad in (body, "ps1:" + "0" * 64 + ":" + body, raw.decode()[:-3], raw.decode().replace("1]", "2]"), "",
+                raw.decode()[4:]):
         s.store.set("b/3/a0/plan", bad)
         assert s.get("b/3/a0/plan") is None, bad
     assert len(warnings) == 1 and "b/*/a*/plan" in warnings[0], warnings
@@ -383,3 +384,19 @@ def test_signed_records_are_bound_to_key_job_and_secret_and_warned_about_once_pe
     assert s.set_first("b/4/a0/outcome", {"commit": True}) == {"commit": True}
     assert s.set_first("b/4/a0/outcome", {"commit": False}) == {"commit": True}
     assert s.first("b/4/a0/outcome") == {"commit": True}
+
+
+def test_a_strangers_add_cannot_turn_a_signed_record_into_a_number():
+    """TCPStore's add parses the value as an integer (a leading digit is enough); a signed record starts with
+    a letter, so a stranger's add fails and leaves it as it was, for every record drawn."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    s = SignedStore(_client(store.port, "add"), SECRET, "job")
+    for seq in range(20):  # MACs that start with a digit and with a letter
+        s.put("hb/1", {"node": 1, "seq": seq, "left": False})
+        before = s.store.get("hb/1")
+        stranger = _client(store.port, "add")
+        with pytest.raises(Exception):
+            stranger.add("hb/1", 1 << 40)
+        assert s.store.get("hb/1") == before and s.get("hb/1")["seq"] == seq

@@ -3,8 +3,12 @@
 Anyone who reaches a TCPStore can read, write and delete any key in it: the
 store has no credentials. So PRIME signs every record it reads back:
 
-    record = <64 hex: HMAC-SHA256(Kr, key | 0x00 | body)> ":" <body: JSON>
+    record = "ps1:" <64 hex: HMAC-SHA256(Kr, key | 0x00 | body)> ":" <body: JSON>
     Kr     = HMAC-SHA256(secret, "prime store records v1|" + job)
+
+(The record starts with a letter so that the store's `add`, which parses the
+value as an integer, fails on it and leaves it as it is: with a leading digit
+`add` would replace it with a number.)
 
 The MAC binds the record to its key (a record copied under another key, e.g.
 an outcome of outer step k replayed as the one of k+1, fails) and, through
@@ -30,6 +34,7 @@ from prime.comm import store_keys as keys
 
 logger = logging.getLogger("prime.store")
 
+_TAG = b"ps1:"
 _MAC_HEX = 64
 _INVALID = object()
 
@@ -72,15 +77,16 @@ class SignedStore:
     def seal(self, key: str, value: Any) -> str:
         """The signed record of `value` (JSON-serializable) under `key`."""
         body = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-        return f"{self._mac(key, body)}:{body.decode()}"
+        return f"{_TAG.decode()}{self._mac(key, body)}:{body.decode()}"
 
     def open(self, key: str, raw) -> Any:
         """The value of a record read from `key`, or _INVALID when it is not signed for this key and job."""
         if isinstance(raw, str):
             raw = raw.encode()
-        if len(raw) < _MAC_HEX + 1 or raw[_MAC_HEX:_MAC_HEX + 1] != b":":
+        n = len(_TAG)
+        if not raw.startswith(_TAG) or len(raw) < n + _MAC_HEX + 1 or raw[n + _MAC_HEX:n + _MAC_HEX + 1] != b":":
             return _INVALID
-        mac, body = raw[:_MAC_HEX], raw[_MAC_HEX + 1:]
+        mac, body = raw[n:n + _MAC_HEX], raw[n + _MAC_HEX + 1:]
         try:
             if not hmac.compare_digest(mac.decode("ascii"), self._mac(key, body)):
                 return _INVALID
