@@ -400,3 +400,29 @@ def test_a_strangers_add_cannot_turn_a_signed_record_into_a_number():
         with pytest.raises(Exception):
             stranger.add("hb/1", 1 << 40)
         assert s.store.get("hb/1") == before and s.get("hb/1")["seq"] == seq
+
+
+def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
+    """A stranger saves the (validly signed) record of committed outer step 2 and writes it back after outer
+    step 3 was committed: a joiner keeps seeing outer step 3."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    nodes = SignedStore(_client(store.port, "back/elastic"), SECRET, "back")  # nodes 0 and 1, by hand
+    for i in (0, 1):
+        nodes.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
+    joiner = _membership(store.port, 5, 2, "back")
+    joiner.register()
+    try:
+        def commit(k):
+            nodes.put("members", {"k": k, "members": [0, 1], "step": 10 * k, "time": 0.0, "slots": {"0": 0, "1": 1}})
+
+        commit(2)
+        old = nodes.store.get("members")
+        assert joiner.latest_committed()["k"] == 2
+        commit(3)
+        assert joiner.latest_committed()["k"] == 3
+        nodes.store.set("members", old)
+        assert joiner.latest_committed()["k"] == 3
+    finally:
+        joiner.leave()
