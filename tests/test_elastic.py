@@ -118,11 +118,14 @@ class Job:
         """Waits until joiner `node_id` says it holds the state after `outer_step` (its ready key in the store)."""
         import torch.distributed as dist
 
-        store = dist.PrefixStore("prime/prime/elastic", self.store)
+        from prime.comm.signed_store import SignedStore
+
+        store = SignedStore(dist.PrefixStore("prime/prime/elastic", self.store), SECRET.encode(), "prime")
         key = f"ready/{node_id}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if store.check([key]) and json.loads(store.get(key))["outer_step"] == outer_step:
+            offer = store.get(key)  # signed by the joiner
+            if offer is not None and offer["outer_step"] == outer_step:
                 return
             time.sleep(0.05)
         raise AssertionError(f"node {node_id} never became ready with outer step {outer_step}:\n"
@@ -312,7 +315,7 @@ def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
     while not stop.is_set():
         store.add(f"hb/{node}", 1)
         if store.check(["members"]):
-            k = json.loads(store.get("members"))["k"]
+            k = json.loads(store.get("members").split(b":", 2)[2])["k"]  # a signed record: "ps1:<mac>:<json>"
             mac = hmac.new(b"not-the-secret", f"prime|ready|{node}|{k}".encode(), hashlib.sha256).hexdigest()
             store.set(f"ready/{node}", json.dumps({"outer_step": k, "mac": mac}))
         time.sleep(0.1)
@@ -402,7 +405,8 @@ def test_a_node_with_the_wrong_secret_cannot_join(scenario_b):
     assert not os.path.exists(os.path.join(job.ck, "node3")) or not os.listdir(os.path.join(job.ck, "node3"))
     for r in (1, 2):
         assert all(3 not in rec["members"] for rec in job.outer(r).values())
-    assert any("rejected a connection" in line for r in (1, 2) for _, line in job.lines[r])
+    # the job's store records are signed with the job's secret: node 3 ignored them and never dialled a member
+    assert "ignoring a store record" in out, out
 
 
 def test_a_forged_join_request_is_ignored(scenario_b):
@@ -691,17 +695,19 @@ def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
 
     from prime.elastic import JobFinished
 
+    from prime.comm.signed_store import SignedStore
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    raw = dist.PrefixStore("m/elastic", store)
+    raw = SignedStore(dist.PrefixStore("m/elastic", store), b"m-secret", "m")  # nodes 0 and 1, written by hand
     for i in (0, 1):
-        raw.add(f"hb/{i}", 1)
-        raw.set(f"addr/{i}", f"127.0.0.1:{1000 + i}")
+        raw.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
+        raw.put(f"addr/{i}", f"127.0.0.1:{1000 + i}")
     m = _membership(store.port, 5, 2)
     m.register()
     try:
         def commit(k):
-            raw.set("members", json.dumps({"k": k, "members": [0, 1], "step": k * INNER, "time": 0.0,
-                                           "slots": {"0": 0, "1": 1}}))
+            raw.put("members", {"k": k, "members": [0, 1], "step": k * INNER, "time": 0.0,
+                                "slots": {"0": 0, "1": 1}})
 
         commit(15)
         assert [i for i, _ in m.live_sources(16 * INNER)] == [0, 1]
@@ -724,11 +730,15 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
 
     import torch.distributed as dist
 
+    from dataclasses import asdict
+
+    from prime.comm.signed_store import SignedStore
     from prime.elastic import Outcome, Plan
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     raw = dist.PrefixStore("m/elastic", store)
-    raw.add("hb/1", 1)
+    signed = SignedStore(raw, b"m-secret", "m")  # node 1 and the decisions of attempt 0, written by hand
+    signed.put("hb/1", {"node": 1, "seq": 1, "left": False})
     m = _membership(store.port, 0, 2)
     m.register(start_timeout_s=5)
     joiner = _membership(store.port, 7, 2)
@@ -739,14 +749,23 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
         assert joiner.node_id == 2 and fake == 3
         k = 5
         prev = Plan(k=k, attempt=0, members=[0, 1], contributors=[0, 1], slots={"0": 0, "1": 1}, step=k * INNER)
-        raw.set(f"b/{k}/a0/plan", prev.to_json())
+        signed.put(f"b/{k}/a0/plan", asdict(prev))
         joiner.set_ready(k - 1)
         mac = hmac.new(b"not-the-secret", f"m|ready|{fake}|{k - 1}".encode(), hashlib.sha256).hexdigest()
         raw.set(f"ready/{fake}", json.dumps({"outer_step": k - 1, "mac": mac}))
         outcome = Outcome(k=k, attempt=0, commit=False, members=[0], failed={"0": "connection to rank 1 lost"},
                           missing=[[1, "did not report attempt 0"]])
-        raw.set(f"b/{k}/a0/outcome", outcome.to_json())
-        plan = m.await_plan(k, 1, prev, time.monotonic(), k * INNER, outcome)
+        signed.put(f"b/{k}/a0/outcome", asdict(outcome))
+        planned = []
+
+        def stop_at_the_plan(p):
+            planned.append(p)
+            raise InterruptedError
+
+        with pytest.raises(InterruptedError):
+            m.attempt(k, 1, prev=prev, prev_outcome=outcome, step=k * INNER, since=time.monotonic(),
+                      allreduce=stop_at_the_plan)
+        plan = planned[0]
         assert plan.attempt == 1 and plan.members == [0, 2], plan
         assert plan.contributors == [0] and plan.joined == [2] and plan.slot_of(2) == 1, plan
         got = joiner.await_admission(k - 1, None, timeout_s=10)  # the joiner's side finds the retry's plan

@@ -133,7 +133,9 @@ class Ring:
         survivor's Work.wait() raise CommError within about this long.
       streams: TCP streams per link (default $PRIME_RING_STREAMS or 1).
       secret: shared secret (bytes/str) authenticating every stream; default
-        $PRIME_RING_SECRET, else rank 0 draws one and shares it through the store.
+        $PRIME_RING_SECRET, else (only when the store and every address are on loopback)
+        rank 0 draws one and shares it through the store; a ring across hosts without a
+        secret raises ValueError. The ring's store records are signed with it.
       max_rate: cap on this rank's sending rate in bytes/s (default $PRIME_RING_MAX_RATE
         or unlimited): emulates a slow uplink.
       bind_addr, advertise_addr: where to listen and what address to publish
@@ -213,14 +215,15 @@ class Ring:
             return
 
         rendezvous.claim_job(store, ns, rank, world_size, self.job_id)
+        key = b""
         try:
             bind, advertise = rendezvous.resolve_addresses(store, bind_addr, advertise_addr)
-            key = rendezvous.shared_secret(store, ns, rank, secret, deadline, timeout_ms)
+            key = rendezvous.shared_secret(store, ns, rank, secret, deadline, timeout_ms, advertise)
             left_s = max(0.001, deadline - time.monotonic())
             self._ring = C._Ring(secret=key, rendezvous_timeout_s=left_s, bind_addr=bind, **common)
             self.address = rendezvous.format_address(advertise, self._ring.port)
             host, port = rendezvous.publish_and_find_right(
-                store, ns, rank, world_size, self.address, deadline, timeout_ms
+                store, ns, rank, world_size, self.address, deadline, timeout_ms, secret=key
             )
             try:
                 self._ring.connect(host, port)
@@ -228,9 +231,9 @@ class Ring:
                 self.rejected_connections = list(self._ring.rejected_connections())
                 for line in self.rejected_connections:
                     logger.warning("prime ring rank %d: %s", rank, line)
-            rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms)
+            rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms, secret=key)
         except BaseException as e:
-            rendezvous.report_failure(store, ns, rank, str(e))
+            rendezvous.report_failure(store, ns, rank, str(e), secret=key)
             self.close()
             raise
 

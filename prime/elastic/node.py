@@ -5,7 +5,7 @@ The inner steps are DiLoCo's (prime/diloco.py); what changes is the outer step:
 1. the node arrives (its pseudo-gradient is ready) and waits for the plan of
    the outer step: the members that arrived, minus the dead (no heartbeat),
    minus those that missed the barrier, plus joiners that hold the previous
-   outer step's state (Membership.await_plan);
+   outer step's state (Membership.attempt: one call per attempt);
 2. the members build a ring in plan order and average their pseudo-gradients
    (a joiner takes part with zeros: then the ring sums and every node divides
    by the number of contributors, one fp32 division, the same bits everywhere);
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from prime.diloco import DiLoCo, OuterStepResult, OuterSyncError, work_stats
-from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan
+from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan, reduce_op
 from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fault_specs, fetch_state, state_digest
 
 __all__ = ["ElasticDiLoCo", "ElasticStepResult", "JoinInfo"]
@@ -178,7 +178,6 @@ class ElasticDiLoCo(DiLoCo):
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
         self._ring_members: Optional[list] = None
         self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
-        self._ring_keys: dict[int, list] = {}  # store keys of the rings built at each outer step
         self._committed: Optional[Plan] = None
         self._faults = fault_specs()
         self.node_id = membership.register(start_timeout_s)
@@ -265,7 +264,6 @@ class ElasticDiLoCo(DiLoCo):
         arrived = time.monotonic()
         try:
             with _store_errors(k):
-                self.membership.arrive(k, self.inner_step)
                 r = self._boundary(k, g, contributor=True, since=arrived)
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
@@ -290,28 +288,18 @@ class ElasticDiLoCo(DiLoCo):
         stats, ar_s, wait_s = {}, 0.0, 0.0
         lost: list = []
         while True:
-            if plan is None:
-                t_wait = time.monotonic()
-                plan = m.await_plan(k, attempt, prev, since if attempt == 0 else t_wait, self.inner_step, outcome)
-                wait_s += time.monotonic() - t_wait
-            if me not in plan.members:
-                raise Evicted(plan.reason_for(me))
-            self._log_plan(plan)
+            a = m.attempt(k, attempt, prev=prev, prev_outcome=outcome, step=self.inner_step,
+                          since=since if attempt == 0 else time.monotonic(), plan=plan,
+                          allreduce=lambda p: self._allreduce_plan(k, p, g))
+            plan, outcome, ok, err, st = a.plan, a.outcome, a.ok, a.error, a.stats
+            wait_s, ar_s = wait_s + a.wait_s, ar_s + a.allreduce_s
+            contributes = me in plan.contributors
             if plan.evicted:
                 lost += plan.evicted
                 if first_failure is None:
-                    first_failure = since if attempt == 0 else time.monotonic()
-            contributes = me in plan.contributors
-            if not contributes:
-                g.zero_()  # a joiner receives the average without adding to it
-            exact_avg = len(plan.contributors) == len(plan.members)
-            t_ar = time.perf_counter()
-            ok, err, blame, st = self._allreduce_once(k, plan, g, "avg" if exact_avg else "sum")
-            ar_s += time.perf_counter() - t_ar
+                    first_failure = since if attempt == 0 else a.planned_at
             if not ok and first_failure is None:
-                first_failure = time.monotonic()
-            m.report(k, plan.attempt, ok, err, blame)
-            outcome = m.await_outcome(k, plan)
+                first_failure = a.planned_at + a.allreduce_s
             if outcome.commit:
                 if me not in outcome.members:
                     raise Evicted(f"outer step {k} committed without this node's result ({err or 'it was late'})")
@@ -339,8 +327,9 @@ class ElasticDiLoCo(DiLoCo):
             if contributes and ok:
                 self._pseudo_gradient(g)  # our all-reduce had worked: restore our own input
             prev, plan, attempt = plan, None, plan.attempt + 1
-        if not exact_avg:
-            g.div_(len(plan.contributors))  # the sum over the contributors -> their average
+        _, divisor = reduce_op(plan)
+        if divisor != 1:
+            g.div_(divisor)  # the sum over the contributors -> their average
         was_joiner = not contributes
         self.server.retract()
         self._outer_update(g)
@@ -351,11 +340,7 @@ class ElasticDiLoCo(DiLoCo):
                                slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
         self.slot = plan.slot_of(me)
         self._publish_state()
-        m.publish_committed(plan, outcome)
-        if not was_joiner and self.slot_state_fn is not None:
-            m.publish_slot(self.slot, self.slot_state_fn())
-        for old in [j for j in set(m._own_keys) | set(self._ring_keys) if j <= k - 2]:
-            m.forget(old, self._ring_keys.pop(old, []))
+        m.commit(plan, outcome, self.slot_state_fn() if not was_joiner and self.slot_state_fn is not None else None)
         return ElasticStepResult(
             did_sync=True, inner_step=self.inner_step, outer_step=self.outer_step, numel=self.numel,
             allreduce_s=ar_s, bytes_sent=stats.pop("bytes_sent", None),
@@ -382,23 +367,24 @@ class ElasticDiLoCo(DiLoCo):
 
     # -- one all-reduce attempt --------------------------------------------------------
 
+    def _allreduce_plan(self, k: int, plan: Plan, g: torch.Tensor):
+        """The all-reduce of one attempt (Membership.attempt calls it once the plan is known)."""
+        self._log_plan(plan)
+        if self.node_id not in plan.contributors:
+            g.zero_()  # a joiner receives the average without adding to it
+        return self._allreduce_once(k, plan, g, reduce_op(plan)[0])
+
     def _make_ring(self, k: int, attempt: int, members: list):
-        import torch.distributed as dist
+        from prime.comm import Ring
 
-        from prime.comm import Ring, rendezvous
-
+        rank = members.index(self.node_id)
+        store, job_id = self.membership.ring_store(k, attempt, rank)
         kwargs = {"timeout": timedelta(seconds=self.ring_timeout_s), "secret": self.membership.secret,
-                  "job_id": f"{self.membership.run_id}/elastic/{k}/{attempt}"}
+                  "job_id": job_id}
         if self.streams:
             kwargs["streams"] = self.streams
         if self.max_rate:
             kwargs["max_rate"] = self.max_rate
-        # Its own store connection: an abandoned builder may still be waiting on the store while this
-        # node's main thread goes on with its own calls (a store client is not shared between threads).
-        store = dist.PrefixStore(f"ring/{k}/{attempt}", self.membership.new_store())
-        rank = members.index(self.node_id)
-        ns = f"ring/{k}/{attempt}/{rendezvous.namespace(kwargs['job_id'])}"
-        self._ring_keys.setdefault(k, []).extend([f"{ns}/addr/{rank}", f"{ns}/ready/{rank}", f"{ns}/joined"])
         return Ring(store, rank, len(members), **kwargs)
 
     def _dead_member(self, members: list) -> Optional[int]:
