@@ -198,6 +198,24 @@ def test_ring_adapter_reads_work_stats_by_field():
     assert set(numeric) == {f for f in WorkStats.__dataclass_fields__}
 
 
+def test_the_ring_and_its_stand_in_follow_the_ring_protocol():
+    import torch.distributed as dist
+
+    from prime import _extension
+    from prime.comm import Ring, RingProtocol, WorkProtocol
+
+    work = fake_ring._Work(4, 16, 0.1)
+    assert isinstance(work, WorkProtocol) and work.stats().bytes_sent == 16
+    assert not isinstance(object(), WorkProtocol)
+    for name in ("all_reduce", "close"):
+        assert callable(getattr(fake_ring.FakeRing, name))
+    if _extension.available():
+        with Ring(dist.HashStore(), 0, 1) as ring:
+            assert isinstance(ring, RingProtocol)
+            w = ring.all_reduce(torch.ones(3))
+            assert isinstance(w, WorkProtocol) and w.wait() and w.stats().numel == 3
+
+
 # ---------------------------------------------------------------------------
 # one tiny run, end to end
 

@@ -241,6 +241,8 @@ void init_ring_bindings(py::module_& m) {
                                  int64_t block_size) {
     TORCH_CHECK(sum.device().is_cpu() && sum.is_contiguous() && sum.scalar_type() == at::kFloat,
                 "a contiguous CPU float32 tensor");
+    TORCH_CHECK_VALUE(dtype_name == "float32" || dtype_name == "bfloat16" || dtype_name == "float16",
+                      "dtype_name must be float32, bfloat16 or float16, got ", dtype_name);
     const at::ScalarType dtype = dtype_name == "float32" ? at::kFloat : dtype_name == "bfloat16" ? at::kBFloat16 : at::kHalf;
     ring::AllReduceSpec spec = spec_of(at::empty({sum.numel()}, sum.options().dtype(dtype)), "sum", codec, block_size);
     auto pool = ring::BufferPool::create(0);
