@@ -40,6 +40,7 @@ Output: a table on stdout, benchmarks/results/allreduce[_quick].json and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -389,9 +390,8 @@ def gpu_quantize_seconds(x, block_size: int, repeats: int = 10) -> float:
 class RingAdapter:
     """The one place that knows prime.comm.Ring's constructor, all_reduce and statistics.
 
-    Ring is being written in parallel; its statistics attribute names are not final, so
-    `wire_bytes` looks for the names it knows and returns None if it finds none (the table
-    then shows "-" instead of assuming a number).
+    The ring (or a stand-in, PRIME_BENCH_RING) follows prime.comm.RingProtocol: its works'
+    stats() return a prime.comm.WorkStats, read here by field name.
     """
 
     def __init__(self, store, rank: int, world_size: int, spec: dict, method: str):
@@ -413,38 +413,18 @@ class RingAdapter:
             kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
         self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
 
-    def all_reduce(self, tensor) -> tuple[float | None, dict]:
-        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent if the ring says,
-        every numeric statistic the work exposes, for the record: times, bytes received...)."""
+    def all_reduce(self, tensor) -> tuple[float, dict]:
+        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent on the wire,
+        every statistic of the work, for the record: times, bytes received...)."""
         work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block)
         work.wait()
-        return self.wire_bytes(work), self.numeric_stats(work)
+        stats = work.stats()
+        return float(stats.bytes_sent), self.numeric_stats(stats)
 
     @staticmethod
-    def numeric_stats(work) -> dict:
-        """Numeric fields of work.stats (a dict, an object, or a method returning either)."""
-        stats = getattr(work, "stats", None)
-        if callable(stats):
-            stats = stats()
-        if stats is None:
-            return {}
-        items = stats.items() if isinstance(stats, dict) else (
-            (k, getattr(stats, k)) for k in dir(stats) if not k.startswith("_"))
-        return {k: float(v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-    @staticmethod
-    def wire_bytes(work) -> float | None:
-        """Bytes this rank sent on the wire for `work`, from the ring's counters (None if unknown)."""
-        stats = work.stats() if callable(getattr(work, "stats", None)) else getattr(work, "stats", None)
-        for obj in (stats, work):
-            if obj is None:
-                continue
-            for name in ("bytes_sent", "wire_bytes_sent", "sent_bytes", "tx_bytes"):
-                if isinstance(obj, dict) and name in obj:
-                    return float(obj[name])
-                if hasattr(obj, name):
-                    return float(getattr(obj, name))
-        return None
+    def numeric_stats(stats) -> dict:
+        """A WorkStats as {field: float}."""
+        return {f.name: float(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
 
     def close(self) -> None:
         """Closes the ring's sockets and threads."""

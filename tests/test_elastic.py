@@ -179,16 +179,36 @@ class Job:
 
 
 def _assert_identical(job: Job, ranks) -> int:
-    """Every outer step recorded by two of `ranks` has the same digest on both. Returns the number of checks."""
+    """Every outer step recorded by two of `ranks` has the same digest on both. Returns the number of
+    comparisons made (pairs of nodes per step); callers assert it, so a run with no shared steps fails."""
+    return _assert_same_digests({r: job.outer(r) for r in ranks})
+
+
+def _assert_same_digests(outer_by_rank: dict) -> int:
     by_step: dict[int, dict] = {}
-    for r in ranks:
-        for k, rec in job.outer(r).items():
-            by_step.setdefault(k, {})[r] = rec["digest"]
+    for r, records in outer_by_rank.items():
+        for k, rec in records.items():
+            digest = rec["digest"]
+            # a SHA-256 in hex: a missing or empty digest must not compare equal to another one
+            assert isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest), (
+                f"node {r}, outer step {k}: digest {digest!r} is not a SHA-256 hex string")
+            by_step.setdefault(k, {})[r] = digest
     checks = 0
     for k, d in sorted(by_step.items()):
         assert len(set(d.values())) == 1, f"outer step {k}: digests differ between nodes: {d}"
         checks += len(d) - 1
     return checks
+
+
+def test_digest_comparison_can_fail():
+    """The helper the scenarios rely on: counts shared steps, and raises on a difference or a non-digest."""
+    a, b = "a" * 64, "b" * 64
+    assert _assert_same_digests({0: {1: {"digest": a}, 2: {"digest": b}}, 3: {2: {"digest": b}}}) == 1
+    assert _assert_same_digests({0: {1: {"digest": a}}, 1: {2: {"digest": a}}}) == 0
+    with pytest.raises(AssertionError, match="outer step 2: digests differ"):
+        _assert_same_digests({0: {2: {"digest": a}}, 1: {2: {"digest": b}}})
+    with pytest.raises(AssertionError, match="not a SHA-256"):
+        _assert_same_digests({0: {2: {"digest": None}}, 1: {2: {"digest": None}}})
 
 
 def _sha(state: dict) -> str:
@@ -285,7 +305,8 @@ def test_survivors_finish_after_a_kill_in_the_allreduce(scenario_a):
     # training went on to the end with the two survivors, identical after every outer step
     last = STEPS_A // INNER
     assert k < last and max(job.outer(0)) == max(job.outer(3)) == last
-    _assert_identical(job, [0, 1, 2, 3])
+    # nodes 0 and 3 both recorded every outer step from k to the end (and agreed at each)
+    assert _assert_identical(job, [0, 1, 2, 3]) >= last - k + 1
     a, b = job.final_state(0), job.final_state(3)
     assert torch.equal(a["diloco"]["outer"], b["diloco"]["outer"])
     assert torch.equal(a["diloco"]["momentum"], b["diloco"]["momentum"])

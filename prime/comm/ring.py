@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
 from prime.ops import check_block_size
 
-__all__ = ["Ring", "Work", "WorkStats", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+__all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
 logger = logging.getLogger("prime.comm")
 
@@ -64,6 +64,39 @@ class WorkStats:
     total_s: float  # start to completion, queue time excluded
     stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into pinned host staging
     copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
+
+
+@runtime_checkable
+class WorkProtocol(Protocol):
+    """What callers of a ring rely on from the handle all_reduce returns (Work implements it)."""
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Blocks until done: True, or raises CommError (NonFiniteError) and the tensor is unchanged."""
+        ...
+
+    def is_completed(self) -> bool: ...
+
+    def stats(self) -> WorkStats:
+        """Bytes on the wire and where the time went."""
+        ...
+
+
+@runtime_checkable
+class RingProtocol(Protocol):
+    """The ring as the rest of prime sees it: Ring implements it; tests and benchmarks may pass
+    stand-ins (tests/fake_ring.py). Every rank calls all_reduce in the same order with the same
+    size, dtype, op, codec and block size."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256
+    ) -> WorkProtocol:
+        """Sums or averages `tensor` in place across the ring, asynchronously."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Work:
