@@ -241,8 +241,10 @@ def _reduce_op_name(opts: Any) -> str:
         return "sum"
     if op == dist.ReduceOp.AVG:
         return "avg"
+    name = getattr(getattr(op, "op", op), "name", str(op))  # ReduceOp -> RedOpType -> "MAX"
     raise NotImplementedError(
-        f"the prime backend's all_reduce supports ReduceOp.SUM and ReduceOp.AVG, not {op}; use a gloo group for it"
+        f"the prime backend's all_reduce supports ReduceOp.SUM and ReduceOp.AVG, not ReduceOp.{name}; "
+        f"use a gloo group for {name}"
     )
 
 
