@@ -99,6 +99,7 @@ class PrimeWork(dist._Work):
         self._error: Optional[BaseException] = None
         self._result: Any = None
         self._future: torch.futures.Future = torch.futures.Future()
+        self._ring_work = None  # the prime.comm.Work behind this collective
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
         self._result, self._error = result, error
@@ -149,6 +150,11 @@ class PrimeWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         """A torch Future completed with the output tensors (or the error)."""
         return self._future
+
+    def stats(self):
+        """The ring's WorkStats of the all-reduce behind this collective (bytes on the
+        wire, time split; see docs/ring.md); complete once the work is."""
+        return self._ring_work.stats()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "running"
@@ -320,6 +326,7 @@ class PrimeProcessGroup(dist.ProcessGroup):
         work = PrimeWork(op, self._rank)
         with self._submit_lock:
             ring_work = start()  # raises at once on bad arguments or a closed ring
+            work._ring_work = ring_work
             self._jobs.put((ring_work, finish, work))
         return work
 
