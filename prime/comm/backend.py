@@ -91,19 +91,34 @@ class PrimeOptions:
 class PrimeWork(dist._Work):
     """One collective of a PrimeProcessGroup. Completed by the group's completion thread."""
 
-    def __init__(self, op: str, rank: int):
+    def __init__(self, op: str, rank: int, ring_work, finish: Callable[[], Any], in_place: bool):
         super().__init__()
         self._op = op
         self._rank = rank
+        self._ring_work = ring_work  # the prime.comm.Work behind this collective
+        self._finish_fn = finish  # writes the outputs (broadcast, all_gather) and returns them
+        # all_reduce and barrier write nothing after the ring: wait() may complete them itself
+        # instead of waking up behind the completion thread (one thread hop less per call).
+        self._in_place = in_place
+        self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._result: Any = None
         self._future: torch.futures.Future = torch.futures.Future()
-        self._ring_work = None  # the prime.comm.Work behind this collective
 
-    def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        self._result, self._error = result, error
-        self._done.set()  # before the future: its callbacks (DDP, torchft) run in this thread
+    def _complete(self) -> None:
+        """Waits for the ring, writes the outputs, completes the work and its future. Run
+        by the completion thread (in order), and by wait() for in-place collectives."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            try:
+                self._ring_work.wait()
+                result, error = self._finish_fn(), None
+            except BaseException as e:  # handed to the waiter, never swallowed
+                result, error = None, e
+            self._result, self._error = result, error
+            self._done.set()  # before the future: its callbacks (DDP, torchft) run in this thread
         if error is None:
             self._future.set_result(result)
         else:
@@ -114,6 +129,8 @@ class PrimeWork(dist._Work):
         (CommError; the tensors are then as they were). timeout (timedelta; torch's
         0 means none): raise CommError(kind="timeout") if still running by then."""
         limit = None if timeout is None else timeout.total_seconds()
+        if self._in_place and not limit:
+            self._complete()
         if not self._done.wait(limit if limit else None):
             raise CommError(
                 f"rank {self._rank}: {self._op} did not complete within {limit:g} s (Work.wait timeout); "
@@ -165,17 +182,10 @@ def _complete_in_order(jobs: "queue.SimpleQueue") -> None:
     # The ring runs collectives one after another in submission order, so completing
     # them in that order never waits behind a later one.
     while True:
-        job = jobs.get()
-        if job is None:
+        work = jobs.get()
+        if work is None:
             return
-        ring_work, finish, work = job
-        try:
-            ring_work.wait()
-            result = finish()
-        except BaseException as e:  # handed to the waiter, never swallowed
-            work._finish(None, e)
-        else:
-            work._finish(result, None)
+        work._complete()
 
 
 # ---------------------------------------------------------------------------
@@ -322,12 +332,11 @@ class PrimeProcessGroup(dist.ProcessGroup):
 
     # -- plumbing ----------------------------------------------------------------
 
-    def _submit(self, op: str, start: Callable[[], Any], finish: Callable[[], Any]) -> PrimeWork:
-        work = PrimeWork(op, self._rank)
+    def _submit(self, op: str, start: Callable[[], Any], finish: Callable[[], Any], in_place: bool = False):
         with self._submit_lock:
             ring_work = start()  # raises at once on bad arguments or a closed ring
-            work._ring_work = ring_work
-            self._jobs.put((ring_work, finish, work))
+            work = PrimeWork(op, self._rank, ring_work, finish, in_place)
+            self._jobs.put(work)
         return work
 
     def _single(self, tensors: List[torch.Tensor], op: str) -> torch.Tensor:
@@ -354,6 +363,7 @@ class PrimeProcessGroup(dist.ProcessGroup):
             "all_reduce",
             lambda: self.ring.all_reduce(tensor, op=op, codec=codec, block_size=block),
             lambda: [tensor],
+            in_place=True,
         )
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> PrimeWork:
@@ -430,7 +440,7 @@ class PrimeProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> PrimeWork:
         """dist.barrier: an exact all_reduce of one value (so a dead peer fails it too)."""
         token = torch.zeros(1, dtype=torch.float32)
-        return self._submit("barrier", lambda: self._exact_all_reduce(token), lambda: [])
+        return self._submit("barrier", lambda: self._exact_all_reduce(token), lambda: [], in_place=True)
 
     # -- identity and lifetime ---------------------------------------------------
 
