@@ -124,7 +124,8 @@ def main() -> int:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.replicas)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=replica_main, args=(r, args, lighthouse.address(), results)) for r in range(args.replicas)]
+    procs = [ctx.Process(target=replica_main, args=(r, args, lighthouse.address(), results))
+             for r in range(args.replicas)]
     try:
         for proc in procs:
             proc.start()

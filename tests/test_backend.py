@@ -251,7 +251,8 @@ def test_each_collective_against_independent_references(ranks, world_size):
             for op in ("sum", "avg"):
                 _, _, _, y = results[0]["all_reduce"][k]
                 for r in range(1, world):
-                    assert results[r]["all_reduce"][k][3] == _digest(y), f"ranks differ {_note(n=n, dtype=dtype, op=op)}"
+                    assert results[r]["all_reduce"][k][3] == _digest(y), \
+                        f"ranks differ {_note(n=n, dtype=dtype, op=op)}"
                 xs = torch.stack([torch.randn(n, generator=torch.Generator().manual_seed(SEED + 31 * i + 7 * j + r))
                                   .to(dtype).double() for r in range(world)])
                 ref = xs.sum(0) / (world if op == "avg" else 1)
@@ -298,7 +299,8 @@ def _rank_barrier_and_async(ctx, seed):
         works[0].wait()
         done = [w.is_completed() and w.is_success() and w.exception() is None for w in works]
         got = works[0].result()
-        return {"seen": seen, "xs": [_digest(x) for x in xs], "x0": xs, "done": done, "result_is_tensor": got[0] is xs[0]}
+        return {"seen": seen, "xs": [_digest(x) for x in xs], "x0": xs, "done": done,
+                "result_is_tensor": got[0] is xs[0]}
 
 
 def test_barrier_waits_for_the_last_rank_and_async_ops_complete(ranks):

@@ -89,7 +89,8 @@ class PrimeOptions:
 
 
 class PrimeWork(dist._Work):
-    """One collective of a PrimeProcessGroup. Completed by the group's completion thread."""
+    """One collective of a PrimeProcessGroup, completed by the group's completion thread
+    (or, for all_reduce and barrier, by the first wait())."""
 
     def __init__(self, op: str, rank: int, ring_work, finish: Callable[[], Any], in_place: bool):
         super().__init__()
@@ -427,7 +428,8 @@ class PrimeProcessGroup(dist.ProcessGroup):
         carrier, nbytes, span = self._gather_carrier(input)
 
         def finish():
-            data = torch.cat([carrier_to_bytes(carrier[r * span : (r + 1) * span], nbytes) for r in range(self._world_size)])
+            parts = [carrier_to_bytes(carrier[r * span : (r + 1) * span], nbytes) for r in range(self._world_size)]
+            data = torch.cat(parts)
             _copy_bytes_into(output, data)
             return [output]
 
