@@ -110,14 +110,22 @@ class PrimeWork(dist._Work):
     def _complete(self) -> None:
         """Waits for the ring, writes the outputs, completes the work and its future. Run
         by the completion thread (in order), and by wait() for in-place collectives."""
+        # Outside the lock: both threads may wait here, and the ring wakes each directly
+        # (a waiter behind the lock would wake only after the other thread got a CPU).
+        try:
+            self._ring_work.wait()
+            ring_error = None
+        except BaseException as e:  # handed to the waiter, never swallowed
+            ring_error = e
         with self._lock:
             if self._done.is_set():
                 return
-            try:
-                self._ring_work.wait()
-                result, error = self._finish_fn(), None
-            except BaseException as e:  # handed to the waiter, never swallowed
-                result, error = None, e
+            result, error = None, ring_error
+            if ring_error is None:
+                try:
+                    result = self._finish_fn()
+                except BaseException as e:
+                    error = e
             self._result, self._error = result, error
             self._done.set()  # before the future: its callbacks (DDP, torchft) run in this thread
         if error is None:
