@@ -11,12 +11,15 @@ this machine:
 
     python examples/torchft_diloco.py                 # 2 replica groups, CPU, exact
     python examples/torchft_diloco.py --int8 --replicas 3
+    GLOO_SOCKET_IFNAME=lo python examples/torchft_diloco.py --gloo   # torchft's gloo group, to compare
 
 It starts a torchft lighthouse on 127.0.0.1 and one process per replica group (one
 rank each, each with its own TCPStore), trains a small regression model with AdamW
 inside and torchft's DiLoCo (Nesterov SGD outside) every --sync-every steps, and
 prints each replica's loss and the digest of its final weights: after every outer
-step all replicas hold the same weights. torchft's own servers (lighthouse,
+step all replicas hold the same weights. With 2 replicas the exact ring and gloo
+both sum two float32 values per element, so the exact run and --gloo end with the
+same weights, bit for bit. torchft's own servers (lighthouse,
 manager, checkpoint transport) bind to every interface, as torchft does.
 """
 
@@ -33,7 +36,7 @@ import torch
 try:
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupWrapper
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 except ImportError:  # say what to do instead of a traceback
     sys.exit("examples/torchft_diloco.py needs torchft: pip install torchft")
 
@@ -76,7 +79,10 @@ def replica_main(replica: int, args, lighthouse_addr: str, results) -> None:
     model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    pg = ProcessGroupPrime(options=PrimeOptions(codec="int8" if args.int8 else "none"))
+    if args.gloo:  # torchft's own group, for comparison
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    else:
+        pg = ProcessGroupPrime(options=PrimeOptions(codec="int8" if args.int8 else "none"))
     manager = Manager(
         pg=pg,
         min_replica_size=args.replicas,
@@ -115,6 +121,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40, help="inner steps per replica (a multiple of --sync-every)")
     p.add_argument("--sync-every", type=int, default=10, help="inner steps per outer step")
     p.add_argument("--int8", action="store_true", help="all-reduce the pseudo-gradients in int8")
+    p.add_argument("--gloo", action="store_true", help="torchft's gloo group instead, for comparison")
     args = p.parse_args()
     if args.replicas < 2 or args.steps % args.sync_every:
         p.error(f"need --replicas >= 2 and --steps({args.steps}) a multiple of --sync-every({args.sync_every})")
