@@ -3,6 +3,7 @@
 from prime import _extension, ops
 from prime import _fake  # noqa: F401  (fake kernels so torch.compile and opcheck see the ops)
 from prime.ops import dequantize_add_int8_, dequantize_int8, quantize_int8
+from prime.comm import backend as _backend  # noqa: F401  (registers the torch.distributed backend "prime")
 
 __version__ = "0.1.0"
 
