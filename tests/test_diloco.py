@@ -36,11 +36,17 @@ class FakeThreadGroup:
 
 class FakeWork:
     def __init__(self, nbytes: int):
-        self.bytes_sent = nbytes
-        self.bytes_received = nbytes
+        self.nbytes = nbytes
 
     def wait(self):
         return None
+
+    def stats(self):
+        from prime.comm import WorkStats
+
+        n = self.nbytes
+        return WorkStats(seq=0, numel=n, bytes_sent=n, bytes_received=n, frames_sent=1, frames_received=1,
+                         quantize_s=0.0, reduce_s=0.0, wait_s=0.0, commit_s=0.0, queue_s=0.0, total_s=0.0)
 
 
 class FakeThreadRing:
@@ -141,6 +147,7 @@ def test_outer_steps_match_hand_computed_nesterov(seed):
                    codec="none", block_size=32)
         out = []
         for k in range(2):
+            opt.step()  # no gradients: changes nothing, but the first one takes the outer weights
             with torch.no_grad():  # stand-in for the inner steps: move away from the outer weights by delta
                 model.a -= deltas[k][r][0]
                 model.b -= deltas[k][r][1]
