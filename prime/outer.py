@@ -117,9 +117,11 @@ class OuterState:
 
     @torch.no_grad()
     def gather(self, dst: torch.Tensor) -> None:
-        """Copies the local parameter values into the flat buffer `dst` (device -> host)."""
-        for t, view in self._views(dst):
+        """Copies the local parameter values into the flat buffer `dst` (device -> host); padding := 0."""
+        ends = self.offsets[1:] + [self.numel]
+        for (t, view), off, end in zip(self._views(dst), self.offsets, ends):
             view.copy_(t.reshape(-1), non_blocking=True)
+            dst[off + t.numel() : end].zero_()  # a buffer a failed all-reduce scrambled gets clean padding too
         if self.on_gpu:
             torch.cuda.synchronize()  # the non-blocking copies must land before the CPU reads dst
 
