@@ -96,8 +96,11 @@ class DiLoCo:
     inner_optimizer:  the optimizer of the inner steps (build it after fully_shard).
                       Its step hooks take the outer weights before its first step,
                       check that step() is not forgotten, and, inside `with diloco:`,
-                      run step() after each of its steps. None: call reset_outer()
-                      and step() yourself (the outer weights are taken at construction)
+                      run step() after each of its steps (a step with lr 0 in every
+                      group, as torch.distributed.checkpoint takes to initialize the
+                      optimizer's state, changes nothing and is not counted). None:
+                      call reset_outer() and step() yourself (the outer weights are
+                      taken at construction)
     sync:             a prime.comm.Ring joining this process with its peers on the
                       other nodes (local rank g of every node), or a prime.sync.Sync
                       (e.g. prime.elastic.ElasticSync), or None for a single node:
@@ -219,13 +222,24 @@ class DiLoCo:
             raise RuntimeError("`with DiLoCo(...)` needs the inner optimizer, whose step hook drives the outer "
                                "steps; without one, call step() after every inner step")
         if self._post_hook is None:
-            self._post_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._count())
+            self._post_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _is_inner_step(self) -> bool:
+        # torch.distributed.checkpoint initializes optimizer state with a step at lr 0 in every group
+        # (torch's _init_optim_state): it changes nothing and is not an inner step.
+        return any(float(g.get("lr", 1.0)) != 0.0 for g in self.inner_optimizer.param_groups)
+
+    def _after_inner_step(self, *_) -> None:
+        if self._is_inner_step():
+            self._count()
+
     def _before_inner_step(self, *_) -> None:
+        if not self._is_inner_step():
+            return
         if self.state is not None:
             self.state.ensure_taken()  # the first inner step: weights loaded after construction are kept
         if self._post_hook is None and self._unstepped >= 1:

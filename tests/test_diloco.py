@@ -504,6 +504,27 @@ def test_weights_loaded_after_construction_are_kept(seed):
     assert (got - stale).abs().max() > 0.1, "the outer weights were taken at construction"
 
 
+def test_a_checkpoint_initializing_the_optimizer_is_not_an_inner_step(seed):
+    """torch.distributed.checkpoint steps the optimizer at lr 0 to create its state (before loading into it):
+    that neither counts, nor takes the outer weights, nor trips the forgotten-step check."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    gen = torch.Generator().manual_seed(seed)
+    w0, loaded = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    for hook_form in (False, True):
+        model = _linear(w0)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        d = DiLoCo(model, opt, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=2, codec="none")
+        if hook_form:
+            d.__enter__()
+        get_optimizer_state_dict(model, opt)  # the lr-0 step
+        model.load_state_dict({"weight": loaded})
+        assert d.inner_step == 0
+        _sgd_steps(model, opt, [torch.randn(6, 4, generator=gen)], after_step=None if hook_form else d.step)
+        assert d.inner_step == 1 and torch.equal(d.state_dict()["outer"][:12], loaded.reshape(-1))
+        d.close()
+
+
 def test_reset_outer_takes_the_weights_without_an_optimizer(seed):
     gen = torch.Generator().manual_seed(seed)
     w0, loaded, delta = (torch.randn(20, generator=gen) for _ in range(3))
