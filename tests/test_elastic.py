@@ -488,11 +488,35 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
 # -- the average is over the nodes that contributed (API level, nodes as threads) -------------------
 
 
+class _ApiNode:
+    """One elastic node of the API test: prime.DiLoCo over an ElasticSync, no inner optimizer."""
+
+    def __init__(self, model, sync):
+        from prime.diloco import DiLoCo
+
+        self.model, self.sync, self.node_id = model, sync, sync.node_id
+        self.diloco = DiLoCo(model, None, sync, inner_steps=1, codec="none", measure_compression_error=False)
+        self.outer, self.momentum = self.diloco.state.outer, self.diloco.state.momentum
+
+    def start(self):
+        self.sync.start(self.diloco.outer_step, self.diloco.inner_step)
+
+    def join(self):
+        return self.diloco.sync()  # a joiner's first outer step downloads the state and is admitted
+
+    def step(self):
+        return self.diloco.step()
+
+    def close(self):
+        self.diloco.close()
+        self.sync.close()
+
+
 def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
-    """An ElasticDiLoCo around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
+    """An elastic node around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
     import torch.distributed as dist
 
-    from prime.elastic import ElasticDiLoCo, Membership
+    from prime.elastic import ElasticSync, Membership
 
     def factory():
         return dist.PrefixStore("api/elastic", dist.TCPStore("127.0.0.1", port, is_master=False))
@@ -503,8 +527,7 @@ def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
     m = Membership(factory, node_rank=rank, initial_nodes=initial, run_id="api", secret=b"api-secret",
                    heartbeat_interval_s=0.2, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=60,
                    report_timeout_s=30)
-    return ElasticDiLoCo(model, None, m, inner_steps=1, codec="none", ring_timeout_s=RING_TIMEOUT,
-                         start_timeout_s=30, measure_compression_error=False)
+    return _ApiNode(model, ElasticSync(m, ring_timeout_s=RING_TIMEOUT, start_timeout_s=30))
 
 
 def _run_threads(fns) -> list:
@@ -551,7 +574,7 @@ def test_the_average_is_over_the_nodes_that_contributed():
 
         def outer_step(active):
             """Moves each active node's weights by its own random delta, runs the outer step, checks it."""
-            ref_outer, ref_mom = active[0]._outer.clone(), active[0]._momentum.clone()
+            ref_outer, ref_mom = active[0].outer.clone(), active[0].momentum.clone()
             deltas = []
             for n in active:
                 with torch.no_grad():
@@ -560,9 +583,9 @@ def test_the_average_is_over_the_nodes_that_contributed():
             results = _run_threads([n.step for n in active])
             want = _expected(ref_outer[: w0.numel()].view_as(w0), ref_mom[: w0.numel()].view_as(w0), deltas)
             for n in active:
-                got = n._outer[: w0.numel()].view_as(w0).double()
+                got = n.outer[: w0.numel()].view_as(w0).double()
                 assert torch.allclose(got, want.view_as(w0), rtol=1e-5, atol=1e-5), (got - want.view_as(w0)).abs().max()
-                assert torch.equal(n._outer, active[0]._outer) and torch.equal(n._momentum, active[0]._momentum)
+                assert torch.equal(n.outer, active[0].outer) and torch.equal(n.momentum, active[0].momentum)
             return results
 
         r = outer_step(nodes)
@@ -571,7 +594,7 @@ def test_the_average_is_over_the_nodes_that_contributed():
         t0 = time.monotonic()
         r = outer_step(nodes[:2])
         assert time.monotonic() - t0 < HB_TIMEOUT, "a clean leave must not wait for the heartbeat timeout"
-        assert r[0].members == [0, 1] and r[0].evicted == [[2, "left cleanly"]]
+        assert r[0].members == [0, 1] and r[0].details.evicted == [[2, "left cleanly"]]
         joiner = _api_node(store.port, 5, 3, torch.zeros_like(w0))  # rank 5 >= 3 initial nodes: a joiner
         got = []
         jt = threading.Thread(target=lambda: got.append(joiner.join()), daemon=True)
@@ -583,11 +606,11 @@ def test_the_average_is_over_the_nodes_that_contributed():
         r = outer_step(nodes[:2])  # the joiner takes part with zeros: the average is still over 2
         jt.join(60)
         assert got and got[0].outer_step == 3
-        assert r[0].members == [0, 1, joiner.node_id] and r[0].contributors == 2 and r[0].joined == [joiner.node_id]
-        assert torch.equal(joiner._outer, nodes[0]._outer) and torch.equal(joiner._momentum, nodes[0]._momentum)
+        assert r[0].members == [0, 1, joiner.node_id] and r[0].contributors == 2 and r[0].details.joined == [joiner.node_id]
+        assert torch.equal(joiner.outer, nodes[0].outer) and torch.equal(joiner.momentum, nodes[0].momentum)
         assert torch.equal(joiner.model.weight, nodes[0].model.weight)
         r = _run_threads([n.step for n in (nodes[0], nodes[1], joiner)])  # and then it contributes
-        assert r[0].contributors == 3 and torch.equal(joiner._outer, nodes[0]._outer)
+        assert r[0].contributors == 3 and torch.equal(joiner.outer, nodes[0].outer)
     finally:
         for n in nodes + ([joiner] if joiner else []):
             n.close()
