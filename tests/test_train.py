@@ -88,6 +88,14 @@ def test_bad_config_value_exits_2_with_the_field(capsys):
     assert "diloco.inner_steps must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field,value", [("optim.lr", "inf"), ("diloco.outer_lr", "inf"), ("model.rope_theta", "nan"),
+                                         ("diloco.timeout_s", "1e-9"), ("diloco.streams", "1000")])
+def test_non_finite_or_absurd_setting_exits_2_naming_it(capsys, field, value):
+    assert train_main(["--" + field, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prime-train: error: {field} must be") and "Traceback" not in err, err
+
+
 def test_missing_data_path_exits_2(capsys, tmp_path):
     missing = str(tmp_path / "nowhere")
     assert train_main(["--data.source", "bin", "--data.path", missing]) == 2
