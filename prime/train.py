@@ -21,13 +21,18 @@ def main(argv=None) -> int:
         print(f"prime-train: error: {e}", file=sys.stderr)
         return 2
 
+    from prime.checkpoint import CheckpointError
     from prime.trainer import Trainer, TrainingStopped
 
     try:
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"prime-train: error: {e}", file=sys.stderr)
+        _destroy_process_group()
         return 2
+    except CheckpointError as e:  # the Trainer closed itself
+        print(f"prime-train: stopped: {e}", file=sys.stderr)
+        return 3
     failed = True
     try:
         trainer.train()
@@ -38,6 +43,14 @@ def main(argv=None) -> int:
     finally:
         trainer.close(failed=failed)
     return 0
+
+
+def _destroy_process_group() -> None:
+    """A Trainer that failed to build may leave the node's process group behind: destroy it before exiting."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
