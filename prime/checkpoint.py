@@ -119,6 +119,9 @@ def read_manifest(path: str, step: Optional[int] = None) -> tuple[Optional[dict]
             or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
                        for v in files.values())):
         return None, f"{mpath} is not a manifest of format {_MANIFEST_FORMAT}"
+    strays = [n for n in files if not n or "/" in n or os.sep in n or n in (".", "..")]
+    if strays:
+        return None, f"{mpath} names files outside its directory: {strays[:3]}"
     if step is not None and doc.get("step") != step:
         return None, f"{mpath} is the manifest of step {doc.get('step')!r}, not of step {step}"
     return files, None

@@ -92,7 +92,7 @@ def test_a_step_without_manifest_is_not_complete(tmp_path, seed):
 
 
 @pytest.mark.parametrize("damage", ["overwrite_4k", "truncate", "empty", "delete", "extra_file", "bad_manifest",
-                                    "manifest_of_other_step"])
+                                    "manifest_of_other_step", "manifest_names_outside"])
 def test_verify_names_the_damaged_file(tmp_path, seed, damage):
     rng = random.Random(seed)
     ck, _, _ = _save(tmp_path, seed, [5])
@@ -121,6 +121,14 @@ def test_verify_names_the_damaged_file(tmp_path, seed, damage):
         with open(os.path.join(path, MANIFEST), "r+b") as f:
             f.truncate(10)
         want = f"{os.path.join(path, MANIFEST)} is unreadable"
+    elif damage == "manifest_names_outside":
+        mpath = os.path.join(path, MANIFEST)
+        with open(mpath) as f:
+            doc = json.load(f)
+        doc["files"]["../../secret"] = {"size": 1, "sha256": "0" * 64}
+        with open(mpath, "w") as f:
+            json.dump(doc, f)
+        want = f"{mpath} names files outside its directory: ['../../secret']"
     else:
         other = os.path.join(str(tmp_path), "node0", "step_00000006")
         os.rename(path, other)  # a step directory renamed to pass for another step
