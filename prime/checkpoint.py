@@ -6,35 +6,54 @@ Layout (one tree per node, as nodes usually do not share a file system):
         .metadata, __*_*.distcp    model + inner AdamW (DCP: works with FSDP2 DTensors)
         rank<g>.pt                 this process's outer weights, outer momentum,
                                    DiLoCo counters, data position, step
-        done_rank<g>               written last: the checkpoint of process g is complete
+        manifest.json              written last: size and SHA-256 of every other file
 
-A step is complete on a node when every process of the node wrote its done
-marker. Nodes agree on the newest step that all of them have (through the
-cross-node store) before resuming, so a node that died mid-write does not
-resume from a different step than the others.
+A step is complete on a node when its manifest exists. The manifest is written
+(atomically: a temporary file, fsync, rename) by local rank 0 only after every
+process of the node has finished writing its files; the processes hash the
+files between them, each its share.
+
+Resume verifies before it loads: every file the manifest names must exist with
+its size and hash, and no other file may be there. A damaged checkpoint is
+named with its file and skipped. Nodes agree on the newest step that every one
+of them holds intact (a few rounds through the cross-node store: each node
+verifies only the step proposed in that round), so a node that died mid-write
+or whose disk damaged a file does not resume from a different step than the
+others. When checkpoints exist but none is intact everywhere, every process
+stops with CheckpointError rather than silently starting over.
 
 Saving is asynchronous when asked: dcp.async_save stages (copies) the state to
-CPU memory before returning, and a background thread writes it and the extra
-state; only the copy stalls training. At most one save is in flight; the next
-save waits for the previous one.
+CPU memory before returning, and a background thread writes it, the extra
+state and the manifest; only the copy stalls training. At most one save is in
+flight; the next save waits for the previous one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import glob
+import hashlib
+import itertools
+import json
 import os
 import re
 import shutil
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["Checkpointer", "agree_on_resume_step"]
+__all__ = ["Checkpointer", "CheckpointError", "agree_on_resume_step", "verify_step_dir", "MANIFEST"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+_MANIFEST_FORMAT = 1
+_HASH_CHUNK = 4 << 20  # 4 MiB reads: hashlib releases the GIL on large buffers
+
+
+class CheckpointError(RuntimeError):
+    """No intact checkpoint to resume from, or one that cannot be loaded (the message names the file and what to do)."""
 
 
 def _clone_tree(obj):
@@ -48,8 +67,115 @@ def _clone_tree(obj):
     return obj
 
 
+def hash_file(path: str) -> dict:
+    """{"size": bytes, "sha256": hex digest} of the file at `path`."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    """The files of a step directory that the manifest covers (everything but the manifest and temporaries), sorted."""
+    return sorted(n for n in os.listdir(path) if n != MANIFEST and not n.endswith(".tmp")
+                  and os.path.isfile(os.path.join(path, n)))
+
+
+def write_manifest(path: str, step: int, files: dict) -> None:
+    """Writes `path`/manifest.json naming `files` ({name: {"size", "sha256"}}) atomically and durably."""
+    doc = {"format": _MANIFEST_FORMAT, "step": step, "files": dict(sorted(files.items()))}
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+    _fsync_dir(path)
+
+
+def read_manifest(path: str, step: Optional[int] = None) -> tuple[Optional[dict], Optional[str]]:
+    """(files of the manifest of step directory `path`, None) or (None, what is wrong with the manifest)."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None, f"{mpath} is missing"
+    except (OSError, ValueError) as e:
+        return None, f"{mpath} is unreadable ({type(e).__name__}: {e})"
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if (not isinstance(files, dict) or doc.get("format") != _MANIFEST_FORMAT
+            or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+                       for v in files.values())):
+        return None, f"{mpath} is not a manifest of format {_MANIFEST_FORMAT}"
+    strays = [n for n in files if not n or "/" in n or os.sep in n or n in (".", "..")]
+    if strays:
+        return None, f"{mpath} names files outside its directory: {strays[:3]}"
+    if step is not None and doc.get("step") != step:
+        return None, f"{mpath} is the manifest of step {doc.get('step')!r}, not of step {step}"
+    return files, None
+
+
+def verify_files(path: str, manifest: dict, names: list[str]) -> list[str]:
+    """Problems of the files `names` of step directory `path` against `manifest` ([] when all match)."""
+    problems = []
+    for name in names:
+        fpath = os.path.join(path, name)
+        want = manifest.get(name)
+        if want is None:
+            problems.append(f"{fpath} is not in the manifest")
+            continue
+        try:
+            size = os.path.getsize(fpath)
+        except OSError:
+            problems.append(f"{fpath} is missing")
+            continue
+        if size != want["size"]:  # a cheap test first: truncated files need no hashing
+            problems.append(f"{fpath} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)")
+            continue
+        try:
+            got = hash_file(fpath)["sha256"]
+        except OSError as e:
+            problems.append(f"{fpath} cannot be read ({e})")
+            continue
+        if got != want["sha256"]:
+            problems.append(f"{fpath} does not match the manifest: sha256 {got[:16]}..., "
+                            f"the manifest says {want['sha256'][:16]}... (the file was changed)")
+    return problems
+
+
+def verify_step_dir(path: str, step: Optional[int] = None, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems of the checkpoint in step directory `path` ([]: intact).
+
+    `share` = (g, n) checks only every n-th file from the g-th on, so that n
+    processes can verify one checkpoint between them (the manifest itself and
+    the list of files are checked by every process)."""
+    manifest, problem = read_manifest(path, step)
+    if problem:
+        return [problem]
+    names = sorted(set(manifest) | set(_checkpoint_files(path)))
+    if not names:
+        return [f"{path}: the manifest names no files"]
+    g, n = share
+    return verify_files(path, manifest, names[g::n])
+
+
 class Checkpointer:
-    """Saves and loads the checkpoints of one process (node `node_rank`, local rank `local_rank` of `local_world`)."""
+    """Saves, verifies and loads the checkpoints of one process (node `node_rank`, local rank `local_rank` of `local_world`).
+
+    With a `process_group` (the node's processes) save, verify and load are
+    collective: every process of the node calls them in the same order."""
 
     def __init__(
         self,
@@ -76,18 +202,34 @@ class Checkpointer:
     # -- which checkpoints exist -------------------------------------------------
 
     def complete_steps(self) -> list[int]:
-        """Steps of this node whose every process finished writing, oldest first."""
+        """Steps of this node whose manifest was written (not yet verified), oldest first."""
         steps = []
         for path in glob.glob(os.path.join(self.node_dir, "step_*")):
             m = _STEP_DIR.match(os.path.basename(path))
-            if m and all(os.path.exists(os.path.join(path, f"done_rank{g}")) for g in range(self.local_world)):
+            if m and os.path.exists(os.path.join(path, MANIFEST)):
                 steps.append(int(m.group(1)))
         return sorted(steps)
+
+    def _gather(self, obj) -> list:
+        """`obj` of every process of the node, in local-rank order."""
+        if self.pg is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def verify(self, step: int) -> list[str]:
+        """Problems of the checkpoint of `step` on this node ([]: intact); the node's processes hash a share each."""
+        problems = verify_step_dir(self.step_dir(step), step, (self.local_rank, self.local_world))
+        return sorted(set(itertools.chain.from_iterable(self._gather(problems))))
 
     # -- saving ------------------------------------------------------------------
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, *, block: bool = False) -> None:
-        """Writes the checkpoint of `step`: model and optimizer through DCP, `extra` (a dict of CPU state) with torch.save.
+        """Writes the checkpoint of `step`: model and optimizer through DCP, `extra` (a dict of CPU state) with torch.save,
+        then the manifest.
 
         With async saving (and block=False) this returns once the state is copied;
         call wait() to know it is on disk.
@@ -98,10 +240,12 @@ class Checkpointer:
         self.wait()  # one save in flight at a time; also surfaces errors of the previous one
         path = self.step_dir(step)
         os.makedirs(path, exist_ok=True)
+        stale = os.path.join(path, MANIFEST)
+        if self.local_rank == 0 and os.path.exists(stale):
+            os.remove(stale)  # rewriting a step: it is not complete until the new manifest is written
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         extra = _clone_tree(extra)
-        marker = os.path.join(path, f"done_rank{self.local_rank}")
         dist_kwargs = {"process_group": self.pg} if self.pg is not None else {"no_dist": True}
 
         with warnings.catch_warnings():
@@ -119,11 +263,22 @@ class Checkpointer:
             if dcp_future is not None:
                 dcp_future.result()
             tmp = os.path.join(path, f"rank{self.local_rank}.pt.tmp")
-            torch.save(extra, tmp)
+            with open(tmp, "wb") as f:
+                torch.save(extra, f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the manifest says it is
             os.replace(tmp, os.path.join(path, f"rank{self.local_rank}.pt"))  # atomic: never a half-written file
-            with open(marker, "w") as f:
-                f.write(f"{step}\n")
+            # Every process's files are written once all have got here (DCP's own
+            # files before its save returned): hash them between us, then rank 0
+            # writes the manifest, the last file of the checkpoint.
+            self._gather(None)
+            names = _checkpoint_files(path)
+            mine = {n: hash_file(os.path.join(path, n)) for n in names[self.local_rank :: self.local_world]}
+            hashes = {}
+            for part in self._gather(mine):
+                hashes.update(part)
             if self.local_rank == 0:
+                write_manifest(path, step, hashes)
                 self._prune(step)
 
         self._pending = self._pool.submit(finish)
@@ -143,28 +298,65 @@ class Checkpointer:
         for s in complete[: -self.keep]:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
 
-    # -- loading -----------------------------------------------------------------
+    # -- resuming ------------------------------------------------------------------
+
+    def choose_resume_step(self, store, node_rank: int, num_nodes: int, publish: bool,
+                           log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+        """The newest step that every node holds intact (verified against its manifest), or None: start fresh.
+
+        Collective over the node's processes and, through `store`, over the
+        nodes. Damaged checkpoints are reported through `log` with the file
+        and skipped. Raises CheckpointError when checkpoints exist but none is
+        intact on every node (on every process of every node alike)."""
+        def verify(step: int) -> list[str]:
+            problems = self.verify(step)
+            if problems and log is not None:
+                log(f"checkpoint of step {step} on node {node_rank} is damaged, not resuming from it:\n  "
+                    + "\n  ".join(problems))
+            return problems
+
+        step, damaged, bad_nodes = agree_on_resume_step(
+            self.complete_steps(), verify, store, node_rank, num_nodes, publish)
+        if step is None and bad_nodes:
+            here = "; ".join(f"step {s}: {p[0]}" for s, p in sorted(damaged.items()))
+            raise CheckpointError(
+                f"no checkpoint under {self.root} is intact on every node: node(s) {bad_nodes} hold only damaged ones"
+                + (f" (here: {here})" if here else "")
+                + ". Restore them from a copy, or remove them (or set checkpoint.resume = false) to start fresh."
+            )
+        if step is None and self.complete_steps() and log is not None:
+            log(f"checkpoints of steps {self.complete_steps()} exist here but not on every node: starting fresh")
+        return step
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restores model and optimizer in place from the checkpoint of `step`; returns this process's extra state."""
+        """Restores model and optimizer in place from the checkpoint of `step`; returns this process's extra state.
+
+        Call it with a step that verify() passed; any failure is a CheckpointError naming the checkpoint."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         path = self.step_dir(step)
         extra_path = os.path.join(path, f"rank{self.local_rank}.pt")
         if not os.path.exists(extra_path):
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"{extra_path} is missing: the checkpoint of step {step} was written by a node with fewer "
                 "processes; resume with the same number of processes per node"
             )
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dist_kwargs = {"process_group": self.pg} if self.pg is not None else {"no_dist": True}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path, **dist_kwargs)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return torch.load(extra_path, map_location="cpu", weights_only=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=path, **dist_kwargs)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            return torch.load(extra_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # intact files that do not fit this model (another shape, another torch)
+            raise CheckpointError(
+                f"the checkpoint of step {step} in {path} passed its manifest but cannot be loaded into this model "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); resume with the "
+                "settings that wrote it, or set checkpoint.resume = false to start fresh"
+            ) from e
 
     def close(self) -> None:
         """Waits for the save in flight and stops the writer thread."""
@@ -175,19 +367,41 @@ class Checkpointer:
 
 
 def agree_on_resume_step(
-    local_steps: list[int], store, node_rank: int, num_nodes: int, publish: bool, key: str = "ckpt"
-) -> Optional[int]:
-    """The newest step that every node has complete, or None.
+    local_steps: list[int], verify: Callable[[int], list[str]], store, node_rank: int, num_nodes: int, publish: bool,
+    key: str = "ckpt",
+) -> tuple[Optional[int], dict, list[int]]:
+    """The newest step that every node holds intact: (step or None, {step: problems} found here, nodes that found damage).
 
-    `store` is the cross-node store (None: one node); one process per node
-    (`publish`) posts the node's list, every process reads all lists.
+    Rounds through `store` (the cross-node store; None: one node): each node
+    offers its complete steps minus those it found damaged; the newest step
+    offered by all is verified by each node (`verify(step)` -> problems, []
+    when intact; each step at most once per node). A step that some node
+    found damaged is offered by none in the next round; a step that every
+    node found intact stays the newest common one and is the answer. One
+    process per node (`publish`) writes the node's offer; every process reads
+    all offers, and all processes of a node must get the same verify() results.
     """
-    if store is None or num_nodes == 1:
-        return local_steps[-1] if local_steps else None
-    if publish:
-        store.set(f"{key}/node{node_rank}", ",".join(str(s) for s in local_steps))
-    common = set(local_steps)
-    for r in range(num_nodes):
-        raw = store.get(f"{key}/node{r}").decode()
-        common &= {int(s) for s in raw.split(",") if s}
-    return max(common) if common else None
+    offer = sorted(set(local_steps))
+    damaged: dict[int, list[str]] = {}
+    intact: set[int] = set()
+    for rnd in itertools.count():
+        mine = {"steps": offer, "damaged": sorted(damaged)}
+        if store is None or num_nodes == 1:
+            offers = [mine]
+        else:
+            if publish:
+                store.set(f"{key}/r{rnd}/node{node_rank}", json.dumps(mine))
+            offers = [json.loads(store.get(f"{key}/r{rnd}/node{r}").decode()) for r in range(num_nodes)]
+        common = set(offers[0]["steps"]).intersection(*(o["steps"] for o in offers[1:]))
+        bad_nodes = [r for r, o in enumerate(offers) if o["damaged"]]
+        if not common:
+            return None, damaged, bad_nodes
+        step = max(common)
+        if step in intact:  # every node offered it again after verifying it: all hold it intact
+            return step, damaged, bad_nodes
+        problems = verify(step)
+        if problems:
+            damaged[step] = problems
+            offer = [s for s in offer if s != step]
+        else:
+            intact.add(step)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import sys
 import typing
@@ -50,6 +51,41 @@ __all__ = [
 def _require(cond: bool, name: str, rule: str, value: Any) -> None:
     if not cond:
         raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _require_range(value: float, name: str, lo: float, hi: float, unit: str = "", why: str = "") -> None:
+    """lo <= value <= hi (both ends included); the message names the field, the bounds and why they are there."""
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}]{unit}, got {value!r}{'; ' + why if why else ''}")
+
+
+def _require_rate(mbit: float, name: str) -> None:
+    if mbit != 0:
+        _require_range(mbit, name, _MIN_RATE_MBIT, _MAX_RATE_MBIT, " Mbit/s (or 0: unlimited)")
+
+
+# Every wait the job makes (ring, store, heartbeats) is at most a day, so that the
+# sums the trainer builds from them (the process group timeout) stay far from any
+# overflow, and at least a second (below that a loaded machine misses it).
+_MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 1.0, 86400.0
+# The ring's send-rate cap in Mbit/s: 0 (unlimited), else at least 0.1 Mbit/s (a
+# 64 KiB frame every 5 s) and at most 1 Tbit/s.
+_MIN_RATE_MBIT, _MAX_RATE_MBIT = 0.1, 1e6
+_INT64_MAX = 2**63 - 1
+
+
+def _check_numbers(section: Any, section_name: str) -> None:
+    """Every float field of a section is finite and every int field fits an int64, naming the field.
+
+    Runs before the section's own rules, so that inf or nan never reaches a
+    comparison (nan fails every one, inf passes every lower bound)."""
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        name = f"{section_name}.{f.name}"
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if isinstance(v, int) and not isinstance(v, bool) and not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+            raise ValueError(f"{name} must fit a 64-bit integer, got {v!r}")
 
 
 @dataclass
@@ -115,10 +151,15 @@ class OptimConfig:
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", "> 0", self.lr)
+        _require(self.lr <= 1, "optim.lr", "<= 1 (AdamW moves every weight by about lr per step)", self.lr)
         _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        _require(self.weight_decay * self.lr < 1, "optim.weight_decay", f"< 1 / optim.lr ({1 / self.lr:g}): each "
+                 "step multiplies the weights by 1 - lr * weight_decay", self.weight_decay)
         _require(0 <= self.beta1 < 1, "optim.beta1", "in [0, 1)", self.beta1)
         _require(0 <= self.beta2 < 1, "optim.beta2", "in [0, 1)", self.beta2)
         _require(self.eps > 0, "optim.eps", "> 0", self.eps)
+        _require(self.eps <= 1e-2, "optim.eps", "<= 0.01 (a larger eps swamps the gradient statistics: "
+                 "AdamW stops adapting and barely trains)", self.eps)
         _require(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
         _require(self.decay_steps >= 0, "optim.decay_steps", ">= 0", self.decay_steps)
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
@@ -155,13 +196,20 @@ class DiLoCoConfig:
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
+        _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
+                 self.outer_lr)
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
         _require(self.codec in ("int8", "none"), "diloco.codec", "'int8' or 'none'", self.codec)
         check_block_size(self.block_size, "diloco.block_size")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
+        _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)
+        _require_range(self.timeout_s, "diloco.timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S, " seconds")
         _require(self.streams >= 0, "diloco.streams", ">= 0", self.streams)
+        _require_range(self.streams, "diloco.streams", 0, 64, " (0: the ring's default)",
+                       "the ring opens at most 64 TCP streams per link")
         _require(self.max_rate_mbit >= 0, "diloco.max_rate_mbit", ">= 0 (0: unlimited)", self.max_rate_mbit)
+        _require_rate(self.max_rate_mbit, "diloco.max_rate_mbit")
 
 
 @dataclass
@@ -198,6 +246,8 @@ class TrainConfig:
             self.mixed_precision,
         )
         _require(self.threads >= 0, "train.threads", ">= 0", self.threads)
+        _require_range(self.threads, "train.threads", 0, 4096)
+        _require(0 <= self.seed <= _INT64_MAX, "train.seed", f"in [0, {_INT64_MAX}]", self.seed)
 
 
 @dataclass
@@ -263,6 +313,7 @@ class MetricsConfig:
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", ">= 0", self.peak_tflops)
+        _require_range(self.peak_tflops, "metrics.peak_tflops", 0, 1e6, " TFLOP/s")
         _require(bool(self.out_dir), "metrics.out_dir", "a directory path", self.out_dir)
 
 
@@ -328,15 +379,22 @@ class ElasticConfig:
 
     def validate(self) -> None:
         _require(self.heartbeat_interval_s > 0, "elastic.heartbeat_interval_s", "> 0", self.heartbeat_interval_s)
+        _require_range(self.heartbeat_interval_s, "elastic.heartbeat_interval_s", 0.01, 60, " seconds")
         _require(self.heartbeat_timeout_s > self.heartbeat_interval_s, "elastic.heartbeat_timeout_s",
                  f"> heartbeat_interval_s ({self.heartbeat_interval_s})", self.heartbeat_timeout_s)
+        _require_range(self.heartbeat_timeout_s, "elastic.heartbeat_timeout_s", 0.02, _MAX_TIMEOUT_S, " seconds")
         _require(self.barrier_timeout_s > 0, "elastic.barrier_timeout_s", "> 0", self.barrier_timeout_s)
+        _require_range(self.barrier_timeout_s, "elastic.barrier_timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S, " seconds")
         _require(self.max_attempts >= 1, "elastic.max_attempts", ">= 1", self.max_attempts)
+        _require_range(self.max_attempts, "elastic.max_attempts", 1, 100)
         _require(self.min_nodes >= 1, "elastic.min_nodes", ">= 1", self.min_nodes)
         _require(self.transfer_timeout_s > 0, "elastic.transfer_timeout_s", "> 0", self.transfer_timeout_s)
+        _require_range(self.transfer_timeout_s, "elastic.transfer_timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S, " seconds")
         _require(self.transfer_max_rate_mbit >= 0, "elastic.transfer_max_rate_mbit", ">= 0 (0: unlimited)",
                  self.transfer_max_rate_mbit)
+        _require_rate(self.transfer_max_rate_mbit, "elastic.transfer_max_rate_mbit")
         _require(self.join_timeout_s > 0, "elastic.join_timeout_s", "> 0", self.join_timeout_s)
+        _require_range(self.join_timeout_s, "elastic.join_timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S, " seconds")
 
 
 @dataclass
@@ -353,6 +411,8 @@ class Config:
 
     def validate(self) -> "Config":
         """Checks every section and the rules that span sections; returns self."""
+        for f in dataclasses.fields(self):
+            _check_numbers(getattr(self, f.name), f.name)
         for f in dataclasses.fields(self):
             if f.name == "nodes" and self.elastic.enabled:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes

@@ -11,6 +11,7 @@ TCPStore hosted by node 0's first process.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from prime.checkpoint import Checkpointer, agree_on_resume_step
+from prime.checkpoint import CheckpointError, Checkpointer
 from prime.config import Config
 from prime.data import ShardedLoader, load_source
 from prime.diloco import DiLoCo, OuterSyncError, ReplicaMismatchError
@@ -28,7 +29,7 @@ from prime.metrics import MetricsLogger, human_bytes, mean, peak_flops, plot_los
 from prime.model import Transformer
 from prime.parallelize import local_shard, parallelize
 
-__all__ = ["Trainer", "lr_at", "TrainingStopped"]
+__all__ = ["Trainer", "lr_at", "TrainingStopped", "TrainingDiverged"]
 
 # Test hook: after this inner step, wait for checkpoint writes and exit at once
 # with status 17, as a killed process would (the resume test uses it).
@@ -37,6 +38,10 @@ _FAULT_ENV = "PRIME_FAULT_EXIT_AFTER_STEP"
 
 class TrainingStopped(RuntimeError):
     """Training stopped on an error that a checkpoint and a restart can get past (message says what to do)."""
+
+
+class TrainingDiverged(TrainingStopped):
+    """The loss, the gradient norm or the weights stopped being finite; nothing of that state was saved."""
 
 
 def lr_at(step: int, total: int, lr: float, warmup: int, decay: int, min_ratio: float) -> float:
@@ -59,7 +64,13 @@ class Trainer:
         self._init_model()
         self._init_data()
         self._init_diloco()
-        self._init_checkpoints()
+        try:
+            self._init_checkpoints()
+        except CheckpointError:
+            # Every process of every node stops here alike (see Checkpointer.choose_resume_step):
+            # leave the store, the rings and the process groups in order.
+            self.close()
+            raise
         # Opened last: a resumed run keeps the curve up to its checkpoint and appends to it.
         m = cfg.metrics
         self.log = MetricsLogger(
@@ -236,8 +247,10 @@ class Trainer:
                 keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
             )
             if cfg.checkpoint.resume and not (self.elastic and self.elastic_sync.is_joiner):  # a joiner downloads
-                steps = self.ckpt.complete_steps()
-                step = agree_on_resume_step(steps, self.store, self.node_rank, self.num_nodes, publish=self.local_rank == 0)
+                # Verified against its manifest on every node first; raises CheckpointError everywhere when none is intact.
+                log = (lambda msg: print(msg, flush=True)) if self.is_logger else None  # the metrics log opens later
+                step = self.ckpt.choose_resume_step(self.store, self.node_rank, self.num_nodes,
+                                                    publish=self.local_rank == 0, log=log)
                 if step is not None:
                     extra = self.ckpt.load(step, self.model, self.optimizer)
                     self.loader.load_state_dict(extra["data"])
@@ -245,8 +258,6 @@ class Trainer:
                     torch.set_rng_state(extra["rng"])
                     self.step = int(extra["step"])
                     resumed_from = step
-                elif steps and self.is_logger:
-                    print(f"checkpoints of steps {steps} exist here but not on every node: starting fresh", flush=True)
         self.resumed_from = resumed_from
 
     # -- the loop ----------------------------------------------------------------
@@ -288,11 +299,57 @@ class Trainer:
         return t.tolist()
 
     def _save(self, block: bool = False) -> None:
+        """Checkpoints the current state; raises TrainingDiverged instead when it is not finite."""
         if self.ckpt is None:
             return
+        if not self._state_is_finite():
+            raise TrainingDiverged(
+                f"step {self.step}: the weights or the optimizer state are not finite; they were not saved as a "
+                f"checkpoint. {self._restart_hint()}"
+            )
         extra = {"step": self.step, "data": self.loader.state_dict(), "diloco": self.diloco.state_dict(),
                  "rng": torch.get_rng_state()}
         self.ckpt.save(self.step, self.model, self.optimizer, extra, block=block)
+
+    @torch.no_grad()
+    def _state_is_finite(self) -> bool:
+        """Whether this node's weights and AdamW moments are all finite (a local collective: every process calls it)."""
+        tensors = [local_shard(p.detach()) for p in self.model.parameters()]
+        tensors += [local_shard(t) for st in self.optimizer.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 1]
+        ok = bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+        return self._local_sum([0.0 if ok else 1.0])[0] == 0
+
+    def _restart_hint(self) -> str:
+        if self.ckpt is None:
+            return "No checkpoint.dir was set, so the progress of this run is lost."
+        self.ckpt.wait()  # a save in flight is of a state from before the divergence
+        done = self.ckpt.complete_steps()
+        if not done:
+            return "No checkpoint was written before; fix the setting and start again."
+        return (f"The newest checkpoint is of step {done[-1]} under {self.cfg.checkpoint.dir}: fix the setting and "
+                "restart every node with the same command to resume from it.")
+
+    def _diverged(self, loss: float, gnorm: float) -> None:
+        """Stops the run (every process of the node alike) naming the step and the setting that likely caused it."""
+        c = self.cfg
+        d = self.diloco
+        after_outer = d.distributed and getattr(d, "since_sync", 1) == 0 and getattr(d, "outer_step", 0) > 0
+        if after_outer:
+            likely = (f"diloco.outer_lr ({c.diloco.outer_lr}) too high: the outer step just before this inner step "
+                      "made the weights diverge")
+        elif self.resumed_from is not None and self.step == self.resumed_from + 1:
+            likely = (f"the checkpoint of step {self.resumed_from} that this run resumed from (its state is not "
+                      f"finite), or optim.lr ({c.optim.lr}) too high")
+        elif self.step == 1 and self.resumed_from is None:
+            likely = ("the model or its precision (model.*, train.mixed_precision): the first step diverged before "
+                      "any update")
+        else:
+            likely = f"optim.lr ({c.optim.lr}) too high (or optim.warmup_steps ({c.optim.warmup_steps}) too short)"
+        raise TrainingDiverged(
+            f"step {self.step}: the loss is {loss} and the gradient norm {gnorm}: training diverged; likely cause: "
+            f"{likely}. Nothing of this state was saved. {self._restart_hint()}"
+        )
 
     def train_step(self) -> tuple[float, float]:
         """One inner step (forward/backward over grad_accum micro-batches, clip, AdamW). Returns (loss, grad norm) tensors."""
@@ -363,11 +420,18 @@ class Trainer:
                 step_s = time.perf_counter() - t0
                 self.compute_s += step_s
                 self._phase_compute += step_s
+                # The norm is of the node's whole gradient (the same on every process): when it is
+                # not finite, every process stops here, before a poisoned state reaches the ring.
+                gnorm = float(gnorm)
+                if not math.isfinite(gnorm):
+                    self._diverged(float(loss), gnorm)
                 result = self.diloco.step()
                 if self._rejoined(result):  # elastic: evicted, now back at the job's step
                     continue
                 show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
-                self._log_step(float(loss), float(gnorm), lr, step_s, show)
+                node_loss = self._log_step(float(loss), gnorm, lr, step_s, show)
+                if not math.isfinite(node_loss):  # the node's mean: every process sees the same value
+                    self._diverged(node_loss, gnorm)
                 if result.did_sync:
                     self._after_outer(result)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
@@ -382,9 +446,12 @@ class Trainer:
             self.log.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self._stop_errors()) as e:
             if isinstance(e, OuterSyncError) and self.ckpt is not None:
-                self._save(block=True)
-                where = (f" Checkpoint of step {self.step} saved under {cfg.checkpoint.dir}: restart every node "
-                         "with the same command to resume.")
+                try:
+                    self._save(block=True)
+                    where = (f" Checkpoint of step {self.step} saved under {cfg.checkpoint.dir}: restart every node "
+                             "with the same command to resume.")
+                except TrainingDiverged as d:  # e.g. a pseudo-gradient that is not finite
+                    raise TrainingDiverged(f"{e}. {d}") from e
             elif isinstance(e, OuterSyncError):
                 where = " No checkpoint.dir was set, so the progress of this run is lost."
             else:
@@ -455,8 +522,8 @@ class Trainer:
         self._after_outer(result)
         return True
 
-    def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> None:
-        """Records every step in the JSONL file; prints the line when `show`."""
+    def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> float:
+        """Records every step in the JSONL file; prints the line when `show`. Returns the node's mean loss."""
         loss = self._local_sum([loss])[0] / self.local_world
         tok_s = self.tokens_per_step / step_s
         mfu = self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
@@ -470,6 +537,7 @@ class Trainer:
             )
         self.log.record("step", self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
                         step_s=step_s, tokens=self.step * self.tokens_per_step)
+        return loss
 
     def _after_outer(self, r) -> None:
         """Logs one outer step: all-reduce time and bytes (summed over the node's processes), error, utilization."""
@@ -564,10 +632,11 @@ class Trainer:
                 self.ckpt.close()
         finally:
             self.diloco.close()
-            if self.elastic_sync is not None:
+            if getattr(self, "elastic_sync", None) is not None:
                 self.elastic_sync.close()  # leaves the job: the others drop this node at once
-            self.log.close()
-            if self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
+            if hasattr(self, "log"):  # absent when the constructor stopped (CheckpointError)
+                self.log.close()
+            if hasattr(self, "log") and self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
                 path = plot_losses(self.cfg.metrics.out_dir, os.path.join(self.cfg.metrics.out_dir, "loss.png"))
                 if path:
                     print(f"loss plot: {path}", flush=True)

@@ -121,3 +121,72 @@ def test_docs_list_every_field():
         assert f"### [{sec.name}]" in doc
         for f in dataclasses.fields(sec.default_factory):
             assert f"| `{f.name}` |" in doc, f"docs/training.md lacks {sec.name}.{f.name}"
+
+
+def _numeric_fields(kind):
+    """(section.field) of every field whose type is `kind` (float or int), Optional included."""
+    import typing
+
+    out = []
+    for sec in dataclasses.fields(Config):
+        for name, tp in typing.get_type_hints(sec.default_factory).items():
+            if tp is kind or kind in typing.get_args(tp):
+                out.append(f"{sec.name}.{name}")
+    return out
+
+
+@pytest.mark.parametrize("dotted", _numeric_fields(float))
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_float_field_must_be_finite(dotted, value):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [(dotted, value)], env={}).validate()
+    assert f"{dotted} must be a finite number, got {float(value)!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("dotted", _numeric_fields(int))
+def test_every_int_field_must_fit_int64(dotted):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [(dotted, str(2**63))], env={}).validate()
+    assert f"{dotted} must fit a 64-bit integer, got {2**63}" in str(info.value)
+
+
+def test_there_are_numeric_fields_to_check():
+    floats = _numeric_fields(float)
+    assert {"optim.lr", "optim.eps", "model.rope_theta", "diloco.outer_lr", "diloco.timeout_s",
+            "diloco.max_rate_mbit", "elastic.heartbeat_timeout_s"} <= set(floats), floats
+    assert {"diloco.streams", "diloco.retries", "train.seed"} <= set(_numeric_fields(int))
+
+
+@pytest.mark.parametrize("override,message", [
+    (("optim.lr", "1e30"), "optim.lr must be <= 1"),
+    (("optim.eps", "10"), "optim.eps must be <= 0.01"),
+    (("optim.weight_decay", "1e5"), "optim.weight_decay must be < 1 / optim.lr"),
+    (("diloco.outer_lr", "1e30"), "diloco.outer_lr must be <= 10"),
+    (("diloco.timeout_s", "1e-9"), "diloco.timeout_s must be in [1, 86400] seconds, got 1e-09"),
+    (("diloco.timeout_s", "1e12"), "diloco.timeout_s must be in [1, 86400] seconds, got 1000000000000.0"),
+    (("diloco.streams", "1000"), "diloco.streams must be in [0, 64]"),
+    (("diloco.retries", "1000000"), "diloco.retries must be in [0, 100]"),
+    (("diloco.max_rate_mbit", "1e-9"), "diloco.max_rate_mbit must be in [0.1, 1e+06] Mbit/s (or 0: unlimited)"),
+    (("train.seed", "-1"), "train.seed must be in [0, 9223372036854775807], got -1"),
+    (("train.threads", "100000"), "train.threads must be in [0, 4096]"),
+    (("metrics.peak_tflops", "1e30"), "metrics.peak_tflops must be in [0, 1e+06] TFLOP/s"),
+    (("elastic.heartbeat_interval_s", "1e-6"), "elastic.heartbeat_interval_s must be in [0.01, 60] seconds"),
+    (("elastic.barrier_timeout_s", "0.001"), "elastic.barrier_timeout_s must be in [1, 86400] seconds"),
+    (("elastic.join_timeout_s", "1e20"), "elastic.join_timeout_s must be in [1, 86400] seconds"),
+    (("elastic.transfer_max_rate_mbit", "1e-5"), "elastic.transfer_max_rate_mbit must be in [0.1, 1e+06]"),
+    (("elastic.max_attempts", "1000"), "elastic.max_attempts must be in [1, 100]"),
+    (("model.rope_theta", "-5"), "model.rope_theta must be > 0"),
+])
+def test_absurd_values_name_the_field(override, message):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override], env={}).validate()
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("override", [
+    ("optim.lr", "1"), ("optim.eps", "1e-2"), ("diloco.outer_lr", "10"), ("diloco.timeout_s", "1"),
+    ("diloco.timeout_s", "86400"), ("diloco.streams", "64"), ("diloco.max_rate_mbit", "0"),
+    ("diloco.max_rate_mbit", "0.1"), ("train.seed", str(2**63 - 1)), ("elastic.heartbeat_interval_s", "0.2"),
+])
+def test_the_ends_of_each_range_are_accepted(override):
+    load_config(None, [override], env={}).validate()

@@ -9,6 +9,7 @@ process start-up.
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -59,6 +60,19 @@ def run_torchrun(procs, args, env_extra=None, timeout=300):
     return p.returncode, p.stdout + p.stderr
 
 
+def run_train(args, env_extra=None, timeout=300):
+    """One process, no torchrun (no FSDP, no process group)."""
+    env = dict(_env(), **(env_extra or {}))
+    p = subprocess.run([sys.executable, "-m", "prime.train", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def worker_tracebacks(out):
+    """Tracebacks in the output other than torchrun's own report that a child failed."""
+    return out.count("Traceback (most recent call last)") - out.count("ChildFailedError:")
+
+
 def records(out_dir, node=0, kind="step"):
     with open(os.path.join(out_dir, f"metrics_node{node}.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
@@ -86,6 +100,14 @@ def seed():
 def test_bad_config_value_exits_2_with_the_field(capsys):
     assert train_main(["--diloco.inner_steps", "0"]) == 2
     assert "diloco.inner_steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value", [("optim.lr", "inf"), ("diloco.outer_lr", "inf"), ("model.rope_theta", "nan"),
+                                         ("diloco.timeout_s", "1e-9"), ("diloco.streams", "1000")])
+def test_non_finite_or_absurd_setting_exits_2_naming_it(capsys, field, value):
+    assert train_main(["--" + field, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prime-train: error: {field} must be") and "Traceback" not in err, err
 
 
 def test_missing_data_path_exits_2(capsys, tmp_path):
@@ -119,6 +141,99 @@ def test_fsdp_node_resume_matches_uninterrupted_run(tmp_path, seed):
     for r in got:  # FSDP on CPU and the data order are deterministic: bit-identical
         assert r["loss"] == ref[r["step"]], f"step {r['step']}: {r['loss']} vs {ref[r['step']]} (seed {seed})"
     assert ref[12] < ref[1] - 1.0
+
+
+def _largest_distcp(step_dir):
+    names = [n for n in os.listdir(step_dir) if n.endswith(".distcp")]
+    return os.path.join(step_dir, max(names, key=lambda n: os.path.getsize(os.path.join(step_dir, n))))
+
+
+def _damage(path, how, rng):
+    """Overwrites 4 KiB in place with other bytes (same size) or truncates the file."""
+    size = os.path.getsize(path)
+    if how == "truncate":
+        os.truncate(path, rng.randrange(size // 2))
+        return
+    off = rng.randrange(size - 4096)
+    with open(path, "r+b") as f:
+        f.seek(off)
+        old = f.read(4096)
+        f.seek(off)
+        f.write(bytes((b + rng.randrange(1, 256)) % 256 for b in old))
+    assert os.path.getsize(path) == size
+
+
+def test_fsdp_node_falls_back_from_a_damaged_checkpoint(tmp_path, seed):
+    """2 FSDP2 processes, killed after step 10 (checkpoints of steps 4 and 8). A file of step 8 overwritten
+    (4 KiB, same size) or truncated: the resume names it, falls back to step 4 and trains the same losses.
+    Both checkpoints damaged: every process stops with a clear message. No traceback from any process."""
+    rng = random.Random(seed)
+    common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1",
+                      "--checkpoint.every", "4"]
+    ck = str(tmp_path / "ck")
+    rc, out = run_torchrun(2, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "first")],
+                           env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "10"})
+    assert rc != 0 and "exiting as if killed" in out, out
+    ref = losses(str(tmp_path / "first"))
+    assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004", "step_00000008"]
+    for how in ("overwrite_4k", "truncate"):
+        copy = str(tmp_path / f"ck_{how}")
+        shutil.copytree(ck, copy)
+        victim = _largest_distcp(os.path.join(copy, "node0", "step_00000008"))
+        _damage(victim, how, rng)
+        rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / how)])
+        assert rc == 0, out
+        assert "checkpoint of step 8 on node 0 is damaged" in out and victim in out, out
+        assert "resumed from the checkpoint of step 4" in out and worker_tracebacks(out) == 0, out
+        got = {r["step"]: r["loss"] for r in records(str(tmp_path / how))}
+        assert sorted(got) == list(range(5, 13))  # a fresh metrics dir: the steps after the checkpoint
+        for step in range(5, 11):  # deterministic on CPU: bit-identical to the run that wrote the checkpoints
+            assert got[step] == ref[step], f"{how} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
+    copy = str(tmp_path / "ck_none")
+    shutil.copytree(ck, copy)
+    for step in (4, 8):
+        _damage(_largest_distcp(os.path.join(copy, "node0", f"step_{step:08d}")), "overwrite_4k", rng)
+    rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / "none")])
+    assert rc != 0, out
+    assert out.count(f"prime-train: stopped: no checkpoint under {copy} is intact on every node") == 2, out
+    assert worker_tracebacks(out) == 0 and "terminate called" not in out, out
+
+
+def test_non_finite_state_stops_the_run_and_is_never_saved(tmp_path, seed):
+    """A checkpoint whose AdamW moment holds a NaN (with a valid manifest): the first step after the resume
+    poisons the weights. Saving that step is refused; without a save, the next step's loss stops the run
+    naming the step and optim.lr. Exit 3 both times, and the only checkpoint stays the one of step 4."""
+    from prime.config import config_from_argv
+    from prime.trainer import Trainer
+
+    ck = str(tmp_path / "ck")
+    base = QUICK + ["--train.seed", str(seed), "--checkpoint.dir", ck, "--checkpoint.async_save", "false"]
+    rc, out = run_train(base + ["--train.steps", "4", "--metrics.out_dir", str(tmp_path / "m0")])
+    assert rc == 0, out
+    threads = torch.get_num_threads()
+    trainer = Trainer(config_from_argv(base + ["--train.steps", "8", "--metrics.out_dir", str(tmp_path / "m1")]))
+    try:
+        assert trainer.resumed_from == 4
+        norm = dict(trainer.model.named_parameters())["layers.0.attention_norm.weight"]  # every token passes it
+        moments = trainer.optimizer.state[norm]["exp_avg"]
+        moments.view(-1)[random.Random(seed).randrange(moments.numel())] = float("nan")
+        extra = {"step": 4, "data": trainer.loader.state_dict(), "diloco": trainer.diloco.state_dict(),
+                 "rng": torch.get_rng_state()}
+        trainer.ckpt.save(4, trainer.model, trainer.optimizer, extra, block=True)  # a valid manifest
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)  # the Trainer set train.threads for this process
+    rc, out = run_train(base + ["--train.steps", "8", "--checkpoint.every", "1", "--metrics.out_dir", str(tmp_path / "m2")])
+    assert rc == 3 and "resumed from the checkpoint of step 4" in out, out
+    assert ("prime-train: stopped: step 5: the weights or the optimizer state are not finite; they were not saved "
+            "as a checkpoint. The newest checkpoint is of step 4") in out, out
+    assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004"] and "Traceback" not in out, out
+    rc, out = run_train(base + ["--train.steps", "8", "--metrics.out_dir", str(tmp_path / "m3")])
+    assert rc == 3, out
+    assert "prime-train: stopped: step 6: the loss is nan and the gradient norm nan: training diverged; likely " \
+           "cause: optim.lr (0.003) too high" in out, out
+    assert "Nothing of this state was saved" in out and "Traceback" not in out, out
+    assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004"]
 
 
 # -- several nodes through the ring -------------------------------------------------
@@ -189,6 +304,29 @@ def test_two_nodes_resume_matches_uninterrupted_run(tmp_path, seed):
         assert sorted(got) == list(range(7, 13))
         for s, l in got.items():
             assert l == ref[s], f"node {node} step {s}: {l} vs {ref[s]} (seed {seed})"  # bit-identical
+
+
+@needs_ring
+def test_two_nodes_agree_to_fall_back_when_one_has_a_damaged_checkpoint(tmp_path, seed):
+    """Node 1's newest checkpoint is truncated, node 0's is intact: both resume from the older one
+    (the same step, the same losses as before), without a traceback on either node."""
+    rng = random.Random(seed)
+    common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "4", "--train.seed", str(seed),
+                      "--metrics.log_every", "1", "--checkpoint.every", "4"]
+    ck = str(tmp_path / "ck")
+    rc, out = run_simulate(2, 1, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "first")],
+                           env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "10"})
+    assert rc != 0 and "exiting as if killed" in out, out
+    victim = _largest_distcp(os.path.join(ck, "node1", "step_00000008"))
+    _damage(victim, "truncate", rng)
+    rc, out = run_simulate(2, 1, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "again")])
+    assert rc == 0, out
+    assert "checkpoint of step 8 on node 1 is damaged" in out and victim in out, out
+    assert out.count("resumed from the checkpoint of step 4") == 2 and "Traceback" not in out, out
+    for node in (0, 1):
+        ref, got = losses(str(tmp_path / "first"), node), losses(str(tmp_path / "again"), node)
+        for step in range(5, 11):
+            assert got[step] == ref[step], f"node {node} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
 
 
 @needs_ring

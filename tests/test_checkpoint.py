@@ -1,0 +1,252 @@
+"""Checkpoint integrity: the manifest, what verification finds, and how nodes agree on a step to resume.
+
+One process, no process group (DCP with no_dist): each test takes well under a
+second. The end-to-end fallback under torchrun is in tests/test_train.py.
+"""
+
+import hashlib
+import json
+import os
+import random
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from prime.checkpoint import MANIFEST, CheckpointError, Checkpointer, agree_on_resume_step, verify_step_dir
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(1 << 30)
+    print(f"seed {s}")
+    return s
+
+
+def _model_and_optim(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(48, 64), nn.Linear(64, 32))  # 5.2k values: files of several 4 KiB pages
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 48)).square().mean().backward()
+    opt.step()  # AdamW moments exist and get saved
+    return model, opt
+
+
+def _save(tmp_path, seed, steps, keep=0):
+    model, opt = _model_and_optim(seed)
+    ck = Checkpointer(str(tmp_path), 0, 0, 1, keep=keep, async_save=True)
+    saved = {}
+    for s in steps:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        saved[s] = model[0].weight.detach().clone()
+        ck.save(s, model, opt, {"step": s, "marker": torch.full((3,), float(s))})
+        ck.wait()  # the next add_ must not race the background copy
+    model.saved = saved
+    return ck, model, opt
+
+
+def _largest_distcp(path):
+    files = [n for n in os.listdir(path) if n.endswith(".distcp")]
+    return os.path.join(path, max(files, key=lambda n: os.path.getsize(os.path.join(path, n))))
+
+
+def _overwrite_4k(path, rng):
+    """Overwrites 4 KiB at a random offset with different bytes; the size stays."""
+    size = os.path.getsize(path)
+    assert size > 4096, size
+    off = rng.randrange(size - 4096)
+    with open(path, "r+b") as f:
+        f.seek(off)
+        old = f.read(4096)
+        new = bytes((b + rng.randrange(1, 256)) % 256 for b in old)  # every byte changes
+        f.seek(off)
+        f.write(new)
+    assert os.path.getsize(path) == size
+
+
+def test_manifest_names_every_file_with_its_sha256(tmp_path, seed):
+    ck, _, _ = _save(tmp_path, seed, [3])
+    path = ck.step_dir(3)
+    with open(os.path.join(path, MANIFEST)) as f:
+        doc = json.load(f)
+    assert doc["step"] == 3
+    on_disk = sorted(n for n in os.listdir(path) if n != MANIFEST)
+    assert sorted(doc["files"]) == on_disk and "rank0.pt" in on_disk and ".metadata" in on_disk
+    assert any(n.endswith(".distcp") for n in on_disk)
+    for name, entry in doc["files"].items():  # an independent hash of each file
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert ck.complete_steps() == [3] and ck.verify(3) == []
+    ck.close()
+
+
+def test_a_step_without_manifest_is_not_complete(tmp_path, seed):
+    ck, _, _ = _save(tmp_path, seed, [2, 4])
+    os.remove(os.path.join(ck.step_dir(4), MANIFEST))  # as if the writer died before the manifest
+    assert ck.complete_steps() == [2]
+    ck.close()
+
+
+@pytest.mark.parametrize("damage", ["overwrite_4k", "truncate", "empty", "delete", "extra_file", "bad_manifest",
+                                    "manifest_of_other_step", "manifest_names_outside"])
+def test_verify_names_the_damaged_file(tmp_path, seed, damage):
+    rng = random.Random(seed)
+    ck, _, _ = _save(tmp_path, seed, [5])
+    path = ck.step_dir(5)
+    target = _largest_distcp(path)
+    if damage == "overwrite_4k":
+        _overwrite_4k(target, rng)
+        want = f"{target} does not match the manifest"
+    elif damage == "truncate":
+        size = os.path.getsize(target)
+        os.truncate(target, rng.randrange(size))
+        want = f"{target} has {os.path.getsize(target)} bytes, the manifest says {size}"
+    elif damage == "empty":
+        size = os.path.getsize(target)
+        open(target, "wb").close()
+        want = f"{target} has 0 bytes, the manifest says {size}"
+    elif damage == "delete":
+        os.remove(target)
+        want = f"{target} is missing"
+    elif damage == "extra_file":
+        target = os.path.join(path, "__9_0.distcp")
+        with open(target, "wb") as f:
+            f.write(b"x")
+        want = f"{target} is not in the manifest"
+    elif damage == "bad_manifest":
+        with open(os.path.join(path, MANIFEST), "r+b") as f:
+            f.truncate(10)
+        want = f"{os.path.join(path, MANIFEST)} is unreadable"
+    elif damage == "manifest_names_outside":
+        mpath = os.path.join(path, MANIFEST)
+        with open(mpath) as f:
+            doc = json.load(f)
+        doc["files"]["../../secret"] = {"size": 1, "sha256": "0" * 64}
+        with open(mpath, "w") as f:
+            json.dump(doc, f)
+        want = f"{mpath} names files outside its directory: ['../../secret']"
+    else:
+        other = os.path.join(str(tmp_path), "node0", "step_00000006")
+        os.rename(path, other)  # a step directory renamed to pass for another step
+        path = other
+        want = f"{os.path.join(other, MANIFEST)} is the manifest of step 5, not of step 6"
+    step = 6 if damage == "manifest_of_other_step" else 5
+    problems = ck.verify(step)
+    assert len(problems) == 1 and problems[0].startswith(want), problems
+    ck.close()
+
+
+def test_shares_of_the_verification_cover_every_file(tmp_path, seed):
+    """n processes verify a step between them: each damaged file is found by exactly one share."""
+    rng = random.Random(seed)
+    ck, _, _ = _save(tmp_path, seed, [1])
+    path = ck.step_dir(1)
+    names = sorted(n for n in os.listdir(path) if n != MANIFEST)
+    for name in names:
+        with open(os.path.join(path, name), "ab") as f:
+            f.write(b"!")  # every file damaged
+    for n in (1, 2, 3):
+        found = [p for g in range(n) for p in verify_step_dir(path, 1, (g, n))]
+        assert sorted(p.split(" has ")[0] for p in found) == [os.path.join(path, m) for m in names], (n, found)
+    ck.close()
+
+
+def test_resume_falls_back_to_the_newest_intact_step_and_loads_it(tmp_path, seed):
+    rng = random.Random(seed)
+    ck, model, opt = _save(tmp_path, seed, [2, 4, 6])
+    _overwrite_4k(_largest_distcp(ck.step_dir(6)), rng)
+    os.truncate(_largest_distcp(ck.step_dir(4)), 100)
+    logged = []
+    step = ck.choose_resume_step(None, 0, 1, True, log=logged.append)
+    assert step == 2
+    assert len(logged) == 2 and "step 6" in logged[0] and "does not match" in logged[0], logged
+    assert "step 4" in logged[1] and "has 100 bytes" in logged[1], logged
+    fresh, fresh_opt = _model_and_optim(seed + 1)
+    extra = ck.load(2, fresh, fresh_opt)
+    assert extra["step"] == 2 and torch.equal(extra["marker"], torch.full((3,), 2.0))
+    assert torch.equal(fresh[0].weight, model.saved[2]) and not torch.equal(model.saved[2], model.saved[6])
+    assert torch.equal(fresh[1].weight, model[1].weight)
+    ck.close()
+
+
+def test_resume_stops_with_a_clear_error_when_nothing_is_intact(tmp_path, seed):
+    rng = random.Random(seed)
+    ck, _, _ = _save(tmp_path, seed, [2, 4])
+    for s in (2, 4):
+        _overwrite_4k(_largest_distcp(ck.step_dir(s)), rng)
+    with pytest.raises(CheckpointError) as info:
+        ck.choose_resume_step(None, 0, 1, True)
+    msg = str(info.value)
+    assert "no checkpoint under" in msg and "node(s) [0]" in msg and "does not match the manifest" in msg
+    assert "checkpoint.resume = false" in msg
+    ck.close()
+
+
+def test_no_checkpoint_at_all_starts_fresh(tmp_path):
+    ck = Checkpointer(str(tmp_path), 0, 0, 1)
+    assert ck.choose_resume_step(None, 0, 1, True) is None
+    ck.close()
+
+
+def test_prune_keeps_the_newest_complete_steps(tmp_path, seed):
+    ck, _, _ = _save(tmp_path, seed, [1, 2, 3, 4], keep=2)
+    assert ck.complete_steps() == [3, 4]
+    assert sorted(os.listdir(ck.node_dir)) == ["step_00000003", "step_00000004"]
+    ck.close()
+
+
+# -- agreement across nodes (threads play the nodes, on one in-memory store) ----------
+
+
+def _agree(offers, damaged, store_factory=None):
+    """Runs agree_on_resume_step for len(offers) nodes at once; returns each node's result and its verify calls."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    n = len(offers)
+    results, calls = [None] * n, [[] for _ in range(n)]
+
+    def node(r):
+        def verify(step):
+            calls[r].append(step)
+            return [f"node{r} step {step} bad"] if step in damaged.get(r, ()) else []
+
+        results[r] = agree_on_resume_step(offers[r], verify, store, r, n, publish=True)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(res is not None for res in results), results
+    return results, calls
+
+
+def test_nodes_agree_on_the_newest_step_intact_everywhere():
+    # node 1's step 12 is damaged, node 2 never finished step 16: all take 8
+    results, calls = _agree([[4, 8, 12, 16], [4, 8, 12], [4, 8, 12]], {1: {12}})
+    assert [r[0] for r in results] == [8, 8, 8]
+    assert calls == [[12, 8], [12, 8], [12, 8]]  # nobody verifies 16 (not common) nor 4 (not needed)
+    assert results[1][1] == {12: ["node1 step 12 bad"]} and results[0][1] == {}
+    assert all(r[2] == [1] for r in results)
+
+
+def test_nodes_agree_when_all_is_intact_with_one_verification_each():
+    results, calls = _agree([[3, 6], [3, 6]], {})
+    assert [r[0] for r in results] == [6, 6] and calls == [[6], [6]]
+
+
+def test_nodes_all_stop_when_one_node_has_nothing_intact():
+    results, _ = _agree([[2, 4], [2, 4]], {0: {2, 4}})
+    assert [r[0] for r in results] == [None, None]
+    assert [r[2] for r in results] == [[0], [0]]  # node 1 learns that node 0 found damage
+
+
+def test_nodes_without_a_common_step_start_fresh_without_verifying():
+    results, calls = _agree([[2], [4]], {})
+    assert [r[0] for r in results] == [None, None] and calls == [[], []] and results[0][2] == []
