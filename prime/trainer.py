@@ -64,6 +64,7 @@ class Trainer:
         self._init_model()
         self._init_data()
         self._init_diloco()
+        self._init_records()
         try:
             self._init_checkpoints()
         except CheckpointError:
@@ -235,6 +236,26 @@ class Trainer:
         self.model_numel = sum(p.numel() for p in self.model.parameters())
         self.dp_bytes_per_step = 2 * (n - 1) / n * 4 * self.model_numel if n > 1 else 0.0
 
+    def _init_records(self) -> None:
+        """The trainer's own store records (resume agreement, final digests, finish), signed under the job secret:
+        the store has no credentials, so nothing read from it is trusted unsigned (docs/security.md)."""
+        self.records = None
+        if self.store is None:
+            return
+        from prime.comm import rendezvous
+        from prime.comm import store_keys as keys
+        from prime.comm.signed_store import SignedKV, SignedStore
+
+        timeout_s = self.cfg.diloco.timeout_s
+        if self.elastic_sync is not None:
+            secret = self.elastic_sync.membership.secret
+        else:  # $PRIME_RING_SECRET, else (one host only) drawn by node 0's first process
+            _, advertise = rendezvous.resolve_addresses(self.store, None, None)
+            first = self.node_rank == 0 and self.local_rank == 0
+            secret = rendezvous.shared_secret(self.store, keys.TRAINER_NS, 0 if first else 1, None,
+                                              time.monotonic() + timeout_s, int(timeout_s * 1000), advertise)
+        self.records = SignedKV(SignedStore(self.store, secret, f"trainer/{self.cfg.nodes.run_id}"), timeout_s)
+
     def _init_checkpoints(self) -> None:
         cfg = self.cfg
         self.step = 0
@@ -249,7 +270,7 @@ class Trainer:
             if cfg.checkpoint.resume and not (self.elastic and self.elastic_sync.is_joiner):  # a joiner downloads
                 # Verified against its manifest on every node first; raises CheckpointError everywhere when none is intact.
                 log = (lambda msg: print(msg, flush=True)) if self.is_logger else None  # the metrics log opens later
-                step = self.ckpt.choose_resume_step(self.store, self.node_rank, self.num_nodes,
+                step = self.ckpt.choose_resume_step(self.records, self.node_rank, self.num_nodes,
                                                     publish=self.local_rank == 0, log=log)
                 if step is not None:
                     extra = self.ckpt.load(step, self.model, self.optimizer)
@@ -483,9 +504,10 @@ class Trainer:
             h.update(outer.numpy().tobytes())
         digest = h.hexdigest()
         what = "weights" if synced else "outer weights (the run did not end on an outer step)"
-        key = f"final/{self.local_rank}/{{}}"
-        self.store.set(key.format(self.node_rank), digest)
-        others = [self.store.get(key.format(n)).decode() for n in range(self.num_nodes)]
+        from prime.comm import store_keys as keys
+
+        self.records.set(keys.final_digest(self.local_rank, self.node_rank), digest)
+        others = [self.records.get(keys.final_digest(self.local_rank, n)).decode() for n in range(self.num_nodes)]
         differ = [n for n, d in enumerate(others) if d != digest]
         if differ:
             raise ReplicaMismatchError(f"node {self.node_rank}: final {what} differ from node(s) {differ} "
@@ -657,9 +679,16 @@ class Trainer:
             if self.node_rank == 0 and not self.cfg.elastic.external_store:
                 self.elastic_sync.membership.wait_all_gone(self.cfg.diloco.timeout_s)
             return
-        total = self.num_nodes * self.local_world
-        self.store.add("finished", 1)
+        from prime.comm import store_keys as keys
+
+        if getattr(self, "records", None) is None:  # the constructor stopped before the records were set up
+            return
+        self.records.set(keys.finished(self.node_rank, self.local_rank), "done")
         if self.node_rank == 0 and self.local_rank == 0:
+            # One signed record per process (a counter anyone could `add` to would let a stranger end the wait).
+            waiting = [keys.finished(n, g) for n in range(self.num_nodes) for g in range(self.local_world)]
             deadline = time.monotonic() + self.cfg.diloco.timeout_s
-            while self.store.add("finished", 0) < total and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while waiting and time.monotonic() < deadline:
+                waiting = [k for k, v in zip(waiting, self.records.records.get_many(waiting)) if v != "done"]
+                if waiting:
+                    time.sleep(0.05)

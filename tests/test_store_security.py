@@ -426,3 +426,92 @@ def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
         assert joiner.latest_committed()["k"] == 3
     finally:
         joiner.leave()
+
+
+# -- the trainer's own records (resume agreement, final digests, finish) ------------------------------
+
+
+def _trainer_kv(store, secret=SECRET, timeout_s=5.0):
+    from prime.comm.signed_store import SignedKV, SignedStore
+
+    return SignedKV(SignedStore(store, secret, "trainer/run"), timeout_s, poll_s=0.01)
+
+
+def test_trainer_records_ignore_a_strangers_final_digest():
+    """A digest a stranger wrote under another node's key is never read as that node's: the reader
+    waits for the node's own signed record and gets exactly it."""
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+
+    store = dist.HashStore()
+    reader, writer = _trainer_kv(store), _trainer_kv(store)
+    key = keys.final_digest(0, 1)
+    store.set(key, "0" * 32)  # the stranger's value: what the reader's own digest might be
+    got = []
+    t = threading.Thread(target=lambda: got.append(reader.get(key)))
+    t.start()
+    time.sleep(0.1)
+    assert not got, "an unsigned digest was accepted"
+    real = "%032x" % random.getrandbits(128)
+    writer.set(key, real)
+    t.join(5)
+    assert got == [real.encode()]
+    assert reader.records.rejected, "the forged record was not counted"
+
+
+def test_trainer_records_reject_other_secret_and_other_key():
+    """A record signed with another secret, or copied from another key, is ignored until the timeout,
+    which names the key."""
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+
+    store = dist.HashStore()
+    kv = _trainer_kv(store, timeout_s=0.3)
+    _trainer_kv(store, secret=b"another secret").set(keys.resume_offer(0, 1), json.dumps({"steps": [8]}))
+    with pytest.raises(TimeoutError, match=r"ckpt/r0/node1"):
+        kv.get(keys.resume_offer(0, 1))
+    kv.set(keys.resume_offer(0, 0), json.dumps({"steps": [4], "damaged": []}))
+    store.set(keys.resume_offer(1, 0), store.get(keys.resume_offer(0, 0)))  # replayed into the next round
+    with pytest.raises(TimeoutError, match=r"ckpt/r1/node0"):
+        kv.get(keys.resume_offer(1, 0))
+
+
+def test_resume_agreement_never_takes_a_strangers_offer():
+    """A stranger who speaks for node 1 in the resume agreement (offering only an old step, to send the
+    job back) is not heard: node 0 waits for node 1's signed offer and times out instead of resuming from
+    the stranger's step (with a raw store it resumed from step 4)."""
+    import torch.distributed as dist
+
+    from prime.checkpoint import agree_on_resume_step
+    from prime.comm import store_keys as keys
+
+    store = dist.HashStore()
+    for rnd in range(3):  # every round the agreement may take
+        store.set(keys.resume_offer(rnd, 1), json.dumps({"steps": [4], "damaged": []}))
+    kv = _trainer_kv(store, timeout_s=0.5)
+    with pytest.raises(TimeoutError, match=r"ckpt/r0/node1"):
+        agree_on_resume_step([4, 8, 12], lambda s: [], kv, 0, 2, publish=True)
+
+
+def test_resume_agreement_over_signed_records():
+    """Two nodes agree through signed records on the newest step both hold intact."""
+    import torch.distributed as dist
+
+    from prime.checkpoint import agree_on_resume_step
+
+    store = dist.HashStore()
+    out = [None, None]
+
+    def node(r, steps, bad):
+        out[r] = agree_on_resume_step(steps, lambda s: ["x"] if s in bad else [], _trainer_kv(store), r, 2,
+                                      publish=True)[0]
+
+    ts = [threading.Thread(target=node, args=(0, [4, 8, 12], ())),
+          threading.Thread(target=node, args=(1, [4, 8, 12], (12,)))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert out == [8, 8]

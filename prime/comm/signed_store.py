@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from prime.comm import store_keys as keys
@@ -200,3 +201,32 @@ class SignedStore:
             self.reject(key)
             return raw, None
         return raw, v
+
+
+class SignedKV:
+    """Per-writer records over a SignedStore, for code written against a store's set/get.
+
+    set(key, text) writes a signed record; get(key) waits until `key` holds a
+    validly signed record and returns its text as bytes (as Store.get does).
+    A forged record is ignored (logged once per kind) and the wait goes on, so
+    a stranger can delay the reader until `timeout_s` but never feed it a value.
+    """
+
+    def __init__(self, records: SignedStore, timeout_s: float, poll_s: float = 0.02):
+        self.records, self.timeout_s, self.poll_s = records, timeout_s, poll_s
+
+    def set(self, key: str, text: str) -> None:
+        self.records.put(key, text)
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            v = self.records.get(key)
+            if isinstance(v, str):
+                return v.encode()
+            if v is not None:
+                self.records.reject(key, "not a text record")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out after {self.timeout_s:g} s waiting for a validly signed record "
+                                   f"under store key {key!r} (missing, or only forged ones)")
+            time.sleep(self.poll_s)

@@ -32,8 +32,13 @@ there that is not validly signed (a stranger wrote first) does not block the
 decision: the writers move on to the key's next slot (``<key>#1``, ...), and
 readers take the first slot that holds a valid record (decision_slot).
 
-Not yet signed (outside the ring and the membership): the trainer's resume
-agreement (``ckpt/node<r>``), final digests and its ``finished`` counter.
+The trainer (prime.trainer), under the job's prefix, signed under the job
+secret for the job ``trainer/<run_id>``:
+
+    trainer/secret             the job secret when none is configured (one-host jobs only)
+    ckpt/r<n>/node<r>          signed: node r's offer in round n of the resume agreement
+    final/<g>/<r>              signed: the digest of node r's final weights (local rank g)
+    finished/<r>/<g>           signed: process g of node r is done with the store
 """
 
 from __future__ import annotations
@@ -136,3 +141,21 @@ MAX_SLOTS = 16
 def decision_slot(key: str, n: int) -> str:
     """Slot n of a first-writer-wins key: the key itself, then key#1, key#2, ..."""
     return key if n == 0 else f"{key}#{n}"
+
+
+# -- the trainer ---------------------------------------------------------------------------------------
+
+TRAINER_NS = "trainer"
+"""Namespace of the trainer's secret (rendezvous.shared_secret adds /secret)."""
+
+
+def resume_offer(rnd: int, node: int) -> str:
+    return f"ckpt/r{rnd}/node{node}"
+
+
+def final_digest(local_rank: int, node: int) -> str:
+    return f"final/{local_rank}/{node}"
+
+
+def finished(node: int, local_rank: int) -> str:
+    return f"finished/{node}/{local_rank}"
