@@ -32,7 +32,7 @@ logger = logging.getLogger("prime.comm")
 
 # 1 MiB of fp32 values (262144 values, 256 KiB + scales as int8) per pipeline
 # segment: small enough that quantizing one segment overlaps sending the previous,
-# large enough that the 64-byte frame header is noise (0.02%).
+# large enough that the 80 bytes of frame header and tag are noise (0.03%).
 DEFAULT_SEGMENT_BYTES = 1 << 20
 # One TCP stream per link. More streams help only where a single TCP flow cannot
 # fill the path (long fat pipes with loss); on loopback and shaped links one
