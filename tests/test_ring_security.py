@@ -358,13 +358,28 @@ def _rank_late(ctx, seed, n):
         return {"y": x, "rejected": len(ring.rejected_connections)}
 
 
+def _dribble(sockets, stop: threading.Event):
+    """Sends one byte of a plausible hello every half second on each socket."""
+    i = 0
+    while not stop.wait(0.5):
+        for s in sockets:
+            try:
+                s.send(b"PRIMEHS1"[i % 8 : i % 8 + 1])
+            except OSError:
+                pass
+        i += 1
+
+
 def test_hundred_idle_connections_do_not_stop_the_ring(ranks):
+    """100 connections to rank 0's port before its neighbour comes: 80 silent, 20 that
+    dribble a byte every half second (each would keep a serial handshake busy)."""
     world, n = 2, 100003
     job = ranks.start(_rank_late, SEED, n, world_size=world)
     key = f"prime_ring/{job}/ring/addr/0"
     _wait_key(ranks, job, world, key)
     host, port = ranks.store.get(key).decode().rsplit(":", 1)
     idle = []
+    stop = threading.Event()
     try:
         for _ in range(100):
             s = socket.socket()
@@ -378,9 +393,11 @@ def test_hundred_idle_connections_do_not_stop_the_ring(ranks):
         while waiting and time.monotonic() < end:
             _, writable, _ = select.select([], waiting, [], 0.2)
             waiting = [s for s in waiting if s not in writable]
+        threading.Thread(target=_dribble, args=(idle[:20], stop), daemon=True).start()
         ranks.store.set(f"{job}/go", "1")
         results = ranks.gather(job, world, timeout=120)
     finally:
+        stop.set()
         for s in idle:
             s.close()
     ref = sum(make_input(SEED, r, n).double() for r in range(world))

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
 
 #include "tcp/connection.h"
 
@@ -111,7 +112,13 @@ void Rendezvous::accept_loop() {
     p->who = s.peer_address();
     p->socket = std::move(s);
     Pending* raw = p.get();
-    p->thread = std::thread(&Rendezvous::serve, this, raw);
+    try {
+      p->thread = std::thread(&Rendezvous::serve, this, raw);
+    } catch (const std::system_error& e) {  // out of threads: refuse this one, keep accepting
+      std::lock_guard<std::mutex> lock(mu_);
+      reject("rejected connection from " + p->who + ": cannot start a handshake thread: " + e.what());
+      continue;
+    }
     pending_.push_back(std::move(p));
   }
   // The left neighbour is in, or the deadline passed, or we stop: interrupt the rest.
