@@ -13,6 +13,13 @@ iteration of a variant and prints medians and ratios.
 Each tree must hold a built prime/_C*.so; it is put first on PYTHONPATH.
 
     python benchmarks/bench_ring_auth.py --before /work/main --after . --rounds 3
+
+--cpu measures instead the CPU time (user + system, getrusage) one all-reduce costs
+all ranks together: 4 ranks as threads of one process on loopback, per codec. On a
+shared machine this is far steadier than wall time, which other processes' load
+moves by tens of percent.
+
+    python benchmarks/bench_ring_auth.py --before /work/main --after . --cpu --rounds 3
 """
 
 from __future__ import annotations
@@ -46,6 +53,64 @@ def run_variant(tree: str, encrypt: bool, args, out_stem: str) -> list[dict]:
         return json.load(f)["rows"]
 
 
+_CPU_SCRIPT = r"""
+import json, resource, sys, threading, torch, torch.distributed as dist
+from prime.comm import Ring
+world, n, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+store = dist.HashStore()
+rings = [None] * world
+def build(r):
+    rings[r] = Ring(store, r, world, timeout=120, secret=b"bench", job_id="cpu")
+threads = [threading.Thread(target=build, args=(r,)) for r in range(world)]
+[t.start() for t in threads]; [t.join() for t in threads]
+inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+out = {}
+for codec in ("int8", "none"):
+    def run(r, k):
+        for _ in range(k):
+            y = inputs[r].clone()
+            rings[r].all_reduce(y, op="sum", codec=codec).wait()
+    for k, measure in ((1, False), (iters, True)):
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
+        threads = [threading.Thread(target=run, args=(r, k)) for r in range(world)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the clone is part of it, the same for every build
+    out[codec] = ((u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)) / iters
+[r.close() for r in rings]
+print(json.dumps(out))
+"""
+
+
+def cpu_variant(tree: str, encrypt: bool, args) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree, "PRIME_RING_ENCRYPT": "1" if encrypt else "0"}
+    n = args.size_mib * (1 << 20) // 4
+    out = subprocess.run([sys.executable, "-c", _CPU_SCRIPT, str(args.world_size), str(n), str(args.iters)], cwd="/",
+                         env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main_cpu(args, variants) -> None:
+    cpu: dict = {}
+    for rnd in range(args.rounds):
+        for name, tree, encrypt in variants:
+            for codec, s in cpu_variant(tree, encrypt, args).items():
+                cpu.setdefault(codec, {}).setdefault(name, []).append(s)
+            print(f"round {rnd + 1}/{args.rounds}: {name} done", flush=True)
+    print(f"\nCPU seconds per all-reduce, all {args.world_size} ranks together ({args.size_mib} MiB fp32 each, "
+          f"loopback, threads of one process), medians over {args.rounds} rounds of {args.iters}")
+    print(f"{'codec':6s} {'before':>8s} {'after':>8s} {'+encrypt':>9s} {'after/before':>12s} {'enc/before':>10s}")
+    for codec, by in cpu.items():
+        med = {k: statistics.median(v) for k, v in by.items()}
+        b, a, e = med["before"], med["after"], med["after+encrypt"]
+        print(f"{codec:6s} {b:8.3f} {a:8.3f} {e:9.3f} {a / b:12.3f} {e / b:10.3f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "cpu_s": cpu}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", required=True, help="tree of the baseline build")
@@ -57,13 +122,18 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--size-mib", type=int, default=64)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "ring_auth.json"))
+    p.add_argument("--cpu", action="store_true", help="CPU time per all-reduce instead of wall time (see above)")
+    p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/ring_auth[_cpu].json)")
     args = p.parse_args()
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "ring_auth_cpu.json" if args.cpu else "ring_auth.json")
 
     variants = [("before", os.path.abspath(args.before), False), ("after", os.path.abspath(args.after), False),
                 ("after+encrypt", os.path.abspath(args.after), True)]
     for name, tree, _ in variants:
         print(f"{name:14s} prime from {prime_location(tree)}", flush=True)
+    if args.cpu:
+        return main_cpu(args, variants)
     times: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench_ring_auth_") as tmp:
         for rnd in range(args.rounds):
