@@ -5,7 +5,8 @@ relays the handshake untouched and then does the best it can against the frame
 format it sees (version 1, the CRC32C frames of before, or version 2, the tagged
 frames): it rewrites a payload byte and recomputes the checksums, replays an
 earlier frame, or swaps two. Every rank must raise CommError, with its tensor
-unchanged. And a hundred idle connections to a rank's port must not keep a ring
+unchanged (the sender of an altered all-gather frame may instead finish first, with
+the true result). And a hundred idle connections to a rank's port must not keep a ring
 from forming. Ranks are the session's pool of processes (tests/conftest.py).
 """
 
@@ -250,7 +251,7 @@ def _rank_behind_proxy(ctx, seed, codec, encrypt):
     with ctx.ring(**kwargs) as ring:
         try:
             ring.all_reduce(x, op="avg", codec=codec).wait()
-            return {"raised": False, "intact": bool(torch.equal(_bits(x), _bits(keep)))}
+            return {"raised": False, "y": x}
         except CommError as e:
             return {"raised": True, "kind": e.kind, "peer": e.peer, "origin": e.origin, "step": e.step,
                     "phase": e.phase, "message": str(e), "intact": bool(torch.equal(_bits(x), _bits(keep)))}
@@ -287,10 +288,20 @@ def _run_with_proxy(ranks, attack, phase, codec, encrypt=False, world=3):
     return proxy, results
 
 
-def _assert_every_rank_failed_intact(proxy, results, world=3):
+def _assert_every_rank_failed_intact(proxy, results, codec, world=3, may_complete=()):
+    """Every rank raised with its tensor unchanged, except that a rank in may_complete
+    may have finished first with the right result: rank 0, the sender of an altered
+    all-gather frame, already has everything it needs from its left neighbour (the
+    inherent limit of docs/ring.md, "Failure behaviour"); it must then hold the true
+    average, not a forged one."""
     assert proxy.attacked, f"the proxy found no frame to attack (frame versions seen: {proxy.versions}) {_note()}"
+    ref = sum(make_input(SEED, r, N).double() for r in range(world)) / world
     for r in range(world):
         res = results[r]
+        if not res["raised"] and r in may_complete:
+            rel = float((res["y"].double() - ref).norm() / ref.norm())
+            assert rel < (0.03 if codec == "int8" else 1e-6), f"rank {r} completed with a wrong result {_note()}"
+            continue
         assert res["raised"], f"rank {r} completed the all-reduce although a frame was {proxy.attack}ed {_note()}"
         assert res["intact"], f"rank {r}: the tensor changed although the all-reduce failed {_note()}"
         assert "authentication failed" in res["message"], f"rank {r}: {res['message']}"
@@ -298,25 +309,25 @@ def _assert_every_rank_failed_intact(proxy, results, world=3):
     assert detector["kind"] == "corrupt_frame" and detector["peer"] == 0, detector
     assert " step " in detector["message"], detector["message"]
     for r in (0, 2):
-        assert results[r]["origin"] == 1, results[r]
+        assert not results[r]["raised"] or results[r]["origin"] == 1, results[r]
 
 
 @pytest.mark.parametrize("codec", ["int8", "none"])
 @pytest.mark.parametrize("phase", [1, 2], ids=["reduce-scatter", "all-gather"])
 def test_rewritten_frame_with_recomputed_checksums_fails_every_rank(ranks, phase, codec):
     proxy, results = _run_with_proxy(ranks, "tamper", phase, codec)
-    _assert_every_rank_failed_intact(proxy, results)
+    _assert_every_rank_failed_intact(proxy, results, codec, may_complete=(0,) if phase == 2 else ())
 
 
 def test_rewritten_frame_is_caught_with_encryption_on(ranks):
     proxy, results = _run_with_proxy(ranks, "tamper", 2, "int8", encrypt=True)
-    _assert_every_rank_failed_intact(proxy, results)
+    _assert_every_rank_failed_intact(proxy, results, "int8", may_complete=(0,))
 
 
 @pytest.mark.parametrize("attack", ["replay", "reorder"])
 def test_replayed_or_reordered_frame_fails_every_rank(ranks, attack):
     proxy, results = _run_with_proxy(ranks, attack, 1, "int8")
-    _assert_every_rank_failed_intact(proxy, results)
+    _assert_every_rank_failed_intact(proxy, results, "int8")
     assert "replayed, dropped or reordered" in results[1]["message"], results[1]["message"]
 
 
