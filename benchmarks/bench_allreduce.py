@@ -21,6 +21,9 @@ Methods, run on the same input tensors in the same process group:
   ring-int8-b128            as ring-int8 with block_size=128: one fp32 scale per 128 values
                             (1.031 bytes/value instead of 1.016) for a smaller error
   ring-int8-nocheck         as ring-int8 with checksums off
+  pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
+                            (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
+  pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
 
 Per row: median / p90 over the timed iterations of the slowest rank's time (each iteration
 starts after a barrier), algbw = fp32 tensor bytes / time, busbw = algbw * 2(N-1)/N (NCCL's
@@ -40,6 +43,7 @@ Output: a table on stdout, benchmarks/results/allreduce[_quick].json and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -66,7 +70,9 @@ CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
 INT8_BLOCK = 256  # elements per fp32 scale in the int8 codec (docs/wire-format.md)
 GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
 RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128")
-ALL_METHODS = GLOO_METHODS + RING_METHODS
+# The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
+PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
+ALL_METHODS = GLOO_METHODS + RING_METHODS + PG_METHODS
 RESULT_TAG = "@@RESULT "  # rank 0 prints one such line (JSON) per finished case
 STORE_PORT_NETNS = 29500  # each namespace is fresh, so a fixed port is free there
 LOOPBACK_ASSUMED_BITS = 8e9  # only for skipping cases that would run too long on loopback
@@ -248,7 +254,7 @@ def method_block(method: str) -> int:
 
 def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
     """Bytes a rank sends for an all-reduce of n fp32 values by `method`, in theory."""
-    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n}.get(method)
+    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n}.get(method)
     payload = per_value if per_value is not None else int8_bytes(n, method_block(method))
     return ring_factor(world_size) * payload
 
@@ -297,7 +303,7 @@ def add_speedups(rows: list[dict]) -> None:
             groups.setdefault((r["condition"], r["world_size"], r["size_bytes"]), {})[r["method"]] = r
     for members in groups.values():
         for r in members.values():
-            for base in ("gloo-fp32", "gloo-bf16", "ring-fp32"):
+            for base in ("gloo-fp32", "gloo-bf16", "ring-fp32", "ring-int8"):
                 b = members.get(base)
                 r[f"speedup_vs_{base}"] = b["median_s"] / r["median_s"] if b else None
 
@@ -389,9 +395,8 @@ def gpu_quantize_seconds(x, block_size: int, repeats: int = 10) -> float:
 class RingAdapter:
     """The one place that knows prime.comm.Ring's constructor, all_reduce and statistics.
 
-    Ring is being written in parallel; its statistics attribute names are not final, so
-    `wire_bytes` looks for the names it knows and returns None if it finds none (the table
-    then shows "-" instead of assuming a number).
+    The ring (or a stand-in, PRIME_BENCH_RING) follows prime.comm.RingProtocol: its works'
+    stats() return a prime.comm.WorkStats, read here by field name.
     """
 
     def __init__(self, store, rank: int, world_size: int, spec: dict, method: str):
@@ -413,42 +418,50 @@ class RingAdapter:
             kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
         self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
 
-    def all_reduce(self, tensor) -> tuple[float | None, dict]:
-        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent if the ring says,
-        every numeric statistic the work exposes, for the record: times, bytes received...)."""
+    def all_reduce(self, tensor) -> tuple[float, dict]:
+        """Sums `tensor` in place over all ranks. Returns (bytes this rank sent on the wire,
+        every statistic of the work, for the record: times, bytes received...)."""
         work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block)
         work.wait()
-        return self.wire_bytes(work), self.numeric_stats(work)
+        stats = work.stats()
+        return float(stats.bytes_sent), self.numeric_stats(stats)
 
     @staticmethod
-    def numeric_stats(work) -> dict:
-        """Numeric fields of work.stats (a dict, an object, or a method returning either)."""
-        stats = getattr(work, "stats", None)
-        if callable(stats):
-            stats = stats()
-        if stats is None:
-            return {}
-        items = stats.items() if isinstance(stats, dict) else (
-            (k, getattr(stats, k)) for k in dir(stats) if not k.startswith("_"))
-        return {k: float(v) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-    @staticmethod
-    def wire_bytes(work) -> float | None:
-        """Bytes this rank sent on the wire for `work`, from the ring's counters (None if unknown)."""
-        stats = work.stats() if callable(getattr(work, "stats", None)) else getattr(work, "stats", None)
-        for obj in (stats, work):
-            if obj is None:
-                continue
-            for name in ("bytes_sent", "wire_bytes_sent", "sent_bytes", "tx_bytes"):
-                if isinstance(obj, dict) and name in obj:
-                    return float(obj[name])
-                if hasattr(obj, name):
-                    return float(getattr(obj, name))
-        return None
+    def numeric_stats(stats) -> dict:
+        """A WorkStats as {field: float}."""
+        return {f.name: float(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
 
     def close(self) -> None:
         """Closes the ring's sockets and threads."""
         self.ring.close()
+
+
+class PrimeGroupAdapter(RingAdapter):
+    """The ring through torch.distributed: a backend="prime" group and dist.all_reduce, with
+    the ring options RingAdapter gives (pg-prime-fp32: exact; pg-prime-int8: int8)."""
+
+    def __init__(self, store, rank: int, world_size: int, spec: dict, method: str):
+        import torch.distributed as dist
+
+        from prime.comm.backend import PrimeOptions
+
+        options = PrimeOptions(codec="int8" if method == "pg-prime-int8" else "none", streams=spec["streams"],
+                               secret=f"bench-{spec['seed']}", max_rate=spec["max_rate_bytes"],
+                               bind_addr=spec["addr"] or None, advertise_addr=spec["addr"] or None)
+        # Every rank creates the groups in the same order (the methods' order), as new_group needs.
+        self.group = dist.new_group(backend="prime", pg_options=options,
+                                    timeout=timedelta(seconds=spec["timeout_s"]))
+
+    def all_reduce(self, tensor) -> tuple[float | None, dict]:
+        """dist.all_reduce(SUM) on the prime group; the Work's ring statistics as RingAdapter's."""
+        import torch.distributed as dist
+
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work.wait()  # what dist.all_reduce(async_op=False) does
+        return self.wire_bytes(work), self.numeric_stats(work)
+
+    def close(self) -> None:
+        """Nothing: destroy_process_group() at the worker's end shuts the group down."""
 
 
 def worker_main(spec: dict) -> None:
@@ -491,8 +504,9 @@ def worker_main(spec: dict) -> None:
                     emit({**case, "skipped": skip})
                     continue
                 try:
-                    if method.startswith("ring") and method not in rings:
-                        rings[method] = RingAdapter(store, rank, world, spec, method)
+                    if not method.startswith("gloo") and method not in rings:
+                        adapter = PrimeGroupAdapter if method in PG_METHODS else RingAdapter
+                        rings[method] = adapter(store, rank, world, spec, method)
                 except Exception as e:  # the ring is not there yet, or refused the options
                     emit({**case, "skipped": f"ring unavailable: {type(e).__name__}: {e}"})
                     spec["skips"].update({f"{s}:{method}": "ring unavailable" for s in spec["sizes_mib"]})

@@ -1,4 +1,5 @@
-"""train_plain.py turned into DiLoCo across nodes: the lines marked # DiLoCo are all that changed.
+"""train_plain.py turned into DiLoCo across nodes: the lines marked # DiLoCo are all that changed
+(and the loop moved under `with`, whose optimizer hook runs the outer steps).
 
 Each node trains alone; every 20 steps the nodes average their pseudo-gradients
 through the int8 ring and take an outer Nesterov step. Two nodes on one machine:
@@ -29,18 +30,18 @@ torch.manual_seed(0)  # the same seed on every node: the same initial weights (u
 model = Transformer(preset("tiny"))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 data = ShardedLoader(load_source("embedded"), seq_len=128, batch_size=8, shard=node, num_shards=nodes)  # DiLoCo
-diloco = prime.DiLoCo(model, opt, ring, inner_steps=20)  # DiLoCo
+# DiLoCo: inside `with`, every 20th opt.step() also runs an outer step (the optimizer's step hook drives it)
+with prime.DiLoCo(model, opt, ring, inner_steps=20) as diloco:  # DiLoCo
+    for step in range(1, 101):
+        inputs, targets = data.next_batch()
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 10 == 0:
+            print(f"node {node} step {step} loss {loss.item():.3f}", flush=True)  # DiLoCo: says which node
+        if diloco.result.did_sync:  # DiLoCo
+            r = diloco.result
+            print(f"node {node} outer step {r.outer_step}: all-reduce {r.allreduce_s:.2f} s", flush=True)
 
-for step in range(1, 101):
-    inputs, targets = data.next_batch()
-    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    result = diloco.step()  # DiLoCo
-    if step % 10 == 0:
-        print(f"node {node} step {step} loss {loss.item():.3f}", flush=True)  # DiLoCo: says which node
-    if result.did_sync:  # DiLoCo
-        print(f"node {node} outer step {result.outer_step}: all-reduce {result.allreduce_s:.2f} s", flush=True)
-
-diloco.close()  # DiLoCo
+ring.close()  # DiLoCo: the ring is ours; leaving `with` closed only what DiLoCo built

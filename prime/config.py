@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from prime.ops import check_block_size
+
 try:  # Python 3.11+
     import tomllib as _toml
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -155,8 +157,7 @@ class DiLoCoConfig:
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
         _require(self.codec in ("int8", "none"), "diloco.codec", "'int8' or 'none'", self.codec)
-        bs = self.block_size
-        _require(32 <= bs <= 4096 and bs & (bs - 1) == 0, "diloco.block_size", "a power of two from 32 to 4096", bs)
+        check_block_size(self.block_size, "diloco.block_size")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)
         _require(self.streams >= 0, "diloco.streams", ">= 0", self.streams)

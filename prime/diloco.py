@@ -1,36 +1,32 @@
-"""DiLoCo: the outer step. Pseudo-gradient, ring all-reduce, outer Nesterov SGD, sync cadence.
+"""DiLoCo: the outer step. Pseudo-gradient, average across nodes, outer update, sync cadence.
 
     model = ...; opt = torch.optim.AdamW(model.parameters(), ...)
-    diloco = prime.DiLoCo(model, opt, ring, inner_steps=100)
-    for batch in data:
-        loss(model, batch).backward(); opt.step(); opt.zero_grad()
-        result = diloco.step()          # every inner_steps steps: an outer step
+    with prime.DiLoCo(model, opt, ring, inner_steps=100) as diloco:
+        for batch in data:
+            loss(model, batch).backward(); opt.step(); opt.zero_grad()
+            # every 100 opt.step() calls, opt.step() also runs an outer step (diloco.result says how it went)
 
-Every `inner_steps` calls, for the parameters this process holds (the local
-shard of each FSDP2 DTensor, or the whole tensor of a plain module):
+or, without `with`, call `diloco.step()` after every inner step (forgetting it
+is an error at the next `opt.step()`).
 
-    pseudo_gradient = outer_weights - local_weights          (fp32, on CPU)
-    ring.all_reduce(pseudo_gradient, op="avg", codec=...)    (across nodes)
-    momentum  = mu * momentum + pseudo_gradient
-    update    = pseudo_gradient + mu * momentum   (Nesterov) or momentum
-    outer_weights -= lr * update
-    local_weights  = outer_weights
+Every `inner_steps` inner steps, for the parameters this process holds (the
+local shard of each FSDP2 DTensor, or the whole tensor of a plain module):
 
-The outer weights and momentum are fp32 copies in CPU memory (pinned when the
-parameters are on a GPU). The update is written as separate elementwise
-multiplies and adds, each one IEEE fp32 rounding with no fused multiply-add,
-so every node computes the same bits from the same all-reduce result (which
-the ring makes bit-identical everywhere) on any CPU. torch.optim.SGD would
-give the same values up to the last bit, but it may fuse `a + mu * b` where
-the CPU has FMA, and nodes with different CPUs would then drift apart.
+    pseudo_gradient = outer_weights - local_weights          (fp32, on CPU; prime.outer.OuterState)
+    average it across nodes                                 (prime.sync: a ring, or elastic membership)
+    outer_weights = outer_update(outer_weights, average)    (Nesterov SGD by default)
+    local_weights = outer_weights
 
-Failure: a CommError from the ring is retried `retries` times, each time on a
-new ring from `ring_factory(tag)` (tag names the outer step and attempt, so
-processes at different outer steps never meet in one ring), after every
-process of the node agrees that the attempt failed. When no attempt works,
-OuterSyncError is raised and the outer weights are left as they were: the
-caller saves a checkpoint and stops. It never continues with replicas that
-differ.
+The outer weights are taken from the model at the first inner step (or by
+reset_outer()), so weights loaded after construction are kept. The default
+outer update rounds once per elementwise operation and never fuses a
+multiply-add, so every node computes the same bits on any CPU
+(prime/outer.py); the average is bit-identical everywhere (the ring
+guarantees it).
+
+Failure: the sync retries or gives up with OuterSyncError, leaving the outer
+weights as they were: the caller saves a checkpoint and stops. It never
+continues with replicas that differ.
 """
 
 from __future__ import annotations
@@ -39,26 +35,16 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from prime.parallelize import local_shard
+from prime.outer import OuterOptimizerFactory, OuterState
+from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
+                        work_stats)
 
 __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats"]
-
-# Chunk of the elementwise passes over the flat buffers: large enough to amortize
-# the per-op overhead, small enough that the temporary stays in L2/L3 cache.
-_CHUNK = 1 << 20
-
-
-class OuterSyncError(RuntimeError):
-    """The pseudo-gradient all-reduce failed on every attempt; the outer weights were not changed."""
-
-
-class ReplicaMismatchError(RuntimeError):
-    """Nodes hold different outer weights or settings: they did not start from the same seed or checkpoint."""
 
 
 @dataclass
@@ -74,84 +60,32 @@ class OuterStepResult:
     numel: int = 0
     """Values all-reduced by this process (its shard, padded to whole codec blocks)."""
     allreduce_s: float = 0.0
-    """Wall time of the ring all-reduce (all attempts)."""
+    """Wall time of the average across nodes (all attempts)."""
     outer_s: float = 0.0
     """Wall time of the whole outer step: copies, all-reduce, outer update."""
     prepare_s: float = 0.0
     """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured) its int8 error."""
     update_s: float = 0.0
-    """Part of outer_s: Nesterov update of the outer weights and the host-to-device copy back."""
+    """Part of outer_s: the outer update of the outer weights and the host-to-device copy back."""
     bytes_sent: Optional[int] = None
     """Bytes this process sent on the ring, as the ring reports them (None: not reported)."""
     bytes_received: Optional[int] = None
     """Bytes this process received on the ring (None: not reported)."""
     compression_error: Optional[float] = None
-    """int8 round-trip error of the local pseudo-gradient: ||deq(q(d)) - d|| / ||d|| (None: codec none or off)."""
+    """int8 round-trip error of the local pseudo-gradient: ||deq(q(d)) - d|| / ||d|| (None: codec none, off,
+    or this process did not contribute)."""
     pseudo_grad_norm: float = 0.0
-    """L2 norm of this process's local pseudo-gradient, before averaging."""
+    """L2 norm of this process's local pseudo-gradient, before averaging (0: it did not contribute)."""
     attempts: int = 0
     """All-reduce attempts (1 when the first worked)."""
     ring_stats: dict = field(default_factory=dict)
     """Further timings the ring reports (quantize / wire / reduce seconds, ...)."""
-
-
-_STAT_NAMES = {
-    "bytes_sent": ("bytes_sent", "sent_bytes", "tx_bytes", "bytes_out"),
-    "bytes_received": ("bytes_received", "bytes_recv", "recv_bytes", "rx_bytes", "bytes_in"),
-    "quantize_s": ("quantize_s", "quantize_time_s", "time_quantize_s", "quantize_time", "quantize_seconds"),
-    "wire_s": ("wire_s", "wait_s", "wire_time_s", "wire_time", "network_s"),
-    "reduce_s": ("reduce_s", "reduce_time_s", "time_reduce_s", "reduce_time", "reduce_seconds", "dequantize_s"),
-    "total_s": ("total_s", "elapsed_s", "time_s", "duration_s"),
-}
-
-
-def work_stats(work) -> dict:
-    """Statistics of a finished ring Work as a dict with our names; absent ones are left out.
-
-    Looks for each name among the Work's attributes and in `work.stats`
-    (attribute, dict or method), so small changes of the ring's API do not
-    break the trainer.
-    """
-    sources = [work]
-    stats = getattr(work, "stats", None)
-    if callable(stats):
-        try:
-            stats = stats()
-        except TypeError:
-            stats = None
-    if stats is not None:
-        sources.append(stats)
-    out = {}
-    for ours, candidates in _STAT_NAMES.items():
-        for src in sources:
-            for name in candidates:
-                v = src.get(name) if isinstance(src, dict) else getattr(src, name, None)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[ours] = v
-                    break
-            if ours in out:
-                break
-    return out
-
-
-def _comm_error_types() -> tuple:
-    try:
-        from prime.comm import CommError  # the real ring's error
-
-        return (CommError,)
-    except ImportError:
-        return ()
-
-
-def _is_comm_error(e: BaseException) -> bool:
-    # Duck-typed as well, so rings from elsewhere (and test doubles) can signal a failed collective.
-    return isinstance(e, _comm_error_types()) or type(e).__name__ == "CommError"
-
-
-def _ring_rank_size(ring) -> tuple[Optional[int], Optional[int]]:
-    rank = next((getattr(ring, a) for a in ("rank", "node_rank") if isinstance(getattr(ring, a, None), int)), None)
-    size = next((getattr(ring, a) for a in ("world_size", "size") if isinstance(getattr(ring, a, None), int)), None)
-    return rank, size
+    members: list = field(default_factory=list)
+    """Nodes that took part in the outer step (ring order)."""
+    contributors: int = 0
+    """Nodes whose pseudo-gradient is in the average."""
+    details: Any = None
+    """What the sync reports beyond this (prime.elastic.ElasticReport for elastic nodes)."""
 
 
 class DiLoCo:
@@ -159,20 +93,39 @@ class DiLoCo:
 
     model:            a plain nn.Module or one sharded with FSDP2 `fully_shard`
                       (each process then handles only its local shards)
-    inner_optimizer:  the optimizer of the inner steps; used to check that it
-                      holds this model's parameters (build it after fully_shard)
-    ring:             a prime.comm.Ring joining this process with its peers on
-                      the other nodes (local rank g of every node), or None for
-                      a single node: step() then only counts steps
+    inner_optimizer:  the optimizer of the inner steps (build it after fully_shard).
+                      Its step hooks take the outer weights before its first step,
+                      check that step() is not forgotten, and, inside `with diloco:`,
+                      run step() after each of its steps (a step with lr 0 in every
+                      group, as torch.distributed.checkpoint takes to initialize the
+                      optimizer's state, changes nothing and is not counted). None:
+                      call reset_outer() and step() yourself (the outer weights are
+                      taken at construction)
+    sync:             a prime.comm.Ring joining this process with its peers on the
+                      other nodes (local rank g of every node), or a prime.sync.Sync
+                      (e.g. prime.elastic.ElasticSync), or None for a single node:
+                      step() then only counts steps. A ring or sync passed in stays
+                      the caller's: close() does not close it
     inner_steps:      H, inner steps between outer steps
-    outer_lr, outer_momentum, nesterov: the outer SGD
-    codec:            "int8" or "none" (exact fp32) for the all-reduce
+    outer_lr, outer_momentum, nesterov: the default outer update (bit-identical on
+                      every node, see prime/outer.py)
+    outer_optimizer:  outer_optimizer(params) -> any torch optimizer over the outer
+                      parameters (fp32 CPU tensors, one per model parameter), in place
+                      of the default update. Nodes then agree bit for bit only when
+                      they run the same torch build on the same CPU instruction set
+    codec:            "int8" (default) or "none". int8 sends about a quarter of the
+                      bytes of fp32 but each node's pseudo-gradient is quantized with
+                      a relative L2 error of about 1% per node (OuterStepResult.
+                      compression_error); the average is then not the exact one.
+                      codec="none" averages in exact fp32 (4x the bytes)
     block_size:       int8 block size; each parameter starts a new block
-    ring_factory:     ring_factory(tag) -> new Ring, used to retry after a
-                      failure; None: no retries
+    ring_factory:     ring_factory(tag) -> new Ring, used to retry after a failure
+                      (with a ring or sync=None; None: no retries)
     retries:          retries per outer step when ring_factory is given
-    local_group:      process group of this node's processes, to agree on
-                      failures (default: the default group when initialized)
+    local_group:      process group of this node's processes, to agree on failures;
+                      default: derived from torchrun's local world (the default group
+                      when WORLD_SIZE == LOCAL_WORLD_SIZE); a group spanning nodes is
+                      refused (ValueError)
     measure_compression_error: compute OuterStepResult.compression_error
     check_replicas:   compare weights and settings across nodes at the first
                       outer step (see check_replicas())
@@ -182,12 +135,13 @@ class DiLoCo:
         self,
         model: nn.Module,
         inner_optimizer: Optional[torch.optim.Optimizer],
-        ring=None,
+        sync=None,
         *,
         inner_steps: int = 100,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
         codec: str = "int8",
         block_size: int = 256,
         ring_factory: Optional[Callable[[str], object]] = None,
@@ -209,9 +163,9 @@ class DiLoCo:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.model = model
-        self.params = [p for p in model.parameters()]
+        params = list(model.parameters())
         if inner_optimizer is not None:
-            ids = {id(p) for p in self.params}
+            ids = {id(p) for p in params}
             stray = sum(1 for g in inner_optimizer.param_groups for p in g["params"] if id(p) not in ids)
             if stray:
                 raise ValueError(
@@ -219,320 +173,208 @@ class DiLoCo:
                     "build the optimizer after fully_shard(), which replaces the parameters"
                 )
         self.inner_optimizer = inner_optimizer
-        self.ring = ring
-        self.ring_factory = ring_factory
-        self.inner_steps, self.outer_lr, self.outer_momentum = inner_steps, outer_lr, outer_momentum
-        self.nesterov, self.codec, self.block_size, self.retries = nesterov, codec, block_size, retries
+        self.inner_steps, self.codec, self.block_size = inner_steps, codec, block_size
         self.measure_compression_error = measure_compression_error and codec == "int8"
-        # Fixed at construction: a ring that broke (and was dropped) must not turn syncing off.
-        self.distributed = ring is not None or ring_factory is not None
+        if isinstance(sync, Sync):
+            if ring_factory is not None or local_group is not None:
+                raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "
+                                 "not to DiLoCo, when passing a Sync")
+            self._sync, self._owns_sync = sync, False
+        elif sync is not None or ring_factory is not None:
+            self._sync = RingSync(sync, ring_factory=ring_factory, retries=retries,
+                                  local_group=node_local_group(local_group))
+            self._owns_sync = True
+        else:
+            self._sync, self._owns_sync = None, False
+        self.distributed = self._sync is not None
+        """True when outer steps run (a ring or sync was given); False: step() only counts."""
         self._check_pending = check_replicas and self.distributed
-        if local_group is None:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                local_group = dist.group.WORLD
-        self.local_group = local_group
         self.inner_step = 0  # inner steps taken in total
         self.outer_step = 0  # outer steps completed
         self.since_sync = 0  # inner steps since the last outer step
-        self._generation = 0  # rings built by ring_factory so far
-        self._outer = self._momentum = self._grad = None
+        self.result: Optional[OuterStepResult] = None
+        """The result of the latest step() (also of the ones the optimizer hook runs)."""
+        self.state: Optional[OuterState] = None
+        """The outer weights and momentum (None on a single node)."""
         if self.distributed:
-            self._build_buffers()
+            self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                    nesterov=nesterov, optimizer_factory=outer_optimizer)
+            self._sync.bind(self.state, self.settings())
+            if inner_optimizer is None:
+                self.state.take()  # no first inner step to wait for
+        # Hooks: the pre-hook runs before every inner step, the post-hook only inside `with`.
+        self._unstepped = 0  # inner optimizer steps since the last step() call
+        self._post_hook = None
+        self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step) if inner_optimizer else None
 
-    # -- layout ------------------------------------------------------------
+    def settings(self) -> dict:
+        """What every node must share: the cadence, the codec and the outer update over the same shapes."""
+        s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
+        if self.state is not None:
+            s.update(self.state.settings())
+        return s
 
-    def _build_buffers(self) -> None:
-        """Flat fp32 CPU buffers for outer weights, momentum and pseudo-gradient; each parameter block-aligned."""
-        self._locals = [local_shard(p.detach()) for p in self.params]
-        self._offsets, off = [], 0
-        for t in self._locals:
-            self._offsets.append(off)
-            off += -(-t.numel() // self.block_size) * self.block_size  # round up: blocks never span two parameters
-        self.numel = off
-        devices = {t.device.type for t in self._locals}
-        self._on_gpu = "cuda" in devices
-        pin = self._on_gpu and torch.cuda.is_available()
-        self._outer = torch.zeros(off, dtype=torch.float32, pin_memory=pin)
-        self._momentum = torch.zeros(off, dtype=torch.float32)
-        self._grad = torch.zeros(off, dtype=torch.float32, pin_memory=pin)
-        self._gather(self._outer)
+    # -- the hook form -------------------------------------------------------------
 
-    def _views(self, flat: torch.Tensor):
-        for t, off in zip(self._locals, self._offsets):
-            yield t, flat[off : off + t.numel()]
+    def __enter__(self) -> "DiLoCo":
+        """Inside `with diloco:`, every inner_optimizer.step() also runs step(); leaving closes (see close())."""
+        if self.inner_optimizer is None:
+            raise RuntimeError("`with DiLoCo(...)` needs the inner optimizer, whose step hook drives the outer "
+                               "steps; without one, call step() after every inner step")
+        if self._post_hook is None:
+            self._post_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        return self
 
-    @torch.no_grad()
-    def _gather(self, dst: torch.Tensor) -> None:
-        """Copies the local parameter values into the flat buffer `dst` (device -> host)."""
-        for t, view in self._views(dst):
-            view.copy_(t.reshape(-1), non_blocking=True)
-        if self._on_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies must land before the CPU reads dst
+    def __exit__(self, *exc) -> None:
+        self.close()
 
-    @torch.no_grad()
-    def _scatter(self, src: torch.Tensor) -> None:
-        """Copies the flat buffer `src` into the local parameters (host -> device)."""
-        for t, view in self._views(src):
-            t.copy_(view.view_as(t), non_blocking=True)
-        if self._on_gpu:
-            torch.cuda.synchronize()  # src is pinned host memory that the next outer step rewrites
+    def _is_inner_step(self) -> bool:
+        # torch.distributed.checkpoint initializes optimizer state with a step at lr 0 in every group
+        # (torch's _init_optim_state): it changes nothing and is not an inner step.
+        return any(float(g.get("lr", 1.0)) != 0.0 for g in self.inner_optimizer.param_groups)
 
-    # -- the step ----------------------------------------------------------
+    def _after_inner_step(self, *_) -> None:
+        if self._is_inner_step():
+            self._count()
+
+    def _before_inner_step(self, *_) -> None:
+        if not self._is_inner_step():
+            return
+        if self.state is not None:
+            self.state.ensure_taken()  # the first inner step: weights loaded after construction are kept
+        if self._post_hook is None and self._unstepped >= 1:
+            raise RuntimeError(
+                "the inner optimizer stepped twice without DiLoCo.step() in between, so no outer step would ever "
+                "run: call diloco.step() after every inner_optimizer.step(), or use `with diloco:` to let the "
+                "optimizer's step hook do it")
+        self._unstepped += 1
+
+    def reset_outer(self) -> None:
+        """Outer weights := the model's current weights (momentum kept). Call after loading weights when
+        no inner optimizer was given; with one, its first step does this."""
+        if self.state is not None:
+            self.state.take()
+
+    # -- the step ----------------------------------------------------------------------
 
     def step(self) -> OuterStepResult:
-        """Call after every inner optimizer step. Runs an outer step when inner_steps steps have passed."""
+        """Call after every inner optimizer step (not inside `with diloco:`, where the optimizer's hook
+        calls it). Runs an outer step when inner_steps steps have passed; returns what it did."""
+        if self._post_hook is not None:
+            raise RuntimeError("inside `with diloco:` the inner optimizer's step hook runs DiLoCo.step(); "
+                               "calling it as well would count every inner step twice")
+        return self._count()
+
+    def _count(self) -> OuterStepResult:
+        self._unstepped = 0
         self.inner_step += 1
         self.since_sync += 1
         if not self.distributed:
             self.since_sync = 0
-            return OuterStepResult(False, self.inner_step, self.outer_step)
-        if self.since_sync < self.inner_steps:
-            return OuterStepResult(False, self.inner_step, self.outer_step)
-        return self.sync()
+            self.result = OuterStepResult(False, self.inner_step, self.outer_step)
+        elif self.since_sync < self.inner_steps:
+            self.result = OuterStepResult(False, self.inner_step, self.outer_step)
+        else:
+            self.result = self.sync()
+        return self.result
 
     @torch.no_grad()
     def sync(self) -> OuterStepResult:
-        """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the all-reduce keeps failing."""
+        """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the average keeps failing."""
         if not self.distributed:
-            raise RuntimeError("DiLoCo.sync() needs a ring; this DiLoCo was built with ring=None")
+            raise RuntimeError("DiLoCo.sync() needs a ring or a sync; this DiLoCo was built with sync=None")
         t0 = time.perf_counter()
         if self._check_pending:
             self.check_replicas()
-        g = self._grad
-        self._pseudo_gradient(g)
-        norm, comp_err = self._inspect(g)
+        st = self.state
+        st.ensure_taken()
+        g = st.grad
+        st.pseudo_gradient(g)
+        norm, comp_err = st.inspect(g, self.measure_compression_error)
         prepare_s = time.perf_counter() - t0
         finite = math.isfinite(norm)
-        if not self._all_local(finite):
+        if not self._sync.agree(finite):
             raise OuterSyncError(
                 f"outer step {self.outer_step + 1}: the pseudo-gradient is not finite "
                 f"({'here' if not finite else 'on another process of this node'}): inner training diverged; "
                 "lower optim.lr or resume from an earlier checkpoint"
             )
-        stats, attempts, ar_s = self._allreduce(g, op="avg", codec=self.codec, recompute=self._pseudo_gradient)
+        r: SyncResult = self._sync.average(g, outer_step=self.outer_step + 1, inner_step=self.inner_step,
+                                           recompute=st.pseudo_gradient)
         u0 = time.perf_counter()
-        self._outer_update(g)
-        self._scatter(self._outer)
+        st.update(g)
+        st.load_into_model()
         update_s = time.perf_counter() - u0
+        self.outer_step = self.outer_step + 1 if r.outer_step is None else r.outer_step
+        if r.inner_step is not None:
+            self.inner_step = r.inner_step  # elastic: a node that joined takes the job's step
         self.since_sync = 0
-        self.outer_step += 1
+        self._sync.committed(r)
+        stats = dict(r.stats)
         return OuterStepResult(
             did_sync=True,
             inner_step=self.inner_step,
             outer_step=self.outer_step,
-            numel=self.numel,
-            allreduce_s=ar_s,
+            numel=st.numel,
+            allreduce_s=r.allreduce_s,
             outer_s=time.perf_counter() - t0,
             prepare_s=prepare_s,
             update_s=update_s,
             bytes_sent=stats.pop("bytes_sent", None),
             bytes_received=stats.pop("bytes_received", None),
-            compression_error=comp_err,
-            pseudo_grad_norm=norm,
-            attempts=attempts,
+            compression_error=comp_err if r.contributed else None,
+            pseudo_grad_norm=norm if r.contributed else 0.0,
+            attempts=r.attempts,
             ring_stats=stats,
-        )
-
-    def _pseudo_gradient(self, g: torch.Tensor) -> None:
-        """g = outer - local (padding stays 0 - 0 = 0)."""
-        self._gather(g)
-        torch.sub(self._outer, g, out=g)
-
-    def _inspect(self, g: torch.Tensor) -> tuple[float, Optional[float]]:
-        """L2 norm of g and, for int8, the relative L2 error of its quantize/dequantize round trip."""
-        from prime import ops
-
-        sq = err = 0.0
-        chunk = (_CHUNK // self.block_size) * self.block_size or self.block_size  # whole blocks, as the ring cuts them
-        for s in range(0, g.numel(), chunk):
-            c = g[s : s + chunk]
-            sq += float(torch.dot(c, c).double() if c.numel() else 0.0)
-            if self.measure_compression_error and math.isfinite(sq):
-                q, scales = ops.quantize_int8(c, self.block_size, check_finite=False)
-                d = ops.dequantize_int8(q, scales, self.block_size)
-                d.sub_(c)
-                err += float(torch.dot(d, d))
-        norm = math.sqrt(sq)
-        if not self.measure_compression_error:
-            return norm, None
-        return norm, (math.sqrt(err) / norm if norm > 0 else 0.0)
-
-    def _outer_update(self, g: torch.Tensor) -> None:
-        """Nesterov SGD on the CPU fp32 outer weights; one rounding per operation (see the module docstring)."""
-        mu, lr = self.outer_momentum, self.outer_lr
-        tmp = torch.empty(min(_CHUNK, g.numel()), dtype=torch.float32)
-        for s in range(0, g.numel(), _CHUNK):
-            gc, mc, wc = g[s : s + _CHUNK], self._momentum[s : s + _CHUNK], self._outer[s : s + _CHUNK]
-            t = tmp[: gc.numel()]
-            mc.mul_(mu)
-            mc.add_(gc)  # momentum = mu * momentum + g
-            if self.nesterov:
-                torch.mul(mc, mu, out=t)
-                t.add_(gc)  # update = g + mu * momentum
-            else:
-                t.copy_(mc)
-            t.mul_(lr)
-            wc.sub_(t)  # outer -= lr * update
-
-    # -- the all-reduce with retries -----------------------------------------
-
-    def _all_local(self, ok: bool) -> bool:
-        """True when `ok` holds on every process of this node (a tiny collective on the local group)."""
-        if self.local_group is None:
-            return ok
-        import torch.distributed as dist
-
-        dev = "cpu"
-        try:
-            if dist.get_backend(self.local_group) == "nccl":
-                dev = torch.device("cuda", torch.cuda.current_device())
-        except Exception:  # a group without a queryable backend: use the CPU
-            pass
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.local_group)
-        return bool(flag.item())
-
-    def _new_ring(self, tag: str):
-        if self.ring is not None:
-            try:
-                self.ring.close()
-            except Exception:  # the ring is already broken; closing it is best effort
-                pass
-            self.ring = None
-        self._generation += 1
-        self.ring = self.ring_factory(tag)
-
-    def _allreduce(self, buf: torch.Tensor, *, op: str, codec: str, recompute: Optional[Callable] = None):
-        """ring.all_reduce(buf) with retries on fresh rings. Returns (stats, attempts, seconds)."""
-        t0 = time.perf_counter()
-        last = None
-        attempts = 0
-        max_attempts = 1 + (self.retries if self.ring_factory is not None else 0)
-        for attempt in range(max_attempts):
-            attempts += 1
-            err = None
-            stats = {}
-            try:
-                if self.ring is None:
-                    if self.ring_factory is None:
-                        raise OuterSyncError(
-                            "the ring failed earlier and no ring_factory was given to rebuild it; restart the job"
-                        )
-                    self._new_ring(f"o{self.outer_step}a{attempt}")
-                work = self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
-                work.wait()
-                stats = work_stats(work)
-            except Exception as e:
-                if not (_is_comm_error(e) or isinstance(e, OuterSyncError)):
-                    raise  # a bug or a bad argument, not a network failure: no retry
-                err = e
-            if self._all_local(err is None):
-                return stats, attempts, time.perf_counter() - t0
-            # Some process of this node failed. Everyone drops its ring, so that all
-            # rings of this node are rebuilt together under the next tag.
-            last = err or last or RuntimeError("the all-reduce failed on another process of this node")
-            if self.ring is not None:
-                try:
-                    self.ring.close()
-                except Exception:
-                    pass
-                self.ring = None
-            if err is None and recompute is not None:
-                recompute(buf)  # this process's all-reduce had worked: restore its own input
-        raise OuterSyncError(
-            f"outer step {self.outer_step + 1}: the all-reduce across nodes failed {attempts} time(s) "
-            f"(last error: {last}). The outer weights were not changed; stopping so that nodes do not diverge. "
-            "Restart every node from the last checkpoint."
+            members=list(r.members),
+            contributors=r.contributors,
+            details=r.details,
         )
 
     # -- consistency across nodes ----------------------------------------------
 
     def _fingerprint(self) -> tuple[int, int, int]:
-        weights = hashlib.blake2b(self._outer.numpy().data, digest_size=8).digest()
-        settings = repr(
-            (self.inner_steps, self.outer_lr, self.outer_momentum, self.nesterov, self.codec, self.block_size,
-             [t.numel() for t in self._locals], self.outer_step)
-        )
-        s = hashlib.blake2b(settings.encode(), digest_size=8).digest()
-        return int.from_bytes(weights, "little"), int.from_bytes(s, "little"), self.numel
+        st = self.state
+        s = self.settings()
+        settings = repr((self.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
+                         s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size,
+                         st.sizes, self.outer_step))
+        h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
+        return st.weights_hash(), int.from_bytes(h, "little"), st.numel
 
     @torch.no_grad()
     def check_replicas(self) -> None:
-        """Checks through the ring that every node holds the same outer weights, settings and shard size.
+        """Checks that every node holds the same outer weights, settings and shard size (through the sync).
 
-        Each node puts 16-bit pieces of its fingerprints (weights hash, settings
-        hash, element count) in its own slots of a small vector; an exact sum
-        all-reduce (zeros elsewhere) gathers them everywhere, since sums of
-        integers below 2^24 are exact in fp32. Raises ReplicaMismatchError on
-        every process when any node differs.
-        """
-        if self._outer is None:
-            self._build_buffers()
-        rank, size = _ring_rank_size(self.ring)
-        if rank is None or size is None:
-            self._check_pending = False
-            return  # a ring that does not tell its rank: nothing to compare with
-        slots = 11
-        w, s, n = self._fingerprint()
-        pieces = [(w >> (16 * i)) & 0xFFFF for i in range(4)] + [(s >> (16 * i)) & 0xFFFF for i in range(4)]
-        pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
-
-        def fill(v: torch.Tensor) -> None:
-            v.zero_()
-            v[rank * slots : (rank + 1) * slots] = torch.tensor(pieces, dtype=torch.float32)
-
-        vec = torch.empty(size * slots, dtype=torch.float32)
-        fill(vec)
-        self._allreduce(vec, op="sum", codec="none", recompute=fill)
-        table = vec.view(size, slots).to(torch.int64).tolist()
-        problems = []
-        for what, lo, hi in (("shard sizes", 8, 11), ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 4, 8), ("outer weights", 0, 4)):
-            mine = table[rank][lo:hi]
-            differ = [r for r in range(size) if table[r][lo:hi] != mine]
-            if differ:
-                problems.append(f"{what} differ from node(s) {differ}")
-        ok = self._all_local(not problems)
-        if not ok:
-            detail = "; ".join(problems) or "another process of this node found a mismatch"
-            raise ReplicaMismatchError(
-                f"node {rank}: {detail}. Every node must start from the same seed (or resume from the same "
-                "checkpoint step) with the same model, [diloco] settings and processes per node."
-            )
+        Raises ReplicaMismatchError on every process when any node differs."""
+        if not self.distributed:
+            return
+        self._sync.verify(self._fingerprint(), outer_step=self.outer_step + 1)
         self._check_pending = False
 
     # -- state ---------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Counters, outer weights and momentum (CPU tensors; the caller may save them with torch.save)."""
-        sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync,
-              "generation": self._generation}
-        if self._outer is not None:
-            sd.update(outer=self._outer, momentum=self._momentum, numel=self.numel)
+        sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
+        if self.state is not None:
+            sd.update(self.state.state_dict())
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores state_dict(); the model's local weights must already be restored."""
         self.inner_step, self.outer_step = int(sd["inner_step"]), int(sd["outer_step"])
-        self.since_sync, self._generation = int(sd["since_sync"]), int(sd.get("generation", 0))
-        if "outer" in sd:
-            if self._outer is None:
-                self._build_buffers()
-            if int(sd["numel"]) != self.numel:
-                raise ValueError(
-                    f"the checkpoint's outer state has {sd['numel']} values but this process's shard needs "
-                    f"{self.numel}: resume with the same model and processes per node"
-                )
-            self._outer.copy_(sd["outer"])
-            self._momentum.copy_(sd["momentum"])
+        self.since_sync = int(sd["since_sync"])
+        if "outer" in sd and self.state is not None:
+            self.state.load_state_dict(sd)
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
     def close(self) -> None:
-        """Closes the current ring (also one passed to the constructor)."""
-        if self.ring is not None:
-            try:
-                self.ring.close()
-            finally:
-                self.ring = None
+        """Removes the optimizer hooks and closes what this DiLoCo created (a ring or sync passed in stays open)."""
+        for h in (self._pre_hook, self._post_hook):
+            if h is not None:
+                h.remove()
+        self._pre_hook = self._post_hook = None
+        if self._owns_sync and self._sync is not None:
+            self._sync.close()

@@ -50,13 +50,15 @@ class NonFiniteError(ValueError):
 # argument checks, shared by every backend so the messages are the same
 
 
-def check_block_size(block_size: int) -> None:
+def check_block_size(block_size: int, name: str = "block_size") -> None:
+    """The one Python statement of the block-size rule (C++: csrc/codec/checks.h).
+
+    Raises TypeError for a non-int and ValueError for an int that is not a power of two
+    from 32 to 4096; `name` is what the message calls the value (a config field, say)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(block_size).__name__}")
     if block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, got {block_size}"
-        )
+        raise ValueError(f"{name} must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, got {block_size}")
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -147,13 +149,17 @@ def stochastic_uniform_reference(seed: int, index: torch.Tensor) -> torch.Tensor
 
 
 def quantize_int8_reference(
-    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, seed: Optional[int] = None
+    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, seed: Optional[int] = None, *, first_index: int = 0
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The codec in plain torch ops. Returns (q int8[n], scales float32[ceil(n/B)]).
 
-    Blocks with non-finite input get a NaN scale and zero q (the flag)."""
+    Blocks with non-finite input get a NaN scale and zero q (the flag). `first_index`
+    is the flattened index of x's first element in a larger tensor: stochastic
+    rounding keys its generator by (seed, first_index + i)."""
     _check_input(x)
     check_block_size(block_size)
+    if not 0 <= first_index < 2**63:
+        raise ValueError(f"first_index must be in [0, 2^63), got {first_index}")
     flat = x.reshape(-1).to(torch.float32)
     n = flat.numel()
     nb = num_blocks(n, block_size)
@@ -168,7 +174,8 @@ def quantize_int8_reference(
     if seed is None:
         r = torch.round(v)  # round half to even
     else:
-        index = torch.arange(nb * block_size, dtype=torch.int64, device=x.device).view(nb, block_size)
+        # the padding past n may run beyond 2^63 - 1 at the very top of the range: it is discarded
+        index = first_index + torch.arange(nb * block_size, dtype=torch.int64, device=x.device).view(nb, block_size)
         u = stochastic_uniform_reference(seed, index)
         f = torch.floor(v)
         r = f + (u < (v - f)).to(torch.float32)

@@ -168,7 +168,9 @@ class Trainer:
         cfg = self.cfg
         self.source = load_source(cfg.data.source, cfg.data.path, cfg.data.bin_dtype)
         if self.elastic:  # data slot = node rank for initial nodes; a joiner gets its slot when admitted
-            self.loader = self._slot_loader(self.node_rank % self.num_nodes)
+            from prime.elastic.trainer import slot_loader
+
+            self.loader = slot_loader(self, self.node_rank % self.num_nodes)
         else:
             self.loader = ShardedLoader(
                 self.source, cfg.data.seq_len, cfg.train.micro_batch_size,
@@ -176,15 +178,6 @@ class Trainer:
                 seed=cfg.train.seed, vocab_size=self.model_args.vocab_size,
             )
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.local_world
-
-    def _slot_loader(self, slot: int) -> ShardedLoader:
-        """Elastic: the data of slot s is shard s mod num_nodes; slots past num_nodes read it in another order."""
-        cfg = self.cfg
-        return ShardedLoader(
-            self.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=slot % self.num_nodes,
-            num_shards=self.num_nodes, seed=cfg.train.seed + 7919 * (slot // self.num_nodes),
-            vocab_size=self.model_args.vocab_size,
-        )
 
     def _make_ring(self, tag: str):
         """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
@@ -204,21 +197,27 @@ class Trainer:
 
     def _init_diloco(self) -> None:
         d = self.cfg.diloco
+        # Elastic: the ElasticSync averages; otherwise DiLoCo builds a ring sync from _make_ring
+        # (its first ring at once, tagged "start") when there are other nodes.
+        self.elastic_sync = None
+        ring = {}
         if self.elastic:
-            from prime.elastic.trainer import build_elastic_diloco
+            from prime.elastic.trainer import build_elastic_sync
 
-            self.diloco = build_elastic_diloco(self)
+            self.elastic_sync = build_elastic_sync(self)
+        elif self.num_nodes > 1:
+            ring = dict(ring_factory=self._make_ring, retries=d.retries,
+                        local_group=self.dist.group.WORLD if self.dist.is_initialized() else None)
+        self.diloco = DiLoCo(
+            self.model, self.optimizer, self.elastic_sync,
+            inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
+            codec=d.codec, block_size=d.block_size, measure_compression_error=d.compression_error,
+            check_replicas=d.check_replicas and not self.elastic, **ring,
+        )
+        if self.elastic:
             self.model_numel = sum(p.numel() for p in self.model.parameters())
             self.dp_bytes_per_step = 0.0  # set per outer step from its members (_after_outer)
             return
-        ring = self._make_ring("start") if self.num_nodes > 1 else None
-        self.diloco = DiLoCo(
-            self.model, self.optimizer, ring,
-            inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
-            codec=d.codec, block_size=d.block_size, ring_factory=self._make_ring if ring is not None else None,
-            retries=d.retries, local_group=self.dist.group.WORLD if self.dist.is_initialized() else None,
-            measure_compression_error=d.compression_error, check_replicas=d.check_replicas,
-        )
         # Per node, what one outer step would cost data parallelism: a ring all-reduce of fp32
         # gradients every inner step (see prime/metrics.py).
         n = self.num_nodes
@@ -236,7 +235,7 @@ class Trainer:
                 cfg.checkpoint.dir, self.node_rank, self.local_rank, self.local_world, process_group=pg,
                 keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
             )
-            if cfg.checkpoint.resume and not (self.elastic and self.diloco.is_joiner):  # a joiner downloads
+            if cfg.checkpoint.resume and not (self.elastic and self.elastic_sync.is_joiner):  # a joiner downloads
                 steps = self.ckpt.complete_steps()
                 step = agree_on_resume_step(steps, self.store, self.node_rank, self.num_nodes, publish=self.local_rank == 0)
                 if step is not None:
@@ -267,7 +266,8 @@ class Trainer:
         if self.elastic:
             d = c.diloco
             self.log.print(
-                f"elastic DiLoCo: node {self.diloco.node_id} ({'joiner' if self.diloco.is_joiner else 'initial node'}), "
+                f"elastic DiLoCo: node {self.elastic_sync.node_id} "
+                f"({'joiner' if self.elastic_sync.is_joiner else 'initial node'}), "
                 f"{self.num_nodes} initial nodes, outer step every {d.inner_steps} inner steps, codec {d.codec}"
             )
         elif self.num_nodes > 1:
@@ -338,17 +338,17 @@ class Trainer:
             if self.elastic:
                 from prime.elastic.trainer import start_elastic
 
-                if not start_elastic(self):
+                result = start_elastic(self)  # initial nodes serve their state; a joiner joins (an outer step)
+                if result is None:
                     return self._summary(time.perf_counter() - t_start)  # the job ended before this node got in
+                self._rejoined(result)
             if self.diloco.distributed:
                 if cfg.diloco.check_replicas and not self.elastic:  # elastic: joiners check a digest instead
                     self.diloco.check_replicas()
                 if self.diloco.since_sync >= cfg.diloco.inner_steps:
                     # The checkpoint was written after a failed outer step: do that outer step first.
                     result = self.diloco.sync()
-                    if getattr(result, "rejoined", None) is not None:
-                        self._on_join(result.rejoined)
-                    else:
+                    if not self._rejoined(result):
                         self._after_outer(result)
             while self.step < cfg.train.steps:
                 self.step += 1
@@ -364,8 +364,7 @@ class Trainer:
                 self.compute_s += step_s
                 self._phase_compute += step_s
                 result = self.diloco.step()
-                if getattr(result, "rejoined", None) is not None:  # elastic: evicted, now back at the job's step
-                    self._on_join(result.rejoined)
+                if self._rejoined(result):  # elastic: evicted, now back at the job's step
                     continue
                 show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
                 self._log_step(float(loss), float(gnorm), lr, step_s, show)
@@ -443,11 +442,18 @@ class Trainer:
 
         return (JobFinished,)
 
-    def _on_join(self, info) -> None:
-        """Elastic: this node was admitted; continue from the job's step with its data slot and fresh AdamW moments."""
+    def _rejoined(self, result) -> bool:
+        """Elastic: True when this node joined at this outer step (logged here); it continues from the job's
+        step with its data slot and fresh AdamW moments."""
+        info = getattr(result.details, "rejoined", None)
+        if info is None:
+            return False
         from prime.elastic.trainer import on_join
 
         on_join(self, info)
+        self._phase_compute = 0.0
+        self._after_outer(result)
+        return True
 
     def _log_step(self, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> None:
         """Records every step in the JSONL file; prints the line when `show`."""
@@ -467,7 +473,7 @@ class Trainer:
 
     def _after_outer(self, r) -> None:
         """Logs one outer step: all-reduce time and bytes (summed over the node's processes), error, utilization."""
-        n = len(r.members) if getattr(r, "members", None) else self.num_nodes
+        n = len(r.members) or self.num_nodes
         if self.elastic:  # what data parallelism among this outer step's nodes would have sent
             self.dp_bytes_per_step = 2 * (n - 1) / n * 4 * self.model_numel
         measured = r.bytes_sent is not None
@@ -495,12 +501,13 @@ class Trainer:
             f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
             + (f" | {r.attempts} attempts" if r.attempts > 1 else "")
             + (f" | nodes {len(r.members)}" if self.elastic else "")
-            + (f" | recovery {r.recovery_s:.2f} s" if getattr(r, "recovery_s", None) is not None else "")
+            + (f" | recovery {r.details.recovery_s:.2f} s" if getattr(r.details, "recovery_s", None) is not None else "")
         )
         extra = {}
         if self.elastic:
-            extra = dict(nodes=len(r.members), members=r.members, contributors=r.contributors, joined=r.joined,
-                         evicted=r.evicted, wait_s=r.wait_s, recovery_s=r.recovery_s, digest=r.digest,
+            e = r.details
+            extra = dict(nodes=len(r.members), members=r.members, contributors=r.contributors, joined=e.joined,
+                         evicted=e.evicted, wait_s=e.wait_s, recovery_s=e.recovery_s, digest=e.digest,
                          time=time.time())
         self.log.record("outer", self.step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
                         prepare_s=getattr(r, "prepare_s", None), update_s=getattr(r, "update_s", None),
@@ -557,6 +564,8 @@ class Trainer:
                 self.ckpt.close()
         finally:
             self.diloco.close()
+            if self.elastic_sync is not None:
+                self.elastic_sync.close()  # leaves the job: the others drop this node at once
             self.log.close()
             if self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
                 path = plot_losses(self.cfg.metrics.out_dir, os.path.join(self.cfg.metrics.out_dir, "loss.png"))
@@ -577,7 +586,7 @@ class Trainer:
             return
         if self.elastic:
             if self.node_rank == 0 and not self.cfg.elastic.external_store:
-                self.diloco.membership.wait_all_gone(self.cfg.diloco.timeout_s)
+                self.elastic_sync.membership.wait_all_gone(self.cfg.diloco.timeout_s)
             return
         total = self.num_nodes * self.local_world
         self.store.add("finished", 1)

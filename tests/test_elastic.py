@@ -118,11 +118,14 @@ class Job:
         """Waits until joiner `node_id` says it holds the state after `outer_step` (its ready key in the store)."""
         import torch.distributed as dist
 
-        store = dist.PrefixStore("prime/prime/elastic", self.store)
+        from prime.comm.signed_store import SignedStore
+
+        store = SignedStore(dist.PrefixStore("prime/prime/elastic", self.store), SECRET.encode(), "prime")
         key = f"ready/{node_id}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if store.check([key]) and json.loads(store.get(key))["outer_step"] == outer_step:
+            offer = store.get(key)  # signed by the joiner
+            if offer is not None and offer["outer_step"] == outer_step:
                 return
             time.sleep(0.05)
         raise AssertionError(f"node {node_id} never became ready with outer step {outer_step}:\n"
@@ -176,16 +179,36 @@ class Job:
 
 
 def _assert_identical(job: Job, ranks) -> int:
-    """Every outer step recorded by two of `ranks` has the same digest on both. Returns the number of checks."""
+    """Every outer step recorded by two of `ranks` has the same digest on both. Returns the number of
+    comparisons made (pairs of nodes per step); callers assert it, so a run with no shared steps fails."""
+    return _assert_same_digests({r: job.outer(r) for r in ranks})
+
+
+def _assert_same_digests(outer_by_rank: dict) -> int:
     by_step: dict[int, dict] = {}
-    for r in ranks:
-        for k, rec in job.outer(r).items():
-            by_step.setdefault(k, {})[r] = rec["digest"]
+    for r, records in outer_by_rank.items():
+        for k, rec in records.items():
+            digest = rec["digest"]
+            # a SHA-256 in hex: a missing or empty digest must not compare equal to another one
+            assert isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest), (
+                f"node {r}, outer step {k}: digest {digest!r} is not a SHA-256 hex string")
+            by_step.setdefault(k, {})[r] = digest
     checks = 0
     for k, d in sorted(by_step.items()):
         assert len(set(d.values())) == 1, f"outer step {k}: digests differ between nodes: {d}"
         checks += len(d) - 1
     return checks
+
+
+def test_digest_comparison_can_fail():
+    """The helper the scenarios rely on: counts shared steps, and raises on a difference or a non-digest."""
+    a, b = "a" * 64, "b" * 64
+    assert _assert_same_digests({0: {1: {"digest": a}, 2: {"digest": b}}, 3: {2: {"digest": b}}}) == 1
+    assert _assert_same_digests({0: {1: {"digest": a}}, 1: {2: {"digest": a}}}) == 0
+    with pytest.raises(AssertionError, match="outer step 2: digests differ"):
+        _assert_same_digests({0: {2: {"digest": a}}, 1: {2: {"digest": b}}})
+    with pytest.raises(AssertionError, match="not a SHA-256"):
+        _assert_same_digests({0: {2: {"digest": None}}, 1: {2: {"digest": None}}})
 
 
 def _sha(state: dict) -> str:
@@ -282,7 +305,8 @@ def test_survivors_finish_after_a_kill_in_the_allreduce(scenario_a):
     # training went on to the end with the two survivors, identical after every outer step
     last = STEPS_A // INNER
     assert k < last and max(job.outer(0)) == max(job.outer(3)) == last
-    _assert_identical(job, [0, 1, 2, 3])
+    # nodes 0 and 3 both recorded every outer step from k to the end (and agreed at each)
+    assert _assert_identical(job, [0, 1, 2, 3]) >= last - k + 1
     a, b = job.final_state(0), job.final_state(3)
     assert torch.equal(a["diloco"]["outer"], b["diloco"]["outer"])
     assert torch.equal(a["diloco"]["momentum"], b["diloco"]["momentum"])
@@ -312,7 +336,7 @@ def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
     while not stop.is_set():
         store.add(f"hb/{node}", 1)
         if store.check(["members"]):
-            k = json.loads(store.get("members"))["k"]
+            k = json.loads(store.get("members").split(b":", 2)[2])["k"]  # a signed record: "ps1:<mac>:<json>"
             mac = hmac.new(b"not-the-secret", f"prime|ready|{node}|{k}".encode(), hashlib.sha256).hexdigest()
             store.set(f"ready/{node}", json.dumps({"outer_step": k, "mac": mac}))
         time.sleep(0.1)
@@ -402,7 +426,8 @@ def test_a_node_with_the_wrong_secret_cannot_join(scenario_b):
     assert not os.path.exists(os.path.join(job.ck, "node3")) or not os.listdir(os.path.join(job.ck, "node3"))
     for r in (1, 2):
         assert all(3 not in rec["members"] for rec in job.outer(r).values())
-    assert any("rejected a connection" in line for r in (1, 2) for _, line in job.lines[r])
+    # the job's store records are signed with the job's secret: node 3 ignored them and never dialled a member
+    assert "ignoring a store record" in out, out
 
 
 def test_a_forged_join_request_is_ignored(scenario_b):
@@ -463,11 +488,35 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
 # -- the average is over the nodes that contributed (API level, nodes as threads) -------------------
 
 
+class _ApiNode:
+    """One elastic node of the API test: prime.DiLoCo over an ElasticSync, no inner optimizer."""
+
+    def __init__(self, model, sync):
+        from prime.diloco import DiLoCo
+
+        self.model, self.sync, self.node_id = model, sync, sync.node_id
+        self.diloco = DiLoCo(model, None, sync, inner_steps=1, codec="none", measure_compression_error=False)
+        self.outer, self.momentum = self.diloco.state.outer, self.diloco.state.momentum
+
+    def start(self):
+        self.sync.start(self.diloco.outer_step, self.diloco.inner_step)
+
+    def join(self):
+        return self.diloco.sync()  # a joiner's first outer step downloads the state and is admitted
+
+    def step(self):
+        return self.diloco.step()
+
+    def close(self):
+        self.diloco.close()
+        self.sync.close()
+
+
 def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
-    """An ElasticDiLoCo around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
+    """An elastic node around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
     import torch.distributed as dist
 
-    from prime.elastic import ElasticDiLoCo, Membership
+    from prime.elastic import ElasticSync, Membership
 
     def factory():
         return dist.PrefixStore("api/elastic", dist.TCPStore("127.0.0.1", port, is_master=False))
@@ -478,8 +527,7 @@ def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
     m = Membership(factory, node_rank=rank, initial_nodes=initial, run_id="api", secret=b"api-secret",
                    heartbeat_interval_s=0.2, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=60,
                    report_timeout_s=30)
-    return ElasticDiLoCo(model, None, m, inner_steps=1, codec="none", ring_timeout_s=RING_TIMEOUT,
-                         start_timeout_s=30, measure_compression_error=False)
+    return _ApiNode(model, ElasticSync(m, ring_timeout_s=RING_TIMEOUT, start_timeout_s=30))
 
 
 def _run_threads(fns) -> list:
@@ -526,7 +574,7 @@ def test_the_average_is_over_the_nodes_that_contributed():
 
         def outer_step(active):
             """Moves each active node's weights by its own random delta, runs the outer step, checks it."""
-            ref_outer, ref_mom = active[0]._outer.clone(), active[0]._momentum.clone()
+            ref_outer, ref_mom = active[0].outer.clone(), active[0].momentum.clone()
             deltas = []
             for n in active:
                 with torch.no_grad():
@@ -535,9 +583,9 @@ def test_the_average_is_over_the_nodes_that_contributed():
             results = _run_threads([n.step for n in active])
             want = _expected(ref_outer[: w0.numel()].view_as(w0), ref_mom[: w0.numel()].view_as(w0), deltas)
             for n in active:
-                got = n._outer[: w0.numel()].view_as(w0).double()
+                got = n.outer[: w0.numel()].view_as(w0).double()
                 assert torch.allclose(got, want.view_as(w0), rtol=1e-5, atol=1e-5), (got - want.view_as(w0)).abs().max()
-                assert torch.equal(n._outer, active[0]._outer) and torch.equal(n._momentum, active[0]._momentum)
+                assert torch.equal(n.outer, active[0].outer) and torch.equal(n.momentum, active[0].momentum)
             return results
 
         r = outer_step(nodes)
@@ -546,7 +594,7 @@ def test_the_average_is_over_the_nodes_that_contributed():
         t0 = time.monotonic()
         r = outer_step(nodes[:2])
         assert time.monotonic() - t0 < HB_TIMEOUT, "a clean leave must not wait for the heartbeat timeout"
-        assert r[0].members == [0, 1] and r[0].evicted == [[2, "left cleanly"]]
+        assert r[0].members == [0, 1] and r[0].details.evicted == [[2, "left cleanly"]]
         joiner = _api_node(store.port, 5, 3, torch.zeros_like(w0))  # rank 5 >= 3 initial nodes: a joiner
         got = []
         jt = threading.Thread(target=lambda: got.append(joiner.join()), daemon=True)
@@ -558,11 +606,11 @@ def test_the_average_is_over_the_nodes_that_contributed():
         r = outer_step(nodes[:2])  # the joiner takes part with zeros: the average is still over 2
         jt.join(60)
         assert got and got[0].outer_step == 3
-        assert r[0].members == [0, 1, joiner.node_id] and r[0].contributors == 2 and r[0].joined == [joiner.node_id]
-        assert torch.equal(joiner._outer, nodes[0]._outer) and torch.equal(joiner._momentum, nodes[0]._momentum)
+        assert r[0].members == [0, 1, joiner.node_id] and r[0].contributors == 2 and r[0].details.joined == [joiner.node_id]
+        assert torch.equal(joiner.outer, nodes[0].outer) and torch.equal(joiner.momentum, nodes[0].momentum)
         assert torch.equal(joiner.model.weight, nodes[0].model.weight)
         r = _run_threads([n.step for n in (nodes[0], nodes[1], joiner)])  # and then it contributes
-        assert r[0].contributors == 3 and torch.equal(joiner._outer, nodes[0]._outer)
+        assert r[0].contributors == 3 and torch.equal(joiner.outer, nodes[0].outer)
     finally:
         for n in nodes + ([joiner] if joiner else []):
             n.close()
@@ -691,17 +739,19 @@ def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
 
     from prime.elastic import JobFinished
 
+    from prime.comm.signed_store import SignedStore
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    raw = dist.PrefixStore("m/elastic", store)
+    raw = SignedStore(dist.PrefixStore("m/elastic", store), b"m-secret", "m")  # nodes 0 and 1, written by hand
     for i in (0, 1):
-        raw.add(f"hb/{i}", 1)
-        raw.set(f"addr/{i}", f"127.0.0.1:{1000 + i}")
+        raw.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
+        raw.put(f"addr/{i}", f"127.0.0.1:{1000 + i}")
     m = _membership(store.port, 5, 2)
     m.register()
     try:
         def commit(k):
-            raw.set("members", json.dumps({"k": k, "members": [0, 1], "step": k * INNER, "time": 0.0,
-                                           "slots": {"0": 0, "1": 1}}))
+            raw.put("members", {"k": k, "members": [0, 1], "step": k * INNER, "time": 0.0,
+                                "slots": {"0": 0, "1": 1}})
 
         commit(15)
         assert [i for i, _ in m.live_sources(16 * INNER)] == [0, 1]
@@ -724,11 +774,15 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
 
     import torch.distributed as dist
 
+    from dataclasses import asdict
+
+    from prime.comm.signed_store import SignedStore
     from prime.elastic import Outcome, Plan
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     raw = dist.PrefixStore("m/elastic", store)
-    raw.add("hb/1", 1)
+    signed = SignedStore(raw, b"m-secret", "m")  # node 1 and the decisions of attempt 0, written by hand
+    signed.put("hb/1", {"node": 1, "seq": 1, "left": False})
     m = _membership(store.port, 0, 2)
     m.register(start_timeout_s=5)
     joiner = _membership(store.port, 7, 2)
@@ -739,14 +793,23 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
         assert joiner.node_id == 2 and fake == 3
         k = 5
         prev = Plan(k=k, attempt=0, members=[0, 1], contributors=[0, 1], slots={"0": 0, "1": 1}, step=k * INNER)
-        raw.set(f"b/{k}/a0/plan", prev.to_json())
+        signed.put(f"b/{k}/a0/plan", asdict(prev))
         joiner.set_ready(k - 1)
         mac = hmac.new(b"not-the-secret", f"m|ready|{fake}|{k - 1}".encode(), hashlib.sha256).hexdigest()
         raw.set(f"ready/{fake}", json.dumps({"outer_step": k - 1, "mac": mac}))
         outcome = Outcome(k=k, attempt=0, commit=False, members=[0], failed={"0": "connection to rank 1 lost"},
                           missing=[[1, "did not report attempt 0"]])
-        raw.set(f"b/{k}/a0/outcome", outcome.to_json())
-        plan = m.await_plan(k, 1, prev, time.monotonic(), k * INNER, outcome)
+        signed.put(f"b/{k}/a0/outcome", asdict(outcome))
+        planned = []
+
+        def stop_at_the_plan(p):
+            planned.append(p)
+            raise InterruptedError
+
+        with pytest.raises(InterruptedError):
+            m.attempt(k, 1, prev=prev, prev_outcome=outcome, step=k * INNER, since=time.monotonic(),
+                      allreduce=stop_at_the_plan)
+        plan = planned[0]
         assert plan.attempt == 1 and plan.members == [0, 2], plan
         assert plan.contributors == [0] and plan.joined == [2] and plan.slot_of(2) == 1, plan
         got = joiner.await_admission(k - 1, None, timeout_s=10)  # the joiner's side finds the retry's plan

@@ -339,6 +339,68 @@ def test_ties_round_half_even(impl):
         assert_same_encoding((q, s), ops.quantize_int8_reference(xd, B), ctx(impl=impl, dtype=dtype))
 
 
+def tie_heavy(n, block, g):
+    """n fp32 values, each block drawn from a pattern where rounding is decided by the last bit:
+
+    ties      a = 127 * 2^e (inv = 2^-e exact), x = (k + 0.5) * 2^e, so every v is k + 0.5;
+              the maximum repeated 1-4 times with both signs, and signed zeros among them
+    ties_odd  a = 63.5 * 2^e (inv = 2^(1-e)), x = (k + 0.5) * 2^(e-1): ties again, odd inv
+    near      any a, x = fp32((k + 0.5) * fp32(a / 127)): on or one ulp beside a tie after x * inv
+    equal     every value the same (v = +-127 for all), or +-c mixed with signed zeros
+    zeros     +0.0 and -0.0 only
+    All values are exact in bf16 and fp16 except those of `near`."""
+    nb = max(1, -(-n // block))
+    rows = []
+    for _ in range(nb):
+        kind = ["ties", "ties_odd", "near", "equal", "zeros"][int(torch.randint(5, (), generator=g))]
+        e = int(torch.randint(-8, 7, (), generator=g))
+        k = torch.randint(-127, 127, (block,), generator=g).float() + 0.5
+        if kind in ("ties", "ties_odd"):
+            top = 127.0 if kind == "ties" else 63.5
+            unit = 2.0**e if kind == "ties" else 2.0 ** (e - 1)
+            x = (k * unit).clamp(-top * 2.0**e, top * 2.0**e)
+            where = torch.randperm(block, generator=g)[: int(torch.randint(1, 5, (), generator=g))]
+            signs = torch.where(torch.rand(where.numel(), generator=g) < 0.5, -1.0, 1.0)
+            x[where] = signs * top * 2.0**e
+            zeros = torch.randperm(block, generator=g)[:3]
+            x[zeros[:2]] = -0.0
+            x[zeros[2:]] = 0.0
+            x[where] = signs * top * 2.0**e  # the maxima survive the zeros
+        elif kind == "near":
+            a = float(torch.rand((), generator=g) * 10.0 ** float(torch.randint(-3, 4, (), generator=g))) + 1e-3
+            step = torch.tensor(a, dtype=torch.float32) / torch.tensor(127.0)
+            x = (k.clamp(-126.5, 126.5) * step).float()
+            x[int(torch.randint(block, (), generator=g))] = a
+        elif kind == "equal":
+            c = float(torch.randn((), generator=g)) * 2.0**e
+            x = torch.full((block,), c)
+            if bool(torch.rand((), generator=g) < 0.5):
+                pick = torch.randint(4, (block,), generator=g)
+                x = torch.stack([torch.full((block,), c), torch.full((block,), -c), torch.zeros(block),
+                                 torch.full((block,), -0.0)])[pick, torch.arange(block)]
+        else:
+            x = torch.where(torch.rand(block, generator=g) < 0.5, -0.0, 0.0)
+        rows.append(x)
+    return torch.cat(rows)[:n]
+
+
+@pytest.mark.parametrize("block_size", [32, 256, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tie_heavy_blocks_match_reference(impl, dtype, block_size):
+    """Blocks whose every value sits on (or next to) a rounding tie, repeated maxima, all-equal
+    blocks and signed zeros: bit for bit against the reference, both roundings."""
+    B = block_size
+    for i, n in enumerate([B, 40 * B + 7, 3 * B + 1]):
+        seed = None if i % 2 == 0 else (SEED + 17 * i) & 0xFFFFFFFF
+        g = gen_for("ties", impl.name, dtype, B, i)
+        x = tie_heavy(n, B, g).to(dtype)
+        what = ctx(impl=impl, dtype=dtype, B=B, n=n, seed=seed, kind="tie_heavy")
+        check_roundtrip(impl, x.to(impl.device), B, seed, what)
+        q, _ = impl.quantize(x.to(impl.device), B, seed)
+        assert int(q.min()) >= -127, what  # -128 never, also where every value is -a
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_decode_range_edges(impl):
     """Decoded values that overflow fp16 / land in bf16 and fp16 subnormals round as .to(dtype) does."""

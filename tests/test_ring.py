@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import random
 import signal
@@ -719,7 +720,8 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
     job = ranks.start(_rank_target, secret, world_size=2)
     job_id = f"{job}/ring"
     ranks.store.wait([f"prime_ring/{job_id}/addr/0"], timedelta(seconds=60))
-    address = ranks.store.get(f"prime_ring/{job_id}/addr/0").decode()
+    # the record is signed, not secret: "ps1:<HMAC hex>:<JSON string>", readable by an intruder
+    address = json.loads(ranks.store.get(f"prime_ring/{job_id}/addr/0").decode().split(":", 2)[2])
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=10):

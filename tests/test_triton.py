@@ -99,9 +99,27 @@ def _blocks_of(kind: str, nb: int, block: int, gen: torch.Generator) -> torch.Te
         return uniform(-1, 1, nb, block) * FLT_MAX
     if kind == "ties":  # a = 127 * 2^k, so inv = 2^-k exactly and every v is a half-integer
         x = torch.randint(-254, 255, (nb, block), generator=gen).float() / 2
-        sign = torch.randint(2, (nb, 1), generator=gen).float() * 2 - 1
-        x.scatter_(1, torch.randint(block, (nb, 1), generator=gen), 127.0 * sign)
+        x[torch.rand(nb, block, generator=gen) < 0.05] = -0.0
+        # the maximum 1-4 times per block, with either sign (repeated maxima)
+        reps = torch.randint(1, 5, (nb, 1), generator=gen)
+        sign = torch.where(torch.rand(nb, 4, generator=gen) < 0.5, -1.0, 1.0)
+        where = torch.randint(block, (nb, 4), generator=gen)
+        for j in range(4):
+            keep = (reps[:, 0] > j).float()
+            cur = x.gather(1, where[:, j : j + 1])
+            x.scatter_(1, where[:, j : j + 1], keep[:, None] * 127.0 * sign[:, j : j + 1] + (1 - keep[:, None]) * cur)
         return x * torch.pow(2.0, torch.randint(-8, 9, (nb, 1), generator=gen).float())
+    if kind == "near_ties":  # any a: x = fp32((k + 0.5) * fp32(a / 127)) lands on or beside a tie
+        a = torch.pow(10.0, uniform(-3, 3, nb, 1))
+        step = a / torch.full_like(a, 127.0)
+        x = (torch.randint(-127, 127, (nb, block), generator=gen).float() + 0.5) * step
+        return x.scatter_(1, torch.randint(block, (nb, 1), generator=gen), a)
+    if kind == "equal":  # every value the same: v = +-127 everywhere; or +-c with signed zeros
+        c = torch.randn(nb, 1, generator=gen) * torch.pow(10.0, uniform(-3, 3, nb, 1))
+        x = c.expand(nb, block).clone()
+        mixed = torch.rand(nb, 1, generator=gen) < 0.5
+        pattern = torch.tensor([1.0, -1.0, 0.0, -0.0])[torch.randint(4, (nb, block), generator=gen)]
+        return torch.where(mixed, c * pattern, x)
     if kind == "nonfinite":
         x = torch.randn(nb, block, generator=gen)
         bad = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.randint(3, (nb, 2), generator=gen)]
@@ -109,17 +127,20 @@ def _blocks_of(kind: str, nb: int, block: int, gen: torch.Generator) -> torch.Te
     raise AssertionError(kind)
 
 
-SPECIAL_KINDS = ["normal", "heavy", "outlier", "zero", "tiny", "huge", "ties", "nonfinite"]
+SPECIAL_KINDS = ["normal", "heavy", "outlier", "zero", "tiny", "huge", "ties", "near_ties", "equal", "nonfinite"]
+TIE_KINDS = ["ties", "near_ties", "equal", "zero"]  # where the last bit of v decides the rounding
 
 
 def make_input(kind: str, n: int, block: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """n values of `dtype`; kind "special" draws a pattern per block, the others fill every block."""
+    """n values of `dtype`; kinds "special" and "tie_heavy" draw a pattern per block (from
+    SPECIAL_KINDS, TIE_KINDS), the others fill every block."""
     nb = max(1, -(-n // block))
-    if kind != "special":
+    if kind not in ("special", "tie_heavy"):
         return _blocks_of(kind, nb, block, gen).reshape(-1)[:n].to(dtype)
-    pick = torch.randint(len(SPECIAL_KINDS), (nb,), generator=gen)
+    kinds = SPECIAL_KINDS if kind == "special" else TIE_KINDS
+    pick = torch.randint(len(kinds), (nb,), generator=gen)
     x = torch.empty(nb, block)
-    for k, name in enumerate(SPECIAL_KINDS):
+    for k, name in enumerate(kinds):
         chosen = pick == k
         if chosen.any():
             x[chosen] = _blocks_of(name, int(chosen.sum()), block, gen)
@@ -200,6 +221,18 @@ def test_quantize_stochastic_matches_reference(device, block, dtype, rng):
     for n, seed in zip([block + 1, 3 * TILE + block + 5, 5 * TILE + 3], seeds):
         x = make_input("special", n, block, dtype, rng)
         check_quantize(x, block, seed, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} sr-seed {seed}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [32, 256, 4096])
+def test_quantize_tie_heavy_matches_reference(device, block, dtype, rng):
+    """Every block on or beside rounding ties, with repeated maxima, all-equal values or signed zeros."""
+    seed = int(torch.randint(2**32, (), generator=rng, dtype=torch.int64))
+    for n, sr in [(block, None), (3 * TILE + block + 5, None), (3 * TILE + block + 5, seed)]:
+        x = make_input("tie_heavy", n, block, dtype, rng)
+        got = check_quantize(x, block, sr, device, f"seed {rng.initial_seed()} B={block} {dtype} n={n} sr {sr}")
+        assert int(got[0].min()) >= -127
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,11 +8,12 @@
 
 #include <torch/extension.h>
 
-#include "../codec/codec.h"
+#include "../codec/checks.h"
 #include "crypto/crc32c.h"
 #include "crypto/libcrypto.h"
 #include "crypto/sha256.h"
 #include "ring.h"
+#include "wire_codec.h"
 
 namespace prime {
 namespace {
@@ -64,15 +65,32 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   return d;
 }
 
+// The arguments of all_reduce were checked by prime.comm.Ring.all_reduce, which gives
+// the user-facing messages; here they are only translated (an unknown value is a
+// caller bypassing that check). The block size keeps the codec's own check
+// (codec/checks.h): it guards the codec's memory accesses.
 ring::DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return ring::DType::kFloat32;
     case at::kBFloat16: return ring::DType::kBFloat16;
     case at::kHalf: return ring::DType::kFloat16;
     default:
-      TORCH_CHECK_TYPE(false, "all_reduce expects a float32, bfloat16 or float16 tensor, got ", t.scalar_type(),
-                       "; convert it first, e.g. t.float()");
+      TORCH_CHECK_TYPE(false, "all_reduce expects a float32, bfloat16 or float16 tensor, got ", t.scalar_type());
   }
+}
+
+ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, const std::string& codec,
+                            int64_t block_size) {
+  TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "none"), "internal: op '", op,
+              "' / codec '", codec, "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
+  codec::check_block_size(block_size);
+  ring::AllReduceSpec spec;
+  spec.dtype = dtype_of(tensor);
+  spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
+  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : ring::CodecKind::kNone;
+  spec.block = block_size;
+  spec.n = tensor.numel();
+  return spec;
 }
 
 // What a queued collective keeps alive until it finishes.
@@ -85,22 +103,13 @@ struct Staging {
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
                              int64_t block_size) {
   AllReduceJob job;
-  job.spec.dtype = dtype_of(tensor);
+  job.spec = spec_of(tensor, op, codec, block_size);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
               tensor.device().str());
-  TORCH_CHECK_VALUE(op == "sum" || op == "avg", "op must be 'sum' or 'avg', got '", op, "'");
-  TORCH_CHECK_VALUE(codec == "int8" || codec == "none", "codec must be 'int8' or 'none', got '", codec, "'");
-  job.spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
-  job.spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : ring::CodecKind::kNone;
-  TORCH_CHECK_VALUE(codec::valid_block_size(block_size), "block_size must be a power of two from ",
-                    std::to_string(codec::kMinBlock), " to ", std::to_string(codec::kMaxBlock), ", got ",
-                    std::to_string(block_size));  // no ostream ints: see str_builder.h
-  job.spec.block = block_size;
 
   auto staging = std::make_shared<Staging>();
   staging->target = tensor.detach();
   const int64_t n = tensor.numel();
-  job.spec.n = n;
   {
     py::gil_scoped_release no_gil;  // a device-to-host copy can take a while
     const auto s0 = std::chrono::steady_clock::now();
@@ -223,6 +232,64 @@ void init_ring_bindings(py::module_& m) {
     return std::string(c.soname) + ": " + c.version_text(0);
   }, "Which libcrypto the ring loaded (raises if none can be loaded).");
   m.def("_ring_job_hash", &ring::job_hash);
+
+  // Test hooks for the payload layout: the wire codec's bytes for one segment of a
+  // contiguous CPU tensor (encode_input of reduce-scatter step 0, and encode_final of
+  // the owner from fp32 values), and its decode. tests/test_golden.py holds them
+  // against a layout built by hand from docs/wire-format.md.
+  m.def("_ring_encode_input", [](const at::Tensor& x, const std::string& codec, int64_t block_size) {
+    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "a contiguous CPU tensor");
+    ring::AllReduceSpec spec = spec_of(x, "sum", codec, block_size);
+    auto pool = ring::BufferPool::create(0);
+    ring::ScheduleTimes times;
+    bool finite = true;
+    const ring::Payload p = ring::make_wire_codec(spec, *pool, times)->encode_input(x.data_ptr(), spec.n, &finite);
+    return py::make_tuple(py::bytes(p.data, p.size), finite);
+  });
+  m.def("_ring_encode_final", [](const at::Tensor& sum, const std::string& dtype_name, const std::string& codec,
+                                 int64_t block_size) {
+    TORCH_CHECK(sum.device().is_cpu() && sum.is_contiguous() && sum.scalar_type() == at::kFloat,
+                "a contiguous CPU float32 tensor");
+    TORCH_CHECK_VALUE(dtype_name == "float32" || dtype_name == "bfloat16" || dtype_name == "float16",
+                      "dtype_name must be float32, bfloat16 or float16, got ", dtype_name);
+    const at::ScalarType dtype = dtype_name == "float32" ? at::kFloat : dtype_name == "bfloat16" ? at::kBFloat16 : at::kHalf;
+    ring::AllReduceSpec spec = spec_of(at::empty({sum.numel()}, sum.options().dtype(dtype)), "sum", codec, block_size);
+    auto pool = ring::BufferPool::create(0);
+    ring::ScheduleTimes times;
+    ring::Buffer acc = pool->acquire(static_cast<size_t>(spec.n) * 4);
+    if (spec.n) std::memcpy(acc->data(), sum.data_ptr(), acc->size());
+    bool finite = true;
+    const ring::Payload p = ring::make_wire_codec(spec, *pool, times)->encode_final(acc, spec.n, &finite);
+    return py::make_tuple(py::bytes(p.data, p.size), finite);
+  });
+  m.def("_ring_decode_final", [](py::bytes payload, at::Tensor out, const std::string& codec, int64_t block_size) {
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "a contiguous CPU tensor");
+    ring::AllReduceSpec spec = spec_of(out, "sum", codec, block_size);
+    auto pool = ring::BufferPool::create(0);
+    ring::ScheduleTimes times;
+    auto wire = ring::make_wire_codec(spec, *pool, times);
+    const std::string bytes(payload);
+    TORCH_CHECK_VALUE(static_cast<int64_t>(bytes.size()) == wire->final_bytes(spec.n), "payload of ",
+                      std::to_string(bytes.size()), " bytes, expected ", std::to_string(wire->final_bytes(spec.n)));
+    std::vector<float> scratch(static_cast<size_t>(wire->scratch_floats(spec.n)));
+    wire->decode_final(bytes.data(), spec.n, out.data_ptr(), scratch.empty() ? nullptr : scratch.data());
+    return out;
+  });
+
+  // The codec at a global element offset: `first_index` is the flattened index of x[0]
+  // (keys stochastic rounding), so tests reach indices >= 2^32 without a 16 GiB tensor.
+  m.def("_codec_quantize_at", [](const at::Tensor& x, int64_t block_size, int64_t seed, int64_t first_index) {
+    codec::check_block_size(block_size);
+    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "a contiguous CPU tensor");
+    TORCH_CHECK_VALUE(first_index >= 0 && first_index % block_size == 0, "first_index must be a multiple of block_size");
+    const codec::InputType type = codec::input_type(x);
+    const int64_t n = x.numel();
+    at::Tensor q = at::empty({n}, x.options().dtype(at::kChar));
+    at::Tensor scales = at::empty({codec::num_blocks(n, block_size)}, x.options().dtype(at::kFloat));
+    codec::quantize_range(x.data_ptr(), type, n, block_size, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                          codec::seed_of(seed), first_index);
+    return py::make_tuple(q, scales);
+  });
 }
 
 }  // namespace prime

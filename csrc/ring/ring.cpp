@@ -28,21 +28,16 @@ uint64_t job_hash(const std::string& job_id, int world_size) {
 }
 
 Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.job_id, opt_.world_size)) {
-  if (opt_.world_size < 1 || opt_.world_size > 64) {
-    throw std::invalid_argument("world_size must be from 1 to 64, got " + std::to_string(opt_.world_size));
-  }
-  if (opt_.rank < 0 || opt_.rank >= opt_.world_size) {
-    throw std::invalid_argument("rank must be in [0, world_size=" + std::to_string(opt_.world_size) + "), got " +
-                                std::to_string(opt_.rank));
-  }
-  if (opt_.streams < 1 || opt_.streams > 64) {
-    throw std::invalid_argument("streams must be from 1 to 64, got " + std::to_string(opt_.streams));
-  }
-  if (opt_.timeout_ms <= 0 || opt_.rendezvous_timeout_ms <= 0) throw std::invalid_argument("timeout must be positive");
-  if (opt_.segment_elems < codec::kMaxBlock || opt_.segment_elems % codec::kMaxBlock != 0 ||
-      opt_.segment_elems > (int64_t{1} << 28)) {
-    throw std::invalid_argument("segment size must be a multiple of " + std::to_string(codec::kMaxBlock) +
-                                " values, at most 2^28, got " + std::to_string(opt_.segment_elems));
+  // prime.comm.Ring checks every option with a message for the user; these are the
+  // invariants the C++ relies on (the 64-bit rank mask, whole codec blocks per segment).
+  const bool valid = opt_.world_size >= 1 && opt_.world_size <= 64 && opt_.rank >= 0 &&
+                     opt_.rank < opt_.world_size && opt_.streams >= 1 && opt_.streams <= 64 && opt_.timeout_ms > 0 &&
+                     opt_.rendezvous_timeout_ms > 0 && opt_.segment_elems >= codec::kMaxBlock &&
+                     opt_.segment_elems % codec::kMaxBlock == 0 && opt_.segment_elems <= (int64_t{1} << 28);
+  if (!valid) {
+    throw std::invalid_argument("internal: RingOptions reached the ring unchecked (prime.comm.Ring checks them): rank " +
+                                std::to_string(opt_.rank) + " of " + std::to_string(opt_.world_size) + ", streams " +
+                                std::to_string(opt_.streams) + ", segment " + std::to_string(opt_.segment_elems));
   }
   if (opt_.world_size > 1) {
     RendezvousOptions r;

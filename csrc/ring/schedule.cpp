@@ -1,29 +1,19 @@
 #include "schedule.h"
 
 #include <cstring>
+#include <optional>
 
-#include "../codec/codec.h"
 #include "crypto/crc32c.h"
 #include "deadline.h"
 #include "str_builder.h"
+#include "wire_codec.h"
 
 namespace prime::ring {
-
-void decode_int8(const AllReduceSpec& spec, const char* payload, int64_t len, void* dst, float* scratch);
-
 namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-class Timer {
- public:
-  explicit Timer(double& sink) : sink_(sink), t0_(Clock::now()) {}
-  ~Timer() { sink_ += seconds_since(t0_); }
-
- private:
-  double& sink_;
-  Clock::time_point t0_;
-};
+using Timer = ScopedTimer;
 
 class AllReduce {
  public:
@@ -39,12 +29,12 @@ class AllReduce {
         n_(g.world_size),
         r_(g.rank),
         left_((g.rank + n_ - 1) % n_),
-        unit_(partition_unit(spec)),
+        codec_(make_wire_codec(spec, pool, times)),
+        unit_(codec_->unit()),
         seg_(round_up(std::max<int64_t>(g.segment_elems, 1), unit_)),
         esize_(dtype_size(spec.dtype)),
         desc_(descriptor_of(spec)),
-        spec_text_(describe_spec(spec)),
-        int8_(spec.codec == CodecKind::kInt8) {}
+        spec_text_(describe_spec(spec)) {}
 
   ScheduleOutcome run() {
     try {
@@ -104,13 +94,9 @@ class AllReduce {
     Buffer saved = pool_.acquire(static_cast<size_t>(p.len) * esize_);
     std::memcpy(saved->data(), at, saved->size());
     backups_.push_back(FinalPiece{p.begin, p.len, saved});
-    if (int8_) {
-      Buffer scratch;
-      if (spec_.dtype != DType::kFloat32) scratch = pool_.acquire(static_cast<size_t>(p.len) * 4);
-      decode_int8(spec_, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
-    } else {
-      std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize_);
-    }
+    Buffer scratch;
+    if (const int64_t floats = codec_->scratch_floats(p.len)) scratch = pool_.acquire(static_cast<size_t>(floats) * 4);
+    codec_->decode_final(p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
     return true;
   }
 
@@ -132,9 +118,10 @@ class AllReduce {
     const int64_t b = std::min(span.end, span.begin + k * seg_);
     return Span{b, std::min(span.end, b + seg_)};
   }
-  int64_t int8_bytes(int64_t len) const { return 4 * codec::num_blocks(len, spec_.block) + len; }
   const char* in(int64_t i) const { return static_cast<const char*>(spec_.input) + i * esize_; }
   uint64_t mask() const { return received_mask_ | (own_bad_ ? (uint64_t{1} << r_) : 0); }
+
+  void send(Phase phase, int step, int k, const Payload& p) { send(phase, step, k, p.data, p.size, p.owner); }
 
   void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
     OutFrame f;
@@ -155,41 +142,15 @@ class AllReduce {
     t_.send(std::move(f));
   }
 
-  // Quantizes `len` values of `type` into a fresh [scales | q] payload.
-  Buffer quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
-    Timer timer(times_.quantize_s);
-    const int64_t nb = codec::num_blocks(len, spec_.block);
-    Buffer buf = pool_.acquire(static_cast<size_t>(int8_bytes(len)));
-    *bad_blocks = codec::quantize(x, type, len, spec_.block, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
-                                  buf->as<float>());
-    return buf;
-  }
-
   // Step 0 of the reduce-scatter: this rank's own chunk, as it is.
   void send_own_chunk() {
     const int c = r_;
     for (int k = 0; k < segments(c); ++k) {
       const Span sp = segment(c, k);
-      if (int8_) {
-        int64_t bad = 0;
-        auto buf = quantize(in(sp.begin), static_cast<codec::InputType>(spec_.dtype), sp.size(), &bad);
-        own_bad_ |= bad > 0;
-        send(Phase::kReduceScatter, 0, k, buf->data(), buf->size(), buf);
-      } else if (spec_.dtype == DType::kFloat32) {
-        {
-          Timer timer(times_.reduce_s);
-          own_bad_ |= !all_finite(in(sp.begin), spec_.dtype, sp.size());
-        }
-        // Zero copy: the input outlives the collective's final flush.
-        send(Phase::kReduceScatter, 0, k, in(sp.begin), static_cast<size_t>(sp.size()) * 4, nullptr);
-      } else {
-        Buffer buf = pool_.acquire(static_cast<size_t>(sp.size()) * 4);
-        {
-          Timer timer(times_.reduce_s);
-          own_bad_ |= !widen(in(sp.begin), spec_.dtype, sp.size(), buf->as<float>());
-        }
-        send(Phase::kReduceScatter, 0, k, buf->data(), buf->size(), buf);
-      }
+      bool finite = true;
+      const Payload p = codec_->encode_input(in(sp.begin), sp.size(), &finite);
+      own_bad_ |= !finite;
+      send(Phase::kReduceScatter, 0, k, p);
     }
   }
 
@@ -223,67 +184,29 @@ class AllReduce {
     const Span sp = segment(c, k);
     const int64_t len = sp.size();
     const bool last = s == n_ - 2;  // this rank owns chunk c: the sum is complete here
-    InFrame f = receive(Phase::kReduceScatter, s, k, int8_ ? int8_bytes(len) : len * 4);
+    InFrame f = receive(Phase::kReduceScatter, s, k, codec_->partial_bytes(len));
     Buffer acc = pool_.acquire(static_cast<size_t>(len) * 4);
-    float* a = acc->as<float>();
     {
       Timer timer(times_.reduce_s);
-      if (int8_) {
-        own_bad_ |= !widen(in(sp.begin), spec_.dtype, len, a);
-        const int64_t nb = codec::num_blocks(len, spec_.block);
-        codec::dequantize_add(a, reinterpret_cast<const int8_t*>(f.payload->data() + 4 * nb),
-                              f.payload->as<float>(), len, spec_.block);
-      } else {
-        own_bad_ |= !add_widened(in(sp.begin), spec_.dtype, f.payload->as<float>(), len, a);
-      }
-      if (last && spec_.op == ReduceOp::kAvg) divide(a, len, static_cast<float>(n_));
+      own_bad_ |= !codec_->accumulate(in(sp.begin), f.payload->data(), len, acc->as<float>());
+      if (last && spec_.op == ReduceOp::kAvg) divide(acc->as<float>(), len, static_cast<float>(n_));
     }
     if (!last) {
-      if (int8_) {
-        int64_t bad = 0;
-        auto buf = quantize(a, codec::InputType::kFloat32, len, &bad);
-        send(Phase::kReduceScatter, s + 1, k, buf->data(), buf->size(), buf);
-      } else {
-        send(Phase::kReduceScatter, s + 1, k, acc->data(), acc->size(), acc);
-      }
+      send(Phase::kReduceScatter, s + 1, k, codec_->encode_partial(acc, len));
       return;
     }
-    // Owner: the final value is computed (and, for int8, quantized) once, here.
-    if (int8_) {
-      int64_t bad = 0;
-      auto buf = quantize(a, codec::InputType::kFloat32, len, &bad);
-      {
-        Timer timer(times_.reduce_s);
-        overflow_ |= bad > 0;
-        // Every rank writes decode(these bytes) later (write_result): check now, on the
-        // same decode, that it is finite, so the flag reaches every rank in the
-        // all-gather headers before anyone writes. `a` is free once quantized.
-        Buffer narrowed;
-        if (spec_.dtype != DType::kFloat32) narrowed = pool_.acquire(static_cast<size_t>(len) * esize_);
-        decode_int8(spec_, buf->data(), len, narrowed ? static_cast<void*>(narrowed->data()) : a, a);
-        overflow_ |= !all_finite(narrowed ? static_cast<const void*>(narrowed->data()) : a, spec_.dtype, len);
-      }
-      pieces_.push_back(FinalPiece{sp.begin, len, buf});
-      send(Phase::kAllGather, 0, k, buf->data(), buf->size(), buf);
-    } else {
-      Buffer fin = acc;  // fp32: the sum itself
-      {
-        Timer timer(times_.reduce_s);
-        if (spec_.dtype != DType::kFloat32) {
-          fin = pool_.acquire(static_cast<size_t>(len) * esize_);
-          narrow(a, len, spec_.dtype, fin->data());
-        }
-        overflow_ |= !all_finite(fin->data(), spec_.dtype, len);
-      }
-      pieces_.push_back(FinalPiece{sp.begin, len, fin});
-      send(Phase::kAllGather, 0, k, fin->data(), static_cast<size_t>(len) * esize_, fin);
-    }
+    // Owner: the final value is computed (and encoded) once, here.
+    bool finite = true;
+    const Payload fin = codec_->encode_final(acc, len, &finite);
+    overflow_ |= !finite;
+    pieces_.push_back(FinalPiece{sp.begin, len, fin.owner});
+    send(Phase::kAllGather, 0, k, fin);
   }
 
   void all_gather_segment(int s, int c, int k) {
     const Span sp = segment(c, k);
     const int64_t len = sp.size();
-    InFrame f = receive(Phase::kAllGather, s, k, int8_ ? int8_bytes(len) : len * static_cast<int64_t>(esize_));
+    InFrame f = receive(Phase::kAllGather, s, k, codec_->final_bytes(len));
     // Kept as it came; decoded into the caller's tensor once every check passed.
     pieces_.push_back(FinalPiece{sp.begin, len, f.payload});
     if (s < n_ - 2) {
@@ -303,12 +226,12 @@ class AllReduce {
   const int n_;
   const int r_;
   const int left_;
+  const std::unique_ptr<WireCodec> codec_;
   const int64_t unit_;
   const int64_t seg_;
   const size_t esize_;
   const uint32_t desc_;
   const std::string spec_text_;  // for the message when a neighbour's arguments differ
-  const bool int8_;
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;
@@ -318,44 +241,20 @@ class AllReduce {
 
 }  // namespace
 
-// Decodes one [scales | q] payload of `len` values into dst (len values of spec.dtype);
-// non-fp32 dtypes go through `scratch` (len floats) and are rounded like narrow().
-void decode_int8(const AllReduceSpec& spec, const char* payload, int64_t len, void* dst, float* scratch) {
-  if (len == 0) return;
-  const int64_t nb = codec::num_blocks(len, spec.block);
-  const float* scales = reinterpret_cast<const float*>(payload);
-  const int8_t* q = reinterpret_cast<const int8_t*>(payload + 4 * nb);
-  if (spec.dtype == DType::kFloat32) {
-    codec::dequantize(q, scales, len, spec.block, static_cast<float*>(dst));
-  } else {
-    codec::dequantize(q, scales, len, spec.block, scratch);
-    narrow(scratch, len, spec.dtype, dst);
-  }
-}
-
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool) {
+  ScheduleTimes unused;
+  const std::unique_ptr<WireCodec> codec = make_wire_codec(spec, pool, unused);
   const size_t esize = dtype_size(spec.dtype);
-  const bool int8 = spec.codec == CodecKind::kInt8;
-  Buffer scratch;
-  if (int8 && spec.dtype != DType::kFloat32) {
-    int64_t longest = 0;
-    for (const FinalPiece& p : outcome.pieces) longest = std::max(longest, p.len);
-    scratch = pool.acquire(static_cast<size_t>(longest) * 4);  // before the first write
-  }
+  int64_t longest = 0;
+  for (const FinalPiece& p : outcome.pieces) longest = std::max(longest, p.len);
+  Buffer scratch;  // before the first write
+  if (const int64_t floats = codec->scratch_floats(longest)) scratch = pool.acquire(static_cast<size_t>(floats) * 4);
   char* out = static_cast<char*>(dst);
   for (const FinalPiece& p : outcome.pieces) {
     if (p.len == 0) continue;
-    char* at = out + p.begin * static_cast<int64_t>(esize);
-    if (int8) {
-      decode_int8(spec, p.bytes->data(), p.len, at, scratch ? scratch->as<float>() : nullptr);
-    } else {
-      std::memcpy(at, p.bytes->data(), static_cast<size_t>(p.len) * esize);
-    }
+    codec->decode_final(p.bytes->data(), p.len, out + p.begin * static_cast<int64_t>(esize),
+                        scratch ? scratch->as<float>() : nullptr);
   }
-}
-
-int64_t partition_unit(const AllReduceSpec& spec) {
-  return spec.codec == CodecKind::kInt8 ? spec.block : kExactUnit;
 }
 
 Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk) {

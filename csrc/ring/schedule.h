@@ -1,9 +1,11 @@
 // The ring all-reduce schedule: reduce-scatter then all-gather over N chunks, each
 // chunk cut into segments so that one segment is on the wire while the previous is
-// reduced. It knows only "send to the right, receive from the left" (transport.h).
+// reduced. It knows only "send to the right, receive from the left" (transport.h)
+// and walks steps, chunks and segments; what a payload holds and how it is added
+// is the wire codec's (wire_codec.h).
 //
 // Chunk c holds the partition units [c*U/N, (c+1)*U/N) of the U = ceil(n/unit)
-// units (unit = the codec block size for int8, 256 values otherwise). Chunk c
+// units (unit = the codec's: the block size for int8, 256 values otherwise). Chunk c
 // starts at rank c, is summed along the ring c, c+1, ..., c-1, and rank c-1 (its
 // owner) computes the final value, which the all-gather forwards verbatim.
 #pragma once
@@ -20,7 +22,7 @@ namespace prime::ring {
 enum class ReduceOp : int { kSum = 0, kAvg = 1 };
 enum class CodecKind : int { kNone = 0, kInt8 = 1 };
 
-constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact path (values)
+constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact codec (values)
 
 struct AllReduceSpec {
   const void* input = nullptr;  // n values of dtype; read only, and only during the reduce-scatter
@@ -53,7 +55,7 @@ struct ScheduleTimes {
 };
 
 // One segment of the final result as it came off the wire (or, on its owner, as it
-// went onto it): int8 [scales | q] bytes for the int8 codec, dtype values otherwise.
+// went onto it): the wire codec's final payload (wire_codec.h).
 struct FinalPiece {
   int64_t begin = 0;  // first value
   int64_t len = 0;    // values
@@ -75,14 +77,13 @@ struct Span {
   int64_t size() const { return end - begin; }
 };
 
-int64_t partition_unit(const AllReduceSpec& spec);
 Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk);
 uint32_t descriptor_of(const AllReduceSpec& spec);
 std::string describe_spec(const AllReduceSpec& spec);
 
-// Writes the result (the n values of spec.dtype) into dst: decodes the int8 pieces
-// (every rank decodes the same bytes with the same code, so all end bit-identical)
-// or copies the exact ones. Allocates everything it needs before the first write,
+// Writes the result (the n values of spec.dtype) into dst: decodes the pieces with
+// the wire codec (every rank decodes the same bytes with the same code, so all end
+// bit-identical). Allocates everything it needs before the first write,
 // so it either throws before touching dst or writes all of it.
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool);
 

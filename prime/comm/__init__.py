@@ -5,6 +5,16 @@
 """
 
 from prime.comm.errors import CommError, NonFiniteError
-from prime.comm.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_STREAMS, Ring, Work, WorkStats
+from prime.comm.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_STREAMS, Ring, RingProtocol, Work, WorkProtocol, WorkStats
 
-__all__ = ["Ring", "Work", "WorkStats", "CommError", "NonFiniteError", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+__all__ = [
+    "Ring",
+    "Work",
+    "WorkStats",
+    "RingProtocol",
+    "WorkProtocol",
+    "CommError",
+    "NonFiniteError",
+    "DEFAULT_SEGMENT_BYTES",
+    "DEFAULT_STREAMS",
+]

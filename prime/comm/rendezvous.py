@@ -1,9 +1,13 @@
 """Forming a ring through a torch.distributed Store: which address to listen on,
 the shared secret, publishing and finding addresses, and the final barrier.
 
-Store keys live under ``prime_ring/<job_id>/``: ``joined`` (a counter that catches
-a reused job id), ``secret`` (only when rank 0 generated it), ``addr/<rank>``,
-``ready/<rank>`` and ``failed/<rank>``.
+Store keys live under ``prime_ring/<job_id>/`` (prime.comm.store_keys). The
+address, ready and failure records are signed under the ring secret and bound
+to their key and the job id (prime.comm.signed_store): a record rewritten by
+someone without the secret is ignored, so a rank never dials an address that
+a stranger planted. A job whose ranks are on more than one host must be given
+the secret; drawing one into the store is allowed only when everything is on
+loopback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Optional, Tuple
 
 import torch.distributed as dist
 
+from prime.comm import store_keys as keys
 from prime.comm.errors import CommError
+from prime.comm.signed_store import SignedStore
 
 logger = logging.getLogger("prime.comm")
 
@@ -28,9 +34,16 @@ ENV_ADVERTISE = "PRIME_RING_ADDR"
 ENV_SECRET = "PRIME_RING_SECRET"
 
 
+SECRET_HELP = (
+    "set the same secret on every machine of the job, e.g. `export PRIME_RING_SECRET=$(cat /path/to/secret)` "
+    "(make one with `python3 -c 'import secrets; print(secrets.token_hex(32))'` and copy it to every machine; "
+    "see docs/security.md)"
+)
+
+
 def namespace(job_id: str) -> str:
     """The store key prefix of the ring named job_id."""
-    return f"prime_ring/{job_id}"
+    return keys.ring_namespace(job_id)
 
 
 def _is_loopback(host: str) -> bool:
@@ -100,7 +113,7 @@ def _wait(store: dist.Store, keys, deadline: float) -> bool:
 
 def claim_job(store: dist.Store, ns: str, rank: int, world_size: int, job_id: str) -> None:
     """Counts this rank in; a count beyond world_size means the job id was used before."""
-    joined = store.add(f"{ns}/joined", 1)
+    joined = store.add(keys.ring_joined(ns), 1)
     if joined > world_size:
         raise ValueError(
             f"job_id {job_id!r} was already used by a ring on this store ({joined} joins for world_size "
@@ -108,19 +121,47 @@ def claim_job(store: dist.Store, ns: str, rank: int, world_size: int, job_id: st
         )
 
 
+def one_host(store: dist.Store, advertise: Optional[str] = None) -> bool:
+    """True when the job cannot span machines: the store is local or on loopback, and so is `advertise`."""
+    endpoint = store_endpoint(store)
+    if endpoint is not None and not _is_loopback(endpoint[0]):
+        return False
+    return advertise is None or _is_loopback(advertise)
+
+
+def require_secret_or_one_host(store: dist.Store, advertise: Optional[str], what: str) -> None:
+    """Raises ValueError when no secret is configured and the job may span more than one host."""
+    if not one_host(store, advertise):
+        endpoint = store_endpoint(store)
+        where = f"store {format_address(*endpoint)}" if endpoint else "a local store"
+        raise ValueError(
+            f"{what}: no job secret is set, and this job spans more than one host ({where}, this node "
+            f"advertises {advertise}): drawing a secret into the store would hand it to anyone who reaches "
+            f"the store. {SECRET_HELP}"
+        )
+
+
 def shared_secret(
-    store: dist.Store, ns: str, rank: int, secret: Optional[bytes | str], deadline: float, timeout_ms: int
+    store: dist.Store,
+    ns: str,
+    rank: int,
+    secret: Optional[bytes | str],
+    deadline: float,
+    timeout_ms: int,
+    advertise: Optional[str] = None,
 ) -> bytes:
-    """The ring secret: the argument, else $PRIME_RING_SECRET, else one rank 0 draws
-    and shares through the store (then anyone who can read the store can join)."""
+    """The ring secret: the argument, else $PRIME_RING_SECRET, else -- only when the whole
+    job is on one host (store and `advertise` on loopback) -- one rank 0 draws and shares
+    through the store. Raises ValueError for a multi-host job without a secret."""
     if secret is None:
         secret = os.environ.get(ENV_SECRET)
-    if secret is not None:
+    if secret:
         return secret.encode() if isinstance(secret, str) else bytes(secret)
-    key = f"{ns}/secret"
+    require_secret_or_one_host(store, advertise, f"prime ring rank {rank}")
+    key = keys.ring_secret(ns)
     if rank == 0:
         store.set(key, secrets.token_hex(32))
-        logger.info("prime ring: no secret given; rank 0 generated one and shared it through the store")
+        logger.info("prime ring: no secret given; rank 0 generated one and shared it through the (loopback) store")
     elif not _wait(store, [key], deadline):
         raise CommError(
             f"rank {rank}: timed out after {timeout_ms} ms waiting for rank 0 to publish the ring secret "
@@ -132,6 +173,11 @@ def shared_secret(
             phase="rendezvous",
         )
     return store.get(key)
+
+
+def records(store: dist.Store, secret: bytes, ns: str) -> SignedStore:
+    """The signed view of the ring's store keys (bound to the ring's namespace, i.e. its job id)."""
+    return SignedStore(store, secret, ns, warn=lambda msg: logger.warning("prime ring: %s", msg))
 
 
 def format_address(host: str, port: int) -> str:
@@ -146,49 +192,101 @@ def parse_address(text: str) -> Tuple[str, int]:
 
 
 def publish_and_find_right(
-    store: dist.Store, ns: str, rank: int, world_size: int, address: str, deadline: float, timeout_ms: int
+    store: dist.Store,
+    ns: str,
+    rank: int,
+    world_size: int,
+    address: str,
+    deadline: float,
+    timeout_ms: int,
+    secret: bytes = b"",
 ) -> Tuple[str, int]:
-    """Publishes this rank's address and returns its right neighbour's."""
-    store.set(f"{ns}/addr/{rank}", address)
+    """Publishes this rank's address (signed) and returns its right neighbour's.
+
+    A record under the neighbour's key that is not signed with `secret` for
+    this ring is ignored (logged once): the wait goes on for a valid one, and
+    the timeout error says that a forged record was seen."""
+    signed = records(store, secret, ns)
+    signed.put(keys.ring_addr(ns, rank), address)
     right = (rank + 1) % world_size
-    key = f"{ns}/addr/{right}"
-    if not _wait(store, [key], deadline):
-        raise CommError(
-            f"rank {rank}: timed out after {timeout_ms} ms waiting for rank {right} to publish its address "
-            f"(store key {key!r}); did rank {right} start, with the same store and job_id?",
-            kind="timeout",
-            rank=rank,
-            peer=right,
-            origin=rank,
-            phase="rendezvous",
-        )
-    return parse_address(store.get(key).decode())
+    key = keys.ring_addr(ns, right)
+    while True:
+        if _wait(store, [key], deadline):
+            got = signed.get(key)
+            if got is not None:
+                return parse_address(str(got))
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)  # a forged record is there: wait for rank `right` to write a valid one
+    why = (
+        f"the record there is not signed with this ring's secret (rewritten by someone outside the job, or rank "
+        f"{right} has another secret); no address that is not signed is ever dialled"
+        if signed.rejected
+        else f"did rank {right} start, with the same store and job_id?"
+    )
+    raise CommError(
+        f"rank {rank}: timed out after {timeout_ms} ms waiting for rank {right} to publish its address "
+        f"(store key {key!r}); {why}",
+        kind="timeout",
+        rank=rank,
+        peer=right,
+        origin=rank,
+        phase="rendezvous",
+    )
 
 
-def report_failure(store: dist.Store, ns: str, rank: int, message: str) -> None:
-    """Tells the ranks waiting in barrier() that this rank will not come."""
+def report_failure(store: dist.Store, ns: str, rank: int, message: str, secret: bytes = b"") -> None:
+    """Tells the ranks waiting in barrier() that this rank will not come (signed; unsigned when the
+    secret is not known yet, and then ignored by the others, who time out instead)."""
     try:
-        store.set(f"{ns}/failed/{rank}", message)
+        if secret:
+            records(store, secret, ns).put(keys.ring_failed(ns, rank), message)
+        else:
+            store.set(keys.ring_failed(ns, rank), message)
     except Exception as e:  # the store itself may be what failed
         logger.warning("prime ring: could not report the failure of rank %d to the store: %s", rank, e)
 
 
-def barrier(store: dist.Store, ns: str, rank: int, world_size: int, deadline: float, timeout_ms: int) -> None:
+def barrier(
+    store: dist.Store,
+    ns: str,
+    rank: int,
+    world_size: int,
+    deadline: float,
+    timeout_ms: int,
+    secret: bytes = b"",
+) -> None:
     """Returns once every rank formed its links; raises CommError naming the ranks
-    that did not (and why, when they said)."""
-    store.set(f"{ns}/ready/{rank}", "1")
-    ready = [f"{ns}/ready/{r}" for r in range(world_size)]
+    that did not (and why, when they said). Unsigned or forged ready and failure
+    records are ignored."""
+    signed = records(store, secret, ns)
+    signed.put(keys.ring_ready(ns, rank), "1")
+    ready: set[int] = set()
     while True:
-        # A store round trip per poll: cheap next to forming TCP links.
-        if store.check(ready):
+        # One store round trip per poll while ranks are missing: cheap next to forming TCP links.
+        pending = [r for r in range(world_size) if r not in ready]
+        pending_keys = [keys.ring_ready(ns, r) for r in pending]
+        if store.check(pending_keys):
+            for r, k, raw in zip(pending, pending_keys, store.multi_get(pending_keys)):
+                if signed.open(k, raw) == "1":
+                    ready.add(r)
+                else:
+                    signed.reject(k)
+        if len(ready) == world_size:
             return
-        failed = [r for r in range(world_size) if store.check([f"{ns}/failed/{r}"])]
+        failed = {}
+        for r in range(world_size):
+            fk = keys.ring_failed(ns, r)
+            if store.check([fk]):
+                why = signed.get(fk)
+                if why is not None:
+                    failed[r] = str(why)
         if failed or time.monotonic() >= deadline:
-            missing = [r for r in range(world_size) if not store.check([ready[r]])]
+            missing = [r for r in range(world_size) if r not in ready]
             if failed:
-                why = store.get(f"{ns}/failed/{failed[0]}").decode()
-                msg = f"rank {rank}: rank(s) {failed} failed to join the ring: {why}"
-                peer, kind = failed[0], "peer_failed"
+                first = min(failed)
+                msg = f"rank {rank}: rank(s) {sorted(failed)} failed to join the ring: {failed[first]}"
+                peer, kind = first, "peer_failed"
             else:
                 msg = (
                     f"rank {rank}: timed out after {timeout_ms} ms waiting for rank(s) {missing} to join the "

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
 from prime.ops import check_block_size
 
-__all__ = ["Ring", "Work", "WorkStats", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+__all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
 logger = logging.getLogger("prime.comm")
 
@@ -65,6 +65,39 @@ class WorkStats:
     total_s: float  # start to completion, queue time excluded
     stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into pinned host staging
     copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
+
+
+@runtime_checkable
+class WorkProtocol(Protocol):
+    """What callers of a ring rely on from the handle all_reduce returns (Work implements it)."""
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Blocks until done: True, or raises CommError (NonFiniteError) and the tensor is unchanged."""
+        ...
+
+    def is_completed(self) -> bool: ...
+
+    def stats(self) -> WorkStats:
+        """Bytes on the wire and where the time went."""
+        ...
+
+
+@runtime_checkable
+class RingProtocol(Protocol):
+    """The ring as the rest of prime sees it: Ring implements it; tests and benchmarks may pass
+    stand-ins (tests/fake_ring.py). Every rank calls all_reduce in the same order with the same
+    size, dtype, op, codec and block size."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256
+    ) -> WorkProtocol:
+        """Sums or averages `tensor` in place across the ring, asynchronously."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Work:
@@ -134,7 +167,9 @@ class Ring:
         survivor's Work.wait() raise CommError within about this long.
       streams: TCP streams per link (default $PRIME_RING_STREAMS or 1).
       secret: shared secret (bytes/str) authenticating every stream; default
-        $PRIME_RING_SECRET, else rank 0 draws one and shares it through the store.
+        $PRIME_RING_SECRET, else (only when the store and every address are on loopback)
+        rank 0 draws one and shares it through the store; a ring across hosts without a
+        secret raises ValueError. The ring's store records are signed with it.
       max_rate: cap on this rank's sending rate in bytes/s (default $PRIME_RING_MAX_RATE
         or unlimited): emulates a slow uplink.
       bind_addr, advertise_addr: where to listen and what address to publish
@@ -220,14 +255,15 @@ class Ring:
             return
 
         rendezvous.claim_job(store, ns, rank, world_size, self.job_id)
+        key = b""
         try:
             bind, advertise = rendezvous.resolve_addresses(store, bind_addr, advertise_addr)
-            key = rendezvous.shared_secret(store, ns, rank, secret, deadline, timeout_ms)
+            key = rendezvous.shared_secret(store, ns, rank, secret, deadline, timeout_ms, advertise)
             left_s = max(0.001, deadline - time.monotonic())
             self._ring = C._Ring(secret=key, rendezvous_timeout_s=left_s, bind_addr=bind, **common)
             self.address = rendezvous.format_address(advertise, self._ring.port)
             host, port = rendezvous.publish_and_find_right(
-                store, ns, rank, world_size, self.address, deadline, timeout_ms
+                store, ns, rank, world_size, self.address, deadline, timeout_ms, secret=key
             )
             try:
                 self._ring.connect(host, port)
@@ -235,9 +271,9 @@ class Ring:
                 self.rejected_connections = list(self._ring.rejected_connections())
                 for line in self.rejected_connections:
                     logger.warning("prime ring rank %d: %s", rank, line)
-            rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms)
+            rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms, secret=key)
         except BaseException as e:
-            rendezvous.report_failure(store, ns, rank, str(e))
+            rendezvous.report_failure(store, ns, rank, str(e), secret=key)
             self.close()
             raise
 

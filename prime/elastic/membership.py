@@ -1,34 +1,29 @@
 """Who is in an elastic DiLoCo job: registration, heartbeats, and the decisions taken at every outer step.
 
 Everything lives in the job's TCPStore (the one the rings already use), under
-the keys below. No node is special: any node may write a decision, and
-`compare_set` makes the first writer win, so every node adopts the same one.
-The node that normally writes it (the coordinator) is the lowest live id that
-has arrived; when it dies, the next one takes over after a grace period.
+the keys of prime.comm.store_keys, and every record is signed under the job
+secret (prime.comm.signed_store): a record someone without the secret wrote
+or replayed is ignored. No node is special: any node may write a decision,
+and first-writer-wins keys make every node adopt the same one. The node that
+normally writes it (the coordinator) is the lowest live id that has arrived;
+when it dies, the next one takes over after a grace period.
 
-    secret                  the job secret when none is configured (drawn by the first node; see docs/elastic.md)
-    genesis/<r>             claim of initial node r; a node restarted with the same rank finds it taken and joins
-    joiners                 counter: joiner ids are initial_nodes, initial_nodes + 1, ...
-    hb/<id>                 heartbeat counter (+1 every interval; +LEFT when the node leaves cleanly)
-    addr/<id>               host:port of the node's state server (live recovery)
-    ready/<id>              a joiner holding the state after outer step s: {"outer_step": s, "mac": ...}
-    b/<k>/arrive/<id>       node id finished the inner steps before outer step k
-    b/<k>/a<a>/plan         who takes part in attempt a of outer step k (compare_set)
-    b/<k>/a<a>/result/<id>  how the all-reduce of that attempt went on node id
-    b/<k>/a<a>/outcome      commit, retry or give up (compare_set)
-    members                 the newest committed outer step and its members (for joiners)
-    slot/<s>                data position of data slot s after the newest outer step (its owner writes it)
+The module has two halves:
+
+- the decisions, as pure functions of what a node has read (arrivals,
+  results, liveness as a View, ready joiners): first_plan_due / propose_first,
+  retry_plan_due / propose_retry, most_blamed, outcome_due / decide_outcome,
+  reduce_op. They are unit-tested without processes (tests/test_membership.py);
+- Membership, the store I/O around them: registration, the heartbeat Monitor,
+  and attempt() (one call per attempt of an outer step) and commit().
 
 Clock: liveness is judged on each observer's own monotonic clock (a heartbeat
-counter that stopped moving), so the nodes' clocks need not agree. Wall-clock
-times appear only in logs.
+whose sequence number stopped growing), so the nodes' clocks need not agree.
+Wall-clock times appear only in logs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
@@ -38,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
+from prime.comm import store_keys as keys
+from prime.comm.signed_store import SignedStore
 from prime.diloco import OuterSyncError
 
 __all__ = [
@@ -45,19 +42,29 @@ __all__ = [
     "Monitor",
     "Plan",
     "Outcome",
+    "View",
+    "Attempt",
     "Evicted",
     "JobFinished",
     "JoinError",
     "MembershipError",
+    "first_plan_due",
+    "propose_first",
+    "retry_plan_due",
+    "propose_retry",
+    "most_blamed",
+    "outcome_due",
+    "decide_outcome",
+    "reduce_op",
     "wall",
 ]
 
 logger = logging.getLogger("prime.elastic")
 
-# A node that leaves cleanly adds LEFT to its heartbeat counter: one multi_get then
-# tells beats (small numbers) and departures (>= LEFT) apart.
-LEFT = 1 << 40
 ENV_SECRET = "PRIME_RING_SECRET"
+MAX_JOINERS = 1024
+"""Node ids the monitor looks at beyond the initial nodes (the joiner counter is unsigned: a stranger could
+inflate it; ids past this are not watched)."""
 
 
 class MembershipError(OuterSyncError):
@@ -111,12 +118,9 @@ class Plan:
     time: float = 0.0
     """Wall-clock time of the decision (for logs)."""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
     @classmethod
-    def from_json(cls, raw) -> "Plan":
-        d = json.loads(raw)
+    def from_dict(cls, d: dict) -> "Plan":
+        d = dict(d)
         d["slots"] = {str(k): int(v) for k, v in d["slots"].items()}
         return cls(**d)
 
@@ -148,39 +152,259 @@ class Outcome:
     by: int = -1
     time: float = 0.0
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
     @classmethod
-    def from_json(cls, raw) -> "Outcome":
-        return cls(**json.loads(raw))
+    def from_dict(cls, d: dict) -> "Outcome":
+        return cls(**d)
+
+
+# -- the decisions (pure) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class View:
+    """What one node knows of the others' liveness at one moment (from its heartbeat monitor)."""
+
+    me: int
+    gone: dict = field(default_factory=dict)
+    """id -> why, for every node this node holds gone (left cleanly, or silent beyond the timeout)."""
+    silent: dict = field(default_factory=dict)
+    """id -> seconds since its heartbeat last advanced (missing: 0)."""
+    hb_interval: float = 1.0
+    hb_timeout: float = 10.0
+
+    def is_gone(self, node: int) -> bool:
+        return node != self.me and node in self.gone
+
+    def why_gone(self, node: int) -> str:
+        return self.gone.get(node, "alive")
+
+    def silent_s(self, node: int) -> float:
+        return 0.0 if node == self.me else float(self.silent.get(node, 0.0))
+
+    def suspect(self, node: int, results: dict) -> bool:
+        """Gone, or: a reporter's ring broke on it and its heartbeat has been silent for 3 intervals.
+
+        A killed node resets its TCP connections at once, so its neighbours fail
+        within milliseconds and blame it; waiting for the full heartbeat timeout
+        would only add latency. A node that is alive keeps beating (its thread
+        runs apart from training), so it is not suspected however broken its
+        links are: it is retried, then left out as blamed (most_blamed)."""
+        if self.is_gone(node):
+            return True
+        blamed = any(r.get("blame") == node for r in results.values())
+        return blamed and self.silent_s(node) > 3 * self.hb_interval
+
+    @property
+    def grace_unit(self) -> float:
+        """How long each node lets the one before it in line act first."""
+        return max(self.hb_timeout, 1.0)
+
+
+def coordinator_turn(me: int, line: list, waited: float, all_in: bool, timeout: float, grace_unit: float) -> bool:
+    """Whether `me` decides now: the first in line once everyone is in (or after `timeout`), the i-th in line
+    after timeout + i * grace_unit (the ones before it died meanwhile)."""
+    if me not in line:
+        return False
+    idx = line.index(me)
+    return (idx == 0 and (all_in or waited >= timeout)) or waited >= timeout + idx * grace_unit
+
+
+def _arrived(prev: Plan, arrivals: dict, me: int, step: int) -> dict:
+    out = {i: a for i, a in arrivals.items() if i in prev.members}
+    out[me] = {"step": step}
+    return out
+
+
+def first_plan_due(prev: Plan, arrivals: dict, step: int, view: View, waited: float,
+                   barrier_timeout: float) -> bool:
+    """Whether this node writes the plan of attempt 0 now (see coordinator_turn).
+
+    prev: the committed plan of the previous outer step; arrivals: id -> {"step"} of its members that arrived;
+    waited: seconds since this node arrived."""
+    arrived = _arrived(prev, arrivals, view.me, step)
+    alive = sorted(i for i in arrived if not view.is_gone(i))
+    pending = [i for i in prev.members if i not in arrived and not view.is_gone(i)]
+    return coordinator_turn(view.me, alive, waited, not pending, barrier_timeout, view.grace_unit)
+
+
+def propose_first(k: int, prev: Plan, arrivals: dict, step: int, view: View, waited: float,
+                  barrier_timeout: float, joiners: list, now: float = 0.0) -> Plan:
+    """The plan of attempt 0 of outer step k: the previous members that arrived at the same inner step and
+    are alive contribute; ready joiners (already checked: alive, signed, holding the state after k-1) take
+    part with zeros and get free data slots; every other candidate is evicted, with the reason."""
+    arrived = _arrived(prev, arrivals, view.me, step)
+    alive = sorted(i for i in arrived if not view.is_gone(i))
+    evicted, contributors = [], []
+    for i in prev.members:
+        if i in alive:
+            continue
+        if i not in arrived and not view.is_gone(i):
+            evicted.append([i, f"missed the outer-step barrier: not there {waited:.1f} s after node "
+                               f"{view.me} arrived (timeout {barrier_timeout:g} s)"])
+        else:
+            evicted.append([i, view.why_gone(i)])
+    for i in alive:
+        if int(arrived[i]["step"]) != step:
+            evicted.append([i, f"arrived at inner step {arrived[i]['step']}, the others at {step}"])
+        else:
+            contributors.append(i)
+    joiners = sorted(j for j in joiners if j not in prev.members and j not in contributors)
+    slots = {str(i): prev.slot_of(i) for i in contributors}
+    _give_slots(slots, joiners)
+    return Plan(k=k, attempt=0, members=sorted(contributors + joiners), contributors=contributors, slots=slots,
+                step=step, joined=joiners, evicted=evicted, by=view.me, time=now)
+
+
+def _give_slots(slots: dict, joiners: list) -> None:
+    """Gives each joiner the lowest data slot nobody holds."""
+    taken = set(slots.values())
+    free = (s for s in range(10 ** 6) if s not in taken)
+    for j in joiners:
+        slots[str(j)] = next(free)
+
+
+def retry_plan_due(outcome: Outcome, view: View, waited: float) -> bool:
+    """Whether this node writes the plan of a retry now: the first live member of the failed attempt at
+    once, the others after their grace."""
+    members = [i for i in outcome.members if not view.is_gone(i)]
+    return coordinator_turn(view.me, members, waited, True, 0.0, view.grace_unit)
+
+
+def most_blamed(reports: list, members: list) -> Optional[int]:
+    """The member that failure reports name most often (ties: the highest id); None: nobody is blamed.
+
+    reports: the results (id -> {"blame"}) of the two latest attempts. Only a
+    second failure with the same members gets here: a transient failure is
+    retried once with everyone, a node that keeps breaking the ring (alive,
+    but unreachable or broken) is then left out."""
+    counts: dict[int, int] = {}
+    for results in reports:
+        for r in results.values():
+            b = r.get("blame", -1)
+            if b in members:
+                counts[b] = counts.get(b, 0) + 1
+    if not counts:
+        return None
+    return max(counts, key=lambda i: (counts[i], i))
+
+
+def propose_retry(k: int, attempt: int, prev: Plan, outcome: Outcome, view: View, blame_reports: list,
+                  late_joiners: list, now: float = 0.0) -> Plan:
+    """The plan of attempt `attempt` (>= 1) of outer step k after `outcome` asked for a retry.
+
+    The live members of the outcome take part; when the same members failed
+    again, the one most blamed (blame_reports: results of attempts attempt-2
+    and attempt-1, empty for attempt 1) is left out. Joiners that became ready
+    meanwhile (holding the state after k-1) take part: the outer state has not
+    changed, and otherwise they would find the job one outer step ahead."""
+    members = [i for i in outcome.members if not view.is_gone(i)]
+    evicted = [[i, view.why_gone(i)] for i in outcome.members if i not in members]
+    evicted += [list(x) for x in outcome.missing]
+    if set(prev.members) - set(outcome.members) == set() and outcome.failed and blame_reports:
+        blamed = most_blamed(blame_reports, members)
+        if blamed is not None and len(members) > 1:
+            members.remove(blamed)
+            evicted.append([blamed, f"blamed by the other nodes for failing attempt {attempt - 1}"])
+    slots = {str(i): prev.slot_of(i) for i in members}
+    late = sorted(j for j in late_joiners if j not in prev.members and j not in outcome.members)
+    _give_slots(slots, late)
+    return Plan(k=k, attempt=attempt, members=sorted(members + late),
+                contributors=[i for i in prev.contributors if i in members], slots=slots, step=prev.step,
+                joined=[i for i in prev.joined if i in members] + late, evicted=evicted, by=view.me, time=now)
+
+
+def outcome_due(plan: Plan, results: dict, view: View, waited: float, report_timeout: float) -> bool:
+    """Whether this node decides the outcome of the attempt now: the first live reporter once every member
+    reported or is dead (or after report_timeout), the others after their grace."""
+    reporters = sorted(i for i in results if not view.is_gone(i))
+    pending = [i for i in plan.members if i not in results and not view.suspect(i, results)]
+    return coordinator_turn(view.me, reporters, waited, not pending, report_timeout, view.grace_unit)
+
+
+def decide_outcome(plan: Plan, results: dict, view: View, waited: float, max_attempts: int, min_nodes: int,
+                   now: float = 0.0) -> Outcome:
+    """Commit when every member that reported succeeded (and at least one did): a member's all-reduce only
+    succeeds after every member's data went through it, so the survivors hold the same average; members
+    that did not report are dropped. Otherwise retry with the live reporters, or give up after
+    max_attempts or below min_nodes contributors."""
+    missing = []
+    for i in plan.members:
+        if i in results:
+            continue
+        if view.is_gone(i):
+            why = view.why_gone(i)
+        elif view.suspect(i, results):
+            why = (f"its neighbours lost the connection to it and it has sent no heartbeat for "
+                   f"{view.silent_s(i):.1f} s")
+        else:
+            why = f"no result after {waited:.1f} s"
+        missing.append([i, f"did not report attempt {plan.attempt}: {why}"])
+    failed = {str(i): r["error"] for i, r in results.items() if not r["ok"]}
+    ok = [i for i in plan.members if i in results and results[i]["ok"]]
+    base = dict(k=plan.k, attempt=plan.attempt, failed=failed, missing=missing, by=view.me, time=now)
+    if not failed and ok:
+        return Outcome(commit=True, members=ok, **base)
+    alive = [i for i in plan.members if i in results and not view.suspect(i, results)]
+    give_up = ""
+    if plan.attempt + 1 >= max_attempts:
+        give_up = (f"outer step {plan.k} failed {plan.attempt + 1} times (elastic.max_attempts); last errors: "
+                   + "; ".join(f"node {i}: {e}" for i, e in failed.items()))
+    elif len([i for i in plan.contributors if i in alive]) < min_nodes:
+        give_up = (f"only {len(alive)} node(s) left for outer step {plan.k}, fewer than elastic.min_nodes "
+                   f"({min_nodes})")
+    return Outcome(commit=False, members=alive, give_up=give_up, **base)
+
+
+def reduce_op(plan: Plan) -> tuple[str, int]:
+    """How the members average: (ring op, divisor applied after it).
+
+    Everyone contributes: the ring averages ("avg", 1). Joiners take part with
+    zeros: the ring sums and every node divides by the number of contributors
+    (one fp32 division, the same bits everywhere), so the average is over the
+    contributors, not over the members."""
+    if len(plan.contributors) == len(plan.members):
+        return "avg", 1
+    return "sum", len(plan.contributors)
+
+
+# -- heartbeats --------------------------------------------------------------------------------------
 
 
 class Monitor:
     """Heartbeat of this node and liveness of every other, on a thread with its own store connection.
 
-    Every `interval` seconds: add 1 to hb/<me>, then read every known node's
-    counter in one multi_get. A node whose counter did not move for `timeout`
-    seconds (on this node's clock) is dead; one whose counter passed LEFT left.
-    A node never seen counts from the moment this monitor started.
+    Every `interval` seconds: write a signed heartbeat record {node, seq, left}
+    with the next sequence number, then read every known node's record in one
+    multi_get. A node whose valid records stopped advancing for `timeout`
+    seconds (on this node's clock) is dead; one that signed left=True left. A
+    node never seen counts from the moment this monitor started. A record that
+    is not validly signed, or whose sequence number went back (a replay), is
+    ignored: nobody without the secret can keep a dead node alive, evict a live
+    one (beyond overwriting its record faster than it beats), or make it leave.
     """
 
-    def __init__(self, store, node_id: int, initial_nodes: int, interval: float, timeout: float):
-        self._store = store
+    def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float):
+        self._records = records
         self.node_id, self.initial_nodes = node_id, initial_nodes
         self.interval, self.timeout = interval, timeout
         self._lock = threading.Lock()
-        self._seen: dict[int, tuple[int, float]] = {}  # id -> (counter, monotonic time it last changed)
+        self._seq = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # id -> (newest seq, monotonic time it advanced)
         self._exists: set[int] = set()
         self._left: set[int] = set()
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._warned_cap = False
         self.last_error: Optional[str] = None
 
+    def _beat(self, left: bool = False) -> None:
+        self._seq += 1
+        self._records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
+
     def start(self) -> None:
-        self._store.add(f"hb/{self.node_id}", 1)  # the key exists before anyone looks for it
-        self._watch()
+        self._beat()  # the key exists before anyone looks for it
+        self.watch()
         self._thread = threading.Thread(target=self._run, name=f"prime-elastic-hb-{self.node_id}", daemon=True)
         self._thread.start()
 
@@ -188,8 +412,8 @@ class Monitor:
         warned = False
         while not self._stop.wait(self.interval):
             try:
-                self._store.add(f"hb/{self.node_id}", 1)
-                self._watch()
+                self._beat()
+                self.watch()
                 if warned:
                     logger.warning("elastic node %d: the store answers again", self.node_id)
                 warned = False
@@ -200,25 +424,45 @@ class Monitor:
                     logger.warning("elastic node %d: heartbeat failed (store unreachable?): %s", self.node_id, e)
                     warned = True
 
-    def _watch(self) -> None:
-        n = self.initial_nodes + int(self._store.add("joiners", 0))
+    def watch(self) -> None:
+        """Reads every known node's heartbeat record once."""
+        store = self._records.store
+        n = self.initial_nodes + int(store.add(keys.JOINERS, 0))
+        if n > self.initial_nodes + MAX_JOINERS:
+            if not self._warned_cap:
+                self._warned_cap = True
+                logger.warning("elastic node %d: the joiner counter says %d nodes; watching only the first %d "
+                               "(a stranger inflating the counter?)", self.node_id, n, self.initial_nodes + MAX_JOINERS)
+            n = self.initial_nodes + MAX_JOINERS
         for i in range(n):
-            if i not in self._exists and self._store.check([f"hb/{i}"]):
+            if i not in self._exists and store.check([keys.heartbeat(i)]):
                 self._exists.add(i)
         known = sorted(self._exists)
-        values = self._store.multi_get([f"hb/{i}" for i in known]) if known else []
+        values = self._records.get_many([keys.heartbeat(i) for i in known]) if known else []
         now = time.monotonic()
         with self._lock:
-            for i, raw in zip(known, values):
-                v = int(raw)
-                if v >= LEFT:
-                    self._left.add(i)
+            for i, v in zip(known, values):
+                if v is None:
+                    continue
+                try:
+                    node, seq, left = int(v["node"]), int(v["seq"]), bool(v["left"])
+                except (KeyError, TypeError, ValueError):
+                    self._records.reject(keys.heartbeat(i), "a signed heartbeat without node, seq and left")
+                    continue
+                if node != i:
+                    self._records.reject(keys.heartbeat(i), f"a heartbeat of node {node} under node {i}'s key")
+                    continue
                 prev = self._seen.get(i)
-                if prev is None or prev[0] != v:
-                    self._seen[i] = (v, now)
+                if prev is not None and seq < prev[0]:
+                    self._records.reject(keys.heartbeat(i), f"a replayed heartbeat (sequence {seq} after {prev[0]})")
+                    continue
+                if left:
+                    self._left.add(i)
+                if prev is None or seq > prev[0]:
+                    self._seen[i] = (seq, now)
 
     def silent_s(self, node: int) -> float:
-        """Seconds since node's counter last moved (since this monitor started, if never seen)."""
+        """Seconds since node's heartbeat last advanced (since this monitor started, if never seen)."""
         if node == self.node_id:
             return 0.0
         with self._lock:
@@ -241,8 +485,14 @@ class Monitor:
         with self._lock:
             seen = node in self._seen
         if not seen:
-            return f"never sent a heartbeat ({self.silent_s(node):.1f} s)"
+            return f"never sent a valid heartbeat ({self.silent_s(node):.1f} s)"
         return f"no heartbeat for {self.silent_s(node):.1f} s (timeout {self.timeout:g} s)"
+
+    def view(self, ids) -> View:
+        """A snapshot of the liveness of `ids` for the decisions."""
+        ids = list(ids)
+        return View(me=self.node_id, gone={i: self.why_gone(i) for i in ids if self.gone(i)},
+                    silent={i: self.silent_s(i) for i in ids}, hb_interval=self.interval, hb_timeout=self.timeout)
 
     def known_ids(self) -> list[int]:
         with self._lock:
@@ -255,11 +505,31 @@ class Monitor:
             self._thread.join(timeout=5 + self.interval)
         if leave:
             try:
-                self._store.add(f"hb/{self.node_id}", LEFT)
+                self._beat(left=True)
             except Exception as e:  # the store may be gone already; the others then time us out
                 logger.warning("elastic node %d: could not announce the clean exit: %s", self.node_id, e)
                 return False
         return True
+
+
+# -- the store I/O -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Attempt:
+    """What one attempt of an outer step gave (Membership.attempt)."""
+
+    plan: Plan
+    outcome: Outcome
+    ok: bool
+    """This node's all-reduce succeeded."""
+    error: str
+    stats: dict
+    planned_at: float
+    """Monotonic time at which this node knew the plan."""
+    wait_s: float
+    """Waiting for the plan."""
+    allreduce_s: float
 
 
 class Membership:
@@ -268,6 +538,8 @@ class Membership:
     store_factory() must return a new client of the job's store (already under
     the run's prefix); the membership keeps one for its own calls and gives the
     heartbeat thread another (a store client is not shared between threads).
+    secret: the job secret (default $PRIME_RING_SECRET; without either, one is
+    drawn into the store, which only a one-host job may do).
     """
 
     def __init__(
@@ -306,9 +578,11 @@ class Membership:
         self.node_id: int = -1
         self.genesis = False
         self.monitor: Optional[Monitor] = None
+        self.records: Optional[SignedStore] = None
         self.registered_at = 0.0
         self._warned: set[int] = set()
         self._own_keys: dict[int, list] = {}
+        self._latest: Optional[dict] = None
 
     # -- logging ---------------------------------------------------------------
 
@@ -317,6 +591,9 @@ class Membership:
         self._log(f"elastic [{wall()}] node {self.node_id}: {msg}")
         if self._record is not None:
             self._record(msg=msg, time=time.time(), **fields)
+
+    def _signed(self, store) -> SignedStore:
+        return SignedStore(store, self._secret, self.run_id, warn=lambda msg: self.log(msg, event="reject"))
 
     # -- registration ------------------------------------------------------------
 
@@ -327,26 +604,30 @@ class Membership:
         any other node, a restarted one included, is a joiner with a fresh id.
         """
         self.registered_at = time.monotonic()
-        token = secrets.token_hex(8)
+        self._secret = self._resolve_secret()
+        self.records = self._signed(self.store)
         if self.node_rank < self.initial_nodes:
-            got = self.store.compare_set(f"genesis/{self.node_rank}", "", token)
-            self.genesis = (got.decode() if isinstance(got, bytes) else got) == token
+            token = secrets.token_hex(8)
+            got = self.records.set_first(keys.genesis(self.node_rank), {"rank": self.node_rank, "token": token})
+            self.genesis = got.get("token") == token
         if self.genesis:
             self.node_id = self.node_rank
         else:
-            self.node_id = self.initial_nodes + int(self.store.add("joiners", 1)) - 1
-        self._secret = self._resolve_secret()
-        self.monitor = Monitor(self._factory(), self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
+            self.node_id = self.initial_nodes + int(self.store.add(keys.JOINERS, 1)) - 1
+        # The heartbeat thread warns through the logger only (the metrics writer belongs to the main thread).
+        hb_records = SignedStore(self._factory(), self._secret, self.run_id,
+                                 warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+        self.monitor = Monitor(hb_records, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
         self.monitor.start()
         role = "initial node" if self.genesis else "joiner"
         self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()})", event="register",
                  role=role)
         if self.genesis:
             deadline = time.monotonic() + start_timeout_s
-            keys = [f"hb/{i}" for i in range(self.initial_nodes)]
-            while not self.store.check(keys) and time.monotonic() < deadline:
+            hb = [keys.heartbeat(i) for i in range(self.initial_nodes)]
+            while any(v is None for v in self.records.get_many(hb)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            missing = [i for i in range(self.initial_nodes) if not self.store.check([f"hb/{i}"])]
+            missing = [i for i, v in enumerate(self.records.get_many(hb)) if v is None]
             if missing:
                 self.log(f"initial node(s) {missing} did not register within {start_timeout_s:g} s; starting "
                          "without them (they are evicted at the first outer step)", event="start_missing",
@@ -359,9 +640,13 @@ class Membership:
         env = os.environ.get(ENV_SECRET)
         if env:
             return env.encode()
-        # Nobody configured one: the first node draws it and shares it through the store.
-        # Then anyone who can read the store can join (docs/elastic.md, Security).
-        got = self.store.compare_set("secret", "", secrets.token_hex(32))
+        # Nobody configured one: the first node draws it and shares it through the store. Then anyone
+        # who can read the store can join, so only a job whose store and addresses are all on loopback may.
+        from prime.comm.rendezvous import require_secret_or_one_host, resolve_addresses
+
+        require_secret_or_one_host(self.store, resolve_addresses(self.store, None, None)[1],
+                                   f"elastic node (rank {self.node_rank})")
+        got = self.store.compare_set(keys.SECRET, "", secrets.token_hex(32))
         return got if isinstance(got, bytes) else got.encode()
 
     @property
@@ -373,33 +658,28 @@ class Membership:
         return self._factory()
 
     def publish_address(self, address: str) -> None:
-        self.store.set(f"addr/{self.node_id}", address)
+        self.records.put(keys.state_addr(self.node_id), address)
 
     def address_of(self, node: int) -> Optional[str]:
-        return self._get(f"addr/{node}")
+        return self.records.get(keys.state_addr(node))
 
     def gone(self, node: int) -> bool:
         return self.monitor.gone(node)
 
-    # -- store helpers -------------------------------------------------------------
+    def _own(self, k: int, key: str) -> str:
+        self._own_keys.setdefault(k, []).append(key)
+        return key
 
-    def _get(self, key: str) -> Optional[str]:
-        """The value of key, or None when it does not exist (get() would block)."""
-        if not self.store.check([key]):
-            return None
-        raw = self.store.get(key)
-        return raw.decode() if isinstance(raw, bytes) else raw
+    def ring_store(self, k: int, attempt: int, rank: int):
+        """(store, job_id) for the ring of attempt `attempt` of outer step k, on a new store connection (an
+        abandoned ring builder may still wait on it while this node's main thread goes on). The ring's keys
+        are deleted with the outer step's other keys (commit())."""
+        import torch.distributed as dist
 
-    def _set_first(self, key: str, value: str) -> str:
-        """Writes value unless key exists; returns what the key holds now (the first writer's value)."""
-        got = self.store.compare_set(key, "", value)
-        return got.decode() if isinstance(got, bytes) else got
+        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank))
+        return dist.PrefixStore(keys.ring_prefix(k, attempt), self.new_store()), keys.ring_job_id(self.run_id, k, attempt)
 
-    def _mac(self, *parts) -> str:
-        msg = "|".join(str(p) for p in (self.run_id, *parts)).encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
-
-    # -- outer step: arrival and plan ------------------------------------------------
+    # -- one attempt of an outer step ------------------------------------------------------------
 
     def genesis_plan(self, outer_step: int, step: int) -> Plan:
         """The membership before the first outer step: every initial node, slot = id."""
@@ -407,282 +687,165 @@ class Membership:
         return Plan(k=outer_step, attempt=0, members=ids, contributors=ids, slots={str(i): i for i in ids},
                     step=step, by=-1, time=time.time())
 
-    def arrive(self, k: int, step: int) -> None:
-        """Says that this node has its pseudo-gradient for outer step k ready."""
-        self._written(k, f"b/{k}/arrive/{self.node_id}")
-        self.store.set(f"b/{k}/arrive/{self.node_id}", json.dumps({"step": step, "time": time.time()}))
+    def attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome: Optional[Outcome], step: int,
+                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None) -> Attempt:
+        """One attempt of outer step k: arrive (attempt 0), agree on the plan, run `allreduce(plan)`, report
+        how it went, and agree on the outcome.
 
-    def _written(self, k: int, key: str) -> None:
-        self._own_keys.setdefault(k, []).append(key)
-
-    def forget(self, k: int, extra=()) -> None:
-        """Deletes this node's own keys of outer step k (arrival, results, and `extra`, e.g. its ring's).
-
-        Called two outer steps later, when nobody reads them any more. Plans and
-        outcomes stay: a node that comes back late must find the decision that
-        left it out, not take one of its own."""
-        for key in self._own_keys.pop(k, []) + list(extra):
-            try:
-                self.store.delete_key(key)
-            except Exception:  # only tidiness
-                pass
-
-    def await_plan(self, k: int, attempt: int, prev: Plan, since: float, step: int,
-                   prev_outcome: Optional[Outcome] = None) -> Plan:
-        """The plan of attempt `attempt` of outer step k; proposes it when this node is the coordinator.
-
-        prev: for attempt 0 the committed plan of outer step k-1, else the plan
-        of attempt-1 (whose outcome was a retry). since: when this node started
-        waiting (its arrival), for the barrier timeout.
-        """
-        key = f"b/{k}/a{attempt}/plan"
-        while True:
-            raw = self._get(key)
-            if raw is not None:
-                return Plan.from_json(raw)
+        prev: the committed plan of outer step k-1 (attempt 0), else the plan of
+        the failed attempt; prev_outcome: that attempt's outcome (retries).
+        since: when this node started waiting (its arrival), for the barrier
+        timeout. plan: an already known plan (a joiner admitted by it).
+        allreduce(plan) returns (ok, error, blamed node id or -1, stats).
+        Raises Evicted when the plan leaves this node out."""
+        t_wait = time.monotonic()
+        if plan is None:
             if attempt == 0:
-                proposal = self._propose_first(k, prev, since, step)
+                self.records.put(self._own(k, keys.arrival(k, self.node_id)), {"step": step, "time": time.time()})
+            plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
+        planned_at = time.monotonic()
+        if self.node_id not in plan.members:
+            raise Evicted(plan.reason_for(self.node_id))
+        ok, error, blame, stats = allreduce(plan)
+        allreduce_s = time.monotonic() - planned_at
+        self.records.put(self._own(k, keys.result(k, plan.attempt, self.node_id)),
+                         {"ok": bool(ok), "error": str(error)[:500], "blame": int(blame)})
+        outcome = self._await_outcome(k, plan)
+        return Attempt(plan=plan, outcome=outcome, ok=bool(ok), error=str(error), stats=stats or {},
+                       planned_at=planned_at, wait_s=planned_at - t_wait, allreduce_s=allreduce_s)
+
+    def commit(self, plan: Plan, outcome: Outcome, slot_state: Optional[dict] = None) -> None:
+        """After this node applied the committed outer step plan.k: records it as the newest committed one
+        (for joiners), publishes this node's data position (slot_state, contributors only), and deletes
+        this node's keys of outer step k-2 and older (nobody reads them any more; plans and outcomes stay:
+        a node that comes back late must find the decision that left it out, not take one of its own)."""
+        self._publish_committed(plan, outcome)
+        if slot_state is not None:
+            self.records.put(keys.slot(plan.slot_of(self.node_id)), slot_state)
+        for old in [j for j in self._own_keys if j <= plan.k - 2]:
+            for key in self._own_keys.pop(old):
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # only tidiness
+                    pass
+
+    def _view(self, ids) -> View:
+        return self.monitor.view(ids)
+
+    def _await_plan(self, k: int, attempt: int, prev: Plan, since: float, step: int,
+                    prev_outcome: Optional[Outcome]) -> Plan:
+        """The plan of attempt `attempt` of outer step k; proposes it when it is this node's turn."""
+        key = keys.plan(k, attempt)
+        if attempt > 0 and prev_outcome is None:  # the plan of a retry follows an outcome that asked for it
+            raise MembershipError(f"internal: no outcome for attempt {attempt - 1} of outer step {k}")
+        while True:
+            got = self.records.first(key)
+            if got is not None:
+                return Plan.from_dict(got)
+            waited = time.monotonic() - since
+            proposal = None
+            if attempt == 0:
+                arrivals = self._read_all(keys.arrival, k, prev.members)
+                view = self._view(prev.members)
+                if first_plan_due(prev, arrivals, step, view, waited, self.barrier_timeout):
+                    joiners = self._ready_joiners(k - 1, exclude=set(prev.members))
+                    proposal = propose_first(k, prev, arrivals, step, view, waited, self.barrier_timeout,
+                                             joiners, now=time.time())
             else:
-                proposal = self._propose_retry(k, attempt, prev, prev_outcome, since)
+                view = self._view(prev_outcome.members)
+                if retry_plan_due(prev_outcome, view, waited):
+                    reports = []
+                    if attempt - 1 >= 1:  # the reports of the live members in the last two attempts
+                        live = [i for i in prev_outcome.members if not view.is_gone(i)]
+                        reports = [self._results(k, a, live) for a in (attempt - 2, attempt - 1)]
+                    late = self._ready_joiners(k - 1, exclude=set(prev.members) | set(prev_outcome.members))
+                    proposal = propose_retry(k, attempt, prev, prev_outcome, view, reports, late, now=time.time())
             if proposal is not None:
-                self._set_first(key, proposal.to_json())
+                self.records.set_first(key, asdict(proposal))
                 continue  # read back the winner
             time.sleep(self.poll_s)
 
-    def _arrivals(self, k: int, ids) -> dict:
-        out = {}
-        for i in ids:
-            raw = self._get(f"b/{k}/arrive/{i}")
-            if raw is not None:
-                out[i] = json.loads(raw)
-        return out
-
-    def _order(self, alive: list[int]) -> tuple[int, float]:
-        """This node's position among the live candidates, and how long it lets the ones before it act first."""
-        idx = alive.index(self.node_id)
-        return idx, idx * max(self.hb_timeout, 1.0)
-
-    def _propose_first(self, k: int, prev: Plan, since: float, step: int) -> Optional[Plan]:
-        cands = list(prev.members)
-        arrived = self._arrivals(k, cands)
-        arrived[self.node_id] = {"step": step}
-        alive = sorted(i for i in arrived if not self.monitor.gone(i))
-        pending = [i for i in cands if i not in arrived and not self.monitor.gone(i)]
-        waited = time.monotonic() - since
-        idx, grace = self._order(alive)
-        if not ((idx == 0 and (not pending or waited >= self.barrier_timeout))
-                or waited >= self.barrier_timeout + grace):
-            return None
-        evicted = []
-        for i in cands:
-            if i in alive:
+    def _await_outcome(self, k: int, plan: Plan) -> Outcome:
+        """Waits for (or, in its turn, decides) whether the attempt commits (decide_outcome)."""
+        key = keys.outcome(k, plan.attempt)
+        t0 = time.monotonic()
+        while True:
+            got = self.records.first(key)
+            if got is not None:
+                return Outcome.from_dict(got)
+            results = self._results(k, plan.attempt, plan.members)
+            view = self._view(plan.members)
+            waited = time.monotonic() - t0
+            if outcome_due(plan, results, view, waited, self.report_timeout):
+                decision = decide_outcome(plan, results, view, waited, self.max_attempts, self.min_nodes,
+                                          now=time.time())
+                self.records.set_first(key, asdict(decision))
                 continue
-            if i in pending:
-                evicted.append([i, f"missed the outer-step barrier: not there {waited:.1f} s after node "
-                                   f"{self.node_id} arrived (timeout {self.barrier_timeout:g} s)"])
-            else:
-                evicted.append([i, self.monitor.why_gone(i)])
-        contributors = []
-        for i in alive:
-            if int(arrived[i]["step"]) != step:
-                evicted.append([i, f"arrived at inner step {arrived[i]['step']}, the others at {step}"])
-            else:
-                contributors.append(i)
-        joiners = self._ready_joiners(k - 1, exclude=set(cands))
-        members = sorted(contributors + joiners)
-        slots = {str(i): prev.slot_of(i) for i in contributors}
-        free = (s for s in range(10 ** 6) if s not in set(slots.values()))
-        for j in joiners:
-            slots[str(j)] = next(free)
-        return Plan(k=k, attempt=0, members=members, contributors=contributors, slots=slots, step=step,
-                    joined=joiners, evicted=evicted, by=self.node_id, time=time.time())
+            time.sleep(self.poll_s)
+
+    def _read_all(self, key_of, k: int, ids) -> dict:
+        ids = list(ids)
+        values = self.records.get_many([key_of(k, i) for i in ids])
+        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
+
+    def _results(self, k: int, attempt: int, ids) -> dict:
+        ids = list(ids)
+        values = self.records.get_many([keys.result(k, attempt, i) for i in ids])
+        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
 
     def _ready_joiners(self, outer_step: int, exclude: set) -> list[int]:
-        """Joiners that hold the state after `outer_step`, proved the job secret, and are alive."""
+        """Joiners that hold the state after `outer_step`, signed their offer with the job secret, and are alive."""
         out = []
-        n = self.initial_nodes + int(self.store.add("joiners", 0))
+        n = self.initial_nodes + min(int(self.store.add(keys.JOINERS, 0)), MAX_JOINERS)
         for i in range(n):
-            if i in exclude or self.monitor.gone(i):
+            if i in exclude:
                 continue
-            raw = self._get(f"ready/{i}")
+            key = keys.join_offer(i)
+            raw = self.store.get(key) if self.store.check([key]) else None
             if raw is None:
                 continue
-            d = json.loads(raw)
-            if int(d["outer_step"]) != outer_step:
-                continue
-            if not hmac.compare_digest(str(d.get("mac", "")), self._mac("ready", i, outer_step)):
+            d = self.records.open(key, raw)
+            if not isinstance(d, dict) or d.get("node") != i:
                 if i not in self._warned:
                     self._warned.add(i)
                     self.log(f"ignoring node {i}: its join request is not signed with the job secret",
                              event="reject", node=i)
                 continue
-            out.append(i)
+            if int(d.get("outer_step", -1)) == outer_step and not self.monitor.gone(i):
+                out.append(i)
         return out
 
-    def _results(self, k: int, attempt: int, ids) -> dict:
-        out = {}
-        for i in ids:
-            raw = self._get(f"b/{k}/a{attempt}/result/{i}")
-            if raw is not None:
-                out[i] = json.loads(raw)
-        return out
-
-    def _propose_retry(self, k: int, attempt: int, prev: Plan, outcome: Optional[Outcome],
-                       since: float) -> Optional[Plan]:
-        if outcome is None:  # the plan of a retry follows an outcome that asked for it
-            raise MembershipError(f"internal: no outcome for attempt {attempt - 1} of outer step {k}")
-        members = [i for i in outcome.members if not self.monitor.gone(i)]
-        if self.node_id not in members:
-            return None
-        idx, grace = self._order(members)
-        if idx != 0 and time.monotonic() - since < grace:
-            return None
-        evicted = [[i, self.monitor.why_gone(i)] for i in outcome.members if i not in members]
-        evicted += [list(x) for x in outcome.missing]
-        if set(prev.members) - set(outcome.members) == set() and outcome.failed:
-            blamed = self._most_blamed(k, attempt - 1, members)
-            if blamed is not None and len(members) > 1:
-                members.remove(blamed)
-                evicted.append([blamed, f"blamed by the other nodes for failing attempt {attempt - 1}"])
-        slots = {str(i): prev.slot_of(i) for i in members}
-        # A joiner that became ready (with the state after k-1) since the previous attempt was
-        # planned takes part in this one: the outer state has not changed, and otherwise it
-        # would find the job one outer step ahead and download again.
-        late = self._ready_joiners(k - 1, exclude=set(prev.members) | set(outcome.members))
-        free = (s for s in range(10 ** 6) if s not in set(slots.values()))
-        for j in late:
-            slots[str(j)] = next(free)
-        return Plan(k=k, attempt=attempt, members=sorted(members + late),
-                    contributors=[i for i in prev.contributors if i in members], slots=slots, step=prev.step,
-                    joined=[i for i in prev.joined if i in members] + late, evicted=evicted, by=self.node_id,
-                    time=time.time())
-
-    def _most_blamed(self, k: int, attempt: int, members: list[int]) -> Optional[int]:
-        """The member that the failure reports of an attempt name most often (None: no blame).
-
-        Only a second failure with the same members gets here: a transient
-        failure is retried once with everyone, a node that keeps breaking the
-        ring (alive, but unreachable or broken) is then left out.
-        """
-        if attempt < 1:
-            return None
-        counts: dict[int, int] = {}
-        for a in (attempt - 1, attempt):
-            for r in self._results(k, a, members).values():
-                b = r.get("blame", -1)
-                if b in members:
-                    counts[b] = counts.get(b, 0) + 1
-        if not counts:
-            return None
-        return max(counts, key=lambda i: (counts[i], i))
-
-    # -- outer step: result and outcome ------------------------------------------------
-
-    def report(self, k: int, attempt: int, ok: bool, error: str = "", blame: int = -1) -> None:
-        """Publishes how this node's all-reduce of the attempt went."""
-        self._written(k, f"b/{k}/a{attempt}/result/{self.node_id}")
-        self.store.set(f"b/{k}/a{attempt}/result/{self.node_id}",
-                       json.dumps({"ok": ok, "error": error[:500], "blame": blame}))
-
-    def await_outcome(self, k: int, plan: Plan) -> Outcome:
-        """Waits for (or, as coordinator, decides) whether attempt plan.attempt of outer step k commits.
-
-        Commit when every member that reported succeeded and the rest are dead:
-        a member's all-reduce only succeeds after every member's data went
-        through it, so the survivors hold the same average. Otherwise retry
-        with the live reporters (or give up after max_attempts).
-        """
-        key = f"b/{k}/a{plan.attempt}/outcome"
-        t0 = time.monotonic()
-        while True:
-            raw = self._get(key)
-            if raw is not None:
-                return Outcome.from_json(raw)
-            results = self._results(k, plan.attempt, plan.members)
-            reporters = sorted(i for i in results if not self.monitor.gone(i))
-            pending = [i for i in plan.members if i not in results and not self._dead_or_suspect(i, results)]
-            waited = time.monotonic() - t0
-            if self.node_id in reporters:
-                idx, grace = self._order(reporters)
-                if (idx == 0 and (not pending or waited >= self.report_timeout)) or waited >= self.report_timeout + grace:
-                    self._set_first(key, self._decide(k, plan, results, waited).to_json())
-                    continue
-            time.sleep(self.poll_s)
-
-    def _dead_or_suspect(self, node: int, results: dict) -> bool:
-        """Gone, or: a reporter's ring broke on it and its heartbeat has been silent for 3 intervals.
-
-        A killed node resets its TCP connections at once, so its neighbours fail
-        within milliseconds and blame it; waiting for the full heartbeat timeout
-        would only add latency. A node that is alive keeps beating (its thread
-        runs apart from training), so it is not suspected however broken its
-        links are: it is retried, then left out as blamed (_most_blamed)."""
-        if self.monitor.gone(node):
-            return True
-        blamed = any(r.get("blame") == node for r in results.values())
-        return blamed and self.monitor.silent_s(node) > 3 * self.hb_interval
-
-    def _decide(self, k: int, plan: Plan, results: dict, waited: float) -> Outcome:
-        missing = []
-        for i in plan.members:
-            if i not in results:
-                if self.monitor.gone(i):
-                    why = self.monitor.why_gone(i)
-                elif self._dead_or_suspect(i, results):
-                    why = (f"its neighbours lost the connection to it and it has sent no heartbeat for "
-                           f"{self.monitor.silent_s(i):.1f} s")
-                else:
-                    why = f"no result after {waited:.1f} s"
-                missing.append([i, f"did not report attempt {plan.attempt}: {why}"])
-        failed = {str(i): r["error"] for i, r in results.items() if not r["ok"]}
-        ok = [i for i in plan.members if i in results and results[i]["ok"]]
-        base = dict(k=k, attempt=plan.attempt, failed=failed, missing=missing, by=self.node_id, time=time.time())
-        if not failed and ok:
-            return Outcome(commit=True, members=ok, **base)
-        alive = [i for i in plan.members if i in results and not self._dead_or_suspect(i, results)]
-        give_up = ""
-        if plan.attempt + 1 >= self.max_attempts:
-            give_up = (f"outer step {k} failed {plan.attempt + 1} times (elastic.max_attempts); last errors: "
-                       + "; ".join(f"node {i}: {e}" for i, e in failed.items()))
-        elif len([i for i in plan.contributors if i in alive]) < self.min_nodes:
-            give_up = (f"only {len(alive)} node(s) left for outer step {k}, fewer than elastic.min_nodes "
-                       f"({self.min_nodes})")
-        return Outcome(commit=False, members=alive, give_up=give_up, **base)
-
-    def publish_committed(self, plan: Plan, outcome: Outcome) -> None:
+    def _publish_committed(self, plan: Plan, outcome: Outcome) -> None:
         """Records outer step k as the newest committed one (monotonic: an older write never wins)."""
-        new = json.dumps({"k": plan.k, "members": outcome.members, "step": plan.step, "time": time.time(),
-                          "slots": {str(i): plan.slot_of(i) for i in outcome.members}})
+        new = {"k": plan.k, "members": outcome.members, "step": plan.step, "time": time.time(),
+               "slots": {str(i): plan.slot_of(i) for i in outcome.members}}
         for _ in range(20):
-            cur = self._get("members")
-            if cur is not None and int(json.loads(cur)["k"]) >= plan.k:
+            raw, cur = self.records.get_raw_and_value(keys.COMMITTED)
+            if cur is not None and int(cur["k"]) >= plan.k:
                 return
-            got = self.store.compare_set("members", cur if cur is not None else "", new)
-            if (got.decode() if isinstance(got, bytes) else got) == new:
+            if self.records.replace(keys.COMMITTED, raw, new):
                 return
 
     def latest_committed(self) -> Optional[dict]:
-        """{"k", "members", "step", "slots"} of the newest committed outer step, or None before the first."""
-        raw = self._get("members")
-        return None if raw is None else json.loads(raw)
-
-    def publish_slot(self, slot: int, state: dict) -> None:
-        self.store.set(f"slot/{slot}", json.dumps(state))
+        """{"k", "members", "step", "slots"} of the newest committed outer step, or None before the first.
+        Never goes back (a replayed older record is ignored)."""
+        cur = self.records.get(keys.COMMITTED)
+        if cur is not None and (self._latest is None or int(cur["k"]) >= int(self._latest["k"])):
+            self._latest = cur
+        return self._latest
 
     def read_slot(self, slot: int) -> Optional[dict]:
-        raw = self._get(f"slot/{slot}")
-        return None if raw is None else json.loads(raw)
+        return self.records.get(keys.slot(slot))
 
     # -- joining -----------------------------------------------------------------------
 
     def set_ready(self, outer_step: int) -> None:
         """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next."""
-        self.store.set(f"ready/{self.node_id}", json.dumps(
-            {"outer_step": outer_step, "mac": self._mac("ready", self.node_id, outer_step)}))
+        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step})
 
     def clear_ready(self) -> None:
         try:
-            self.store.delete_key(f"ready/{self.node_id}")
+            self.store.delete_key(keys.join_offer(self.node_id))
         except Exception:  # only tidiness: a stale ready entry is ignored anyway
             pass
 
@@ -694,14 +857,14 @@ class Membership:
         attempt = 0
         deadline = time.monotonic() + timeout_s
         while True:
-            raw = self._get(f"b/{k}/a{attempt}/plan")
-            if raw is not None:
-                plan = Plan.from_json(raw)
+            got = self.records.first(keys.plan(k, attempt))
+            if got is not None:
+                plan = Plan.from_dict(got)
                 if self.node_id in plan.members:
                     return plan
-                out = self._get(f"b/{k}/a{attempt}/outcome")
+                out = self.records.first(keys.outcome(k, attempt))
                 if out is not None:
-                    if Outcome.from_json(out).commit:
+                    if Outcome.from_dict(out).commit:
                         return None
                     attempt += 1
                     continue
@@ -713,10 +876,17 @@ class Membership:
                                   "node was admitted")
             members = latest["members"] if latest is not None else list(range(self.initial_nodes))
             if all(self.monitor.gone(i) for i in members):
-                raise JoinError(f"every member of the job ({members}) is gone; nobody left to admit this node")
+                raise JoinError(f"every member of the job ({members}) is gone; nobody left to admit this node"
+                                + self._secret_hint())
             if time.monotonic() > deadline:
                 raise JoinError(f"not admitted at outer step {k} within {timeout_s:g} s (elastic.join_timeout_s)")
             time.sleep(self.poll_s * 5)
+
+    def _secret_hint(self) -> str:
+        if self.records is not None and self.records.rejected:
+            return (" (this node ignored store records not signed with its secret: if the job runs, this node's "
+                    "PRIME_RING_SECRET differs from the job's)")
+        return ""
 
     def live_sources(self, last_step: Optional[int] = None) -> list[tuple[int, str]]:
         """(id, address) of the live members of the newest committed outer step: where to download the state.
@@ -729,14 +899,25 @@ class Membership:
             raise JobFinished(f"the job already committed its last outer step (at step {latest['step']})")
         members = latest["members"] if latest is not None else list(range(self.initial_nodes))
         if all(i == self.node_id or self.monitor.gone(i) for i in members):
-            raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from")
-        out = []
+            raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from"
+                            + self._secret_hint())
+        out, forged = [], 0
         for i in members:
             if i == self.node_id or self.monitor.gone(i):
                 continue
-            addr = self.address_of(i)
-            if addr:
+            key = keys.state_addr(i)
+            raw = self.store.get(key) if self.store.check([key]) else None
+            addr = None if raw is None else self.records.open(key, raw)
+            if isinstance(addr, str):
                 out.append((i, addr))
+            elif raw is not None:
+                forged += 1
+                self.records.reject(key)
+        if forged and not out and latest is None:
+            raise JoinError(
+                f"node {self.node_id} could not download the job's state: the address records of its members "
+                f"{members} are not signed with this node's secret (and no committed outer step is): this node's "
+                "PRIME_RING_SECRET differs from the job's (or a stranger rewrote them)")
         return out
 
     # -- leaving -----------------------------------------------------------------------
@@ -751,12 +932,13 @@ class Membership:
     def wait_all_gone(self, timeout_s: float) -> None:
         """For the node that hosts the store: returns once every other node left or died (or after timeout_s)."""
         deadline = time.monotonic() + timeout_s
-        watch = Monitor(self._factory(), self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
-        watch._watch()
+        watch = Monitor(self._signed(self._factory()), self.node_id, self.initial_nodes, self.hb_interval,
+                        self.hb_timeout)
+        watch.watch()
         while time.monotonic() < deadline:
             time.sleep(self.hb_interval)
             try:
-                watch._watch()
+                watch.watch()
             except Exception:
                 return
             if all(watch.gone(i) for i in watch.known_ids() if i != self.node_id):

@@ -1,11 +1,12 @@
-"""ElasticDiLoCo: DiLoCo's outer step for a node whose peers may die, leave or join at any time.
+"""ElasticSync: how DiLoCo averages across nodes when peers may die, leave or join at any time.
 
-The inner steps are DiLoCo's (prime/diloco.py); what changes is the outer step:
+The outer step is DiLoCo's (prime/diloco.py); this is the prime.sync.Sync that
+averages its pseudo-gradient:
 
 1. the node arrives (its pseudo-gradient is ready) and waits for the plan of
    the outer step: the members that arrived, minus the dead (no heartbeat),
    minus those that missed the barrier, plus joiners that hold the previous
-   outer step's state (Membership.await_plan);
+   outer step's state (Membership.attempt: one call per attempt);
 2. the members build a ring in plan order and average their pseudo-gradients
    (a joiner takes part with zeros: then the ring sums and every node divides
    by the number of contributors, one fp32 division, the same bits everywhere);
@@ -14,12 +15,14 @@ The inner steps are DiLoCo's (prime/diloco.py); what changes is the outer step:
    (a new ring, a recomputed pseudo-gradient) - the outer step that a failure
    interrupted is finished by the nodes that are left, nothing is lost but
    the dead node's inner steps since the previous outer step;
-4. on commit every member applies the same outer update and serves the new
-   state to joiners.
+4. on commit every member applies the same outer update (DiLoCo) and serves
+   the new state to joiners (committed()).
 
 A joiner (or an evicted node) downloads the newest committed state from a
-live member (transfer.py) while the others train, says it is ready, and is
-admitted at the next outer step (join()). See docs/elastic.md.
+live member (transfer.py) into DiLoCo's outer state while the others train,
+says it is ready, and is admitted at the next outer step, which it takes part
+in without contributing: its first DiLoCo.sync() (or the outer step at which
+it was evicted) does all of this. See docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -33,13 +36,12 @@ from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
-from prime.diloco import DiLoCo, OuterStepResult, OuterSyncError, work_stats
-from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan
+from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan, reduce_op
 from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fault_specs, fetch_state, state_digest
+from prime.sync import OuterSyncError, SyncResult, is_comm_error, work_stats
 
-__all__ = ["ElasticDiLoCo", "ElasticStepResult", "JoinInfo"]
+__all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
 
 # The longest a "hold" test hook (FAULT_ENV) waits for its file.
 HOLD_MAX_S = 300.0
@@ -71,13 +73,9 @@ class JoinInfo:
 
 
 @dataclass
-class ElasticStepResult(OuterStepResult):
-    """OuterStepResult plus the membership of the outer step."""
+class ElasticReport:
+    """What an elastic outer step did beyond OuterStepResult (its `details`)."""
 
-    members: list = field(default_factory=list)
-    """Nodes that committed this outer step (ring order)."""
-    contributors: int = 0
-    """Nodes whose pseudo-gradient is in the average."""
     joined: list = field(default_factory=list)
     evicted: list = field(default_factory=list)
     """[id, reason] of the nodes dropped at this outer step."""
@@ -89,7 +87,8 @@ class ElasticStepResult(OuterStepResult):
     digest: Optional[str] = None
     """SHA-256 of the outer weights and momentum after the step (elastic digest on)."""
     rejoined: Optional[JoinInfo] = None
-    """Set when this node had been evicted and joined again: the trainer must take the new step and slot."""
+    """Set when this node joined at this outer step (a new node, or back after an eviction): the trainer
+    must take the new step and data slot."""
 
 
 class _RingBuilder(threading.Thread):
@@ -123,8 +122,15 @@ class _RingBuilder(threading.Thread):
                 self.ring = None
 
 
-class ElasticDiLoCo(DiLoCo):
-    """DiLoCo for one single-process node of an elastic job (see the module docstring).
+class ElasticSync:
+    """The prime.sync.Sync of one single-process node of an elastic job (see the module docstring).
+
+        sync = ElasticSync(membership, ring_timeout_s=60)
+        diloco = prime.DiLoCo(model, opt, sync, inner_steps=100)
+        if sync.is_joiner:
+            result = diloco.sync()        # download the job's state, admitted at the next outer step
+        else:
+            sync.start(diloco.outer_step, diloco.inner_step)   # serve the state to joiners
 
     membership:    a Membership (not yet registered); this constructor registers
                    the node and starts its heartbeat and its state server
@@ -135,21 +141,17 @@ class ElasticDiLoCo(DiLoCo):
     total_steps:   the job's last inner step (a joiner that arrives after it exits)
     digest:        hash the outer state after every outer step (for checks)
     slot_state_fn: returns the data position to publish at each outer step
-    Other arguments as DiLoCo.
+
+    An outer step whose result has `details.rejoined` set made this node join
+    (again, after an eviction): the caller continues from result.inner_step
+    with the data slot in details.rejoined. DiLoCo does not close a sync it
+    was given: call close() to leave the job.
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        inner_optimizer: Optional[torch.optim.Optimizer],
         membership: Membership,
         *,
-        inner_steps: int = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        codec: str = "int8",
-        block_size: int = 256,
         ring_timeout_s: float = 300.0,
         streams: Optional[int] = None,
         max_rate: Optional[float] = None,
@@ -160,26 +162,25 @@ class ElasticDiLoCo(DiLoCo):
         total_steps: Optional[int] = None,
         digest: bool = False,
         slot_state_fn: Optional[Callable[[], dict]] = None,
-        measure_compression_error: bool = True,
     ):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("elastic training runs one process per node; this node runs "
                              f"{dist.get_world_size()} (use --nproc-per-node 1, or turn elastic off)")
-        super().__init__(model, inner_optimizer, None, inner_steps=inner_steps, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, codec=codec, block_size=block_size,
-                         retries=0, measure_compression_error=measure_compression_error, check_replicas=False)
-        self.distributed = True  # the ring comes and goes with the membership
-        self._build_buffers()
         self.membership = membership
         self.ring_timeout_s, self.streams, self.max_rate = ring_timeout_s, streams, max_rate
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
+        self.ring = None
+        self._state = None  # the OuterState, from bind()
+        self._settings: dict = {}
+        self.codec, self.block_size, self.inner_steps = "int8", 256, 1  # from bind()
         self._ring_members: Optional[list] = None
         self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
-        self._ring_keys: dict[int, list] = {}  # store keys of the rings built at each outer step
         self._committed: Optional[Plan] = None
+        self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
+        self._joining: Optional[dict] = None  # the join that average() admitted, completed in committed()
         self._faults = fault_specs()
         self.node_id = membership.register(start_timeout_s)
         from prime.comm.rendezvous import resolve_addresses
@@ -195,7 +196,7 @@ class ElasticDiLoCo(DiLoCo):
 
     @property
     def is_joiner(self) -> bool:
-        """True when this node must join() before training (it was not one of the initial nodes)."""
+        """True when this node must join before training (it was not one of the initial nodes)."""
         return not self.membership.genesis
 
     def _last_outer_at(self) -> Optional[int]:
@@ -205,35 +206,46 @@ class ElasticDiLoCo(DiLoCo):
             return None
         return self.total_steps // self.inner_steps * self.inner_steps
 
-    def _settings(self) -> dict:
-        return {"inner_steps": self.inner_steps, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "nesterov": self.nesterov, "codec": self.codec, "block_size": self.block_size,
-                "shapes": [list(t.shape) for t in self._locals], "numel": self.numel}
+    def _publish_state(self, outer_step: int, inner_step: int) -> None:
+        self.server.publish(outer_step, self._state.tensors(), {"inner_step": inner_step, "settings": self._settings})
 
-    def _publish_state(self) -> None:
-        self.server.publish(self.outer_step, [self._outer, self._momentum],
-                            {"inner_step": self.inner_step, "settings": self._settings()})
+    def bind(self, state, settings: dict) -> None:
+        """Called by DiLoCo: the outer state to serve and to download into, and the settings a joiner must share."""
+        state.tensors()  # refuses an outer state a joiner could not download (a custom outer optimizer)
+        self._state = state
+        self._settings = {k: settings[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
+                                                   "block_size", "shapes", "numel")}
+        self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
 
-    def start(self) -> None:
-        """Initial nodes: serve the starting state (call after a checkpoint was loaded). Joiners: nothing."""
+    def start(self, outer_step: int, inner_step: int) -> None:
+        """Initial nodes: serve the starting state (call after a checkpoint was loaded, with DiLoCo's counters).
+        Joiners: nothing (their first DiLoCo.sync() joins)."""
         if self.membership.genesis:
-            self._committed = self.membership.genesis_plan(self.outer_step, self.inner_step)
-            self._publish_state()
+            self._state.ensure_taken()
+            self._committed = self.membership.genesis_plan(outer_step, inner_step)
+            self._publish_state(outer_step, inner_step)
 
-    # -- the outer step ------------------------------------------------------------------
+    def agree(self, ok: bool) -> bool:
+        """One process per node: nothing to agree with."""
+        return ok
 
-    def step(self) -> OuterStepResult:
-        """Call after every inner optimizer step; runs an outer step every inner_steps steps (see sync())."""
-        for spec in self._faults:  # test hooks (FAULT_ENV)
-            if spec.startswith("stall:"):  # "stall:<step>:<seconds>": a slow node
+    def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
+        """Nothing: a joiner checks the job's settings when it downloads, and the digests show divergence."""
+
+    # -- test hooks on the inner steps --------------------------------------------------
+
+    def before_inner_step(self, step: int) -> None:
+        """Test hooks (FAULT_ENV) at inner step `step`: "stall:<step>:<seconds>" (a slow node) and
+        "hold:<step>:<path>" (wait until the file exists)."""
+        for spec in self._faults:
+            if spec.startswith("stall:"):
                 at, secs = spec.split(":")[1:]
-                if self.inner_step + 1 == int(at):
+                if step == int(at):
                     time.sleep(float(secs))
-            elif spec.startswith("hold:"):  # "hold:<step>:<path>": wait at that step until the file exists
+            elif spec.startswith("hold:"):
                 _, at, path = spec.split(":", 2)
-                if self.inner_step + 1 == int(at):
+                if step == int(at):
                     self._hold(int(at), path)
-        return super().step()
 
     def _hold(self, at: int, path: str) -> None:
         """Test hook: pauses at inner step `at` (heartbeat and state server running) until `path` exists.
@@ -248,39 +260,32 @@ class ElasticDiLoCo(DiLoCo):
             time.sleep(0.05)
         self.membership.log(f"test hook {FAULT_ENV}: released at inner step {at}", event="hold", at=at)
 
+    # -- the outer step ------------------------------------------------------------------
+
     @torch.no_grad()
-    def sync(self) -> ElasticStepResult:
-        """Runs an outer step with whoever is alive. Returns the result; result.rejoined is set when this
-        node had been evicted (too slow, or cut off) and joined again with the job's newer state."""
-        t0 = time.perf_counter()
+    def average(self, g: torch.Tensor, *, outer_step: int, inner_step: int,
+                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
+        """Averages with whoever is alive. A joiner (or a node that was evicted: too slow, or cut off)
+        downloads the job's newer state instead and takes part without contributing; details.rejoined
+        is then set."""
+        k = outer_step
         if self._committed is None:
-            raise RuntimeError("call start() (initial nodes) or join() (joiners) before training")
-        g = self._grad
-        self._pseudo_gradient(g)
-        norm, comp_err = self._inspect(g)
-        if not (norm == norm and norm != float("inf")):
-            raise OuterSyncError(f"outer step {self.outer_step + 1}: the pseudo-gradient is not finite: inner "
-                                 "training diverged; lower optim.lr or resume from an earlier checkpoint")
-        k = self.outer_step + 1
+            if not self.is_joiner:
+                raise RuntimeError("call start() (initial nodes) before training")
+            return self._join("new node", g, k)
         arrived = time.monotonic()
         try:
             with _store_errors(k):
-                self.membership.arrive(k, self.inner_step)
-                r = self._boundary(k, g, contributor=True, since=arrived)
+                return self._boundary(k, g, inner_step, since=arrived, recompute=recompute)
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
                                 reason=e.reason)
-            info = self.join(reason=e.reason)
-            return ElasticStepResult(did_sync=True, inner_step=self.inner_step, outer_step=self.outer_step,
-                                     outer_s=time.perf_counter() - t0, rejoined=info,
-                                     members=list(self._committed.members))
-        r.outer_s = time.perf_counter() - t0
-        r.pseudo_grad_norm, r.compression_error = norm, comp_err
-        return r
+            return self._join(e.reason, g, k)
 
-    def _boundary(self, k: int, g: torch.Tensor, *, contributor: bool, since: float,
-                  first_plan: Optional[Plan] = None) -> ElasticStepResult:
-        """Attempts outer step k until an outcome commits; applies the update. Raises Evicted."""
+    def _boundary(self, k: int, g: torch.Tensor, inner_step: int, *, since: float,
+                  recompute: Optional[Callable[[torch.Tensor], None]] = None,
+                  first_plan: Optional[Plan] = None) -> SyncResult:
+        """Attempts outer step k until an outcome commits; g then holds the average. Raises Evicted."""
         m = self.membership
         me = self.node_id
         plan = first_plan
@@ -290,28 +295,18 @@ class ElasticDiLoCo(DiLoCo):
         stats, ar_s, wait_s = {}, 0.0, 0.0
         lost: list = []
         while True:
-            if plan is None:
-                t_wait = time.monotonic()
-                plan = m.await_plan(k, attempt, prev, since if attempt == 0 else t_wait, self.inner_step, outcome)
-                wait_s += time.monotonic() - t_wait
-            if me not in plan.members:
-                raise Evicted(plan.reason_for(me))
-            self._log_plan(plan)
+            a = m.attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
+                          since=since if attempt == 0 else time.monotonic(), plan=plan,
+                          allreduce=lambda p: self._allreduce_plan(k, p, g))
+            plan, outcome, ok, err, st = a.plan, a.outcome, a.ok, a.error, a.stats
+            wait_s, ar_s = wait_s + a.wait_s, ar_s + a.allreduce_s
+            contributes = me in plan.contributors
             if plan.evicted:
                 lost += plan.evicted
                 if first_failure is None:
-                    first_failure = since if attempt == 0 else time.monotonic()
-            contributes = me in plan.contributors
-            if not contributes:
-                g.zero_()  # a joiner receives the average without adding to it
-            exact_avg = len(plan.contributors) == len(plan.members)
-            t_ar = time.perf_counter()
-            ok, err, blame, st = self._allreduce_once(k, plan, g, "avg" if exact_avg else "sum")
-            ar_s += time.perf_counter() - t_ar
+                    first_failure = since if attempt == 0 else a.planned_at
             if not ok and first_failure is None:
-                first_failure = time.monotonic()
-            m.report(k, plan.attempt, ok, err, blame)
-            outcome = m.await_outcome(k, plan)
+                first_failure = a.planned_at + a.allreduce_s
             if outcome.commit:
                 if me not in outcome.members:
                     raise Evicted(f"outer step {k} committed without this node's result ({err or 'it was late'})")
@@ -336,35 +331,38 @@ class ElasticDiLoCo(DiLoCo):
                 raise OuterSyncError(outcome.give_up)
             if me not in outcome.members:
                 raise Evicted(f"left out of the retry of outer step {k}")
-            if contributes and ok:
-                self._pseudo_gradient(g)  # our all-reduce had worked: restore our own input
+            if contributes and ok and recompute is not None:
+                recompute(g)  # our all-reduce had worked: restore our own input
             prev, plan, attempt = plan, None, plan.attempt + 1
-        if not exact_avg:
-            g.div_(len(plan.contributors))  # the sum over the contributors -> their average
-        was_joiner = not contributes
-        self.server.retract()
-        self._outer_update(g)
-        self._scatter(self._outer)
-        self.outer_step, self.inner_step, self.since_sync = k, plan.step, 0
+        _, divisor = reduce_op(plan)
+        if divisor != 1:
+            g.div_(divisor)  # the sum over the contributors -> their average
+        self.server.retract()  # the outer update follows: stop serving the state it overwrites
+        self._pending = (plan, outcome, contributes)
+        return SyncResult(
+            members=list(outcome.members), contributors=len(plan.contributors), attempts=plan.attempt + 1,
+            allreduce_s=ar_s, stats=stats, contributed=contributes, outer_step=k, inner_step=plan.step,
+            details=ElasticReport(joined=list(plan.joined), evicted=[list(x) for x in lost], wait_s=wait_s,
+                                  recovery_s=None if first_failure is None else time.monotonic() - first_failure),
+        )
+
+    def committed(self, result: SyncResult) -> None:
+        """After the outer update: serve the new state, publish the commit and the data position, tidy the store."""
+        m = self.membership
+        plan, outcome, contributed = self._pending
+        self._pending = None
+        k = result.outer_step
         self._committed = Plan(k=k, attempt=plan.attempt, members=list(outcome.members),
                                contributors=list(outcome.members),
                                slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
-        self.slot = plan.slot_of(me)
-        self._publish_state()
-        m.publish_committed(plan, outcome)
-        if not was_joiner and self.slot_state_fn is not None:
-            m.publish_slot(self.slot, self.slot_state_fn())
-        for old in [j for j in set(m._own_keys) | set(self._ring_keys) if j <= k - 2]:
-            m.forget(old, self._ring_keys.pop(old, []))
-        return ElasticStepResult(
-            did_sync=True, inner_step=self.inner_step, outer_step=self.outer_step, numel=self.numel,
-            allreduce_s=ar_s, bytes_sent=stats.pop("bytes_sent", None),
-            bytes_received=stats.pop("bytes_received", None), attempts=plan.attempt + 1, ring_stats=stats,
-            members=list(outcome.members), contributors=len(plan.contributors), joined=list(plan.joined),
-            evicted=[list(x) for x in lost], wait_s=wait_s,
-            recovery_s=None if first_failure is None else time.monotonic() - first_failure,
-            digest=state_digest([self._outer, self._momentum]) if self.digest else None,
-        )
+        self.slot = plan.slot_of(self.node_id)
+        self._publish_state(k, plan.step)
+        m.commit(plan, outcome, self.slot_state_fn() if contributed and self.slot_state_fn is not None else None)
+        report: ElasticReport = result.details
+        if self.digest:
+            report.digest = state_digest(self._state.tensors())
+        if self._joining is not None:
+            report.rejoined = self._joined(result)
 
     def _log_plan(self, plan: Plan) -> None:
         if plan.attempt == 0 and not plan.joined and not plan.evicted:
@@ -382,23 +380,24 @@ class ElasticDiLoCo(DiLoCo):
 
     # -- one all-reduce attempt --------------------------------------------------------
 
+    def _allreduce_plan(self, k: int, plan: Plan, g: torch.Tensor):
+        """The all-reduce of one attempt (Membership.attempt calls it once the plan is known)."""
+        self._log_plan(plan)
+        if self.node_id not in plan.contributors:
+            g.zero_()  # a joiner receives the average without adding to it
+        return self._allreduce_once(k, plan, g, reduce_op(plan)[0])
+
     def _make_ring(self, k: int, attempt: int, members: list):
-        import torch.distributed as dist
+        from prime.comm import Ring
 
-        from prime.comm import Ring, rendezvous
-
+        rank = members.index(self.node_id)
+        store, job_id = self.membership.ring_store(k, attempt, rank)
         kwargs = {"timeout": timedelta(seconds=self.ring_timeout_s), "secret": self.membership.secret,
-                  "job_id": f"{self.membership.run_id}/elastic/{k}/{attempt}"}
+                  "job_id": job_id}
         if self.streams:
             kwargs["streams"] = self.streams
         if self.max_rate:
             kwargs["max_rate"] = self.max_rate
-        # Its own store connection: an abandoned builder may still be waiting on the store while this
-        # node's main thread goes on with its own calls (a store client is not shared between threads).
-        store = dist.PrefixStore(f"ring/{k}/{attempt}", self.membership.new_store())
-        rank = members.index(self.node_id)
-        ns = f"ring/{k}/{attempt}/{rendezvous.namespace(kwargs['job_id'])}"
-        self._ring_keys.setdefault(k, []).extend([f"{ns}/addr/{rank}", f"{ns}/ready/{rank}", f"{ns}/joined"])
         return Ring(store, rank, len(members), **kwargs)
 
     def _dead_member(self, members: list) -> Optional[int]:
@@ -406,8 +405,6 @@ class ElasticDiLoCo(DiLoCo):
 
     def _allreduce_once(self, k: int, plan: Plan, g: torch.Tensor, op: str):
         """One attempt: (ok, error message, blamed node or -1, stats). Gives up early when a member dies."""
-        from prime.diloco import _is_comm_error
-
         members = plan.members
         if len(members) == 1:
             self._drop_ring()
@@ -429,7 +426,7 @@ class ElasticDiLoCo(DiLoCo):
                 builder.join(timeout=0.02)
             if builder.error is not None:
                 e = builder.error
-                if not _is_comm_error(e):
+                if not is_comm_error(e):
                     raise e
                 return False, str(e), _blame(e, members, self.node_id), {}
             self.ring, self._ring_members = builder.ring, list(members)
@@ -450,7 +447,7 @@ class ElasticDiLoCo(DiLoCo):
             work.wait()
             return True, "", -1, work_stats(work)
         except Exception as e:
-            if not _is_comm_error(e):
+            if not is_comm_error(e):
                 raise
             self._drop_ring()
             return False, str(e), _blame(e, members, self.node_id), {}
@@ -465,22 +462,22 @@ class ElasticDiLoCo(DiLoCo):
 
     # -- joining -------------------------------------------------------------------------
 
-    def join(self, reason: str = "new node") -> JoinInfo:
-        """Downloads the newest committed state from a live member and takes part in the next outer step.
+    def _join(self, reason: str, g: torch.Tensor, k: int) -> SyncResult:
+        """Downloads the newest committed state from a live member into the outer state and takes part in
+        the next outer step without contributing (g receives the average).
 
-        Blocks until admitted (the others keep training meanwhile). Returns what
-        the trainer needs to continue: the job's inner step, the data slot and
-        its position. Raises JobFinished when the job ended first, JoinError
-        when it cannot join (no peer, wrong secret, another configuration),
-        MembershipError when the store is unreachable."""
-        with _store_errors(self.outer_step + 1):
-            return self._join(reason)
+        Blocks until admitted (the others keep training meanwhile). Raises
+        JobFinished when the job ended first, JoinError when it cannot join (no
+        peer, wrong secret, another configuration), MembershipError when the
+        store is unreachable."""
+        with _store_errors(k):
+            return self._download_and_admit(reason, g)
 
-    def _join(self, reason: str) -> JoinInfo:
+    def _download_and_admit(self, reason: str, g: torch.Tensor) -> SyncResult:
         m = self.membership
         t0 = time.monotonic()
         downloads, dl_s, dl_bytes, sources = 0, 0.0, 0, []
-        settings = self._settings()
+        settings = self._settings
 
         def check_meta(meta: dict) -> Optional[str]:
             theirs = meta.get("settings", {})
@@ -495,18 +492,19 @@ class ElasticDiLoCo(DiLoCo):
             self._drop_ring()
             self.server.retract()  # our buffers are about to be overwritten
             try:
-                res = fetch_state([self._outer, self._momentum], lambda: m.live_sources(self._last_outer_at()),
+                res = fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
                                   secret=m.secret, job=m.run_id,
                                   my_id=self.node_id, check_meta=check_meta, timeout_s=self.transfer_timeout_s,
                                   give_up_s=self.join_timeout_s, log=lambda msg: m.log(msg, event="download"))
             except TransferError as e:
                 raise JoinError(f"node {self.node_id} could not download the job's state: {e}") from None
+            self._state.taken = True  # the outer weights are the job's now, not the model's
             downloads += 1
             dl_s += res.seconds
             dl_bytes += sum(b - a for _, a, b in res.segments)
             sources += res.segments
             s = res.step
-            self.outer_step, self.inner_step, self.since_sync = s, int(res.meta["inner_step"]), 0
+            inner_step = int(res.meta["inner_step"])
             m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
                   f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
                       f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
@@ -524,23 +522,32 @@ class ElasticDiLoCo(DiLoCo):
                 m.log(f"the job committed outer step {s + 1} before this node was admitted; downloading again",
                       event="stale", outer_step=s)
                 continue
-            self._grad.zero_()
+            g.zero_()
             try:
-                r = self._boundary(s + 1, self._grad, contributor=False, since=time.monotonic(), first_plan=plan)
+                r = self._boundary(s + 1, g, inner_step, since=time.monotonic(), first_plan=plan)
             except Evicted as e:
                 m.log(f"not admitted at outer step {s + 1}: {e.reason}; trying again", event="stale")
                 continue
-            m.clear_ready()
-            info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
-                            slot_state=m.read_slot(self.slot), download_s=dl_s, download_bytes=dl_bytes,
-                            join_s=time.monotonic() - t0, sources=sources, downloads=downloads, reason=reason)
-            m.log(f"joined at outer step {r.outer_step} (inner step {r.inner_step}, data slot {self.slot}) with "
-                  f"nodes {r.members}: join took {info.join_s:.2f} s, download {dl_s:.2f} s"
-                  + (f", digest {r.digest[:16]}" if r.digest else ""),
-                  event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
-                  download_s=dl_s, download_bytes=dl_bytes, members=r.members, digest=r.digest)
-            self.last_join_result = r
-            return info
+            self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
+                             "sources": sources, "reason": reason}
+            return r
+
+    def _joined(self, r: SyncResult) -> JoinInfo:
+        """Completes an admission once its outer step committed: the data slot, its position, a log line."""
+        m = self.membership
+        j, self._joining = self._joining, None
+        m.clear_ready()
+        info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
+                        slot_state=m.read_slot(self.slot), download_s=j["download_s"],
+                        download_bytes=j["download_bytes"], join_s=time.monotonic() - j["t0"], sources=j["sources"],
+                        downloads=j["downloads"], reason=j["reason"])
+        digest = r.details.digest
+        m.log(f"joined at outer step {r.outer_step} (inner step {r.inner_step}, data slot {self.slot}) with "
+              f"nodes {r.members}: join took {info.join_s:.2f} s, download {info.download_s:.2f} s"
+              + (f", digest {digest[:16]}" if digest else ""),
+              event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
+              download_s=info.download_s, download_bytes=info.download_bytes, members=r.members, digest=digest)
+        return info
 
     # -- lifetime ------------------------------------------------------------------------
 

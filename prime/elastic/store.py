@@ -5,7 +5,10 @@
 Run it on the steadiest machine you have (it holds a few kilobytes per node and
 per outer step, and serves a handful of small requests per node and second),
 then start every node with `--nodes.store_addr <that host>:29600
---elastic.external_store true`. When it dies, the nodes keep training their
+--elastic.external_store true` and the same PRIME_RING_SECRET (a job on more
+than one host refuses to start without it; docs/security.md). The store
+itself holds no secret: the nodes sign every record they write, and ignore
+records that anyone else wrote. When it dies, the nodes keep training their
 inner steps but cannot agree on the next outer step: each stops with status 3
 (and a checkpoint when checkpoint.dir is set) once its store calls fail.
 Restart the store, then restart the nodes: they resume from the newest

@@ -1,9 +1,9 @@
 """The Trainer's elastic parts (prime/trainer.py calls these when elastic.enabled).
 
 Kept here so that the trainer reads the same with or without elastic nodes:
-building the membership and ElasticDiLoCo from the config, starting (or
-joining) before the first inner step, and taking the job's position after a
-(re)join.
+building the membership and the ElasticSync that the trainer hands to DiLoCo,
+the data slots, starting (or joining) before the first inner step, and taking
+the job's position after a (re)join.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import signal
 import sys
 from datetime import timedelta
+from typing import Optional
 
-__all__ = ["build_elastic_diloco", "start_elastic", "on_join"]
+__all__ = ["build_elastic_sync", "slot_loader", "start_elastic", "on_join"]
 
 
 def _say(trainer, msg: str) -> None:
@@ -29,12 +30,14 @@ def _record(trainer, **fields) -> None:
         log.record("membership", getattr(trainer, "step", 0), **fields)
 
 
-def build_elastic_diloco(trainer):
-    """Membership (own store connections under prime/<run_id>/elastic) and ElasticDiLoCo for this node."""
+def build_elastic_sync(trainer):
+    """Membership (own store connections under prime/<run_id>/elastic) and the ElasticSync of this node.
+
+    The sync's test hooks (stall, hold) run before each inner optimizer step."""
     import torch.distributed as dist
 
     from prime.elastic.membership import Membership
-    from prime.elastic.node import ElasticDiLoCo
+    from prime.elastic.node import ElasticSync
 
     cfg = trainer.cfg
     d, e, n = cfg.diloco, cfg.elastic, cfg.nodes
@@ -53,37 +56,47 @@ def build_elastic_diloco(trainer):
         max_attempts=e.max_attempts, min_nodes=e.min_nodes,
         log=lambda msg: _say(trainer, msg), record=lambda **f: _record(trainer, **f),
     )
-    diloco = ElasticDiLoCo(
-        trainer.model, trainer.optimizer, membership,
-        inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
-        codec=d.codec, block_size=d.block_size, ring_timeout_s=d.timeout_s, streams=d.streams or None,
+    sync = ElasticSync(
+        membership, ring_timeout_s=d.timeout_s, streams=d.streams or None,
         max_rate=d.max_rate_mbit * 1e6 / 8 if d.max_rate_mbit else None,
         transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
         join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
         digest=e.digest, slot_state_fn=lambda: trainer.loader.state_dict(),
-        measure_compression_error=d.compression_error,
     )
-    return diloco
+    trainer.optimizer.register_step_pre_hook(lambda *_: sync.before_inner_step(trainer.diloco.inner_step + 1))
+    return sync
 
 
-def start_elastic(trainer) -> bool:
-    """Before the first inner step: initial nodes serve their state, joiners join. False: the job already ended."""
+def slot_loader(trainer, slot: int):
+    """The data of slot s is shard s mod num_nodes; slots past num_nodes read it in another order."""
+    from prime.data import ShardedLoader
+
+    cfg, n = trainer.cfg, trainer.num_nodes
+    return ShardedLoader(
+        trainer.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=slot % n,
+        num_shards=n, seed=cfg.train.seed + 7919 * (slot // n), vocab_size=trainer.model_args.vocab_size,
+    )
+
+
+def start_elastic(trainer) -> Optional[object]:
+    """Before the first inner step: initial nodes serve their state, joiners join (an outer step, returned).
+
+    Returns the OuterStepResult (did_sync False for initial nodes), or None when the job already ended."""
+    from prime.diloco import OuterStepResult
     from prime.elastic.membership import JobFinished
 
     # SIGTERM (prime-simulate, schedulers) becomes SystemExit, so that close() tells the others at once.
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    diloco = trainer.diloco
-    if not diloco.is_joiner:
-        diloco.start()
-        return True
+    diloco, sync = trainer.diloco, trainer.elastic_sync
+    if not sync.is_joiner:
+        sync.start(diloco.outer_step, diloco.inner_step)
+        return OuterStepResult(False, diloco.inner_step, diloco.outer_step)
     try:
-        info = diloco.join()
+        return diloco.sync()
     except JobFinished as e:
         _say(trainer, f"elastic: {e}; nothing to do")
-        return False
-    on_join(trainer, info)
-    return True
+        return None
 
 
 def on_join(trainer, info) -> None:
@@ -93,11 +106,7 @@ def on_join(trainer, info) -> None:
     gradients), so there is no shared one to copy: a joiner starts with empty
     moments, as the job's nodes did at step 0 (docs/elastic.md)."""
     trainer.step = info.step
-    trainer.loader = trainer._slot_loader(info.slot)
+    trainer.loader = slot_loader(trainer, info.slot)
     if info.slot_state is not None:
         trainer.loader.load_state_dict(info.slot_state)
     trainer.optimizer.state.clear()
-    r = getattr(trainer.diloco, "last_join_result", None)
-    if r is not None:
-        trainer._phase_compute = 0.0
-        trainer._after_outer(r)

@@ -1,0 +1,159 @@
+#include "wire_codec.h"
+
+#include <cstring>
+
+#include "../codec/codec.h"
+#include "convert.h"
+
+namespace prime::ring {
+namespace {
+
+// docs/wire-format.md's block codec. Every hop quantizes its fp32 partial sum; the
+// owner quantizes the final value once and every rank decodes those same bytes.
+class Int8Codec final : public WireCodec {
+ public:
+  Int8Codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
+      : dtype_(spec.dtype), block_(spec.block), pool_(pool), times_(times) {}
+
+  int64_t unit() const override { return block_; }
+  int64_t partial_bytes(int64_t len) const override { return 4 * codec::num_blocks(len, block_) + len; }
+  int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
+
+  Payload encode_input(const void* own, int64_t len, bool* finite) override {
+    int64_t bad = 0;
+    Buffer buf = quantize(own, static_cast<codec::InputType>(dtype_), len, &bad);
+    *finite = bad == 0;
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
+    const bool finite = widen(own, dtype_, len, acc);
+    codec::dequantize_add(acc, values(payload, len), scales(payload), len, block_);
+    return finite;
+  }
+
+  Payload encode_partial(const Buffer& acc, int64_t len) override {
+    int64_t bad = 0;  // a non-finite partial sum needs non-finite input, already flagged
+    Buffer buf = quantize(acc->data(), codec::InputType::kFloat32, len, &bad);
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
+    int64_t bad = 0;
+    Buffer buf = quantize(acc->data(), codec::InputType::kFloat32, len, &bad);
+    ScopedTimer timer(times_.reduce_s);
+    // Every rank writes decode(these bytes): check now, on that same decode, that it is
+    // finite, so the flag reaches every rank in the all-gather headers before anyone
+    // writes. `acc` is free once quantized.
+    float* a = acc->as<float>();
+    Buffer narrowed;
+    if (dtype_ != DType::kFloat32) narrowed = pool_.acquire(static_cast<size_t>(len) * dtype_size(dtype_));
+    void* out = narrowed ? static_cast<void*>(narrowed->data()) : a;
+    decode_final(buf->data(), len, out, a);
+    *finite = bad == 0 && all_finite(out, dtype_, len);
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  void decode_final(const char* payload, int64_t len, void* dst, float* scratch) const override {
+    if (len == 0) return;
+    if (dtype_ == DType::kFloat32) {
+      codec::dequantize(values(payload, len), scales(payload), len, block_, static_cast<float*>(dst));
+    } else {
+      codec::dequantize(values(payload, len), scales(payload), len, block_, scratch);
+      narrow(scratch, len, dtype_, dst);
+    }
+  }
+
+  int64_t scratch_floats(int64_t len) const override { return dtype_ == DType::kFloat32 ? 0 : len; }
+
+ private:
+  // The payload layout: scales first, then the values.
+  static const float* scales(const char* payload) { return reinterpret_cast<const float*>(payload); }
+  const int8_t* values(const char* payload, int64_t len) const {
+    return reinterpret_cast<const int8_t*>(payload + 4 * codec::num_blocks(len, block_));
+  }
+
+  Buffer quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
+    ScopedTimer timer(times_.quantize_s);
+    Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
+    const int64_t nb = codec::num_blocks(len, block_);
+    *bad_blocks = codec::quantize(x, type, len, block_, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
+                                  buf->as<float>());
+    return buf;
+  }
+
+  const DType dtype_;
+  const int64_t block_;
+  BufferPool& pool_;
+  ScheduleTimes& times_;
+};
+
+// Exact values. Partial sums travel as fp32 whatever the dtype (bf16 / fp16 are
+// widened: no rounding to 8 or 11 bits at every hop); the owner rounds the final
+// sum to the dtype once.
+class ExactCodec final : public WireCodec {
+ public:
+  ExactCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
+      : dtype_(spec.dtype), esize_(dtype_size(spec.dtype)), pool_(pool), times_(times) {}
+
+  int64_t unit() const override { return kExactUnit; }
+  int64_t partial_bytes(int64_t len) const override { return 4 * len; }
+  int64_t final_bytes(int64_t len) const override { return len * static_cast<int64_t>(esize_); }
+
+  Payload encode_input(const void* own, int64_t len, bool* finite) override {
+    if (dtype_ == DType::kFloat32) {
+      {
+        ScopedTimer timer(times_.reduce_s);
+        *finite = all_finite(own, dtype_, len);
+      }
+      // Zero copy: the input outlives the collective's final flush.
+      return Payload{static_cast<const char*>(own), static_cast<size_t>(len) * 4, nullptr};
+    }
+    Buffer buf = pool_.acquire(static_cast<size_t>(len) * 4);
+    {
+      ScopedTimer timer(times_.reduce_s);
+      *finite = widen(own, dtype_, len, buf->as<float>());
+    }
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
+    return add_widened(own, dtype_, reinterpret_cast<const float*>(payload), len, acc);
+  }
+
+  Payload encode_partial(const Buffer& acc, int64_t len) override {
+    return Payload{acc->data(), static_cast<size_t>(len) * 4, acc};
+  }
+
+  Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
+    Buffer fin = acc;  // fp32: the sum itself
+    ScopedTimer timer(times_.reduce_s);
+    if (dtype_ != DType::kFloat32) {
+      fin = pool_.acquire(static_cast<size_t>(len) * esize_);
+      narrow(acc->as<float>(), len, dtype_, fin->data());
+    }
+    *finite = all_finite(fin->data(), dtype_, len);
+    return Payload{fin->data(), static_cast<size_t>(len) * esize_, fin};
+  }
+
+  void decode_final(const char* payload, int64_t len, void* dst, float*) const override {
+    std::memcpy(dst, payload, static_cast<size_t>(len) * esize_);
+  }
+
+  int64_t scratch_floats(int64_t) const override { return 0; }
+
+ private:
+  const DType dtype_;
+  const size_t esize_;
+  BufferPool& pool_;
+  ScheduleTimes& times_;
+};
+
+}  // namespace
+
+std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times) {
+  if (spec.codec == CodecKind::kInt8) return std::make_unique<Int8Codec>(spec, pool, times);
+  return std::make_unique<ExactCodec>(spec, pool, times);
+}
+
+}  // namespace prime::ring

@@ -1,0 +1,77 @@
+// What travels in a data frame's payload, and how a rank folds it into its sums:
+// the ring's one seam for the data format. schedule.cpp walks steps, chunks and
+// segments and asks a WireCodec for every byte it sends and every value it adds,
+// so it never branches on the codec (as gloo injects its reduction).
+//
+// Two implementations (make_wire_codec picks one from the spec):
+//   int8   docs/wire-format.md's block codec. Payload of `len` values:
+//          [ceil(len/B) fp32 scales, little-endian][len int8 values], in both phases.
+//   exact  reduce-scatter: `len` fp32 partial sums; all-gather: `len` values of the
+//          tensor's dtype (the owner rounds the final sum once).
+//
+// Accumulation is always in fp32: the schedule hands the codec an fp32 buffer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "buffer_pool.h"
+#include "deadline.h"
+#include "schedule.h"
+
+namespace prime::ring {
+
+// Adds the lifetime of the scope to a seconds counter of ScheduleTimes.
+class ScopedTimer {
+ public:
+  explicit ScopedTimer(double& sink) : sink_(sink), t0_(Clock::now()) {}
+  ~ScopedTimer() { sink_ += seconds_since(t0_); }
+  ScopedTimer(const ScopedTimer&) = delete;
+  ScopedTimer& operator=(const ScopedTimer&) = delete;
+
+ private:
+  double& sink_;
+  Clock::time_point t0_;
+};
+
+// Bytes to send: `data` stays valid while `owner` lives (owner null: memory the
+// collective keeps alive until its final flush, i.e. the caller's input).
+struct Payload {
+  const char* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<const ByteBuffer> owner;
+};
+
+class WireCodec {
+ public:
+  virtual ~WireCodec() = default;
+
+  // Chunks and segments start at multiples of this many values.
+  virtual int64_t unit() const = 0;
+  // Payload bytes of `len` values: a partial sum (reduce-scatter), the final value (all-gather).
+  virtual int64_t partial_bytes(int64_t len) const = 0;
+  virtual int64_t final_bytes(int64_t len) const = 0;
+
+  // Reduce-scatter step 0: this rank's own `len` values (of the spec's dtype).
+  // *finite is false when they hold NaN or Inf.
+  virtual Payload encode_input(const void* own, int64_t len, bool* finite) = 0;
+  // acc[0, len) = own values + decode(payload). Returns false when the own values
+  // hold NaN or Inf.
+  virtual bool accumulate(const void* own, const char* payload, int64_t len, float* acc) = 0;
+  // A partial sum (acc holds `len` fp32 values) for the next hop.
+  virtual Payload encode_partial(const Buffer& acc, int64_t len) = 0;
+  // The owner's final value (acc, `len` fp32 values, may be overwritten) as every rank
+  // will decode it. *finite is false when that decoded result is not finite (overflow).
+  virtual Payload encode_final(const Buffer& acc, int64_t len, bool* finite) = 0;
+
+  // Writes the `len` values of a final payload into dst (the spec's dtype). `scratch`
+  // holds scratch_floats(len) floats (null when that is 0).
+  virtual void decode_final(const char* payload, int64_t len, void* dst, float* scratch) const = 0;
+  virtual int64_t scratch_floats(int64_t len) const = 0;
+};
+
+// The codec of spec.codec for spec's dtype and block size. Encoding time is added to
+// times.quantize_s, widening, narrowing and checks to times.reduce_s.
+std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times);
+
+}  // namespace prime::ring

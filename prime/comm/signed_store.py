@@ -1,0 +1,202 @@
+"""Store records that only holders of the job secret can write.
+
+Anyone who reaches a TCPStore can read, write and delete any key in it: the
+store has no credentials. So PRIME signs every record it reads back:
+
+    record = "ps1:" <64 hex: HMAC-SHA256(Kr, key | 0x00 | body)> ":" <body: JSON>
+    Kr     = HMAC-SHA256(secret, "prime store records v1|" + job)
+
+(The record starts with a letter so that the store's `add`, which parses the
+value as an integer, fails on it and leaves it as it is: with a leading digit
+`add` would replace it with a number.)
+
+The MAC binds the record to its key (a record copied under another key, e.g.
+an outcome of outer step k replayed as the one of k+1, fails) and, through
+Kr, to the job id and the job secret. Records that need freshness carry it in
+the body (a heartbeat's sequence number, an outer step number) and the reader
+checks it. A record that fails the check is ignored: the reader treats the
+key as unwritten and logs one warning per kind of key (not one per read).
+
+HMAC and SHA-256 come from Python's hmac/hashlib, i.e. from OpenSSL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+import threading
+from typing import Any, Callable, Optional
+
+from prime.comm import store_keys as keys
+
+logger = logging.getLogger("prime.store")
+
+_TAG = b"ps1:"
+_MAC_HEX = 64
+_INVALID = object()
+
+
+class ForgedRecordsError(RuntimeError):
+    """A first-writer-wins key holds nothing but forged records in all its slots: the store is under attack."""
+
+
+def record_kind(key: str) -> str:
+    """The kind of a key for warnings: its numbers replaced (b/12/a0/plan -> b/*/a*/plan)."""
+    return re.sub(r"\d+", "*", key.split("#", 1)[0])
+
+
+class SignedStore:
+    """A store client whose records are signed under the job secret (see the module docstring).
+
+    store:  a torch.distributed Store (TCPStore, PrefixStore, HashStore); not shared between threads
+    secret: the job secret (bytes)
+    job:    the job id the records are bound to
+    warn:   called with one line per kind of rejected record (default: the logger)
+    """
+
+    def __init__(self, store, secret: bytes, job: str, warn: Optional[Callable[[str], None]] = None):
+        if not secret:
+            raise ValueError("SignedStore needs a non-empty secret")
+        self.store = store
+        self.job = job
+        self._key = hmac.new(bytes(secret), b"prime store records v1|" + job.encode(), hashlib.sha256).digest()
+        self._warn = warn or (lambda msg: logger.warning("%s", msg))
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.rejected: dict[str, int] = {}
+        """Kind of key -> number of records ignored (forged, replayed, or signed with another secret)."""
+
+    # -- the record format -----------------------------------------------------------------------
+
+    def _mac(self, key: str, body: bytes) -> str:
+        return hmac.new(self._key, key.encode() + b"\0" + body, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: Any) -> str:
+        """The signed record of `value` (JSON-serializable) under `key`."""
+        body = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        return f"{_TAG.decode()}{self._mac(key, body)}:{body.decode()}"
+
+    def open(self, key: str, raw) -> Any:
+        """The value of a record read from `key`, or _INVALID when it is not signed for this key and job."""
+        if isinstance(raw, str):
+            raw = raw.encode()
+        n = len(_TAG)
+        if not raw.startswith(_TAG) or len(raw) < n + _MAC_HEX + 1 or raw[n + _MAC_HEX:n + _MAC_HEX + 1] != b":":
+            return _INVALID
+        mac, body = raw[n:n + _MAC_HEX], raw[n + _MAC_HEX + 1:]
+        try:
+            if not hmac.compare_digest(mac.decode("ascii"), self._mac(key, body)):
+                return _INVALID
+            return json.loads(body)
+        except (UnicodeDecodeError, ValueError):
+            return _INVALID
+
+    def reject(self, key: str, why: str = "not signed with the job secret (forged, or another secret)") -> None:
+        """Counts an ignored record and warns once per kind of key."""
+        kind = record_kind(key)
+        with self._lock:
+            self.rejected[kind] = self.rejected.get(kind, 0) + 1
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            self._warn(f"ignoring a store record under {key!r}: {why}; further ones of this kind "
+                       f"({kind!r}) are ignored silently")
+
+    # -- reads and writes ---------------------------------------------------------------------------
+
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, self.seal(key, value))
+
+    def exists(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def _raw(self, key: str):
+        """The raw bytes under key, or None when it does not exist (get() would block)."""
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key)
+
+    def get(self, key: str) -> Any:
+        """The value under key; None when the key is missing or its record is not validly signed (logged)."""
+        raw = self._raw(key)
+        if raw is None:
+            return None
+        v = self.open(key, raw)
+        if v is _INVALID:
+            self.reject(key)
+            return None
+        return v
+
+    def get_many(self, ks: list[str]) -> list:
+        """get() of every key, with one round trip for the keys that exist."""
+        have = [k for k in ks if self.store.check([k])]
+        raws = dict(zip(have, self.store.multi_get(have))) if have else {}
+        out = []
+        for k in ks:
+            if k not in raws:
+                out.append(None)
+                continue
+            v = self.open(k, raws[k])
+            if v is _INVALID:
+                self.reject(k)
+                v = None
+            out.append(v)
+        return out
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(key)
+
+    # -- first writer wins ---------------------------------------------------------------------------
+
+    def first(self, key: str) -> Any:
+        """The first validly signed record among the slots of a first-writer-wins key (None: none yet)."""
+        for n in range(keys.MAX_SLOTS):
+            slot = keys.decision_slot(key, n)
+            raw = self._raw(slot)
+            if raw is None:
+                return None
+            v = self.open(slot, raw)
+            if v is not _INVALID:
+                return v
+            self.reject(slot)
+        return None
+
+    def set_first(self, key: str, value: Any) -> Any:
+        """Writes value unless a valid record is there first; returns the record that won (ours or theirs).
+
+        A forged record in a slot does not block: the next slot is tried. Raises
+        ForgedRecordsError when every slot holds a forged record."""
+        for n in range(keys.MAX_SLOTS):
+            slot = keys.decision_slot(key, n)
+            mine = self.seal(slot, value)
+            got = self.store.compare_set(slot, "", mine)
+            got = got.encode() if isinstance(got, str) else bytes(got)
+            if got == mine.encode():
+                return json.loads(json.dumps(value))  # the value as every reader will see it
+            v = self.open(slot, got)
+            if v is not _INVALID:
+                return v
+            self.reject(slot)
+        raise ForgedRecordsError(f"every slot of store key {key!r} holds a forged record ({keys.MAX_SLOTS} of "
+                                 "them): someone who is not part of the job writes to its store")
+
+    def replace(self, key: str, expected_raw, value: Any) -> bool:
+        """compare_set from the exact bytes read (None: the key was missing) to a signed value; True if it took."""
+        mine = self.seal(key, value)
+        got = self.store.compare_set(key, b"" if expected_raw is None else expected_raw, mine)
+        got = got.encode() if isinstance(got, str) else bytes(got)
+        return got == mine.encode()
+
+    def get_raw_and_value(self, key: str):
+        """(raw bytes or None, value or None): for replace()."""
+        raw = self._raw(key)
+        if raw is None:
+            return None, None
+        v = self.open(key, raw)
+        if v is _INVALID:
+            self.reject(key)
+            return raw, None
+        return raw, v

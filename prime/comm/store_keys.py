@@ -1,0 +1,138 @@
+"""Every key PRIME keeps in the job's TCPStore, in one place.
+
+Two families, each under its own prefix (the caller's PrefixStore adds the
+job's: ``prime/<run_id>/`` for the trainer):
+
+Ring rendezvous (prime.comm.rendezvous), under ``prime_ring/<job_id>/``:
+
+    joined             counter: catches a job id used twice (unsigned: a stranger can only stop the ring)
+    secret             the ring secret, only when rank 0 drew one (one-host jobs only)
+    addr/<rank>        signed: host:port of the rank's ring listener
+    ready/<rank>       signed: the rank formed its links
+    failed/<rank>      signed: why the rank gave up forming the ring
+
+Elastic membership (prime.elastic.membership), under ``elastic/`` of the job:
+
+    secret                  the job secret when none is configured (one-host jobs only)
+    genesis/<r>             signed, first writer wins: claim of initial node r
+    joiners                 counter: joiner ids are initial_nodes, initial_nodes + 1, ... (unsigned: ids only)
+    hb/<id>                 signed heartbeat {node, seq, left}: liveness is a valid record whose seq grew
+    addr/<id>               signed: host:port of the node's state server (live recovery)
+    ready/<id>              signed join offer: the node holds the state after outer step s
+    b/<k>/arrive/<id>       signed: node id finished the inner steps before outer step k
+    b/<k>/a<a>/plan         signed, first writer wins: who takes part in attempt a of outer step k
+    b/<k>/a<a>/result/<id>  signed: how the all-reduce of that attempt went on node id
+    b/<k>/a<a>/outcome      signed, first writer wins: commit, retry or give up
+    members                 signed: the newest committed outer step and its members (for joiners)
+    slot/<s>                signed: data position of data slot s after the newest outer step
+    ring/<k>/<a>/...        the ring rendezvous of attempt a of outer step k (keys above)
+
+"First writer wins" keys are written with compare_set. A record already
+there that is not validly signed (a stranger wrote first) does not block the
+decision: the writers move on to the key's next slot (``<key>#1``, ...), and
+readers take the first slot that holds a valid record (decision_slot).
+
+Not yet signed (outside the ring and the membership): the trainer's resume
+agreement (``ckpt/node<r>``), final digests and its ``finished`` counter.
+"""
+
+from __future__ import annotations
+
+# -- ring rendezvous ---------------------------------------------------------------------------------
+
+
+def ring_namespace(job_id: str) -> str:
+    """The key prefix of the ring named job_id."""
+    return f"prime_ring/{job_id}"
+
+
+def ring_joined(ns: str) -> str:
+    return f"{ns}/joined"
+
+
+def ring_secret(ns: str) -> str:
+    return f"{ns}/secret"
+
+
+def ring_addr(ns: str, rank: int) -> str:
+    return f"{ns}/addr/{rank}"
+
+
+def ring_ready(ns: str, rank: int) -> str:
+    return f"{ns}/ready/{rank}"
+
+
+def ring_failed(ns: str, rank: int) -> str:
+    return f"{ns}/failed/{rank}"
+
+
+# -- elastic membership ------------------------------------------------------------------------------
+
+ELASTIC_PREFIX = "elastic"
+"""The membership's keys live under <job prefix>/elastic."""
+SECRET = "secret"
+JOINERS = "joiners"
+COMMITTED = "members"
+
+
+def genesis(rank: int) -> str:
+    return f"genesis/{rank}"
+
+
+def heartbeat(node: int) -> str:
+    return f"hb/{node}"
+
+
+def state_addr(node: int) -> str:
+    return f"addr/{node}"
+
+
+def join_offer(node: int) -> str:
+    return f"ready/{node}"
+
+
+def arrival(k: int, node: int) -> str:
+    return f"b/{k}/arrive/{node}"
+
+
+def plan(k: int, attempt: int) -> str:
+    return f"b/{k}/a{attempt}/plan"
+
+
+def result(k: int, attempt: int, node: int) -> str:
+    return f"b/{k}/a{attempt}/result/{node}"
+
+
+def outcome(k: int, attempt: int) -> str:
+    return f"b/{k}/a{attempt}/outcome"
+
+
+def slot(s: int) -> str:
+    return f"slot/{s}"
+
+
+def ring_prefix(k: int, attempt: int) -> str:
+    """The PrefixStore under which the ring of attempt `attempt` of outer step k meets."""
+    return f"ring/{k}/{attempt}"
+
+
+def ring_job_id(run_id: str, k: int, attempt: int) -> str:
+    """The job id of that ring (binds its signed records to the outer step and attempt)."""
+    return f"{run_id}/elastic/{k}/{attempt}"
+
+
+def elastic_ring_keys(run_id: str, k: int, attempt: int, rank: int) -> list[str]:
+    """The keys a member of rank `rank` writes when forming that ring (as seen through the membership's store)."""
+    ns = f"{ring_prefix(k, attempt)}/{ring_namespace(ring_job_id(run_id, k, attempt))}"
+    return [ring_addr(ns, rank), ring_ready(ns, rank), ring_failed(ns, rank), ring_joined(ns)]
+
+
+# -- first-writer-wins slots --------------------------------------------------------------------------
+
+MAX_SLOTS = 16
+"""How many forged records a first-writer-wins key tolerates before the writers give up."""
+
+
+def decision_slot(key: str, n: int) -> str:
+    """Slot n of a first-writer-wins key: the key itself, then key#1, key#2, ..."""
+    return key if n == 0 else f"{key}#{n}"

@@ -1,0 +1,296 @@
+"""Sync: how the outer step averages a pseudo-gradient across nodes.
+
+DiLoCo (prime/diloco.py) computes the pseudo-gradient and applies the outer
+update; everything about who takes part, retries and failures lives behind
+this interface, so the outer step has one form:
+
+    sync.bind(state, settings)              # once, by DiLoCo
+    ok = sync.agree(finite)                 # every process of this node agrees
+    r = sync.average(g, outer_step=k, inner_step=i, recompute=state.pseudo_gradient)
+    state.update(g); state.load_into_model()
+    sync.committed(r)
+
+Two implementations: RingSync (here; a fixed set of nodes on prime.comm.Ring,
+rebuilt from a ring factory after a failure, every process of the node
+agreeing) and prime.elastic.ElasticSync (nodes come and go; the average is
+over the nodes that contributed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "work_stats",
+           "is_comm_error", "node_local_group"]
+
+
+class OuterSyncError(RuntimeError):
+    """The pseudo-gradient all-reduce failed on every attempt; the outer weights were not changed."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Nodes hold different outer weights or settings: they did not start from the same seed or checkpoint."""
+
+
+@dataclass
+class SyncResult:
+    """What one average across nodes did."""
+
+    members: list
+    """Nodes that took part (ring order)."""
+    contributors: int
+    """Nodes whose pseudo-gradient is in the average (a joining node takes part without contributing)."""
+    attempts: int = 1
+    """All-reduce attempts (1 when the first worked)."""
+    allreduce_s: float = 0.0
+    """Wall time of the all-reduce, all attempts."""
+    stats: dict = field(default_factory=dict)
+    """work_stats() of the all-reduce that worked (empty: nothing reported)."""
+    contributed: bool = True
+    """False when this process's pseudo-gradient is not in the average (it was joining)."""
+    outer_step: Optional[int] = None
+    """The outer step this average completes (None: the one DiLoCo asked for)."""
+    inner_step: Optional[int] = None
+    """The job's inner step at that outer step (None: this process's own count)."""
+    details: Any = None
+    """What the sync reports beyond this (ElasticSync: an ElasticReport)."""
+
+
+@runtime_checkable
+class Sync(Protocol):
+    """Averages pseudo-gradients across nodes for DiLoCo."""
+
+    def bind(self, state, settings: dict) -> None:
+        """Called once by DiLoCo: the OuterState it averages for and the settings every node must share
+        (inner_steps, codec, block_size, outer update, shapes, numel)."""
+
+    def agree(self, ok: bool) -> bool:
+        """True when `ok` holds on every process of this node (the same answer on all of them)."""
+
+    def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
+        """Before outer step `outer_step`: raises ReplicaMismatchError on every node when any node's
+        (weights hash, settings hash, numel) differs. A sync that checks replicas another way does nothing."""
+
+    def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
+                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
+        """Replaces `grad` (this process's pseudo-gradient for outer step `outer_step`) by its average over
+        the contributing nodes, bit-identical on every node. A failed attempt may leave `grad` changed:
+        `recompute(grad)` restores it before the next one. Raises OuterSyncError when no attempt works;
+        the outer state is then untouched."""
+
+    def committed(self, result: SyncResult) -> None:
+        """Called after the outer update of `result` was applied (the bound state holds the new weights)."""
+
+    def close(self) -> None:
+        """Releases what this sync created."""
+
+
+# -- what a ring reports and how it fails --------------------------------------------
+
+
+def work_stats(work) -> dict:
+    """A finished ring Work's statistics (prime.comm.WorkStats) under the names the trainer records."""
+    s = work.stats()
+    return {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "quantize_s": s.quantize_s,
+            "wire_s": s.wait_s, "reduce_s": s.reduce_s, "total_s": s.total_s}
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """True for a failed collective: prime.comm.CommError, or an exception of that name (test doubles)."""
+    try:
+        from prime.comm import CommError
+
+        if isinstance(e, CommError):
+            return True
+    except ImportError:  # the extension is not built: only test doubles can fail
+        pass
+    return type(e).__name__ == "CommError"
+
+
+# -- the node-local group -------------------------------------------------------------
+
+
+def node_local_group(group=None):
+    """The process group of this node's processes, for agreeing on failures (None: a single process).
+
+    Given a group, checks that it does not span nodes. Without one, derives it
+    from torchrun's local world: the default group when WORLD_SIZE equals
+    LOCAL_WORLD_SIZE (one torchrun per node). Raises ValueError when the
+    group would span nodes or when the node's processes cannot be told."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("local_group was given but torch.distributed is not initialized")
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if group is None:
+        world = dist.get_world_size()
+        if world == 1:
+            return dist.group.WORLD
+        if local is None:
+            raise ValueError(
+                f"torch.distributed is initialized with {world} processes but LOCAL_WORLD_SIZE is not set, so "
+                "DiLoCo cannot tell which of them share this node: pass local_group= (a group of this node's "
+                "processes), or start with torchrun, which sets LOCAL_WORLD_SIZE")
+        group = dist.group.WORLD
+    size = dist.get_world_size(group)
+    if local is not None and size > int(local):
+        raise ValueError(
+            f"the local group has {size} processes but this node runs {local} (LOCAL_WORLD_SIZE): it spans "
+            "nodes. DiLoCo agrees on failures among one node's processes only; nodes are joined by the ring. "
+            "Start one torchrun per node (--nnodes 1), or pass local_group= with this node's processes "
+            "(e.g. from torch.distributed.new_subgroups())")
+    return group
+
+
+def _all_local(group, ok: bool) -> bool:
+    """True when `ok` holds on every process of `group` (a tiny MIN all-reduce; None: this process alone)."""
+    if group is None:
+        return ok
+    import torch.distributed as dist
+
+    dev = "cpu"
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):  # a group without a queryable backend: use the CPU
+        backend = ""
+    if backend == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+# -- a fixed ring ------------------------------------------------------------------------
+
+
+class RingSync:
+    """The average over a fixed set of nodes on prime.comm.Ring, with retries on fresh rings.
+
+    ring:          the ring of this process (local rank g of every node), or None to build one with
+                   ring_factory("start"); a ring passed in stays the caller's: it is never closed here
+    ring_factory:  ring_factory(tag) -> a new Ring; tag names the outer step and attempt ("o3a1"), so that
+                   processes at different outer steps never meet in one ring. None: no retries
+    retries:       retries per outer step (with ring_factory)
+    local_group:   this node's processes, which agree before every retry so that all rings of the node
+                   are rebuilt together (see node_local_group)
+
+    A CommError is retried after every process of the node agrees that the
+    attempt failed; when no attempt works, OuterSyncError is raised and the
+    caller's outer weights are left as they were.
+    """
+
+    def __init__(self, ring=None, *, ring_factory: Optional[Callable[[str], object]] = None, retries: int = 2,
+                 local_group=None):
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if ring is None and ring_factory is None:
+            raise ValueError("RingSync needs a ring or a ring_factory")
+        self.ring_factory, self.retries = ring_factory, retries
+        self.local_group = local_group
+        self.codec, self.block_size = "int8", 256  # set by bind()
+        self._caller_ring = ring
+        self.ring = ring if ring is not None else ring_factory("start")
+        self.rank, self.world_size = self.ring.rank, self.ring.world_size
+
+    def bind(self, state, settings: dict) -> None:
+        self.codec, self.block_size = settings["codec"], settings["block_size"]
+
+    def agree(self, ok: bool) -> bool:
+        return _all_local(self.local_group, ok)
+
+    def _drop_ring(self) -> None:
+        """Forgets the current ring; closes it unless it is the caller's."""
+        ring, self.ring = self.ring, None
+        if ring is not None and ring is not self._caller_ring:
+            try:
+                ring.close()
+            except Exception:  # the ring is already broken; closing it is best effort
+                pass
+
+    def _allreduce(self, buf: torch.Tensor, *, op: str, codec: str, outer_step: int,
+                   recompute: Optional[Callable[[torch.Tensor], None]]) -> SyncResult:
+        """ring.all_reduce(buf) with retries on fresh rings, for outer step `outer_step` (the next one)."""
+        t0 = time.perf_counter()
+        last = None
+        attempts = 1 + (self.retries if self.ring_factory is not None else 0)
+        for attempt in range(attempts):
+            err, stats = None, {}
+            try:
+                if self.ring is None:
+                    if self.ring_factory is None:
+                        raise OuterSyncError(
+                            "the ring failed earlier and no ring_factory was given to rebuild it; restart the job")
+                    self.ring = self.ring_factory(f"o{outer_step - 1}a{attempt}")
+                work = self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
+                work.wait()
+                stats = work_stats(work)
+            except Exception as e:
+                if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
+                    raise  # a bug or a bad argument, not a network failure: no retry
+                err = e
+            if self.agree(err is None):
+                return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
+                                  attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=stats)
+            # Some process of this node failed. Everyone drops its ring, so that all
+            # rings of this node are rebuilt together under the next tag.
+            last = err or last or RuntimeError("the all-reduce failed on another process of this node")
+            self._drop_ring()
+            if err is None and recompute is not None:
+                recompute(buf)  # this process's all-reduce had worked: restore its own input
+        raise OuterSyncError(
+            f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) "
+            f"(last error: {last}). The outer weights were not changed; stopping so that nodes do not diverge. "
+            "Restart every node from the last checkpoint."
+        )
+
+    def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
+                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
+        return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute)
+
+    def committed(self, result: SyncResult) -> None:
+        pass
+
+    @torch.no_grad()
+    def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
+        """Each node puts 16-bit pieces of its fingerprint (weights hash, settings hash, element count) in
+        its own slots of a small vector; an exact sum all-reduce (zeros elsewhere) gathers them everywhere,
+        since sums of integers below 2^24 are exact in fp32."""
+        rank, size = self.rank, self.world_size
+        slots = 11
+        w, s, n = fingerprint
+        pieces = [(w >> (16 * i)) & 0xFFFF for i in range(4)] + [(s >> (16 * i)) & 0xFFFF for i in range(4)]
+        pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
+
+        def fill(v: torch.Tensor) -> None:
+            v.zero_()
+            v[rank * slots : (rank + 1) * slots] = torch.tensor(pieces, dtype=torch.float32)
+
+        vec = torch.empty(size * slots, dtype=torch.float32)
+        fill(vec)
+        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill)
+        table = vec.view(size, slots).to(torch.int64).tolist()
+        problems = []
+        for what, lo, hi in (("shard sizes", 8, 11),
+                             ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 4, 8),
+                             ("outer weights", 0, 4)):
+            mine = table[rank][lo:hi]
+            differ = [r for r in range(size) if table[r][lo:hi] != mine]
+            if differ:
+                problems.append(f"{what} differ from node(s) {differ}")
+        if not self.agree(not problems):
+            detail = "; ".join(problems) or "another process of this node found a mismatch"
+            raise ReplicaMismatchError(
+                f"node {rank}: {detail}. Every node must start from the same seed (or resume from the same "
+                "checkpoint step) with the same model, [diloco] settings and processes per node."
+            )
+
+    def close(self) -> None:
+        """Closes the rings this sync built (not one passed to it)."""
+        self._drop_ring()

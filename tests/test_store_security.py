@@ -1,0 +1,428 @@
+"""A stranger who reaches the job's TCPStore cannot steer the job (docs/security.md).
+
+The store has no credentials: anyone who reaches its port can read, write,
+`add` to and delete any key. Every record PRIME reads back is signed under the
+job secret and bound to its key and job (prime.comm.signed_store), so a
+stranger's writes are ignored. Each test below plays one attack against real
+in-process TCPStores and Memberships or Rings (threads, loopback), and failed
+against the code before signed records (commit a8a1120):
+
+- heartbeat `add`: one add of 2^40 on a live node's counter marked it as left;
+- outcome first: a `give_up` outcome written before the nodes decided stopped them;
+- plan first: a plan without node 1 evicted it;
+- address rewrite: a rank dialled the address a stranger wrote over its neighbour's.
+"""
+
+import json
+import random
+import socket
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+
+import pytest
+import torch
+
+SECRET = b"store-security-secret"
+HB_INTERVAL, HB_TIMEOUT = 0.1, 1.5
+
+
+def _tcp_store():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def _client(port: int, prefix: str):
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))
+
+
+def _membership(port: int, rank: int, initial: int, run_id: str, **kw):
+    from prime.elastic import Membership
+
+    return Membership(lambda: _client(port, f"{run_id}/elastic"), node_rank=rank, initial_nodes=initial,
+                      run_id=run_id, secret=SECRET, heartbeat_interval_s=HB_INTERVAL, heartbeat_timeout_s=HB_TIMEOUT,
+                      barrier_timeout_s=20, report_timeout_s=20, **kw)
+
+
+def _register_all(port: int, n: int, run_id: str, **kw) -> list:
+    ms = [_membership(port, r, n, run_id, **kw) for r in range(n)]
+    out, errs = [None] * n, []
+
+    def reg(i):
+        try:
+            ms[i].register(start_timeout_s=20)
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+
+    ts = [threading.Thread(target=reg, args=(i,), daemon=True) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errs, errs
+    return ms
+
+
+def _outer_step(ms: list, k: int, step: int) -> list:
+    """Outer step k on every membership in threads, with an all-reduce that always works; returns the
+    committed (plan, outcome) of each node, or the exception it raised."""
+    prev = ms[0].genesis_plan(k - 1, step - 1)
+    out: list = [None] * len(ms)
+
+    def run(i):
+        m = ms[i]
+        try:
+            a = m.attempt(k, 0, prev=prev, prev_outcome=None, step=step, since=time.monotonic(),
+                          allreduce=lambda plan: (True, "", -1, {}))
+            out[i] = (a.plan, a.outcome)
+        except BaseException as e:  # the test looks at it
+            out[i] = e
+
+    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(ms))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts), "a node hung"
+    return out
+
+
+def _leave(ms):
+    for m in ms:
+        m.leave()
+
+
+# -- heartbeats -------------------------------------------------------------------------------------
+
+
+def test_a_strangers_heartbeat_add_or_replay_does_not_evict_a_live_node():
+    """A stranger adds 2^40 to node 1's heartbeat key (the old 'left' mark), replaces it with a counter,
+    and replays an old valid record: node 0 keeps seeing node 1 alive, and never as left."""
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "hb")
+    stranger = _client(store.port, "hb/elastic")
+    try:
+        old = stranger.get("hb/1")
+        time.sleep(3 * HB_INTERVAL)
+        try:
+            stranger.add("hb/1", 1 << 40)
+        except Exception:  # the store refuses to add to a signed record (it is not a number); the try counts
+            stranger = _client(store.port, "hb/elastic")
+        time.sleep(3 * HB_INTERVAL)  # node 0 read the key again meanwhile
+        assert not ms[0].gone(1), "one add by a stranger evicted a live node"
+        deadline = time.monotonic() + 2 * HB_TIMEOUT
+        while time.monotonic() < deadline:  # keep attacking for longer than the heartbeat timeout
+            stranger.delete_key("hb/1")
+            stranger.add("hb/1", 1 << 40)
+            time.sleep(HB_INTERVAL / 2)
+            stranger.set("hb/1", old)  # a replay of node 1's own, older, validly signed heartbeat
+            time.sleep(HB_INTERVAL / 2)
+            assert not ms[0].gone(1), "a forged or replayed heartbeat evicted a live node"
+        assert not ms[0].monitor.left(1)
+        # ... while a node that really stops beating is dead after the timeout
+        ms[1].monitor.stop(leave=False)
+        time.sleep(HB_TIMEOUT + 4 * HB_INTERVAL)
+        assert ms[0].gone(1) and not ms[0].monitor.left(1)
+    finally:
+        _leave(ms)
+
+
+def test_a_stranger_cannot_keep_a_dead_node_alive():
+    """A stranger who keeps writing counters and replays under a dead node's key does not keep it alive."""
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "dead")
+    stranger = _client(store.port, "dead/elastic")
+    try:
+        old = stranger.get("hb/1")
+        ms[1].monitor.stop(leave=False)
+        deadline = time.monotonic() + HB_TIMEOUT + 5 * HB_INTERVAL
+        n = 0
+        while time.monotonic() < deadline:
+            stranger.set("hb/1", old if n % 2 else str(n))
+            n += 1
+            time.sleep(HB_INTERVAL / 3)
+        assert ms[0].gone(1)
+    finally:
+        _leave(ms)
+
+
+# -- decisions ---------------------------------------------------------------------------------------
+
+
+def test_an_outcome_written_first_by_a_stranger_does_not_stop_the_job():
+    """Before the nodes decide outer step 1, a stranger writes its outcome: give up. They commit anyway."""
+    from prime.elastic import Outcome
+
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "out")
+    stranger = _client(store.port, "out/elastic")
+    try:
+        forged = Outcome(k=1, attempt=0, commit=False, members=[], give_up="stop, says the stranger", by=0)
+        stranger.set("b/1/a0/outcome", json.dumps(asdict(forged), sort_keys=True))
+        got = _outer_step(ms, 1, 10)
+        for r in got:
+            assert not isinstance(r, BaseException), got
+            plan, outcome = r
+            assert outcome.commit and outcome.members == [0, 1] and not outcome.give_up, outcome
+        assert ms[0].records.rejected, "the forged outcome was not noticed"
+    finally:
+        _leave(ms)
+
+
+def test_a_forged_plan_does_not_evict_a_node():
+    """A stranger writes the plan of outer step 1 first, leaving node 1 out: both nodes take part anyway."""
+    from prime.elastic import Plan
+
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "plan")
+    stranger = _client(store.port, "plan/elastic")
+    try:
+        forged = Plan(k=1, attempt=0, members=[0], contributors=[0], slots={"0": 0}, step=10,
+                      evicted=[[1, "evicted by a stranger"]], by=0)
+        stranger.set("b/1/a0/plan", json.dumps(asdict(forged), sort_keys=True))
+        got = _outer_step(ms, 1, 10)
+        for r in got:
+            assert not isinstance(r, BaseException), got
+            plan, outcome = r
+            assert plan.members == [0, 1] and plan.evicted == [] and outcome.commit, (plan, outcome)
+    finally:
+        _leave(ms)
+
+
+def test_a_signed_decision_replayed_under_another_outer_step_is_ignored():
+    """A stranger copies outer step 1's (validly signed) plan under outer step 2's key, and forges node 0's
+    arrival there: outer step 2 is decided afresh, at its own inner step."""
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "replay")
+    stranger = _client(store.port, "replay/elastic")
+    try:
+        first = _outer_step(ms, 1, 10)
+        assert all(not isinstance(r, BaseException) for r in first), first
+        stranger.set("b/2/a0/plan", stranger.get("b/1/a0/plan"))
+        stranger.set("b/2/arrive/1", stranger.get("b/1/arrive/1"))
+        got = _outer_step(ms, 2, 20)
+        for r in got:
+            assert not isinstance(r, BaseException), got
+            plan, outcome = r
+            assert plan.k == 2 and plan.step == 20 and plan.members == [0, 1] and outcome.commit, plan
+    finally:
+        _leave(ms)
+
+
+# -- ring addresses ------------------------------------------------------------------------------------
+
+
+def _has_ring() -> bool:
+    try:
+        import prime.comm
+
+        return hasattr(prime.comm, "Ring")
+    except Exception:
+        return False
+
+
+class _Trap:
+    """A listening socket on loopback that counts who connects (a stranger's fake rank)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+                self.connections += 1
+                c.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self._stop.set()
+        self._t.join(5)
+        self.sock.close()
+
+
+def _ring_in_thread(store, rank, out, job_id, timeout_s, secret=SECRET):
+    from prime.comm import Ring
+
+    def run():
+        try:
+            out[rank] = Ring(store, rank, 2, secret=secret, job_id=job_id, timeout=timedelta(seconds=timeout_s))
+        except BaseException as e:  # the test looks at it
+            out[rank] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+def test_a_ring_address_rewritten_by_a_stranger_is_never_dialled():
+    """Rank 1 published its address; a stranger rewrites it with the address of its own listener. Rank 0
+    never connects there: it fails with an error naming the unsigned record."""
+    store = _tcp_store()
+    trap = _Trap()
+    out: dict = {}
+    try:
+        t1 = _ring_in_thread(_client(store.port, "r1"), 1, out, "rewrite", 3.0)
+        peek = _client(store.port, "r1")
+        peek.wait(["prime_ring/rewrite/addr/1"], timedelta(seconds=30))
+        peek.set("prime_ring/rewrite/addr/1", trap.address)
+        t0 = _ring_in_thread(_client(store.port, "r1"), 0, out, "rewrite", 3.0)
+        t0.join(30)
+        t1.join(30)
+        err = out[0]
+        assert trap.connections == 0, f"rank 0 dialled the address a stranger wrote ({err})"
+        assert isinstance(err, Exception) and "not signed" in str(err), err
+        assert isinstance(out[1], Exception), out[1]  # its neighbour never came: it fails too, within its timeout
+    finally:
+        trap.close()
+        for r in out.values():
+            if not isinstance(r, BaseException) and r is not None:
+                r.close()
+
+
+@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+def test_a_ring_forms_with_the_right_peer_when_a_stranger_wrote_its_address_first():
+    """A stranger plants rank 1's address before rank 1 starts: the ring forms between the two real ranks
+    and averages correctly; the stranger's listener sees no connection."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    store = _tcp_store()
+    trap = _Trap()
+    out: dict = {}
+    try:
+        _client(store.port, "r2").set("prime_ring/first/addr/1", trap.address)
+        ts = [_ring_in_thread(_client(store.port, "r2"), r, out, "first", 20.0) for r in (1, 0)]
+        for t in ts:
+            t.join(60)
+        assert all(not isinstance(out[r], BaseException) for r in (0, 1)), out
+        xs = [torch.randn(1000, generator=gen) for _ in range(2)]
+        want = (xs[0].double() + xs[1].double()) / 2
+        got = [x.clone() for x in xs]
+        works = [out[r].all_reduce(got[r], op="avg", codec="none") for r in (0, 1)]
+        for w in works:
+            w.wait()
+        for g in got:
+            assert torch.allclose(g.double(), want, rtol=0, atol=1e-6)
+        assert trap.connections == 0
+    finally:
+        trap.close()
+        for r in out.values():
+            if not isinstance(r, BaseException) and r is not None:
+                r.close()
+
+
+# -- the secret ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+def test_a_ring_across_hosts_without_a_secret_refuses_to_start(monkeypatch):
+    """Advertising a non-loopback address without a secret is a ValueError saying how to set one (before
+    anything listens); on loopback a drawn secret is still fine."""
+    from prime.comm import Ring
+
+    monkeypatch.delenv("PRIME_RING_SECRET", raising=False)
+    store = _tcp_store()
+    with pytest.raises(ValueError, match="PRIME_RING_SECRET"):
+        Ring(_client(store.port, "multi"), 0, 2, job_id="multi", timeout=timedelta(seconds=5),
+             bind_addr="127.0.0.1", advertise_addr="192.168.77.1")
+
+
+def test_an_elastic_node_across_hosts_without_a_secret_refuses_to_start(monkeypatch):
+    from prime.elastic import Membership
+
+    monkeypatch.delenv("PRIME_RING_SECRET", raising=False)
+    monkeypatch.setenv("PRIME_RING_ADDR", "192.168.77.1")
+    store = _tcp_store()
+    m = Membership(lambda: _client(store.port, "nosecret/elastic"), node_rank=0, initial_nodes=1, run_id="nosecret")
+    with pytest.raises(ValueError, match="PRIME_RING_SECRET"):
+        m.register(start_timeout_s=1)
+    assert not _client(store.port, "nosecret/elastic").check(["secret"]), "a secret was drawn into the store"
+
+
+# -- the record format ---------------------------------------------------------------------------------
+
+
+def test_signed_records_are_bound_to_key_job_and_secret_and_warned_about_once_per_kind():
+    import torch.distributed as dist
+
+    from prime.comm.signed_store import SignedStore
+
+    warnings: list = []
+    s = SignedStore(dist.HashStore(), SECRET, "job", warn=warnings.append)
+    s.put("b/1/a0/plan", {"members": [0, 1]})
+    assert s.get("b/1/a0/plan") == {"members": [0, 1]}
+    raw = s.store.get("b/1/a0/plan")
+    s.store.set("b/2/a0/plan", raw)  # another key
+    other_job = SignedStore(s.store, SECRET, "another-job")
+    other_secret = SignedStore(s.store, b"another-secret", "job")
+    assert s.get("b/2/a0/plan") is None
+    assert other_job.get("b/1/a0/plan") is None and other_secret.get("b/1/a0/plan") is None
+    body = raw.decode().split(":", 2)[2]
+    for bad in (body, "ps1:" + "0" * 64 + ":" + body, raw.decode()[:-3], raw.decode().replace("1]", "2]"), "",
+                raw.decode()[4:]):
+        s.store.set("b/3/a0/plan", bad)
+        assert s.get("b/3/a0/plan") is None, bad
+    assert len(warnings) == 1 and "b/*/a*/plan" in warnings[0], warnings
+    assert s.rejected == {"b/*/a*/plan": 7}
+    # first writer wins, and a forged first record does not block the decision
+    s.store.set("b/4/a0/outcome", "forged")
+    assert s.set_first("b/4/a0/outcome", {"commit": True}) == {"commit": True}
+    assert s.set_first("b/4/a0/outcome", {"commit": False}) == {"commit": True}
+    assert s.first("b/4/a0/outcome") == {"commit": True}
+
+
+def test_a_strangers_add_cannot_turn_a_signed_record_into_a_number():
+    """TCPStore's add parses the value as an integer (a leading digit is enough); a signed record starts with
+    a letter, so a stranger's add fails and leaves it as it was, for every record drawn."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    s = SignedStore(_client(store.port, "add"), SECRET, "job")
+    for seq in range(20):  # MACs that start with a digit and with a letter
+        s.put("hb/1", {"node": 1, "seq": seq, "left": False})
+        before = s.store.get("hb/1")
+        stranger = _client(store.port, "add")
+        with pytest.raises(Exception):
+            stranger.add("hb/1", 1 << 40)
+        assert s.store.get("hb/1") == before and s.get("hb/1")["seq"] == seq
+
+
+def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
+    """A stranger saves the (validly signed) record of committed outer step 2 and writes it back after outer
+    step 3 was committed: a joiner keeps seeing outer step 3."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    nodes = SignedStore(_client(store.port, "back/elastic"), SECRET, "back")  # nodes 0 and 1, by hand
+    for i in (0, 1):
+        nodes.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
+    joiner = _membership(store.port, 5, 2, "back")
+    joiner.register()
+    try:
+        def commit(k):
+            nodes.put("members", {"k": k, "members": [0, 1], "step": 10 * k, "time": 0.0, "slots": {"0": 0, "1": 1}})
+
+        commit(2)
+        old = nodes.store.get("members")
+        assert joiner.latest_committed()["k"] == 2
+        commit(3)
+        assert joiner.latest_committed()["k"] == 3
+        nodes.store.set("members", old)
+        assert joiner.latest_committed()["k"] == 3
+    finally:
+        joiner.leave()
