@@ -71,7 +71,7 @@ if use_cuda:
         sources + _sources("csrc/**/*.cu"),
         define_macros=[("PRIME_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", "-ldl"],  # -ldl: the ring dlopens libcrypto (glibc < 2.34)
     )
 else:
     print(f"prime: building without the CUDA codec kernels: {why_not}.")
@@ -79,7 +79,7 @@ else:
         "prime._C",
         sources,
         extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", "-ldl"],  # -ldl: the ring dlopens libcrypto (glibc < 2.34)
     )
 
 setup(

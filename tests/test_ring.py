@@ -409,7 +409,7 @@ def _expected_bytes_sent(rank, world, n, dtype, codec, segment_elems=1 << 18):
                     payload = m + 4 * (-(-m // BLOCK))
                 else:
                     payload = 4 * m if phase == "rs" else esize * m
-                total += 64 + payload
+                total += 64 + payload + 16  # header, payload, AES-GCM tag
     return total
 
 
@@ -433,7 +433,7 @@ def test_int8_sends_a_quarter_of_the_bytes(ranks):
             assert st.bytes_sent == _expected_bytes_sent(r, world, BIG, torch.float32, codec)
             assert st.bytes_received == _expected_bytes_sent((r - 1) % world, world, BIG, torch.float32, codec)
         ratio = results[r]["int8"].bytes_sent / results[r]["none"].bytes_sent
-        # n + 4n/256 bytes against 4n, plus the same 64-byte headers on both sides
+        # n + 4n/256 bytes against 4n, plus the same 80 bytes of header and tag per frame on both sides
         assert abs(ratio - (1 + 4 / 256) / 4) < 0.001, f"int8/fp32 wire bytes {ratio:.4f}"
 
 
@@ -575,9 +575,9 @@ def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks):
         assert before == after, f"rank {r}: (open fds, threads) {before} before two rings, {after} after"
     detector = results[(bad + 1) % world]
     assert detector["kind"] == "corrupt_frame" and detector["peer"] == bad, detector["message"]
-    assert "checksum mismatch" in detector["message"]
+    assert "authentication failed" in detector["message"]
     for r in range(world):
-        assert "checksum mismatch" in results[r]["message"], results[r]["message"]
+        assert "authentication failed" in results[r]["message"], results[r]["message"]
 
 
 def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec):
@@ -694,7 +694,7 @@ def _rank_target(ctx, secret):
 
 def _hello(world, streams, flags, segment, job, rank, stream, nonce):
     """The 72-byte handshake hello of docs/ring.md, written independently of the C++."""
-    return b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 1, world, streams, flags, segment, job, rank, stream, 0) + nonce
+    return b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 2, world, streams, flags, segment, job, rank, stream, 0) + nonce
 
 
 def _attack(address, secret, job_id, claim_rank, streams=1):

@@ -10,6 +10,7 @@
 
 #include "../codec/checks.h"
 #include "crypto/crc32c.h"
+#include "crypto/libcrypto.h"
 #include "crypto/sha256.h"
 #include "ring.h"
 #include "wire_codec.h"
@@ -176,7 +177,7 @@ void init_ring_bindings(py::module_& m) {
 
   py::class_<Ring, std::shared_ptr<Ring>>(m, "_Ring", "One rank's end of the TCP ring (see prime.comm.Ring).")
       .def(py::init([](int rank, int world_size, const std::string& job_id, py::bytes secret, double timeout_s, double rendezvous_timeout_s,
-                       int streams, double max_rate, bool checksum, int64_t segment_elems,
+                       int streams, double max_rate, bool encrypt, int64_t segment_elems,
                        const std::string& bind_addr, int socket_buffer_bytes, int64_t corrupt_after_bytes) {
              RingOptions o;
              o.rank = rank;
@@ -187,7 +188,7 @@ void init_ring_bindings(py::module_& m) {
              o.rendezvous_timeout_ms = static_cast<int64_t>(rendezvous_timeout_s * 1000);
              o.streams = streams;
              o.max_rate = max_rate;
-             o.checksum = checksum;
+             o.encrypt = encrypt;
              o.segment_elems = segment_elems;
              o.bind_addr = bind_addr;
              o.socket_buffer_bytes = socket_buffer_bytes;
@@ -196,7 +197,7 @@ void init_ring_bindings(py::module_& m) {
              return std::make_shared<Ring>(std::move(o));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("secret"), py::arg("timeout_s"),
-           py::arg("rendezvous_timeout_s"), py::arg("streams"), py::arg("max_rate"), py::arg("checksum"), py::arg("segment_elems"),
+           py::arg("rendezvous_timeout_s"), py::arg("streams"), py::arg("max_rate"), py::arg("encrypt"), py::arg("segment_elems"),
            py::arg("bind_addr"), py::arg("socket_buffer_bytes"), py::arg("corrupt_after_bytes"))
       .def_property_readonly("port", &Ring::port)
       .def("connect", &Ring::connect, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>())
@@ -222,6 +223,14 @@ void init_ring_bindings(py::module_& m) {
     const ring::Digest d = ring::sha256(s.data(), s.size());
     return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
   });
+  m.def("_ring_hkdf_sha256", [](py::bytes ikm, py::bytes salt, py::bytes info, size_t length) {
+    const std::string okm = ring::hkdf_sha256(std::string(ikm), std::string(salt), std::string(info), length);
+    return py::bytes(okm);
+  });
+  m.def("_ring_libcrypto", []() {
+    const auto& c = ring::crypto::libcrypto();
+    return std::string(c.soname) + ": " + c.version_text(0);
+  }, "Which libcrypto the ring loaded (raises if none can be loaded).");
   m.def("_ring_job_hash", &ring::job_hash);
 
   // Test hooks for the payload layout: the wire codec's bytes for one segment of a

@@ -4,9 +4,18 @@
 // neighbour, authenticate every stream (tcp/handshake.h). Connections that fail the
 // handshake (wrong secret, job, rank, garbage, port scans) are dropped and listed
 // in rejected(); accepting goes on until the real neighbour arrives or the deadline.
+//
+// Handshakes run in parallel, one thread each, each with its own short deadline
+// (min(kHandshakeLimit, timeout)); at most kMaxPendingHandshakes at a time, the
+// oldest dropped to make room for a new one. So connections that stay silent or
+// dribble bytes cannot keep the real neighbour out: it is served as soon as it
+// connects, and needs milliseconds.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <list>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -19,6 +28,15 @@
 
 namespace prime::ring {
 
+// A stranger gets this long (or the rendezvous timeout, if shorter) to finish its
+// handshake; the real neighbour needs a few round trips.
+constexpr Millis kHandshakeLimit{5000};
+// Handshakes served at once (a thread each). The neighbour's streams connect one
+// after another, so it needs one slot; the rest bounds what strangers can hold.
+constexpr size_t kMaxPendingHandshakes = 32;
+// rejected() lists this many connections, then counts the rest.
+constexpr size_t kMaxRejectedLines = 256;
+
 struct RendezvousOptions {
   int rank = 0;
   int world_size = 2;
@@ -29,9 +47,15 @@ struct RendezvousOptions {
   Millis timeout{60000};
 };
 
+// An authenticated stream and its session keys.
+struct Stream {
+  Socket socket;
+  SessionKeys keys;
+};
+
 struct Links {
-  std::vector<Socket> right;  // k streams we send on
-  std::vector<Socket> left;   // k streams we receive on
+  std::vector<Stream> right;  // k streams we send on (we were the handshake's client)
+  std::vector<Stream> left;   // k streams we receive on (we were the server)
 };
 
 class Rendezvous {
@@ -48,23 +72,41 @@ class Rendezvous {
   std::vector<std::string> rejected() const;
 
  private:
+  struct Pending {
+    Socket socket;  // moved out (under mu_) once it is a left stream
+    std::string who;
+    bool evicted = false;  // under mu_
+    bool done = false;     // under mu_
+    std::thread thread;
+  };
+
   void accept_loop();
+  void serve(Pending* p);
+  void reject(const std::string& line);  // mu_ held
+  void wake() const;
   void stop();
+  Stream connect_right(const std::string& host, int port, int stream, const std::string& where);
   CommError error(ErrorKind kind, int peer, const std::string& cause) const;
 
   const RendezvousOptions opt_;
   const Deadline deadline_;
+  const Millis handshake_limit_;
   const int left_;
   const int right_;
   Listener listener_;
+  Socket wake_;  // an eventfd: a finished handshake wakes the accept loop
   std::atomic<bool> stop_{false};
   std::thread acceptor_;
+  std::list<std::unique_ptr<Pending>> pending_;  // the accept loop's
 
   mutable std::mutex mu_;
-  std::vector<Socket> left_streams_;  // index = stream
+  std::condition_variable cv_;  // a stream arrived, or the accept loop ended
+  std::vector<Stream> left_streams_;  // index = stream
   int accepted_ = 0;
+  bool acceptor_done_ = false;
   std::optional<std::string> accept_error_;
   std::vector<std::string> rejected_;
+  size_t rejected_unlisted_ = 0;  // beyond kMaxRejectedLines
 };
 
 }  // namespace prime::ring

@@ -48,7 +48,7 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
     r.handshake.job = job_;
     r.handshake.world_size = opt_.world_size;
     r.handshake.streams = opt_.streams;
-    r.handshake.checksum = opt_.checksum;
+    r.handshake.encrypt = opt_.encrypt;
     r.handshake.segment_elems = static_cast<uint64_t>(opt_.segment_elems);
     r.bind_addr = opt_.bind_addr;
     r.socket_buffer_bytes = opt_.socket_buffer_bytes;
@@ -84,7 +84,7 @@ void Ring::connect(const std::string& right_host, int right_port) {
     t.right = (opt_.rank + 1) % opt_.world_size;
     t.timeout = Millis(opt_.timeout_ms);
     t.max_rate = opt_.max_rate;
-    t.checksum = opt_.checksum;
+    t.encrypt = opt_.encrypt;
     t.job = job_;
     t.max_payload = static_cast<uint32_t>(opt_.segment_elems * 4);  // an fp32 segment, the largest payload
     t.corrupt_after_bytes = opt_.corrupt_after_bytes;

@@ -37,7 +37,7 @@ struct RingOptions {
   int64_t rendezvous_timeout_ms = 60000;  // forming the links, from construction on
   int streams = 1;
   double max_rate = 0;  // bytes/s of this rank's uplink (to its right); <= 0 unlimited
-  bool checksum = true;
+  bool encrypt = false;  // payloads encrypted; every frame is authenticated either way
   int64_t segment_elems = 1 << 18;
   std::string bind_addr = "127.0.0.1";
   int socket_buffer_bytes = 0;       // 0: kernel autotuning

@@ -33,7 +33,8 @@ class AllReduce {
         unit_(codec_->unit()),
         seg_(round_up(std::max<int64_t>(g.segment_elems, 1), unit_)),
         esize_(dtype_size(spec.dtype)),
-        desc_(descriptor_of(spec)) {}
+        desc_(descriptor_of(spec)),
+        spec_text_(describe_spec(spec)) {}
 
   ScheduleOutcome run() {
     try {
@@ -122,8 +123,7 @@ class AllReduce {
 
   void send(Phase phase, int step, int k, const Payload& p) { send(phase, step, k, p.data, p.size, p.owner); }
 
-  void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner,
-            std::optional<uint32_t> crc = std::nullopt) {
+  void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
     OutFrame f;
     f.header.kind = FrameKind::kData;
     f.header.phase = phase;
@@ -135,10 +135,6 @@ class AllReduce {
     f.header.desc = desc_;
     f.header.nonfinite_mask = mask();
     if (overflow_) f.header.flags |= kFlagOverflow;
-    if (crc) {
-      f.header.payload_crc = *crc;
-      f.crc_known = true;
-    }
     f.data = data;
     f.size = size;
     f.owner = std::move(owner);
@@ -166,31 +162,18 @@ class AllReduce {
       f = t_.recv(where, *counters_);
     }
     const FrameHeader& h = f.header;
-    auto fail = [&](const std::string& what) {
+    const ExpectedFrame expected{seq_, desc_, phase, static_cast<uint32_t>(step), static_cast<uint32_t>(k),
+                                 static_cast<uint64_t>(expected_len), left_, &spec_text_};
+    const std::string wrong = check_expected(h, expected);
+    if (!wrong.empty()) {
       ErrorInfo e;
       e.kind = ErrorKind::kProtocol;
       e.rank = r_;
       e.peer = left_;
       e.origin = r_;
       e.where = where;
-      e.cause = "unexpected frame from rank " + std::to_string(left_) + ": " + what;
+      e.cause = "unexpected frame from rank " + std::to_string(left_) + ": " + wrong;
       throw CommError(e);
-    };
-    if (h.seq != seq_) {
-      fail("it belongs to all_reduce #" + std::to_string(h.seq) +
-           "; the ranks issued their collectives in different orders or numbers");
-    }
-    if (h.desc != desc_) {
-      fail("rank " + std::to_string(left_) + " called all_reduce #" + std::to_string(seq_) +
-           " with other arguments than this rank (" + describe_spec(spec_) +
-           "): every rank must pass a tensor of the same size and dtype, and the same op, codec and block_size");
-    }
-    if (h.phase != phase || h.step != static_cast<uint32_t>(step) || h.segment != static_cast<uint32_t>(k)) {
-      fail(std::string("got ") + phase_name(h.phase) + " step " + std::to_string(h.step) + ", segment " +
-           std::to_string(h.segment));
-    }
-    if (h.payload_len != static_cast<uint64_t>(expected_len)) {
-      fail("payload of " + std::to_string(h.payload_len) + " bytes, expected " + std::to_string(expected_len));
     }
     received_mask_ |= h.nonfinite_mask;
     overflow_ |= (h.flags & kFlagOverflow) != 0;
@@ -227,12 +210,9 @@ class AllReduce {
     // Kept as it came; decoded into the caller's tensor once every check passed.
     pieces_.push_back(FinalPiece{sp.begin, len, f.payload});
     if (s < n_ - 2) {
-      // Forward the owner's bytes verbatim; their checksum was verified on arrival.
-      const uint32_t crc = f.header.payload_crc;
-      const bool had_crc = (f.header.flags & kFlagChecksum) != 0;
+      // Forward the owner's bytes verbatim (authenticated on arrival, sealed anew for the next link).
       Buffer buf = std::move(f.payload);
-      send(Phase::kAllGather, s + 1, k, buf->data(), static_cast<size_t>(f.header.payload_len), buf,
-           had_crc ? std::optional<uint32_t>(crc) : std::nullopt);
+      send(Phase::kAllGather, s + 1, k, buf->data(), static_cast<size_t>(f.header.payload_len), buf);
     }
   }
 
@@ -251,6 +231,7 @@ class AllReduce {
   const int64_t seg_;
   const size_t esize_;
   const uint32_t desc_;
+  const std::string spec_text_;  // for the message when a neighbour's arguments differ
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;

@@ -4,7 +4,6 @@
 
 #include <cstring>
 
-#include "crypto/crc32c.h"
 #include "tcp/connection.h"
 #include "str_builder.h"
 
@@ -43,7 +42,7 @@ std::string io_cause(const IoError& e) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(TransportOptions options, std::vector<Socket> right, std::vector<Socket> left,
+TcpTransport::TcpTransport(TransportOptions options, std::vector<Stream> right, std::vector<Stream> left,
                            std::shared_ptr<BufferPool> pool, std::function<void()> on_failure)
     : opt_(std::move(options)),
       k_(static_cast<int>(right.size())),
@@ -51,14 +50,9 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Socket> right, 
       on_failure_(std::move(on_failure)),
       limiter_(opt_.max_rate, std::max<double>(kLimitedPiece, opt_.max_rate * 0.01)) {
   send_progress_ns_ = now_ns();
-  for (auto& s : right) {
-    auto stream = std::make_unique<SendStream>();
-    stream->socket = std::move(s);
-    send_.push_back(std::move(stream));
-  }
+  for (auto& s : right) send_.push_back(std::make_unique<SendStream>(std::move(s.socket), s.keys, opt_.encrypt));
   for (auto& s : left) {
-    auto stream = std::make_unique<RecvStream>();
-    stream->socket = std::move(s);
+    auto stream = std::make_unique<RecvStream>(std::move(s.socket), s.keys, opt_.encrypt);
     stream->progress_ns = now_ns();
     recv_.push_back(std::move(stream));
   }
@@ -127,49 +121,53 @@ void TcpTransport::send(OutFrame frame) {
 
 void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   f.header.payload_len = static_cast<uint32_t>(f.size);
-  if (opt_.checksum) {
-    f.header.flags |= kFlagChecksum;
-    if (!f.crc_known) f.header.payload_crc = crc32c(f.data, f.size);
-  } else {
-    f.header.flags &= static_cast<uint16_t>(~kFlagChecksum);
-    f.header.payload_crc = 0;
-  }
-  uint8_t header[kHeaderBytes];
-  encode_header(f.header, header);
-
   IoLimits limits;
   limits.idle = opt_.timeout;
   limits.stop = &stop_;
   limits.progress_ns = &send_progress_ns_;
 
-  if (!limiter_.limited() && f.size <= kCoalesceBytes && opt_.corrupt_after_bytes < 0) {
-    char joined[kHeaderBytes + kCoalesceBytes];
-    std::memcpy(joined, header, kHeaderBytes);
-    if (f.size) std::memcpy(joined + kHeaderBytes, f.data, f.size);
+  const bool coalesce = !limiter_.limited() && f.size <= kCoalesceBytes && opt_.corrupt_after_bytes < 0;
+  if (!coalesce && !limiter_.acquire(kHeaderBytes, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+  // Nothing may throw between begin() and mid_frame: a begun frame is either sent
+  // or ends the stream, so no later frame can reuse or skip its number.
+  if (coalesce) {
+    char joined[kFrameOverhead + kCoalesceBytes];
+    auto* bytes = reinterpret_cast<uint8_t*>(joined);
+    s.sealer.begin(f.header, bytes);
     s.mid_frame = true;
-    send_all(s.socket, joined, kHeaderBytes + f.size, limits);
+    const char* sealed = s.sealer.payload(f.data, joined + kHeaderBytes, f.size);
+    if (sealed != joined + kHeaderBytes && f.size) std::memcpy(joined + kHeaderBytes, sealed, f.size);
+    s.sealer.tag(bytes + kHeaderBytes + f.size);
+    send_all(s.socket, joined, kFrameOverhead + f.size, limits);
     s.mid_frame = false;
     return;
   }
-  if (!limiter_.acquire(kHeaderBytes, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+  uint8_t header[kHeaderBytes];
+  s.sealer.begin(f.header, header);
   s.mid_frame = true;
   send_all(s.socket, header, kHeaderBytes, limits);
   const size_t piece = limiter_.limited() ? kLimitedPiece : (size_t{4} << 20);
+  if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
   for (size_t off = 0; off < f.size; off += piece) {
     const size_t len = std::min(piece, f.size - off);
     if (!limiter_.acquire(len, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+    // The piece is sealed (tag updated, or encrypted) just before it leaves.
+    const char* sealed = s.sealer.payload(f.data + off, s.scratch.data(), len);
     const int64_t base = payload_bytes_sent_.fetch_add(static_cast<int64_t>(len));
     const int64_t target = opt_.corrupt_after_bytes;
     if (target >= base && target < base + static_cast<int64_t>(len)) {
-      // Test hook: the bytes leave with one bit flipped, after the checksum was taken.
+      // Test hook: the bytes leave with one bit flipped, after they were sealed.
       ByteBuffer copy(len);
-      std::memcpy(copy.data(), f.data + off, len);
+      std::memcpy(copy.data(), sealed, len);
       copy.data()[target - base] ^= 0x10;
       send_all(s.socket, copy.data(), len, limits);
     } else {
-      send_all(s.socket, f.data + off, len, limits);
+      send_all(s.socket, sealed, len, limits);
     }
   }
+  uint8_t tag[kTagBytes];
+  s.sealer.tag(tag);
+  send_all(s.socket, tag, kTagBytes, limits);
   s.mid_frame = false;
 }
 
@@ -208,9 +206,12 @@ void TcpTransport::sender_loop(int j) {
       }
       record(std::move(fail));
       return;
+    } catch (const std::exception& e) {  // libcrypto failed
+      record({ErrorKind::kInternal, opt_.right, std::string("sealing a frame failed: ") + e.what()});
+      return;
     }
     if (f.counters) {
-      f.counters->bytes_sent += kHeaderBytes + f.size;
+      f.counters->bytes_sent += kFrameOverhead + f.size;
       f.counters->frames_sent += 1;
     }
     {
@@ -246,6 +247,39 @@ void TcpTransport::flush(const Context& where) {
 // ---------------------------------------------------------------------------
 // receiving
 
+namespace {
+
+// What is wrong with a received frame (read_frame).
+struct FrameError {
+  ErrorKind kind;
+  std::string what;
+};
+
+}  // namespace
+
+// Reads one frame (header, payload, tag) and opens it: on return it is authentic and
+// comes from `expected_rank` of this job. Throws IoError from the socket, or
+// FrameError saying what is wrong with the frame.
+InFrame TcpTransport::read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits,
+                                 uint32_t max_data_payload, int expected_rank) {
+  uint8_t raw[kHeaderBytes];
+  InFrame f;
+  recv_all(socket, raw, kHeaderBytes, limits);
+  const std::string bad = opener.begin(raw, &f.header, max_data_payload);
+  if (!bad.empty()) throw FrameError{ErrorKind::kCorruptFrame, bad};
+  const FrameHeader& h = f.header;
+  f.payload = pool_->acquire(h.payload_len);
+  recv_all(socket, f.payload->data(), h.payload_len, limits);
+  uint8_t tag[kTagBytes];
+  recv_all(socket, tag, kTagBytes, limits);
+  opener.payload(f.payload->data(), h.payload_len);
+  const std::string forged = opener.finish(h, tag);
+  if (!forged.empty()) throw FrameError{ErrorKind::kCorruptFrame, forged + "; the frame claims to be " + frame_name(h)};
+  const std::string stray = check_link(h, expected_rank, opt_.job, opt_.encrypt);
+  if (!stray.empty()) throw FrameError{ErrorKind::kProtocol, stray};
+  return f;
+}
+
 void TcpTransport::receiver_loop(int j) {
   RecvStream& s = *recv_[j];
   const std::string from = "rank " + std::to_string(opt_.left);
@@ -253,11 +287,10 @@ void TcpTransport::receiver_loop(int j) {
   limits.stop = &stop_;
   limits.progress_ns = &s.progress_ns;
   for (;;) {
-    uint8_t raw[kHeaderBytes];
-    FrameHeader h;
+    InFrame f;
     try {
       if (!wait_readable(s.socket, limits)) return;  // stopped
-      recv_all(s.socket, raw, kHeaderBytes, limits);
+      f = read_frame(s.socket, s.opener, limits, opt_.max_payload, opt_.left);
     } catch (const IoError& e) {
       if (e.reason() == IoError::Reason::kStopped) return;
       if (left_closed_ && e.reason() == IoError::Reason::kEof) {
@@ -270,52 +303,16 @@ void TcpTransport::receiver_loop(int j) {
       }
       record_lost({ErrorKind::kConnectionLost, opt_.left, "connection from " + from + " lost: " + io_cause(e)});
       return;
-    }
-    const std::string bad = decode_header(raw, &h);
-    if (!bad.empty()) {
-      record({ErrorKind::kCorruptFrame, opt_.left, "corrupt frame from " + from + ": " + bad});
+    } catch (const FrameError& e) {
+      record({e.kind, opt_.left, (e.kind == ErrorKind::kCorruptFrame ? "corrupt frame from " : "unexpected frame from ") +
+                                     from + " on stream " + std::to_string(j) + ": " + e.what});
+      return;
+    } catch (const std::exception& e) {  // libcrypto failed, allocation failure
+      record({ErrorKind::kInternal, opt_.left, "receiving from " + from + " failed: " + e.what()});
       return;
     }
-    if (h.src_rank != opt_.left || h.job != opt_.job) {
-      record({ErrorKind::kProtocol, opt_.left,
-              "frame from " + from + " claims to come from rank " + std::to_string(h.src_rank) +
-                  (h.job != opt_.job ? " of another job" : "")});
-      return;
-    }
-    const uint32_t limit = h.kind == FrameKind::kData ? opt_.max_payload : kMaxControlPayload;
-    if (h.payload_len > limit) {
-      record({ErrorKind::kCorruptFrame, opt_.left,
-              "corrupt frame from " + from + ": payload length " + std::to_string(h.payload_len) +
-                  " exceeds the limit " + std::to_string(limit)});
-      return;
-    }
-    InFrame f;
-    f.header = h;
-    try {
-      f.payload = pool_->acquire(h.payload_len);
-      recv_all(s.socket, f.payload->data(), h.payload_len, limits);
-    } catch (const IoError& e) {
-      if (e.reason() == IoError::Reason::kStopped) return;
-      record_lost({ErrorKind::kConnectionLost, opt_.left,
-                   "connection from " + from + " lost in the middle of a frame: " + io_cause(e)});
-      return;
-    }
+    const FrameHeader& h = f.header;
     if (h.kind == FrameKind::kData) {
-      if (opt_.checksum && !(h.flags & kFlagChecksum)) {
-        record({ErrorKind::kProtocol, opt_.left, "frame from " + from + " carries no checksum but this ring expects one"});
-        return;
-      }
-      if (h.flags & kFlagChecksum) {
-        const uint32_t got = crc32c(f.payload->data(), h.payload_len);
-        if (got != h.payload_crc) {
-          char text[96];
-          std::snprintf(text, sizeof(text), "payload checksum mismatch (header 0x%08x, computed 0x%08x)",
-                        h.payload_crc, got);
-          record({ErrorKind::kCorruptFrame, opt_.left,
-                  "corrupt frame from " + from + ": " + text + " in " + frame_name(h)});
-          return;
-        }
-      }
       {
         std::unique_lock<std::mutex> lock(recv_mu_);
         while (s.queued_bytes > 0 && s.queued_bytes + h.payload_len > kMaxQueuedBytes && !stop_) {
@@ -330,7 +327,7 @@ void TcpTransport::receiver_loop(int j) {
     int origin = -1;
     std::string message;
     if (!decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
-      record({ErrorKind::kCorruptFrame, opt_.left, "corrupt control frame from " + from});
+      record({ErrorKind::kProtocol, opt_.left, "malformed control frame from " + from});
       return;
     }
     if (h.kind == FrameKind::kAbort) {
@@ -361,7 +358,7 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
       s.queued_bytes -= f.header.payload_len;
       ++next_recv_;
       recv_cv_.notify_all();  // a receiver may wait for room
-      counters.bytes_received += kHeaderBytes + f.header.payload_len;
+      counters.bytes_received += kFrameOverhead + f.header.payload_len;
       counters.frames_received += 1;
       return f;
     }
@@ -411,21 +408,13 @@ void TcpTransport::watcher_loop() {
       IoLimits limits;
       limits.deadline = Deadline::after(kControlDeadline);
       limits.stop = &stop_;
-      uint8_t raw[kHeaderBytes];
-      FrameHeader h;
       try {
-        recv_all(send_[j]->socket, raw, kHeaderBytes, limits);
-        const std::string bad = decode_header(raw, &h);
-        if (!bad.empty() || h.kind == FrameKind::kData || h.payload_len > kMaxControlPayload) {
-          record({ErrorKind::kCorruptFrame, opt_.right, "unexpected bytes from " + from + " on the return path"});
-          return;
-        }
-        ByteBuffer payload(h.payload_len);
-        recv_all(send_[j]->socket, payload.data(), h.payload_len, limits);
+        const InFrame f = read_frame(send_[j]->socket, send_[j]->reports, limits, 0, opt_.right);
+        const FrameHeader& h = f.header;
         int origin = -1;
         std::string message;
-        if (!decode_control(payload.data(), h.payload_len, &origin, &message)) {
-          record({ErrorKind::kCorruptFrame, opt_.right, "corrupt control frame from " + from});
+        if (h.kind == FrameKind::kData || !decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
+          record({ErrorKind::kProtocol, opt_.right, "unexpected bytes from " + from + " on the return path"});
           return;
         }
         if (h.kind == FrameKind::kAbort) {
@@ -438,26 +427,36 @@ void TcpTransport::watcher_loop() {
         if (right_closed_) continue;
         record_lost({ErrorKind::kConnectionLost, opt_.right, "connection to " + from + " lost: " + io_cause(e)});
         return;
+      } catch (const FrameError& e) {
+        record({e.kind, opt_.right, "bad report from " + from + " on the return path: " + e.what});
+        return;
+      } catch (const std::exception& e) {
+        record({ErrorKind::kInternal, opt_.right, "reading the return path from " + from + " failed: " + e.what()});
+        return;
       }
     }
   }
 }
 
-void TcpTransport::send_control(const Socket& s, FrameKind kind, int origin, const std::string& message) {
+void TcpTransport::send_control(const Socket& s, FrameSealer& sealer, FrameKind kind, int origin,
+                                const std::string& message) {
   const std::string payload = encode_control(origin, message);
   FrameHeader h;
   h.kind = kind;
   h.src_rank = static_cast<uint16_t>(opt_.rank);
   h.job = opt_.job;
   h.payload_len = static_cast<uint32_t>(payload.size());
-  uint8_t buf[kHeaderBytes + kMaxControlPayload];
-  encode_header(h, buf);
-  std::memcpy(buf + kHeaderBytes, payload.data(), payload.size());
+  char buf[kFrameOverhead + kMaxControlPayload];
+  auto* bytes = reinterpret_cast<uint8_t*>(buf);
   IoLimits limits;
   limits.deadline = Deadline::after(kControlDeadline);
   try {
-    send_all(s, buf, kHeaderBytes + payload.size(), limits);
-  } catch (const IoError&) {
+    sealer.begin(h, bytes);
+    const char* sealed = sealer.payload(payload.data(), buf + kHeaderBytes, payload.size());
+    if (sealed != buf + kHeaderBytes) std::memcpy(buf + kHeaderBytes, sealed, payload.size());
+    sealer.tag(bytes + kHeaderBytes + payload.size());
+    send_all(s, buf, kFrameOverhead + payload.size(), limits);
+  } catch (const std::exception&) {
     // Best effort: the neighbour may be gone already.
   }
 }
@@ -477,10 +476,10 @@ void TcpTransport::shutdown(FrameKind kind, int origin, const std::string& messa
   }
   // Senders are stopped: a stream that is between frames can carry our report.
   for (auto& s : send_) {
-    if (!s->mid_frame) send_control(s->socket, kind, origin, message);
+    if (!s->mid_frame) send_control(s->socket, s->sealer, kind, origin, message);
     s->socket.shutdown_write();
   }
-  for (auto& s : recv_) send_control(s->socket, kind, origin, message);  // the return path to the left
+  for (auto& s : recv_) send_control(s->socket, s->reports, kind, origin, message);  // the return path to the left
   for (auto& s : recv_) {
     s->socket.shutdown_both();
     if (s->thread.joinable()) s->thread.join();

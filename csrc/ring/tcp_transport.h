@@ -5,6 +5,10 @@
 // neighbour reports its failure or close). Frame i goes on stream i mod k on both
 // ends, so order is kept without sequence buffers.
 //
+// Every frame is sealed (AES-256-GCM tag, tcp/frame.h) by the thread that writes it
+// and opened by the thread that reads it, under the stream's session keys: the
+// sender, receiver and watcher threads do the cryptography, beside the worker.
+//
 // Failure: any thread that fails records the first failure and wakes everyone;
 // the owner (the ring's worker) then calls shutdown(), which tells both neighbours
 // why (an abort frame), closes every socket and joins every thread.
@@ -20,6 +24,8 @@
 #include <vector>
 
 #include "rate_limiter.h"
+#include "rendezvous.h"
+#include "tcp/connection.h"
 #include "tcp/socket.h"
 #include "transport.h"
 
@@ -31,16 +37,16 @@ struct TransportOptions {
   int right = 0;
   Millis timeout{60000};
   double max_rate = 0;  // bytes/s over all streams to the right; <= 0 unlimited
-  bool checksum = true;
+  bool encrypt = false;  // payloads encrypted (else authenticated only)
   uint64_t job = 0;
   uint32_t max_payload = 0;        // longest data payload a peer may announce
-  int64_t corrupt_after_bytes = -1;  // tests only: flip one bit of the payload byte at this offset
+  int64_t corrupt_after_bytes = -1;  // tests only: flip one bit of the payload byte at this offset (after sealing)
 };
 
 class TcpTransport : public Transport {
  public:
   // `on_failure` runs (on an I/O thread, no lock held) when a failure is first recorded.
-  TcpTransport(TransportOptions options, std::vector<Socket> right, std::vector<Socket> left,
+  TcpTransport(TransportOptions options, std::vector<Stream> right, std::vector<Stream> left,
                std::shared_ptr<BufferPool> pool, std::function<void()> on_failure);
   ~TcpTransport() override;
 
@@ -65,14 +71,23 @@ class TcpTransport : public Transport {
     std::string origin_message;
   };
   struct SendStream {
+    SendStream(Socket s, const SessionKeys& keys, bool encrypt)
+        : socket(std::move(s)), sealer(keys.client_to_server, encrypt), reports(keys.server_to_client, encrypt) {}
     Socket socket;
+    FrameSealer sealer;   // our frames to the right (sender thread, then shutdown)
+    FrameOpener reports;  // the right neighbour's abort / close frame (watcher thread)
+    ByteBuffer scratch;   // ciphertext of one piece, when encrypting
     std::deque<OutFrame> queue;
     bool busy = false;       // a frame is being written
     bool mid_frame = false;  // stopped inside a frame: no control frame may follow
     std::thread thread;
   };
   struct RecvStream {
+    RecvStream(Socket s, const SessionKeys& keys, bool encrypt)
+        : socket(std::move(s)), opener(keys.client_to_server, encrypt), reports(keys.server_to_client, encrypt) {}
     Socket socket;
+    FrameOpener opener;   // the left neighbour's frames (receiver thread)
+    FrameSealer reports;  // our abort / close frame to the left (shutdown)
     std::deque<InFrame> queue;
     bool ended = false;  // EOF after the peer's close frame
     size_t queued_bytes = 0;
@@ -84,11 +99,13 @@ class TcpTransport : public Transport {
   void receiver_loop(int j);
   void watcher_loop();
   void write_frame(SendStream& s, OutFrame& f);
+  InFrame read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits, uint32_t max_data_payload,
+                     int expected_rank);
   void record(Failure f);
   void record_lost(Failure f);  // record() after a short grace for a better-informed report
   ErrorInfo error_from(const Failure& f, const Context& where) const;
   ErrorInfo local_error(ErrorKind kind, int peer, std::string cause, const Context& where) const;
-  void send_control(const Socket& s, FrameKind kind, int origin, const std::string& message);
+  void send_control(const Socket& s, FrameSealer& sealer, FrameKind kind, int origin, const std::string& message);
 
   const TransportOptions opt_;
   const int k_;

@@ -14,7 +14,7 @@
 namespace prime::ring {
 
 // Bytes and frames on the wire for one collective, counted by the transport as it
-// writes and reads them (headers included).
+// writes and reads them (headers and tags included).
 struct WireCounters {
   std::atomic<uint64_t> bytes_sent{0};
   std::atomic<uint64_t> bytes_received{0};
@@ -23,18 +23,17 @@ struct WireCounters {
 };
 
 struct OutFrame {
-  FrameHeader header;  // payload_len and payload_crc are filled in by the transport
+  FrameHeader header;  // payload_len, frame_no and the encryption flag are filled in by the transport
   const char* data = nullptr;
   size_t size = 0;
   // Owns `data` when it is not memory the collective keeps alive until flush().
   std::shared_ptr<const ByteBuffer> owner;
-  bool crc_known = false;  // header.payload_crc already holds the payload's checksum
   std::shared_ptr<WireCounters> counters;
 };
 
 struct InFrame {
   FrameHeader header;
-  Buffer payload;  // never null; checksum already verified
+  Buffer payload;  // never null; authenticated (and decrypted) on arrival
 };
 
 class Transport {

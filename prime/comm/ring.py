@@ -32,7 +32,7 @@ logger = logging.getLogger("prime.comm")
 
 # 1 MiB of fp32 values (262144 values, 256 KiB + scales as int8) per pipeline
 # segment: small enough that quantizing one segment overlaps sending the previous,
-# large enough that the 64-byte frame header is noise (0.02%).
+# large enough that the 80 bytes of frame header and tag are noise (0.03%).
 DEFAULT_SEGMENT_BYTES = 1 << 20
 # One TCP stream per link. More streams help only where a single TCP flow cannot
 # fill the path (long fat pipes with loss); on loopback and shaped links one
@@ -44,6 +44,7 @@ ENV_STREAMS = "PRIME_RING_STREAMS"
 ENV_MAX_RATE = "PRIME_RING_MAX_RATE"
 ENV_JOB_ID = "PRIME_RING_JOB_ID"
 ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
+ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,10 @@ class Ring:
         (see rendezvous.resolve_addresses; default: only the address others reach us on).
       job_id: names this ring in the store; a new ring on the same store (say after a
         failure) needs a new one. Default $PRIME_RING_JOB_ID or "prime".
-      checksum: CRC32C of every payload, verified on arrival (default on).
+      checksum: ignored, kept for old callers: every frame, header and payload, carries an
+        AES-256-GCM tag under the stream's session key, which subsumes the CRC32C it switched.
+      encrypt: also encrypt payloads (AES-256-GCM; default $PRIME_RING_ENCRYPT, else off:
+        authenticated only). Every rank must pass the same value.
       segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
       _corrupt_after_bytes: TESTS ONLY: flip one bit of the payload byte at this
         offset of everything this rank sends (after its checksum was taken).
@@ -195,6 +199,7 @@ class Ring:
         job_id: Optional[str] = None,
         checksum: bool = True,
         segment_bytes: Optional[int] = None,
+        encrypt: Optional[bool] = None,
         *,
         _corrupt_after_bytes: Optional[int] = None,
     ):
@@ -216,6 +221,8 @@ class Ring:
         segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
         if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
             raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
+        if encrypt is None:
+            encrypt = os.environ.get(ENV_ENCRYPT, "0").strip().lower() in ("1", "true", "yes", "on")
         segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
 
         self.rank = rank
@@ -237,7 +244,7 @@ class Ring:
             timeout_s=timeout_s,
             streams=streams,
             max_rate=float(max_rate),
-            checksum=bool(checksum),
+            encrypt=bool(encrypt),
             segment_elems=segment_elems,
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
             corrupt_after_bytes=-1 if _corrupt_after_bytes is None else int(_corrupt_after_bytes),

@@ -1,138 +1,61 @@
-// SHA-256 written from FIPS 180-4 section 6.2; HMAC from RFC 2104.
 #include "sha256.h"
 
-#include <algorithm>
-#include <cstring>
+#include <stdexcept>
+
+#include "libcrypto.h"
 
 namespace prime::ring {
 namespace {
 
-constexpr std::array<uint32_t, 64> kRound = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
-}  // namespace
-
-Sha256::Sha256()
-    : state_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
-
-void Sha256::compress(const uint8_t* block) {
-  uint32_t w[64];
-  for (int t = 0; t < 16; ++t) {
-    w[t] = (uint32_t(block[4 * t]) << 24) | (uint32_t(block[4 * t + 1]) << 16) | (uint32_t(block[4 * t + 2]) << 8) |
-           uint32_t(block[4 * t + 3]);
-  }
-  for (int t = 16; t < 64; ++t) {
-    const uint32_t s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
-    const uint32_t s1 = rotr(w[t - 2], 17) ^ rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
-    w[t] = w[t - 16] + s0 + w[t - 7] + s1;
-  }
-  uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
-  uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
-  for (int t = 0; t < 64; ++t) {
-    const uint32_t big_s1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25);
-    const uint32_t choose = (e & f) ^ (~e & g);
-    const uint32_t t1 = h + big_s1 + choose + kRound[t] + w[t];
-    const uint32_t big_s0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22);
-    const uint32_t majority = (a & b) ^ (a & c) ^ (b & c);
-    const uint32_t t2 = big_s0 + majority;
-    h = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  state_[0] += a;
-  state_[1] += b;
-  state_[2] += c;
-  state_[3] += d;
-  state_[4] += e;
-  state_[5] += f;
-  state_[6] += g;
-  state_[7] += h;
-}
-
-void Sha256::update(const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  total_bytes_ += n;
-  if (buffered_ > 0) {
-    const size_t take = std::min(n, buffer_.size() - buffered_);
-    std::memcpy(buffer_.data() + buffered_, p, take);
-    buffered_ += take;
-    p += take;
-    n -= take;
-    if (buffered_ < buffer_.size()) return;
-    compress(buffer_.data());
-    buffered_ = 0;
-  }
-  for (; n >= 64; n -= 64, p += 64) compress(p);
-  std::memcpy(buffer_.data(), p, n);
-  buffered_ = n;
-}
-
-Digest Sha256::finish() {
-  const uint64_t bits = total_bytes_ * 8;
-  const uint8_t pad = 0x80;
-  update(&pad, 1);
-  const uint8_t zero = 0;
-  while (buffered_ != 56) update(&zero, 1);
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(bits >> (56 - 8 * i));
-  update(length, 8);
-  Digest out;
-  for (int i = 0; i < 8; ++i) {
-    out[4 * i] = static_cast<uint8_t>(state_[i] >> 24);
-    out[4 * i + 1] = static_cast<uint8_t>(state_[i] >> 16);
-    out[4 * i + 2] = static_cast<uint8_t>(state_[i] >> 8);
-    out[4 * i + 3] = static_cast<uint8_t>(state_[i]);
+Digest hmac_raw(const void* key, size_t key_len, const void* message, size_t n) {
+  const auto& c = crypto::libcrypto();
+  Digest out{};
+  unsigned int len = 0;
+  if (c.hmac(c.sha256(), key, static_cast<int>(key_len), static_cast<const unsigned char*>(message), n, out.data(),
+             &len) == nullptr ||
+      len != out.size()) {
+    throw std::runtime_error("HMAC-SHA256 failed in libcrypto");
   }
   return out;
 }
 
+}  // namespace
+
 Digest sha256(const void* data, size_t n) {
-  Sha256 h;
-  h.update(data, n);
-  return h.finish();
+  const auto& c = crypto::libcrypto();
+  Digest out{};
+  unsigned int len = 0;
+  if (c.digest(data, n, out.data(), &len, c.sha256(), nullptr) != 1 || len != out.size()) {
+    throw std::runtime_error("SHA-256 failed in libcrypto");
+  }
+  return out;
 }
 
 Digest hmac_sha256(const std::string& key, const void* message, size_t n) {
-  std::array<uint8_t, 64> block{};
-  if (key.size() > block.size()) {
-    const Digest k = sha256(key.data(), key.size());
-    std::memcpy(block.data(), k.data(), k.size());
-  } else {
-    std::memcpy(block.data(), key.data(), key.size());
+  return hmac_raw(key.data(), key.size(), message, n);
+}
+
+std::string hkdf_sha256(const std::string& ikm, const std::string& salt, const std::string& info, size_t length) {
+  if (length > 255 * 32) throw std::invalid_argument("HKDF-SHA256 output is at most 8160 bytes");
+  // RFC 5869 2.2: PRK = HMAC(salt, IKM); an absent salt is 32 zero bytes.
+  const std::string zero_salt(32, '\0');
+  const std::string& s = salt.empty() ? zero_salt : salt;
+  const Digest prk = hmac_raw(s.data(), s.size(), ikm.data(), ikm.size());
+  // 2.3: T(i) = HMAC(PRK, T(i-1) || info || i), OKM = T(1) || T(2) || ...
+  std::string okm;
+  std::string block;
+  for (uint8_t i = 1; okm.size() < length; ++i) {
+    std::string msg = block + info + static_cast<char>(i);
+    const Digest t = hmac_raw(prk.data(), prk.size(), msg.data(), msg.size());
+    block.assign(reinterpret_cast<const char*>(t.data()), t.size());
+    okm += block;
   }
-  std::array<uint8_t, 64> inner_pad, outer_pad;
-  for (size_t i = 0; i < block.size(); ++i) {
-    inner_pad[i] = block[i] ^ 0x36;
-    outer_pad[i] = block[i] ^ 0x5c;
-  }
-  Sha256 inner;
-  inner.update(inner_pad.data(), inner_pad.size());
-  inner.update(message, n);
-  const Digest inner_digest = inner.finish();
-  Sha256 outer;
-  outer.update(outer_pad.data(), outer_pad.size());
-  outer.update(inner_digest.data(), inner_digest.size());
-  return outer.finish();
+  okm.resize(length);
+  return okm;
 }
 
 bool digests_equal(const Digest& a, const Digest& b) {
-  uint8_t diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
+  return crypto::libcrypto().memcmp_ct(a.data(), b.data(), a.size()) == 0;
 }
 
 }  // namespace prime::ring

@@ -1,4 +1,5 @@
-// SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), for the ring handshake and job ids.
+// SHA-256, HMAC-SHA256 (RFC 2104) and HKDF-SHA256 (RFC 5869), computed by OpenSSL's
+// libcrypto (crypto/libcrypto.h), for the ring handshake, session keys and job ids.
 #pragma once
 
 #include <array>
@@ -10,24 +11,10 @@ namespace prime::ring {
 
 using Digest = std::array<uint8_t, 32>;
 
-class Sha256 {
- public:
-  Sha256();
-  void update(const void* data, size_t n);
-  void update(const std::string& s) { update(s.data(), s.size()); }
-  Digest finish();  // the object must not be updated afterwards
-
- private:
-  void compress(const uint8_t* block);
-
-  std::array<uint32_t, 8> state_;
-  std::array<uint8_t, 64> buffer_{};
-  size_t buffered_ = 0;
-  uint64_t total_bytes_ = 0;
-};
-
 Digest sha256(const void* data, size_t n);
 Digest hmac_sha256(const std::string& key, const void* message, size_t n);
+// HKDF-SHA256: extract with `salt`, expand with `info` to `length` bytes (at most 8160).
+std::string hkdf_sha256(const std::string& ikm, const std::string& salt, const std::string& info, size_t length);
 
 // Constant-time comparison, so a forger learns nothing from how long a rejection takes.
 bool digests_equal(const Digest& a, const Digest& b);

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "../crypto/crc32c.h"
+#include "../str_builder.h"
 #include "le_bytes.h"
 
 namespace prime::ring {
@@ -11,8 +11,6 @@ namespace {
 
 using le::get;
 using le::put;
-
-}  // namespace
 
 void encode_header(const FrameHeader& h, uint8_t* out) {
   put<uint32_t>(out + 0, kFrameMagic);
@@ -27,24 +25,49 @@ void encode_header(const FrameHeader& h, uint8_t* out) {
   put<uint32_t>(out + 32, h.step);
   put<uint32_t>(out + 36, h.segment);
   put<uint32_t>(out + 40, h.desc);
-  put<uint32_t>(out + 44, h.payload_crc);
+  put<uint32_t>(out + 44, 0);
   put<uint64_t>(out + 48, h.nonfinite_mask);
-  put<uint32_t>(out + 56, 0);
-  put<uint32_t>(out + 60, crc32c(out, 60));
+  put<uint64_t>(out + 56, h.frame_no);
 }
 
-std::string decode_header(const uint8_t* in, FrameHeader* h) {
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// sending
+
+FrameSealer::FrameSealer(const crypto::Key256& key, bool encrypt)
+    : gcm_(key, crypto::Gcm::Mode::kSeal), encrypt_(encrypt) {}
+
+void FrameSealer::begin(FrameHeader& h, uint8_t* out) {
+  h.frame_no = next_++;  // counted here, so an abandoned frame never reuses its IV
+  h.flags = static_cast<uint16_t>(encrypt_ ? (h.flags | kFlagEncrypted) : (h.flags & ~kFlagEncrypted));
+  encode_header(h, out);
+  gcm_.start(h.frame_no);
+  gcm_.authenticate(out, kHeaderBytes);
+}
+
+const char* FrameSealer::payload(const char* in, char* scratch, size_t n) {
+  if (!encrypt_) {
+    gcm_.authenticate(in, n);
+    return in;
+  }
+  gcm_.crypt(in, scratch, n);
+  return scratch;
+}
+
+void FrameSealer::tag(uint8_t* out) { gcm_.seal_tag(out); }
+
+// ---------------------------------------------------------------------------
+// receiving
+
+FrameOpener::FrameOpener(const crypto::Key256& key, bool encrypt)
+    : gcm_(key, crypto::Gcm::Mode::kOpen), encrypt_(encrypt) {}
+
+std::string FrameOpener::begin(const uint8_t* in, FrameHeader* h, uint32_t max_data_payload) {
   char text[160];
   const uint32_t magic = get<uint32_t>(in);
   if (magic != kFrameMagic) {
     std::snprintf(text, sizeof(text), "bad magic 0x%08x (expected 0x%08x): not a prime ring frame", magic, kFrameMagic);
-    return text;
-  }
-  const uint32_t want_crc = get<uint32_t>(in + 60);
-  const uint32_t got_crc = crc32c(in, 60);
-  if (want_crc != got_crc) {
-    std::snprintf(text, sizeof(text), "header checksum mismatch (header says 0x%08x, computed 0x%08x)", want_crc,
-                  got_crc);
     return text;
   }
   const uint16_t version = get<uint16_t>(in + 4);
@@ -72,10 +95,70 @@ std::string decode_header(const uint8_t* in, FrameHeader* h) {
   h->step = get<uint32_t>(in + 32);
   h->segment = get<uint32_t>(in + 36);
   h->desc = get<uint32_t>(in + 40);
-  h->payload_crc = get<uint32_t>(in + 44);
   h->nonfinite_mask = get<uint64_t>(in + 48);
+  h->frame_no = get<uint64_t>(in + 56);
+  // Checked before anything is allocated or read for the payload.
+  const uint32_t limit = h->kind == FrameKind::kData ? max_data_payload : kMaxControlPayload;
+  if (h->payload_len > limit) {
+    std::snprintf(text, sizeof(text), "payload length %u exceeds the limit %u", h->payload_len, limit);
+    return text;
+  }
+  // The IV is the number this frame must have, not the one it claims.
+  gcm_.start(next_);
+  gcm_.authenticate(in, kHeaderBytes);
   return "";
 }
+
+void FrameOpener::payload(char* data, size_t n) {
+  if (encrypt_) {
+    gcm_.crypt(data, data, n);
+  } else {
+    gcm_.authenticate(data, n);
+  }
+}
+
+std::string FrameOpener::finish(const FrameHeader& h, const uint8_t* tag) {
+  const uint64_t expected = next_++;
+  if (gcm_.open_tag(tag)) return "";
+  StrBuilder s;
+  s << "authentication failed (bad tag on frame #" << expected << " of this stream";
+  if (h.frame_no != expected) {
+    s << "; it claims to be frame #" << h.frame_no << ": replayed, dropped or reordered on the way";
+  } else {
+    s << ": its header or payload was altered on the way, or the sender does not hold this session's key";
+  }
+  s << ")";
+  return s.str();
+}
+
+std::string check_link(const FrameHeader& h, int expected_rank, uint64_t job, bool encrypt) {
+  if (h.src_rank != expected_rank || h.job != job) {
+    return "frame claims to come from rank " + std::to_string(h.src_rank) + (h.job != job ? " of another job" : "");
+  }
+  if (((h.flags & kFlagEncrypted) != 0) != encrypt) {
+    return std::string("frame is ") + (encrypt ? "not " : "") + "encrypted, unlike this ring's setting";
+  }
+  return "";
+}
+
+std::string check_expected(const FrameHeader& h, const ExpectedFrame& e) {
+  StrBuilder s;
+  if (h.seq != e.seq) {
+    s << "it belongs to all_reduce #" << h.seq << "; the ranks issued their collectives in different orders or numbers";
+  } else if (h.desc != e.desc) {
+    s << "rank " << e.sender << " called all_reduce #" << e.seq << " with other arguments than this rank";
+    if (e.spec_text) s << " (" << *e.spec_text << ")";
+    s << ": every rank must pass a tensor of the same size and dtype, and the same op, codec and block_size";
+  } else if (h.phase != e.phase || h.step != e.step || h.segment != e.segment) {
+    s << "got " << phase_name(h.phase) << " step " << h.step << ", segment " << h.segment;
+  } else if (h.payload_len != e.payload_len) {
+    s << "payload of " << h.payload_len << " bytes, expected " << e.payload_len;
+  }
+  return s.str();
+}
+
+// ---------------------------------------------------------------------------
+// control frames
 
 std::string encode_control(int origin, const std::string& message) {
   std::string out(4, '\0');

@@ -25,11 +25,15 @@ enum Status : uint8_t {
   kConfigMismatch = 4,
 };
 
+constexpr uint16_t kHelloVersion = 2;  // 2: frames carry AES-256-GCM tags
+constexpr uint16_t kFlagAuthenticated = 1u << 0;  // always set since version 2
+constexpr uint16_t kFlagEncrypted = 1u << 1;
+
 struct Hello {
-  uint16_t version = 1;
+  uint16_t version = kHelloVersion;
   uint16_t world_size = 0;
   uint16_t streams = 0;
-  uint16_t flags = 0;  // bit 0: payload checksums on
+  uint16_t flags = 0;  // kFlagAuthenticated | kFlagEncrypted
   uint64_t segment_elems = 0;
   uint64_t job = 0;
   uint16_t rank = 0;
@@ -72,7 +76,7 @@ Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream) {
   Hello h;
   h.world_size = static_cast<uint16_t>(c.world_size);
   h.streams = static_cast<uint16_t>(c.streams);
-  h.flags = c.checksum ? 1 : 0;
+  h.flags = static_cast<uint16_t>(kFlagAuthenticated | (c.encrypt ? kFlagEncrypted : 0));
   h.segment_elems = c.segment_elems;
   h.job = c.job;
   h.rank = static_cast<uint16_t>(rank);
@@ -94,7 +98,11 @@ std::string config_mismatch(const Hello& peer, const Hello& mine) {
   if (peer.world_size != mine.world_size) s << "world_size " << peer.world_size << " vs " << mine.world_size << "; ";
   if (peer.streams != mine.streams) s << "streams " << peer.streams << " vs " << mine.streams << "; ";
   if (peer.flags != mine.flags) {
-    s << "checksum " << ((peer.flags & 1) ? "on" : "off") << " vs " << ((mine.flags & 1) ? "on" : "off") << "; ";
+    auto text = [](uint16_t f) {
+      return std::string((f & kFlagAuthenticated) ? "" : "unauthenticated frames, ") +
+             ((f & kFlagEncrypted) ? "encryption on" : "encryption off");
+    };
+    s << text(peer.flags) << " vs " << text(mine.flags) << "; ";
   }
   if (peer.segment_elems != mine.segment_elems) {
     s << "segment " << peer.segment_elems << " vs " << mine.segment_elems << " values; ";
@@ -109,12 +117,23 @@ Digest mac(const std::string& secret, const char* label, const uint8_t* hello_s,
   return hmac_sha256(secret, msg.data(), msg.size());
 }
 
+SessionKeys derive_keys(const std::string& secret, const uint8_t* hello_s, const uint8_t* hello_c) {
+  std::string salt(reinterpret_cast<const char*>(hello_s), kHelloBytes);
+  salt.append(reinterpret_cast<const char*>(hello_c), kHelloBytes);
+  const std::string c2s = hkdf_sha256(secret, salt, "prime-ring v2 frames client->server", 32);
+  const std::string s2c = hkdf_sha256(secret, salt, "prime-ring v2 frames server->client", 32);
+  SessionKeys k;
+  std::memcpy(k.client_to_server.data(), c2s.data(), 32);
+  std::memcpy(k.server_to_client.data(), s2c.data(), 32);
+  return k;
+}
+
 const char* status_text(uint8_t status) {
   switch (status) {
     case kBadMac: return "authentication failed (the secret differs: set the same PRIME_RING_SECRET / secret= on every rank)";
     case kWrongJob: return "the job id differs (a rank of another job or an older ring generation?)";
     case kWrongRank: return "the server expected another rank as its left neighbour";
-    case kConfigMismatch: return "the ring configuration differs (streams, segment_bytes or checksum)";
+    case kConfigMismatch: return "the ring configuration differs (protocol version, streams, segment_bytes or encryption)";
     default: return "refused";
   }
 }
@@ -137,8 +156,8 @@ void send_status(const Socket& s, uint8_t status, Deadline deadline) {
 
 }  // namespace
 
-int handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                     Deadline deadline) {
+Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
+                          Deadline deadline) {
   const Hello mine = make_hello(config, my_rank, kServerStream);
   uint8_t hello_s[kHelloBytes];
   encode(mine, hello_s);
@@ -147,7 +166,7 @@ int handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank
     send_all(s, hello_s, kHelloBytes, limits(deadline));
     recv_all(s, hello_c, sizeof(hello_c), limits(deadline));
   } catch (const IoError& e) {
-    throw HandshakeError(std::string("no valid handshake: ") + e.what());
+    throw HandshakeError(std::string("no valid handshake: ") + e.what(), true);
   }
   Hello peer;
   if (!decode(hello_c, &peer)) throw HandshakeError("garbage instead of a handshake (bad magic)");
@@ -183,13 +202,13 @@ int handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank
   try {
     send_all(s, reply, sizeof(reply), limits(deadline));
   } catch (const IoError& e) {
-    throw HandshakeError(std::string("peer vanished during the handshake: ") + e.what());
+    throw HandshakeError(std::string("peer vanished during the handshake: ") + e.what(), true);
   }
-  return peer.stream;
+  return Accepted{peer.stream, derive_keys(config.secret, hello_s, hello_c)};
 }
 
-void handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank, int stream,
-                      Deadline deadline) {
+SessionKeys handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
+                             int stream, Deadline deadline) {
   const Hello mine = make_hello(config, my_rank, static_cast<uint16_t>(stream));
   uint8_t hello_s[kHelloBytes];
   uint8_t hello_c[kHelloBytes + 32];
@@ -197,7 +216,7 @@ void handshake_client(const Socket& s, const HandshakeConfig& config, int my_ran
   try {
     recv_all(s, hello_s, kHelloBytes, limits(deadline));
   } catch (const IoError& e) {
-    throw HandshakeError(std::string("no handshake from the server: ") + e.what());
+    throw HandshakeError(std::string("no handshake from the server: ") + e.what(), true);
   }
   Hello peer;
   if (!decode(hello_s, &peer)) throw HandshakeError("the server is not a prime ring rank (bad magic)");
@@ -215,7 +234,7 @@ void handshake_client(const Socket& s, const HandshakeConfig& config, int my_ran
     send_all(s, hello_c, sizeof(hello_c), limits(deadline));
     recv_all(s, reply, sizeof(reply), limits(deadline));
   } catch (const IoError& e) {
-    throw HandshakeError(std::string("the server dropped the handshake: ") + e.what());
+    throw HandshakeError(std::string("the server dropped the handshake: ") + e.what(), true);
   }
   if (reply[0] != kAccepted) throw HandshakeError(std::string("refused by the server: ") + status_text(reply[0]));
   const Digest want = mac(config.secret, "prime-ring server", hello_s, hello_c);
@@ -224,6 +243,7 @@ void handshake_client(const Socket& s, const HandshakeConfig& config, int my_ran
   if (!digests_equal(want, got)) {
     throw HandshakeError("the server could not prove the secret (wrong secret, or not our neighbour)");
   }
+  return derive_keys(config.secret, hello_s, hello_c);
 }
 
 }  // namespace prime::ring

@@ -9,11 +9,18 @@
 //
 // Each side checks the other's job, ring shape and rank in clear first (for a
 // clear error), then the MAC. Fresh 32-byte nonces on both sides stop replays.
+//
+// Session keys (one per direction of the stream, for the frames' AES-256-GCM tags):
+//   key_dir = HKDF-SHA256(ikm = secret, salt = hello_s || hello_c,
+//                         info = "prime-ring v2 frames client->server" / "... server->client")
+// so every stream of every ring has fresh keys, bound to both nonces, the job, the
+// ring's shape, both ranks and the stream; the client is the rank that sends data.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "../crypto/gcm.h"
 #include "../deadline.h"
 #include "socket.h"
 
@@ -24,22 +31,41 @@ struct HandshakeConfig {
   uint64_t job = 0;  // hash of the job id and world size
   int world_size = 0;
   int streams = 1;
-  bool checksum = true;
+  bool encrypt = false;  // payloads encrypted (else authenticated only)
   uint64_t segment_elems = 0;
 };
 
 // Refused by us (server) or by the peer (client side): the connection must be dropped.
+// `transient`: the connection broke or went quiet (the server may have dropped it to
+// make room for others); a client may try again. Otherwise the peer refused us or
+// could not prove the secret.
 class HandshakeError : public std::runtime_error {
  public:
-  explicit HandshakeError(const std::string& what) : std::runtime_error(what) {}
+  explicit HandshakeError(const std::string& what, bool transient = false)
+      : std::runtime_error(what), transient_(transient) {}
+  bool transient() const { return transient_; }
+
+ private:
+  bool transient_;
 };
 
-// Server side. Returns the client's stream index; the client must be `expected_rank`.
-int handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                     Deadline deadline);
+struct SessionKeys {
+  crypto::Key256 client_to_server{};  // the data direction
+  crypto::Key256 server_to_client{};  // the return path (abort / close reports)
+};
+
+struct Accepted {
+  int stream = 0;
+  SessionKeys keys;
+};
+
+// Server side. Returns the client's stream index and the session keys; the client
+// must be `expected_rank`.
+Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
+                          Deadline deadline);
 
 // Client side, for stream `stream` to `expected_rank`.
-void handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank, int stream,
-                      Deadline deadline);
+SessionKeys handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
+                             int stream, Deadline deadline);
 
 }  // namespace prime::ring

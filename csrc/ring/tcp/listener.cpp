@@ -33,7 +33,7 @@ Listener::Listener(const std::string& host, int port) {
     }
     const int one = 1;
     ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(s.fd(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(s.fd(), 64) != 0) {
+    if (::bind(s.fd(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(s.fd(), 128) != 0) {
       last_error = errno_text(errno);
       continue;
     }
@@ -48,14 +48,16 @@ Listener::Listener(const std::string& host, int port) {
   throw IoError(IoError::Reason::kOther, "cannot listen on " + host + ":" + port_text + ": " + last_error);
 }
 
-Socket Listener::accept(Deadline deadline, const std::atomic<bool>* stop) {
+Socket Listener::accept(Deadline deadline, const std::atomic<bool>* stop, int wake_fd) {
   for (;;) {
     if (stop && stop->load()) throw IoError(IoError::Reason::kStopped, "accept interrupted");
     if (deadline.expired()) throw IoError(IoError::Reason::kTimeout, "no connection before the deadline");
-    pollfd p{socket_.fd(), POLLIN, 0};
-    const int rc = ::poll(&p, 1, deadline.poll_ms(kPollSliceMs));
+    pollfd p[2] = {{socket_.fd(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
+    const int rc = ::poll(p, wake_fd >= 0 ? 2 : 1, deadline.poll_ms(kPollSliceMs));
     if (rc < 0 && errno != EINTR) throw IoError(IoError::Reason::kOther, "poll failed: " + errno_text(errno));
     if (rc <= 0) continue;
+    if (wake_fd >= 0 && p[1].revents != 0) return Socket();
+    if (p[0].revents == 0) continue;
     Socket s(::accept4(socket_.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (s.valid()) return s;
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;

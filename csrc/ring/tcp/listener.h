@@ -13,8 +13,9 @@ class Listener {
  public:
   Listener(const std::string& host, int port);
   int port() const { return port_; }
-  // The next connection, configured non-blocking; throws IoError(kTimeout) at the deadline.
-  Socket accept(Deadline deadline, const std::atomic<bool>* stop);
+  // The next connection, configured non-blocking; throws IoError(kTimeout) at the
+  // deadline. Returns an invalid Socket early when `wake_fd` (>= 0) becomes readable.
+  Socket accept(Deadline deadline, const std::atomic<bool>* stop, int wake_fd = -1);
   void close() { socket_.close(); }
 
  private:
