@@ -273,11 +273,25 @@ def _reduce_op_name(opts: Any) -> str:
     )
 
 
+# The torch.distributed call behind each ProcessGroup method whose name differs from it
+# (torch versions route the same call to different methods: 2.11 sends all_to_all_single to alltoall_base).
+_PUBLIC_NAMES = {
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather_coalesced": "all_gather_coalesced",
+}
+
+
 def _unsupported(op: str) -> Callable:
+    name = f"{_PUBLIC_NAMES[op]} ({op})" if op in _PUBLIC_NAMES else op
+
     def method(self, *args, **kwargs):
         raise NotImplementedError(
-            f"the prime backend does not implement {op}; it runs all_reduce (SUM, AVG), broadcast, all_gather "
-            f"and barrier on the TCP ring. Use a gloo group (dist.new_group(backend='gloo')) for {op}."
+            f"the prime backend does not implement {name}; it runs all_reduce (SUM, AVG), broadcast, all_gather "
+            f"and barrier on the TCP ring. Use a gloo group (dist.new_group(backend='gloo')) for {name}."
         )
 
     method.__name__ = op
