@@ -172,7 +172,7 @@ if cuda_home:
     arch_flags = _cuda_arch_flags()
     nvcc_flags = ["-O3", "--fmad=false", "-std=c++17", "--expt-relaxed-constexpr"] + arch_flags
     _announce(f"prime: building with the CUDA codec kernels (CUDA_HOME={cuda_home}, torch CUDA {torch.version.cuda}, "
-              f"{' '.join(f.split('code=')[1] for f in arch_flags)})")
+              f"{' '.join(f.split(',code=')[1] for f in arch_flags)})")
     ext = CUDAExtension(
         "prime._C",
         sources + _sources("csrc/**/*.cu"),
@@ -189,6 +189,21 @@ else:
         extra_link_args=["-fopenmp"],
     )
 
+
+
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's build_ext, keeping the object files of editable builds.
+
+    setuptools' PEP 660 editable build compiles in a fresh temporary directory each time;
+    a fixed one per interpreter lets ninja recompile only the sources that changed.
+    """
+
+    def finalize_options(self):
+        super().finalize_options()
+        if getattr(self, "editable_mode", False):
+            self.build_temp = os.path.join(HERE, "build", f"temp-editable-{sys.implementation.cache_tag}")
+
+
 setup(
     # `prime` on the package index is another project; the import name stays `prime`.
     name="prime-diloco",
@@ -202,7 +217,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "tomli; python_version < '3.11'"],
     extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"], "triton": ["triton"]},
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
     entry_points={
         "console_scripts": [
             "prime-train=prime.train:main",
