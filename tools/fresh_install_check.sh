@@ -3,7 +3,7 @@
 # clone, a fresh venv, `make demo` then `make test` with PYTHON=<venv>/bin/python
 # (nothing activated, nothing preinstalled). Prints one line per Python:
 #
-#   python 3.12.1 | torch 2.13.0+cu130 | prime._C: CUDA kernels (...) | demo ok 7m02s | test 289 passed, 12 skipped 5m10s
+#   python 3.12.1 @ab12cd3 | pip 23.2.1, setuptools 84.2.1 | torch 2.13.0+cu130 | prime._C: CUDA kernels | demo ok 7m02s | test 289 passed, 12 skipped 5m10s
 #
 # Usage: tools/fresh_install_check.sh [REPO] [PYTHON_VERSION ...]
 #   REPO             what to `git clone` (default: the repository this script is in;
@@ -55,12 +55,14 @@ for v in "${versions[@]}"; do
     lines+=("$line | venv failed (see $dir/venv.log)"); echo "${lines[-1]}"; continue
   fi
   vpy=$dir/venv/bin/python
+  line="$line @$(git -C "$dir/src" rev-parse --short HEAD)"
 
   t0=$SECONDS
   if (cd "$dir/src" && make demo PYTHON="$vpy") >"$dir/demo.log" 2>&1; then demo=ok; else demo=FAIL; fi
   demo="demo $demo $(fmt $((SECONDS - t0)))"
 
   torch=$("$vpy" -c "import torch; print(torch.__version__)" 2>/dev/null || echo none)
+  tools=$("$vpy" -c "import pip, setuptools; print(f'pip {pip.__version__}, setuptools {setuptools.__version__}')" 2>/dev/null || echo "no setuptools")
   if [ -f "$dir/src/build/prime-cuda.txt" ]; then
     if grep -q "building with the CUDA" "$dir/src/build/prime-cuda.txt"; then built="prime._C: CUDA kernels"
     else built="prime._C: CPU ($(sed -e 's/.*kernels: //' -e 's/\.$//' "$dir/src/build/prime-cuda.txt"))"; fi
@@ -76,7 +78,7 @@ for v in "${versions[@]}"; do
   [ $rc -eq 0 ] || summary="FAIL: $summary"
   test="test $summary $(fmt $((SECONDS - t0)))"
 
-  lines+=("$line | torch $torch | $built | $demo | $test")
+  lines+=("$line | $tools | torch $torch | $built | $demo | $test")
   echo "${lines[-1]}"
   [ "${KEEP:-0}" = 1 ] || rm -rf "$dir/venv"
 done
