@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -192,16 +193,19 @@ else:
 
 
 class BuildExt(BuildExtension.with_options(use_ninja=True)):
-    """torch's build_ext, keeping the object files of editable builds.
+    """torch's build_ext; editable builds keep their object files where the others do.
 
-    setuptools' PEP 660 editable build compiles in a fresh temporary directory each time;
-    a fixed one per interpreter lets ninja recompile only the sources that changed.
+    setuptools' PEP 660 editable build compiles in a fresh temporary directory each time.
+    Pointing it at the directory of `setup.py build_ext` and of `pip install .`
+    (build/temp.<platform>-<python>) lets ninja recompile only the sources that changed,
+    whichever of the three built last.
     """
 
     def finalize_options(self):
         super().finalize_options()
         if getattr(self, "editable_mode", False):
-            self.build_temp = os.path.join(HERE, "build", f"temp-editable-{sys.implementation.cache_tag}")
+            plat = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(HERE, "build", f"temp.{plat}")
 
 
 setup(
