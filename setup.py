@@ -191,7 +191,6 @@ else:
     )
 
 
-
 class BuildExt(BuildExtension.with_options(use_ninja=True)):
     """torch's build_ext; editable builds keep their object files where the others do.
 
