@@ -20,7 +20,9 @@ all: build
 deps:
 	@$(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null \
 		|| $(PIP) install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import setuptools, wheel, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
+	@# setuptools >= 64 builds editable installs (PEP 660); before 70.1 it needs wheel for that.
+	@$(PYTHON) -c "import importlib.util as u, sys, setuptools; v = tuple(int(p) for p in setuptools.__version__.split('.')[:2]); \
+		sys.exit(v < (64, 0) or (v < (70, 1) and u.find_spec('wheel') is None))" 2>/dev/null \
 		|| $(PIP) install -q "setuptools>=64" wheel
 	@$(PYTHON) -c "import numpy, ninja, pytest, matplotlib" 2>/dev/null || $(PIP) install -q numpy ninja pytest matplotlib
 	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 11))" || $(PYTHON) -c "import tomli" 2>/dev/null || $(PIP) install -q tomli
