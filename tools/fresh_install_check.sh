@@ -62,7 +62,8 @@ for v in "${versions[@]}"; do
   demo="demo $demo $(fmt $((SECONDS - t0)))"
 
   torch=$("$vpy" -c "import torch; print(torch.__version__)" 2>/dev/null || echo none)
-  tools=$("$vpy" -c "import pip, setuptools; print(f'pip {pip.__version__}, setuptools {setuptools.__version__}')" 2>/dev/null || echo "no setuptools")
+  # versions from the metadata: importing pip before setuptools trips setuptools' distutils hack on 3.10
+  tools=$("$vpy" -c "from importlib.metadata import version as v; print(f'pip {v(\"pip\")}, setuptools {v(\"setuptools\")}')" 2>/dev/null || echo "no setuptools")
   if [ -f "$dir/src/build/prime-cuda.txt" ]; then
     if grep -q "building with the CUDA" "$dir/src/build/prime-cuda.txt"; then built="prime._C: CUDA kernels"
     else built="prime._C: CPU ($(sed -e 's/.*kernels: //' -e 's/\.$//' "$dir/src/build/prime-cuda.txt"))"; fi
