@@ -10,7 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
-BUILD_STAMP := build/.prime-built
+# One stamp per interpreter (its sys.prefix), so that switching PYTHON builds again.
+BUILD_STAMP := build/.prime-built-$(shell $(PYTHON) -c "import sys, zlib; print('%08x' % zlib.crc32(sys.prefix.encode()))" 2>/dev/null)
 
 .PHONY: all deps build test demo bench clean
 
@@ -19,11 +20,19 @@ all: build
 deps:
 	@$(PYTHON) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))" 2>/dev/null \
 		|| $(PIP) install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import numpy, ninja, pybind11, pytest, matplotlib" 2>/dev/null || $(PIP) install -q numpy ninja pybind11 pytest matplotlib
+	@# setuptools >= 64 builds editable installs (PEP 660); before 70.1 it needs wheel for that.
+	@$(PYTHON) -c "import importlib.util as u, sys, setuptools; v = tuple(int(p) for p in setuptools.__version__.split('.')[:2]); \
+		sys.exit(v < (64, 0) or (v < (70, 1) and u.find_spec('wheel') is None))" 2>/dev/null \
+		|| $(PIP) install -q "setuptools>=64" wheel
+	@$(PYTHON) -c "import numpy, ninja, pytest, matplotlib" 2>/dev/null || $(PIP) install -q numpy ninja pytest matplotlib
+	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 11))" || $(PYTHON) -c "import tomli" 2>/dev/null || $(PIP) install -q tomli
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q triton || echo "prime: triton not installed; its tests will skip"
 
-$(BUILD_STAMP): setup.py $(CSRC)
+# --no-build-isolation: build against the torch installed above; with isolation pip
+# would fetch a second torch (several GB) into a throw-away build environment.
+$(BUILD_STAMP): setup.py pyproject.toml tools/prime_build_backend.py $(CSRC)
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PIP) install -q --no-build-isolation -e .
+	@cat build/prime-cuda.txt 2>/dev/null || true
 	@mkdir -p build && touch $@
 
 build: deps $(BUILD_STAMP)
