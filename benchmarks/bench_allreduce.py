@@ -458,7 +458,8 @@ class PrimeGroupAdapter(RingAdapter):
 
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         work.wait()  # what dist.all_reduce(async_op=False) does
-        return self.wire_bytes(work), self.numeric_stats(work)
+        stats = work.stats()  # the ring's WorkStats (prime.comm.backend.PrimeWork)
+        return float(stats.bytes_sent), self.numeric_stats(stats)
 
     def close(self) -> None:
         """Nothing: destroy_process_group() at the worker's end shuts the group down."""
