@@ -44,6 +44,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from prime.comm import store_keys as keys
+
 __all__ = ["Checkpointer", "CheckpointError", "agree_on_resume_step", "verify_step_dir", "MANIFEST"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -368,7 +370,6 @@ class Checkpointer:
 
 def agree_on_resume_step(
     local_steps: list[int], verify: Callable[[int], list[str]], store, node_rank: int, num_nodes: int, publish: bool,
-    key: str = "ckpt",
 ) -> tuple[Optional[int], dict, list[int]]:
     """The newest step that every node holds intact: (step or None, {step: problems} found here, nodes that found damage).
 
@@ -390,8 +391,8 @@ def agree_on_resume_step(
             offers = [mine]
         else:
             if publish:
-                store.set(f"{key}/r{rnd}/node{node_rank}", json.dumps(mine))
-            offers = [json.loads(store.get(f"{key}/r{rnd}/node{r}").decode()) for r in range(num_nodes)]
+                store.set(keys.resume_offer(rnd, node_rank), json.dumps(mine))
+            offers = [json.loads(store.get(keys.resume_offer(rnd, r)).decode()) for r in range(num_nodes)]
         common = set(offers[0]["steps"]).intersection(*(o["steps"] for o in offers[1:]))
         bad_nodes = [r for r, o in enumerate(offers) if o["damaged"]]
         if not common:

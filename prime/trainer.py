@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from prime.checkpoint import CheckpointError, Checkpointer
+from prime.comm import store_keys as keys
 from prime.config import Config
 from prime.data import ShardedLoader, load_source
 from prime.diloco import DiLoCo, OuterSyncError, ReplicaMismatchError
@@ -243,7 +244,6 @@ class Trainer:
         if self.store is None:
             return
         from prime.comm import rendezvous
-        from prime.comm import store_keys as keys
         from prime.comm.signed_store import SignedKV, SignedStore
 
         timeout_s = self.cfg.diloco.timeout_s
@@ -504,8 +504,6 @@ class Trainer:
             h.update(outer.numpy().tobytes())
         digest = h.hexdigest()
         what = "weights" if synced else "outer weights (the run did not end on an outer step)"
-        from prime.comm import store_keys as keys
-
         self.records.set(keys.final_digest(self.local_rank, self.node_rank), digest)
         others = [self.records.get(keys.final_digest(self.local_rank, n)).decode() for n in range(self.num_nodes)]
         differ = [n for n, d in enumerate(others) if d != digest]
@@ -679,8 +677,6 @@ class Trainer:
             if self.node_rank == 0 and not self.cfg.elastic.external_store:
                 self.elastic_sync.membership.wait_all_gone(self.cfg.diloco.timeout_s)
             return
-        from prime.comm import store_keys as keys
-
         if getattr(self, "records", None) is None:  # the constructor stopped before the records were set up
             return
         self.records.set(keys.finished(self.node_rank, self.local_rank), "done")
