@@ -98,12 +98,11 @@ class Trainer:
                           config=cfg.to_dict(), resume_step=self.resumed_from)
 
     def _describe(self) -> None:
-        self.metrics.print(self.parts.describe(self.cfg, self.env, self.metrics.peak))
-        self.metrics.print(self.data.describe())
-        for line in (self.nodes.describe(),
-                     None if self.resumed_from is None else f"resumed from the checkpoint of step {self.resumed_from}"):
-            if line is not None:
-                self.metrics.print(line)
+        lines = [self.parts.describe(self.cfg, self.env, self.metrics.peak), self.data.describe(), self.nodes.describe()]
+        if self.resumed_from is not None:
+            lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
+        for line in filter(None, lines):
+            self.metrics.print(line)
 
     def train_step(self) -> tuple[float, float]:
         """One inner step (forward/backward over grad_accum micro-batches, clip, AdamW). Returns (loss, grad norm) tensors."""

@@ -149,6 +149,16 @@ def test_build_data_puts_node_r_in_slot_r():
 # -- metrics --------------------------------------------------------------------------------
 
 
+def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
+    cfg = config_from_argv(QUICK + ["--train.grad_accum", "3", "--diloco.block_size", "64"])
+    env = _cpu_env(0, 2)
+    parts = build_model_and_optimizer(cfg, env)
+    m = build_metrics(cfg, env, parts, build_data(cfg, env, parts.args.vocab_size))
+    assert m.tokens_per_step == 4 * 64 * 3 and m.flops_per_token == parts.args.flops_per_token(64)
+    assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 4 / 64
+    assert m.log is None  # opened by the trainer once the resume step is known
+
+
 def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):
     """Bytes of outer steps that report none are estimated as a ring all-reduce of the int8 wire format,
     2 (N-1)/N x numel x (1 + 4/block) (recomputed here), against data parallel's fp32 ring every inner step."""
