@@ -174,12 +174,8 @@ class Trainer:
                     self._log_outer(result, decision)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                     self._save()
-                if fault_step and self.step == fault_step:  # fault hook (_FAULT_ENV): exit as if killed
-                    if self.checkpoints is not None:
-                        self.checkpoints.wait()
-                    m.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
-                    sys.stdout.flush()
-                    os._exit(17)
+                if self.step == fault_step:  # test fault hook (_FAULT_ENV)
+                    self._exit_as_if_killed()
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:
@@ -188,6 +184,14 @@ class Trainer:
         summary = m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
         summary.update(self.nodes.finish(self.model))  # the final-weights agreement across nodes
         return summary
+
+    def _exit_as_if_killed(self) -> None:
+        """Test fault hook (_FAULT_ENV): waits for checkpoint writes and exits at once with status 17."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+        self.metrics.print(f"{_FAULT_ENV}={self.step}: exiting as if killed")
+        sys.stdout.flush()
+        os._exit(17)
 
     def _log_outer(self, result: OuterStepResult, decision: AfterOuter) -> None:
         if decision.rejoined_at is not None:  # the job's step; the time spent before joining is not compute
