@@ -36,7 +36,7 @@ from prime.parallelize import local_shard
 from prime.runtime import Environment
 from prime.sync import RingSync, node_local_group
 
-__all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records"]
+__all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records", "final_weights_digest"]
 
 
 @dataclass
@@ -89,6 +89,21 @@ class Nodes(Protocol):
 
     def release(self) -> None:
         """At the very end of a run that did not fail: the store's host waits until nobody needs it."""
+
+
+@torch.no_grad()
+def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, str]:
+    """(blake2b of this process's final weights, what they are). The weights agree bit for bit across nodes
+    only right after an outer step, so after a run whose last step is not one this hashes the outer weights."""
+    outer = diloco.state_dict().get("outer")
+    synced = diloco.since_sync == 0 or outer is None
+    h = hashlib.blake2b(digest_size=16)
+    if synced:
+        for p in model.parameters():
+            h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
+    else:
+        h.update(outer.numpy().tobytes())
+    return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
 
 
 def signed_records(cfg: Config, store, secret: bytes):
@@ -171,24 +186,13 @@ class FixedNodes:
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         return AfterOuter()
 
-    @torch.no_grad()
     def finish(self, model: torch.nn.Module) -> dict:
-        """Hashes this process's final weights and compares the hash with the same local rank of every other
-        node (through the store); raises ReplicaMismatchError when any node differs. The weights agree bit for
-        bit only right after an outer step, so a run whose last step is not one compares the outer weights."""
+        """Compares the hash of this process's final weights with the same local rank of every other node
+        (through the store); raises ReplicaMismatchError when any node differs."""
         if not (self.diloco.distributed and self.cfg.diloco.check_replicas):
             return {}
         env = self.env
-        outer = self.diloco.state_dict().get("outer")
-        synced = self.diloco.since_sync == 0 or outer is None
-        h = hashlib.blake2b(digest_size=16)
-        if synced:
-            for p in model.parameters():
-                h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
-        else:
-            h.update(outer.numpy().tobytes())
-        digest = h.hexdigest()
-        what = "weights" if synced else "outer weights (the run did not end on an outer step)"
+        digest, what = final_weights_digest(model, self.diloco)
         self.records.set(keys.final_digest(env.local_rank, env.node_rank), digest)
         others = [self.records.get(keys.final_digest(env.local_rank, n)).decode() for n in range(env.num_nodes)]
         differ = [n for n, d in enumerate(others) if d != digest]

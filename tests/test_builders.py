@@ -23,7 +23,7 @@ from prime.data import TokenSource
 from prime.diloco import DiLoCo, OuterStepResult
 from prime.metrics import RunMetrics
 from prime.model import Transformer
-from prime.nodes import AfterOuter, FixedNodes
+from prime.nodes import AfterOuter, FixedNodes, final_weights_digest
 from prime.runtime import Environment, build_environment
 from prime.sync import SyncResult
 from prime.trainer import Trainer, likely_divergence_cause
@@ -265,6 +265,21 @@ def test_fixed_nodes_of_a_single_node_do_nothing(one_process):
     assert nodes.after_outer(r) == AfterOuter() and nodes.finish(parts.model) == {}
     nodes.close()
     nodes.release()
+
+
+def test_final_weights_digest_is_of_every_value(seed):
+    """blake2b-128 over the fp32 bytes of every parameter in order (recomputed here); one changed value changes it."""
+    import hashlib
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    diloco = DiLoCo(model, None, None, inner_steps=2)
+    ref = hashlib.blake2b(b"".join(p.detach().float().numpy().tobytes() for p in model.parameters()), digest_size=16)
+    digest, what = final_weights_digest(model, diloco)
+    assert digest == ref.hexdigest() and what == "weights"
+    with torch.no_grad():
+        model[0].weight.view(-1)[random.Random(seed).randrange(128)] += 1e-3
+    assert final_weights_digest(model, diloco)[0] != digest
 
 
 def test_likely_divergence_cause_names_the_setting():
