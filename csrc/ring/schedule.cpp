@@ -70,6 +70,7 @@ class AllReduce {
       Timer wait(times_.wait_s);
       t_.flush(Context{static_cast<int64_t>(seq_)});
     }
+    codec_->finish();
     ScheduleOutcome out;
     out.nonfinite_ranks = mask();
     out.overflow = overflow_;
@@ -77,6 +78,7 @@ class AllReduce {
       restore();  // the caller reports the failure and writes nothing
     } else {
       out.pieces = std::move(pieces_);  // what was not written early (all of it without early_output)
+      out.codec = codec_;
     }
     return out;
   }
@@ -119,7 +121,9 @@ class AllReduce {
     return Span{b, std::min(span.end, b + seg_)};
   }
   const char* in(int64_t i) const { return static_cast<const char*>(spec_.input) + i * esize_; }
-  uint64_t mask() const { return received_mask_ | (own_bad_ ? (uint64_t{1} << r_) : 0); }
+  uint64_t mask() const {
+    return received_mask_ | ((own_bad_ || !codec_->input_finite()) ? (uint64_t{1} << r_) : 0);
+  }
 
   void send(Phase phase, int step, int k, const Payload& p) { send(phase, step, k, p.data, p.size, p.owner); }
 
@@ -145,6 +149,7 @@ class AllReduce {
   // Step 0 of the reduce-scatter: this rank's own chunk, as it is.
   void send_own_chunk() {
     const int c = r_;
+    for (int k = 0; k < segments(c); ++k) codec_->prefetch_input(in(segment(c, k).begin), segment(c, k).size());
     for (int k = 0; k < segments(c); ++k) {
       const Span sp = segment(c, k);
       bool finite = true;
@@ -189,7 +194,7 @@ class AllReduce {
     {
       Timer timer(times_.reduce_s);
       own_bad_ |= !codec_->accumulate(in(sp.begin), f.payload->data(), len, acc->as<float>());
-      if (last && spec_.op == ReduceOp::kAvg) divide(acc->as<float>(), len, static_cast<float>(n_));
+      if (last && spec_.op == ReduceOp::kAvg) codec_->divide(acc->as<float>(), len, static_cast<float>(n_));
     }
     if (!last) {
       send(Phase::kReduceScatter, s + 1, k, codec_->encode_partial(acc, len));
@@ -200,6 +205,7 @@ class AllReduce {
     const Payload fin = codec_->encode_final(acc, len, &finite);
     overflow_ |= !finite;
     pieces_.push_back(FinalPiece{sp.begin, len, fin.owner});
+    codec_->final_known(pieces_.back(), true);
     send(Phase::kAllGather, 0, k, fin);
   }
 
@@ -209,6 +215,7 @@ class AllReduce {
     InFrame f = receive(Phase::kAllGather, s, k, codec_->final_bytes(len));
     // Kept as it came; decoded into the caller's tensor once every check passed.
     pieces_.push_back(FinalPiece{sp.begin, len, f.payload});
+    codec_->final_known(pieces_.back(), false);
     if (s < n_ - 2) {
       // Forward the owner's bytes verbatim (authenticated on arrival, sealed anew for the next link).
       Buffer buf = std::move(f.payload);
@@ -226,7 +233,7 @@ class AllReduce {
   const int n_;
   const int r_;
   const int left_;
-  const std::unique_ptr<WireCodec> codec_;
+  const std::shared_ptr<WireCodec> codec_;
   const int64_t unit_;
   const int64_t seg_;
   const size_t esize_;
@@ -242,19 +249,8 @@ class AllReduce {
 }  // namespace
 
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool) {
-  ScheduleTimes unused;
-  const std::unique_ptr<WireCodec> codec = make_wire_codec(spec, pool, unused);
-  const size_t esize = dtype_size(spec.dtype);
-  int64_t longest = 0;
-  for (const FinalPiece& p : outcome.pieces) longest = std::max(longest, p.len);
-  Buffer scratch;  // before the first write
-  if (const int64_t floats = codec->scratch_floats(longest)) scratch = pool.acquire(static_cast<size_t>(floats) * 4);
-  char* out = static_cast<char*>(dst);
-  for (const FinalPiece& p : outcome.pieces) {
-    if (p.len == 0) continue;
-    codec->decode_final(p.bytes->data(), p.len, out + p.begin * static_cast<int64_t>(esize),
-                        scratch ? scratch->as<float>() : nullptr);
-  }
+  if (outcome.pieces.empty()) return;
+  outcome.codec->write_result(outcome.pieces, dst, dtype_size(spec.dtype), pool);
 }
 
 Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk) {

@@ -1,0 +1,173 @@
+"""The ring on CUDA tensors: reduced on the GPU against staged through pinned host memory.
+
+WORLD rank processes on this host's GPUs (rank r on GPU r mod count; one GPU is fine),
+loopback, one Ring per rank. For every method, WARMUP untimed then ITERS timed
+all-reduces of a fresh copy of the same random tensor (op=avg); a time is from the
+all_reduce call to wait() returning (the result is then in the tensor). Methods:
+
+  gpu-int8, gpu-fp32   reduced on the GPU (PRIME_RING_CUDA_REDUCE=gpu; fp32 = codec "none")
+  host-int8, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
+  gloo-fp32            torch.distributed.all_reduce on backend gloo (reference)
+
+Prints a table (median, p10-p90, and the median of each WorkStats field of rank 0) and
+writes every sample to OUT/bench_ring_cuda.json.
+
+    python benchmarks/bench_ring_cuda.py --mib 256 --world 2 --iters 15 --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+METHODS = ("gpu-int8", "gpu-fp32", "host-int8", "host-fp32", "gloo-fp32")
+SPLIT = (  # WorkStats fields shown, in ms (rank 0's median)
+    ("stage_s", "stage"),
+    ("quantize_s", "quant"),
+    ("reduce_s", "reduce"),
+    ("gpu_codec_s", "gpu codec"),
+    ("h2d_s", "h2d"),
+    ("d2h_s", "d2h"),
+    ("staging_s", "staging"),
+    ("gpu_wait_s", "gpu wait"),
+    ("wait_s", "wire wait"),
+    ("auth_s", "auth"),
+    ("commit_s", "commit"),
+    ("total_s", "total"),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, args, port: int, conn) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, args.world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    n = args.mib * (1 << 20) // 4
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    source = torch.randn(n, device=device, generator=g)
+    x = torch.empty_like(source)
+    methods = [m for m in args.methods.split(",") if m]
+    report = {}
+    ring = Ring(store, rank, args.world, timeout=120, job_id="bench-ring-cuda")
+    if "gloo-fp32" in methods:
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=args.world)
+    try:
+        for method in methods:
+            times, stats = [], []
+            for it in range(args.warmup + args.iters):
+                x.copy_(source)
+                torch.cuda.synchronize(device)
+                store.set(f"{method}/{it}/{rank}", "1")  # start together
+                store.wait([f"{method}/{it}/{r}" for r in range(args.world)])
+                t0 = time.perf_counter()
+                if method == "gloo-fp32":
+                    dist.all_reduce(x)
+                    x.div_(args.world)
+                    torch.cuda.synchronize(device)
+                    st = None
+                else:
+                    os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if method.startswith("gpu") else "cpu"
+                    work = ring.all_reduce(x, op="avg", codec="int8" if method.endswith("int8") else "none")
+                    work.wait()
+                    st = work.stats()
+                elapsed = time.perf_counter() - t0
+                if it >= args.warmup:
+                    times.append(elapsed)
+                    if st is not None:
+                        stats.append({k: float(getattr(st, k)) for k, _ in SPLIT})
+            report[method] = {"times_s": times, "stats": stats}
+    finally:
+        ring.close()
+        if "gloo-fp32" in methods:
+            dist.destroy_process_group()
+    conn.send(report)
+
+
+def table(report: dict, args) -> str:
+    head = ["method", "median ms", "p10-p90 ms", "vs host"] + [label for _, label in SPLIT]
+    rows = [head]
+    for method, r in report.items():
+        t = sorted(r["times_s"])
+        med = statistics.median(t)
+        p10, p90 = t[len(t) // 10], t[min(len(t) - 1, (len(t) * 9) // 10)]
+        base = report.get("host-" + method.split("-", 1)[1]) if method.startswith("gpu") else None
+        ratio = f"{statistics.median(base['times_s']) / med:.2f}x" if base else ""
+        row = [method, f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", ratio]
+        for key, _ in SPLIT:
+            vals = [s[key] for s in r["stats"]]
+            row.append(f"{statistics.median(vals) * 1e3:.1f}" if vals else "")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--mib", type=int, default=256, help="tensor size per rank, MiB of fp32")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--timeout", type=float, default=180, help="seconds for the whole run")
+    p.add_argument("--out", default=None, help="directory for bench_ring_cuda.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_ring_cuda: no CUDA device", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for r in range(args.world):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(r, args, port, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    reports = []
+    deadline = time.monotonic() + args.timeout
+    for r, (pipe, proc) in enumerate(zip(pipes, procs)):
+        while not pipe.poll(1.0):
+            if proc.exitcode is not None or time.monotonic() > deadline:
+                for q in procs:
+                    q.kill()
+                print(f"bench_ring_cuda: rank {r} " + ("died (exit code %s)" % proc.exitcode if proc.exitcode is not None
+                                                       else f"did not finish within {args.timeout} s"), file=sys.stderr)
+                return 1
+        reports.append(pipe.recv())
+    for proc in procs:
+        proc.join()
+    name = torch.cuda.get_device_name(0)
+    print(f"ring on CUDA tensors: {args.world} ranks x {args.mib} MiB fp32, loopback, op=avg, {name}, "
+          f"median of {args.iters} (after {args.warmup} warm-up); split = rank 0's WorkStats medians, ms")
+    print(table(reports[0], args))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_ring_cuda.json"), "w") as f:
+            json.dump({"args": vars(args), "device": name, "ranks": reports}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
