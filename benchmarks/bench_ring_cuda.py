@@ -40,6 +40,7 @@ SPLIT = (  # WorkStats fields shown, in ms (rank 0's median)
     ("wait_s", "wire wait"),
     ("auth_s", "auth"),
     ("commit_s", "commit"),
+    ("copy_back_s", "copy back"),
     ("total_s", "total"),
 )
 
@@ -102,7 +103,7 @@ def worker(rank: int, args, port: int, conn) -> None:
 
 
 def table(report: dict, args) -> str:
-    head = ["method", "median ms", "p10-p90 ms", "vs host"] + [label for _, label in SPLIT]
+    head = ["method", "median ms", "p10-p90 ms", "vs host", "vs gloo"] + [label for _, label in SPLIT]
     rows = [head]
     for method, r in report.items():
         t = sorted(r["times_s"])
@@ -110,7 +111,9 @@ def table(report: dict, args) -> str:
         p10, p90 = t[len(t) // 10], t[min(len(t) - 1, (len(t) * 9) // 10)]
         base = report.get("host-" + method.split("-", 1)[1]) if method.startswith("gpu") else None
         ratio = f"{statistics.median(base['times_s']) / med:.2f}x" if base else ""
-        row = [method, f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", ratio]
+        gloo = report.get("gloo-fp32")
+        vs_gloo = f"{statistics.median(gloo['times_s']) / med:.2f}x" if gloo and method != "gloo-fp32" else ""
+        row = [method, f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", ratio, vs_gloo]
         for key, _ in SPLIT:
             vals = [s[key] for s in r["stats"]]
             row.append(f"{statistics.median(vals) * 1e3:.1f}" if vals else "")
