@@ -277,8 +277,8 @@ class CudaWireCodec final : public WireCodec {
     const size_t bytes = static_cast<size_t>(partial_bytes(len));
     char* in = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
     acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
-    cudaEvent_t a = record();
     const char* staged = stage(payload, bytes);
+    cudaEvent_t a = record();  // (after the host copy: the span is the GPU's)
     cuda_check(cudaMemcpyAsync(in, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
     staged_done();
     kernels_from_ = record();
@@ -344,8 +344,8 @@ class CudaWireCodec final : public WireCodec {
       place_at(final_here_, piece.begin, len, cudaMemcpyDeviceToDevice);
       return;
     }
-    cudaEvent_t a = record();
     const char* staged = stage(piece.bytes->data(), static_cast<size_t>(final_bytes(len)));
+    cudaEvent_t a = record();
     place_at(staged, piece.begin, len, cudaMemcpyHostToDevice);
     staged_done();
     span(&h2d_, a, record());
