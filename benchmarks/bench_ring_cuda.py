@@ -1,13 +1,24 @@
 """The ring on CUDA tensors: reduced on the GPU against staged through pinned host memory.
 
-WORLD rank processes on this host's GPUs (rank r on GPU r mod count; one GPU is fine),
-loopback, one Ring per rank. For every method, WARMUP untimed then ITERS timed
-all-reduces of a fresh copy of the same random tensor (op=avg); a time is from the
-all_reduce call to wait() returning (the result is then in the tensor). Methods:
+WORLD ranks on this host's GPUs (rank r on GPU r mod count), loopback, one Ring per rank
+(per segment size). For every method, WARMUP untimed then ITERS timed all-reduces of a
+fresh copy of the same random tensor (op=avg); a time is from the all_reduce call to
+wait() returning (the result is then in the tensor). Methods:
 
   gpu-int8, gpu-fp32   reduced on the GPU (PRIME_RING_CUDA_REDUCE=gpu; fp32 = codec "none")
   host-int8, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
-  gloo-fp32            torch.distributed.all_reduce on backend gloo (reference)
+  gloo-fp32            torch.distributed gloo all_reduce, then a division (reference)
+  METHOD/segN          the same with Ring(segment_bytes=N MiB) (default: the Ring's 1 MiB)
+
+--ranks: "processes" (one per rank, the deployment's shape) or "threads" (all ranks in one
+process). "auto" (default) takes processes when every rank has a GPU of its own and threads
+when ranks share one: processes sharing a GPU without MPS are time-sliced by the driver
+(one context runs at a time), which puts milliseconds of the other rank's slice into every
+GPU wait and event span; threads share one context, whose streams run concurrently.
+--threads sets torch's intra-op (OpenMP) threads per rank, which the CPU codec of the
+host-* methods uses: 4, as benchmarks/bench_allreduce.py --threads 4 measured the host
+path before (torch's default, every core in every rank, oversubscribes the host and
+made that path ~50x slower).
 
 Prints a table (median, p10-p90, and the median of each WorkStats field of rank 0) and
 writes every sample to OUT/bench_ring_cuda.json.
@@ -51,15 +62,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, args, port: int, conn) -> None:
+def split_method(method: str) -> tuple[str, int | None]:
+    """'gpu-int8/seg4' -> ('gpu-int8', 4 MiB in bytes); no suffix: (method, None)."""
+    base, _, seg = method.partition("/seg")
+    if base not in METHODS or (seg and not seg.isdigit()):
+        raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)}, optionally /segN with N in MiB)")
+    return base, (int(seg) << 20) if seg else None
+
+
+def run_rank(rank: int, args, port: int) -> dict:
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from prime.comm import Ring
 
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # (a smoke test of this script on a machine without a GPU)
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, args.world, is_master=rank == 0, timeout=timedelta(seconds=120))
     n = args.mib * (1 << 20) // 4
     g = torch.Generator(device=device).manual_seed(1234 + rank)
@@ -67,26 +90,36 @@ def worker(rank: int, args, port: int, conn) -> None:
     x = torch.empty_like(source)
     methods = [m for m in args.methods.split(",") if m]
     report = {}
-    ring = Ring(store, rank, args.world, timeout=120, job_id="bench-ring-cuda")
-    if "gloo-fp32" in methods:
-        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=args.world)
+    rings = {}
+    gloo = None
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     try:
         for method in methods:
+            base, segment = split_method(method)
+            if base == "gloo-fp32" and gloo is None:
+                gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.world, timedelta(seconds=120))
+            elif base != "gloo-fp32" and segment not in rings:
+                rings[segment] = Ring(dist.PrefixStore(f"ring{segment}", store), rank, args.world, timeout=120,
+                                      job_id=f"bench-ring-cuda-{segment}", segment_bytes=segment)
             times, stats = [], []
             for it in range(args.warmup + args.iters):
                 x.copy_(source)
-                torch.cuda.synchronize(device)
+                sync()
                 store.set(f"{method}/{it}/{rank}", "1")  # start together
                 store.wait([f"{method}/{it}/{r}" for r in range(args.world)])
                 t0 = time.perf_counter()
-                if method == "gloo-fp32":
-                    dist.all_reduce(x)
+                if base == "gloo-fp32":
+                    gloo.allreduce([x]).wait()
                     x.div_(args.world)
-                    torch.cuda.synchronize(device)
+                    sync()
                     st = None
                 else:
-                    os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if method.startswith("gpu") else "cpu"
-                    work = ring.all_reduce(x, op="avg", codec="int8" if method.endswith("int8") else "none")
+                    os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if base.startswith("gpu") else "cpu"
+                    work = rings[segment].all_reduce(x, op="avg", codec="int8" if base.endswith("int8") else "none")
                     work.wait()
                     st = work.stats()
                 elapsed = time.perf_counter() - t0
@@ -96,10 +129,13 @@ def worker(rank: int, args, port: int, conn) -> None:
                         stats.append({k: float(getattr(st, k)) for k, _ in SPLIT})
             report[method] = {"times_s": times, "stats": stats}
     finally:
-        ring.close()
-        if "gloo-fp32" in methods:
-            dist.destroy_process_group()
-    conn.send(report)
+        for ring in rings.values():
+            ring.close()
+    return report
+
+
+def worker(rank: int, args, port: int, conn) -> None:
+    conn.send(run_rank(rank, args, port))
 
 
 def table(report: dict, args) -> str:
@@ -109,7 +145,7 @@ def table(report: dict, args) -> str:
         t = sorted(r["times_s"])
         med = statistics.median(t)
         p10, p90 = t[len(t) // 10], t[min(len(t) - 1, (len(t) * 9) // 10)]
-        base = report.get("host-" + method.split("-", 1)[1]) if method.startswith("gpu") else None
+        base = report.get("host-" + method.split("-", 1)[1].split("/")[0]) if method.startswith("gpu") else None
         ratio = f"{statistics.median(base['times_s']) / med:.2f}x" if base else ""
         gloo = report.get("gloo-fp32")
         vs_gloo = f"{statistics.median(gloo['times_s']) / med:.2f}x" if gloo and method != "gloo-fp32" else ""
@@ -133,14 +169,68 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=float, default=180, help="seconds for the whole run")
     p.add_argument("--out", default=None, help="directory for bench_ring_cuda.json")
+    p.add_argument("--ranks", choices=("auto", "processes", "threads"), default="auto",
+                   help="ranks as processes or as threads of one process (see above)")
+    p.add_argument("--threads", type=int, default=4, help="torch intra-op (OpenMP) threads per rank")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    for m in args.methods.split(","):
+        if m:
+            split_method(m)
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_ring_cuda: no CUDA device", file=sys.stderr)
         return 2
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.ranks == "auto":
+        args.ranks = "processes" if gpus >= args.world else "threads"
+    port = free_port()
+    if args.ranks == "threads":
+        reports = run_threads(args, port)
+    else:
+        reports = run_processes(args, port)
+    if reports is None:
+        return 1
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    share = f"{args.world} ranks on {max(1, min(gpus, args.world))} GPU(s)" if args.device == "cuda" else "CPU"
+    print(f"ring on CUDA tensors: {args.world} ranks x {args.mib} MiB fp32, loopback, op=avg, {name}, "
+          f"ranks as {args.ranks} ({share}), {args.threads} torch threads per rank, "
+          f"median of {args.iters} (after {args.warmup} warm-up); split = rank 0's WorkStats medians, ms")
+    print(table(reports[0], args))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_ring_cuda.json"), "w") as f:
+            json.dump({"args": vars(args), "device": name, "ranks": reports}, f, indent=1)
+    return 0
+
+
+def run_threads(args, port: int):
+    import threading
+
+    reports = [None] * args.world
+    errors = []
+
+    def body(r):
+        try:
+            reports[r] = run_rank(r, args, port)
+        except BaseException as e:  # reported below
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(args.world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.timeout)
+    if errors or any(t.is_alive() for t in threads):
+        print("bench_ring_cuda: " + ("; ".join(errors) or f"did not finish within {args.timeout} s"), file=sys.stderr)
+        return None
+    return reports
+
+
+def run_processes(args, port: int):
     import torch.multiprocessing as mp
 
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # (inherited by the spawned ranks)
     ctx = mp.get_context("spawn")
-    port = free_port()
     pipes, procs = [], []
     for r in range(args.world):
         parent, child = ctx.Pipe()
@@ -157,19 +247,11 @@ def main(argv=None) -> int:
                     q.kill()
                 print(f"bench_ring_cuda: rank {r} " + ("died (exit code %s)" % proc.exitcode if proc.exitcode is not None
                                                        else f"did not finish within {args.timeout} s"), file=sys.stderr)
-                return 1
+                return None
         reports.append(pipe.recv())
     for proc in procs:
         proc.join()
-    name = torch.cuda.get_device_name(0)
-    print(f"ring on CUDA tensors: {args.world} ranks x {args.mib} MiB fp32, loopback, op=avg, {name}, "
-          f"median of {args.iters} (after {args.warmup} warm-up); split = rank 0's WorkStats medians, ms")
-    print(table(reports[0], args))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_ring_cuda.json"), "w") as f:
-            json.dump({"args": vars(args), "device": name, "ranks": reports}, f, indent=1)
-    return 0
+    return reports
 
 
 if __name__ == "__main__":

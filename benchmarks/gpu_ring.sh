@@ -4,11 +4,18 @@
 #      time: ninja recompiles only what changed, and a stale build from another checkout is never used;
 #   2. the GPU ring tests: tests/test_ring_cuda.py (CPU and CUDA ranks mixed, bit for bit against
 #      all-CPU rings) and tests/test_ring.py's CUDA tests;
-#   3. benchmarks/bench_ring_cuda.py: 2 ranks x 256 MiB fp32 on loopback, reduced on the GPU against
-#      staged through pinned host memory (the path before issue 12) and gloo, with the WorkStats split.
-# The timing table is printed last; full logs go under RESULTS_DIR.
+#   3. benchmarks/bench_ring_cuda_kernels.py: every kernel and copy of the GPU wire codec alone over
+#      KERNEL_MIB (128) MiB of fp32, CUDA events, median of 20, GB/s against the bytes each must move;
+#   4. benchmarks/bench_ring_cuda.py: 2 ranks x 256 MiB fp32 on loopback, reduced on the GPU against
+#      staged through pinned host memory (the path before issue 12) and gloo, with the WorkStats split;
+#      ranks as threads of one process when they share a GPU (processes sharing one are time-sliced
+#      by the driver), 4 torch threads per rank (as bench_allreduce.py --threads 4 measured before);
+#   5. (PROC_CHECK=1, default) gpu-int8 and host-int8 again with the ranks as processes, to show
+#      what the time-slicing of one GPU between processes costs.
+# The timing tables are printed last; full logs go under RESULTS_DIR.
 #   usage: benchmarks/gpu_ring.sh [RESULTS_DIR]      (default: $OUT)
-# env: MIB (256), WORLD (2), ITERS (15), METHODS, TEST_TIMEOUT (150), BENCH_TIMEOUT (150),
+# env: MIB (256), WORLD (2), ITERS (15), METHODS, RANKS (auto), THREADS (4), KERNEL_MIB (128),
+#      PROC_CHECK (1), TEST_TIMEOUT (150), BENCH_TIMEOUT (150),
 #      FULL=1 also runs the former contents of this script: bench_allreduce.py --device cuda
 #      (SIZES, WORLD_SIZES) and the one-GPU training baseline (MODEL, STEPS; SKIP_TRAIN).
 set -uo pipefail
@@ -42,13 +49,31 @@ rc=$?
 [ $rc = 0 ] || status=1
 summary+=("tests: exit $rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$out/tests.log" | tail -1)")
 
+echo "== GPU wire codec kernels, one at a time"
+timeout 60 python3 benchmarks/bench_ring_cuda_kernels.py --mib ${KERNEL_MIB:-128} --iters 20 --out "$out" \
+  >"$out/bench_ring_cuda_kernels.log" 2>&1
+rc=$?
+[ $rc = 0 ] || status=1
+summary+=("kernels: exit $rc")
+
 echo "== ring with CUDA tensors: GPU reduce vs host staging"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} \
-  --iters ${ITERS:-15} ${METHODS:+--methods $METHODS} --timeout $(( ${BENCH_TIMEOUT:-150} - 10 )) --out "$out" \
+  --iters ${ITERS:-15} --methods ${METHODS:-gpu-int8,gpu-int8/seg4,gpu-fp32,host-int8,host-fp32,gloo-fp32} \
+  --ranks ${RANKS:-auto} --threads ${THREADS:-4} --timeout $(( ${BENCH_TIMEOUT:-150} - 10 )) --out "$out" \
   >"$out/bench_ring_cuda.log" 2>&1
 rc=$?
 [ $rc = 0 ] || status=1
 summary+=("bench: exit $rc")
+
+if [ "${PROC_CHECK:-1}" = 1 ]; then
+  echo "== the same, ranks as processes"
+  timeout 90 python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} --iters 8 --warmup 2 \
+    --methods gpu-int8,host-int8 --ranks processes --threads ${THREADS:-4} --timeout 80 \
+    >"$out/bench_ring_cuda_processes.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || status=1
+  summary+=("bench (processes): exit $rc")
+fi
 
 if [ -n "${FULL:-}" ]; then
   echo "== bench_allreduce.py --device cuda"
@@ -71,6 +96,12 @@ grep -E "^(FAILED|ERROR)|SKIPPED|Error|error:|assert" "$out/tests.log" | head -4
 tail -4 "$out/tests.log"
 echo "== summary"
 printf '%s\n' "${summary[@]}"
+echo "== kernels (bench_ring_cuda_kernels.log)"
+tail -14 "$out/bench_ring_cuda_kernels.log"
 echo "== timing (bench_ring_cuda.log)"
 tail -12 "$out/bench_ring_cuda.log"
+if [ -f "$out/bench_ring_cuda_processes.log" ]; then
+  echo "== timing, ranks as processes (bench_ring_cuda_processes.log)"
+  tail -6 "$out/bench_ring_cuda_processes.log"
+fi
 exit $status

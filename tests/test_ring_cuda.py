@@ -48,7 +48,7 @@ def _device(i: int) -> torch.device:
 _jobs = iter(range(1 << 30))
 
 
-def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None):
+def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=256):
     """One all_reduce with rank r's input on devices[r] ("cpu" or "cuda"); returns per rank
     (result on the CPU, stats or the exception, the tensor after the call)."""
     import torch.distributed as dist
@@ -71,7 +71,7 @@ def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, 
                 wide[::2] = x
                 x = wide[::2]
             with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES) as ring:
-                work = ring.all_reduce(x, op=op, codec=codec)
+                work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size)
                 try:
                     work.wait()
                     outcome = work.stats()
@@ -129,6 +129,23 @@ def test_mixed_ring_gives_the_all_cpu_bits(world, devices, n, dtype, op, codec):
         assert stats.gpu == (devices[r] == "cuda")
         if devices[r] == "cuda" and n >= 1000:
             assert stats.gpu_codec_s > 0 and stats.h2d_s > 0 and stats.d2h_s > 0, stats
+
+
+@pytest.mark.parametrize("block_size", [32, 1024, 2048, 4096])
+@pytest.mark.parametrize("world,devices", [(2, ("cuda", "cpu")), (3, ("cuda", "cpu", "cuda"))])
+def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size):
+    # One warp per block in the fused reduce-quantize up to 1024, the unfused kernels above.
+    n = 70001
+    inputs = [make_input(SEED + block_size, r, n, torch.float32) for r in range(world)]
+    reference = run_ring(inputs, ["cpu"] * world, "avg", "int8", block_size=block_size)
+    mixed = run_ring(inputs, list(devices), "avg", "int8", block_size=block_size)
+    for r in range(world):
+        y, stats = mixed[r]
+        assert not isinstance(stats, Exception), f"rank {r}: {stats} (SEED={SEED})"
+        assert torch.equal(_bits(y), _bits(reference[r][0])), (
+            f"block {block_size}: rank {r} ({devices[r]}) differs from the all-CPU ring in "
+            f"{int((_bits(y) != _bits(reference[r][0])).sum())} of {n} values (SEED={SEED})"
+        )
 
 
 def test_result_against_float64_sum():

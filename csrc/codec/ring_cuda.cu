@@ -125,6 +125,87 @@ __global__ void __launch_bounds__(kThreads)
   raise_flag(bad, flag);
 }
 
+
+// One warp per codec block of B = 32 * V values: lane l holds values l + 32 j (every
+// load instruction of the warp reads one contiguous run), the block's max |v| comes
+// from shuffles, and the quantize is codec_cuda.cu's, operation for operation.
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kInfBits = 0x7f800000u;
+constexpr uint32_t kCanonicalNaN = 0x7fc00000u;
+constexpr int kWarpsPerCta = kThreads / 32;
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
+                           const float* __restrict__ scales, int64_t n, float divisor, int8_t* __restrict__ q_out,
+                           float* __restrict__ scales_out, uint32_t* own_bad, uint32_t* result_bad,
+                           InputType result_type) {
+  constexpr int64_t B = 32 * V;
+  const int lane = threadIdx.x % 32;
+  const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
+  const int64_t start = block * B;
+  if (start >= n) return;  // whole warps leave together
+  const float s_in = scales[block];
+  float v[V];
+  bool bad = false;
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t i = start + lane + 32 * j;
+    float x = 0.f;  // (past the end: 0 does not change max |v|)
+    if (i < n) {
+      const float o = load_widened(own, type, i);
+      bad |= nonfinite(o);
+      x = __fadd_rn(o, __fmul_rn(static_cast<float>(q[i]), s_in));
+      if (divisor != 0.f) x = __fdiv_rn(x, divisor);
+    }
+    v[j] = x;
+    m = max(m, __float_as_uint(x) & kAbsMask);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const bool finite = m < kInfBits;
+  float scale = __uint_as_float(kCanonicalNaN);
+  float inv = 0.f;
+  if (finite) {
+    const float a = __uint_as_float(m);
+    scale = __fdiv_rn(a, 127.0f);
+    inv = a > 0.f ? __fdiv_rn(127.0f, a) : 0.f;
+    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
+  }
+  if (lane == 0) reinterpret_cast<uint32_t*>(scales_out)[block] = __float_as_uint(scale);
+  bool rbad = false;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t i = start + lane + 32 * j;
+    int k = min(max(__float2int_rn(__fmul_rn(v[j], inv)), -127), 127);
+    if (!finite) k = 0;
+    if (i < n) {
+      q_out[i] = static_cast<int8_t>(k);
+      if (result_bad) rbad |= nonfinite(rounded(__fmul_rn(static_cast<float>(k), scale), result_type));
+    }
+  }
+  raise_flag(bad, own_bad);
+  if (result_bad) raise_flag(rbad, result_bad);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    reduce_exact_kernel(const void* __restrict__ own, InputType type, const float* __restrict__ add, int64_t n,
+                        float divisor, void* __restrict__ out, InputType out_type, uint32_t* own_bad,
+                        uint32_t* result_bad) {
+  bool bad = false, rbad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float o = load_widened(own, type, i);
+    bad |= nonfinite(o);
+    float x = __fadd_rn(o, add[i]);
+    if (divisor != 0.f) x = __fdiv_rn(x, divisor);
+    rbad |= nonfinite(rounded(x, out_type));
+    store_narrowed(out, out_type, i, x);
+  }
+  raise_flag(bad, own_bad);
+  if (result_bad) raise_flag(rbad, result_bad);
+}
+
 dim3 grid_for(int64_t n) {
   const int64_t ctas = (n + kThreads - 1) / kThreads;
   return dim3(static_cast<unsigned>(ctas < kMaxGrid ? ctas : kMaxGrid));
@@ -176,6 +257,38 @@ cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   flag_decoded_kernel<<<grid_for(n), kThreads, 0, stream>>>(q, scales, n, log2_of(block), type, bad);
+  return cudaGetLastError();
+}
+
+bool reduce_quantize_supported(int64_t block) { return valid_block_size(block) && block <= 1024; }
+
+cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream) {
+  if (!reduce_quantize_supported(block)) return cudaErrorInvalidValue;
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = (n + block - 1) / block;
+  const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
+#define PRIME_RQ(V)                                                                                                  \
+  reduce_quantize_kernel<V><<<grid, kThreads, 0, stream>>>(own, type, q, scales, n, divisor, q_out, scales_out, \
+                                                           own_bad, result_bad, result_type)
+  switch (block / 32) {
+    case 1: PRIME_RQ(1); break;
+    case 2: PRIME_RQ(2); break;
+    case 4: PRIME_RQ(4); break;
+    case 8: PRIME_RQ(8); break;
+    case 16: PRIME_RQ(16); break;
+    default: PRIME_RQ(32); break;
+  }
+#undef PRIME_RQ
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_exact(const void* own, InputType type, const float* add, int64_t n, float divisor, void* out,
+                         InputType out_type, uint32_t* own_bad, uint32_t* result_bad, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  reduce_exact_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, add, n, divisor, out, out_type, own_bad,
+                                                            result_bad);
   return cudaGetLastError();
 }
 

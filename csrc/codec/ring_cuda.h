@@ -43,4 +43,27 @@ cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint3
 cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t n, int64_t block, InputType type,
                                    uint32_t* bad, cudaStream_t stream);
 
+// Fused passes of one ring segment (the hot path: one launch, one read of each input,
+// one write of each output, instead of add, divide, quantize and check launches with
+// an fp32 sum in between). The arithmetic is that of the unfused kernels above and of
+// codec_cuda.cu's quantize, operation for operation, so the bytes are the same.
+
+// True when reduce_quantize takes this block size (one warp per block: 32..1024).
+bool reduce_quantize_supported(int64_t block);
+
+// int8: v[i] = widen(own[i]) + float(q[i]) * scales[i / block], then v[i] / divisor when
+// divisor != 0, quantized into q_out / scales_out (nearest even; a block holding NaN or
+// Inf gets the NaN scale and zero q). *own_bad = 1 when own holds NaN or Inf; when
+// result_bad is set, *result_bad = 1 when a decoded value rounded to result_type is NaN
+// or Inf (flag_nonfinite_decoded of the output).
+cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream);
+
+// exact: v[i] = widen(own[i]) + add[i], then v[i] / divisor when divisor != 0, stored
+// rounded to out_type (fp32: as it is). *own_bad = 1 when own holds NaN or Inf; when
+// result_bad is set, *result_bad = 1 when a stored value is NaN or Inf.
+cudaError_t reduce_exact(const void* own, InputType type, const float* add, int64_t n, float divisor, void* out,
+                         InputType out_type, uint32_t* own_bad, uint32_t* result_bad, cudaStream_t stream);
+
 }  // namespace prime::codec::cuda

@@ -270,6 +270,21 @@ void init_ring_bindings(py::module_& m) {
       m, "_CudaRingContext", "A ring's stream and staging on one GPU (csrc/ring/wire_codec_cuda.h).")
       .def(py::init<int>(), py::arg("device"))
       .def_property_readonly("device", &ring::CudaContext::device);
+  m.def(
+      "_ring_cuda_kernel_times",
+      [](int device, int64_t n, int64_t block, int iters) {
+        std::vector<ring::KernelTiming> t;
+        {
+          py::gil_scoped_release no_gil;
+          t = ring::time_kernels(device, n, block, iters);
+        }
+        py::list out;
+        for (const auto& k : t) out.append(py::make_tuple(k.name, k.bytes, k.ms));
+        return out;
+      },
+      py::arg("device"), py::arg("n"), py::arg("block"), py::arg("iters"),
+      "[(name, bytes moved, [ms per run])] for each kernel and copy of the GPU wire codec "
+      "(benchmarks/bench_ring_cuda_kernels.py).");
 #endif
   m.attr("_ring_reduces_on_gpu") = py::bool_(
 #ifdef PRIME_WITH_CUDA

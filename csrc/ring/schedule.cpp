@@ -66,6 +66,7 @@ class AllReduce {
         all_gather_segment(s, c, k);
       }
     }
+    send_pending();
     {
       Timer wait(times_.wait_s);
       t_.flush(Context{static_cast<int64_t>(seq_)});
@@ -125,9 +126,34 @@ class AllReduce {
     return received_mask_ | ((own_bad_ || !codec_->input_finite()) ? (uint64_t{1} << r_) : 0);
   }
 
-  void send(Phase phase, int step, int k, const Payload& p) { send(phase, step, k, p.data, p.size, p.owner); }
+  // Sends p after every payload produced before it. A deferred payload (wire_codec.h)
+  // waits here until the next one was produced or the worker would block on the wire,
+  // so the codec's device works on segment k+1 while segment k's bytes download.
+  void send(Phase phase, int step, int k, const Payload& p, bool final = false) {
+    send_pending();
+    if (p.deferred) {
+      pending_ = PendingSend{phase, step, k, p, final};
+      return;
+    }
+    send(phase, step, k, p.data, p.size, p.owner);
+  }
+
+  void send_pending() {
+    if (!pending_) return;
+    PendingSend p = std::move(*pending_);
+    pending_.reset();
+    bool finite = true;
+    codec_->ready(p.payload, &finite);
+    if (p.final) overflow_ |= !finite;
+    send_now(p.phase, p.step, p.k, p.payload.data, p.payload.size, p.payload.owner);
+  }
 
   void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
+    send_pending();
+    send_now(phase, step, k, data, size, std::move(owner));
+  }
+
+  void send_now(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
     OutFrame f;
     f.header.kind = FrameKind::kData;
     f.header.phase = phase;
@@ -161,6 +187,8 @@ class AllReduce {
 
   InFrame receive(Phase phase, int step, int k, int64_t expected_len) {
     const Context where{static_cast<int64_t>(seq_), phase, step, k};
+    // Never block on the wire with a payload held back: a neighbour may need it first.
+    if (pending_ && !t_.frame_ready()) send_pending();
     InFrame f;
     {
       Timer wait(times_.wait_s);
@@ -206,7 +234,7 @@ class AllReduce {
     overflow_ |= !finite;
     pieces_.push_back(FinalPiece{sp.begin, len, fin.owner});
     codec_->final_known(pieces_.back(), true);
-    send(Phase::kAllGather, 0, k, fin);
+    send(Phase::kAllGather, 0, k, fin, true);
   }
 
   void all_gather_segment(int s, int c, int k) {
@@ -242,6 +270,14 @@ class AllReduce {
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;
+  struct PendingSend {
+    Phase phase;
+    int step;
+    int k;
+    Payload payload;
+    bool final;  // carries a final value: ready() reports its finiteness
+  };
+  std::optional<PendingSend> pending_;  // a deferred payload not yet sent (at most one)
   std::vector<FinalPiece> pieces_;   // final segments not yet written
   std::vector<FinalPiece> backups_;  // what the early writes replaced
 };

@@ -46,6 +46,10 @@ struct Payload {
   const char* data = nullptr;
   size_t size = 0;
   std::shared_ptr<const ByteBuffer> owner;
+  // The bytes are still being produced (a GPU codec's download in flight): the schedule
+  // calls the codec's ready() before the payload is sent, and meanwhile reads and
+  // enqueues the next segment, so the GPU works while this one waits for the wire.
+  bool deferred = false;
 };
 
 class WireCodec {
@@ -79,6 +83,10 @@ class WireCodec {
   // the schedule is about to encode_input these own values (one call per segment, in
   // the order of the encode_input calls that follow): the codec may start early.
   virtual void prefetch_input(const void* own, int64_t len) {}
+  // Waits until a deferred payload's bytes exist (encode_partial and encode_final may
+  // return one). *finite: false when the final value it carries is not finite (what
+  // encode_final reports otherwise; encode_final then says true).
+  virtual void ready(const Payload& p, bool* finite) {}
   // acc[0, len) /= d (the average, on the owner).
   virtual void divide(float* acc, int64_t len, float d);
   // False once this rank's own input was seen to hold NaN or Inf by work that

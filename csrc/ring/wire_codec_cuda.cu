@@ -5,11 +5,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../codec/codec_cuda.h"
 #include "../codec/ring_cuda.h"
@@ -275,21 +278,23 @@ class CudaWireCodec final : public WireCodec {
   bool accumulate(const void* own, const char* payload, int64_t len, float*) override {
     if (len == 0) return input_finite();
     const size_t bytes = static_cast<size_t>(partial_bytes(len));
-    char* in = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
-    acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
+    in_ = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
     const char* staged = stage(payload, bytes);
     cudaEvent_t a = record();  // (after the host copy: the span is the GPU's)
-    cuda_check(cudaMemcpyAsync(in, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+    cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
     staged_done();
     kernels_from_ = record();
     span(&h2d_, a, kernels_from_);
-    if (int8_) {
-      check(codec::cuda::add_dequantized(own, type_, q_of(in, len), scales_of(in), len, block_, acc_, &flags_[0],
+    own_ = own;
+    divisor_ = 0.f;
+    summed_ = false;
+    if (!fused()) {
+      // Block sizes the fused kernel does not take: the sum in fp32 first.
+      acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
+      check(codec::cuda::add_dequantized(own, type_, q_of(in_, len), scales_of(in_), len, block_, acc_, &flags_[0],
                                          stream_),
             "dequantize-add");
-    } else {
-      check(codec::cuda::add_widened(own, type_, reinterpret_cast<const float*>(in), len, acc_, &flags_[0], stream_),
-            "add");
+      summed_ = true;
     }
     // The own values' check is read back with this segment's encode (before anything is
     // sent: the schedule asks input_finite() for every frame header).
@@ -297,42 +302,40 @@ class CudaWireCodec final : public WireCodec {
   }
 
   void divide(float*, int64_t len, float d) override {
-    check(codec::cuda::divide(acc_, len, d, stream_), "divide");
+    if (summed_) {
+      check(codec::cuda::divide(acc_, len, d, stream_), "divide");
+    } else {
+      divisor_ = d;  // done by the fused pass of encode_partial / encode_final
+    }
   }
 
   Payload encode_partial(const Buffer&, int64_t len) override {
     const size_t bytes = static_cast<size_t>(partial_bytes(len));
-    const char* src = reinterpret_cast<const char*>(acc_);  // exact: the fp32 sums as they are
-    if (int8_ && len > 0) {
-      char* out = out_buffer(bytes);
-      check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
-                                  std::nullopt, stream_),
-            "quantize (partial sum)");
-      src = out;
-    }
-    return send_from_device(src, bytes, len);
+    char* out = out_buffer(bytes);
+    if (len > 0) encode_sum(out, len, false);
+    return send_from_device(out, bytes, len);
   }
 
   Payload encode_final(const Buffer&, int64_t len, bool* finite) override {
     const size_t bytes = static_cast<size_t>(final_bytes(len));
     char* out = out_buffer(bytes);
-    if (len > 0) {
-      if (int8_) {
-        check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
-                                    std::nullopt, stream_),
-              "quantize (final value)");
-        // Every rank writes decode(these bytes) in the dtype: it must be finite.
-        check(codec::cuda::flag_nonfinite_decoded(q_of(out, len), scales_of(out), len, block_, type_, &flags_[1],
-                                                  stream_),
-              "finite check (final value)");
-      } else {
-        check(codec::cuda::narrow(acc_, len, type_, out, &flags_[1], stream_), "round (final value)");
-      }
-    }
+    if (len > 0) encode_sum(out, len, true);
     Payload p = send_from_device(out, bytes, len);
-    *finite = ctx_.host_flags()[1] == 0;  // (or an earlier segment's: the schedule only ORs)
+    *finite = true;  // known in ready()
     final_here_ = out;
     return p;
+  }
+
+  void ready(const Payload& p, bool* finite) override {
+    if (!p.deferred) return;
+    while (!inflight_.empty() && inflight_.front().owner != p.owner.get()) inflight_.pop_front();
+    if (inflight_.empty()) throw std::logic_error("internal: ready() of a payload the CUDA wire codec did not defer");
+    wait_for(inflight_.front().done);
+    inflight_.pop_front();
+    // The flags are OR-accumulated on the device and downloaded after every encode: this
+    // copy holds at least this payload's (later ones only add).
+    own_bad_ |= ctx_.host_flags()[0] != 0;
+    *finite = ctx_.host_flags()[1] == 0;
   }
 
   void final_known(const FinalPiece& piece, bool encoded_here) override {
@@ -402,6 +405,10 @@ class CudaWireCodec final : public WireCodec {
     Buffer host;
     cudaEvent_t done;
   };
+  struct Inflight {
+    const ByteBuffer* owner;  // the payload's pinned buffer
+    cudaEvent_t done;         // recorded after its download
+  };
   struct Span {
     double* sink;
     cudaEvent_t a, b;
@@ -439,8 +446,38 @@ class CudaWireCodec final : public WireCodec {
                "cudaMemcpyAsync (flags)");
   }
 
+  bool fused() const { return !int8_ || codec::cuda::reduce_quantize_supported(block_); }
+
+  // The segment's sum (own values + the uploaded payload, divided when divide() said so)
+  // encoded into `out`: one fused pass, or (large int8 blocks) a quantize of acc_.
+  void encode_sum(char* out, int64_t len, bool final) {
+    uint32_t* result_bad = final ? &flags_[1] : nullptr;
+    if (!summed_) {
+      if (int8_) {
+        check(codec::cuda::reduce_quantize(own_, type_, q_of(in_, len), scales_of(in_), len, block_, divisor_,
+                                           q_of(out, len), scales_of(out), &flags_[0], result_bad, type_, stream_),
+              final ? "reduce-quantize (final value)" : "reduce-quantize (partial sum)");
+      } else {
+        // exact: the fp32 partial sums, or the final value rounded to the dtype
+        check(codec::cuda::reduce_exact(own_, type_, reinterpret_cast<const float*>(in_), len, divisor_, out,
+                                        final ? type_ : codec::InputType::kFloat32, &flags_[0], result_bad, stream_),
+              final ? "reduce (final value)" : "reduce (partial sum)");
+      }
+      return;
+    }
+    check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
+                                std::nullopt, stream_),
+          final ? "quantize (final value)" : "quantize (partial sum)");
+    if (final) {
+      // Every rank writes decode(these bytes) in the dtype: it must be finite.
+      check(codec::cuda::flag_nonfinite_decoded(q_of(out, len), scales_of(out), len, block_, type_, &flags_[1],
+                                                stream_),
+            "finite check (final value)");
+    }
+  }
+
   // Downloads `bytes` from device memory (the kernels since kernels_from_ made them) into
-  // a fresh pinned buffer, waits for it, and returns it as a payload.
+  // a fresh pinned buffer and returns it as a deferred payload: ready() waits for it.
   Payload send_from_device(const char* src, size_t bytes, int64_t len) {
     Buffer host = ctx_.pinned().acquire(bytes);
     cudaEvent_t b = record();
@@ -449,9 +486,10 @@ class CudaWireCodec final : public WireCodec {
     download(host->data(), src, len > 0 ? bytes : 0);
     cudaEvent_t c = record();
     span(&d2h_, b, c);
-    wait_for(c);
-    own_bad_ |= ctx_.host_flags()[0] != 0;
-    return Payload{host->data(), host->size(), host};
+    inflight_.push_back(Inflight{host.get(), c});
+    Payload p{host->data(), host->size(), host};
+    p.deferred = true;
+    return p;
   }
 
   // Copies host bytes into the next pinned upload slot (once the GPU has read what it
@@ -502,7 +540,12 @@ class CudaWireCodec final : public WireCodec {
   uint32_t* flags_ = nullptr;  // device: [own input bad, result bad], OR-accumulated
   int8_t* image_q_ = nullptr;  // int8: the result's values; exact: its bytes
   float* image_s_ = nullptr;   // int8: the result's scales
-  float* acc_ = nullptr;       // the current segment's fp32 sum (device)
+  float* acc_ = nullptr;       // the current segment's fp32 sum (device; unfused path only)
+  char* in_ = nullptr;         // the current segment's uploaded payload (device)
+  const void* own_ = nullptr;  // the current segment's own values (device)
+  float divisor_ = 0.f;        // 0: no division
+  bool summed_ = false;        // acc_ holds the sum (unfused path)
+  std::deque<Inflight> inflight_;  // deferred payloads, in order
   cudaEvent_t kernels_from_ = nullptr;
   const char* final_here_ = nullptr;
   int64_t known_ = 0;  // final values placed in the image
@@ -520,6 +563,113 @@ class CudaWireCodec final : public WireCodec {
 
 std::unique_ptr<WireCodec> make_cuda_wire_codec(const AllReduceSpec& spec, ScheduleTimes& times) {
   return std::make_unique<CudaWireCodec>(spec, times);
+}
+
+std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int iters) {
+  if (n <= 0 || iters <= 0 || !codec::valid_block_size(block)) throw std::invalid_argument("time_kernels: bad arguments");
+  DeviceScope scope(device);
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  const int64_t nb = codec::num_blocks(n, block);
+  const size_t payload = static_cast<size_t>(n + 4 * nb);
+  std::vector<void*> owned;
+  auto dev = [&](size_t bytes) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, bytes), "cudaMalloc");
+    owned.push_back(p);
+    return static_cast<char*>(p);
+  };
+  float* own = reinterpret_cast<float*>(dev(static_cast<size_t>(n) * 4));
+  float* add = reinterpret_cast<float*>(dev(static_cast<size_t>(n) * 4));
+  float* acc = reinterpret_cast<float*>(dev(static_cast<size_t>(n) * 4));
+  char* in = dev(payload);
+  char* out = dev(payload);
+  uint32_t* flags = reinterpret_cast<uint32_t*>(dev(64));
+  void* pinned = nullptr;
+  cuda_check(cudaHostAlloc(&pinned, payload, cudaHostAllocPortable), "cudaHostAlloc");
+  {
+    // Values of a few magnitudes (a deterministic hash: no host RNG pass over n values).
+    std::vector<float> host(static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20)));
+    uint32_t h = 12345;
+    for (float& v : host) {
+      h = h * 1664525u + 1013904223u;
+      v = (static_cast<float>(h >> 8) * 0x1p-24f - 0.5f) * static_cast<float>(1 << ((h >> 4) & 7));
+    }
+    for (int64_t i = 0; i < n; i += static_cast<int64_t>(host.size())) {
+      const size_t m = static_cast<size_t>(std::min<int64_t>(n - i, static_cast<int64_t>(host.size())));
+      cuda_check(cudaMemcpy(own + i, host.data(), m * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+      cuda_check(cudaMemcpy(add + i, host.data() + (host.size() - m), m * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    }
+  }
+  cuda_check(cudaMemsetAsync(flags, 0, 64, stream), "cudaMemsetAsync");
+  auto sc = [&](char* p) { return reinterpret_cast<float*>(p); };
+  auto qq = [&](char* p) { return reinterpret_cast<int8_t*>(p + 4 * nb); };
+  cuda_check(codec::cuda::quantize(add, codec::InputType::kFloat32, n, block, qq(in), sc(in), std::nullopt, stream),
+             "quantize");
+  using F = codec::InputType;
+  const double N = static_cast<double>(n), S = 4.0 * static_cast<double>(nb);
+  struct Op {
+    const char* name;
+    double bytes;
+    std::function<cudaError_t()> run;
+  };
+  std::vector<Op> ops = {
+      {"quantize own (fp32 -> int8)", 4 * N + N + S,
+       [&] { return codec::cuda::quantize(own, F::kFloat32, n, block, qq(out), sc(out), std::nullopt, stream); }},
+      {"reduce-quantize (fused: +deq, /2, quant, checks)", 4 * N + 2 * (N + S),
+       [&] {
+         return codec::cuda::reduce_quantize(own, F::kFloat32, qq(in), sc(in), n, block, 2.f, qq(out), sc(out),
+                                             &flags[0], &flags[1], F::kFloat32, stream);
+       }},
+      {"  unfused: add_dequantized", 4 * N + N + S + 4 * N,
+       [&] {
+         return codec::cuda::add_dequantized(own, F::kFloat32, qq(in), sc(in), n, block, acc, &flags[0], stream);
+       }},
+      {"  unfused: divide", 8 * N, [&] { return codec::cuda::divide(acc, n, 2.f, stream); }},
+      {"  unfused: quantize (fp32 sum)", 4 * N + N + S,
+       [&] { return codec::cuda::quantize(acc, F::kFloat32, n, block, qq(out), sc(out), std::nullopt, stream); }},
+      {"  unfused: flag_nonfinite_decoded", N + S,
+       [&] {
+         return codec::cuda::flag_nonfinite_decoded(qq(out), sc(out), n, block, F::kFloat32, &flags[1], stream);
+       }},
+      {"dequantize result (int8 -> fp32)", N + S + 4 * N,
+       [&] { return codec::cuda::dequantize(qq(out), sc(out), n, block, acc, F::kFloat32, stream); }},
+      {"reduce exact (fused: +, /2, checks; fp32)", 12 * N,
+       [&] {
+         return codec::cuda::reduce_exact(own, F::kFloat32, add, n, 2.f, acc, F::kFloat32, &flags[0], &flags[1],
+                                          stream);
+       }},
+      {"device copy (fp32, reference)", 8 * N,
+       [&] { return cudaMemcpyAsync(acc, own, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice, stream); }},
+      {"D2H int8 payload (pinned)", N + S,
+       [&] { return cudaMemcpyAsync(pinned, out, payload, cudaMemcpyDeviceToHost, stream); }},
+      {"H2D int8 payload (pinned)", N + S,
+       [&] { return cudaMemcpyAsync(in, pinned, payload, cudaMemcpyHostToDevice, stream); }},
+  };
+  cudaEvent_t a = nullptr, b = nullptr;
+  cuda_check(cudaEventCreate(&a), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&b), "cudaEventCreate");
+  std::vector<KernelTiming> result;
+  for (const Op& op : ops) {
+    KernelTiming t{op.name, op.bytes, {}};
+    cuda_check(op.run(), op.name);  // warm-up
+    for (int i = 0; i < iters; ++i) {
+      cuda_check(cudaEventRecord(a, stream), "cudaEventRecord");
+      cuda_check(op.run(), op.name);
+      cuda_check(cudaEventRecord(b, stream), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(b), "cudaEventSynchronize");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+      t.ms.push_back(ms);
+    }
+    result.push_back(std::move(t));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaFreeHost(pinned);
+  for (void* p : owned) cudaFree(p);
+  cudaStreamDestroy(stream);
+  return result;
 }
 
 }  // namespace prime::ring

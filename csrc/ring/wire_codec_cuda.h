@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "wire_codec.h"
@@ -97,5 +98,15 @@ struct CudaJob {
 };
 
 std::unique_ptr<WireCodec> make_cuda_wire_codec(const AllReduceSpec& spec, ScheduleTimes& times);
+
+// Times every kernel and copy the codec runs per segment, over n values at once on
+// `device` (benchmarks/bench_ring_cuda_kernels.py): `iters` CUDA-event timings each,
+// with the bytes the operation must move.
+struct KernelTiming {
+  std::string name;
+  double bytes = 0;
+  std::vector<double> ms;
+};
+std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int iters);
 
 }  // namespace prime::ring
