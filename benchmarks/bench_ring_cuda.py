@@ -106,7 +106,17 @@ def run_rank(rank: int, args, port: int) -> dict:
                 rings[segment] = Ring(dist.PrefixStore(f"ring{segment}", store), rank, args.world, timeout=120,
                                       job_id=f"bench-ring-cuda-{segment}", segment_bytes=segment)
             times, stats = [], []
-            for it in range(args.warmup + args.iters):
+            iters = args.iters
+            times_warm = []
+            it = 0
+            while it < args.warmup + iters:
+                if it == args.warmup:
+                    # A slow method gets fewer timed runs (rank 0 decides, from its warm-up).
+                    if rank == 0:
+                        per = max(times_warm) if times_warm else 0.0
+                        fit = int(args.method_budget / per) if per > 0 else iters
+                        store.set(f"{method}/iters", str(min(iters, max(3, fit))))
+                    iters = int(store.get(f"{method}/iters"))
                 x.copy_(source)
                 sync()
                 store.set(f"{method}/{it}/{rank}", "1")  # start together
@@ -123,7 +133,10 @@ def run_rank(rank: int, args, port: int) -> dict:
                     work.wait()
                     st = work.stats()
                 elapsed = time.perf_counter() - t0
-                if it >= args.warmup:
+                if it < args.warmup:
+                    times_warm.append(elapsed)
+                it += 1
+                if it > args.warmup:
                     times.append(elapsed)
                     if st is not None:
                         stats.append({k: float(getattr(st, k)) for k, _ in SPLIT})
@@ -139,7 +152,7 @@ def worker(rank: int, args, port: int, conn) -> None:
 
 
 def table(report: dict, args) -> str:
-    head = ["method", "median ms", "p10-p90 ms", "vs host", "vs gloo"] + [label for _, label in SPLIT]
+    head = ["method", "n", "median ms", "p10-p90 ms", "vs host", "vs gloo"] + [label for _, label in SPLIT]
     rows = [head]
     for method, r in report.items():
         t = sorted(r["times_s"])
@@ -149,7 +162,7 @@ def table(report: dict, args) -> str:
         ratio = f"{statistics.median(base['times_s']) / med:.2f}x" if base else ""
         gloo = report.get("gloo-fp32")
         vs_gloo = f"{statistics.median(gloo['times_s']) / med:.2f}x" if gloo and method != "gloo-fp32" else ""
-        row = [method, f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", ratio, vs_gloo]
+        row = [method, str(len(t)), f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", ratio, vs_gloo]
         for key, _ in SPLIT:
             vals = [s[key] for s in r["stats"]]
             row.append(f"{statistics.median(vals) * 1e3:.1f}" if vals else "")
@@ -172,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", choices=("auto", "processes", "threads"), default="auto",
                    help="ranks as processes or as threads of one process (see above)")
     p.add_argument("--threads", type=int, default=4, help="torch intra-op (OpenMP) threads per rank")
+    p.add_argument("--method-budget", type=float, default=20.0,
+                   help="seconds of timed runs per method: a slower method gets fewer (at least 3) runs")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for m in args.methods.split(","):
@@ -194,7 +209,8 @@ def main(argv=None) -> int:
     share = f"{args.world} ranks on {max(1, min(gpus, args.world))} GPU(s)" if args.device == "cuda" else "CPU"
     print(f"ring on CUDA tensors: {args.world} ranks x {args.mib} MiB fp32, loopback, op=avg, {name}, "
           f"ranks as {args.ranks} ({share}), {args.threads} torch threads per rank, "
-          f"median of {args.iters} (after {args.warmup} warm-up); split = rank 0's WorkStats medians, ms")
+          f"median of n <= {args.iters} (after {args.warmup} warm-up; n < {args.iters} where the runs would take over "
+          f"{args.method_budget:g} s); split = rank 0's WorkStats medians, ms")
     print(table(reports[0], args))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -58,7 +58,7 @@ summary+=("kernels: exit $rc")
 
 echo "== ring with CUDA tensors: GPU reduce vs host staging"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} \
-  --iters ${ITERS:-15} --methods ${METHODS:-gpu-int8,gpu-int8/seg4,gpu-fp32,host-int8,host-fp32,gloo-fp32} \
+  --iters ${ITERS:-15} --methods ${METHODS:-gpu-int8,gpu-int8/seg4,gpu-int8/seg16,gpu-fp32,gpu-fp32/seg4,host-int8,host-fp32,gloo-fp32} \
   --ranks ${RANKS:-auto} --threads ${THREADS:-4} --timeout $(( ${BENCH_TIMEOUT:-150} - 10 )) --out "$out" \
   >"$out/bench_ring_cuda.log" 2>&1
 rc=$?
@@ -99,7 +99,7 @@ printf '%s\n' "${summary[@]}"
 echo "== kernels (bench_ring_cuda_kernels.log)"
 tail -14 "$out/bench_ring_cuda_kernels.log"
 echo "== timing (bench_ring_cuda.log)"
-tail -12 "$out/bench_ring_cuda.log"
+tail -14 "$out/bench_ring_cuda.log"
 if [ -f "$out/bench_ring_cuda_processes.log" ]; then
   echo "== timing, ranks as processes (bench_ring_cuda_processes.log)"
   tail -6 "$out/bench_ring_cuda_processes.log"
