@@ -59,7 +59,7 @@ summary+=("kernels: exit $rc")
 echo "== ring with CUDA tensors: GPU reduce vs host staging"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} \
   --iters ${ITERS:-15} --methods ${METHODS:-gpu-int8,gpu-int8/seg4,gpu-int8/seg16,gpu-fp32,gpu-fp32/seg4,host-int8,host-fp32,gloo-fp32} \
-  --ranks ${RANKS:-auto} --threads ${THREADS:-4} --timeout $(( ${BENCH_TIMEOUT:-150} - 10 )) --out "$out" \
+  --ranks ${RANKS:-auto} --threads ${THREADS:-4} --method-budget 8 --timeout $(( ${BENCH_TIMEOUT:-150} - 10 )) --out "$out" \
   >"$out/bench_ring_cuda.log" 2>&1
 rc=$?
 [ $rc = 0 ] || status=1
@@ -67,8 +67,8 @@ summary+=("bench: exit $rc")
 
 if [ "${PROC_CHECK:-1}" = 1 ]; then
   echo "== the same, ranks as processes"
-  timeout 90 python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} --iters 8 --warmup 2 \
-    --methods gpu-int8,host-int8 --ranks processes --threads ${THREADS:-4} --timeout 80 \
+  timeout 70 python3 benchmarks/bench_ring_cuda.py --world ${WORLD:-2} --mib ${MIB:-256} --iters 8 --warmup 2 \
+    --methods gpu-int8,host-int8 --ranks processes --threads ${THREADS:-4} --method-budget 8 --timeout 60 \
     >"$out/bench_ring_cuda_processes.log" 2>&1
   rc=$?
   [ $rc = 0 ] || status=1
