@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     if reports is None:
         return 1
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    share = f"{args.world} ranks on {max(1, min(gpus, args.world))} GPU(s)" if args.device == "cuda" else "CPU"
+    share = (f"{args.world} ranks on {max(1, min(gpus, args.world))} GPU(s), rank r on cuda:(r mod {gpus})"
+             if args.device == "cuda" else "CPU")
     print(f"ring on CUDA tensors: {args.world} ranks x {args.mib} MiB fp32, loopback, op=avg, {name}, "
           f"ranks as {args.ranks} ({share}), {args.threads} torch threads per rank, "
           f"median of n <= {args.iters} (after {args.warmup} warm-up; n < {args.iters} where the runs would take over "
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_ring_cuda.json"), "w") as f:
-            json.dump({"args": vars(args), "device": name, "ranks": reports}, f, indent=1)
+            json.dump({"args": vars(args), "device": name, "gpus": gpus, "layout": share, "ranks": reports}, f, indent=1)
     return 0
 
 
