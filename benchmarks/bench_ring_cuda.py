@@ -9,6 +9,8 @@ wait() returning (the result is then in the tensor). Methods:
   host-int8, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
   gloo-fp32            torch.distributed gloo all_reduce, then a division (reference)
   METHOD/segN          the same with Ring(segment_bytes=N MiB) (default: the Ring's 1 MiB)
+  gpu-*/pageable       received payloads uploaded straight from the transport's buffers
+                       (PRIME_RING_CUDA_UPLOAD=pageable) instead of through pinned slots
 
 --ranks: "processes" (one per rank, the deployment's shape) or "threads" (all ranks in one
 process). "auto" (default) takes processes when every rank has a GPU of its own and threads
@@ -62,12 +64,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_method(method: str) -> tuple[str, int | None]:
-    """'gpu-int8/seg4' -> ('gpu-int8', 4 MiB in bytes); no suffix: (method, None)."""
-    base, _, seg = method.partition("/seg")
-    if base not in METHODS or (seg and not seg.isdigit()):
-        raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)}, optionally /segN with N in MiB)")
-    return base, (int(seg) << 20) if seg else None
+def split_method(method: str) -> tuple[str, int | None, bool]:
+    """'gpu-int8/seg4/pageable' -> ('gpu-int8', 4 MiB in bytes, True); no suffix: (method, None, False)."""
+    base, *options = method.split("/")
+    segment, pageable, ok = None, False, base in METHODS
+    for o in options:
+        if o.startswith("seg") and o[3:].isdigit() and segment is None:
+            segment = int(o[3:]) << 20
+        elif o == "pageable" and base.startswith("gpu") and not pageable:
+            pageable = True
+        else:
+            ok = False
+    if not ok:
+        raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)}, optionally /segN with N in MiB, "
+                         "and for gpu-* /pageable)")
+    return base, segment, pageable
 
 
 def run_rank(rank: int, args, port: int) -> dict:
@@ -99,7 +110,7 @@ def run_rank(rank: int, args, port: int) -> dict:
 
     try:
         for method in methods:
-            base, segment = split_method(method)
+            base, segment, pageable = split_method(method)
             if base == "gloo-fp32" and gloo is None:
                 gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.world, timedelta(seconds=120))
             elif base != "gloo-fp32" and segment not in rings:
@@ -129,6 +140,7 @@ def run_rank(rank: int, args, port: int) -> dict:
                     st = None
                 else:
                     os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if base.startswith("gpu") else "cpu"
+                    os.environ["PRIME_RING_CUDA_UPLOAD"] = "pageable" if pageable else "pinned"
                     work = rings[segment].all_reduce(x, op="avg", codec="int8" if base.endswith("int8") else "none")
                     work.wait()
                     st = work.stats()

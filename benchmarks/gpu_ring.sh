@@ -37,10 +37,10 @@ summary=()
 quick=${QUICK:-}
 world=${WORLD:-2}
 if [ -n "$quick" ]; then
-  methods=${METHODS:-gpu-int8,gpu-int8/seg16,gpu-fp32,host-int8,host-fp32,gloo-fp32}
+  methods=${METHODS:-gpu-int8,gpu-int8/pageable,gpu-int8/seg16,gpu-fp32,gpu-fp32/pageable,host-int8,host-fp32,gloo-fp32}
   test_timeout=${TEST_TIMEOUT:-40}; bench_timeout=${BENCH_TIMEOUT:-45}; proc_check=${PROC_CHECK:-0}
 else
-  methods=${METHODS:-gpu-int8,gpu-int8/seg4,gpu-int8/seg16,gpu-fp32,gpu-fp32/seg4,host-int8,host-fp32,gloo-fp32}
+  methods=${METHODS:-gpu-int8,gpu-int8/pageable,gpu-int8/seg4,gpu-int8/seg16,gpu-fp32,gpu-fp32/pageable,gpu-fp32/seg4,host-int8,host-fp32,gloo-fp32}
   test_timeout=${TEST_TIMEOUT:-150}; bench_timeout=${BENCH_TIMEOUT:-150}; proc_check=${PROC_CHECK:-1}
 fi
 # The GPUs this job may use, as torch numbers them (CUDA_VISIBLE_DEVICES respected); the

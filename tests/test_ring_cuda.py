@@ -207,6 +207,32 @@ def test_host_staging_path_still_selectable(monkeypatch):
         assert torch.equal(_bits(staged[r][0]), _bits(on_gpu[r][0])), f"SEED={SEED}"
 
 
+@pytest.mark.parametrize("codec", ["int8", "none"])
+@pytest.mark.parametrize("world,devices,dtype", [(2, ("cuda", "cuda"), torch.float32),
+                                                 (3, ("cuda", "cpu", "cuda"), torch.bfloat16)])
+def test_pageable_upload_gives_the_all_cpu_bits(monkeypatch, world, devices, dtype, codec):
+    # PRIME_RING_CUDA_UPLOAD=pageable: received payloads go to the GPU straight from the
+    # transport's buffers (no pinned upload slot); the bits must not change.
+    n = 300007  # several segments per chunk
+    inputs = [make_input(SEED, r, n, dtype) for r in range(world)]
+    reference = run_ring(inputs, ["cpu"] * world, "avg", codec)
+    monkeypatch.setenv("PRIME_RING_CUDA_UPLOAD", "pageable")
+    pageable = run_ring(inputs, list(devices), "avg", codec)
+    for r in range(world):
+        y, stats = pageable[r]
+        assert not isinstance(stats, Exception), f"rank {r}: {stats} (SEED={SEED})"
+        assert torch.equal(_bits(y), _bits(reference[r][0])), f"rank {r} ({devices[r]}), SEED={SEED}"
+        if devices[r] == "cuda":
+            assert stats.gpu and stats.h2d_s > 0, stats
+
+
+def test_bad_upload_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PRIME_RING_CUDA_UPLOAD", "mapped")
+    inputs = [make_input(SEED, r, 1000, torch.float32) for r in range(2)]
+    with pytest.raises(ValueError, match="PRIME_RING_CUDA_UPLOAD must be 'pinned' or 'pageable'"):
+        run_ring(inputs, ["cuda", "cuda"], "avg", "int8")
+
+
 def test_back_to_back_collectives_on_one_ring():
     # Collectives queue on one ring and reuse its stream and staging; the caller's
     # stream writes the next input while the ring still works on the previous one.

@@ -135,6 +135,7 @@ void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<
   }
   auto cuda = std::make_shared<ring::CudaJob>();
   cuda->context = context;
+  cuda->pageable_upload = context->pageable_upload();
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&cuda->input_ready, cudaEventDisableTiming));
   C10_CUDA_CHECK(cudaEventRecord(cuda->input_ready, c10::cuda::getCurrentCUDAStream(t.device().index()).stream()));
   job.spec.cuda = std::move(cuda);
@@ -269,7 +270,8 @@ void init_ring_bindings(py::module_& m) {
   py::class_<ring::CudaContext, std::shared_ptr<ring::CudaContext>>(
       m, "_CudaRingContext", "A ring's stream and staging on one GPU (csrc/ring/wire_codec_cuda.h).")
       .def(py::init<int>(), py::arg("device"))
-      .def_property_readonly("device", &ring::CudaContext::device);
+      .def_property_readonly("device", &ring::CudaContext::device)
+      .def_property("pageable_upload", &ring::CudaContext::pageable_upload, &ring::CudaContext::set_pageable_upload);
   m.def(
       "_ring_cuda_kernel_times",
       [](int device, int64_t n, int64_t block, int iters) {

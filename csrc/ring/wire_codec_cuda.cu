@@ -279,12 +279,26 @@ class CudaWireCodec final : public WireCodec {
     if (len == 0) return input_finite();
     const size_t bytes = static_cast<size_t>(partial_bytes(len));
     in_ = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
-    const char* staged = stage(payload, bytes);
-    cudaEvent_t a = record();  // (after the host copy: the span is the GPU's)
-    cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
-    staged_done();
-    kernels_from_ = record();
-    span(&h2d_, a, kernels_from_);
+    if (job_->pageable_upload) {
+      // Straight from the transport's buffer: the call returns once the driver has copied
+      // the bytes into its own staging (host time, counted as staging), so the buffer may
+      // go back to the pool at once.
+      cudaEvent_t a = record();
+      {
+        ScopedTimer timer(staging_);
+        cuda_check(cudaMemcpyAsync(in_, payload, bytes, cudaMemcpyHostToDevice, stream_),
+                   "cudaMemcpyAsync (upload, pageable)");
+      }
+      kernels_from_ = record();
+      span(&h2d_, a, kernels_from_);
+    } else {
+      const char* staged = stage(payload, bytes);
+      cudaEvent_t a = record();  // (after the host copy: the span is the GPU's)
+      cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+      staged_done();
+      kernels_from_ = record();
+      span(&h2d_, a, kernels_from_);
+    }
     own_ = own;
     divisor_ = 0.f;
     summed_ = false;
@@ -345,6 +359,15 @@ class CudaWireCodec final : public WireCodec {
     if (encoded_here) {
       // Already on the device (encode_final's output): a device-to-device copy.
       place_at(final_here_, piece.begin, len, cudaMemcpyDeviceToDevice);
+      return;
+    }
+    if (job_->pageable_upload) {
+      cudaEvent_t a = record();
+      {
+        ScopedTimer timer(staging_);
+        place_at(piece.bytes->data(), piece.begin, len, cudaMemcpyHostToDevice);
+      }
+      span(&h2d_, a, record());
       return;
     }
     const char* staged = stage(piece.bytes->data(), static_cast<size_t>(final_bytes(len)));

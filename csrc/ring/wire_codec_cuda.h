@@ -76,6 +76,13 @@ class CudaContext {
   // Two pinned words the collective's flags are downloaded into (own input bad, result bad).
   uint32_t* host_flags() { return host_flags_; }
 
+  // How received payloads reach the GPU in the collectives submitted from now on (each
+  // job copies it at submit: CudaJob::pageable_upload). false (default): the worker copies
+  // each into a pinned upload slot, then one DMA; true: cudaMemcpyAsync straight from the
+  // transport's (pageable) buffer, the driver staging it ($PRIME_RING_CUDA_UPLOAD=pageable).
+  bool pageable_upload() const { return pageable_upload_; }
+  void set_pageable_upload(bool on) { pageable_upload_ = on; }
+
  private:
   const int device_;
   cudaStream_t stream_ = nullptr;
@@ -84,6 +91,7 @@ class CudaContext {
   size_t buffer_bytes_[kSlots] = {};
   std::vector<cudaEvent_t> events_;
   uint32_t* host_flags_ = nullptr;
+  bool pageable_upload_ = false;  // (set and read under the GIL, at submit)
 };
 
 struct CudaJob {
@@ -91,6 +99,8 @@ struct CudaJob {
   // Recorded on the caller's stream when the collective was submitted: the ring's
   // stream waits for it before reading the input (owned; null: read at once).
   cudaEvent_t input_ready = nullptr;
+  // CudaContext::pageable_upload() when the collective was submitted.
+  bool pageable_upload = false;
   CudaJob() = default;
   ~CudaJob();
   CudaJob(const CudaJob&) = delete;

@@ -49,6 +49,10 @@ ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
 # built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
 # without CUDA), "cpu" (always through pinned host memory: the path before issue 12).
 ENV_CUDA_REDUCE = "PRIME_RING_CUDA_REDUCE"
+# How received payloads reach the GPU when the ring reduces there: "pinned" (default: the
+# worker copies each into pinned memory, then one DMA) or "pageable" (cudaMemcpyAsync
+# straight from the transport's buffer; the driver stages it). Read at every all_reduce.
+ENV_CUDA_UPLOAD = "PRIME_RING_CUDA_UPLOAD"
 
 
 @dataclass(frozen=True)
@@ -323,6 +327,9 @@ class Ring:
         mode = os.environ.get(ENV_CUDA_REDUCE, "auto").strip().lower() or "auto"
         if mode not in ("auto", "gpu", "cpu"):
             raise ValueError(f"{ENV_CUDA_REDUCE} must be 'auto', 'gpu' or 'cpu', got {mode!r}")
+        upload = os.environ.get(ENV_CUDA_UPLOAD, "pinned").strip().lower() or "pinned"
+        if upload not in ("pinned", "pageable"):
+            raise ValueError(f"{ENV_CUDA_UPLOAD} must be 'pinned' or 'pageable', got {upload!r}")
         C = _extension.require()
         if mode == "cpu" or (mode == "auto" and not C._ring_reduces_on_gpu):
             return None
@@ -335,6 +342,7 @@ class Ring:
         context = self._cuda_contexts.get(device)
         if context is None:
             context = self._cuda_contexts[device] = C._CudaRingContext(device)
+        context.pageable_upload = upload == "pageable"  # (copied into the job at submit)
         return context
 
     # -- lifetime ------------------------------------------------------------
