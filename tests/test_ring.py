@@ -750,28 +750,44 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
 
 
 # ---------------------------------------------------------------------------
-# CUDA tensors (staged through pinned host memory)
+# CUDA tensors: reduced on their GPU (PRIME_RING_CUDA_REDUCE=auto, a CUDA build), or
+# staged through pinned host memory and reduced by the CPU codec ("cpu"). Mixed
+# CPU/GPU rings against all-CPU ones: tests/test_ring_cuda.py.
 
 
-def _rank_cuda(ctx, seed, dtype):
-    with ctx.ring() as ring:
-        x = make_input(seed, ctx.rank, 100003, dtype)
-        host = x.clone()
-        ring.all_reduce(host, op="avg", codec="int8").wait()  # the CPU path, for comparison
-        x = x.cuda(ctx.rank % torch.cuda.device_count())
-        work = ring.all_reduce(x, op="avg", codec="int8")
-        work.wait()
-        return x.cpu(), host, work.stats()
+def _rank_cuda(ctx, seed, dtype, mode):
+    previous = os.environ.get("PRIME_RING_CUDA_REDUCE")
+    os.environ["PRIME_RING_CUDA_REDUCE"] = mode
+    try:
+        with ctx.ring() as ring:
+            x = make_input(seed, ctx.rank, 100003, dtype)
+            host = x.clone()
+            ring.all_reduce(host, op="avg", codec="int8").wait()  # the CPU path, for comparison
+            x = x.cuda(ctx.rank % torch.cuda.device_count())
+            work = ring.all_reduce(x, op="avg", codec="int8")
+            work.wait()
+            return x.cpu(), host, work.stats()
+    finally:
+        if previous is None:
+            os.environ.pop("PRIME_RING_CUDA_REDUCE", None)
+        else:
+            os.environ["PRIME_RING_CUDA_REDUCE"] = previous
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["cpu", "auto"])
 @pytest.mark.parametrize("world_size,dtype", [(2, torch.float32), (4, torch.float32), (4, torch.bfloat16)])
-def test_cuda_tensor(ranks, world_size, dtype):
-    results = ranks.run(_rank_cuda, SEED, dtype, world_size=world_size)
+def test_cuda_tensor(ranks, world_size, dtype, mode):
+    results = ranks.run(_rank_cuda, SEED, dtype, mode, world_size=world_size)
     inputs = [make_input(SEED, r, 100003, dtype) for r in range(world_size)]
     model = model_all_reduce(inputs, "avg", "int8")
+    on_gpu = mode == "auto" and _extension.require()._ring_reduces_on_gpu
     for y, host, stats in results:
         assert y.dtype == dtype
         assert torch.equal(_bits(y), _bits(host))  # the CUDA path gives the CPU path's bits
-        assert stats.stage_s > 0 and stats.copy_back_s > 0  # staged through host memory, and timed
+        assert stats.gpu == on_gpu
+        if on_gpu:  # reduced on the GPU, and timed
+            assert stats.gpu_codec_s > 0 and stats.h2d_s > 0 and stats.d2h_s > 0
+        else:
+            assert stats.stage_s > 0 and stats.copy_back_s > 0  # staged through host memory, and timed
         assert torch.equal(_bits(y), _bits(model))

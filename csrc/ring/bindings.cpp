@@ -1,7 +1,8 @@
 // Python bindings of the ring: prime._C._Ring and prime._C._Work, wrapped by
 // prime/comm/ring.py. The only ring file that sees torch: it turns tensors into
-// staging buffers (a contiguous CPU view, or a host copy of CUDA / strided
-// tensors) and a commit callback that copies the result back.
+// staging buffers (a contiguous CPU view, a host copy of strided tensors, and for
+// CUDA tensors either the device memory itself, reduced on the GPU, or a pinned host
+// copy) and a commit callback that copies the result back.
 // pybind11 keeps its own types hidden while this extension is built with default
 // visibility; GCC then warns on every bound class. Harmless for a single module.
 #pragma GCC diagnostic ignored "-Wattributes"
@@ -14,6 +15,13 @@
 #include "crypto/sha256.h"
 #include "ring.h"
 #include "wire_codec.h"
+#ifdef PRIME_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "wire_codec_cuda.h"
+#endif
 
 namespace prime {
 namespace {
@@ -62,6 +70,13 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["total_s"] = s.total_s;
   d["stage_s"] = s.stage_s;
   d["copy_back_s"] = s.copy_back_s;
+  d["auth_s"] = s.auth_s;
+  d["gpu"] = s.gpu;
+  d["gpu_codec_s"] = s.gpu_codec_s;
+  d["h2d_s"] = s.h2d_s;
+  d["d2h_s"] = s.d2h_s;
+  d["staging_s"] = s.staging_s;
+  d["gpu_wait_s"] = s.gpu_wait_s;
   return d;
 }
 
@@ -100,8 +115,36 @@ struct Staging {
   at::Tensor output;  // contiguous CPU values the ring writes; copied into target on success
 };
 
+#ifdef PRIME_WITH_CUDA
+// A CUDA tensor reduced on its GPU (wire_codec_cuda.h): the ring reads and writes device
+// memory on its own stream, after an event recorded on the caller's current stream.
+void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<ring::CudaContext>& context) {
+  const at::Tensor& t = staging.target;
+  TORCH_CHECK(t.is_cuda() && t.device().index() == context->device(), "internal: a tensor on ", t.device().str(),
+              " with the ring's CUDA context of device ", std::to_string(context->device()));
+  const int64_t n = t.numel();
+  const c10::cuda::CUDAGuard guard(t.device());
+  py::gil_scoped_release no_gil;
+  const auto s0 = std::chrono::steady_clock::now();
+  if (t.is_contiguous()) {
+    staging.input = t.view({n});
+    job.direct = t.data_ptr();
+  } else {
+    staging.input = t.reshape({n}).contiguous();  // a device copy, on the caller's stream
+    staging.output = at::empty({n}, t.options());
+  }
+  auto cuda = std::make_shared<ring::CudaJob>();
+  cuda->context = context;
+  cuda->pageable_upload = context->pageable_upload();
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&cuda->input_ready, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(cuda->input_ready, c10::cuda::getCurrentCUDAStream(t.device().index()).stream()));
+  job.spec.cuda = std::move(cuda);
+  job.stage_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+}
+#endif
+
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                             int64_t block_size) {
+                             int64_t block_size, const py::object& cuda_context) {
   AllReduceJob job;
   job.spec = spec_of(tensor, op, codec, block_size);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
@@ -110,6 +153,23 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
   auto staging = std::make_shared<Staging>();
   staging->target = tensor.detach();
   const int64_t n = tensor.numel();
+  if (!cuda_context.is_none()) {
+#ifdef PRIME_WITH_CUDA
+    stage_on_device(job, *staging, cuda_context.cast<std::shared_ptr<ring::CudaContext>>());
+    job.spec.input = staging->input.data_ptr();
+    job.spec.output = staging->output.defined() ? staging->output.data_ptr() : nullptr;
+    job.commit = [s = staging.get()]() {
+      at::NoGradGuard no_grad;
+      const c10::cuda::CUDAGuard guard(s->target.device());
+      s->target.copy_(s->output.view(s->target.sizes()));
+      c10::cuda::getCurrentCUDAStream(s->target.device().index()).synchronize();  // done when wait() returns
+    };
+    job.keep_alive = staging;
+    return ring.all_reduce(std::move(job));
+#else
+    TORCH_CHECK(false, "internal: a CUDA context in a build without CUDA");
+#endif
+  }
   {
     py::gil_scoped_release no_gil;  // a device-to-host copy can take a while
     const auto s0 = std::chrono::steady_clock::now();
@@ -202,8 +262,39 @@ void init_ring_bindings(py::module_& m) {
       .def_property_readonly("port", &Ring::port)
       .def("connect", &Ring::connect, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>())
       .def("rejected_connections", &Ring::rejected_connections)
-      .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"))
+      .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"),
+           py::arg("cuda_context") = py::none())
       .def("close", &Ring::close, py::call_guard<py::gil_scoped_release>());
+
+#ifdef PRIME_WITH_CUDA
+  py::class_<ring::CudaContext, std::shared_ptr<ring::CudaContext>>(
+      m, "_CudaRingContext", "A ring's stream and staging on one GPU (csrc/ring/wire_codec_cuda.h).")
+      .def(py::init<int>(), py::arg("device"))
+      .def_property_readonly("device", &ring::CudaContext::device)
+      .def_property("pageable_upload", &ring::CudaContext::pageable_upload, &ring::CudaContext::set_pageable_upload);
+  m.def(
+      "_ring_cuda_kernel_times",
+      [](int device, int64_t n, int64_t block, int iters) {
+        std::vector<ring::KernelTiming> t;
+        {
+          py::gil_scoped_release no_gil;
+          t = ring::time_kernels(device, n, block, iters);
+        }
+        py::list out;
+        for (const auto& k : t) out.append(py::make_tuple(k.name, k.bytes, k.ms));
+        return out;
+      },
+      py::arg("device"), py::arg("n"), py::arg("block"), py::arg("iters"),
+      "[(name, bytes moved, [ms per run])] for each kernel and copy of the GPU wire codec "
+      "(benchmarks/bench_ring_cuda_kernels.py).");
+#endif
+  m.attr("_ring_reduces_on_gpu") = py::bool_(
+#ifdef PRIME_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
 
   // Test hooks for the primitives (compared against hashlib / known vectors).
   m.def("_ring_crc32c", [](py::buffer b, bool portable) {

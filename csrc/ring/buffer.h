@@ -17,6 +17,10 @@ class ByteBuffer {
     data_.reset(static_cast<char*>(std::aligned_alloc(64, capacity_)));
     if (!data_) throw std::bad_alloc();
   }
+  // Bytes owned elsewhere (pinned host memory of the CUDA staging pool): not freed by
+  // this buffer; `keeper` is released with it.
+  ByteBuffer(char* external, size_t size, std::shared_ptr<void> keeper)
+      : data_(external, Free{false}), size_(size), capacity_(size), keeper_(std::move(keeper)) {}
   char* data() { return data_.get(); }
   const char* data() const { return data_.get(); }
   size_t size() const { return size_; }
@@ -34,11 +38,17 @@ class ByteBuffer {
 
  private:
   struct Free {
-    void operator()(char* p) const { std::free(p); }
+    Free() : owned(true) {}
+    explicit Free(bool owns) : owned(owns) {}
+    bool owned;
+    void operator()(char* p) const {
+      if (owned) std::free(p);
+    }
   };
   std::unique_ptr<char, Free> data_;
   size_t size_ = 0;
   size_t capacity_ = 0;
+  std::shared_ptr<void> keeper_;
 };
 
 }  // namespace prime::ring

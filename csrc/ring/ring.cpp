@@ -217,9 +217,16 @@ void Ring::execute(Pending& p) {
     stats.bytes_received = counters->bytes_received;
     stats.frames_sent = counters->frames_sent;
     stats.frames_received = counters->frames_received;
+    stats.auth_s = static_cast<double>(counters->auth_ns.load()) * 1e-9;
     stats.quantize_s = times.quantize_s;
     stats.reduce_s = times.reduce_s;
     stats.wait_s = times.wait_s;
+    stats.gpu = spec.cuda != nullptr;
+    stats.gpu_codec_s = times.gpu_codec_s;
+    stats.h2d_s = times.h2d_s;
+    stats.d2h_s = times.d2h_s;
+    stats.staging_s = times.staging_s;
+    stats.gpu_wait_s = times.gpu_wait_s;
     if (failure) {
       // Stops every I/O thread (and with them every pointer into this job's buffers)
       // before the job, and the tensors it keeps alive, go away.

@@ -66,10 +66,12 @@ class AllReduce {
         all_gather_segment(s, c, k);
       }
     }
+    send_pending();
     {
       Timer wait(times_.wait_s);
       t_.flush(Context{static_cast<int64_t>(seq_)});
     }
+    codec_->finish();
     ScheduleOutcome out;
     out.nonfinite_ranks = mask();
     out.overflow = overflow_;
@@ -77,6 +79,7 @@ class AllReduce {
       restore();  // the caller reports the failure and writes nothing
     } else {
       out.pieces = std::move(pieces_);  // what was not written early (all of it without early_output)
+      out.codec = codec_;
     }
     return out;
   }
@@ -119,11 +122,38 @@ class AllReduce {
     return Span{b, std::min(span.end, b + seg_)};
   }
   const char* in(int64_t i) const { return static_cast<const char*>(spec_.input) + i * esize_; }
-  uint64_t mask() const { return received_mask_ | (own_bad_ ? (uint64_t{1} << r_) : 0); }
+  uint64_t mask() const {
+    return received_mask_ | ((own_bad_ || !codec_->input_finite()) ? (uint64_t{1} << r_) : 0);
+  }
 
-  void send(Phase phase, int step, int k, const Payload& p) { send(phase, step, k, p.data, p.size, p.owner); }
+  // Sends p after every payload produced before it. A deferred payload (wire_codec.h)
+  // waits here until the next one was produced or the worker would block on the wire,
+  // so the codec's device works on segment k+1 while segment k's bytes download.
+  void send(Phase phase, int step, int k, const Payload& p, bool final = false) {
+    send_pending();
+    if (p.deferred) {
+      pending_ = PendingSend{phase, step, k, p, final};
+      return;
+    }
+    send(phase, step, k, p.data, p.size, p.owner);
+  }
+
+  void send_pending() {
+    if (!pending_) return;
+    PendingSend p = std::move(*pending_);
+    pending_.reset();
+    bool finite = true;
+    codec_->ready(p.payload, &finite);
+    if (p.final) overflow_ |= !finite;
+    send_now(p.phase, p.step, p.k, p.payload.data, p.payload.size, p.payload.owner);
+  }
 
   void send(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
+    send_pending();
+    send_now(phase, step, k, data, size, std::move(owner));
+  }
+
+  void send_now(Phase phase, int step, int k, const char* data, size_t size, std::shared_ptr<const ByteBuffer> owner) {
     OutFrame f;
     f.header.kind = FrameKind::kData;
     f.header.phase = phase;
@@ -145,6 +175,7 @@ class AllReduce {
   // Step 0 of the reduce-scatter: this rank's own chunk, as it is.
   void send_own_chunk() {
     const int c = r_;
+    for (int k = 0; k < segments(c); ++k) codec_->prefetch_input(in(segment(c, k).begin), segment(c, k).size());
     for (int k = 0; k < segments(c); ++k) {
       const Span sp = segment(c, k);
       bool finite = true;
@@ -156,6 +187,8 @@ class AllReduce {
 
   InFrame receive(Phase phase, int step, int k, int64_t expected_len) {
     const Context where{static_cast<int64_t>(seq_), phase, step, k};
+    // Never block on the wire with a payload held back: a neighbour may need it first.
+    if (pending_ && !t_.frame_ready()) send_pending();
     InFrame f;
     {
       Timer wait(times_.wait_s);
@@ -189,7 +222,7 @@ class AllReduce {
     {
       Timer timer(times_.reduce_s);
       own_bad_ |= !codec_->accumulate(in(sp.begin), f.payload->data(), len, acc->as<float>());
-      if (last && spec_.op == ReduceOp::kAvg) divide(acc->as<float>(), len, static_cast<float>(n_));
+      if (last && spec_.op == ReduceOp::kAvg) codec_->divide(acc->as<float>(), len, static_cast<float>(n_));
     }
     if (!last) {
       send(Phase::kReduceScatter, s + 1, k, codec_->encode_partial(acc, len));
@@ -200,7 +233,8 @@ class AllReduce {
     const Payload fin = codec_->encode_final(acc, len, &finite);
     overflow_ |= !finite;
     pieces_.push_back(FinalPiece{sp.begin, len, fin.owner});
-    send(Phase::kAllGather, 0, k, fin);
+    codec_->final_known(pieces_.back(), true);
+    send(Phase::kAllGather, 0, k, fin, true);
   }
 
   void all_gather_segment(int s, int c, int k) {
@@ -209,6 +243,7 @@ class AllReduce {
     InFrame f = receive(Phase::kAllGather, s, k, codec_->final_bytes(len));
     // Kept as it came; decoded into the caller's tensor once every check passed.
     pieces_.push_back(FinalPiece{sp.begin, len, f.payload});
+    codec_->final_known(pieces_.back(), false);
     if (s < n_ - 2) {
       // Forward the owner's bytes verbatim (authenticated on arrival, sealed anew for the next link).
       Buffer buf = std::move(f.payload);
@@ -226,7 +261,7 @@ class AllReduce {
   const int n_;
   const int r_;
   const int left_;
-  const std::unique_ptr<WireCodec> codec_;
+  const std::shared_ptr<WireCodec> codec_;
   const int64_t unit_;
   const int64_t seg_;
   const size_t esize_;
@@ -235,6 +270,14 @@ class AllReduce {
   bool own_bad_ = false;
   uint64_t received_mask_ = 0;
   bool overflow_ = false;
+  struct PendingSend {
+    Phase phase;
+    int step;
+    int k;
+    Payload payload;
+    bool final;  // carries a final value: ready() reports its finiteness
+  };
+  std::optional<PendingSend> pending_;  // a deferred payload not yet sent (at most one)
   std::vector<FinalPiece> pieces_;   // final segments not yet written
   std::vector<FinalPiece> backups_;  // what the early writes replaced
 };
@@ -242,19 +285,8 @@ class AllReduce {
 }  // namespace
 
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool) {
-  ScheduleTimes unused;
-  const std::unique_ptr<WireCodec> codec = make_wire_codec(spec, pool, unused);
-  const size_t esize = dtype_size(spec.dtype);
-  int64_t longest = 0;
-  for (const FinalPiece& p : outcome.pieces) longest = std::max(longest, p.len);
-  Buffer scratch;  // before the first write
-  if (const int64_t floats = codec->scratch_floats(longest)) scratch = pool.acquire(static_cast<size_t>(floats) * 4);
-  char* out = static_cast<char*>(dst);
-  for (const FinalPiece& p : outcome.pieces) {
-    if (p.len == 0) continue;
-    codec->decode_final(p.bytes->data(), p.len, out + p.begin * static_cast<int64_t>(esize),
-                        scratch ? scratch->as<float>() : nullptr);
-  }
+  if (outcome.pieces.empty()) return;
+  outcome.codec->write_result(outcome.pieces, dst, dtype_size(spec.dtype), pool);
 }
 
 Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk) {

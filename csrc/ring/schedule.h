@@ -24,6 +24,12 @@ enum class CodecKind : int { kNone = 0, kInt8 = 1 };
 
 constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact codec (values)
 
+// A collective on CUDA tensors (wire_codec_cuda.h; only CUDA builds make one): the
+// ring's stream and staging on the tensor's GPU, and the event after which the input
+// may be read.
+struct CudaJob;
+class WireCodec;
+
 struct AllReduceSpec {
   const void* input = nullptr;  // n values of dtype; read only, and only during the reduce-scatter
   void* output = nullptr;       // unused by the schedule (write_result names its destination)
@@ -39,6 +45,9 @@ struct AllReduceSpec {
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
   int64_t block = 256;
+  // Set: input and output are device memory of that job's GPU, and the wire codec
+  // (make_wire_codec) quantizes and reduces there; only payload bytes cross PCIe.
+  std::shared_ptr<CudaJob> cuda;
 };
 
 struct RingGeometry {
@@ -52,6 +61,13 @@ struct ScheduleTimes {
   double quantize_s = 0;  // codec quantize
   double reduce_s = 0;    // dequantize(-add), widening, sums, rounding, copies
   double wait_s = 0;      // blocked on the wire (recv and final flush)
+  // CUDA tensors only (wire_codec_cuda.cu). GPU time from CUDA events:
+  double gpu_codec_s = 0;  // codec kernels (quantize, dequantize-add, sums, checks)
+  double h2d_s = 0;        // received payloads, pinned staging -> device
+  double d2h_s = 0;        // payloads to send, device -> pinned staging
+  // Host time of the worker:
+  double staging_s = 0;   // copying received payloads into pinned staging
+  double gpu_wait_s = 0;  // blocked until the GPU produced a payload to send
 };
 
 // One segment of the final result as it came off the wire (or, on its owner, as it
@@ -69,6 +85,8 @@ struct ScheduleOutcome {
   // write_result can decode straight into the caller's tensor: no staging tensor, no
   // commit copy (for int8 that is 16 MiB of wire bytes held instead of 64 MiB of fp32).
   std::vector<FinalPiece> pieces;
+  // The codec that saw the pieces (a GPU codec already holds them on the device).
+  std::shared_ptr<WireCodec> codec;
 };
 
 struct Span {
@@ -82,8 +100,8 @@ uint32_t descriptor_of(const AllReduceSpec& spec);
 std::string describe_spec(const AllReduceSpec& spec);
 
 // Writes the result (the n values of spec.dtype) into dst: decodes the pieces with
-// the wire codec (every rank decodes the same bytes with the same code, so all end
-// bit-identical). Allocates everything it needs before the first write,
+// the run's wire codec (every rank decodes the same bytes with the same code, so all
+// end bit-identical; dst is device memory when spec.cuda is set). Allocates everything it needs before the first write,
 // so it either throws before touching dst or writes all of it.
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool);
 

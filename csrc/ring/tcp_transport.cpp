@@ -133,18 +133,22 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   if (coalesce) {
     char joined[kFrameOverhead + kCoalesceBytes];
     auto* bytes = reinterpret_cast<uint8_t*>(joined);
+    const int64_t a0 = now_ns();
     s.sealer.begin(f.header, bytes);
     s.mid_frame = true;
     const char* sealed = s.sealer.payload(f.data, joined + kHeaderBytes, f.size);
     if (sealed != joined + kHeaderBytes && f.size) std::memcpy(joined + kHeaderBytes, sealed, f.size);
     s.sealer.tag(bytes + kHeaderBytes + f.size);
+    f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
     send_all(s.socket, joined, kFrameOverhead + f.size, limits);
     s.mid_frame = false;
     return;
   }
   uint8_t header[kHeaderBytes];
+  int64_t a0 = now_ns();
   s.sealer.begin(f.header, header);
   s.mid_frame = true;
+  f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
   send_all(s.socket, header, kHeaderBytes, limits);
   const size_t piece = limiter_.limited() ? kLimitedPiece : (size_t{4} << 20);
   if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
@@ -152,7 +156,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
     const size_t len = std::min(piece, f.size - off);
     if (!limiter_.acquire(len, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
     // The piece is sealed (tag updated, or encrypted) just before it leaves.
+    a0 = now_ns();
     const char* sealed = s.sealer.payload(f.data + off, s.scratch.data(), len);
+    f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
     const int64_t base = payload_bytes_sent_.fetch_add(static_cast<int64_t>(len));
     const int64_t target = opt_.corrupt_after_bytes;
     if (target >= base && target < base + static_cast<int64_t>(len)) {
@@ -166,7 +172,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
     }
   }
   uint8_t tag[kTagBytes];
+  a0 = now_ns();
   s.sealer.tag(tag);
+  f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
   send_all(s.socket, tag, kTagBytes, limits);
   s.mid_frame = false;
 }
@@ -213,6 +221,7 @@ void TcpTransport::sender_loop(int j) {
     if (f.counters) {
       f.counters->bytes_sent += kFrameOverhead + f.size;
       f.counters->frames_sent += 1;
+      f.counters->auth_ns += f.auth_ns;
     }
     {
       std::lock_guard<std::mutex> lock(send_mu_);
@@ -265,15 +274,19 @@ InFrame TcpTransport::read_frame(const Socket& socket, FrameOpener& opener, cons
   uint8_t raw[kHeaderBytes];
   InFrame f;
   recv_all(socket, raw, kHeaderBytes, limits);
+  int64_t a0 = now_ns();
   const std::string bad = opener.begin(raw, &f.header, max_data_payload);
+  f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
   if (!bad.empty()) throw FrameError{ErrorKind::kCorruptFrame, bad};
   const FrameHeader& h = f.header;
   f.payload = pool_->acquire(h.payload_len);
   recv_all(socket, f.payload->data(), h.payload_len, limits);
   uint8_t tag[kTagBytes];
   recv_all(socket, tag, kTagBytes, limits);
+  a0 = now_ns();
   opener.payload(f.payload->data(), h.payload_len);
   const std::string forged = opener.finish(h, tag);
+  f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
   if (!forged.empty()) throw FrameError{ErrorKind::kCorruptFrame, forged + "; the frame claims to be " + frame_name(h)};
   const std::string stray = check_link(h, expected_rank, opt_.job, opt_.encrypt);
   if (!stray.empty()) throw FrameError{ErrorKind::kProtocol, stray};
@@ -360,6 +373,7 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
       recv_cv_.notify_all();  // a receiver may wait for room
       counters.bytes_received += kFrameOverhead + f.header.payload_len;
       counters.frames_received += 1;
+      counters.auth_ns += f.auth_ns;
       return f;
     }
     if (auto e = failure(where)) throw CommError(*e);

@@ -20,6 +20,9 @@ struct WireCounters {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_sent{0};
   std::atomic<uint64_t> frames_received{0};
+  // Time the I/O threads spent sealing (sender) and opening (receiver) this collective's
+  // frames: AES-GCM over every payload byte, on the host, overlapping the rest.
+  std::atomic<uint64_t> auth_ns{0};
 };
 
 struct OutFrame {
@@ -29,11 +32,13 @@ struct OutFrame {
   // Owns `data` when it is not memory the collective keeps alive until flush().
   std::shared_ptr<const ByteBuffer> owner;
   std::shared_ptr<WireCounters> counters;
+  uint64_t auth_ns = 0;  // time spent sealing it (the sender thread's)
 };
 
 struct InFrame {
   FrameHeader header;
   Buffer payload;  // never null; authenticated (and decrypted) on arrival
+  uint64_t auth_ns = 0;  // time spent opening it
 };
 
 class Transport {

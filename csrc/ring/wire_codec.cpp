@@ -1,11 +1,32 @@
 #include "wire_codec.h"
 
+#include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 #include "../codec/codec.h"
 #include "convert.h"
+#ifdef PRIME_WITH_CUDA
+#include "wire_codec_cuda.h"
+#endif
 
 namespace prime::ring {
+
+void WireCodec::divide(float* acc, int64_t len, float d) { ring::divide(acc, len, d); }
+
+void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool) {
+  int64_t longest = 0;
+  for (const FinalPiece& p : pieces) longest = std::max(longest, p.len);
+  Buffer scratch;  // before the first write
+  if (const int64_t floats = scratch_floats(longest)) scratch = pool.acquire(static_cast<size_t>(floats) * 4);
+  char* out = static_cast<char*>(dst);
+  for (const FinalPiece& p : pieces) {
+    if (p.len == 0) continue;
+    decode_final(p.bytes->data(), p.len, out + p.begin * static_cast<int64_t>(esize),
+                 scratch ? scratch->as<float>() : nullptr);
+  }
+}
+
 namespace {
 
 // docs/wire-format.md's block codec. Every hop quantizes its fp32 partial sum; the
@@ -152,6 +173,11 @@ class ExactCodec final : public WireCodec {
 }  // namespace
 
 std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times) {
+#ifdef PRIME_WITH_CUDA
+  if (spec.cuda) return make_cuda_wire_codec(spec, times);
+#else
+  if (spec.cuda) throw std::logic_error("internal: a collective on CUDA memory in a build without CUDA");
+#endif
   if (spec.codec == CodecKind::kInt8) return std::make_unique<Int8Codec>(spec, pool, times);
   return std::make_unique<ExactCodec>(spec, pool, times);
 }

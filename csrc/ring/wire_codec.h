@@ -10,10 +10,16 @@
 //          tensor's dtype (the owner rounds the final sum once).
 //
 // Accumulation is always in fp32: the schedule hands the codec an fp32 buffer.
+//
+// CUDA builds add a third, for CUDA tensors (spec.cuda set; wire_codec_cuda.h): the
+// same bytes, computed on the tensor's GPU. Its accumulator lives on the device (the
+// schedule's host `acc` buffers are then only placeholders), which is why dividing by
+// the world size and writing the result are the codec's too.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "buffer_pool.h"
 #include "deadline.h"
@@ -40,6 +46,10 @@ struct Payload {
   const char* data = nullptr;
   size_t size = 0;
   std::shared_ptr<const ByteBuffer> owner;
+  // The bytes are still being produced (a GPU codec's download in flight): the schedule
+  // calls the codec's ready() before the payload is sent, and meanwhile reads and
+  // enqueues the next segment, so the GPU works while this one waits for the wire.
+  bool deferred = false;
 };
 
 class WireCodec {
@@ -68,10 +78,34 @@ class WireCodec {
   // holds scratch_floats(len) floats (null when that is 0).
   virtual void decode_final(const char* payload, int64_t len, void* dst, float* scratch) const = 0;
   virtual int64_t scratch_floats(int64_t len) const = 0;
+
+  // Hooks with host defaults (the GPU codec overrides them):
+  // the schedule is about to encode_input these own values (one call per segment, in
+  // the order of the encode_input calls that follow): the codec may start early.
+  virtual void prefetch_input(const void* own, int64_t len) {}
+  // Waits until a deferred payload's bytes exist (encode_partial and encode_final may
+  // return one). *finite: false when the final value it carries is not finite (what
+  // encode_final reports otherwise; encode_final then says true).
+  virtual void ready(const Payload& p, bool* finite) {}
+  // acc[0, len) /= d (the average, on the owner).
+  virtual void divide(float* acc, int64_t len, float d);
+  // False once this rank's own input was seen to hold NaN or Inf by work that
+  // accumulate() only started (the host codecs report it through return values).
+  virtual bool input_finite() const { return true; }
+  // A final segment is known: `encoded_here` (the owner's encode_final just made it)
+  // or received in the all-gather.
+  virtual void final_known(const FinalPiece& piece, bool encoded_here) {}
+  // Every frame was sent: the collective's work on this rank is done (the GPU codec
+  // waits for its stream and adds its GPU times). The ScheduleTimes are not touched after.
+  virtual void finish() {}
+  // Writes the result into dst (the n values of the spec's dtype, `esize` bytes each)
+  // from every final piece. The default decodes each piece with decode_final.
+  virtual void write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool);
 };
 
-// The codec of spec.codec for spec's dtype and block size. Encoding time is added to
-// times.quantize_s, widening, narrowing and checks to times.reduce_s.
+// The codec of spec.codec for spec's dtype and block size (on the GPU when spec.cuda is
+// set). Encoding time is added to times.quantize_s, widening, narrowing and checks to
+// times.reduce_s.
 std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times);
 
 }  // namespace prime::ring

@@ -26,6 +26,14 @@ struct WorkStats {
   double copy_back_s = 0; // the staged result copied into the caller's tensor (host-to-device for CUDA)
   double queue_s = 0;     // from submission until the worker started it
   double total_s = 0;     // from start to completion (queue time excluded)
+  double auth_s = 0;      // sealing and opening frames (AES-GCM) on the I/O threads; overlaps the rest
+  // CUDA tensors reduced on their GPU (gpu true; ScheduleTimes says what each counts):
+  bool gpu = false;
+  double gpu_codec_s = 0;  // GPU time of the codec kernels
+  double h2d_s = 0;        // GPU time of the host-to-device payload copies
+  double d2h_s = 0;        // GPU time of the device-to-host payload copies
+  double staging_s = 0;    // host time copying received payloads into pinned staging
+  double gpu_wait_s = 0;   // host time blocked until the GPU produced a payload to send
 };
 
 class Work {

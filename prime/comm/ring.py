@@ -45,6 +45,14 @@ ENV_MAX_RATE = "PRIME_RING_MAX_RATE"
 ENV_JOB_ID = "PRIME_RING_JOB_ID"
 ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
 ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
+# Where the ring reduces CUDA tensors: "auto" (default: on their GPU when prime._C was
+# built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
+# without CUDA), "cpu" (always through pinned host memory: the path before issue 12).
+ENV_CUDA_REDUCE = "PRIME_RING_CUDA_REDUCE"
+# How received payloads reach the GPU when the ring reduces there: "pinned" (default: the
+# worker copies each into pinned memory, then one DMA) or "pageable" (cudaMemcpyAsync
+# straight from the transport's buffer; the driver stages it). Read at every all_reduce.
+ENV_CUDA_UPLOAD = "PRIME_RING_CUDA_UPLOAD"
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,16 @@ class WorkStats:
     commit_s: float  # writing what was left of the result after every check passed (copy_back_s included)
     queue_s: float  # waiting behind earlier collectives
     total_s: float  # start to completion, queue time excluded
-    stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into pinned host staging
+    stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into staging
     copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
+    auth_s: float = 0.0  # sealing + opening frames (AES-GCM) on the transport's threads; overlaps the rest
+    # CUDA tensors reduced on their GPU (gpu=True; docs/ring.md, "CUDA tensors"):
+    gpu: bool = False
+    gpu_codec_s: float = 0.0  # GPU time of the codec kernels (CUDA events)
+    h2d_s: float = 0.0  # GPU time of the host-to-device payload copies (PCIe)
+    d2h_s: float = 0.0  # GPU time of the device-to-host payload copies (PCIe)
+    staging_s: float = 0.0  # host time copying received payloads into pinned staging
+    gpu_wait_s: float = 0.0  # host time blocked until the GPU produced a payload to send
 
 
 @runtime_checkable
@@ -234,6 +250,7 @@ class Ring:
         # Connections dropped during the rendezvous (bad secret, garbage, ...), also logged.
         self.rejected_connections: list = []
         self._ring = None
+        self._cuda_contexts: dict = {}  # device index -> prime._C._CudaRingContext
         deadline = time.monotonic() + timeout_s
         timeout_ms = int(timeout_s * 1000)
         ns = rendezvous.namespace(self.job_id)
@@ -299,7 +316,34 @@ class Ring:
         if codec not in ("int8", "none"):
             raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
         check_block_size(block_size)
-        return Work(self._ring.all_reduce(tensor, op, codec, block_size), self, tensor)
+        context = self._cuda_context(tensor)
+        return Work(self._ring.all_reduce(tensor, op, codec, block_size, context), self, tensor)
+
+    def _cuda_context(self, tensor: torch.Tensor):
+        """The ring's stream and staging on tensor's GPU when the ring reduces it there
+        ($PRIME_RING_CUDA_REDUCE), else None: staged through pinned host memory."""
+        if not tensor.is_cuda or self.world_size == 1:
+            return None  # (one rank: nothing to reduce, only a finiteness check on the host)
+        mode = os.environ.get(ENV_CUDA_REDUCE, "auto").strip().lower() or "auto"
+        if mode not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"{ENV_CUDA_REDUCE} must be 'auto', 'gpu' or 'cpu', got {mode!r}")
+        upload = os.environ.get(ENV_CUDA_UPLOAD, "pinned").strip().lower() or "pinned"
+        if upload not in ("pinned", "pageable"):
+            raise ValueError(f"{ENV_CUDA_UPLOAD} must be 'pinned' or 'pageable', got {upload!r}")
+        C = _extension.require()
+        if mode == "cpu" or (mode == "auto" and not C._ring_reduces_on_gpu):
+            return None
+        if not C._ring_reduces_on_gpu:
+            raise RuntimeError(
+                f"{ENV_CUDA_REDUCE}=gpu but prime._C was built without the CUDA kernels "
+                "(build/prime-cuda.txt says why); rebuild with a CUDA toolkit or unset it"
+            )
+        device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        context = self._cuda_contexts.get(device)
+        if context is None:
+            context = self._cuda_contexts[device] = C._CudaRingContext(device)
+        context.pageable_upload = upload == "pageable"  # (copied into the job at submit)
+        return context
 
     # -- lifetime ------------------------------------------------------------
 
@@ -309,6 +353,7 @@ class Ring:
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+        self._cuda_contexts = {}  # (queued collectives hold their own reference)
 
     def __enter__(self) -> "Ring":
         return self

@@ -1,0 +1,295 @@
+// Element-wise kernels of the ring's GPU path (ring_cuda.h). Grid-stride loops over
+// contiguous runs: a ring segment is 256 Ki values, a few microseconds of memory
+// traffic, so launch count matters more than the loop's shape. Arithmetic with the
+// _rn intrinsics (and --fmad=false), as in codec_cuda.cu.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ring_cuda.h"
+
+namespace prime::codec::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxGrid = 4096;  // CTAs; the loops stride over the rest
+
+__device__ __forceinline__ float load_widened(const void* p, InputType type, int64_t i) {
+  switch (type) {
+    case InputType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case InputType::kBFloat16:
+      return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+    default:
+      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(p)[i]));
+  }
+}
+
+// Exponent all ones: NaN or Inf (widening keeps it so, narrowing makes it so on overflow).
+__device__ __forceinline__ bool nonfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+
+// v rounded to `type` and widened back: what a rank decoding v into the tensor gets.
+__device__ __forceinline__ float rounded(float v, InputType type) {
+  switch (type) {
+    case InputType::kFloat32:
+      return v;
+    case InputType::kBFloat16:
+      return __bfloat162float(__float2bfloat16_rn(v));
+    default:
+      return __half2float(__float2half_rn(v));
+  }
+}
+
+__device__ __forceinline__ void store_narrowed(void* p, InputType type, int64_t i, float v) {
+  switch (type) {
+    case InputType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case InputType::kBFloat16:
+      static_cast<uint16_t*>(p)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = __half_as_ushort(__float2half_rn(v));
+      break;
+  }
+}
+
+// The flag is only ever set to 1, so racing stores agree.
+__device__ __forceinline__ void raise_flag(bool bad, uint32_t* flag) {
+  if (bad) *flag = 1u;
+}
+
+__device__ __forceinline__ int64_t first_index() { return int64_t{blockIdx.x} * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ int64_t stride() { return int64_t{gridDim.x} * blockDim.x; }
+
+__global__ void __launch_bounds__(kThreads)
+    add_dequantized_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
+                           const float* __restrict__ scales, int64_t n, int log2_block, float* __restrict__ acc,
+                           uint32_t* own_bad) {
+  bool bad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float o = load_widened(own, type, i);
+    bad |= nonfinite(o);
+    acc[i] = __fadd_rn(o, __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+  }
+  raise_flag(bad, own_bad);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    add_widened_kernel(const void* __restrict__ own, InputType type, const float* __restrict__ add, int64_t n,
+                       float* __restrict__ acc, uint32_t* own_bad) {
+  bool bad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float o = load_widened(own, type, i);
+    bad |= nonfinite(o);
+    acc[i] = __fadd_rn(o, add[i]);
+  }
+  raise_flag(bad, own_bad);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    widen_kernel(const void* __restrict__ src, InputType type, int64_t n, float* __restrict__ dst, uint32_t* flag) {
+  bool bad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float v = load_widened(src, type, i);
+    bad |= nonfinite(v);
+    if (dst) dst[i] = v;
+  }
+  raise_flag(bad, flag);
+}
+
+__global__ void __launch_bounds__(kThreads) divide_kernel(float* __restrict__ x, int64_t n, float d) {
+  for (int64_t i = first_index(); i < n; i += stride()) x[i] = __fdiv_rn(x[i], d);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    narrow_kernel(const float* __restrict__ src, int64_t n, InputType type, void* __restrict__ dst, uint32_t* flag) {
+  bool bad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float v = src[i];
+    bad |= nonfinite(rounded(v, type));
+    store_narrowed(dst, type, i, v);
+  }
+  raise_flag(bad, flag);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    flag_decoded_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t n, int log2_block,
+                        InputType type, uint32_t* flag) {
+  bool bad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    bad |= nonfinite(rounded(__fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]), type));
+  }
+  raise_flag(bad, flag);
+}
+
+
+// One warp per codec block of B = 32 * V values: lane l holds values l + 32 j (every
+// load instruction of the warp reads one contiguous run), the block's max |v| comes
+// from shuffles, and the quantize is codec_cuda.cu's, operation for operation.
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kInfBits = 0x7f800000u;
+constexpr uint32_t kCanonicalNaN = 0x7fc00000u;
+constexpr int kWarpsPerCta = kThreads / 32;
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
+                           const float* __restrict__ scales, int64_t n, float divisor, int8_t* __restrict__ q_out,
+                           float* __restrict__ scales_out, uint32_t* own_bad, uint32_t* result_bad,
+                           InputType result_type) {
+  constexpr int64_t B = 32 * V;
+  const int lane = threadIdx.x % 32;
+  const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
+  const int64_t start = block * B;
+  if (start >= n) return;  // whole warps leave together
+  const float s_in = scales[block];
+  float v[V];
+  bool bad = false;
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t i = start + lane + 32 * j;
+    float x = 0.f;  // (past the end: 0 does not change max |v|)
+    if (i < n) {
+      const float o = load_widened(own, type, i);
+      bad |= nonfinite(o);
+      x = __fadd_rn(o, __fmul_rn(static_cast<float>(q[i]), s_in));
+      if (divisor != 0.f) x = __fdiv_rn(x, divisor);
+    }
+    v[j] = x;
+    m = max(m, __float_as_uint(x) & kAbsMask);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const bool finite = m < kInfBits;
+  float scale = __uint_as_float(kCanonicalNaN);
+  float inv = 0.f;
+  if (finite) {
+    const float a = __uint_as_float(m);
+    scale = __fdiv_rn(a, 127.0f);
+    inv = a > 0.f ? __fdiv_rn(127.0f, a) : 0.f;
+    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
+  }
+  if (lane == 0) reinterpret_cast<uint32_t*>(scales_out)[block] = __float_as_uint(scale);
+  bool rbad = false;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t i = start + lane + 32 * j;
+    int k = min(max(__float2int_rn(__fmul_rn(v[j], inv)), -127), 127);
+    if (!finite) k = 0;
+    if (i < n) {
+      q_out[i] = static_cast<int8_t>(k);
+      if (result_bad) rbad |= nonfinite(rounded(__fmul_rn(static_cast<float>(k), scale), result_type));
+    }
+  }
+  raise_flag(bad, own_bad);
+  if (result_bad) raise_flag(rbad, result_bad);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    reduce_exact_kernel(const void* __restrict__ own, InputType type, const float* __restrict__ add, int64_t n,
+                        float divisor, void* __restrict__ out, InputType out_type, uint32_t* own_bad,
+                        uint32_t* result_bad) {
+  bool bad = false, rbad = false;
+  for (int64_t i = first_index(); i < n; i += stride()) {
+    const float o = load_widened(own, type, i);
+    bad |= nonfinite(o);
+    float x = __fadd_rn(o, add[i]);
+    if (divisor != 0.f) x = __fdiv_rn(x, divisor);
+    rbad |= nonfinite(rounded(x, out_type));
+    store_narrowed(out, out_type, i, x);
+  }
+  raise_flag(bad, own_bad);
+  if (result_bad) raise_flag(rbad, result_bad);
+}
+
+dim3 grid_for(int64_t n) {
+  const int64_t ctas = (n + kThreads - 1) / kThreads;
+  return dim3(static_cast<unsigned>(ctas < kMaxGrid ? ctas : kMaxGrid));
+}
+
+int log2_of(int64_t b) {
+  int k = 0;
+  while ((int64_t{1} << k) < b) ++k;
+  return k;
+}
+
+}  // namespace
+
+cudaError_t add_dequantized(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream) {
+  if (!valid_block_size(block)) return cudaErrorInvalidValue;
+  if (n <= 0) return cudaSuccess;
+  add_dequantized_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, q, scales, n, log2_of(block), acc, own_bad);
+  return cudaGetLastError();
+}
+
+cudaError_t add_widened(const void* own, InputType type, const float* add, int64_t n, float* acc, uint32_t* own_bad,
+                        cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  add_widened_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, add, n, acc, own_bad);
+  return cudaGetLastError();
+}
+
+cudaError_t widen(const void* src, InputType type, int64_t n, float* dst, uint32_t* bad, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  widen_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, type, n, dst, bad);
+  return cudaGetLastError();
+}
+
+cudaError_t divide(float* x, int64_t n, float d, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  divide_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, d);
+  return cudaGetLastError();
+}
+
+cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint32_t* bad, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  narrow_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, n, type, dst, bad);
+  return cudaGetLastError();
+}
+
+cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t n, int64_t block, InputType type,
+                                   uint32_t* bad, cudaStream_t stream) {
+  if (!valid_block_size(block)) return cudaErrorInvalidValue;
+  if (n <= 0) return cudaSuccess;
+  flag_decoded_kernel<<<grid_for(n), kThreads, 0, stream>>>(q, scales, n, log2_of(block), type, bad);
+  return cudaGetLastError();
+}
+
+bool reduce_quantize_supported(int64_t block) { return valid_block_size(block) && block <= 1024; }
+
+cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream) {
+  if (!reduce_quantize_supported(block)) return cudaErrorInvalidValue;
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = (n + block - 1) / block;
+  const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
+#define PRIME_RQ(V)                                                                                                  \
+  reduce_quantize_kernel<V><<<grid, kThreads, 0, stream>>>(own, type, q, scales, n, divisor, q_out, scales_out, \
+                                                           own_bad, result_bad, result_type)
+  switch (block / 32) {
+    case 1: PRIME_RQ(1); break;
+    case 2: PRIME_RQ(2); break;
+    case 4: PRIME_RQ(4); break;
+    case 8: PRIME_RQ(8); break;
+    case 16: PRIME_RQ(16); break;
+    default: PRIME_RQ(32); break;
+  }
+#undef PRIME_RQ
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_exact(const void* own, InputType type, const float* add, int64_t n, float divisor, void* out,
+                         InputType out_type, uint32_t* own_bad, uint32_t* result_bad, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  reduce_exact_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, add, n, divisor, out, out_type, own_bad,
+                                                            result_bad);
+  return cudaGetLastError();
+}
+
+}  // namespace prime::codec::cuda

@@ -1,0 +1,69 @@
+// The element-wise CUDA kernels the ring needs besides the codec itself, for its
+// GPU wire codec (csrc/ring/wire_codec_cuda.cu): adding a received partial sum to
+// this rank's own values, the average's division, rounding the final sum to the
+// tensor's dtype, and NaN/Inf flags. Each does the arithmetic of the CPU path
+// (csrc/ring/convert.cpp, csrc/ring/wire_codec.cpp) with one IEEE rounding per
+// operation and no FMA, so a ring may mix CPU and CUDA ranks and end bit-identical.
+//
+// Like codec_cuda.h: raw device pointers, everything enqueued on `stream`, no host
+// sync, no allocation; each returns cudaGetLastError() after its launch. A flag
+// argument is a device word set to 1 when the condition holds and left alone
+// otherwise (callers zero it, and OR-accumulate over several launches).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "codec.h"
+
+namespace prime::codec::cuda {
+
+// acc[i] = widen(own[i]) + float(q[i]) * scales[i / block]  (multiply, then add).
+// *own_bad = 1 when own holds NaN or Inf.
+cudaError_t add_dequantized(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream);
+
+// acc[i] = widen(own[i]) + add[i]. *own_bad = 1 when own holds NaN or Inf.
+cudaError_t add_widened(const void* own, InputType type, const float* add, int64_t n, float* acc, uint32_t* own_bad,
+                        cudaStream_t stream);
+
+// dst[i] = widen(src[i]) (dst may be null: only the check). *bad = 1 when src holds NaN or Inf.
+cudaError_t widen(const void* src, InputType type, int64_t n, float* dst, uint32_t* bad, cudaStream_t stream);
+
+// x[i] = x[i] / d (a true division, as the CPU path and the reference do).
+cudaError_t divide(float* x, int64_t n, float d, cudaStream_t stream);
+
+// dst[i] = src[i] rounded to `type` (nearest even; fp32: a copy). *bad = 1 when a
+// rounded value is NaN or Inf.
+cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint32_t* bad, cudaStream_t stream);
+
+// *bad = 1 when some float(q[i]) * scales[i / block], rounded to `type`, is NaN or Inf
+// (the owner's check that the result every rank will decode is finite).
+cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t n, int64_t block, InputType type,
+                                   uint32_t* bad, cudaStream_t stream);
+
+// Fused passes of one ring segment (the hot path: one launch, one read of each input,
+// one write of each output, instead of add, divide, quantize and check launches with
+// an fp32 sum in between). The arithmetic is that of the unfused kernels above and of
+// codec_cuda.cu's quantize, operation for operation, so the bytes are the same.
+
+// True when reduce_quantize takes this block size (one warp per block: 32..1024).
+bool reduce_quantize_supported(int64_t block);
+
+// int8: v[i] = widen(own[i]) + float(q[i]) * scales[i / block], then v[i] / divisor when
+// divisor != 0, quantized into q_out / scales_out (nearest even; a block holding NaN or
+// Inf gets the NaN scale and zero q). *own_bad = 1 when own holds NaN or Inf; when
+// result_bad is set, *result_bad = 1 when a decoded value rounded to result_type is NaN
+// or Inf (flag_nonfinite_decoded of the output).
+cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream);
+
+// exact: v[i] = widen(own[i]) + add[i], then v[i] / divisor when divisor != 0, stored
+// rounded to out_type (fp32: as it is). *own_bad = 1 when own holds NaN or Inf; when
+// result_bad is set, *result_bad = 1 when a stored value is NaN or Inf.
+cudaError_t reduce_exact(const void* own, InputType type, const float* add, int64_t n, float divisor, void* out,
+                         InputType out_type, uint32_t* own_bad, uint32_t* result_bad, cudaStream_t stream);
+
+}  // namespace prime::codec::cuda
