@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Optional
@@ -21,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from prime import faults
 from prime.checkpoint import CheckpointError, Checkpointer
 from prime.comm import store_keys as keys
 from prime.config import Config
@@ -31,11 +31,6 @@ from prime.model import Transformer
 from prime.parallelize import local_shard, parallelize
 
 __all__ = ["Trainer", "lr_at", "TrainingStopped", "TrainingDiverged"]
-
-# Test hook: after this inner step, wait for checkpoint writes and exit at once
-# with status 17, as a killed process would (the resume test uses it).
-_FAULT_ENV = "PRIME_FAULT_EXIT_AFTER_STEP"
-
 
 class TrainingStopped(RuntimeError):
     """Training stopped on an error that a checkpoint and a restart can get past (message says what to do)."""
@@ -402,7 +397,6 @@ class Trainer:
         """Runs the inner steps up to train.steps, with outer steps, logging and checkpoints. Returns the summary."""
         cfg = self.cfg
         self._describe()
-        fault_step = int(os.environ.get(_FAULT_ENV, "0") or 0)
         self.losses: list[tuple[int, float]] = []
         self.step_s: list[float] = []  # inner-step times, for the summary's medians
         self.total_sent = 0.0
@@ -457,12 +451,8 @@ class Trainer:
                     self._after_outer(result)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                     self._save()
-                if fault_step and self.step == fault_step:
-                    if self.ckpt is not None:
-                        self.ckpt.wait()
-                    self.log.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
-                    sys.stdout.flush()
-                    os._exit(17)
+                faults.hit("train.after_step", self.step, log=self.log.print,  # prime/faults.py
+                           before_exit=self.ckpt.wait if self.ckpt is not None else None)
         except self._finished_errors() as e:  # elastic: evicted, and the job ended before this node got back in
             self.log.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self._stop_errors()) as e:
@@ -482,7 +472,7 @@ class Trainer:
             self._save(block=True)
         wall = time.perf_counter() - t_start
         summary = self._summary(wall)
-        if self.diloco.distributed and not self.elastic and self.cfg.diloco.check_replicas:
+        if self.diloco.distributed and self.cfg.diloco.check_replicas:
             summary["weights_digest"] = self._check_final_weights()
         return summary
 
@@ -504,14 +494,22 @@ class Trainer:
             h.update(outer.numpy().tobytes())
         digest = h.hexdigest()
         what = "weights" if synced else "outer weights (the run did not end on an outer step)"
-        self.records.set(keys.final_digest(self.local_rank, self.node_rank), digest)
-        others = [self.records.get(keys.final_digest(self.local_rank, n)).decode() for n in range(self.num_nodes)]
-        differ = [n for n, d in enumerate(others) if d != digest]
+        if self.elastic:  # elastic: the members of the last outer step, by node id (prime/elastic/node.py)
+            me, r = self.elastic_sync.node_id, self.records
+            same, differ = self.elastic_sync.final_agreement(
+                lambda d: r.set(keys.final_digest(self.local_rank, me), d),
+                lambda i: r.records.get(keys.final_digest(self.local_rank, i)), digest, self.cfg.diloco.timeout_s)
+            nodes = len(same)
+        else:
+            self.records.set(keys.final_digest(self.local_rank, self.node_rank), digest)
+            others = [self.records.get(keys.final_digest(self.local_rank, n)).decode() for n in range(self.num_nodes)]
+            differ = [n for n, d in enumerate(others) if d != digest]
+            nodes = self.num_nodes
         if differ:
             raise ReplicaMismatchError(f"node {self.node_rank}: final {what} differ from node(s) {differ} "
                                        f"(blake2b {digest} here)")
         if self.is_logger:
-            self.log.print(f"final {what} identical on all {self.num_nodes} nodes: blake2b {digest}"
+            self.log.print(f"final {what} identical on all {nodes} nodes: blake2b {digest}"
                            + (f" (local rank {self.local_rank})" if self.local_world > 1 else ""))
         return digest
 

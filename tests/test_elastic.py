@@ -83,7 +83,7 @@ class Job:
         e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                  PYTHONUNBUFFERED="1", PRIME_RING_SECRET=SECRET)
         for k in ("PRIME_NODE_RANK", "PRIME_NUM_NODES", "PRIME_STORE_ADDR", "PRIME_FAULT_EXIT_AFTER_STEP",
-                  "PRIME_ELASTIC_FAULT"):
+                  "PRIME_FAULTS"):
             e.pop(k, None)
         e.update(env or {})
         cmd = [sys.executable, "-m", "prime.train", *self.args, "--node-rank", str(rank), *args]
@@ -235,12 +235,12 @@ def scenario_a(tmp_path_factory):
     # The survivors wait at inner step HOLD_A (after outer step 3) until the joiner holds the state: on a
     # fast machine they would otherwise run to the end while the joiner's Python starts.
     release = os.path.join(str(tmp), "release")
-    hold = f"hold:{HOLD_A}:{release}"
+    hold = f"train.before_step@{HOLD_A}=hold:{release}"
     job = Job(tmp, initial=3, steps=STEPS_A, seed=seed)
-    job.start(0, env={"PRIME_ELASTIC_FAULT": hold})
+    job.start(0, env={"PRIME_FAULTS": hold})
     # node 1 waits at inner step 12 for a file that never comes: killed there, surely inside its inner steps
-    job.start(1, env={"PRIME_ELASTIC_FAULT": f"hold:12:{os.path.join(str(tmp), 'never')}"})
-    job.start(2, env={"PRIME_ELASTIC_FAULT": f"allreduce-after:{trigger},{hold}"})
+    job.start(1, env={"PRIME_FAULTS": f"train.before_step@12=hold:{os.path.join(str(tmp), 'never')}"})
+    job.start(2, env={"PRIME_FAULTS": f"allreduce.inside@file:{trigger},{hold}"})
     try:
         job.wait_line(1, r"holding at inner step 12")
         job.kill(1)
@@ -365,10 +365,10 @@ def scenario_b(tmp_path_factory):
     # with the wrong secret gave up and a forged join request is planted: on a fast machine the job would
     # otherwise end while the newcomers' Python starts.
     release = os.path.join(str(tmp), "release")
-    hold = f"hold:{HOLD_B}:{release}"
+    hold = f"train.before_step@{HOLD_B}=hold:{release}"
     job = Job(tmp, initial=2, steps=STEPS_B, seed=seed)
-    job.start(0, env={"PRIME_ELASTIC_FAULT": f"serve:0.4,{hold}"})
-    job.start(1, env={"PRIME_ELASTIC_FAULT": hold})
+    job.start(0, env={"PRIME_FAULTS": f"transfer.serve@0.4,{hold}"})
+    job.start(1, env={"PRIME_FAULTS": hold})
     stop, forged = threading.Event(), []
     forger = threading.Thread(target=_forge_join_requests, args=(job, stop, forged), daemon=True)
     try:
@@ -453,8 +453,8 @@ def scenario_c(tmp_path_factory):
     job = Job(tmp_path_factory.mktemp("c"), initial=2, steps=STEPS_C, seed=seed,
               extra=["--elastic.barrier_timeout_s", "2"])
     # node 0 pauses too (at step 22, alone by then): the run must not end before node 1 is back
-    job.start(0, env={"PRIME_ELASTIC_FAULT": "stall:22:5"})
-    job.start(1, env={"PRIME_ELASTIC_FAULT": "stall:13:5"})
+    job.start(0, env={"PRIME_FAULTS": "train.before_step@22=stall:5"})
+    job.start(1, env={"PRIME_FAULTS": "train.before_step@13=stall:5"})
     try:
         codes = job.wait()
     finally:

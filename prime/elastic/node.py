@@ -27,8 +27,6 @@ it was evicted) does all of this. See docs/elastic.md.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,13 +36,11 @@ from typing import Callable, Optional
 import torch
 
 from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan, reduce_op
-from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fault_specs, fetch_state, state_digest
+from prime import faults
+from prime.elastic.transfer import StateServer, TransferError, fetch_state, state_digest
 from prime.sync import OuterSyncError, SyncResult, is_comm_error, work_stats
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
-
-# The longest a "hold" test hook (FAULT_ENV) waits for its file.
-HOLD_MAX_S = 300.0
 
 
 @dataclass
@@ -181,7 +177,6 @@ class ElasticSync:
         self._committed: Optional[Plan] = None
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining: Optional[dict] = None  # the join that average() admitted, completed in committed()
-        self._faults = fault_specs()
         self.node_id = membership.register(start_timeout_s)
         from prime.comm.rendezvous import resolve_addresses
 
@@ -232,33 +227,12 @@ class ElasticSync:
     def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
         """Nothing: a joiner checks the job's settings when it downloads, and the digests show divergence."""
 
-    # -- test hooks on the inner steps --------------------------------------------------
+    # -- fault points on the inner steps ------------------------------------------------
 
     def before_inner_step(self, step: int) -> None:
-        """Test hooks (FAULT_ENV) at inner step `step`: "stall:<step>:<seconds>" (a slow node) and
-        "hold:<step>:<path>" (wait until the file exists)."""
-        for spec in self._faults:
-            if spec.startswith("stall:"):
-                at, secs = spec.split(":")[1:]
-                if step == int(at):
-                    time.sleep(float(secs))
-            elif spec.startswith("hold:"):
-                _, at, path = spec.split(":", 2)
-                if step == int(at):
-                    self._hold(int(at), path)
-
-    def _hold(self, at: int, path: str) -> None:
-        """Test hook: pauses at inner step `at` (heartbeat and state server running) until `path` exists.
-
-        Lets a test keep the job at a known outer step while a joiner starts,
-        whatever the speed of the machine. Gives up after HOLD_MAX_S, so that a
-        node left behind by a crashed test does not wait forever."""
-        self.membership.log(f"test hook {FAULT_ENV}: holding at inner step {at} until {path} exists",
-                            event="hold", at=at)
-        deadline = time.monotonic() + HOLD_MAX_S
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.membership.log(f"test hook {FAULT_ENV}: released at inner step {at}", event="hold", at=at)
+        """Fault point train.before_step (prime.faults: stall, hold, kill) before inner step `step`; the
+        heartbeat and the state server keep running meanwhile."""
+        faults.hit("train.before_step", step, log=lambda msg: self.membership.log(msg, event="fault", at=step))
 
     # -- the outer step ------------------------------------------------------------------
 
@@ -434,10 +408,7 @@ class ElasticSync:
         self._ring_k = None  # set again once this outer step commits through it
         try:
             work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
-            if any(f == f"allreduce:{k}" or (f.startswith("allreduce-after:") and os.path.exists(f.split(":", 1)[1]))
-                   for f in self._faults):
-                time.sleep(0.01)
-                os.kill(os.getpid(), signal.SIGKILL)  # test hook (FAULT_ENV): die inside the all-reduce
+            faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
                 if dead is not None:
@@ -548,6 +519,37 @@ class ElasticSync:
               event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
               download_s=info.download_s, download_bytes=info.download_bytes, members=r.members, digest=digest)
         return info
+
+    # -- the end of the run -------------------------------------------------------------
+
+    def final_agreement(self, publish: Callable[[str], None], read: Callable[[int], Optional[str]], digest: str,
+                        timeout_s: float) -> tuple[list, list]:
+        """Compares this node's final weights digest with the other members of the last committed outer step.
+
+        publish(digest) writes this node's (signed) record; read(node id) returns a
+        member's digest or None. Waits for every member of the last commit that is still
+        alive (a member that died, or left without a digest, is not waited for) up to
+        timeout_s. Returns (ids holding the same digest, this node included; ids that
+        differ). Call before close(): a node that has left is no longer waited for."""
+        publish(digest)
+        members = list(self._committed.members) if self._committed is not None else [self.node_id]
+        same, differ = [self.node_id], []
+        waiting = [i for i in members if i != self.node_id]
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                got = read(i)
+                if got is not None:
+                    (same if got == digest else differ).append(i)
+                    waiting.remove(i)
+                elif self.membership.gone(i):
+                    waiting.remove(i)  # died (or left without a digest) after the last commit
+            if waiting:
+                time.sleep(0.05)
+        if waiting:
+            self.membership.log(f"final weights: no digest from node(s) {waiting} within {timeout_s:g} s",
+                                event="final", missing=waiting)
+        return sorted(same), sorted(differ)
 
     # -- lifetime ------------------------------------------------------------------------
 
