@@ -227,7 +227,10 @@ def hit(point: str, at: Optional[float] = None, *, log: Optional[Callable[[str],
         _fired.add(f.spec + f"#{id(f)}")
         say = log or (lambda m: print(m, file=sys.stderr, flush=True))
         if f.action == "kill":
-            say(f"fault {f.spec}: SIGKILL at {point} {at if at is not None else ''}".rstrip())
+            line = f"fault {f.spec}: SIGKILL at {point} {at if at is not None else ''}".rstrip()
+            say(line)
+            if log is not None:  # also where a launcher sees it whatever the process logs (prime-simulate)
+                print(line, file=sys.stderr, flush=True)
             time.sleep(0.01)  # let the line out
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.action == "exit":

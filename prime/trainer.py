@@ -89,11 +89,6 @@ class Trainer:
             )
         self.node_rank, self.num_nodes = cfg.nodes.node_rank, cfg.nodes.num_nodes
         self.elastic = cfg.elastic.enabled
-        if self.elastic and self.local_world > 1:
-            raise ValueError(
-                f"elastic.enabled needs one process per node, this node runs {self.local_world}: use "
-                "--nproc-per-node 1 (several GPUs per node are not supported by elastic training yet)"
-            )
         want = cfg.train.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ValueError("train.device is 'cuda' but torch sees no GPU; use train.device = 'cpu' or 'auto'")

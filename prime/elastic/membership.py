@@ -383,7 +383,9 @@ class Monitor:
     one (beyond overwriting its record faster than it beats), or make it leave.
     """
 
-    def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float):
+    def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float,
+                 beats: bool = True):
+        self.beats = beats  # False: watch only (the other processes of a node; its local rank 0 beats)
         self._records = records
         self.node_id, self.initial_nodes = node_id, initial_nodes
         self.interval, self.timeout = interval, timeout
@@ -399,6 +401,8 @@ class Monitor:
         self.last_error: Optional[str] = None
 
     def _beat(self, left: bool = False) -> None:
+        if not self.beats:
+            return
         self._seq += 1
         self._records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
 
@@ -583,6 +587,7 @@ class Membership:
         self._warned: set[int] = set()
         self._own_keys: dict[int, list] = {}
         self._latest: Optional[dict] = None
+        self.local_rank = 0  # attach() sets it in the other processes of a node
 
     # -- logging ---------------------------------------------------------------
 
@@ -634,6 +639,20 @@ class Membership:
                          missing=missing)
         return self.node_id
 
+    def attach(self, node_id: int, genesis: bool, secret: bytes, local_rank: int) -> None:
+        """For local rank g > 0 of a node with several processes: the node registered through its local rank
+        0 (register()), which beats for it and takes part in every decision. This process only watches the
+        heartbeats (to give up on a ring when a member dies), forms ring g and serves shard g."""
+        assert local_rank > 0, local_rank
+        self.registered_at = time.monotonic()
+        self.node_id, self.genesis, self._secret, self.local_rank = node_id, genesis, secret, local_rank
+        self.records = self._signed(self.store)
+        watch = SignedStore(self._factory(), self._secret, self.run_id,
+                            warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+        self.monitor = Monitor(watch, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout,
+                               beats=False)
+        self.monitor.start()
+
     def _resolve_secret(self) -> bytes:
         if self._secret:
             return bytes(self._secret)
@@ -658,7 +677,8 @@ class Membership:
         return self._factory()
 
     def publish_address(self, address: str) -> None:
-        self.records.put(keys.state_addr(self.node_id), address)
+        """This process's state server (local rank g serves shard g)."""
+        self.records.put(keys.state_addr(self.node_id, self.local_rank), address)
 
     def address_of(self, node: int) -> Optional[str]:
         return self.records.get(keys.state_addr(node))
@@ -676,8 +696,10 @@ class Membership:
         are deleted with the outer step's other keys (commit())."""
         import torch.distributed as dist
 
-        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank))
-        return dist.PrefixStore(keys.ring_prefix(k, attempt), self.new_store()), keys.ring_job_id(self.run_id, k, attempt)
+        g = self.local_rank  # ring g: local rank g of every member
+        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank, g))
+        return (dist.PrefixStore(keys.ring_prefix(k, attempt, g), self.new_store()),
+                keys.ring_job_id(self.run_id, k, attempt, g))
 
     # -- one attempt of an outer step ------------------------------------------------------------
 
@@ -722,7 +744,12 @@ class Membership:
         self._publish_committed(plan, outcome)
         if slot_state is not None:
             self.records.put(keys.slot(plan.slot_of(self.node_id)), slot_state)
-        for old in [j for j in self._own_keys if j <= plan.k - 2]:
+        self.tidy(plan.k)
+
+    def tidy(self, k: int) -> None:
+        """Deletes this process's keys of outer step k-2 and older (commit() does it; the other processes of
+        a node call it for their rings' keys)."""
+        for old in [j for j in self._own_keys if j <= k - 2]:
             for key in self._own_keys.pop(old):
                 try:
                     self.store.delete_key(key)
@@ -905,7 +932,7 @@ class Membership:
         for i in members:
             if i == self.node_id or self.monitor.gone(i):
                 continue
-            key = keys.state_addr(i)
+            key = keys.state_addr(i, self.local_rank)  # local rank g downloads shard g from local rank g
             raw = self.store.get(key) if self.store.check([key]) else None
             addr = None if raw is None else self.records.open(key, raw)
             if isinstance(addr, str):
@@ -925,7 +952,7 @@ class Membership:
     def leave(self) -> None:
         """Stops the heartbeat and tells the others that this node exits (it is dropped at once)."""
         if self.monitor is not None:
-            if self.monitor.stop(leave=True):
+            if self.monitor.stop(leave=True) and self.monitor.beats:
                 self.log("left cleanly", event="leave")
             self.monitor = None
 

@@ -35,10 +35,11 @@ from typing import Callable, Optional
 
 import torch
 
-from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan, reduce_op
+from prime.elastic.membership import (Attempt, Evicted, JobFinished, JoinError, Membership, MembershipError, Plan,
+                                      reduce_op)
 from prime import faults
 from prime.elastic.transfer import StateServer, TransferError, fetch_state, state_digest
-from prime.sync import OuterSyncError, SyncResult, is_comm_error, work_stats
+from prime.sync import OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
 
@@ -158,12 +159,17 @@ class ElasticSync:
         total_steps: Optional[int] = None,
         digest: bool = False,
         slot_state_fn: Optional[Callable[[], dict]] = None,
+        local_group=None,
     ):
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("elastic training runs one process per node; this node runs "
-                             f"{dist.get_world_size()} (use --nproc-per-node 1, or turn elastic off)")
+        # The node's processes (one torchrun per node): local rank 0 takes part in the membership for the
+        # node; every local rank g keeps ring g with local rank g of the other members and serves shard g.
+        group = node_local_group(local_group)
+        self.local_world = dist.get_world_size(group) if group is not None else 1
+        self.local_rank = dist.get_rank(group) if group is not None else 0
+        self.group = group if self.local_world > 1 else None
+        self._src = dist.get_global_rank(group, 0) if self.group is not None else 0
         self.membership = membership
         self.ring_timeout_s, self.streams, self.max_rate = ring_timeout_s, streams, max_rate
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
@@ -177,7 +183,12 @@ class ElasticSync:
         self._committed: Optional[Plan] = None
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining: Optional[dict] = None  # the join that average() admitted, completed in committed()
-        self.node_id = membership.register(start_timeout_s)
+        if self.local_rank == 0:
+            membership.register(start_timeout_s)
+        who = self._share((membership.node_id, membership.genesis, membership.secret))
+        if self.local_rank > 0:
+            membership.attach(*who, local_rank=self.local_rank)
+        self.node_id = membership.node_id
         from prime.comm.rendezvous import resolve_addresses
 
         bind, advertise = resolve_addresses(membership.store, None, None)
@@ -221,8 +232,98 @@ class ElasticSync:
             self._publish_state(outer_step, inner_step)
 
     def agree(self, ok: bool) -> bool:
-        """One process per node: nothing to agree with."""
-        return ok
+        """True when `ok` holds on every process of this node."""
+        return all_local(self.group, ok)
+
+    # -- the node's processes agree (local rank 0 decides for the node) ------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the process that takes part in the membership for its node (local rank 0)."""
+        return self.local_rank == 0
+
+    def _share(self, obj):
+        """Local rank 0's `obj`, on every process of the node (a small gloo broadcast; a no-op alone)."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        """`obj` of every process of the node, in local-rank order."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.local_world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _lead(self, fn: Callable[[], object], k: int, g: Optional[torch.Tensor] = None):
+        """Runs fn() on local rank 0 and returns its value (or raises its exception) on every process of
+        the node. Meanwhile the other processes run the all-reduce of every plan local rank 0 hands them
+        (("plan", plan) from _node_allreduce), on their own ring."""
+        if self.group is None:
+            return fn()
+        if self.is_leader:
+            try:
+                v = fn()
+            except BaseException as e:
+                self._share(("raise", _portable(e, k)))
+                raise
+            self._share(("ok", v))
+            return v
+        while True:
+            kind, v = self._share(None)
+            if kind == "plan":
+                t0 = time.monotonic()
+                res = self._allreduce_plan(k, v, g)
+                self._combine(res)
+                self._own = (res, t0, time.monotonic() - t0)
+            elif kind == "raise":
+                raise v
+            else:
+                return v
+
+    def _combine(self, res: tuple) -> tuple:
+        """The node's result of one attempt from each process's own (ok, error, blame, stats): it worked
+        only when every local rank's ring did."""
+        if self.group is None:
+            return res
+        every = self._gather(tuple(res[:3]))
+        bad = [(g, e, b) for g, (ok, e, b) in enumerate(every) if not ok]
+        if not bad:
+            return res
+        blame = next((b for _, _, b in bad if b != -1), -1)
+        return False, "; ".join(f"local rank {g}: {e}" for g, e, _ in bad), blame, res[3]
+
+    def _node_allreduce(self, k: int, plan: Plan, g: torch.Tensor):
+        """Local rank 0's all-reduce of an attempt: hands the plan to the node's other processes, runs its
+        own ring, and reports the node's combined result to the membership."""
+        self._share(("plan", plan))
+        t0 = time.monotonic()
+        res = self._allreduce_plan(k, plan, g)
+        self._own = (res, t0, time.monotonic() - t0)
+        return self._combine(res)
+
+    def _attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome, step: int, since: float,
+                 plan: Optional[Plan], g: torch.Tensor) -> Attempt:
+        """One attempt of outer step k on every process of the node (Membership.attempt on local rank 0).
+        ok, error and stats are this process's own ring's: a process whose all-reduce worked restores its
+        input before a retry, whatever the node's other rings did."""
+        m = self.membership
+        self._own = None
+        t0 = time.monotonic()
+        a = self._lead(lambda: m.attempt(k, attempt, prev=prev, prev_outcome=prev_outcome, step=step, since=since,
+                                         plan=plan, allreduce=lambda p: self._node_allreduce(k, p, g)), k, g)
+        if self._own is None:  # assert: the plan names this node (else Evicted was raised)
+            raise MembershipError(f"internal: outer step {k}: no all-reduce ran for the plan")
+        (ok, err, _, stats), planned_at, ar_s = self._own
+        return Attempt(plan=a.plan, outcome=a.outcome, ok=bool(ok), error=str(err), stats=stats or {},
+                       planned_at=planned_at, wait_s=planned_at - t0, allreduce_s=ar_s)
 
     def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
         """Nothing: a joiner checks the job's settings when it downloads, and the digests show divergence."""
@@ -269,9 +370,8 @@ class ElasticSync:
         stats, ar_s, wait_s = {}, 0.0, 0.0
         lost: list = []
         while True:
-            a = m.attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
-                          since=since if attempt == 0 else time.monotonic(), plan=plan,
-                          allreduce=lambda p: self._allreduce_plan(k, p, g))
+            a = self._attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
+                              since=since if attempt == 0 else time.monotonic(), plan=plan, g=g)
             plan, outcome, ok, err, st = a.plan, a.outcome, a.ok, a.error, a.stats
             wait_s, ar_s = wait_s + a.wait_s, ar_s + a.allreduce_s
             contributes = me in plan.contributors
@@ -331,7 +431,14 @@ class ElasticSync:
                                slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
         self.slot = plan.slot_of(self.node_id)
         self._publish_state(k, plan.step)
-        m.commit(plan, outcome, self.slot_state_fn() if contributed and self.slot_state_fn is not None else None)
+        slot_state = self.slot_state_fn() if contributed and self.slot_state_fn is not None else None
+        if self.group is not None:  # one data position per local rank, published by local rank 0
+            every = self._gather(slot_state)
+            slot_state = {"local": every} if contributed and self.slot_state_fn is not None else None
+        if self.is_leader:
+            m.commit(plan, outcome, slot_state)
+        else:
+            m.tidy(k)
         report: ElasticReport = result.details
         if self.digest:
             report.digest = state_digest(self._state.tensors())
@@ -459,29 +566,55 @@ class ElasticSync:
                     + ": start this node with the job's config")
             return None
 
+        def fetch(want: Optional[int]):
+            try:
+                return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
+                                   secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=check_meta,
+                                   timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
+                                   log=lambda msg: m.log(msg, event="download"), step=want)
+            except TransferError as e:
+                raise JoinError(f"node {self.node_id} could not download the job's state"
+                                + (f" (local rank {self.local_rank})" if self.group is not None else "")
+                                + f": {e}") from None
+
         while True:
             self._drop_ring()
             self.server.retract()  # our buffers are about to be overwritten
-            try:
-                res = fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
-                                  secret=m.secret, job=m.run_id,
-                                  my_id=self.node_id, check_meta=check_meta, timeout_s=self.transfer_timeout_s,
-                                  give_up_s=self.join_timeout_s, log=lambda msg: m.log(msg, event="download"))
-            except TransferError as e:
-                raise JoinError(f"node {self.node_id} could not download the job's state: {e}") from None
-            self._state.taken = True  # the outer weights are the job's now, not the model's
-            downloads += 1
-            dl_s += res.seconds
-            dl_bytes += sum(b - a for _, a, b in res.segments)
-            sources += res.segments
+            res, want = None, None
+            while True:  # every local rank downloads its shard g; they must hold the same outer step
+                err = None
+                if res is None or res.step != want:
+                    try:
+                        got = fetch(want)
+                    except (JoinError, JobFinished, MembershipError) as e:
+                        err = e
+                    else:
+                        self._state.taken = True  # the outer weights are the job's now, not the model's
+                        downloads += 1
+                        dl_s += got.seconds
+                        dl_bytes += sum(b - a for _, a, b in got.segments)
+                        sources += got.segments
+                        res = got
+                every = self._gather(("raise", err) if err is not None else ("ok", res.step))
+                errors = [v for kind, v in every if kind == "raise"]
+                if errors:
+                    raise errors[0]
+                steps = {v for _, v in every}
+                if len(steps) == 1:
+                    break
+                want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
             s = res.step
             inner_step = int(res.meta["inner_step"])
             m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
                   f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
                       f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
                   seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
-            m.set_ready(s)
-            plan = m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
+
+            def admission():
+                m.set_ready(s)
+                return m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
+
+            plan = self._lead(admission, s + 1, g)
             if plan is None:
                 if time.monotonic() - t0 > self.join_timeout_s:
                     raise JoinError(
@@ -507,9 +640,14 @@ class ElasticSync:
         """Completes an admission once its outer step committed: the data slot, its position, a log line."""
         m = self.membership
         j, self._joining = self._joining, None
-        m.clear_ready()
+        if self.is_leader:
+            m.clear_ready()
+        slot_state = m.read_slot(self.slot)
+        if isinstance(slot_state, dict) and "local" in slot_state:  # a node of several processes published it
+            every = slot_state["local"]
+            slot_state = every[self.local_rank] if self.local_rank < len(every) else None
         info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
-                        slot_state=m.read_slot(self.slot), download_s=j["download_s"],
+                        slot_state=slot_state, download_s=j["download_s"],
                         download_bytes=j["download_bytes"], join_s=time.monotonic() - j["t0"], sources=j["sources"],
                         downloads=j["downloads"], reason=j["reason"])
         digest = r.details.digest
@@ -586,6 +724,17 @@ class _store_errors:
                 "resume from the newest checkpoint they all have."
             ) from e
         return False
+
+
+def _portable(e: BaseException, k: int) -> BaseException:
+    """An exception of local rank 0 as the node's other processes raise it (they must stop, or join, alike)."""
+    import torch.distributed as dist
+
+    if isinstance(e, (Evicted, JobFinished, JoinError, OuterSyncError)):
+        return e
+    if isinstance(e, dist.DistError):
+        return MembershipError(f"outer step {k}: the job's store is unreachable from local rank 0 ({e})")
+    return MembershipError(f"outer step {k}: local rank 0 of this node failed: {type(e).__name__}: {e}")
 
 
 def _blame(e: BaseException, members: list, me: int) -> int:

@@ -94,6 +94,36 @@ class _State:
     events: list = field(default_factory=list)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, so a signal to the
+    node's process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_node(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to a node's process and every process below it (its workers first)."""
+    for p in _descendants(pid)[::-1] + [pid]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def chaos_victims(nodes: list, min_members: int) -> list:
     """The nodes chaos may kill now: any live node whose death leaves at least max(1, min_members) live
     admitted members that are not doomed. A joiner still downloading is not a member: it cannot serve the
@@ -222,10 +252,7 @@ class _Launcher:
                 return
             n.doomed = True
             n.killed_at, n.killed_step = time.monotonic(), self.s.step
-        try:
-            os.killpg(n.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_node(n.proc.pid)
         self.say(f"killed node {rank} (id {n.node_id}) with SIGKILL at step {n.killed_step}")
 
     def alive(self) -> list[int]:
@@ -243,7 +270,7 @@ class _Launcher:
             try:
                 n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(n.proc.pid, signal.SIGKILL)
+                kill_node(n.proc.pid)
                 n.proc.wait()
 
 

@@ -68,13 +68,14 @@ def build_elastic_sync(trainer):
 
 
 def slot_loader(trainer, slot: int):
-    """The data of slot s is shard s mod num_nodes; slots past num_nodes read it in another order."""
+    """The data of slot s is shard s mod num_nodes (split among the node's P processes: local rank g reads
+    part g); slots past num_nodes read it in another order."""
     from prime.data import ShardedLoader
 
-    cfg, n = trainer.cfg, trainer.num_nodes
+    cfg, n, p, g = trainer.cfg, trainer.num_nodes, trainer.local_world, trainer.local_rank
     return ShardedLoader(
-        trainer.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=slot % n,
-        num_shards=n, seed=cfg.train.seed + 7919 * (slot // n), vocab_size=trainer.model_args.vocab_size,
+        trainer.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=(slot % n) * p + g,
+        num_shards=n * p, seed=cfg.train.seed + 7919 * (slot // n), vocab_size=trainer.model_args.vocab_size,
     )
 
 

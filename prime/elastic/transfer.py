@@ -457,6 +457,7 @@ def fetch_state(
     timeout_s: float = 60.0,
     give_up_s: float = 600.0,
     log: Optional[Callable[[str], None]] = None,
+    step: Optional[int] = None,
 ) -> FetchResult:
     """Downloads the newest committed state from a live peer into `parts` (written in place).
 
@@ -467,7 +468,8 @@ def fetch_state(
     A source that failed is asked again only after a pause (RETRY_MIN_S,
     doubling up to RETRY_MAX_S while it keeps failing); the others meanwhile.
     check_meta(meta) returns an error message when the peer's settings do not
-    fit this node (then TransferError(kind="mismatch")). Raises
+    fit this node (then TransferError(kind="mismatch")). step: the outer step
+    wanted (None: the newest; when no source holds it any more, the newest). Raises
     TransferError(kind="auth") when every peer rejects the handshake.
     """
     log = log or (lambda m: logger.info("%s", m))
@@ -479,7 +481,6 @@ def fetch_state(
     cuts = list(_pieces(sizes))
     total = sum(sizes)
     t0 = time.monotonic()
-    step: Optional[int] = None
     meta: dict = {}
     received = 0
     segments: list = []
@@ -524,7 +525,7 @@ def fetch_state(
                         log(f"node {sid} moved on to outer step {hdr['newest']}: restarting the download there")
                         step, received, moved_on = None, 0, True
                     raise TransferError(hdr.get("error", "refused"), "unavailable")
-                if step is None:
+                if step is None or not meta:
                     problem = check_meta(hdr["meta"])
                     if problem:
                         raise TransferError(problem, "mismatch")
