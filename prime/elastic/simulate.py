@@ -85,6 +85,8 @@ class _Node:
     """An admitted member as far as its output tells (initial node, or joined and not evicted since)."""
     doomed: bool = False
     """Chaos armed its allreduce.inside fault: it dies in its next all-reduce."""
+    drained: bool = False
+    """Its output was read to the end (a fault point's last words included)."""
 
 
 @dataclass
@@ -218,6 +220,7 @@ class _Launcher:
                                    f"{m.group(1)}: {now - node.started:.1f} s after its start (join {m.group(2)} s, "
                                    f"download {m.group(3)} s)\n")
         node.proc.stdout.close()
+        node.drained = True
 
     def _on_evicted(self, node_id: int, now: float) -> None:
         for n in self.s.nodes.values():
@@ -347,10 +350,10 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 nodes = list(L.s.nodes.values())
             for n in nodes:
                 rc = n.proc.poll()
-                if rc is not None and rc != 0 and n.killed_at is None and status == 0:
+                if rc is not None and rc != 0 and n.killed_at is None and n.drained and status == 0:
                     status = rc
                     L.say(f"node {n.rank} exited with status {rc} (not killed by us)")
-            if all(n.proc.poll() is not None for n in nodes) and not (kills or joins):
+            if all(n.proc.poll() is not None and n.drained for n in nodes) and not (kills or joins):
                 break
             if all(n.proc.poll() is not None for n in nodes) and (kills or joins):
                 L.say("every node has exited; skipping the remaining --kill-node/--join-at")
