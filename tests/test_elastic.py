@@ -824,13 +824,14 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
 
 @pytest.mark.skipif(os.environ.get("PRIME_CHAOS") != "1", reason="long chaos run: set PRIME_CHAOS=1")
 def test_chaos(tmp_path):
-    """prime-simulate --elastic --chaos: nodes killed and started at random for PRIME_CHAOS_SECONDS (180).
+    """prime-simulate --elastic --chaos: nodes killed and started at random for PRIME_CHAOS_SECONDS (180);
+    PRIME_CHAOS_SEED replays a run (the seed is printed).
 
     Training never stops (no gap between two outer steps longer than the failure timeouts allow), the
     loss goes down, and every pair of nodes that committed an outer step holds the same bits after it."""
     seconds = float(os.environ.get("PRIME_CHAOS_SECONDS", "180"))
-    seed = random.randrange(1 << 16)
-    print(f"chaos seed {seed}")
+    seed = int(os.environ.get("PRIME_CHAOS_SEED") or random.randrange(1 << 16))
+    print(f"chaos seed {seed} (replay: PRIME_CHAOS=1 PRIME_CHAOS_SEED={seed})")
     out = str(tmp_path / "metrics")
     args = QUICK + ["--train.steps", "1000000", "--metrics.out_dir", out, "--metrics.log_every", "5",
                     "--optim.lr", "1e-3"]
@@ -843,8 +844,10 @@ def test_chaos(tmp_path):
     with open(tmp_path / "simulate.log", "w") as f:
         f.write(p.stdout + p.stderr)
     print(f"log: {tmp_path / 'simulate.log'}")
-    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
-    kills = p.stdout.count("with SIGKILL")
+    assert p.returncode == 0, f"chaos seed {seed}: " + (p.stdout + p.stderr)[-5000:]
+    assert f"seed {seed}" in p.stdout
+    # SIGKILLs from outside, and deaths inside an all-reduce (fault point allreduce.inside)
+    kills = p.stdout.count("with SIGKILL") + p.stdout.count("died from its fault point")
     joins = p.stdout.count("(joiner) at step")
     assert kills >= 2 and joins >= 2, (kills, joins)
     outer: dict[int, dict] = {}
