@@ -485,6 +485,57 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
     assert joined["inner_step"] == k * INNER and (k * INNER + 1) in steps1
 
 
+# -- scenario D: a download slower than a round converges (the joiner listens meanwhile) -------------
+
+
+STEPS_D = 120
+HOLD_D = 100  # the members wait here until the joiner is in: on a fast machine the job would end first
+
+
+def test_a_join_whose_download_is_slower_than_a_round_converges(tmp_path):
+    """2 nodes serve their state at 32 Mbit/s (the 13 MiB state of the tiny model: about 3.4 s, several rounds).
+    The joiner's first download is stale when it ends; it joins as a listener - a member that takes part
+    in every round with zeros - while it downloads again, then applies the averages it received meanwhile:
+    admitted with the members' bits (digests), and the run ends with the same final weights on all 3."""
+    seed = random.randrange(1000)
+    print(f"seed {seed}")
+    release = tmp_path / "release"
+    job = Job(tmp_path, initial=2, steps=STEPS_D, seed=seed,
+              extra=["--elastic.transfer_max_rate_mbit", "32", "--elastic.transfer_timeout_s", "30"])
+    joined_file = tmp_path / "joined"
+    # the job waits at step 12 until the joiner runs, and at HOLD_D until it joined (a slow machine never waits there)
+    hold = f"train.before_step@12=hold:{release},train.before_step@{HOLD_D}=hold:{joined_file}"
+    job.start(0, env={"PRIME_FAULTS": hold})
+    job.start(1, env={"PRIME_FAULTS": hold})
+    try:
+        job.wait_line(0, r"holding at inner step 12")
+        job.start(2)
+        job.wait_line(2, r"registered as joiner")
+        release.write_text("")
+        job.wait_line(2, r"joined at outer step", timeout=240)
+        joined_file.write_text("")
+        codes = job.wait(timeout=300)
+    finally:
+        job.stop()
+    text = job.text(2)
+    assert codes == {0: 0, 1: 0, 2: 0}, job.text(0) + text
+    assert "joining as a listener" in text, text
+    dl = next(r for r in job.records(2, "membership") if r.get("event") == "downloaded" and "missed" in r)
+    # the job committed outer steps during the download (it took longer than a round): the joiner applied
+    # the averages of those, received as a listener
+    assert dl["missed"] and dl["missed"] == list(range(dl["outer_step"] + 1, dl["missed"][-1] + 1)), dl
+    assert any(r.get("event") == "stale" for r in job.records(2, "membership"))
+    joined = next(r for r in job.records(2, "membership") if r.get("event") == "joined")
+    k = joined["outer_step"]
+    assert k == dl["missed"][-1] + 1, (k, dl)
+    o0, o2 = job.outer(0), job.outer(2)
+    assert o2[k]["digest"] == o0[k]["digest"] and o0[k]["members"] == [0, 1, 2]
+    assert _assert_identical(job, [0, 1, 2]) >= 1
+    finals = {r: re.search(r"final weights identical on all (\d+) nodes: blake2b (\w+)", job.text(r)) for r in (0, 1, 2)}
+    assert all(m and m.group(1) == "3" for m in finals.values()), finals
+    assert len({m.group(2) for m in finals.values()}) == 1
+
+
 # -- the average is over the nodes that contributed (API level, nodes as threads) -------------------
 
 

@@ -211,7 +211,7 @@ def coordinator_turn(me: int, line: list, waited: float, all_in: bool, timeout: 
 
 def _arrived(prev: Plan, arrivals: dict, me: int, step: int) -> dict:
     out = {i: a for i, a in arrivals.items() if i in prev.members}
-    out[me] = {"step": step}
+    out[me] = {**arrivals.get(me, {}), "step": step}
     return out
 
 
@@ -230,11 +230,13 @@ def first_plan_due(prev: Plan, arrivals: dict, step: int, view: View, waited: fl
 def propose_first(k: int, prev: Plan, arrivals: dict, step: int, view: View, waited: float,
                   barrier_timeout: float, joiners: list, now: float = 0.0) -> Plan:
     """The plan of attempt 0 of outer step k: the previous members that arrived at the same inner step and
-    are alive contribute; ready joiners (already checked: alive, signed, holding the state after k-1) take
-    part with zeros and get free data slots; every other candidate is evicted, with the reason."""
+    are alive contribute, except listeners (joiners still downloading, arrival {"listen": true}: they stay
+    members and take part with zeros); ready joiners (already checked: alive, signed, holding the state
+    after k-1, or listeners) take part with zeros and get free data slots; every other candidate is
+    evicted, with the reason."""
     arrived = _arrived(prev, arrivals, view.me, step)
     alive = sorted(i for i in arrived if not view.is_gone(i))
-    evicted, contributors = [], []
+    evicted, contributors, listeners = [], [], []
     for i in prev.members:
         if i in alive:
             continue
@@ -246,12 +248,15 @@ def propose_first(k: int, prev: Plan, arrivals: dict, step: int, view: View, wai
     for i in alive:
         if int(arrived[i]["step"]) != step:
             evicted.append([i, f"arrived at inner step {arrived[i]['step']}, the others at {step}"])
+        elif arrived[i].get("listen") is True:
+            listeners.append(i)
         else:
             contributors.append(i)
     joiners = sorted(j for j in joiners if j not in prev.members and j not in contributors)
-    slots = {str(i): prev.slot_of(i) for i in contributors}
+    slots = {str(i): prev.slot_of(i) for i in contributors + listeners}
     _give_slots(slots, joiners)
-    return Plan(k=k, attempt=0, members=sorted(contributors + joiners), contributors=contributors, slots=slots,
+    return Plan(k=k, attempt=0, members=sorted(contributors + listeners + joiners), contributors=contributors,
+                slots=slots,
                 step=step, joined=joiners, evicted=evicted, by=view.me, time=now)
 
 
@@ -710,7 +715,8 @@ class Membership:
                     step=step, by=-1, time=time.time())
 
     def attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome: Optional[Outcome], step: int,
-                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None) -> Attempt:
+                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None,
+                listen: bool = False) -> Attempt:
         """One attempt of outer step k: arrive (attempt 0), agree on the plan, run `allreduce(plan)`, report
         how it went, and agree on the outcome.
 
@@ -719,11 +725,13 @@ class Membership:
         since: when this node started waiting (its arrival), for the barrier
         timeout. plan: an already known plan (a joiner admitted by it).
         allreduce(plan) returns (ok, error, blamed node id or -1, stats).
+        listen: this member is still downloading the state: it takes part with zeros.
         Raises Evicted when the plan leaves this node out."""
         t_wait = time.monotonic()
         if plan is None:
             if attempt == 0:
-                self.records.put(self._own(k, keys.arrival(k, self.node_id)), {"step": step, "time": time.time()})
+                arrival = {"step": step, "time": time.time(), **({"listen": True} if listen else {})}
+                self.records.put(self._own(k, keys.arrival(k, self.node_id)), arrival)
             plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
         planned_at = time.monotonic()
         if self.node_id not in plan.members:
@@ -838,7 +846,7 @@ class Membership:
                     self.log(f"ignoring node {i}: its join request is not signed with the job secret",
                              event="reject", node=i)
                 continue
-            if int(d.get("outer_step", -1)) == outer_step and not self.monitor.gone(i):
+            if (int(d.get("outer_step", -1)) == outer_step or d.get("listen") is True) and not self.monitor.gone(i):
                 out.append(i)
         return out
 
@@ -866,9 +874,11 @@ class Membership:
 
     # -- joining -----------------------------------------------------------------------
 
-    def set_ready(self, outer_step: int) -> None:
-        """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next."""
-        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step})
+    def set_ready(self, outer_step: int, listen: bool = False) -> None:
+        """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next;
+        listen: admit it at any outer step (it downloads the state while it takes part with zeros)."""
+        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step,
+                                                        **({"listen": True} if listen else {})})
 
     def clear_ready(self) -> None:
         try:

@@ -160,6 +160,7 @@ class ElasticSync:
         digest: bool = False,
         slot_state_fn: Optional[Callable[[], dict]] = None,
         local_group=None,
+        listen_when_stale: bool = True,
     ):
         import torch.distributed as dist
 
@@ -174,6 +175,8 @@ class ElasticSync:
         self.ring_timeout_s, self.streams, self.max_rate = ring_timeout_s, streams, max_rate
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
+        self.listen_when_stale = listen_when_stale
+        self._sources: list = []
         self.ring = None
         self._state = None  # the OuterState, from bind()
         self._settings: dict = {}
@@ -310,7 +313,7 @@ class ElasticSync:
         return self._combine(res)
 
     def _attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome, step: int, since: float,
-                 plan: Optional[Plan], g: torch.Tensor) -> Attempt:
+                 plan: Optional[Plan], g: torch.Tensor, listen: bool = False) -> Attempt:
         """One attempt of outer step k on every process of the node (Membership.attempt on local rank 0).
         ok, error and stats are this process's own ring's: a process whose all-reduce worked restores its
         input before a retry, whatever the node's other rings did."""
@@ -318,7 +321,8 @@ class ElasticSync:
         self._own = None
         t0 = time.monotonic()
         a = self._lead(lambda: m.attempt(k, attempt, prev=prev, prev_outcome=prev_outcome, step=step, since=since,
-                                         plan=plan, allreduce=lambda p: self._node_allreduce(k, p, g)), k, g)
+                                         plan=plan, allreduce=lambda p: self._node_allreduce(k, p, g),
+                                         listen=listen), k, g)
         if self._own is None:  # assert: the plan names this node (else Evicted was raised)
             raise MembershipError(f"internal: outer step {k}: no all-reduce ran for the plan")
         (ok, err, _, stats), planned_at, ar_s = self._own
@@ -359,7 +363,7 @@ class ElasticSync:
 
     def _boundary(self, k: int, g: torch.Tensor, inner_step: int, *, since: float,
                   recompute: Optional[Callable[[torch.Tensor], None]] = None,
-                  first_plan: Optional[Plan] = None) -> SyncResult:
+                  first_plan: Optional[Plan] = None, listen: bool = False) -> SyncResult:
         """Attempts outer step k until an outcome commits; g then holds the average. Raises Evicted."""
         m = self.membership
         me = self.node_id
@@ -371,7 +375,7 @@ class ElasticSync:
         lost: list = []
         while True:
             a = self._attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
-                              since=since if attempt == 0 else time.monotonic(), plan=plan, g=g)
+                              since=since if attempt == 0 else time.monotonic(), plan=plan, g=g, listen=listen)
             plan, outcome, ok, err, st = a.plan, a.outcome, a.ok, a.error, a.stats
             wait_s, ar_s = wait_s + a.wait_s, ar_s + a.allreduce_s
             contributes = me in plan.contributors
@@ -615,6 +619,15 @@ class ElasticSync:
                 return m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
 
             plan = self._lead(admission, s + 1, g)
+            if plan is None and self.listen_when_stale:
+                # The download took longer than a round: take part in the rounds with zeros while the
+                # state downloads again, then apply the averages missed meanwhile (see _listen).
+                m.log(f"the job committed outer step {s + 1} before this node was admitted; joining as a "
+                      "listener: it takes part with zeros while it downloads the state again",
+                      event="stale", outer_step=s)
+                self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
+                                 "sources": sources, "reason": reason}
+                return self._listen(g)
             if plan is None:
                 if time.monotonic() - t0 > self.join_timeout_s:
                     raise JoinError(
@@ -635,6 +648,82 @@ class ElasticSync:
             self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
                              "sources": sources, "reason": reason}
             return r
+
+    def _listen(self, g: torch.Tensor) -> SyncResult:
+        """Joins as a listener: admitted at the next outer step before holding the state, this node takes part
+        in every round with zeros (a member, not a contributor) and keeps the averages it receives, while
+        each local rank downloads the newest state (shard g) on a thread. Once every local rank holds its
+        state after outer step s, it applies the averages of the outer steps after s that it kept (the same
+        fp32 updates as the members, so the same bits), and the outer step in progress completes as
+        any other. Converges whatever the download time, at the cost of one buffer of the outer weights'
+        size per outer step of download."""
+        m = self.membership
+        last = self._last_outer_at()
+        self._lead(lambda: m.set_ready(-1, listen=True), 0, g)
+        while True:
+            latest = self._lead(lambda: m.latest_committed(), 0, g)
+            k_done = int(latest["k"]) if latest is not None else 0
+            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1, g)
+            if plan is not None:
+                break
+        self._sources = m.live_sources(last)
+        notes: list = []
+        download = _Download(lambda: fetch_state(
+            self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
+            check_meta=lambda meta: None, timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
+            log=notes.append))
+        download.start()
+        kept: dict = {}
+        res = None
+        k, step, first = plan.k, plan.step, plan
+        while True:
+            g.zero_()
+            try:
+                r = self._boundary(k, g, step, since=time.monotonic(), first_plan=first, listen=True)
+            except Evicted as e:
+                raise JoinError(f"node {self.node_id} was evicted while it downloaded the state: {e.reason}") from None
+            first = None
+            for msg in notes[:]:
+                m.log(msg, event="download")
+                notes.remove(msg)
+            if res is None and all_local(self.group, download.finished.is_set()):
+                res = download.take()
+                self._joining["downloads"] += 1
+                self._joining["download_s"] += res.seconds
+                self._joining["download_bytes"] += sum(b - a for _, a, b in res.segments)
+                self._joining["sources"] += res.segments
+            if res is not None:
+                if res.step < k:  # the outer step in progress (k) is applied by DiLoCo, as on the members
+                    missed = [j for j in sorted(kept) if j > res.step]
+                    for j in missed:
+                        self._state.update(kept.pop(j))
+                    self._state.taken = True
+                    m.log(f"downloaded the state after outer step {res.step} in {res.seconds:.2f} s while listening; "
+                          f"applied the averages of outer steps {missed} received meanwhile", event="downloaded",
+                          outer_step=res.step, seconds=res.seconds, missed=missed)
+                    if self.is_leader:
+                        m.clear_ready()
+                    return r
+                # the state already holds outer step k: listen to one more round, then apply none
+            if res is None:
+                kept[k] = g.clone()
+            self._commit_listening(r)
+            self._sources = m.live_sources(last) or self._sources  # raises JobFinished after the last outer step
+            k, step = k + 1, r.inner_step + self.inner_steps
+
+    def _commit_listening(self, r: SyncResult) -> None:
+        """A listener's commit: records the outer step (for joiners) without serving a state it does not hold."""
+        m = self.membership
+        plan, outcome, _ = self._pending
+        self._pending = None
+        self._committed = Plan(k=r.outer_step, attempt=plan.attempt, members=list(outcome.members),
+                               contributors=list(outcome.members),
+                               slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
+        self.slot = plan.slot_of(self.node_id)
+        if self.is_leader:
+            m.commit(plan, outcome, None)
+        else:
+            m.tidy(r.outer_step)
 
     def _joined(self, r: SyncResult) -> JoinInfo:
         """Completes an admission once its outer step committed: the data slot, its position, a log line."""
@@ -703,6 +792,32 @@ class ElasticSync:
                 self.membership.leave()
             finally:
                 self.server.close()
+
+
+class _Download(threading.Thread):
+    """A state download on a thread of its own (a listener takes part in the rounds meanwhile)."""
+
+    def __init__(self, fetch: Callable[[], object]):
+        super().__init__(daemon=True, name="prime-elastic-download")
+        self._fetch = fetch
+        self.finished = threading.Event()
+        self.result = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fetch()
+        except BaseException as e:  # handed to the caller by take()
+            self.error = e
+        finally:
+            self.finished.set()
+
+    def take(self):
+        """The FetchResult; raises JoinError when the download failed."""
+        self.join()
+        if self.error is not None:
+            raise JoinError(f"the state download failed: {self.error}") from None
+        return self.result
 
 
 class _store_errors:
