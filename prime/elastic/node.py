@@ -666,7 +666,7 @@ class ElasticSync:
             plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1, g)
             if plan is not None:
                 break
-        self._sources = m.live_sources(last)
+        self._sources = self._node_sources(last)
         notes: list = []
         download = _Download(lambda: fetch_state(
             self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
@@ -708,8 +708,21 @@ class ElasticSync:
             if res is None:
                 kept[k] = g.clone()
             self._commit_listening(r)
-            self._sources = m.live_sources(last) or self._sources  # raises JobFinished after the last outer step
+            self._sources = self._node_sources(last) or self._sources  # JobFinished after the last outer step
             k, step = k + 1, r.inner_step + self.inner_steps
+
+    def _node_sources(self, last: Optional[int]) -> list:
+        """This local rank's download sources; raises (on every process of the node alike) JobFinished after
+        the job's last outer step, JoinError when every member is gone."""
+        err, out = None, []
+        try:
+            out = self.membership.live_sources(last)
+        except (JobFinished, JoinError) as e:
+            err = e
+        errors = [e for e in self._gather(err) if e is not None]
+        if errors:
+            raise errors[0]
+        return out
 
     def _commit_listening(self, r: SyncResult) -> None:
         """A listener's commit: records the outer step (for joiners) without serving a state it does not hold."""
