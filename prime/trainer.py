@@ -494,6 +494,8 @@ class Trainer:
             same, differ = self.elastic_sync.final_agreement(
                 lambda d: r.set(keys.final_digest(self.local_rank, me), d),
                 lambda i: r.records.get(keys.final_digest(self.local_rank, i)), digest, self.cfg.diloco.timeout_s)
+            if same is None:  # not in the job's last outer step: nothing to compare with
+                return digest
             nodes = len(same)
         else:
             self.records.set(keys.final_digest(self.local_rank, self.node_rank), digest)

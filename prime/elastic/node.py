@@ -770,9 +770,16 @@ class ElasticSync:
         member's digest or None. Waits for every member of the last commit that is still
         alive (a member that died, or left without a digest, is not waited for) up to
         timeout_s. Returns (ids holding the same digest, this node included; ids that
-        differ). Call before close(): a node that has left is no longer waited for."""
+        differ), or (None, []) when this node is not a member of the job's newest committed outer step
+        (evicted, and the job ended before it got back in): nothing to compare with. Call before close():
+        a node that has left is no longer waited for."""
+        latest = self.membership.latest_committed()
+        if self._committed is None or (latest is not None and int(latest["k"]) > self._committed.k):
+            self.membership.log("not a member of the job's last outer step: no final weights to compare",
+                                event="final")
+            return None, []
         publish(digest)
-        members = list(self._committed.members) if self._committed is not None else [self.node_id]
+        members = list(self._committed.members)
         same, differ = [self.node_id], []
         waiting = [i for i in members if i != self.node_id]
         deadline = time.monotonic() + timeout_s

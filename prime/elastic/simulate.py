@@ -8,7 +8,7 @@ store with it) and starts every node as `python -m prime.train ... --elastic.ena
 true --elastic.external_store true`. It follows the nodes' output for the
 job's step (the highest `step N/` or `(step N)` printed so far) and:
 
-  --kill-node R@step:S   SIGKILLs node R (its process group) once the job reached step S
+  --kill-node R@step:S   SIGKILLs node R (its process and every process below it) once the job reached step S
   --join-at step:S       starts a new node (the next free rank) once the job reached step S
   --chaos SECONDS        for that long, every few outer steps kill a random node (SIGKILL from
                          outside, or its fault point allreduce.inside: it dies inside its next
