@@ -908,12 +908,20 @@ def test_chaos(tmp_path):
         if not name.startswith("metrics_node"):
             continue
         with open(os.path.join(out, name)) as f:
-            for r in map(json.loads, f):
-                if r["kind"] == "outer":
-                    outer.setdefault(r["outer_step"], {})[r["node"]] = r["digest"]
-                    times.append((r["outer_step"], r["time"]))
-                elif r["kind"] == "step":
-                    losses.setdefault(r["step"], []).append(r["loss"])
+            lines = [line for line in f.read().split("\n") if line]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                # only the last line, of a node SIGKILLed while it wrote it, may be cut short
+                assert i == len(lines) - 1, f"chaos seed {seed}: {name} line {i + 1} is not JSON: {line[:200]!r}"
+        for r in records:
+            if r["kind"] == "outer":
+                outer.setdefault(r["outer_step"], {})[r["node"]] = r["digest"]
+                times.append((r["outer_step"], r["time"]))
+            elif r["kind"] == "step":
+                losses.setdefault(r["step"], []).append(r["loss"])
     ks = sorted(outer)
     assert ks == list(range(1, ks[-1] + 1)), "an outer step is missing"
     for k in ks:
