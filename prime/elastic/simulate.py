@@ -305,6 +305,7 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     t_start = time.monotonic()
     chaos_end = t_start + chaos_s
     next_chaos_step = None
+    chaos_kills = chaos_joins = 0
     status = 0
     try:
         while True:
@@ -329,13 +330,18 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                     with L.lock:
                         live = [n for n in L.s.nodes.values() if n.proc.poll() is None]
                         victims = sorted(chaos_victims(live, chaos_min_nodes), key=lambda n: n.rank)
-                    if victims and rng.random() < 0.5:
+                    kill = rng.random() < 0.5
+                    if abs(chaos_kills - chaos_joins) >= 2:  # keep the mix even: at most two of a kind ahead
+                        kill = chaos_kills < chaos_joins
+                    if victims and kill:
+                        chaos_kills += 1
                         victim = rng.choice(victims)
                         if victim.member and rng.random() < 0.5:
                             L.doom(victim.rank)
                         else:
                             L.kill(victim.rank)
                     else:
+                        chaos_joins += 1
                         L.say(f"chaos: starting node {next_rank} (joiner) at step {step}")
                         L.start(next_rank)
                         next_rank += 1
