@@ -889,7 +889,7 @@ def test_chaos(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                PRIME_RING_SECRET=SECRET)
     cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "3", "--elastic", "--chaos", str(seconds),
-           "--chaos-seed", str(seed), "--chaos-min-nodes", "1", "--chaos-every", "15",
+           "--chaos-seed", str(seed), "--chaos-min-nodes", "1", "--chaos-every", "8",
            "--stop-after", str(seconds + 30), "--", *args]
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=seconds + 300)
     with open(tmp_path / "simulate.log", "w") as f:
