@@ -120,11 +120,6 @@ def build_environment(cfg: Config) -> Environment:
             "(--nnodes 1); nodes are joined by the DiLoCo ring (--node-rank/--num-nodes), not by torchrun"
         )
     elastic = cfg.elastic.enabled
-    if elastic and local_world > 1:
-        raise ValueError(
-            f"elastic.enabled needs one process per node, this node runs {local_world}: use "
-            "--nproc-per-node 1 (several GPUs per node are not supported by elastic training yet)"
-        )
     device = _pick_device(cfg.train.device, local_rank, local_world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

@@ -24,7 +24,15 @@ import sys
 import threading
 import time
 
-__all__ = ["main", "simulate", "free_port"]
+from prime.faults import ENV as FAULTS_ENV
+from prime.faults import FaultSpecError, describe, parse_node_fault
+
+__all__ = ["main", "simulate", "free_port", "fault_env"]
+
+
+def fault_env(faults: dict, rank: int) -> str:
+    """The PRIME_FAULTS value of node `rank`: the specs for every node, then its own."""
+    return ",".join(faults.get(None, []) + faults.get(rank, []))
 
 
 def free_port() -> int:
@@ -80,8 +88,10 @@ def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
 
 
 def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dict | None = None,
-             out=None, threads_per_proc: int | None = None) -> int:
-    """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status."""
+             out=None, threads_per_proc: int | None = None, faults: dict | None = None) -> int:
+    """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status.
+
+    faults: {node rank or None (every node): [fault specs]} armed through PRIME_FAULTS (prime/faults.py)."""
     out = out or sys.stdout
     store_port = free_port()
     base_env = dict(os.environ if env is None else env)
@@ -98,6 +108,9 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
             "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
         ]
         node_env = dict(base_env, PRIME_NODE_RANK=str(r), PRIME_NUM_NODES=str(nodes))
+        armed = fault_env(faults or {}, r)
+        if armed:
+            node_env[FAULTS_ENV] = armed
         if gpu_slices:
             node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices[r])
         # Each node in its own process group, so that stopping it stops torchrun's workers too.
@@ -159,29 +172,38 @@ def main(argv=None) -> int:
                     help="a chaos event every STEPS to 2*STEPS inner steps (default 20)")
     el.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                     help="stop every node (cleanly) this long after the start")
-    el.add_argument("--fault", action="append", default=[], metavar="R=SPEC",
-                    help="test hook for node R: allreduce:K, serve:FRACTION or stall:STEP:SECONDS (repeatable)")
+    parser.add_argument("--fault", action="append", default=[], metavar="[R=]POINT@AT[=ACTION]",
+                        help="arm a named fault point (prime/faults.py) in node R, or in every node without R= "
+                             "(repeatable); e.g. 2=allreduce.inside@8, 1=train.before_step@22=stall:5, "
+                             "0=transfer.serve@0.4. Points: " + describe().replace("\n", ";"))
     args = parser.parse_args(own)
+    faults: dict = {}
+    for text in args.fault:
+        try:
+            rank, spec = parse_node_fault(text)
+        except FaultSpecError as e:
+            parser.error(f"--fault {text}: {e}")
+        if rank is not None and rank >= args.nodes and not (args.elastic or args.join_at or args.chaos):
+            parser.error(f"--fault {text}: there is no node {rank} (--nodes {args.nodes})")
+        faults.setdefault(rank, []).append(spec)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
-    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after or args.fault:
-        if args.procs_per_node != 1:
-            parser.error("--elastic runs one process per node (--procs-per-node 1)")
-        from prime.elastic.simulate import parse_fault, parse_join, parse_kill, run_elastic
+    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after:
+        from prime.elastic.simulate import parse_join, parse_kill, run_elastic
 
         try:
             kills = [parse_kill(k) for k in args.kill_node]
             joins = [parse_join(j) for j in args.join_at]
-            faults = dict(parse_fault(f) for f in args.fault)
         except ValueError as e:
             parser.error(str(e))
         return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
                            chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
-                           threads_per_proc=args.threads or None)
-    return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None)
+                           threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node)
+    return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None,
+                    faults=faults)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "work_stats",
-           "is_comm_error", "node_local_group"]
+           "is_comm_error", "node_local_group", "all_local"]
 
 
 class OuterSyncError(RuntimeError):
@@ -149,7 +149,7 @@ def node_local_group(group=None):
     return group
 
 
-def _all_local(group, ok: bool) -> bool:
+def all_local(group, ok: bool) -> bool:
     """True when `ok` holds on every process of `group` (a tiny MIN all-reduce; None: this process alone)."""
     if group is None:
         return ok
@@ -203,7 +203,7 @@ class RingSync:
         self.codec, self.block_size = settings["codec"], settings["block_size"]
 
     def agree(self, ok: bool) -> bool:
-        return _all_local(self.local_group, ok)
+        return all_local(self.local_group, ok)
 
     def _drop_ring(self) -> None:
         """Forgets the current ring; closes it unless it is the caller's."""

@@ -17,14 +17,13 @@ one point, after each outer step (prime/nodes.py).
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from prime import faults
 from prime.builders import (build_checkpoints, build_data, build_metrics, build_model_and_optimizer,
                             build_outer_step)
 from prime.checkpoint import CheckpointError
@@ -35,9 +34,6 @@ from prime.runtime import build_environment
 
 __all__ = ["Trainer", "lr_at", "likely_divergence_cause", "TrainingStopped", "TrainingDiverged"]
 
-# Test hook: after this inner step, wait for checkpoint writes and exit at once
-# with status 17, as a killed process would (the resume test uses it).
-_FAULT_ENV = "PRIME_FAULT_EXIT_AFTER_STEP"
 
 
 class TrainingStopped(RuntimeError):
@@ -134,7 +130,6 @@ class Trainer:
         """Runs the inner steps up to train.steps, with outer steps, logging and checkpoints. Returns the summary."""
         cfg, m = self.cfg, self.metrics
         self._describe()
-        fault_step = int(os.environ.get(_FAULT_ENV, "0") or 0)
         m.reset()
         t_start = time.perf_counter()
         try:
@@ -174,8 +169,8 @@ class Trainer:
                     self._log_outer(result, decision)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                     self._save()
-                if self.step == fault_step:  # test fault hook (_FAULT_ENV)
-                    self._exit_as_if_killed()
+                faults.hit("train.after_step", self.step, log=m.print,  # prime/faults.py
+                           before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:
@@ -184,14 +179,6 @@ class Trainer:
         summary = m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
         summary.update(self.nodes.finish(self.model))  # the final-weights agreement across nodes
         return summary
-
-    def _exit_as_if_killed(self) -> None:
-        """Test fault hook (_FAULT_ENV): waits for checkpoint writes and exits at once with status 17."""
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
-        self.metrics.print(f"{_FAULT_ENV}={self.step}: exiting as if killed")
-        sys.stdout.flush()
-        os._exit(17)
 
     def _log_outer(self, result: OuterStepResult, decision: AfterOuter) -> None:
         if decision.rejoined_at is not None:  # the job's step; the time spent before joining is not compute

@@ -49,6 +49,23 @@ def test_everyone_arrived_the_lowest_id_plans_at_once_and_the_others_wait():
     assert reduce_op(plan) == ("avg", 1)
 
 
+def test_a_listener_stays_a_member_without_contributing_and_keeps_its_slot():
+    # node 3 joined earlier and still downloads the state: it arrives with "listen" and takes part with zeros
+    prev = Plan(k=4, attempt=0, members=[0, 2, 3], contributors=[0, 2], slots={"0": 0, "2": 2, "3": 1}, step=20)
+    arrivals = {0: {"step": 25}, 2: {"step": 25}, 3: {"step": 25, "listen": True}}
+    assert first_plan_due(prev, arrivals, 25, view(0), 0.0, 60)  # the barrier waits for listeners too
+    assert not first_plan_due(prev, {0: {"step": 25}, 2: {"step": 25}}, 25, view(0), 0.0, 60)
+    plan = propose_first(5, prev, arrivals, 25, view(0), 0.0, 60, joiners=[4])
+    assert plan.members == [0, 2, 3, 4] and plan.contributors == [0, 2] and plan.joined == [4]
+    assert plan.slots == {"0": 0, "2": 2, "3": 1, "4": 3} and plan.evicted == []
+    assert reduce_op(plan) == ("sum", 2)  # the average over the two contributors only
+    # the listener coordinating (lowest live id) decides the same: its own "listen" is kept
+    prev = Plan(k=4, attempt=0, members=[1, 2], contributors=[2], slots={"1": 1, "2": 2}, step=20)
+    arrivals = {1: {"step": 25, "listen": True}, 2: {"step": 25}}
+    plan = propose_first(5, prev, arrivals, 25, view(1), 0.0, 60, joiners=[])
+    assert plan.members == [1, 2] and plan.contributors == [2]
+
+
 def test_the_coordinator_waits_for_a_live_node_until_the_barrier_timeout():
     prev = committed([0, 1, 2])
     arrivals = {0: {"step": 20}, 2: {"step": 20}}  # node 1 is alive but not there yet

@@ -547,8 +547,15 @@ def _open_fds_and_threads():
 def _rank_corrupt(ctx, seed, bad_rank):
     from prime.comm import CommError
 
+    from prime import faults
+
     before = _open_fds_and_threads()
-    ring = ctx.ring(timeout=10, _corrupt_after_bytes=5000 if ctx.rank == bad_rank else None)
+    if ctx.rank == bad_rank:
+        faults.arm("ring.send@5000")  # prime/faults.py: this rank's sender flips a bit at payload byte 5000
+    try:
+        ring = ctx.ring(timeout=10)
+    finally:
+        faults.disarm()
     x = make_input(seed, ctx.rank, 100000, torch.float32)
     keep = x.clone()
     try:
@@ -590,7 +597,14 @@ def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec):
     # half a chunk into the all-gather's first step.
     chunk_bytes = (n // world) * (1 if codec == "int8" else 4) * (1 + (4 / 256 if codec == "int8" else 0))
     offset = int((world - 1 + 0.6) * chunk_bytes)
-    ring = ctx.ring(timeout=10, segment_bytes=1 << 14, _corrupt_after_bytes=offset if ctx.rank == bad_rank else None)
+    from prime import faults
+
+    if ctx.rank == bad_rank:
+        faults.arm(f"ring.send@{offset}")
+    try:
+        ring = ctx.ring(timeout=10, segment_bytes=1 << 14)
+    finally:
+        faults.disarm()
     x = make_input(seed, ctx.rank, n, torch.float32)
     keep = x.clone()
     try:

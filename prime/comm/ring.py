@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Union, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from prime import _extension
+from prime import _extension, faults
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
 from prime.ops import check_block_size
@@ -167,6 +167,12 @@ class Work:
         return WorkStats(**self._handle.stats())
 
 
+def _corrupt_offset() -> int:
+    """The byte offset of fault point ring.send in this process (-1: none armed)."""
+    f = faults.standing("ring.send", "corrupt")
+    return -1 if f is None or f.at is None else int(f.at)
+
+
 def _seconds(t: Union[float, int, timedelta]) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
@@ -197,8 +203,10 @@ class Ring:
       encrypt: also encrypt payloads (AES-256-GCM; default $PRIME_RING_ENCRYPT, else off:
         authenticated only). Every rank must pass the same value.
       segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
-      _corrupt_after_bytes: TESTS ONLY: flip one bit of the payload byte at this
-        offset of everything this rank sends (after its checksum was taken).
+
+    Fault point ring.send (prime/faults.py, tests only): `ring.send@N` armed in this
+    process flips one bit of the payload byte at offset N of everything the ring sends
+    (after the frame was sealed), so that the receiver must reject it.
     """
 
     def __init__(
@@ -216,8 +224,6 @@ class Ring:
         checksum: bool = True,
         segment_bytes: Optional[int] = None,
         encrypt: Optional[bool] = None,
-        *,
-        _corrupt_after_bytes: Optional[int] = None,
     ):
         C = _extension.require()
         if not isinstance(world_size, int) or not 1 <= world_size <= 64:
@@ -264,7 +270,7 @@ class Ring:
             encrypt=bool(encrypt),
             segment_elems=segment_elems,
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
-            corrupt_after_bytes=-1 if _corrupt_after_bytes is None else int(_corrupt_after_bytes),
+            corrupt_after_bytes=_corrupt_offset(),
         )
         if world_size == 1:
             self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)

@@ -88,8 +88,9 @@ def heartbeat(node: int) -> str:
     return f"hb/{node}"
 
 
-def state_addr(node: int) -> str:
-    return f"addr/{node}"
+def state_addr(node: int, local_rank: int = 0) -> str:
+    """The state server of local rank g of a node (it serves shard g of the outer state)."""
+    return f"addr/{node}" if local_rank == 0 else f"addr/{node}/{local_rank}"
 
 
 def join_offer(node: int) -> str:
@@ -116,19 +117,20 @@ def slot(s: int) -> str:
     return f"slot/{s}"
 
 
-def ring_prefix(k: int, attempt: int) -> str:
-    """The PrefixStore under which the ring of attempt `attempt` of outer step k meets."""
-    return f"ring/{k}/{attempt}"
+def ring_prefix(k: int, attempt: int, local_rank: int = 0) -> str:
+    """The PrefixStore under which ring g (local rank g of every member) of attempt `attempt` of outer step k
+    meets."""
+    return f"ring/{k}/{attempt}" if local_rank == 0 else f"ring/{k}/{attempt}/{local_rank}"
 
 
-def ring_job_id(run_id: str, k: int, attempt: int) -> str:
-    """The job id of that ring (binds its signed records to the outer step and attempt)."""
-    return f"{run_id}/elastic/{k}/{attempt}"
+def ring_job_id(run_id: str, k: int, attempt: int, local_rank: int = 0) -> str:
+    """The job id of that ring (binds its signed records to the outer step, attempt and local rank)."""
+    return f"{run_id}/elastic/{k}/{attempt}" if local_rank == 0 else f"{run_id}/elastic/{k}/{attempt}/{local_rank}"
 
 
-def elastic_ring_keys(run_id: str, k: int, attempt: int, rank: int) -> list[str]:
+def elastic_ring_keys(run_id: str, k: int, attempt: int, rank: int, local_rank: int = 0) -> list[str]:
     """The keys a member of rank `rank` writes when forming that ring (as seen through the membership's store)."""
-    ns = f"{ring_prefix(k, attempt)}/{ring_namespace(ring_job_id(run_id, k, attempt))}"
+    ns = f"{ring_prefix(k, attempt, local_rank)}/{ring_namespace(ring_job_id(run_id, k, attempt, local_rank))}"
     return [ring_addr(ns, rank), ring_ready(ns, rank), ring_failed(ns, rank), ring_joined(ns)]
 
 

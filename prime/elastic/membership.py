@@ -211,7 +211,7 @@ def coordinator_turn(me: int, line: list, waited: float, all_in: bool, timeout: 
 
 def _arrived(prev: Plan, arrivals: dict, me: int, step: int) -> dict:
     out = {i: a for i, a in arrivals.items() if i in prev.members}
-    out[me] = {"step": step}
+    out[me] = {**arrivals.get(me, {}), "step": step}
     return out
 
 
@@ -230,11 +230,13 @@ def first_plan_due(prev: Plan, arrivals: dict, step: int, view: View, waited: fl
 def propose_first(k: int, prev: Plan, arrivals: dict, step: int, view: View, waited: float,
                   barrier_timeout: float, joiners: list, now: float = 0.0) -> Plan:
     """The plan of attempt 0 of outer step k: the previous members that arrived at the same inner step and
-    are alive contribute; ready joiners (already checked: alive, signed, holding the state after k-1) take
-    part with zeros and get free data slots; every other candidate is evicted, with the reason."""
+    are alive contribute, except listeners (joiners still downloading, arrival {"listen": true}: they stay
+    members and take part with zeros); ready joiners (already checked: alive, signed, holding the state
+    after k-1, or listeners) take part with zeros and get free data slots; every other candidate is
+    evicted, with the reason."""
     arrived = _arrived(prev, arrivals, view.me, step)
     alive = sorted(i for i in arrived if not view.is_gone(i))
-    evicted, contributors = [], []
+    evicted, contributors, listeners = [], [], []
     for i in prev.members:
         if i in alive:
             continue
@@ -246,12 +248,15 @@ def propose_first(k: int, prev: Plan, arrivals: dict, step: int, view: View, wai
     for i in alive:
         if int(arrived[i]["step"]) != step:
             evicted.append([i, f"arrived at inner step {arrived[i]['step']}, the others at {step}"])
+        elif arrived[i].get("listen") is True:
+            listeners.append(i)
         else:
             contributors.append(i)
     joiners = sorted(j for j in joiners if j not in prev.members and j not in contributors)
-    slots = {str(i): prev.slot_of(i) for i in contributors}
+    slots = {str(i): prev.slot_of(i) for i in contributors + listeners}
     _give_slots(slots, joiners)
-    return Plan(k=k, attempt=0, members=sorted(contributors + joiners), contributors=contributors, slots=slots,
+    return Plan(k=k, attempt=0, members=sorted(contributors + listeners + joiners), contributors=contributors,
+                slots=slots,
                 step=step, joined=joiners, evicted=evicted, by=view.me, time=now)
 
 
@@ -383,7 +388,9 @@ class Monitor:
     one (beyond overwriting its record faster than it beats), or make it leave.
     """
 
-    def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float):
+    def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float,
+                 beats: bool = True):
+        self.beats = beats  # False: watch only (the other processes of a node; its local rank 0 beats)
         self._records = records
         self.node_id, self.initial_nodes = node_id, initial_nodes
         self.interval, self.timeout = interval, timeout
@@ -399,6 +406,8 @@ class Monitor:
         self.last_error: Optional[str] = None
 
     def _beat(self, left: bool = False) -> None:
+        if not self.beats:
+            return
         self._seq += 1
         self._records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
 
@@ -583,6 +592,7 @@ class Membership:
         self._warned: set[int] = set()
         self._own_keys: dict[int, list] = {}
         self._latest: Optional[dict] = None
+        self.local_rank = 0  # attach() sets it in the other processes of a node
 
     # -- logging ---------------------------------------------------------------
 
@@ -634,6 +644,20 @@ class Membership:
                          missing=missing)
         return self.node_id
 
+    def attach(self, node_id: int, genesis: bool, secret: bytes, local_rank: int) -> None:
+        """For local rank g > 0 of a node with several processes: the node registered through its local rank
+        0 (register()), which beats for it and takes part in every decision. This process only watches the
+        heartbeats (to give up on a ring when a member dies), forms ring g and serves shard g."""
+        assert local_rank > 0, local_rank
+        self.registered_at = time.monotonic()
+        self.node_id, self.genesis, self._secret, self.local_rank = node_id, genesis, secret, local_rank
+        self.records = self._signed(self.store)
+        watch = SignedStore(self._factory(), self._secret, self.run_id,
+                            warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+        self.monitor = Monitor(watch, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout,
+                               beats=False)
+        self.monitor.start()
+
     def _resolve_secret(self) -> bytes:
         if self._secret:
             return bytes(self._secret)
@@ -658,7 +682,8 @@ class Membership:
         return self._factory()
 
     def publish_address(self, address: str) -> None:
-        self.records.put(keys.state_addr(self.node_id), address)
+        """This process's state server (local rank g serves shard g)."""
+        self.records.put(keys.state_addr(self.node_id, self.local_rank), address)
 
     def address_of(self, node: int) -> Optional[str]:
         return self.records.get(keys.state_addr(node))
@@ -676,8 +701,10 @@ class Membership:
         are deleted with the outer step's other keys (commit())."""
         import torch.distributed as dist
 
-        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank))
-        return dist.PrefixStore(keys.ring_prefix(k, attempt), self.new_store()), keys.ring_job_id(self.run_id, k, attempt)
+        g = self.local_rank  # ring g: local rank g of every member
+        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank, g))
+        return (dist.PrefixStore(keys.ring_prefix(k, attempt, g), self.new_store()),
+                keys.ring_job_id(self.run_id, k, attempt, g))
 
     # -- one attempt of an outer step ------------------------------------------------------------
 
@@ -688,7 +715,8 @@ class Membership:
                     step=step, by=-1, time=time.time())
 
     def attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome: Optional[Outcome], step: int,
-                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None) -> Attempt:
+                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None,
+                listen: bool = False) -> Attempt:
         """One attempt of outer step k: arrive (attempt 0), agree on the plan, run `allreduce(plan)`, report
         how it went, and agree on the outcome.
 
@@ -697,11 +725,13 @@ class Membership:
         since: when this node started waiting (its arrival), for the barrier
         timeout. plan: an already known plan (a joiner admitted by it).
         allreduce(plan) returns (ok, error, blamed node id or -1, stats).
+        listen: this member is still downloading the state: it takes part with zeros.
         Raises Evicted when the plan leaves this node out."""
         t_wait = time.monotonic()
         if plan is None:
             if attempt == 0:
-                self.records.put(self._own(k, keys.arrival(k, self.node_id)), {"step": step, "time": time.time()})
+                arrival = {"step": step, "time": time.time(), **({"listen": True} if listen else {})}
+                self.records.put(self._own(k, keys.arrival(k, self.node_id)), arrival)
             plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
         planned_at = time.monotonic()
         if self.node_id not in plan.members:
@@ -722,7 +752,12 @@ class Membership:
         self._publish_committed(plan, outcome)
         if slot_state is not None:
             self.records.put(keys.slot(plan.slot_of(self.node_id)), slot_state)
-        for old in [j for j in self._own_keys if j <= plan.k - 2]:
+        self.tidy(plan.k)
+
+    def tidy(self, k: int) -> None:
+        """Deletes this process's keys of outer step k-2 and older (commit() does it; the other processes of
+        a node call it for their rings' keys)."""
+        for old in [j for j in self._own_keys if j <= k - 2]:
             for key in self._own_keys.pop(old):
                 try:
                     self.store.delete_key(key)
@@ -811,7 +846,7 @@ class Membership:
                     self.log(f"ignoring node {i}: its join request is not signed with the job secret",
                              event="reject", node=i)
                 continue
-            if int(d.get("outer_step", -1)) == outer_step and not self.monitor.gone(i):
+            if (int(d.get("outer_step", -1)) == outer_step or d.get("listen") is True) and not self.monitor.gone(i):
                 out.append(i)
         return out
 
@@ -839,9 +874,11 @@ class Membership:
 
     # -- joining -----------------------------------------------------------------------
 
-    def set_ready(self, outer_step: int) -> None:
-        """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next."""
-        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step})
+    def set_ready(self, outer_step: int, listen: bool = False) -> None:
+        """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next;
+        listen: admit it at any outer step (it downloads the state while it takes part with zeros)."""
+        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step,
+                                                        **({"listen": True} if listen else {})})
 
     def clear_ready(self) -> None:
         try:
@@ -905,7 +942,7 @@ class Membership:
         for i in members:
             if i == self.node_id or self.monitor.gone(i):
                 continue
-            key = keys.state_addr(i)
+            key = keys.state_addr(i, self.local_rank)  # local rank g downloads shard g from local rank g
             raw = self.store.get(key) if self.store.check([key]) else None
             addr = None if raw is None else self.records.open(key, raw)
             if isinstance(addr, str):
@@ -925,7 +962,7 @@ class Membership:
     def leave(self) -> None:
         """Stops the heartbeat and tells the others that this node exits (it is dropped at once)."""
         if self.monitor is not None:
-            if self.monitor.stop(leave=True):
+            if self.monitor.stop(leave=True) and self.monitor.beats:
                 self.log("left cleanly", event="leave")
             self.monitor = None
 

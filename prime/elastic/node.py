@@ -27,8 +27,6 @@ it was evicted) does all of this. See docs/elastic.md.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,14 +35,13 @@ from typing import Callable, Optional
 
 import torch
 
-from prime.elastic.membership import Evicted, JoinError, Membership, MembershipError, Plan, reduce_op
-from prime.elastic.transfer import FAULT_ENV, StateServer, TransferError, fault_specs, fetch_state, state_digest
-from prime.sync import OuterSyncError, SyncResult, is_comm_error, work_stats
+from prime.elastic.membership import (Attempt, Evicted, JobFinished, JoinError, Membership, MembershipError, Plan,
+                                      reduce_op)
+from prime import faults
+from prime.elastic.transfer import StateServer, TransferError, fetch_state, state_digest
+from prime.sync import OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
-
-# The longest a "hold" test hook (FAULT_ENV) waits for its file.
-HOLD_MAX_S = 300.0
 
 
 @dataclass
@@ -162,16 +159,24 @@ class ElasticSync:
         total_steps: Optional[int] = None,
         digest: bool = False,
         slot_state_fn: Optional[Callable[[], dict]] = None,
+        local_group=None,
+        listen_when_stale: bool = True,
     ):
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("elastic training runs one process per node; this node runs "
-                             f"{dist.get_world_size()} (use --nproc-per-node 1, or turn elastic off)")
+        # The node's processes (one torchrun per node): local rank 0 takes part in the membership for the
+        # node; every local rank g keeps ring g with local rank g of the other members and serves shard g.
+        group = node_local_group(local_group)
+        self.local_world = dist.get_world_size(group) if group is not None else 1
+        self.local_rank = dist.get_rank(group) if group is not None else 0
+        self.group = group if self.local_world > 1 else None
+        self._src = dist.get_global_rank(group, 0) if self.group is not None else 0
         self.membership = membership
         self.ring_timeout_s, self.streams, self.max_rate = ring_timeout_s, streams, max_rate
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
+        self.listen_when_stale = listen_when_stale
+        self._sources: list = []
         self.ring = None
         self._state = None  # the OuterState, from bind()
         self._settings: dict = {}
@@ -181,8 +186,12 @@ class ElasticSync:
         self._committed: Optional[Plan] = None
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining: Optional[dict] = None  # the join that average() admitted, completed in committed()
-        self._faults = fault_specs()
-        self.node_id = membership.register(start_timeout_s)
+        if self.local_rank == 0:
+            membership.register(start_timeout_s)
+        who = self._share((membership.node_id, membership.genesis, membership.secret))
+        if self.local_rank > 0:
+            membership.attach(*who, local_rank=self.local_rank)
+        self.node_id = membership.node_id
         from prime.comm.rendezvous import resolve_addresses
 
         bind, advertise = resolve_addresses(membership.store, None, None)
@@ -226,39 +235,109 @@ class ElasticSync:
             self._publish_state(outer_step, inner_step)
 
     def agree(self, ok: bool) -> bool:
-        """One process per node: nothing to agree with."""
-        return ok
+        """True when `ok` holds on every process of this node."""
+        return all_local(self.group, ok)
+
+    # -- the node's processes agree (local rank 0 decides for the node) ------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the process that takes part in the membership for its node (local rank 0)."""
+        return self.local_rank == 0
+
+    def _share(self, obj):
+        """Local rank 0's `obj`, on every process of the node (a small gloo broadcast; a no-op alone)."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        """`obj` of every process of the node, in local-rank order."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.local_world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _lead(self, fn: Callable[[], object], k: int, g: Optional[torch.Tensor] = None):
+        """Runs fn() on local rank 0 and returns its value (or raises its exception) on every process of
+        the node. Meanwhile the other processes run the all-reduce of every plan local rank 0 hands them
+        (("plan", plan) from _node_allreduce), on their own ring."""
+        if self.group is None:
+            return fn()
+        if self.is_leader:
+            try:
+                v = fn()
+            except BaseException as e:
+                self._share(("raise", _portable(e, k)))
+                raise
+            self._share(("ok", v))
+            return v
+        while True:
+            kind, v = self._share(None)
+            if kind == "plan":
+                t0 = time.monotonic()
+                res = self._allreduce_plan(k, v, g)
+                self._combine(res)
+                self._own = (res, t0, time.monotonic() - t0)
+            elif kind == "raise":
+                raise v
+            else:
+                return v
+
+    def _combine(self, res: tuple) -> tuple:
+        """The node's result of one attempt from each process's own (ok, error, blame, stats): it worked
+        only when every local rank's ring did."""
+        if self.group is None:
+            return res
+        every = self._gather(tuple(res[:3]))
+        bad = [(g, e, b) for g, (ok, e, b) in enumerate(every) if not ok]
+        if not bad:
+            return res
+        blame = next((b for _, _, b in bad if b != -1), -1)
+        return False, "; ".join(f"local rank {g}: {e}" for g, e, _ in bad), blame, res[3]
+
+    def _node_allreduce(self, k: int, plan: Plan, g: torch.Tensor):
+        """Local rank 0's all-reduce of an attempt: hands the plan to the node's other processes, runs its
+        own ring, and reports the node's combined result to the membership."""
+        self._share(("plan", plan))
+        t0 = time.monotonic()
+        res = self._allreduce_plan(k, plan, g)
+        self._own = (res, t0, time.monotonic() - t0)
+        return self._combine(res)
+
+    def _attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome, step: int, since: float,
+                 plan: Optional[Plan], g: torch.Tensor, listen: bool = False) -> Attempt:
+        """One attempt of outer step k on every process of the node (Membership.attempt on local rank 0).
+        ok, error and stats are this process's own ring's: a process whose all-reduce worked restores its
+        input before a retry, whatever the node's other rings did."""
+        m = self.membership
+        self._own = None
+        t0 = time.monotonic()
+        a = self._lead(lambda: m.attempt(k, attempt, prev=prev, prev_outcome=prev_outcome, step=step, since=since,
+                                         plan=plan, allreduce=lambda p: self._node_allreduce(k, p, g),
+                                         listen=listen), k, g)
+        if self._own is None:  # assert: the plan names this node (else Evicted was raised)
+            raise MembershipError(f"internal: outer step {k}: no all-reduce ran for the plan")
+        (ok, err, _, stats), planned_at, ar_s = self._own
+        return Attempt(plan=a.plan, outcome=a.outcome, ok=bool(ok), error=str(err), stats=stats or {},
+                       planned_at=planned_at, wait_s=planned_at - t0, allreduce_s=ar_s)
 
     def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
         """Nothing: a joiner checks the job's settings when it downloads, and the digests show divergence."""
 
-    # -- test hooks on the inner steps --------------------------------------------------
+    # -- fault points on the inner steps ------------------------------------------------
 
     def before_inner_step(self, step: int) -> None:
-        """Test hooks (FAULT_ENV) at inner step `step`: "stall:<step>:<seconds>" (a slow node) and
-        "hold:<step>:<path>" (wait until the file exists)."""
-        for spec in self._faults:
-            if spec.startswith("stall:"):
-                at, secs = spec.split(":")[1:]
-                if step == int(at):
-                    time.sleep(float(secs))
-            elif spec.startswith("hold:"):
-                _, at, path = spec.split(":", 2)
-                if step == int(at):
-                    self._hold(int(at), path)
-
-    def _hold(self, at: int, path: str) -> None:
-        """Test hook: pauses at inner step `at` (heartbeat and state server running) until `path` exists.
-
-        Lets a test keep the job at a known outer step while a joiner starts,
-        whatever the speed of the machine. Gives up after HOLD_MAX_S, so that a
-        node left behind by a crashed test does not wait forever."""
-        self.membership.log(f"test hook {FAULT_ENV}: holding at inner step {at} until {path} exists",
-                            event="hold", at=at)
-        deadline = time.monotonic() + HOLD_MAX_S
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.membership.log(f"test hook {FAULT_ENV}: released at inner step {at}", event="hold", at=at)
+        """Fault point train.before_step (prime.faults: stall, hold, kill) before inner step `step`; the
+        heartbeat and the state server keep running meanwhile."""
+        faults.hit("train.before_step", step, log=lambda msg: self.membership.log(msg, event="fault", at=step))
 
     # -- the outer step ------------------------------------------------------------------
 
@@ -284,7 +363,7 @@ class ElasticSync:
 
     def _boundary(self, k: int, g: torch.Tensor, inner_step: int, *, since: float,
                   recompute: Optional[Callable[[torch.Tensor], None]] = None,
-                  first_plan: Optional[Plan] = None) -> SyncResult:
+                  first_plan: Optional[Plan] = None, listen: bool = False) -> SyncResult:
         """Attempts outer step k until an outcome commits; g then holds the average. Raises Evicted."""
         m = self.membership
         me = self.node_id
@@ -295,9 +374,8 @@ class ElasticSync:
         stats, ar_s, wait_s = {}, 0.0, 0.0
         lost: list = []
         while True:
-            a = m.attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
-                          since=since if attempt == 0 else time.monotonic(), plan=plan,
-                          allreduce=lambda p: self._allreduce_plan(k, p, g))
+            a = self._attempt(k, attempt, prev=prev, prev_outcome=outcome, step=inner_step,
+                              since=since if attempt == 0 else time.monotonic(), plan=plan, g=g, listen=listen)
             plan, outcome, ok, err, st = a.plan, a.outcome, a.ok, a.error, a.stats
             wait_s, ar_s = wait_s + a.wait_s, ar_s + a.allreduce_s
             contributes = me in plan.contributors
@@ -357,7 +435,14 @@ class ElasticSync:
                                slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
         self.slot = plan.slot_of(self.node_id)
         self._publish_state(k, plan.step)
-        m.commit(plan, outcome, self.slot_state_fn() if contributed and self.slot_state_fn is not None else None)
+        slot_state = self.slot_state_fn() if contributed and self.slot_state_fn is not None else None
+        if self.group is not None:  # one data position per local rank, published by local rank 0
+            every = self._gather(slot_state)
+            slot_state = {"local": every} if contributed and self.slot_state_fn is not None else None
+        if self.is_leader:
+            m.commit(plan, outcome, slot_state)
+        else:
+            m.tidy(k)
         report: ElasticReport = result.details
         if self.digest:
             report.digest = state_digest(self._state.tensors())
@@ -434,10 +519,7 @@ class ElasticSync:
         self._ring_k = None  # set again once this outer step commits through it
         try:
             work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
-            if any(f == f"allreduce:{k}" or (f.startswith("allreduce-after:") and os.path.exists(f.split(":", 1)[1]))
-                   for f in self._faults):
-                time.sleep(0.01)
-                os.kill(os.getpid(), signal.SIGKILL)  # test hook (FAULT_ENV): die inside the all-reduce
+            faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
                 if dead is not None:
@@ -488,29 +570,64 @@ class ElasticSync:
                     + ": start this node with the job's config")
             return None
 
+        def fetch(want: Optional[int]):
+            try:
+                return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
+                                   secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=check_meta,
+                                   timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
+                                   log=lambda msg: m.log(msg, event="download"), step=want)
+            except TransferError as e:
+                raise JoinError(f"node {self.node_id} could not download the job's state"
+                                + (f" (local rank {self.local_rank})" if self.group is not None else "")
+                                + f": {e}") from None
+
         while True:
             self._drop_ring()
             self.server.retract()  # our buffers are about to be overwritten
-            try:
-                res = fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
-                                  secret=m.secret, job=m.run_id,
-                                  my_id=self.node_id, check_meta=check_meta, timeout_s=self.transfer_timeout_s,
-                                  give_up_s=self.join_timeout_s, log=lambda msg: m.log(msg, event="download"))
-            except TransferError as e:
-                raise JoinError(f"node {self.node_id} could not download the job's state: {e}") from None
-            self._state.taken = True  # the outer weights are the job's now, not the model's
-            downloads += 1
-            dl_s += res.seconds
-            dl_bytes += sum(b - a for _, a, b in res.segments)
-            sources += res.segments
+            res, want = None, None
+            while True:  # every local rank downloads its shard g; they must hold the same outer step
+                err = None
+                if res is None or res.step != want:
+                    try:
+                        got = fetch(want)
+                    except (JoinError, JobFinished, MembershipError) as e:
+                        err = e
+                    else:
+                        self._state.taken = True  # the outer weights are the job's now, not the model's
+                        downloads += 1
+                        dl_s += got.seconds
+                        dl_bytes += sum(b - a for _, a, b in got.segments)
+                        sources += got.segments
+                        res = got
+                every = self._gather(("raise", err) if err is not None else ("ok", res.step))
+                errors = [v for kind, v in every if kind == "raise"]
+                if errors:
+                    raise errors[0]
+                steps = {v for _, v in every}
+                if len(steps) == 1:
+                    break
+                want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
             s = res.step
             inner_step = int(res.meta["inner_step"])
             m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
                   f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
                       f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
                   seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
-            m.set_ready(s)
-            plan = m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
+
+            def admission():
+                m.set_ready(s)
+                return m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
+
+            plan = self._lead(admission, s + 1, g)
+            if plan is None and self.listen_when_stale:
+                # The download took longer than a round: take part in the rounds with zeros while the
+                # state downloads again, then apply the averages missed meanwhile (see _listen).
+                m.log(f"the job committed outer step {s + 1} before this node was admitted; joining as a "
+                      "listener: it takes part with zeros while it downloads the state again",
+                      event="stale", outer_step=s)
+                self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
+                                 "sources": sources, "reason": reason}
+                return self._listen(g)
             if plan is None:
                 if time.monotonic() - t0 > self.join_timeout_s:
                     raise JoinError(
@@ -532,13 +649,107 @@ class ElasticSync:
                              "sources": sources, "reason": reason}
             return r
 
+    def _listen(self, g: torch.Tensor) -> SyncResult:
+        """Joins as a listener: admitted at the next outer step before holding the state, this node takes part
+        in every round with zeros (a member, not a contributor) and keeps the averages it receives, while
+        each local rank downloads the newest state (shard g) on a thread. Once every local rank holds its
+        state after outer step s, it applies the averages of the outer steps after s that it kept (the same
+        fp32 updates as the members, so the same bits), and the outer step in progress completes as
+        any other. Converges whatever the download time, at the cost of one buffer of the outer weights'
+        size per outer step of download."""
+        m = self.membership
+        last = self._last_outer_at()
+        self._lead(lambda: m.set_ready(-1, listen=True), 0, g)
+        while True:
+            latest = self._lead(lambda: m.latest_committed(), 0, g)
+            k_done = int(latest["k"]) if latest is not None else 0
+            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1, g)
+            if plan is not None:
+                break
+        self._sources = self._node_sources(last)
+        notes: list = []
+        download = _Download(lambda: fetch_state(
+            self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
+            check_meta=lambda meta: None, timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
+            log=notes.append))
+        download.start()
+        kept: dict = {}
+        res = None
+        k, step, first = plan.k, plan.step, plan
+        while True:
+            g.zero_()
+            try:
+                r = self._boundary(k, g, step, since=time.monotonic(), first_plan=first, listen=True)
+            except Evicted as e:
+                raise JoinError(f"node {self.node_id} was evicted while it downloaded the state: {e.reason}") from None
+            first = None
+            for msg in notes[:]:
+                m.log(msg, event="download")
+                notes.remove(msg)
+            if res is None and all_local(self.group, download.finished.is_set()):
+                res = download.take()
+                self._joining["downloads"] += 1
+                self._joining["download_s"] += res.seconds
+                self._joining["download_bytes"] += sum(b - a for _, a, b in res.segments)
+                self._joining["sources"] += res.segments
+            if res is not None:
+                if res.step < k:  # the outer step in progress (k) is applied by DiLoCo, as on the members
+                    missed = [j for j in sorted(kept) if j > res.step]
+                    for j in missed:
+                        self._state.update(kept.pop(j))
+                    self._state.taken = True
+                    m.log(f"downloaded the state after outer step {res.step} in {res.seconds:.2f} s while listening; "
+                          f"applied the averages of outer steps {missed} received meanwhile", event="downloaded",
+                          outer_step=res.step, seconds=res.seconds, missed=missed)
+                    if self.is_leader:
+                        m.clear_ready()
+                    return r
+                # the state already holds outer step k: listen to one more round, then apply none
+            if res is None:
+                kept[k] = g.clone()
+            self._commit_listening(r)
+            self._sources = self._node_sources(last) or self._sources  # JobFinished after the last outer step
+            k, step = k + 1, r.inner_step + self.inner_steps
+
+    def _node_sources(self, last: Optional[int]) -> list:
+        """This local rank's download sources; raises (on every process of the node alike) JobFinished after
+        the job's last outer step, JoinError when every member is gone."""
+        err, out = None, []
+        try:
+            out = self.membership.live_sources(last)
+        except (JobFinished, JoinError) as e:
+            err = e
+        errors = [e for e in self._gather(err) if e is not None]
+        if errors:
+            raise errors[0]
+        return out
+
+    def _commit_listening(self, r: SyncResult) -> None:
+        """A listener's commit: records the outer step (for joiners) without serving a state it does not hold."""
+        m = self.membership
+        plan, outcome, _ = self._pending
+        self._pending = None
+        self._committed = Plan(k=r.outer_step, attempt=plan.attempt, members=list(outcome.members),
+                               contributors=list(outcome.members),
+                               slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
+        self.slot = plan.slot_of(self.node_id)
+        if self.is_leader:
+            m.commit(plan, outcome, None)
+        else:
+            m.tidy(r.outer_step)
+
     def _joined(self, r: SyncResult) -> JoinInfo:
         """Completes an admission once its outer step committed: the data slot, its position, a log line."""
         m = self.membership
         j, self._joining = self._joining, None
-        m.clear_ready()
+        if self.is_leader:
+            m.clear_ready()
+        slot_state = m.read_slot(self.slot)
+        if isinstance(slot_state, dict) and "local" in slot_state:  # a node of several processes published it
+            every = slot_state["local"]
+            slot_state = every[self.local_rank] if self.local_rank < len(every) else None
         info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
-                        slot_state=m.read_slot(self.slot), download_s=j["download_s"],
+                        slot_state=slot_state, download_s=j["download_s"],
                         download_bytes=j["download_bytes"], join_s=time.monotonic() - j["t0"], sources=j["sources"],
                         downloads=j["downloads"], reason=j["reason"])
         digest = r.details.digest
@@ -548,6 +759,44 @@ class ElasticSync:
               event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
               download_s=info.download_s, download_bytes=info.download_bytes, members=r.members, digest=digest)
         return info
+
+    # -- the end of the run -------------------------------------------------------------
+
+    def final_agreement(self, publish: Callable[[str], None], read: Callable[[int], Optional[str]], digest: str,
+                        timeout_s: float) -> tuple[list, list]:
+        """Compares this node's final weights digest with the other members of the last committed outer step.
+
+        publish(digest) writes this node's (signed) record; read(node id) returns a
+        member's digest or None. Waits for every member of the last commit that is still
+        alive (a member that died, or left without a digest, is not waited for) up to
+        timeout_s. Returns (ids holding the same digest, this node included; ids that
+        differ), or (None, []) when this node is not a member of the job's newest committed outer step
+        (evicted, and the job ended before it got back in): nothing to compare with. Call before close():
+        a node that has left is no longer waited for."""
+        latest = self.membership.latest_committed()
+        if self._committed is None or (latest is not None and int(latest["k"]) > self._committed.k):
+            self.membership.log("not a member of the job's last outer step: no final weights to compare",
+                                event="final")
+            return None, []
+        publish(digest)
+        members = list(self._committed.members)
+        same, differ = [self.node_id], []
+        waiting = [i for i in members if i != self.node_id]
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                got = read(i)
+                if got is not None:
+                    (same if got == digest else differ).append(i)
+                    waiting.remove(i)
+                elif self.membership.gone(i):
+                    waiting.remove(i)  # died (or left without a digest) after the last commit
+            if waiting:
+                time.sleep(0.05)
+        if waiting:
+            self.membership.log(f"final weights: no digest from node(s) {waiting} within {timeout_s:g} s",
+                                event="final", missing=waiting)
+        return sorted(same), sorted(differ)
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -563,6 +812,32 @@ class ElasticSync:
                 self.membership.leave()
             finally:
                 self.server.close()
+
+
+class _Download(threading.Thread):
+    """A state download on a thread of its own (a listener takes part in the rounds meanwhile)."""
+
+    def __init__(self, fetch: Callable[[], object]):
+        super().__init__(daemon=True, name="prime-elastic-download")
+        self._fetch = fetch
+        self.finished = threading.Event()
+        self.result = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fetch()
+        except BaseException as e:  # handed to the caller by take()
+            self.error = e
+        finally:
+            self.finished.set()
+
+    def take(self):
+        """The FetchResult; raises JoinError when the download failed."""
+        self.join()
+        if self.error is not None:
+            raise JoinError(f"the state download failed: {self.error}") from None
+        return self.result
 
 
 class _store_errors:
@@ -584,6 +859,17 @@ class _store_errors:
                 "resume from the newest checkpoint they all have."
             ) from e
         return False
+
+
+def _portable(e: BaseException, k: int) -> BaseException:
+    """An exception of local rank 0 as the node's other processes raise it (they must stop, or join, alike)."""
+    import torch.distributed as dist
+
+    if isinstance(e, (Evicted, JobFinished, JoinError, OuterSyncError)):
+        return e
+    if isinstance(e, dist.DistError):
+        return MembershipError(f"outer step {k}: the job's store is unreachable from local rank 0 ({e})")
+    return MembershipError(f"outer step {k}: local rank 0 of this node failed: {type(e).__name__}: {e}")
 
 
 def _blame(e: BaseException, members: list, me: int) -> int:

@@ -8,14 +8,18 @@ store with it) and starts every node as `python -m prime.train ... --elastic.ena
 true --elastic.external_store true`. It follows the nodes' output for the
 job's step (the highest `step N/` or `(step N)` printed so far) and:
 
-  --kill-node R@step:S   SIGKILLs node R (its process group) once the job reached step S
+  --kill-node R@step:S   SIGKILLs node R (its process and every process below it) once the job reached step S
   --join-at step:S       starts a new node (the next free rank) once the job reached step S
-  --chaos SECONDS        for that long, every few outer steps kill a random node or start a new one
-                         (never fewer than --chaos-min-nodes alive; --chaos-seed picks the sequence)
+  --chaos SECONDS        for that long, every few outer steps kill a random node (SIGKILL from
+                         outside, or its fault point allreduce.inside: it dies inside its next
+                         all-reduce) or start a new one; never the last admitted member (a joiner
+                         still downloading is not one), never below --chaos-min-nodes members;
+                         --chaos-seed replays a sequence (the seed is printed)
   --stop-after SECONDS   stop every node (SIGTERM: a clean leave) this long after the start
-  --fault R=SPEC         test hook for node R (PRIME_ELASTIC_FAULT): allreduce:K dies inside the
-                         all-reduce of outer step K, serve:F dies after serving a fraction F of its
-                         state to a joiner, stall:S:SECONDS pauses at inner step S
+  --fault [R=]SPEC       a named fault point (prime/faults.py) armed in node R (every node without R=),
+                         e.g. 2=allreduce.inside@8, 0=transfer.serve@0.4, 1=train.before_step@22=stall:5
+  --procs-per-node P     each node is a torchrun of P processes (FSDP inside the node; local rank g
+                         of every node averages on ring g)
 
 and prints, for every kill, the fault-to-recovery time (from the kill to the
 first outer step that the survivors committed without the dead node) and,
@@ -29,21 +33,25 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["run_elastic", "parse_kill", "parse_join", "parse_fault"]
+__all__ = ["run_elastic", "parse_kill", "parse_join", "chaos_victims"]
 
 _STEP = re.compile(r"^(?:step\s+(\d+)/|outer \d+ \(step (\d+)\))")
 _REGISTERED = re.compile(r"node (\d+): registered as (?:initial node|joiner) \(rank (\d+)")
 _EVICTED = re.compile(r"node (\d+) evicted")
 _OUTER = re.compile(r"^outer (\d+) \(step (\d+)\)")
 _JOINED = re.compile(r"joined at outer step (\d+).*join took ([\d.]+) s, download ([\d.]+) s")
+_LEFT_OUT = re.compile(r"node (\d+): evicted at outer step")
+_FAULT_KILL = re.compile(r"fault (\S+): SIGKILL")
 
 
 def parse_kill(text: str) -> tuple[int, int]:
@@ -52,15 +60,6 @@ def parse_kill(text: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"--kill-node takes RANK@step:STEP (e.g. 1@step:30), got {text!r}")
     return int(m.group(1)), int(m.group(2))
-
-
-def parse_fault(text: str) -> tuple[int, str]:
-    """'2=allreduce:8' -> (2, 'allreduce:8')."""
-    m = re.fullmatch(r"(\d+)=((?:allreduce|serve|stall):[\d.:]+)", text)
-    if not m:
-        raise ValueError(f"--fault takes RANK=SPEC with SPEC allreduce:K, serve:FRACTION or stall:STEP:SECONDS, "
-                         f"got {text!r}")
-    return int(m.group(1)), m.group(2)
 
 
 def parse_join(text: str) -> int:
@@ -82,6 +81,12 @@ class _Node:
     recovered: bool = False
     evicted_seen: bool = False
     joined: bool = False
+    member: bool = False
+    """An admitted member as far as its output tells (initial node, or joined and not evicted since)."""
+    doomed: bool = False
+    """Chaos armed its allreduce.inside fault: it dies in its next all-reduce."""
+    drained: bool = False
+    """Its output was read to the end (a fault point's last words included)."""
 
 
 @dataclass
@@ -91,8 +96,48 @@ class _State:
     events: list = field(default_factory=list)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, so a signal to the
+    node's process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_node(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to a node's process and every process below it (its workers first)."""
+    for p in _descendants(pid)[::-1] + [pid]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def chaos_victims(nodes: list, min_members: int) -> list:
+    """The nodes chaos may kill now: any live node whose death leaves at least max(1, min_members) live
+    admitted members that are not doomed. A joiner still downloading is not a member: it cannot serve the
+    state, so killing the last member would leave nobody to download from."""
+    members = [n for n in nodes if n.member and not n.doomed]
+    need = max(1, min_members)
+    return [n for n in nodes if not n.doomed and len([m for m in members if m is not n]) >= need]
+
+
 class _Launcher:
-    def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None):
+    def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None,
+                 procs_per_node: int = 1, chaos_dir: Optional[str] = None):
         import torch.distributed as dist
         from datetime import timedelta
 
@@ -100,6 +145,7 @@ class _Launcher:
                                    timeout=timedelta(seconds=60))
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
         self.faults = faults or {}
+        self.procs_per_node, self.chaos_dir = procs_per_node, chaos_dir
         self.lock = threading.Lock()
         self.s = _State()
         self.pumps: list[threading.Thread] = []
@@ -109,15 +155,28 @@ class _Launcher:
             self.out.write(f"[simulate] {msg}\n")
             self.out.flush()
 
+    def die_file(self, rank: int) -> str:
+        return os.path.join(self.chaos_dir, f"die-{rank}")
+
     def start(self, rank: int) -> None:
-        cmd = [sys.executable, "-m", "prime.train", *self.train_args, "--elastic.enabled", "true",
+        from prime.faults import ENV as FAULTS_ENV
+        from prime.simulate import fault_env, free_port
+
+        launch = [sys.executable]
+        if self.procs_per_node > 1:  # one torchrun per node, as on a real multi-GPU machine
+            launch += ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.procs_per_node),
+                       "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        cmd = [*launch, "-m", "prime.train", *self.train_args, "--elastic.enabled", "true",
                "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", str(self.initial),
                "--store-addr", f"127.0.0.1:{self.store.port}"]
         env = dict(self.env, PRIME_NODE_RANK=str(rank), PRIME_NUM_NODES=str(self.initial))
-        if rank in self.faults:
-            env["PRIME_ELASTIC_FAULT"] = self.faults[rank]
+        armed = fault_env(self.faults, rank)
+        if self.chaos_dir is not None:  # chaos may make this node die inside its next all-reduce
+            armed = ",".join(filter(None, [armed, f"allreduce.inside@file:{self.die_file(rank)}"]))
+        if armed:
+            env[FAULTS_ENV] = armed
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        node = _Node(rank, p, time.monotonic())
+        node = _Node(rank, p, time.monotonic(), member=rank < self.initial)
         with self.lock:
             self.s.nodes[rank] = node
         t = threading.Thread(target=self._pump, args=(node,), daemon=True)
@@ -143,7 +202,16 @@ class _Launcher:
                 m = _OUTER.search(line)
                 if m:
                     self._on_outer(node, int(m.group(1)), now)
+                if _LEFT_OUT.search(line):
+                    node.member = False
+                if _FAULT_KILL.search(line) and node.killed_at is None:
+                    # a fault point killed it (--fault, or chaos): time the recovery from now
+                    node.killed_at, node.killed_step = now, self.s.step
+                    self.out.write(f"[simulate] node {node.rank} (id {node.node_id}) died from its fault point "
+                                   f"{_FAULT_KILL.search(line).group(1)} at step {node.killed_step}\n")
                 m = _JOINED.search(line)
+                if m:
+                    node.member = True
                 if m and not node.joined:
                     node.joined = True
                     self.s.events.append(("join", node.rank, now - node.started, float(m.group(2)),
@@ -152,6 +220,7 @@ class _Launcher:
                                    f"{m.group(1)}: {now - node.started:.1f} s after its start (join {m.group(2)} s, "
                                    f"download {m.group(3)} s)\n")
         node.proc.stdout.close()
+        node.drained = True
 
     def _on_evicted(self, node_id: int, now: float) -> None:
         for n in self.s.nodes.values():
@@ -169,16 +238,24 @@ class _Launcher:
                                f"{n.killed_step}; the survivors committed outer step {k} without it {dt:.2f} s "
                                "after the kill\n")
 
+    def doom(self, rank: int) -> None:
+        """Chaos: node `rank` dies inside its next all-reduce (its fault point allreduce.inside@file:...)."""
+        with self.lock:
+            n = self.s.nodes[rank]
+            n.doomed = True
+        with open(self.die_file(rank), "w"):
+            pass
+        self.say(f"chaos: node {rank} (id {n.node_id}) will die inside its next all-reduce (fault point "
+                 f"allreduce.inside) at step {self.s.step}")
+
     def kill(self, rank: int) -> None:
         with self.lock:
             n = self.s.nodes[rank]
             if n.proc.poll() is not None:
                 return
+            n.doomed = True
             n.killed_at, n.killed_step = time.monotonic(), self.s.step
-        try:
-            os.killpg(n.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_node(n.proc.pid)
         self.say(f"killed node {rank} (id {n.node_id}) with SIGKILL at step {n.killed_step}")
 
     def alive(self) -> list[int]:
@@ -196,15 +273,14 @@ class _Launcher:
             try:
                 n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(n.proc.pid, signal.SIGKILL)
+                kill_node(n.proc.pid)
                 n.proc.wait()
 
 
 def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chaos_s: float = 0.0,
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
                 stop_after_s: Optional[float] = None, faults: Optional[dict] = None, env: Optional[dict] = None,
-                out=None,
-                threads_per_proc: Optional[int] = None) -> int:
+                out=None, threads_per_proc: Optional[int] = None, procs_per_node: int = 1) -> int:
     """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0.
 
     stop_after_s: stop every node (SIGTERM: they leave cleanly) this long after the start, if still running."""
@@ -213,18 +289,23 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if threads_per_proc:
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
-    L = _Launcher(initial, train_args, base_env, out, faults)
+    chaos_dir = tempfile.mkdtemp(prefix="prime-chaos-") if chaos_s else None
+    L = _Launcher(initial, train_args, base_env, out, faults, procs_per_node=procs_per_node, chaos_dir=chaos_dir)
     for r in range(initial):
         L.start(r)
     kills = sorted(kills, key=lambda x: x[1])
     joins = sorted(joins)
     next_rank = initial
+    if chaos_seed is None:
+        chaos_seed = random.randrange(1 << 31)
     rng = random.Random(chaos_seed)
     if chaos_s:
-        L.say(f"chaos for {chaos_s:g} s (seed {chaos_seed}), at least {chaos_min_nodes} nodes alive")
+        L.say(f"chaos for {chaos_s:g} s, seed {chaos_seed} (replay: --chaos-seed {chaos_seed}), never fewer than "
+              f"{max(1, chaos_min_nodes)} admitted members alive")
     t_start = time.monotonic()
     chaos_end = t_start + chaos_s
     next_chaos_step = None
+    chaos_kills = chaos_joins = 0
     status = 0
     try:
         while True:
@@ -246,10 +327,21 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                     next_chaos_step = step + rng.randint(every, 2 * every)
                 elif step >= next_chaos_step:
                     next_chaos_step = step + rng.randint(every, 2 * every)
-                    alive = L.alive()
-                    if len(alive) > chaos_min_nodes and rng.random() < 0.5:
-                        L.kill(rng.choice(alive))
+                    with L.lock:
+                        live = [n for n in L.s.nodes.values() if n.proc.poll() is None]
+                        victims = sorted(chaos_victims(live, chaos_min_nodes), key=lambda n: n.rank)
+                    kill = rng.random() < 0.5
+                    if abs(chaos_kills - chaos_joins) >= 2:  # keep the mix even: at most two of a kind ahead
+                        kill = chaos_kills < chaos_joins
+                    if victims and kill:
+                        chaos_kills += 1
+                        victim = rng.choice(victims)
+                        if victim.member and rng.random() < 0.5:
+                            L.doom(victim.rank)
+                        else:
+                            L.kill(victim.rank)
                     else:
+                        chaos_joins += 1
                         L.say(f"chaos: starting node {next_rank} (joiner) at step {step}")
                         L.start(next_rank)
                         next_rank += 1
@@ -264,16 +356,10 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 nodes = list(L.s.nodes.values())
             for n in nodes:
                 rc = n.proc.poll()
-                if rc == -signal.SIGKILL and n.killed_at is None and n.rank in L.faults:
-                    with L.lock:  # a --fault hook killed it: time the recovery from now (50 ms polls)
-                        n.killed_at, n.killed_step = time.monotonic(), L.s.step
-                    L.say(f"node {n.rank} (id {n.node_id}) died from its fault hook {L.faults[n.rank]!r} at step "
-                          f"{n.killed_step}")
-                    continue
-                if rc is not None and rc != 0 and n.killed_at is None and status == 0:
+                if rc is not None and rc != 0 and n.killed_at is None and n.drained and status == 0:
                     status = rc
                     L.say(f"node {n.rank} exited with status {rc} (not killed by us)")
-            if all(n.proc.poll() is not None for n in nodes) and not (kills or joins):
+            if all(n.proc.poll() is not None and n.drained for n in nodes) and not (kills or joins):
                 break
             if all(n.proc.poll() is not None for n in nodes) and (kills or joins):
                 L.say("every node has exited; skipping the remaining --kill-node/--join-at")
@@ -285,6 +371,8 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
         L.stop_all()
         for t in L.pumps:
             t.join(timeout=5)
+        if chaos_dir is not None:
+            shutil.rmtree(chaos_dir, ignore_errors=True)
     rec = [e for e in L.s.events if e[0] == "recovery"]
     jn = [e for e in L.s.events if e[0] == "join"]
     if rec or jn:

@@ -18,11 +18,12 @@ from typing import Optional
 
 import torch
 
+from prime.comm import store_keys as keys
 from prime.config import Config
-from prime.diloco import DiLoCo, OuterStepResult
+from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
 from prime.elastic.membership import JobFinished, JoinError, Membership, MembershipError
 from prime.elastic.node import ElasticSync
-from prime.nodes import AfterOuter, signed_records
+from prime.nodes import AfterOuter, final_weights_digest, signed_records
 from prime.runtime import Environment
 
 __all__ = ["ElasticNodes"]
@@ -123,7 +124,26 @@ class ElasticNodes:
         return decision
 
     def finish(self, model: torch.nn.Module) -> dict:
-        return {}
+        """Compares the hash of this process's final weights with the same local rank of the members of the
+        job's last outer step (prime.elastic.node.ElasticSync.final_agreement); raises ReplicaMismatchError
+        when any differs. A node that is not a member of that outer step has nothing to compare with."""
+        if not self.cfg.diloco.check_replicas:
+            return {}
+        env, r = self.env, self.records
+        digest, what = final_weights_digest(model, self.diloco)
+        me = self.sync.node_id
+        same, differ = self.sync.final_agreement(
+            lambda d: r.set(keys.final_digest(env.local_rank, me), d),
+            lambda i: r.records.get(keys.final_digest(env.local_rank, i)), digest, self.cfg.diloco.timeout_s)
+        if same is None:
+            return {"weights_digest": digest}
+        if differ:
+            raise ReplicaMismatchError(f"node {me}: final {what} differ from node(s) {sorted(differ)} "
+                                       f"(blake2b {digest} here)")
+        if env.is_logger:
+            self.metrics.print(f"final {what} identical on all {len(same)} nodes: blake2b {digest}"
+                               + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
+        return {"weights_digest": digest}
 
     def close(self) -> None:
         """Leaves the job: the others drop this node at once."""

@@ -39,9 +39,7 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
-import signal
 import socket
 import struct
 import threading
@@ -51,7 +49,9 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StateServer", "fetch_state", "FetchResult", "TransferError", "state_digest", "fault_specs", "PIECE"]
+from prime import faults
+
+__all__ = ["StateServer", "fetch_state", "FetchResult", "TransferError", "state_digest", "PIECE"]
 
 logger = logging.getLogger("prime.elastic")
 
@@ -66,10 +66,6 @@ _MAC = 32
 PIECE = 4 << 20
 _MAX_JSON = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
-# Test hooks, comma-separated: "serve:<fraction>" makes a serving node SIGKILL itself once
-# it sent that fraction of a state (the recovery tests kill a source mid-transfer this
-# way); the others are node.py's (allreduce:K, allreduce-after:PATH, stall:S:SEC, hold:S:PATH).
-FAULT_ENV = "PRIME_ELASTIC_FAULT"
 # A joiner waits this long before it asks a source again that just failed (refused, reset,
 # closed, stalled), doubling up to RETRY_MAX_S while it keeps failing: a dead source is
 # listed until its heartbeat times out, and asking it every few ms only burns the CPU.
@@ -83,11 +79,6 @@ class TransferError(RuntimeError):
     def __init__(self, message: str, kind: str = "connection"):
         super().__init__(message)
         self.kind = kind
-
-
-def fault_specs() -> list[str]:
-    """The test hooks set in FAULT_ENV (comma-separated), e.g. ["serve:0.4", "hold:12:/tmp/go"]."""
-    return [f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()]
 
 
 def state_digest(parts: list[torch.Tensor]) -> str:
@@ -263,8 +254,6 @@ class StateServer:
         self.port = self._sock.getsockname()[1]
         host = advertise_addr or bind_addr
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        serve = [f for f in fault_specs() if f.startswith("serve:")]
-        self._die_at = float(serve[0].split(":", 1)[1]) if serve else None
         self._thread = threading.Thread(target=self._accept_loop, name=f"prime-state-server-{node_id}", daemon=True)
         self._thread.start()
 
@@ -401,8 +390,7 @@ class StateServer:
             ch.send_piece(data)
             sent += len(data)
             self.stats.bytes_sent += len(data)
-            if self._die_at is not None and sent >= self._die_at * (snap.total - offset):
-                os.kill(os.getpid(), signal.SIGKILL)  # test hook (FAULT_ENV)
+            faults.hit("transfer.serve", sent / max(1, snap.total - offset), log=self._log)
             if self.max_rate > 0:  # keep the average at max_rate: the node still trains on this uplink
                 ahead = sent / self.max_rate - (time.monotonic() - t0)
                 if ahead > 0:
@@ -469,6 +457,7 @@ def fetch_state(
     timeout_s: float = 60.0,
     give_up_s: float = 600.0,
     log: Optional[Callable[[str], None]] = None,
+    step: Optional[int] = None,
 ) -> FetchResult:
     """Downloads the newest committed state from a live peer into `parts` (written in place).
 
@@ -479,7 +468,8 @@ def fetch_state(
     A source that failed is asked again only after a pause (RETRY_MIN_S,
     doubling up to RETRY_MAX_S while it keeps failing); the others meanwhile.
     check_meta(meta) returns an error message when the peer's settings do not
-    fit this node (then TransferError(kind="mismatch")). Raises
+    fit this node (then TransferError(kind="mismatch")). step: the outer step
+    wanted (None: the newest; when no source holds it any more, the newest). Raises
     TransferError(kind="auth") when every peer rejects the handshake.
     """
     log = log or (lambda m: logger.info("%s", m))
@@ -491,7 +481,6 @@ def fetch_state(
     cuts = list(_pieces(sizes))
     total = sum(sizes)
     t0 = time.monotonic()
-    step: Optional[int] = None
     meta: dict = {}
     received = 0
     segments: list = []
@@ -536,7 +525,7 @@ def fetch_state(
                         log(f"node {sid} moved on to outer step {hdr['newest']}: restarting the download there")
                         step, received, moved_on = None, 0, True
                     raise TransferError(hdr.get("error", "refused"), "unavailable")
-                if step is None:
+                if step is None or not meta:
                     problem = check_meta(hdr["meta"])
                     if problem:
                         raise TransferError(problem, "mismatch")
