@@ -69,8 +69,6 @@ def test_environment_of_one_cpu_process(one_process, seed):
 @pytest.mark.parametrize("launch, extra, message", [
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, [], "WORLD_SIZE (4) is not LOCAL_WORLD_SIZE (2)"),
     ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, ["--train.fsdp", "off"], "train.fsdp is 'off' but this node runs 2"),
-    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, ["--elastic.enabled", "true"],
-     "elastic.enabled needs one process per node, this node runs 2"),
 ])
 def test_environment_refuses_a_launch_that_does_not_fit_the_config(one_process, monkeypatch, launch, extra, message):
     for k, v in launch.items():
