@@ -192,9 +192,19 @@ class DiLoCoConfig:
     """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one quantize+dequantize)."""
     check_replicas: bool = True
     """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
+    overlap: bool = False
+    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
+    overlap_scheme: str = "eager"
+    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives) or delayed (from the outer weights without the step in flight)."""
+    outer_state_device: str = "auto"
+    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they take at most 1/4 of its memory)."""
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
+        _require(self.overlap_scheme in ("eager", "delayed"), "diloco.overlap_scheme", "'eager' or 'delayed'",
+                 self.overlap_scheme)
+        _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
+                 "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
         _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
                  self.outer_lr)
@@ -418,6 +428,10 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
+        if self.elastic.enabled and self.diloco.overlap:
+            raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
+                             "decides at each outer step who contributes, which an all-reduce already in flight "
+                             "cannot follow; set diloco.overlap = false")
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(

@@ -225,7 +225,8 @@ class Trainer:
             self.model, self.optimizer, self.elastic_sync,
             inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
             codec=d.codec, block_size=d.block_size, measure_compression_error=d.compression_error,
-            check_replicas=d.check_replicas and not self.elastic, **ring,
+            check_replicas=d.check_replicas and not self.elastic, overlap=d.overlap,
+            overlap_scheme=d.overlap_scheme, outer_state_device=d.outer_state_device, **ring,
         )
         if self.elastic:
             self.model_numel = sum(p.numel() for p in self.model.parameters())
@@ -463,6 +464,7 @@ class Trainer:
                     self.log.print(f"{_FAULT_ENV}={fault_step}: exiting as if killed")
                     sys.stdout.flush()
                     os._exit(17)
+            self.diloco.finish()  # overlap: the last outer step's average is applied (nothing without overlap)
         except self._finished_errors() as e:  # elastic: evicted, and the job ended before this node got back in
             self.log.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self._stop_errors()) as e:
