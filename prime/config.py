@@ -432,6 +432,9 @@ class Config:
             raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
                              "decides at each outer step who contributes, which an all-reduce already in flight "
                              "cannot follow; set diloco.overlap = false")
+        if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
+            raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
+                             "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(

@@ -267,6 +267,12 @@ class DiLoCo:
             raise ValueError(
                 f"overlap=True needs a ring (or a prime.sync.RingSync); {type(self._sync).__name__} cannot average "
                 "in the background (elastic membership decides who contributes at each outer step)")
+        if self._sync is not None and not isinstance(self._sync, RingSync):
+            # Another sync (elastic) reads and writes the outer state through the CPU (state transfer, digests).
+            if outer_state_device == "gpu":
+                raise ValueError(f"outer_state_device='gpu' needs a ring (or a prime.sync.RingSync); "
+                                 f"{type(self._sync).__name__} keeps the outer state in CPU memory")
+            outer_state_device = "cpu"
         self.overlap = overlap and self._sync is not None
         """True when the all-reduce of each outer step runs during the next inner steps."""
         self.overlap_scheme = overlap_scheme
