@@ -92,7 +92,7 @@ def resolve_device(device: str, local_tensors: list, buffers: int) -> torch.devi
     return dev if need <= AUTO_GPU_FRACTION * total else torch.device("cpu")
 
 OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
-"""outer_optimizer(params) -> a torch optimizer over `params`: one fp32 CPU nn.Parameter per model
+"""outer_optimizer(params) -> a torch optimizer over `params`: one fp32 nn.Parameter per model
 parameter (the local shard's shape, on the outer state's device), in model.parameters() order. Its .grad is the
 averaged pseudo-gradient."""
 
@@ -188,9 +188,10 @@ class OuterState:
         return self.on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
 
     def _fetch(self, dst: torch.Tensor):
-        """Yields (values, padding view) per parameter: `values` is a flat fp32 tensor on dst's device holding the
-        parameter's current values (its own storage when it is already flat there, else dst's view filled by a
-        copy); the padding view is dst's tail of the parameter's last block.
+        """Yields (values, view, padding) per parameter: `view` is the parameter's span of dst, `values` a flat
+        fp32 tensor on dst's device holding the parameter's current values (the parameter's own storage when it
+        is already flat fp32 there, else `view` itself, filled by a copy), `padding` dst's tail of the
+        parameter's last block.
 
         CPU state, GPU parameters: every device-to-host copy is queued at once on the side stream
         (after the inner steps' kernels), and each parameter is yielded as soon as its own copy has
