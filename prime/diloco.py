@@ -50,10 +50,13 @@ __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError"
 
 logger = logging.getLogger("prime.diloco")
 
-OVERLAP_SCHEMES = ("eager", "delayed")
+OVERLAP_SCHEMES = ("eager", "eager-mixed", "delayed")
 """How the next inner steps start while the average of the last outer step is in flight (docs/training.md,
-"Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give,
-"delayed" from the outer weights as they are (without the step in flight)."""
+"Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give (the local
+pseudo-gradient stands in for the average), "eager-mixed" from the one (d + (nodes - 1) a) / nodes would
+give, d the local pseudo-gradient and a the average just applied (the mix of Kale et al.: this node's share
+fresh, the other nodes' shares from the previous outer step), "delayed" from the outer weights as they are
+(without the step in flight)."""
 
 
 @dataclass
@@ -190,8 +193,10 @@ class DiLoCo:
                       Needs a ring (or RingSync), not an elastic sync. Call finish()
                       at the end of training to apply the last one
     overlap_scheme:   "eager" (default: the inner steps start from the outer update
-                      the local pseudo-gradient would give) or "delayed" (from the
-                      outer weights without the step in flight); see OVERLAP_SCHEMES
+                      the local pseudo-gradient would give), "eager-mixed" (the local
+                      pseudo-gradient's 1/nodes share mixed with the previous average
+                      for the other nodes' shares) or "delayed" (from the outer
+                      weights without the step in flight); see OVERLAP_SCHEMES
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
                       when they fit in a quarter of its memory
@@ -232,11 +237,11 @@ class DiLoCo:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if overlap_scheme not in OVERLAP_SCHEMES:
-            raise ValueError(f"overlap_scheme must be 'eager' or 'delayed', got {overlap_scheme!r}")
+            raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
         if outer_state_device not in OUTER_STATE_DEVICES:
             raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
-        if overlap and overlap_scheme == "eager" and outer_optimizer is not None:
-            raise ValueError("overlap with overlap_scheme='eager' needs the default outer update (its lookahead "
+        if overlap and overlap_scheme.startswith("eager") and outer_optimizer is not None:
+            raise ValueError(f"overlap with overlap_scheme={overlap_scheme!r} needs the default outer update (its lookahead "
                              "is the Nesterov step without the momentum write); use outer_optimizer=None or "
                              "overlap_scheme='delayed'")
         self.model = model
@@ -287,25 +292,26 @@ class DiLoCo:
         self.state: Optional[OuterState] = None
         """The outer weights and momentum (None on a single node)."""
         if self.distributed:
-            eager = self.overlap and overlap_scheme == "eager"
+            extra = {"eager": 2, "eager-mixed": 3, "delayed": 1}[overlap_scheme] + (outer_optimizer is not None)
             self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                     nesterov=nesterov, optimizer_factory=outer_optimizer, device=outer_state_device,
-                                    extra_buffers=(2 if eager else 1) + (outer_optimizer is not None)
-                                    if self.overlap else 0)
+                                    extra_buffers=extra if self.overlap else 0)
             self._sync.bind(self.state, self.settings())
             if inner_optimizer is None:
                 self.state.take()  # no first inner step to wait for
         # Overlap: the average in flight, the buffer the next pseudo-gradient goes to, and (eager) the
         # point the current inner steps started from, when it is not the outer weights.
         self._inflight: Optional[_InFlight] = None
-        self._spare: Optional[torch.Tensor] = None
+        self._pool: list = []  # free pseudo-gradient buffers (at most one: with the one in flight, two in all)
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (None: the outer weights)."""
+        self.last_average: Optional[torch.Tensor] = None
+        """eager-mixed: the last average applied (None: none yet)."""
         self._keep_input = False
         if self.overlap:
             # st.grad is free with the default update; a custom optimizer reads its .grad, which must never be
             # the buffer being averaged.
-            self._spare = self.state.grad if self.state.optimizer is None else self.state.new_buffer()
+            self._pool = [self.state.grad if self.state.optimizer is None else self.state.new_buffer()]
             self._sync.use_from_background()
             # A retry on a multi-process node may need this process's input back after its own all-reduce worked.
             self._keep_input = self._sync.average_group is not None and self._sync.ring_factory is not None
@@ -494,7 +500,7 @@ class DiLoCo:
             self.check_replicas()
         st = self.state
         st.ensure_taken()
-        g = self._spare
+        g = self._pool.pop() if self._pool else st.new_buffer()  # a new one once: at the second outer step
         norm = math.sqrt(st.pseudo_gradient(g, anchor=self.start))
         finite = math.isfinite(norm)
         own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
@@ -507,24 +513,29 @@ class DiLoCo:
             r = self._join(prev)
         wait_s = time.perf_counter() - w0
         u0 = time.perf_counter()
-        eager = self.overlap_scheme == "eager"
+        eager = self.overlap_scheme.startswith("eager")
         if r is not None:
             st.update(prev.buf, load=not eager)  # the average of outer step k-1, in order, on every node
-            self._spare = prev.buf
+            if self.overlap_scheme != "eager-mixed":
+                self._pool.append(prev.buf)
         elif not eager:
             st.load_into_model()
         if eager:
             if self.start is None:
                 self.start = st.new_buffer()
-            st.lookahead(g, self.start, load=True)
+            if self.overlap_scheme == "eager-mixed":
+                if r is not None:  # the average just applied stands in for the other nodes' shares
+                    self._keep_last_average(prev.buf)
+                n = self._sync.world_size
+                st.lookahead(g, self.start, load=True, mix=(1.0 / n, (n - 1) / n, self.last_average))
+            else:
+                st.lookahead(g, self.start, load=True)
         else:
             self.start = None
         update_s = time.perf_counter() - u0
         self.outer_step += 1
         self.since_sync = 0
         flight = _InFlight(self.outer_step, self.inner_step, g, g.clone() if self._keep_input else None)
-        if self._spare is g:
-            self._spare = st.new_buffer()  # the first outer step: no average came back to reuse
         ready = None
         if g.is_cuda:
             ready = torch.cuda.Event()
@@ -554,8 +565,17 @@ class DiLoCo:
             return None
         self._join(flight)
         self.state.update(flight.buf)
-        self._spare = flight.buf
+        if self.overlap_scheme == "eager-mixed":
+            self._keep_last_average(flight.buf)
+        elif not self._pool:
+            self._pool.append(flight.buf)
         return flight.outer_step
+
+    def _keep_last_average(self, buf: torch.Tensor) -> None:
+        """eager-mixed: `buf` (an average just applied) becomes the last average; the previous one's buffer is free."""
+        if self.last_average is not None and self.last_average is not buf and len(self._pool) < 1:
+            self._pool.append(self.last_average)
+        self.last_average = buf
 
     def finish(self) -> None:
         """End of training with overlap: waits for the last average and applies it; when the inner steps end
@@ -599,7 +619,8 @@ class DiLoCo:
 
         With overlap, first waits for the average in flight and applies it to the outer weights (what the
         next outer step would do first, with the same bits): a checkpoint never holds anything in flight.
-        The eager scheme adds "start", the point the current inner steps started from."""
+        The eager schemes add "start", the point the current inner steps started from, and eager-mixed
+        "last_average", the last average applied."""
         if self.overlap:
             self._drain()
         sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
@@ -607,6 +628,8 @@ class DiLoCo:
             sd.update(self.state.state_dict())
             if self.start is not None:
                 sd["start"] = self.start.cpu()
+            if self.last_average is not None:
+                sd["last_average"] = self.last_average.cpu()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -617,12 +640,18 @@ class DiLoCo:
         self.since_sync = int(sd["since_sync"])
         if "outer" in sd and self.state is not None:
             self.state.load_state_dict(sd)
-            if "start" in sd and self.overlap and self.overlap_scheme == "eager":
+            if "start" in sd and self.overlap and self.overlap_scheme.startswith("eager"):
                 if self.start is None:
                     self.start = self.state.new_buffer()
                 self.start.copy_(sd["start"])
             else:
                 self.start = None
+            if "last_average" in sd and self.overlap and self.overlap_scheme == "eager-mixed":
+                if self.last_average is None:
+                    self.last_average = self.state.new_buffer()
+                self.last_average.copy_(sd["last_average"])
+            else:
+                self.last_average = None
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 

@@ -372,9 +372,11 @@ class OuterState:
             wc.sub_(t)  # outer -= lr * update
 
     @torch.no_grad()
-    def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False) -> None:
+    def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
+                  mix: Optional[tuple] = None) -> None:
         """out = the outer weights update(g) would give, without changing the weights or the momentum.
-        `load`: also copy `out` into the model.
+        `load`: also copy `out` into the model. `mix` = (alpha, beta, a): use alpha * g + beta * a in place of
+        g (two products and a sum, each rounded to fp32; a None: alpha * g).
 
         The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
         if self.optimizer is not None:
@@ -383,7 +385,18 @@ class OuterState:
         step = _GPU_CHUNK if g.is_cuda else _CHUNK
         tmp = torch.empty(min(step, g.numel()), dtype=torch.float32, device=g.device)
         tmp2 = torch.empty_like(tmp) if self.nesterov else None
-        for gc, mc, wc, oc in self._chunks(g, self.momentum, self.outer, out, load=out if load else None):
+        tmp3 = torch.empty_like(tmp) if mix is not None else None
+        other = mix[2] if mix is not None and mix[2] is not None else None
+        tmp4 = torch.empty_like(tmp) if other is not None else None
+        # enumerate, not zip with a range: the generator must run to its end, where it copies into the model
+        for i, (gc, mc, wc, oc) in enumerate(self._chunks(g, self.momentum, self.outer, out,
+                                                          load=out if load else None)):
+            s0 = i * step
+            if mix is not None:
+                gc = torch.mul(gc, mix[0], out=tmp3[: gc.numel()])
+                if other is not None:
+                    b = torch.mul(other[s0 : s0 + gc.numel()], mix[1], out=tmp4[: gc.numel()])
+                    gc.add_(b)
             m = tmp[: gc.numel()]
             torch.mul(mc, mu, out=m)
             m.add_(gc)  # the momentum update() would store

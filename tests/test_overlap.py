@@ -44,14 +44,24 @@ def reference(w0, deltas, scheme, *, lr, mu, nesterov, codec, block_size):
     w, m = w0.clone(), torch.zeros_like(w0)
     starts = [w0.clone() for _ in range(n)]
     pending = None  # the average in flight
+    last = None  # the last average applied (eager-mixed)
     steps = []
     for k in range(len(deltas)):
         local = [starts[r] - deltas[k][r] for r in range(n)]
         d = [starts[r] - local[r] for r in range(n)]  # the pseudo-gradient, as each node computes it
         if pending is not None:
             w, m = nesterov_f32(w, m, pending, lr, mu, nesterov)
+            last = pending
         for r in range(n):
-            starts[r] = nesterov_f32(w, m, d[r], lr, mu, nesterov)[0] if scheme == "eager" else w.clone()
+            if scheme == "eager":
+                starts[r] = nesterov_f32(w, m, d[r], lr, mu, nesterov)[0]
+            elif scheme == "eager-mixed":  # own share fresh, the others' from the last average
+                stand_in = torch.mul(d[r], 1.0 / n)
+                if last is not None:
+                    stand_in = stand_in + torch.mul(last, (n - 1) / n)
+                starts[r] = nesterov_f32(w, m, stand_in, lr, mu, nesterov)[0]
+            else:
+                starts[r] = w.clone()
         parts = [int8_round_trip_f64(x, block_size) for x in d] if codec == "int8" else d
         acc = parts[0].clone()
         for x in parts[1:]:
@@ -89,7 +99,8 @@ def run_overlap(w0, deltas, scheme, *, codec, block_size=32, lr=0.7, mu=0.9, nes
 
 
 @pytest.mark.parametrize("scheme,codec,nesterov", [("eager", "none", True), ("eager", "int8", True),
-                                                   ("delayed", "int8", True), ("eager", "none", False)])
+                                                   ("delayed", "int8", True), ("eager", "none", False),
+                                                   ("eager-mixed", "int8", True)])
 def test_overlap_matches_plain_torch_reference_bit_for_bit(seed, scheme, codec, nesterov):
     """3 nodes, 5 outer steps: every node's model, the shared outer weights and the final weights equal the
     reference's bits, and the outer weights are identical on every node."""
@@ -170,7 +181,8 @@ def test_checkpoint_mid_run_resumes_bit_for_bit(seed):
     assert torch.equal(resumed[0], resumed[1]), f"seed {seed}"
 
 
-def test_checkpoint_round_trip_is_exact(seed):
+@pytest.mark.parametrize("scheme", ["eager", "eager-mixed", "delayed"])
+def test_checkpoint_round_trip_is_exact(seed, scheme):
     """A DiLoCo restored from an overlapped state_dict() continues bit for bit like the original."""
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(64, generator=gen)
@@ -179,7 +191,7 @@ def test_checkpoint_round_trip_is_exact(seed):
     def make(w):
         model = TwoParams(w, torch.zeros(0))
         return model, DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=1, codec="none",
-                             overlap=True, check_replicas=False)
+                             overlap=True, overlap_scheme=scheme, check_replicas=False)
 
     m1, d1 = make(w0)
     for k in range(2):
@@ -187,7 +199,8 @@ def test_checkpoint_round_trip_is_exact(seed):
             m1.a -= deltas[k]
         d1.step()
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d1.state_dict().items()}
-    assert "start" in sd and d1._inflight is None
+    assert ("start" in sd) == scheme.startswith("eager") and d1._inflight is None
+    assert ("last_average" in sd) == (scheme == "eager-mixed")
     m2, d2 = make(m1.a.detach())
     d2.load_state_dict(sd)
     for m, d in ((m1, d1), (m2, d2)):
