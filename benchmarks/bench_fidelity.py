@@ -11,7 +11,7 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   diloco-exact         synchronous DiLoCo, codec none (exact fp32 average)
   diloco-int8          synchronous DiLoCo, int8 ring
   overlap-int8-eager   DiLoCo with overlap (eager), int8 ring
-  overlap-int8-eager-mixed  DiLoCo with overlap (eager-mixed), int8 ring
+  overlap-int8-eager-adaptive  DiLoCo with overlap (eager-adaptive), int8 ring
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
 
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
@@ -50,7 +50,7 @@ METHODS = {
     "diloco-exact": dict(codec="none", overlap=False),
     "diloco-int8": dict(codec="int8", overlap=False),
     "overlap-int8-eager": dict(codec="int8", overlap=True, overlap_scheme="eager"),
-    "overlap-int8-eager-mixed": dict(codec="int8", overlap=True, overlap_scheme="eager-mixed"),
+    "overlap-int8-eager-adaptive": dict(codec="int8", overlap=True, overlap_scheme="eager-adaptive"),
     "overlap-int8-delayed": dict(codec="int8", overlap=True, overlap_scheme="delayed"),
 }
 EVAL_FRACTION = 0.05

@@ -195,14 +195,14 @@ class DiLoCoConfig:
     overlap: bool = False
     """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
     overlap_scheme: str = "eager"
-    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-mixed (from the one its 1/nodes share plus the previous average for the other nodes' shares gives) or delayed (from the outer weights without the step in flight)."""
+    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they take at most 1/4 of its memory)."""
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
-        _require(self.overlap_scheme in ("eager", "eager-mixed", "delayed"), "diloco.overlap_scheme",
-                 "'eager', 'eager-mixed' or 'delayed'", self.overlap_scheme)
+        _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed"), "diloco.overlap_scheme",
+                 "'eager', 'eager-adaptive' or 'delayed'", self.overlap_scheme)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
                  "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)

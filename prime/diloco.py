@@ -50,13 +50,12 @@ __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError"
 
 logger = logging.getLogger("prime.diloco")
 
-OVERLAP_SCHEMES = ("eager", "eager-mixed", "delayed")
+OVERLAP_SCHEMES = ("eager", "eager-adaptive", "delayed")
 """How the next inner steps start while the average of the last outer step is in flight (docs/training.md,
 "Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give (the local
-pseudo-gradient stands in for the average), "eager-mixed" from the one (d + (nodes - 1) a) / nodes would
-give, d the local pseudo-gradient and a the average just applied (the mix of Kale et al.: this node's share
-fresh, the other nodes' shares from the previous outer step), "delayed" from the outer weights as they are
-(without the step in flight)."""
+pseudo-gradient stands in for the average), "eager-adaptive" from the one alpha times it would give, alpha =
+||a||^2 / ||d||^2 of the previous outer step clamped to [1/nodes, 1] (the least-squares shrink of a noisy
+local estimate), "delayed" from the outer weights as they are (without the step in flight)."""
 
 
 @dataclass
@@ -193,10 +192,10 @@ class DiLoCo:
                       Needs a ring (or RingSync), not an elastic sync. Call finish()
                       at the end of training to apply the last one
     overlap_scheme:   "eager" (default: the inner steps start from the outer update
-                      the local pseudo-gradient would give), "eager-mixed" (the local
-                      pseudo-gradient's 1/nodes share mixed with the previous average
-                      for the other nodes' shares) or "delayed" (from the outer
-                      weights without the step in flight); see OVERLAP_SCHEMES
+                      the local pseudo-gradient would give), "eager-adaptive" (the
+                      local pseudo-gradient shrunk by how much of it the last average
+                      kept) or "delayed" (from the outer weights without the step in
+                      flight); see OVERLAP_SCHEMES
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
                       when they fit in a quarter of its memory
@@ -292,7 +291,7 @@ class DiLoCo:
         self.state: Optional[OuterState] = None
         """The outer weights and momentum (None on a single node)."""
         if self.distributed:
-            extra = {"eager": 2, "eager-mixed": 3, "delayed": 1}[overlap_scheme] + (outer_optimizer is not None)
+            extra = (1 if overlap_scheme == "delayed" else 2) + (outer_optimizer is not None)
             self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                     nesterov=nesterov, optimizer_factory=outer_optimizer, device=outer_state_device,
                                     extra_buffers=extra if self.overlap else 0)
@@ -305,8 +304,9 @@ class DiLoCo:
         self._pool: list = []  # free pseudo-gradient buffers (at most one: with the one in flight, two in all)
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (None: the outer weights)."""
-        self.last_average: Optional[torch.Tensor] = None
-        """eager-mixed: the last average applied (None: none yet)."""
+        self.alpha = 1.0
+        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
+        self._last_sq: Optional[float] = None  # eager-adaptive: ||d||^2 of the pseudo-gradient in flight
         self._keep_input = False
         if self.overlap:
             # st.grad is free with the default update; a custom optimizer reads its .grad, which must never be
@@ -501,7 +501,8 @@ class DiLoCo:
         st = self.state
         st.ensure_taken()
         g = self._pool.pop() if self._pool else st.new_buffer()  # a new one once: at the second outer step
-        norm = math.sqrt(st.pseudo_gradient(g, anchor=self.start))
+        sq = st.pseudo_gradient(g, anchor=self.start)
+        norm = math.sqrt(sq)
         finite = math.isfinite(norm)
         own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
         prepare_s = time.perf_counter() - t0
@@ -515,21 +516,17 @@ class DiLoCo:
         u0 = time.perf_counter()
         eager = self.overlap_scheme.startswith("eager")
         if r is not None:
-            st.update(prev.buf, load=not eager)  # the average of outer step k-1, in order, on every node
-            if self.overlap_scheme != "eager-mixed":
-                self._pool.append(prev.buf)
+            a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            self._adapt(a_sq)
+            self._pool.append(prev.buf)
         elif not eager:
             st.load_into_model()
         if eager:
             if self.start is None:
                 self.start = st.new_buffer()
-            if self.overlap_scheme == "eager-mixed":
-                if r is not None:  # the average just applied stands in for the other nodes' shares
-                    self._keep_last_average(prev.buf)
-                n = self._sync.world_size
-                st.lookahead(g, self.start, load=True, mix=(1.0 / n, (n - 1) / n, self.last_average))
-            else:
-                st.lookahead(g, self.start, load=True)
+            adaptive = self.overlap_scheme == "eager-adaptive" and self.alpha != 1.0
+            st.lookahead(g, self.start, load=True, scale=self.alpha if adaptive else None)
+            self._last_sq = sq
         else:
             self.start = None
         update_s = time.perf_counter() - u0
@@ -564,18 +561,20 @@ class DiLoCo:
         if flight is None:
             return None
         self._join(flight)
-        self.state.update(flight.buf)
-        if self.overlap_scheme == "eager-mixed":
-            self._keep_last_average(flight.buf)
-        elif not self._pool:
+        self._adapt(self.state.update(flight.buf, norm=True))
+        if not self._pool:
             self._pool.append(flight.buf)
         return flight.outer_step
 
-    def _keep_last_average(self, buf: torch.Tensor) -> None:
-        """eager-mixed: `buf` (an average just applied) becomes the last average; the previous one's buffer is free."""
-        if self.last_average is not None and self.last_average is not buf and len(self._pool) < 1:
-            self._pool.append(self.last_average)
-        self.last_average = buf
+    def _adapt(self, a_sq: float) -> None:
+        """eager-adaptive: alpha = ||a||^2 / ||d||^2 (the average against this node's own pseudo-gradient of the
+        same outer step), clamped to [1/nodes, 1]. With nodes' pseudo-gradients d_r = mu + e_r (e_r independent,
+        of variance s^2), the least-squares weight of d_r as an estimate of their mean is
+        (|mu|^2 + s^2/n) / (|mu|^2 + s^2) = E||a||^2 / E||d_r||^2."""
+        if self.overlap_scheme != "eager-adaptive" or not self._last_sq or not math.isfinite(a_sq):
+            return
+        lo = 1.0 / self._sync.world_size
+        self.alpha = min(1.0, max(lo, a_sq / self._last_sq))
 
     def finish(self) -> None:
         """End of training with overlap: waits for the last average and applies it; when the inner steps end
@@ -619,8 +618,8 @@ class DiLoCo:
 
         With overlap, first waits for the average in flight and applies it to the outer weights (what the
         next outer step would do first, with the same bits): a checkpoint never holds anything in flight.
-        The eager schemes add "start", the point the current inner steps started from, and eager-mixed
-        "last_average", the last average applied."""
+        The eager schemes add "start", the point the current inner steps started from (eager-adaptive also
+        its weight "alpha")."""
         if self.overlap:
             self._drain()
         sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
@@ -628,8 +627,8 @@ class DiLoCo:
             sd.update(self.state.state_dict())
             if self.start is not None:
                 sd["start"] = self.start.cpu()
-            if self.last_average is not None:
-                sd["last_average"] = self.last_average.cpu()
+            if self.overlap_scheme == "eager-adaptive":
+                sd["alpha"] = self.alpha
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -646,12 +645,7 @@ class DiLoCo:
                 self.start.copy_(sd["start"])
             else:
                 self.start = None
-            if "last_average" in sd and self.overlap and self.overlap_scheme == "eager-mixed":
-                if self.last_average is None:
-                    self.last_average = self.state.new_buffer()
-                self.last_average.copy_(sd["last_average"])
-            else:
-                self.last_average = None
+            self.alpha = float(sd.get("alpha", 1.0))
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 

@@ -346,16 +346,21 @@ class OuterState:
             self.scatter(load)
 
     @torch.no_grad()
-    def update(self, g: torch.Tensor, *, load: bool = False) -> None:
+    def update(self, g: torch.Tensor, *, load: bool = False, norm: bool = False) -> Optional[float]:
         """The outer step on the fp32 outer weights, from the averaged pseudo-gradient g (same bits on CPU and
-        GPU). `load`: also copy the new outer weights into the model (overlapped with the update where it can)."""
+        GPU). `load`: also copy the new outer weights into the model (overlapped with the update where it can).
+        `norm`: return the squared L2 norm of g (fp32 dot products per chunk, summed in float64), else None."""
+        sq = torch.zeros((), dtype=torch.float64, device=g.device) if norm else None
         if self.optimizer is not None:
             if g is not self.grad:
                 self.grad.copy_(g)
             self.optimizer.step()
             if load:
                 self.scatter(self.outer)
-            return
+            if norm:
+                for (gc,) in self._chunks(g):
+                    sq += torch.dot(gc, gc).double()
+            return float(sq) if norm else None
         mu, lr = self.mu, self.lr
         step = _GPU_CHUNK if g.is_cuda else _CHUNK
         tmp = torch.empty(min(step, g.numel()), dtype=torch.float32, device=g.device)
@@ -370,13 +375,15 @@ class OuterState:
                 t.copy_(mc)
             t.mul_(lr)
             wc.sub_(t)  # outer -= lr * update
+            if norm:
+                sq += torch.dot(gc, gc).double()  # while gc is hot
+        return float(sq) if norm else None
 
     @torch.no_grad()
     def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
-                  mix: Optional[tuple] = None) -> None:
+                  scale: Optional[float] = None) -> None:
         """out = the outer weights update(g) would give, without changing the weights or the momentum.
-        `load`: also copy `out` into the model. `mix` = (alpha, beta, a): use alpha * g + beta * a in place of
-        g (two products and a sum, each rounded to fp32; a None: alpha * g).
+        `load`: also copy `out` into the model. `scale`: use fp32(g * scale) in place of g.
 
         The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
         if self.optimizer is not None:
@@ -385,18 +392,10 @@ class OuterState:
         step = _GPU_CHUNK if g.is_cuda else _CHUNK
         tmp = torch.empty(min(step, g.numel()), dtype=torch.float32, device=g.device)
         tmp2 = torch.empty_like(tmp) if self.nesterov else None
-        tmp3 = torch.empty_like(tmp) if mix is not None else None
-        other = mix[2] if mix is not None and mix[2] is not None else None
-        tmp4 = torch.empty_like(tmp) if other is not None else None
-        # enumerate, not zip with a range: the generator must run to its end, where it copies into the model
-        for i, (gc, mc, wc, oc) in enumerate(self._chunks(g, self.momentum, self.outer, out,
-                                                          load=out if load else None)):
-            s0 = i * step
-            if mix is not None:
-                gc = torch.mul(gc, mix[0], out=tmp3[: gc.numel()])
-                if other is not None:
-                    b = torch.mul(other[s0 : s0 + gc.numel()], mix[1], out=tmp4[: gc.numel()])
-                    gc.add_(b)
+        tmp3 = torch.empty_like(tmp) if scale is not None else None
+        for gc, mc, wc, oc in self._chunks(g, self.momentum, self.outer, out, load=out if load else None):
+            if scale is not None:
+                gc = torch.mul(gc, scale, out=tmp3[: gc.numel()])
             m = tmp[: gc.numel()]
             torch.mul(mc, mu, out=m)
             m.add_(gc)  # the momentum update() would store

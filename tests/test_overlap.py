@@ -44,22 +44,26 @@ def reference(w0, deltas, scheme, *, lr, mu, nesterov, codec, block_size):
     w, m = w0.clone(), torch.zeros_like(w0)
     starts = [w0.clone() for _ in range(n)]
     pending = None  # the average in flight
-    last = None  # the last average applied (eager-mixed)
+    alphas = [1.0] * n  # eager-adaptive: each node's weight of its own pseudo-gradient
+    last_sq = [None] * n
+    numel = -(-w0.numel() // block_size) * block_size  # DiLoCo's flat buffer: padded to whole blocks
     steps = []
     for k in range(len(deltas)):
         local = [starts[r] - deltas[k][r] for r in range(n)]
         d = [starts[r] - local[r] for r in range(n)]  # the pseudo-gradient, as each node computes it
         if pending is not None:
             w, m = nesterov_f32(w, m, pending, lr, mu, nesterov)
-            last = pending
+            padded = torch.cat([pending, torch.zeros(numel - pending.numel())])
+            a_sq = float(torch.dot(padded, padded).double())  # over the flat buffer, as DiLoCo's update pass
+            if scheme == "eager-adaptive":
+                alphas = [min(1.0, max(1.0 / n, a_sq / last_sq[r])) for r in range(n)]
         for r in range(n):
             if scheme == "eager":
                 starts[r] = nesterov_f32(w, m, d[r], lr, mu, nesterov)[0]
-            elif scheme == "eager-mixed":  # own share fresh, the others' from the last average
-                stand_in = torch.mul(d[r], 1.0 / n)
-                if last is not None:
-                    stand_in = stand_in + torch.mul(last, (n - 1) / n)
+            elif scheme == "eager-adaptive":  # the local pseudo-gradient shrunk by alpha, rounded to fp32
+                stand_in = d[r] if alphas[r] == 1.0 else torch.mul(d[r], alphas[r])
                 starts[r] = nesterov_f32(w, m, stand_in, lr, mu, nesterov)[0]
+                last_sq[r] = float(torch.dot(d[r], d[r]).double())  # per parameter, as DiLoCo's pseudo-gradient pass
             else:
                 starts[r] = w.clone()
         parts = [int8_round_trip_f64(x, block_size) for x in d] if codec == "int8" else d
@@ -100,7 +104,7 @@ def run_overlap(w0, deltas, scheme, *, codec, block_size=32, lr=0.7, mu=0.9, nes
 
 @pytest.mark.parametrize("scheme,codec,nesterov", [("eager", "none", True), ("eager", "int8", True),
                                                    ("delayed", "int8", True), ("eager", "none", False),
-                                                   ("eager-mixed", "int8", True)])
+                                                   ("eager-adaptive", "int8", True), ("eager-adaptive", "none", True)])
 def test_overlap_matches_plain_torch_reference_bit_for_bit(seed, scheme, codec, nesterov):
     """3 nodes, 5 outer steps: every node's model, the shared outer weights and the final weights equal the
     reference's bits, and the outer weights are identical on every node."""
@@ -181,7 +185,7 @@ def test_checkpoint_mid_run_resumes_bit_for_bit(seed):
     assert torch.equal(resumed[0], resumed[1]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("scheme", ["eager", "eager-mixed", "delayed"])
+@pytest.mark.parametrize("scheme", ["eager", "eager-adaptive", "delayed"])
 def test_checkpoint_round_trip_is_exact(seed, scheme):
     """A DiLoCo restored from an overlapped state_dict() continues bit for bit like the original."""
     gen = torch.Generator().manual_seed(seed)
@@ -200,7 +204,7 @@ def test_checkpoint_round_trip_is_exact(seed, scheme):
         d1.step()
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d1.state_dict().items()}
     assert ("start" in sd) == scheme.startswith("eager") and d1._inflight is None
-    assert ("last_average" in sd) == (scheme == "eager-mixed")
+    assert ("alpha" in sd) == (scheme == "eager-adaptive")
     m2, d2 = make(m1.a.detach())
     d2.load_state_dict(sd)
     for m, d in ((m1, d1), (m2, d2)):
