@@ -196,6 +196,8 @@ class DiLoCoConfig:
     """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
     overlap_scheme: str = "eager"
     """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
+    overlap_steps: int = 0
+    """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they take at most 1/4 of its memory)."""
 
@@ -203,6 +205,10 @@ class DiLoCoConfig:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
         _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed"), "diloco.overlap_scheme",
                  "'eager', 'eager-adaptive' or 'delayed'", self.overlap_scheme)
+        _require(0 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
+                 f"in [0, diloco.inner_steps = {self.inner_steps}] (0: inner_steps)", self.overlap_steps)
+        _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
+                 "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
                  "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)

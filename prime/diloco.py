@@ -196,6 +196,11 @@ class DiLoCo:
                       local pseudo-gradient shrunk by how much of it the last average
                       kept) or "delayed" (from the outer weights without the step in
                       flight); see OVERLAP_SCHEMES
+    overlap_steps:    with overlap, apply the average in flight after this many inner
+                      steps of the next outer step, shifting the local weights by what
+                      the start point missed (None: inner_steps, the whole phase).
+                      Fewer steps cost less loss; enough to hide the wire is enough.
+                      Below inner_steps it needs an eager scheme
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
                       when they fit in a quarter of its memory
@@ -222,6 +227,7 @@ class DiLoCo:
         overlap: bool = False,
         overlap_scheme: str = "eager",
         outer_state_device: str = "auto",
+        overlap_steps: Optional[int] = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -237,6 +243,11 @@ class DiLoCo:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if overlap_scheme not in OVERLAP_SCHEMES:
             raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
+        overlap_steps = inner_steps if overlap_steps is None else overlap_steps
+        if not 1 <= overlap_steps <= inner_steps:
+            raise ValueError(f"overlap_steps must be in [1, inner_steps={inner_steps}], got {overlap_steps}")
+        if overlap and overlap_steps < inner_steps and not overlap_scheme.startswith("eager"):
+            raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
         if outer_state_device not in OUTER_STATE_DEVICES:
             raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
         if overlap and overlap_scheme.startswith("eager") and outer_optimizer is not None:
@@ -280,6 +291,7 @@ class DiLoCo:
         self.overlap = overlap and self._sync is not None
         """True when the all-reduce of each outer step runs during the next inner steps."""
         self.overlap_scheme = overlap_scheme
+        self.overlap_steps = overlap_steps
         self.distributed = self._sync is not None
         """True when outer steps run (a ring or sync was given); False: step() only counts."""
         self._check_pending = check_replicas and self.distributed
@@ -308,6 +320,8 @@ class DiLoCo:
         """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
         self._last_sq: Optional[float] = None  # eager-adaptive: ||d||^2 of the pseudo-gradient in flight
         self._keep_input = False
+        self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
+        self._start_buf: Optional[torch.Tensor] = None
         if self.overlap:
             # st.grad is free with the default update; a custom optimizer reads its .grad, which must never be
             # the buffer being averaged.
@@ -325,6 +339,7 @@ class DiLoCo:
         s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
         if self.overlap:
             s["overlap"] = self.overlap_scheme
+            s["overlap_steps"] = self.overlap_steps
         if self.state is not None:
             s.update(self.state.settings())
         return s
@@ -393,6 +408,8 @@ class DiLoCo:
             self.since_sync = 0
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
         elif self.since_sync < self.inner_steps:
+            if self.overlap and self.since_sync == self.overlap_steps:
+                self._apply_midway()
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
         else:
             self.result = self.sync()
@@ -513,9 +530,13 @@ class DiLoCo:
             self._inflight = None
             r = self._join(prev)
         wait_s = time.perf_counter() - w0
+        applied = prev.outer_step if prev is not None else None
+        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
+            r, applied, wait_s = self._midway
+            self._midway = None
         u0 = time.perf_counter()
         eager = self.overlap_scheme.startswith("eager")
-        if r is not None:
+        if prev is not None:
             a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
             self._adapt(a_sq)
             self._pool.append(prev.buf)
@@ -523,7 +544,7 @@ class DiLoCo:
             st.load_into_model()
         if eager:
             if self.start is None:
-                self.start = st.new_buffer()
+                self.start = self._start_buf if self._start_buf is not None else st.new_buffer()
             adaptive = self.overlap_scheme == "eager-adaptive" and self.alpha != 1.0
             st.lookahead(g, self.start, load=True, scale=self.alpha if adaptive else None)
             self._last_sq = sq
@@ -540,8 +561,26 @@ class DiLoCo:
         flight.start(self._sync, ready, g.device)
         self._inflight = flight
         return self._result(r, t0, prepare_s, update_s, norm, self._ring_error(r, own_err) if r else own_err,
-                            overlapped=True, wait_s=wait_s,
-                            applied_outer_step=prev.outer_step if prev is not None else None)
+                            overlapped=True, wait_s=wait_s, applied_outer_step=applied)
+
+    @torch.no_grad()
+    def _apply_midway(self) -> None:
+        """overlap_steps < inner_steps, after overlap_steps inner steps: apply the average in flight to the outer
+        weights, then shift the local weights by (outer weights - start point), so that the inner steps go on
+        from where they would be had they started from the outer weights; the outer weights become the anchor
+        of this outer step's pseudo-gradient. (A checkpoint may have applied the average already.)"""
+        t0 = time.perf_counter()
+        flight, self._inflight = self._inflight, None
+        if flight is not None:
+            r = self._join(flight)
+            self._adapt(self.state.update(flight.buf, norm=True))
+            self._pool.append(flight.buf)
+            self._midway = (r, flight.outer_step, time.perf_counter() - t0)
+        if self.start is not None:
+            st = self.state
+            torch.sub(st.outer, self.start, out=self.start)  # what the start point missed
+            st.add_to_model(self.start)
+            self._start_buf, self.start = self.start, None  # the buffer is reused at the next outer step
 
     def _join(self, flight: _InFlight) -> SyncResult:
         """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on
@@ -596,7 +635,7 @@ class DiLoCo:
                   s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size, st.sizes,
                   self.outer_step)
         if self.overlap:  # appended only with overlap: the hash of a run without it is unchanged
-            fields += (self.overlap_scheme,)
+            fields += (self.overlap_scheme, self.overlap_steps)
         settings = repr(fields)
         h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
         return st.weights_hash(), int.from_bytes(h, "little"), st.numel

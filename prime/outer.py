@@ -408,6 +408,16 @@ class OuterState:
             t.mul_(lr)
             torch.sub(wc, t, out=oc)
 
+    @torch.no_grad()
+    def add_to_model(self, delta: torch.Tensor) -> None:
+        """Local weights += delta (a buffer of the layout), one fp32 rounding per value."""
+        piped = self._piped()
+        for t, off, _ in self._spans():
+            d = delta[off : off + t.numel()].view_as(t)
+            t.add_(d.to(t.device, non_blocking=piped) if d.device != t.device else d)
+        if piped:
+            torch.cuda.synchronize(self._gpu_device())  # delta is rewritten at the next outer step
+
     def load_into_model(self, src: Optional[torch.Tensor] = None) -> None:
         """Local weights := outer weights (or `src`, a buffer of the same layout)."""
         self.scatter(self.outer if src is None else src)

@@ -226,7 +226,8 @@ class Trainer:
             inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
             codec=d.codec, block_size=d.block_size, measure_compression_error=d.compression_error,
             check_replicas=d.check_replicas and not self.elastic, overlap=d.overlap,
-            overlap_scheme=d.overlap_scheme, outer_state_device=d.outer_state_device, **ring,
+            overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None,
+            outer_state_device=d.outer_state_device, **ring,
         )
         if self.elastic:
             self.model_numel = sum(p.numel() for p in self.model.parameters())

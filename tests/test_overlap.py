@@ -124,6 +124,68 @@ def test_overlap_matches_plain_torch_reference_bit_for_bit(seed, scheme, codec, 
         assert torch.equal(got[r][1], ref_final), f"seed {seed} node {r}: final weights"
 
 
+def reference_midway(w0, deltas, tau, *, lr, mu, codec, block_size):
+    """Plain-torch eager overlap with overlap_steps = tau < H: deltas[k][r][j] moves node r at inner step j of
+    outer step k. After tau inner steps the average in flight is applied and the local weights are shifted by
+    (outer weights - start point). Returns the final weights."""
+    n, H = len(deltas[0]), len(deltas[0][0])
+    w, m = w0.clone(), torch.zeros_like(w0)
+    starts, x = [w0.clone() for _ in range(n)], [w0.clone() for _ in range(n)]
+    pending = None
+    for k in range(len(deltas)):
+        for j in range(H):
+            x = [x[r] - deltas[k][r][j] for r in range(n)]
+            if j + 1 == tau and k > 0:
+                w, m = nesterov_f32(w, m, pending, lr, mu, True)
+                pending = None
+                x = [x[r] + (w - starts[r]) for r in range(n)]  # (w - start) rounded, then added
+                starts = [w.clone() for _ in range(n)]
+        d = [starts[r] - x[r] for r in range(n)]
+        if pending is not None:
+            w, m = nesterov_f32(w, m, pending, lr, mu, True)
+        starts = [nesterov_f32(w, m, d[r], lr, mu, True)[0] for r in range(n)]
+        x = [s.clone() for s in starts]
+        parts = [int8_round_trip_f64(v, block_size) for v in d] if codec == "int8" else d
+        acc = parts[0].clone()
+        for v in parts[1:]:
+            acc = acc + v
+        pending = acc / n
+    w, m = nesterov_f32(w, m, pending, lr, mu, True)
+    return w
+
+
+@pytest.mark.parametrize("tau", [1, 2])
+def test_overlap_steps_match_plain_torch_reference_bit_for_bit(seed, tau):
+    """overlap_steps < inner_steps (3): the average is applied after tau inner steps and the local weights are
+    shifted; 2 nodes, int8, final weights equal the reference's bits on both nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    n, H, steps, size = 2, 3, 4, 150
+    w0 = torch.randn(size, generator=gen)
+    deltas = [[[0.02 * torch.randn(size, generator=gen) for _ in range(H)] for _ in range(n)] for _ in range(steps)]
+    group = FakeThreadGroup(n)
+
+    def node(r):
+        model = TwoParams(w0, torch.zeros(0))
+        d = DiLoCo(model, None, FakeThreadRing(group, r), inner_steps=H, overlap_steps=tau, codec="int8",
+                   block_size=32, overlap=True, check_replicas=False)
+        for k in range(steps):
+            for j in range(H):
+                with torch.no_grad():
+                    model.a -= deltas[k][r][j]
+                res = d.step()
+                assert res.did_sync == (j == H - 1)
+                if res.did_sync and k > 0:
+                    assert res.applied_outer_step == k  # applied mid-phase, reported at the outer step
+        d.finish()
+        d.close()
+        return model.a.detach().clone()
+
+    got = run_nodes(n, node)
+    ref = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32)
+    for r in range(n):
+        assert torch.equal(got[r], ref), f"seed {seed} tau {tau} node {r}"
+
+
 def test_one_node_eager_overlap_is_the_synchronous_outer_step(seed):
     """With one node the local pseudo-gradient is the average: eager overlap gives the synchronous bits."""
     gen = torch.Generator().manual_seed(seed)
@@ -278,6 +340,15 @@ def test_overlap_is_refused_where_it_cannot_work():
         DiLoCo(nn.Linear(2, 2), None, NotARing(), overlap=True)
     with pytest.raises(ValueError, match="overlap_scheme"):
         DiLoCo(nn.Linear(2, 2), None, None, overlap=True, overlap_scheme="lazy")
+    with pytest.raises(ValueError, match="overlap_steps"):
+        DiLoCo(nn.Linear(2, 2), None, None, inner_steps=4, overlap=True, overlap_steps=5)
+    with pytest.raises(ValueError, match="eager"):
+        DiLoCo(nn.Linear(2, 2), None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, overlap=True,
+               overlap_steps=2, overlap_scheme="delayed")
+    cfg = Config()
+    cfg.diloco.inner_steps, cfg.diloco.overlap_steps = 10, 11
+    with pytest.raises(ValueError, match="diloco.overlap_steps"):
+        cfg.validate()
     cfg = Config()
     cfg.elastic.enabled, cfg.diloco.overlap = True, True
     with pytest.raises(ValueError, match="diloco.overlap"):
@@ -343,3 +414,34 @@ def test_trainer_overlap_resume_matches_uninterrupted_run(tmp_path, seed):
     for node in (0, 1):
         a, b = losses(full, node), losses(part, node)
         assert all(a[s] == b[s] for s in range(7, 13)), (node, a, b)
+
+
+def test_checkpoint_before_overlap_steps_resumes_bit_for_bit(seed):
+    """overlap_steps = 2 of 3: a checkpoint after the first inner step of an outer step (the average still in
+    flight) applies it early; the restored DiLoCo shifts at step 2 as the original does."""
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(64, generator=gen)
+    deltas = [0.05 * torch.randn(64, generator=gen) for _ in range(9)]
+
+    def make(w):
+        model = TwoParams(w, torch.zeros(0))
+        return model, DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=3, overlap_steps=2,
+                             codec="none", overlap=True, check_replicas=False)
+
+    m1, d1 = make(w0)
+    for k in range(4):  # one outer step and one inner step: an average in flight
+        with torch.no_grad():
+            m1.a -= deltas[k]
+        d1.step()
+    assert d1._inflight is not None
+    sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d1.state_dict().items()}
+    m2, d2 = make(m1.a.detach())
+    d2.load_state_dict(sd)
+    for m, d in ((m1, d1), (m2, d2)):
+        for k in range(4, 9):
+            with torch.no_grad():
+                m.a -= deltas[k]
+            d.step()
+        d.finish()
+        d.close()
+    assert torch.equal(m1.a, m2.a), f"seed {seed}"
