@@ -437,11 +437,16 @@ def test_checkpoint_before_overlap_steps_resumes_bit_for_bit(seed):
     sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d1.state_dict().items()}
     m2, d2 = make(m1.a.detach())
     d2.load_state_dict(sd)
-    for m, d in ((m1, d1), (m2, d2)):
+    m3, d3 = make(w0)  # never checkpointed: the average is applied at step 2, not early
+    for k in range(4):
+        with torch.no_grad():
+            m3.a -= deltas[k]
+        d3.step()
+    for m, d in ((m1, d1), (m2, d2), (m3, d3)):
         for k in range(4, 9):
             with torch.no_grad():
                 m.a -= deltas[k]
             d.step()
         d.finish()
         d.close()
-    assert torch.equal(m1.a, m2.a), f"seed {seed}"
+    assert torch.equal(m1.a, m2.a) and torch.equal(m1.a, m3.a), f"seed {seed}"
