@@ -10,7 +10,9 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   dp                   data parallel: AdamW on the average gradient of the N batches, every step
   diloco-exact         synchronous DiLoCo, codec none (exact fp32 average)
   diloco-int8          synchronous DiLoCo, int8 ring
-  overlap-int8-eager   DiLoCo with overlap (eager), int8 ring
+  overlap-int8-eager   DiLoCo with overlap (eager), int8 ring; the average is applied at the next outer step
+  overlap-int8-eager@F the same with overlap_steps = F x H (a fraction like 1/4, or a number of steps): the
+                       average is applied after that many inner steps of the next outer step
   overlap-int8-eager-adaptive  DiLoCo with overlap (eager-adaptive), int8 ring
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
 
@@ -189,11 +191,18 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="dp,diloco-exact,diloco-int8,overlap-int8-eager,overlap-int8-eager@1/4",
+                    help=f"comma list of {', '.join(METHODS)}; an overlap method may end in @F (overlap_steps = F x H)")
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default="benchmarks/results/fidelity")
+    ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
     a, rest = ap.parse_known_args()
+    if a.replot:
+        with open(a.out + ".json") as f:
+            saved = json.load(f)
+        plot(saved["results"], saved["meta"], a.out)
+        return 0
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -204,21 +213,32 @@ def main() -> int:
                        vocab_size=s.args.vocab_size)
     eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
     methods = [m for m in a.methods.split(",") if m]
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)}")
+    def options(m):
+        base, _, frac = m.partition("@")
+        if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")):
+            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F)")
+        if not frac:
+            return METHODS[base]
+        h = cfg.diloco.inner_steps
+        num, _, den = frac.partition("/")
+        steps = max(1, min(h, round(h * int(num) / int(den)))) if den else int(num)
+        return dict(METHODS[base], overlap_steps=steps)
+
+    opts = {m: options(m) for m in methods}
     tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len
-    machine = (torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine())
+    machine = _machine(device)
     print(f"fidelity: model {cfg.model.name} ({sum(p.numel() for p in s.model().parameters()) / 1e6:.1f}M), "
           f"{a.nodes} nodes x {cfg.train.steps} steps x {cfg.train.micro_batch_size} x {cfg.data.seq_len} = "
           f"{tokens / 1e6:.2f}M tokens per method, H = {cfg.diloco.inner_steps}, on {device} ({machine})")
     results = {}
     for m in methods:
         t0 = time.perf_counter()
-        if METHODS[m] is None:
+        if opts[m] is None:
             loss, curve, info = run_dp(s, eval_batches)
         else:
-            loss, curve, info = run_diloco(s, eval_batches, METHODS[m], m)
+            loss, curve, info = run_diloco(s, eval_batches, opts[m], m.replace("/", "-").replace("@", "-"))
+            if "overlap_steps" in opts[m]:
+                info["overlap_steps"] = opts[m]["overlap_steps"]
         results[m] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]),
                       "curve": curve, "wall_s": time.perf_counter() - t0, **info}
         print(f"  {m:22s} eval loss {loss:.4f}   train loss (last 10) {results[m]['train_loss_last10']:.4f}   "
@@ -242,22 +262,28 @@ def main() -> int:
         w.writerow(["step"] + list(results))
         for i in range(cfg.train.steps):
             w.writerow([i + 1] + [f"{results[m]['curve'][i]:.5f}" for m in results])
+    plot(results, meta, a.out)
+    return 0
+
+
+def plot(results: dict, meta: dict, out: str) -> None:
+    """<out>.png: the training-loss curves and the final held-out losses (needs matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot; the curves are in {a.out}.csv")
-        return 0
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    k = max(1, cfg.diloco.inner_steps)
+        print(f"matplotlib is not installed: no plot; the curves are in {out}.csv")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    k = max(1, meta["inner_steps"])
     for m, r in results.items():
         c = r["curve"]
         smooth = [sum(c[max(0, i - k + 1) : i + 1]) / len(c[max(0, i - k + 1) : i + 1]) for i in range(len(c))]
         ax1.plot(range(1, len(c) + 1), smooth, label=m)
     ax1.set_xlabel("inner step")
-    ax1.set_ylabel(f"training loss (mean over nodes, moving mean of {k})")
+    ax1.set_ylabel(f"training loss (moving mean of {k})")
     ax1.legend()
     names = list(results)
     ax2.bar(range(len(names)), [results[m]["eval_loss"] for m in names])
@@ -265,12 +291,22 @@ def main() -> int:
     lo = min(results[m]["eval_loss"] for m in names)
     ax2.set_ylim(lo * 0.97, max(results[m]["eval_loss"] for m in names) * 1.01)
     ax2.set_ylabel("final held-out loss")
-    fig.suptitle(f"{cfg.model.name}, {a.nodes} nodes, H = {cfg.diloco.inner_steps}, "
-                 f"{tokens / 1e6:.2f}M tokens per method ({machine})")
+    fig.suptitle(f"{meta['model']}, {meta['nodes']} nodes, H = {meta['inner_steps']}, "
+                 f"{meta['tokens_per_method'] / 1e6:.2f}M tokens per method ({meta['machine']})")
     fig.tight_layout()
-    fig.savefig(a.out + ".png", dpi=110)
-    print(f"plot: {a.out}.png")
-    return 0
+    fig.savefig(out + ".png", dpi=110)
+    print(f"plot: {out}.png")
+
+
+def _machine(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        return f"{name}, {os.cpu_count()} cores"
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 if __name__ == "__main__":
