@@ -19,7 +19,7 @@ the same N batches per step as one batch (the average of the N gradients, exact,
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
 the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
 overlap, after finish() applied the last average) on --eval-batches fixed batches of a held-out split
-(the last 5% of the corpus, never trained on). Writes <out>.json, <out>.csv (the training-loss curves) and
+(the last 5% of the corpus, never trained on). train.grad_accum is not used (one micro-batch per step). Writes <out>.json, <out>.csv (the training-loss curves) and
 <out>.png when matplotlib is installed.
 """
 
