@@ -27,6 +27,14 @@ guarantees it).
 Failure: the sync retries or gives up with OuterSyncError, leaving the outer
 weights as they were: the caller saves a checkpoint and stops. It never
 continues with replicas that differ.
+
+With overlap=True the average of outer step k runs on a background thread
+during the inner steps of outer step k+1 and is applied after overlap_steps of
+them (default: at outer step k+1); meanwhile the inner steps start from the
+outer update the local pseudo-gradient would give (the eager scheme). The
+outer weights and momentum only ever receive averages, in order, so they stay
+bit-identical on every node. docs/training.md, "Overlapping the all-reduce",
+has the math and a worked example.
 """
 
 from __future__ import annotations
@@ -75,7 +83,8 @@ class OuterStepResult:
     outer_s: float = 0.0
     """Wall time of the whole outer step: copies, all-reduce, outer update."""
     prepare_s: float = 0.0
-    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured) its int8 error."""
+    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured and the ring does not
+    report it) its int8 error."""
     update_s: float = 0.0
     """Part of outer_s: the outer update of the outer weights and the host-to-device copy back."""
     bytes_sent: Optional[int] = None
