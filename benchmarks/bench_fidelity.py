@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import csv
 import json
-import math
 import os
 import platform
 import sys

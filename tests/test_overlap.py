@@ -2,7 +2,6 @@
 against a plain-torch reference of the same algorithm written here, with nodes as threads (the fake ring of
 tests/test_diloco.py). The algorithm is the one docs/training.md writes out ("Overlapping the all-reduce")."""
 
-import math
 import random
 
 import pytest
