@@ -212,7 +212,7 @@ class DiLoCo:
                       Below inner_steps it needs an eager scheme
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
-                      when they fit in a quarter of its memory
+                      when they fit in a third of its memory
     """
 
     def __init__(

@@ -19,7 +19,7 @@ that no int8 block of the all-reduce spans two parameters. They live where
             that the CPU works on one parameter while the next one crosses PCIe
     "gpu"   the parameters' GPU: every pass is a GPU kernel, nothing crosses PCIe
     "auto"  "gpu" when the parameters are on a GPU and the buffers take at most
-            1/4 of its memory (AUTO_GPU_FRACTION), else "cpu"
+            1/3 of its memory (AUTO_GPU_FRACTION), else "cpu"
 
 The passes of an outer step: one over the parameters for the pseudo-gradient
 and its squared norm (pseudo_gradient), then after the average one update pass
@@ -68,9 +68,10 @@ _CHUNK = 1 << 20
 _GPU_CHUNK = 1 << 26
 
 OUTER_STATE_DEVICES = ("cpu", "gpu", "auto")
-AUTO_GPU_FRACTION = 0.25
+AUTO_GPU_FRACTION = 1 / 3
 """device="auto" keeps the outer state on the GPU when its buffers take at most this fraction of the GPU's memory
-(the rest is for the model, the inner optimizer and activations)."""
+(the rest is for the model, the inner optimizer and activations). 1/3: the 1B model's five buffers of eager
+overlap (25 GB) fit on an 80 GB H100 beside its training (fp32 weights, gradients and AdamW: 20 GB)."""
 
 
 def resolve_device(device: str, local_tensors: list, buffers: int) -> torch.device:
