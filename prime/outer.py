@@ -66,6 +66,9 @@ _CHUNK = 1 << 20
 # On a GPU one kernel per operation over 64M values (256 MiB) is already at full bandwidth;
 # the chunk only bounds the temporaries' memory.
 _GPU_CHUNK = 1 << 26
+# Piece of the CPU state's copy pipeline (GPU <-> pinned memory): 16M values (64 MiB, ~3 ms of PCIe) per copy, so
+# that the CPU pass starts after the first piece has landed, not after a whole embedding table (1 GB for 1B).
+_PIPE_CHUNK = 1 << 24
 
 OUTER_STATE_DEVICES = ("cpu", "gpu", "auto")
 AUTO_GPU_FRACTION = 1 / 3
@@ -176,6 +179,23 @@ class OuterState:
         ends = self.offsets[1:] + [self.numel]
         return zip(self._locals(), self.offsets, ends)
 
+    def _pieces(self) -> list:
+        """The copy pipeline's pieces: (local tensor, flat offset, start, end within the tensor, padded end of the
+        parameter on its last piece else None); parameters cut at _PIPE_CHUNK values (whole when not contiguous)."""
+        out = []
+        for t, off, end in self._spans():
+            n = t.numel()
+            step = _PIPE_CHUNK if t.is_contiguous() else max(n, 1)
+            starts = list(range(0, n, step)) or [0]
+            for i, a in enumerate(starts):
+                out.append((t, off, a, min(n, a + step), end if i == len(starts) - 1 else None))
+        return out
+
+    @staticmethod
+    def _piece_of(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Values a..b of t, flat: a view of t (whole pieces of non-contiguous tensors are a reshaped copy)."""
+        return t.view(-1)[a:b] if t.is_contiguous() else t.reshape(-1)
+
     def _side_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self._gpu_device())
@@ -209,22 +229,23 @@ class OuterState:
             return
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(stream.device))
-        events = []
+        pieces, events = self._pieces(), []
         with torch.cuda.stream(stream):
-            for t, off, _ in spans:
+            for t, off, a, b, _ in pieces:
                 if t.device.type == "cuda":
-                    dst[off : off + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+                    dst[off + a : off + b].copy_(self._piece_of(t, a, b), non_blocking=True)
                     events.append(torch.cuda.Event())
                     events[-1].record(stream)
                 else:
                     events.append(None)
-        for (t, off, end), ev in zip(spans, events):
-            view = dst[off : off + t.numel()]
+        for (t, off, a, b, end), ev in zip(pieces, events):
+            view = dst[off + a : off + b]
             if ev is None:
-                view.copy_(t.reshape(-1))
+                view.copy_(self._piece_of(t, a, b))
             else:
-                ev.synchronize()  # this parameter's bytes are in dst; later ones are still crossing PCIe
-            yield view, view, dst[off + t.numel() : end]
+                ev.synchronize()  # this piece's bytes are in dst; later ones are still crossing PCIe
+            pad = dst[off + t.numel() : end] if end is not None else dst[:0]
+            yield view, view, pad
 
     @torch.no_grad()
     def gather(self, dst: torch.Tensor) -> None:
@@ -326,25 +347,32 @@ class OuterState:
         if piped:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-            spans, nxt = list(self._spans()), 0
+            pieces, nxt = self._pieces(), 0
         for s in range(0, n, step):
             yield tuple(b[s : s + step] for b in bufs)
             if piped:
                 with torch.cuda.stream(stream):
-                    while nxt < len(spans) and spans[nxt][2] <= s + step:
-                        t, off, _ = spans[nxt]
-                        t.copy_(load[off : off + t.numel()].view_as(t), non_blocking=True)
+                    while nxt < len(pieces) and pieces[nxt][1] + pieces[nxt][3] <= s + step:
+                        self._load_piece(pieces[nxt], load)
                         nxt += 1
         if load is None:
             return
         if piped:
             with torch.cuda.stream(stream):
-                for t, off, _ in spans[nxt:]:
-                    t.copy_(load[off : off + t.numel()].view_as(t), non_blocking=True)
+                for piece in pieces[nxt:]:
+                    self._load_piece(piece, load)
             torch.cuda.current_stream(stream.device).wait_stream(stream)
             stream.synchronize()  # `load` is rewritten at the next outer step
         else:
             self.scatter(load)
+
+    def _load_piece(self, piece, src: torch.Tensor) -> None:
+        """Queues the copy of one pipeline piece from `src` into the model (on the current stream)."""
+        t, off, a, b, _ = piece
+        if t.is_contiguous():
+            t.view(-1)[a:b].copy_(src[off + a : off + b], non_blocking=True)
+        else:
+            t.copy_(src[off : off + t.numel()].view_as(t), non_blocking=True)
 
     @torch.no_grad()
     def update(self, g: torch.Tensor, *, load: bool = False, norm: bool = False) -> Optional[float]:

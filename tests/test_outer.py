@@ -117,3 +117,22 @@ def test_compression_error_comes_from_the_ring_when_it_reports_it(seed, monkeypa
     r = d.step()
     assert r.compression_error == pytest.approx(math.sqrt(4.0 / 100.0))
     assert "quant_err_sq" not in r.ring_stats
+
+
+def test_copy_pipeline_pieces_tile_every_parameter(monkeypatch):
+    """The CPU state's GPU copies go in pieces: together they cover every parameter exactly once, the padding
+    end comes with each parameter's last piece, and a non-contiguous parameter stays whole."""
+    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 100)
+    m = nn.Module()
+    m.a = nn.Parameter(torch.zeros(250))
+    m.b = nn.Parameter(torch.zeros(100))
+    m.c = nn.Parameter(torch.zeros(30, 10).t())  # not contiguous
+    m.d = nn.Parameter(torch.zeros(0))
+    st = OuterState(m.parameters(), block_size=32)
+    covered = {}
+    for t, off, a, b, end in st._pieces():
+        covered.setdefault(off, []).append((a, b, end))
+    assert covered[st.offsets[0]] == [(0, 100, None), (100, 200, None), (200, 250, st.offsets[1])]
+    assert covered[st.offsets[1]] == [(0, 100, st.offsets[2])]
+    assert covered[st.offsets[2]] == [(0, 300, st.offsets[3])]
+    assert covered[st.offsets[3]] == [(0, 0, st.numel)]

@@ -29,8 +29,11 @@ def _gpu_model(gen, shapes):
     return m
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_cpu_and_gpu_outer_state_agree_bit_for_bit(seed, nesterov):
+@pytest.mark.parametrize("nesterov,pipe_chunk", [(True, None), (False, None), (True, 1000)])
+def test_cpu_and_gpu_outer_state_agree_bit_for_bit(seed, nesterov, pipe_chunk, monkeypatch):
+    """pipe_chunk: cut the CPU state's copies into pieces of that many values (the 37000-value parameter into 37)."""
+    if pipe_chunk is not None:
+        monkeypatch.setattr("prime.outer._PIPE_CHUNK", pipe_chunk)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(1000, 37), (4097,), (3, 5, 7), (1,)]
     model = _gpu_model(gen, shapes)
