@@ -46,7 +46,7 @@ from torch import nn
 
 from prime.comm import store_keys as keys
 
-__all__ = ["Checkpointer", "CheckpointError", "agree_on_resume_step", "verify_step_dir", "MANIFEST"]
+__all__ = ["Checkpointer", "CheckpointError", "TrainCheckpoints", "agree_on_resume_step", "verify_step_dir", "MANIFEST"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -366,6 +366,70 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+
+
+class TrainCheckpoints:
+    """The checkpoints of a training run: what a step's state is, resuming from it, and saving only finite states.
+
+    A step's state is the model and the inner optimizer (through DCP), and per
+    process the data position, DiLoCo's state (outer weights, momentum,
+    counters), the CPU RNG and the step. `data` and `diloco` are anything with
+    state_dict() / load_state_dict(); `local_sum` sums small values over the
+    node's processes (a collective: save() is one)."""
+
+    def __init__(self, checkpointer: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, data, diloco,
+                 local_sum: Callable[[list], list]):
+        self.checkpointer = checkpointer
+        self.model, self.optimizer, self.data, self.diloco, self.local_sum = model, optimizer, data, diloco, local_sum
+
+    def resume(self, store, node_rank: int, num_nodes: int, publish: bool,
+               log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+        """Loads the newest step that every node holds intact (Checkpointer.choose_resume_step) into the model,
+        the optimizer, the data and DiLoCo; returns that step, or None (nothing to resume: start fresh).
+        Raises CheckpointError on every process of every node alike when checkpoints exist but none is intact."""
+        step = self.checkpointer.choose_resume_step(store, node_rank, num_nodes, publish=publish, log=log)
+        if step is None:
+            return None
+        extra = self.checkpointer.load(step, self.model, self.optimizer)
+        self.data.load_state_dict(extra["data"])
+        self.diloco.load_state_dict(extra["diloco"])
+        torch.set_rng_state(extra["rng"])
+        return int(extra["step"])
+
+    @torch.no_grad()
+    def state_is_finite(self) -> bool:
+        """Whether this node's weights and optimizer moments are all finite (every process of the node calls it)."""
+        from prime.parallelize import local_shard
+
+        tensors = [local_shard(p.detach()) for p in self.model.parameters()]
+        tensors += [local_shard(t) for st in self.optimizer.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 1]
+        ok = bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+        return self.local_sum([0.0 if ok else 1.0])[0] == 0
+
+    def save(self, step: int, *, block: bool = False) -> bool:
+        """Checkpoints the state of `step` (asynchronously unless `block`). Returns False, saving nothing, when
+        the weights or the optimizer state are not finite on some process of the node."""
+        if not self.state_is_finite():
+            return False
+        extra = {"step": step, "data": self.data.state_dict(), "diloco": self.diloco.state_dict(),
+                 "rng": torch.get_rng_state()}
+        self.checkpointer.save(step, self.model, self.optimizer, extra, block=block)
+        return True
+
+    def newest(self) -> Optional[int]:
+        """The newest complete step on this node once the save in flight is done (None: none was written)."""
+        self.checkpointer.wait()  # a save in flight is of a state from before now
+        done = self.checkpointer.complete_steps()
+        return done[-1] if done else None
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is on disk."""
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Waits for the save in flight and stops the writer thread."""
+        self.checkpointer.close()
 
 
 def agree_on_resume_step(

@@ -22,11 +22,12 @@ import json
 import math
 import os
 import sys
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["peak_flops", "human_bytes", "MetricsLogger", "plot_losses", "PEAK_TFLOPS_BF16"]
+__all__ = ["peak_flops", "human_bytes", "MetricsLogger", "RunMetrics", "plot_losses", "PEAK_TFLOPS_BF16"]
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (no sparsity).
 PEAK_TFLOPS_BF16 = {
@@ -174,3 +175,173 @@ def plot_losses(out_dir: str, png_path: str) -> Optional[str]:
 def mean(xs) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+class RunMetrics:
+    """The metrics of one training process: its log lines and records, and the accounting behind them.
+
+    Accounts compute time (utilization), bytes sent against what data
+    parallelism would have sent, and inner-step rates, and writes the step,
+    outer and summary lines and records. Before open() (the checkpoint resume
+    decides where the JSONL file continues) print() goes to stdout on the
+    logging process and record() drops the record.
+
+    local_sum(values) sums small values over the node's processes: a
+    collective, so every process of the node calls inner_step(), outer_step()
+    in the same order.
+    """
+
+    WARMUP_STEPS = 3
+    """Inner steps left out of the medians: compilation, allocator warm-up and the first outer step's buffers."""
+
+    def __init__(self, *, out_dir: str, node_rank: int, is_logger: bool, local_world: int, num_nodes: int,
+                 total_steps: int, log_every: int, tokens_per_step: int, flops_per_token: float,
+                 peak: Optional[float], local_sum: Callable[[list], list], codec: str, block_size: int,
+                 inner_steps: int, model_numel: int):
+        self.out_dir, self.node_rank, self.is_logger = out_dir, node_rank, is_logger
+        self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.local_sum = local_sum
+        self.wire_bytes_per_value = (1 + 4 / block_size) if codec == "int8" else 4
+        self.inner_steps, self.model_numel = inner_steps, model_numel
+        self.log: Optional[MetricsLogger] = None
+        self.reset()
+
+    def open(self, *, tensorboard: bool = False, wandb: bool = False, wandb_project: str = "prime",
+             config: Optional[dict] = None, resume_step: Optional[int] = None) -> None:
+        """Opens the JSONL file (and TensorBoard / W&B); a resumed run keeps its curve up to resume_step."""
+        self.log = MetricsLogger(self.out_dir, self.node_rank, enabled=self.is_logger, tensorboard=tensorboard,
+                                 wandb=wandb, wandb_project=wandb_project, config=config, resume_step=resume_step)
+
+    def print(self, msg: str) -> None:
+        """Prints on the node's logging process."""
+        if self.log is not None:
+            self.log.print(msg)
+        elif self.is_logger:
+            print(msg, flush=True)
+
+    def record(self, kind: str, step: int, **values) -> None:
+        """One JSONL record (dropped before open())."""
+        if self.log is not None:
+            self.log.record(kind, step, **values)
+
+    def reset(self) -> None:
+        """Starts the accounting of a run."""
+        self.losses: list[tuple[int, float]] = []
+        self.step_s: list[float] = []  # inner-step times, for the summary's medians
+        self.total_sent = self.total_dp = self.compute_s = self.phase_compute = 0.0
+        self.sent_measured = True
+        self.phase_t0 = time.perf_counter()
+
+    def compute(self, step_s: float) -> None:
+        """Counts `step_s` seconds of inner-step compute."""
+        self.compute_s += step_s
+        self.phase_compute += step_s
+
+    def forget_phase(self) -> None:
+        """The compute since the last outer step does not count (this node just took the job's position)."""
+        self.phase_compute = 0.0
+
+    def _mfu(self, tok_s: float) -> Optional[float]:
+        return self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
+
+    def inner_step(self, step: int, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> float:
+        """Records inner step `step` in the JSONL file; prints its line when `show`. Returns the node's mean loss."""
+        loss = self.local_sum([loss])[0] / self.local_world
+        tok_s = self.tokens_per_step / step_s
+        mfu = self._mfu(tok_s)
+        self.losses.append((step, loss))
+        self.step_s.append(step_s)
+        mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        if show:
+            self.print(
+                f"step {step:>6}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+                f"{tok_s / 1e3:.1f}k tok/s | MFU {mfu_s} | {step_s * 1e3:.0f} ms"
+            )
+        self.record("step", step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
+                    step_s=step_s, tokens=step * self.tokens_per_step)
+        return loss
+
+    def outer_step(self, step: int, r, note: str = "", fields: Optional[dict] = None) -> None:
+        """Logs outer step `r` (a prime.diloco.OuterStepResult) at inner step `step`: all-reduce time and bytes
+        (summed over the node's processes), error, utilization; `note` ends the line, `fields` join the record."""
+        n = len(r.members) or self.num_nodes
+        measured = r.bytes_sent is not None
+        if measured:
+            sent = float(r.bytes_sent)
+        else:  # estimate a ring all-reduce of the wire format: 2 (N-1)/N of the encoded buffer
+            sent = 2 * (n - 1) / n * r.numel * self.wire_bytes_per_value
+        measured = self.local_sum([1.0 if measured else 0.0])[0] == self.local_world
+        sent, ar_s = self.local_sum([sent, r.allreduce_s])
+        ar_s /= self.local_world
+        err = r.compression_error
+        # what data parallelism among this outer step's nodes would have sent over the same inner steps
+        dp = 2 * (n - 1) / n * 4 * self.model_numel * self.inner_steps
+        self.total_sent += sent
+        self.sent_measured &= measured
+        self.total_dp += dp
+        now = time.perf_counter()
+        wall = now - self.phase_t0
+        util = self.phase_compute / wall if wall > 0 else float("nan")
+        self.phase_t0, self.phase_compute = now, 0.0
+        err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
+        self.print(
+            f"outer {r.outer_step} (step {step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
+            f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "
+            f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
+            + (f" | {r.attempts} attempts" if r.attempts > 1 else "") + note
+        )
+        self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
+                    prepare_s=getattr(r, "prepare_s", None), update_s=getattr(r, "update_s", None),
+                    bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
+                    pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **(fields or {}),
+                    **r.ring_stats)
+
+    def median_rates(self) -> Optional[tuple[float, Optional[float]]]:
+        """(tokens/s per node, MFU) at the median inner-step time, warm-up steps excluded; None if too few steps."""
+        times = sorted(self.step_s[self.WARMUP_STEPS:])
+        if not times:
+            return None
+        tok_s = self.tokens_per_step / times[len(times) // 2]
+        return tok_s, self._mfu(tok_s)
+
+    def summary(self, step: int, wall: float, outer_steps: int, multi_node: bool) -> dict:
+        """Records and prints the run's summary (bytes against data parallel when `multi_node`); returns it."""
+        k = max(1, min(10, len(self.losses) // 5))
+        first_step, first = self.losses[0] if self.losses else (0, float("nan"))
+        last = mean(l for _, l in self.losses[-k:])
+        util = self.compute_s / wall if wall > 0 else float("nan")
+        s = {"node": self.node_rank, "steps": step, "first_step": first_step, "first_loss": first,
+             "last_loss": last, "bytes_sent": self.total_sent, "bytes_measured": self.sent_measured,
+             "dp_bytes": self.total_dp, "utilization": util, "wall_s": wall, "outer_steps": outer_steps}
+        rate = self.median_rates()
+        if rate:
+            s["median_tokens_per_s"], s["median_mfu"] = rate
+        self.record("summary", step, **{k2: v for k2, v in s.items() if k2 != "node"})
+        if self.is_logger:
+            lines = [f"summary (node {self.node_rank}): {step} steps in {wall:.1f} s, "
+                     f"loss {first:.3f} at step {first_step} -> {last:.3f} (mean of the last {k} steps)"]
+            if multi_node:
+                ratio = self.total_dp / self.total_sent if self.total_sent else float("nan")
+                lines.append(
+                    f"  {outer_steps} outer steps sent {human_bytes(self.total_sent)}"
+                    f"{'' if self.sent_measured else ' (estimated)'}; data parallel would have sent "
+                    f"{human_bytes(self.total_dp)} ({ratio:.0f}x more)"
+                )
+            lines.append(f"  compute utilization {100 * util:.1f}% (inner-step time / wall time)")
+            if rate:
+                tok_s, mfu = rate
+                lines.append(f"  median inner step (first {self.WARMUP_STEPS} excluded): {tok_s / 1e3:.1f}k tok/s "
+                             "per node" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+            self.print("\n".join(lines))
+        return s
+
+    def close(self, plot: bool = False) -> None:
+        """Closes the file (if opened); with `plot`, node 0's logging process writes out_dir/loss.png."""
+        if self.log is None:
+            return
+        self.log.close()
+        if plot and self.is_logger and self.node_rank == 0:
+            path = plot_losses(self.out_dir, os.path.join(self.out_dir, "loss.png"))
+            if path:
+                print(f"loss plot: {path}", flush=True)

@@ -217,9 +217,9 @@ def test_non_finite_state_stops_the_run_and_is_never_saved(tmp_path, seed):
         norm = dict(trainer.model.named_parameters())["layers.0.attention_norm.weight"]  # every token passes it
         moments = trainer.optimizer.state[norm]["exp_avg"]
         moments.view(-1)[random.Random(seed).randrange(moments.numel())] = float("nan")
-        extra = {"step": 4, "data": trainer.loader.state_dict(), "diloco": trainer.diloco.state_dict(),
+        extra = {"step": 4, "data": trainer.data.state_dict(), "diloco": trainer.diloco.state_dict(),
                  "rng": torch.get_rng_state()}
-        trainer.ckpt.save(4, trainer.model, trainer.optimizer, extra, block=True)  # a valid manifest
+        trainer.checkpoints.checkpointer.save(4, trainer.model, trainer.optimizer, extra, block=True)  # a valid manifest
     finally:
         trainer.close()
         torch.set_num_threads(threads)  # the Trainer set train.threads for this process

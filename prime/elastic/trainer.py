@@ -1,112 +1,135 @@
-"""The Trainer's elastic parts (prime/trainer.py calls these when elastic.enabled).
+"""ElasticNodes: the trainer's nodes component for an elastic job (prime.nodes.Nodes; docs/elastic.md).
 
-Kept here so that the trainer reads the same with or without elastic nodes:
-building the membership and the ElasticSync that the trainer hands to DiLoCo,
-the data slots, starting (or joining) before the first inner step, and taking
-the job's position after a (re)join.
+The trainer's loop is the same with or without elastic nodes: it hands
+`nodes.sync` to DiLoCo and calls `nodes.after_outer(result)` after every outer
+step. Everything elastic lives here: the membership and the ElasticSync,
+serving the state (initial nodes) or joining (joiners) before the first inner
+step, and, when this node (re)joins, moving its data to the assigned slot and
+starting its inner optimizer's moments afresh.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 from datetime import timedelta
 from typing import Optional
 
-__all__ = ["build_elastic_sync", "slot_loader", "start_elastic", "on_join"]
+import torch
+
+from prime.config import Config
+from prime.diloco import DiLoCo, OuterStepResult
+from prime.elastic.membership import JobFinished, JoinError, Membership, MembershipError
+from prime.elastic.node import ElasticSync
+from prime.nodes import AfterOuter, signed_records
+from prime.runtime import Environment
+
+__all__ = ["ElasticNodes"]
 
 
-def _say(trainer, msg: str) -> None:
-    log = getattr(trainer, "log", None)
-    if log is not None:
-        log.print(msg)
-    elif trainer.is_logger:
-        print(msg, flush=True)  # before the metrics logger exists (registration)
+class ElasticNodes:
+    """This node's part in an elastic job: the membership, its ElasticSync, and what a (re)join changes.
 
-
-def _record(trainer, **fields) -> None:
-    log = getattr(trainer, "log", None)
-    if log is not None:
-        log.record("membership", getattr(trainer, "step", 0), **fields)
-
-
-def build_elastic_sync(trainer):
-    """Membership (own store connections under prime/<run_id>/elastic) and the ElasticSync of this node.
+    data:     the trainer's TrainData (prime.builders): its position is published at every outer step,
+              and it moves to the assigned data slot when this node (re)joins
+    metrics:  the trainer's RunMetrics: membership events are printed and recorded there
 
     The sync's test hooks (stall, hold) run before each inner optimizer step."""
-    import torch.distributed as dist
 
-    from prime.elastic.membership import Membership
-    from prime.elastic.node import ElasticSync
+    multi_node = True
+    stop_errors = (JoinError, MembershipError)
+    finished_errors = (JobFinished,)
 
-    cfg = trainer.cfg
-    d, e, n = cfg.diloco, cfg.elastic, cfg.nodes
+    def __init__(self, cfg: Config, env: Environment, optimizer: torch.optim.Optimizer, data, metrics):
+        import torch.distributed as dist
 
-    def store_factory():
-        raw = dist.TCPStore(n.store_host, n.store_port, is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=d.timeout_s))
-        return dist.PrefixStore(f"prime/{n.run_id}/elastic", raw)
+        self.cfg, self.env, self.optimizer, self.data, self.metrics = cfg, env, optimizer, data, metrics
+        self.diloco: Optional[DiLoCo] = None
+        d, e, n = cfg.diloco, cfg.elastic, cfg.nodes
 
-    membership = Membership(
-        store_factory, node_rank=n.node_rank, initial_nodes=n.num_nodes, run_id=n.run_id,
-        heartbeat_interval_s=e.heartbeat_interval_s, heartbeat_timeout_s=e.heartbeat_timeout_s,
-        barrier_timeout_s=e.barrier_timeout_s,
-        # a live member reports within the ring's formation and all-reduce limits
-        report_timeout_s=2 * d.timeout_s + e.heartbeat_timeout_s,
-        max_attempts=e.max_attempts, min_nodes=e.min_nodes,
-        log=lambda msg: _say(trainer, msg), record=lambda **f: _record(trainer, **f),
-    )
-    sync = ElasticSync(
-        membership, ring_timeout_s=d.timeout_s, streams=d.streams or None,
-        max_rate=d.max_rate_mbit * 1e6 / 8 if d.max_rate_mbit else None,
-        transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
-        join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
-        digest=e.digest, slot_state_fn=lambda: trainer.loader.state_dict(),
-    )
-    trainer.optimizer.register_step_pre_hook(lambda *_: sync.before_inner_step(trainer.diloco.inner_step + 1))
-    return sync
+        def store_factory():  # the membership's own store connections, under prime/<run_id>/elastic
+            raw = dist.TCPStore(n.store_host, n.store_port, is_master=False, wait_for_workers=False,
+                                timeout=timedelta(seconds=d.timeout_s))
+            return dist.PrefixStore(f"prime/{n.run_id}/elastic", raw)
 
+        self.membership = Membership(
+            store_factory, node_rank=n.node_rank, initial_nodes=n.num_nodes, run_id=n.run_id,
+            heartbeat_interval_s=e.heartbeat_interval_s, heartbeat_timeout_s=e.heartbeat_timeout_s,
+            barrier_timeout_s=e.barrier_timeout_s,
+            # a live member reports within the ring's formation and all-reduce limits
+            report_timeout_s=2 * d.timeout_s + e.heartbeat_timeout_s,
+            max_attempts=e.max_attempts, min_nodes=e.min_nodes,
+            log=metrics.print, record=self._record,
+        )
+        self.sync = ElasticSync(
+            self.membership, ring_timeout_s=d.timeout_s, streams=d.streams or None,
+            max_rate=d.max_rate_mbit * 1e6 / 8 if d.max_rate_mbit else None,
+            transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
+            join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
+            digest=e.digest, slot_state_fn=data.state_dict,
+        )
+        optimizer.register_step_pre_hook(lambda *_: self.sync.before_inner_step(self.diloco.inner_step + 1))
+        self.records = signed_records(cfg, env.store, self.membership.secret)
+        self.resumes = not self.sync.is_joiner  # a joiner downloads the job's state instead
 
-def slot_loader(trainer, slot: int):
-    """The data of slot s is shard s mod num_nodes; slots past num_nodes read it in another order."""
-    from prime.data import ShardedLoader
+    def _record(self, **fields) -> None:
+        self.metrics.record("membership", self.diloco.inner_step if self.diloco is not None else 0, **fields)
 
-    cfg, n = trainer.cfg, trainer.num_nodes
-    return ShardedLoader(
-        trainer.source, cfg.data.seq_len, cfg.train.micro_batch_size, shard=slot % n,
-        num_shards=n, seed=cfg.train.seed + 7919 * (slot // n), vocab_size=trainer.model_args.vocab_size,
-    )
+    def attach(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
 
+    def describe(self) -> Optional[str]:
+        d = self.cfg.diloco
+        return (f"elastic DiLoCo: node {self.sync.node_id} ({'joiner' if self.sync.is_joiner else 'initial node'}), "
+                f"{self.env.num_nodes} initial nodes, outer step every {d.inner_steps} inner steps, codec {d.codec}")
 
-def start_elastic(trainer) -> Optional[object]:
-    """Before the first inner step: initial nodes serve their state, joiners join (an outer step, returned).
+    def start(self) -> Optional[OuterStepResult]:
+        """Initial nodes serve their (possibly resumed) state; a joiner joins, which is an outer step.
+        Returns None when the job ended before this node got in."""
+        # SIGTERM (prime-simulate, schedulers) becomes SystemExit, so that close() tells the others at once.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        d = self.diloco
+        if self.sync.is_joiner:
+            try:
+                return d.sync()
+            except JobFinished as e:
+                self.metrics.print(f"elastic: {e}; nothing to do")
+                return None
+        self.sync.start(d.outer_step, d.inner_step)
+        if d.since_sync >= d.inner_steps:  # the checkpoint was written after a failed outer step: do it first
+            return d.sync()
+        return OuterStepResult(False, d.inner_step, d.outer_step)
 
-    Returns the OuterStepResult (did_sync False for initial nodes), or None when the job already ended."""
-    from prime.diloco import OuterStepResult
-    from prime.elastic.membership import JobFinished
+    def after_outer(self, result: OuterStepResult) -> AfterOuter:
+        """Reports the membership of the outer step; when this node (re)joined at it, takes the job's position:
+        its data slot and that slot's position, and fresh inner optimizer moments. The inner AdamW state is
+        per node (each node's moments follow its own gradients), so there is none to copy: a joiner starts
+        with empty moments, as the job's nodes did at step 0 (docs/elastic.md)."""
+        e = result.details
+        decision = AfterOuter(
+            note=f" | nodes {len(result.members)}"
+            + (f" | recovery {e.recovery_s:.2f} s" if e.recovery_s is not None else ""),
+            fields=dict(nodes=len(result.members), members=result.members, contributors=result.contributors,
+                        joined=e.joined, evicted=e.evicted, wait_s=e.wait_s, recovery_s=e.recovery_s,
+                        digest=e.digest, time=time.time()),
+        )
+        info = e.rejoined
+        if info is not None:
+            self.data.use_slot(info.slot, info.slot_state)
+            self.optimizer.state.clear()
+            decision.rejoined_at = info.step
+        return decision
 
-    # SIGTERM (prime-simulate, schedulers) becomes SystemExit, so that close() tells the others at once.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    diloco, sync = trainer.diloco, trainer.elastic_sync
-    if not sync.is_joiner:
-        sync.start(diloco.outer_step, diloco.inner_step)
-        return OuterStepResult(False, diloco.inner_step, diloco.outer_step)
-    try:
-        return diloco.sync()
-    except JobFinished as e:
-        _say(trainer, f"elastic: {e}; nothing to do")
-        return None
+    def finish(self, model: torch.nn.Module) -> dict:
+        return {}
 
+    def close(self) -> None:
+        """Leaves the job: the others drop this node at once."""
+        self.sync.close()
 
-def on_join(trainer, info) -> None:
-    """Takes the job's position: inner step, data slot and its position, fresh inner optimizer moments.
-
-    The inner AdamW state is per node (each node's moments follow its own
-    gradients), so there is no shared one to copy: a joiner starts with empty
-    moments, as the job's nodes did at step 0 (docs/elastic.md)."""
-    trainer.step = info.step
-    trainer.loader = slot_loader(trainer, info.slot)
-    if info.slot_state is not None:
-        trainer.loader.load_state_dict(info.slot_state)
-    trainer.optimizer.state.clear()
+    def release(self) -> None:
+        """Node 0 hosts the store (unless it is external): it waits until every node has left."""
+        if self.env.node_rank == 0 and not self.cfg.elastic.external_store:
+            self.membership.wait_all_gone(self.cfg.diloco.timeout_s)

@@ -1,0 +1,224 @@
+"""How this node takes part in the job: the component the trainer's loop calls after each outer step.
+
+    nodes = FixedNodes(cfg, env)               # or prime.elastic.trainer.ElasticNodes(...)
+    diloco = DiLoCo(model, opt, nodes.sync, ...)
+    nodes.attach(diloco)
+    result = nodes.start()                     # before the first inner step (may run an outer step)
+    ...
+    decision = nodes.after_outer(result)       # the loop's one call, after every outer step
+    ...
+    nodes.finish(model)                        # after the last step: final-weights agreement
+    nodes.close(); nodes.release()             # at the end, before the process group goes
+
+Two implementations of the same small interface (`Nodes`): a fixed set of
+nodes on rings (FixedNodes, here) and elastic membership
+(prime.elastic.trainer.ElasticNodes). Everything that differs between the two
+-- the Sync given to DiLoCo, what happens before the first inner step, taking
+the job's position after a (re)join, the errors that end a run, the final
+check and the release of the store -- lives behind it, so the trainer's loop
+has no branch on the kind of job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from prime.comm import store_keys as keys
+from prime.config import Config
+from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
+from prime.parallelize import local_shard
+from prime.runtime import Environment
+from prime.sync import RingSync, node_local_group
+
+__all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records", "final_weights_digest"]
+
+
+@dataclass
+class AfterOuter:
+    """What the nodes component decided after an outer step."""
+
+    rejoined_at: Optional[int] = None
+    """Set when this node (re)joined the job at this outer step: the inner step it continues from (its data
+    and inner optimizer were already moved to the job's position)."""
+    note: str = ""
+    """Appended to the outer step's log line."""
+    fields: dict = field(default_factory=dict)
+    """Added to the outer step's metrics record."""
+
+
+class Nodes(Protocol):
+    """The trainer's view of the job's nodes (see the module docstring)."""
+
+    sync: Optional[object]
+    """The prime.sync.Sync that DiLoCo averages through (None: a single node)."""
+    records: Optional[object]
+    """Signed store records of the trainer (resume agreement), None without a store."""
+    resumes: bool
+    """False when this node must not load a checkpoint (an elastic joiner downloads the job's state)."""
+    multi_node: bool
+    """True when the summary reports bytes sent between nodes."""
+    stop_errors: tuple
+    """Exceptions that stop the run (reported like a failed outer step)."""
+    finished_errors: tuple
+    """Exceptions that end this node's run cleanly (the job ended without it)."""
+
+    def attach(self, diloco: DiLoCo) -> None:
+        """Called once by the builder with the DiLoCo built over `sync`."""
+
+    def describe(self) -> Optional[str]:
+        """A line for the start of the run (None: nothing to say)."""
+
+    def start(self) -> Optional[OuterStepResult]:
+        """Before the first inner step. Returns an outer step it ran (did_sync may be False), or None when the
+        job already ended without this node."""
+
+    def after_outer(self, result: OuterStepResult) -> AfterOuter:
+        """After every outer step (also one that start() ran): what the trainer must take over."""
+
+    def finish(self, model: torch.nn.Module) -> dict:
+        """After the last step: checks the final weights across nodes; returns fields for the summary."""
+
+    def close(self) -> None:
+        """Releases the rings and leaves the job (the others drop this node at once)."""
+
+    def release(self) -> None:
+        """At the very end of a run that did not fail: the store's host waits until nobody needs it."""
+
+
+@torch.no_grad()
+def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, str]:
+    """(blake2b of this process's final weights, what they are). The weights agree bit for bit across nodes
+    only right after an outer step, so after a run whose last step is not one this hashes the outer weights."""
+    outer = diloco.state_dict().get("outer")
+    synced = diloco.since_sync == 0 or outer is None
+    h = hashlib.blake2b(digest_size=16)
+    if synced:
+        for p in model.parameters():
+            h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
+    else:
+        h.update(outer.numpy().tobytes())
+    return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
+
+
+def signed_records(cfg: Config, store, secret: bytes):
+    """The trainer's own store records (resume agreement, final digests, finish), signed under the job secret:
+    the store has no credentials, so nothing read from it is trusted unsigned (docs/security.md)."""
+    from prime.comm.signed_store import SignedKV, SignedStore
+
+    return SignedKV(SignedStore(store, secret, f"trainer/{cfg.nodes.run_id}"), cfg.diloco.timeout_s)
+
+
+class FixedNodes:
+    """A fixed set of nodes: local rank g of every node averages on ring g, rebuilt after a failure.
+
+    One node alone (num_nodes 1) has no sync: DiLoCo then only counts steps."""
+
+    resumes = True
+    stop_errors = ()
+    finished_errors = ()
+
+    def __init__(self, cfg: Config, env: Environment, say: Callable[[str], None] = print):
+        self.cfg, self.env, self.say = cfg, env, say
+        self.multi_node = env.num_nodes > 1
+        self.diloco: Optional[DiLoCo] = None
+        self.sync = self.records = None
+        if not self.multi_node:
+            return
+        # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
+        self.sync = RingSync(None, ring_factory=self.make_ring, retries=cfg.diloco.retries,
+                             local_group=node_local_group(env.local_group()))
+        self.records = signed_records(cfg, env.store, self._secret())
+
+    def _secret(self) -> bytes:
+        """$PRIME_RING_SECRET, else (one host only) drawn by node 0's first process and shared through the store."""
+        from prime.comm import rendezvous
+
+        timeout_s = self.cfg.diloco.timeout_s
+        _, advertise = rendezvous.resolve_addresses(self.env.store, None, None)
+        first = self.env.node_rank == 0 and self.env.local_rank == 0
+        return rendezvous.shared_secret(self.env.store, keys.TRAINER_NS, 0 if first else 1, None,
+                                        time.monotonic() + timeout_s, int(timeout_s * 1000), advertise)
+
+    def make_ring(self, tag: str):
+        """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
+        try:
+            from prime.comm import Ring
+        except ImportError as e:
+            raise RuntimeError(f"prime.comm.Ring is not available ({e}); build the extension: make build") from None
+        import torch.distributed as dist
+
+        d, g = self.cfg.diloco, self.env.local_rank
+        store = dist.PrefixStore(f"ring/{g}/{tag}", self.env.store)
+        kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}"}
+        if d.streams:
+            kwargs["streams"] = d.streams
+        if d.max_rate_mbit:
+            kwargs["max_rate"] = d.max_rate_mbit * 1e6 / 8  # bytes per second
+        return Ring(store, self.env.node_rank, self.env.num_nodes, **kwargs)
+
+    def attach(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
+
+    def describe(self) -> Optional[str]:
+        if not self.multi_node:
+            return None
+        d = self.cfg.diloco
+        return (f"DiLoCo: node {self.env.node_rank} of {self.env.num_nodes}, outer step every {d.inner_steps} inner "
+                f"steps, codec {d.codec}, outer lr {d.outer_lr} momentum {d.outer_momentum}"
+                f"{' nesterov' if d.nesterov else ''}")
+
+    def start(self) -> Optional[OuterStepResult]:
+        """Checks that every node holds the same weights and settings; runs the outer step that a checkpoint
+        written after a failed outer step still owes."""
+        d = self.diloco
+        if d.distributed and self.cfg.diloco.check_replicas:
+            d.check_replicas()
+        if d.distributed and d.since_sync >= d.inner_steps:
+            return d.sync()
+        return OuterStepResult(False, d.inner_step, d.outer_step)
+
+    def after_outer(self, result: OuterStepResult) -> AfterOuter:
+        return AfterOuter()
+
+    def finish(self, model: torch.nn.Module) -> dict:
+        """Compares the hash of this process's final weights with the same local rank of every other node
+        (through the store); raises ReplicaMismatchError when any node differs."""
+        if not (self.diloco.distributed and self.cfg.diloco.check_replicas):
+            return {}
+        env = self.env
+        digest, what = final_weights_digest(model, self.diloco)
+        self.records.set(keys.final_digest(env.local_rank, env.node_rank), digest)
+        others = [self.records.get(keys.final_digest(env.local_rank, n)).decode() for n in range(env.num_nodes)]
+        differ = [n for n, d in enumerate(others) if d != digest]
+        if differ:
+            raise ReplicaMismatchError(f"node {env.node_rank}: final {what} differ from node(s) {differ} "
+                                       f"(blake2b {digest} here)")
+        if env.is_logger:
+            self.say(f"final {what} identical on all {env.num_nodes} nodes: blake2b {digest}"
+                     + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
+        return {"weights_digest": digest}
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
+    def release(self) -> None:
+        """Every process records that it is done with the store; its host (node 0, process 0) waits for all."""
+        if self.records is None:
+            return
+        env = self.env
+        self.records.set(keys.finished(env.node_rank, env.local_rank), "done")
+        if env.node_rank == 0 and env.local_rank == 0:
+            # One signed record per process (a counter anyone could `add` to would let a stranger end the wait).
+            waiting = [keys.finished(n, g) for n in range(env.num_nodes) for g in range(env.local_world)]
+            deadline = time.monotonic() + self.cfg.diloco.timeout_s
+            while waiting and time.monotonic() < deadline:
+                waiting = [k for k, v in zip(waiting, self.records.records.get_many(waiting)) if v != "done"]
+                if waiting:
+                    time.sleep(0.05)
