@@ -168,7 +168,8 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
         codec=d.codec, block_size=d.block_size, measure_compression_error=d.compression_error,
         # elastic joiners check a digest of the state they download instead
-        check_replicas=d.check_replicas and not cfg.elastic.enabled,
+        check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
+        overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,
     )
     nodes.attach(diloco)
     return diloco, nodes

@@ -192,9 +192,25 @@ class DiLoCoConfig:
     """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one quantize+dequantize)."""
     check_replicas: bool = True
     """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
+    overlap: bool = False
+    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
+    overlap_scheme: str = "eager"
+    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
+    overlap_steps: int = 0
+    """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
+    outer_state_device: str = "auto"
+    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they take at most 1/3 of its memory)."""
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
+        _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed"), "diloco.overlap_scheme",
+                 "'eager', 'eager-adaptive' or 'delayed'", self.overlap_scheme)
+        _require(0 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
+                 f"in [0, diloco.inner_steps = {self.inner_steps}] (0: inner_steps)", self.overlap_steps)
+        _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
+                 "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
+        _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
+                 "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
         _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
                  self.outer_lr)
@@ -418,6 +434,13 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
+        if self.elastic.enabled and self.diloco.overlap:
+            raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
+                             "decides at each outer step who contributes, which an all-reduce already in flight "
+                             "cannot follow; set diloco.overlap = false")
+        if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
+            raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
+                             "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(

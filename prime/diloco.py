@@ -27,12 +27,22 @@ guarantees it).
 Failure: the sync retries or gives up with OuterSyncError, leaving the outer
 weights as they were: the caller saves a checkpoint and stops. It never
 continues with replicas that differ.
+
+With overlap=True the average of outer step k runs on a background thread
+during the inner steps of outer step k+1 and is applied after overlap_steps of
+them (default: at outer step k+1); meanwhile the inner steps start from the
+outer update the local pseudo-gradient would give (the eager scheme). The
+outer weights and momentum only ever receive averages, in order, so they stay
+bit-identical on every node. docs/training.md, "Overlapping the all-reduce",
+has the math and a worked example.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -40,11 +50,20 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from prime.outer import OuterOptimizerFactory, OuterState
+from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
 from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
                         work_stats)
 
-__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats"]
+__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES"]
+
+logger = logging.getLogger("prime.diloco")
+
+OVERLAP_SCHEMES = ("eager", "eager-adaptive", "delayed")
+"""How the next inner steps start while the average of the last outer step is in flight (docs/training.md,
+"Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give (the local
+pseudo-gradient stands in for the average), "eager-adaptive" from the one alpha times it would give, alpha =
+||a||^2 / ||d||^2 of the previous outer step clamped to [1/nodes, 1] (the least-squares shrink of a noisy
+local estimate), "delayed" from the outer weights as they are (without the step in flight)."""
 
 
 @dataclass
@@ -64,7 +83,8 @@ class OuterStepResult:
     outer_s: float = 0.0
     """Wall time of the whole outer step: copies, all-reduce, outer update."""
     prepare_s: float = 0.0
-    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured) its int8 error."""
+    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured and the ring does not
+    report it) its int8 error."""
     update_s: float = 0.0
     """Part of outer_s: the outer update of the outer weights and the host-to-device copy back."""
     bytes_sent: Optional[int] = None
@@ -86,6 +106,50 @@ class OuterStepResult:
     """Nodes whose pseudo-gradient is in the average."""
     details: Any = None
     """What the sync reports beyond this (prime.elastic.ElasticReport for elastic nodes)."""
+    overlapped: bool = False
+    """True with overlap: the average of this outer step is still in flight (applied at the next one), and
+    allreduce_s, bytes and attempts describe the average applied here, that of the previous outer step."""
+    wait_s: float = 0.0
+    """Part of outer_s (overlap only): blocked waiting for the previous outer step's average."""
+    applied_outer_step: Optional[int] = None
+    """The outer step whose average this call applied to the outer weights (overlap: the previous one;
+    None: none was in flight)."""
+
+
+class _InFlight:
+    """One average running on a background thread (overlap): the buffer, the thread, and how it ended."""
+
+    def __init__(self, outer_step: int, inner_step: int, buf: torch.Tensor, saved: Optional[torch.Tensor]):
+        self.outer_step, self.inner_step, self.buf, self.saved = outer_step, inner_step, buf, saved
+        self.result: Optional[SyncResult] = None
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def run(self, sync, ready: Optional[Any], device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if ready is not None:
+                ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
+            recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
+            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                       recompute=recompute)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
+        except BaseException as e:  # handed to the main thread at the next outer step (or close)
+            self.error = e
+
+    def start(self, sync, ready, device) -> None:
+        self.thread = threading.Thread(target=self.run, args=(sync, ready, device), daemon=True,
+                                       name=f"prime-outer-allreduce-{self.outer_step}")
+        self.thread.start()
+
+    def join(self) -> SyncResult:
+        """Waits for the average; returns its SyncResult or raises what the background thread raised."""
+        self.thread.join()  # bounded: every wait of the ring has the ring's timeout
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class DiLoCo:
@@ -126,9 +190,29 @@ class DiLoCo:
                       default: derived from torchrun's local world (the default group
                       when WORLD_SIZE == LOCAL_WORLD_SIZE); a group spanning nodes is
                       refused (ValueError)
-    measure_compression_error: compute OuterStepResult.compression_error
+    measure_compression_error: compute OuterStepResult.compression_error (from the
+                      ring's own statistics when it reports them, prime.sync.
+                      QUANT_ERROR_FIELDS; else by a quantize/dequantize pass of its own)
     check_replicas:   compare weights and settings across nodes at the first
                       outer step (see check_replicas())
+    overlap:          run the average of outer step k on a background thread while
+                      the inner steps of outer step k+1 proceed; it is applied at
+                      outer step k+1 (docs/training.md, "Overlapping the all-reduce").
+                      Needs a ring (or RingSync), not an elastic sync. Call finish()
+                      at the end of training to apply the last one
+    overlap_scheme:   "eager" (default: the inner steps start from the outer update
+                      the local pseudo-gradient would give), "eager-adaptive" (the
+                      local pseudo-gradient shrunk by how much of it the last average
+                      kept) or "delayed" (from the outer weights without the step in
+                      flight); see OVERLAP_SCHEMES
+    overlap_steps:    with overlap, apply the average in flight after this many inner
+                      steps of the next outer step, shifting the local weights by what
+                      the start point missed (None: inner_steps, the whole phase).
+                      Fewer steps cost less loss; enough to hide the wire is enough.
+                      Below inner_steps it needs an eager scheme
+    outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
+                      momentum live (prime/outer.py); "auto" picks the parameters' GPU
+                      when they fit in a third of its memory
     """
 
     def __init__(
@@ -149,6 +233,10 @@ class DiLoCo:
         local_group=None,
         measure_compression_error: bool = True,
         check_replicas: bool = True,
+        overlap: bool = False,
+        overlap_scheme: str = "eager",
+        outer_state_device: str = "auto",
+        overlap_steps: Optional[int] = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -162,6 +250,19 @@ class DiLoCo:
             raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if overlap_scheme not in OVERLAP_SCHEMES:
+            raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
+        overlap_steps = inner_steps if overlap_steps is None else overlap_steps
+        if not 1 <= overlap_steps <= inner_steps:
+            raise ValueError(f"overlap_steps must be in [1, inner_steps={inner_steps}], got {overlap_steps}")
+        if overlap and overlap_steps < inner_steps and not overlap_scheme.startswith("eager"):
+            raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
+        if outer_state_device not in OUTER_STATE_DEVICES:
+            raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
+        if overlap and overlap_scheme.startswith("eager") and outer_optimizer is not None:
+            raise ValueError(f"overlap with overlap_scheme={overlap_scheme!r} needs the default outer update (its lookahead "
+                             "is the Nesterov step without the momentum write); use outer_optimizer=None or "
+                             "overlap_scheme='delayed'")
         self.model = model
         params = list(model.parameters())
         if inner_optimizer is not None:
@@ -186,6 +287,20 @@ class DiLoCo:
             self._owns_sync = True
         else:
             self._sync, self._owns_sync = None, False
+        if overlap and self._sync is not None and not isinstance(self._sync, RingSync):
+            raise ValueError(
+                f"overlap=True needs a ring (or a prime.sync.RingSync); {type(self._sync).__name__} cannot average "
+                "in the background (elastic membership decides who contributes at each outer step)")
+        if self._sync is not None and not isinstance(self._sync, RingSync):
+            # Another sync (elastic) reads and writes the outer state through the CPU (state transfer, digests).
+            if outer_state_device == "gpu":
+                raise ValueError(f"outer_state_device='gpu' needs a ring (or a prime.sync.RingSync); "
+                                 f"{type(self._sync).__name__} keeps the outer state in CPU memory")
+            outer_state_device = "cpu"
+        self.overlap = overlap and self._sync is not None
+        """True when the all-reduce of each outer step runs during the next inner steps."""
+        self.overlap_scheme = overlap_scheme
+        self.overlap_steps = overlap_steps
         self.distributed = self._sync is not None
         """True when outer steps run (a ring or sync was given); False: step() only counts."""
         self._check_pending = check_replicas and self.distributed
@@ -197,19 +312,43 @@ class DiLoCo:
         self.state: Optional[OuterState] = None
         """The outer weights and momentum (None on a single node)."""
         if self.distributed:
+            extra = (1 if overlap_scheme == "delayed" else 2) + (outer_optimizer is not None)
             self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                    nesterov=nesterov, optimizer_factory=outer_optimizer)
+                                    nesterov=nesterov, optimizer_factory=outer_optimizer, device=outer_state_device,
+                                    extra_buffers=extra if self.overlap else 0)
             self._sync.bind(self.state, self.settings())
             if inner_optimizer is None:
                 self.state.take()  # no first inner step to wait for
+        # Overlap: the average in flight, the buffer the next pseudo-gradient goes to, and (eager) the
+        # point the current inner steps started from, when it is not the outer weights.
+        self._inflight: Optional[_InFlight] = None
+        self._pool: list = []  # free pseudo-gradient buffers (at most one: with the one in flight, two in all)
+        self.start: Optional[torch.Tensor] = None
+        """Eager overlap: the weights the current inner steps started from (None: the outer weights)."""
+        self.alpha = 1.0
+        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
+        self._last_sq: Optional[float] = None  # eager-adaptive: ||d||^2 of the pseudo-gradient in flight
+        self._keep_input = False
+        self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
+        self._start_buf: Optional[torch.Tensor] = None
+        if self.overlap:
+            # st.grad is free with the default update; a custom optimizer reads its .grad, which must never be
+            # the buffer being averaged.
+            self._pool = [self.state.grad if self.state.optimizer is None else self.state.new_buffer()]
+            self._sync.use_from_background()
+            # A retry on a multi-process node may need this process's input back after its own all-reduce worked.
+            self._keep_input = self._sync.average_group is not None and self._sync.ring_factory is not None
         # Hooks: the pre-hook runs before every inner step, the post-hook only inside `with`.
         self._unstepped = 0  # inner optimizer steps since the last step() call
         self._post_hook = None
         self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step) if inner_optimizer else None
 
     def settings(self) -> dict:
-        """What every node must share: the cadence, the codec and the outer update over the same shapes."""
+        """What every node must share: the cadence, the codec, overlap and the outer update over the same shapes."""
         s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
+        if self.overlap:
+            s["overlap"] = self.overlap_scheme
+            s["overlap_steps"] = self.overlap_steps
         if self.state is not None:
             s.update(self.state.settings())
         return s
@@ -225,8 +364,13 @@ class DiLoCo:
             self._post_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except OuterSyncError as e:
+            if exc is None:
+                raise
+            logger.error("while leaving `with diloco:` on %s: %s", exc_type.__name__, e)  # the first error wins
 
     def _is_inner_step(self) -> bool:
         # torch.distributed.checkpoint initializes optimizer state with a step at lr 0 in every group
@@ -273,6 +417,8 @@ class DiLoCo:
             self.since_sync = 0
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
         elif self.since_sync < self.inner_steps:
+            if self.overlap and self.since_sync == self.overlap_steps:
+                self._apply_midway()
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
         else:
             self.result = self.sync()
@@ -280,65 +426,226 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self) -> OuterStepResult:
-        """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the average keeps failing."""
+        """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the average keeps failing.
+
+        With overlap, the average of this outer step is started in the background and the one of the
+        previous outer step is applied (its failure raises OuterSyncError here)."""
         if not self.distributed:
             raise RuntimeError("DiLoCo.sync() needs a ring or a sync; this DiLoCo was built with sync=None")
+        if self.overlap:
+            return self._sync_overlapped()
         t0 = time.perf_counter()
         if self._check_pending:
             self.check_replicas()
         st = self.state
         st.ensure_taken()
         g = st.grad
-        st.pseudo_gradient(g)
-        norm, comp_err = st.inspect(g, self.measure_compression_error)
-        prepare_s = time.perf_counter() - t0
+        norm = math.sqrt(st.pseudo_gradient(g))
         finite = math.isfinite(norm)
-        if not self._sync.agree(finite):
-            raise OuterSyncError(
-                f"outer step {self.outer_step + 1}: the pseudo-gradient is not finite "
-                f"({'here' if not finite else 'on another process of this node'}): inner training diverged; "
-                "lower optim.lr or resume from an earlier checkpoint"
-            )
+        comp_err = self._own_error(g, norm) if finite else None
+        prepare_s = time.perf_counter() - t0
+        self._agree_finite(finite)
         r: SyncResult = self._sync.average(g, outer_step=self.outer_step + 1, inner_step=self.inner_step,
                                            recompute=st.pseudo_gradient)
         u0 = time.perf_counter()
-        st.update(g)
-        st.load_into_model()
+        st.update(g, load=True)
         update_s = time.perf_counter() - u0
         self.outer_step = self.outer_step + 1 if r.outer_step is None else r.outer_step
         if r.inner_step is not None:
             self.inner_step = r.inner_step  # elastic: a node that joined takes the job's step
         self.since_sync = 0
         self._sync.committed(r)
-        stats = dict(r.stats)
+        return self._result(r, t0, prepare_s, update_s, norm if r.contributed else 0.0,
+                            self._ring_error(r, comp_err) if r.contributed else None)
+
+    def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
+        """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
+        if not self.measure_compression_error or self._ring_reports_error():
+            return None
+        return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
+
+    def _ring_reports_error(self) -> bool:
+        ring = getattr(self._sync, "ring", None)
+        return bool(getattr(ring, "reports_quant_error", False))
+
+    def _ring_error(self, r: SyncResult, own: Optional[float]) -> Optional[float]:
+        if not self.measure_compression_error:
+            return None
+        err, ref = r.stats.get("quant_err_sq"), r.stats.get("quant_in_sq")
+        if err is not None and ref is not None:
+            return math.sqrt(err / ref) if ref > 0 else 0.0
+        return own
+
+    def _agree_finite(self, finite: bool) -> None:
+        if not self._sync.agree(finite):
+            raise OuterSyncError(
+                f"outer step {self.outer_step + 1}: the pseudo-gradient is not finite "
+                f"({'here' if not finite else 'on another process of this node'}): inner training diverged; "
+                "lower optim.lr or resume from an earlier checkpoint"
+            )
+
+    def _result(self, r: Optional[SyncResult], t0: float, prepare_s: float, update_s: float, norm: float,
+                comp_err: Optional[float], **extra) -> OuterStepResult:
+        stats = dict(r.stats) if r is not None else {}
+        for name in ("quant_err_sq", "quant_in_sq"):
+            stats.pop(name, None)
         return OuterStepResult(
             did_sync=True,
             inner_step=self.inner_step,
             outer_step=self.outer_step,
-            numel=st.numel,
-            allreduce_s=r.allreduce_s,
+            numel=self.state.numel,
+            allreduce_s=r.allreduce_s if r is not None else 0.0,
             outer_s=time.perf_counter() - t0,
             prepare_s=prepare_s,
             update_s=update_s,
             bytes_sent=stats.pop("bytes_sent", None),
             bytes_received=stats.pop("bytes_received", None),
-            compression_error=comp_err if r.contributed else None,
-            pseudo_grad_norm=norm if r.contributed else 0.0,
-            attempts=r.attempts,
+            compression_error=comp_err,
+            pseudo_grad_norm=norm,
+            attempts=r.attempts if r is not None else 0,
             ring_stats=stats,
-            members=list(r.members),
-            contributors=r.contributors,
-            details=r.details,
+            members=list(r.members) if r is not None else [],
+            contributors=r.contributors if r is not None else 0,
+            details=r.details if r is not None else None,
+            **extra,
         )
+
+    # -- overlap ------------------------------------------------------------------------
+
+    def _sync_overlapped(self) -> OuterStepResult:
+        """One outer step with overlap (docs/training.md, "Overlapping the all-reduce"):
+
+            d_k    = start_k - local                    pseudo-gradient of the inner steps just done
+            wait for avg_{k-1}; outer, momentum = Nesterov(outer, momentum, avg_{k-1})   same on every node
+            start_{k+1} = eager: Nesterov lookahead(outer, momentum, d_k)   delayed: outer
+            average d_k in the background; local := start_{k+1}
+        """
+        t0 = time.perf_counter()
+        if self._check_pending:
+            self._drain()
+            self.check_replicas()
+        st = self.state
+        st.ensure_taken()
+        g = self._pool.pop() if self._pool else st.new_buffer()  # a new one once: at the second outer step
+        sq = st.pseudo_gradient(g, anchor=self.start)
+        norm = math.sqrt(sq)
+        finite = math.isfinite(norm)
+        own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
+        prepare_s = time.perf_counter() - t0
+        self._agree_finite(finite)
+        w0 = time.perf_counter()
+        prev, r = self._inflight, None
+        if prev is not None:
+            self._inflight = None
+            r = self._join(prev)
+        wait_s = time.perf_counter() - w0
+        applied = prev.outer_step if prev is not None else None
+        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
+            r, applied, wait_s = self._midway
+            self._midway = None
+        u0 = time.perf_counter()
+        eager = self.overlap_scheme.startswith("eager")
+        if prev is not None:
+            a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            self._adapt(a_sq)
+            self._pool.append(prev.buf)
+        elif not eager:
+            st.load_into_model()
+        if eager:
+            if self.start is None:
+                self.start = self._start_buf if self._start_buf is not None else st.new_buffer()
+            adaptive = self.overlap_scheme == "eager-adaptive" and self.alpha != 1.0
+            st.lookahead(g, self.start, load=True, scale=self.alpha if adaptive else None)
+            self._last_sq = sq
+        else:
+            self.start = None
+        update_s = time.perf_counter() - u0
+        self.outer_step += 1
+        self.since_sync = 0
+        flight = _InFlight(self.outer_step, self.inner_step, g, g.clone() if self._keep_input else None)
+        ready = None
+        if g.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(g.device))
+        flight.start(self._sync, ready, g.device)
+        self._inflight = flight
+        return self._result(r, t0, prepare_s, update_s, norm, self._ring_error(r, own_err) if r else own_err,
+                            overlapped=True, wait_s=wait_s, applied_outer_step=applied)
+
+    @torch.no_grad()
+    def _apply_midway(self) -> None:
+        """overlap_steps < inner_steps, after overlap_steps inner steps: apply the average in flight to the outer
+        weights, then shift the local weights by (outer weights - start point), so that the inner steps go on
+        from where they would be had they started from the outer weights; the outer weights become the anchor
+        of this outer step's pseudo-gradient. (A checkpoint may have applied the average already.)"""
+        t0 = time.perf_counter()
+        flight, self._inflight = self._inflight, None
+        if flight is not None:
+            r = self._join(flight)
+            self._adapt(self.state.update(flight.buf, norm=True))
+            self._pool.append(flight.buf)
+            self._midway = (r, flight.outer_step, time.perf_counter() - t0)
+        if self.start is not None:
+            st = self.state
+            torch.sub(st.outer, self.start, out=self.start)  # what the start point missed
+            st.add_to_model(self.start)
+            self._start_buf, self.start = self.start, None  # the buffer is reused at the next outer step
+
+    def _join(self, flight: _InFlight) -> SyncResult:
+        """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on
+        any node."""
+        try:
+            r = flight.join()
+        except OuterSyncError as e:
+            raise OuterSyncError(f"{e} (overlap: the average of outer step {flight.outer_step} is dropped)") from e
+        self._sync.committed(r)
+        return r
+
+    def _drain(self) -> Optional[int]:
+        """Waits for the average in flight and applies it to the outer weights (not to the model). Returns
+        the outer step it completed, or None when nothing was in flight. Bit for bit the same state as
+        applying it at the next outer step: nothing else touches the outer weights in between."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return None
+        self._join(flight)
+        self._adapt(self.state.update(flight.buf, norm=True))
+        if not self._pool:
+            self._pool.append(flight.buf)
+        return flight.outer_step
+
+    def _adapt(self, a_sq: float) -> None:
+        """eager-adaptive: alpha = ||a||^2 / ||d||^2 (the average against this node's own pseudo-gradient of the
+        same outer step), clamped to [1/nodes, 1]. With nodes' pseudo-gradients d_r = mu + e_r (e_r independent,
+        of variance s^2), the least-squares weight of d_r as an estimate of their mean is
+        (|mu|^2 + s^2/n) / (|mu|^2 + s^2) = E||a||^2 / E||d_r||^2."""
+        if self.overlap_scheme != "eager-adaptive" or not self._last_sq or not math.isfinite(a_sq):
+            return
+        lo = 1.0 / self._sync.world_size
+        self.alpha = min(1.0, max(lo, a_sq / self._last_sq))
+
+    def finish(self) -> None:
+        """End of training with overlap: waits for the last average and applies it; when the inner steps end
+        on an outer step, the model gets the outer weights (the same on every node). Without overlap, nothing
+        to do. Raises OuterSyncError when that average failed."""
+        if not self.overlap:
+            return
+        self._drain()
+        if self.since_sync == 0 and self.state is not None and self.state.taken:
+            self.start = None
+            self.state.load_into_model()
 
     # -- consistency across nodes ----------------------------------------------
 
     def _fingerprint(self) -> tuple[int, int, int]:
         st = self.state
         s = self.settings()
-        settings = repr((self.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
-                         s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size,
-                         st.sizes, self.outer_step))
+        fields = (self.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
+                  s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size, st.sizes,
+                  self.outer_step)
+        if self.overlap:  # appended only with overlap: the hash of a run without it is unchanged
+            fields += (self.overlap_scheme, self.overlap_steps)
+        settings = repr(fields)
         h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
         return st.weights_hash(), int.from_bytes(h, "little"), st.numel
 
@@ -355,18 +662,38 @@ class DiLoCo:
     # -- state ---------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Counters, outer weights and momentum (CPU tensors; the caller may save them with torch.save)."""
+        """Counters, outer weights and momentum (CPU tensors; the caller may save them with torch.save).
+
+        With overlap, first waits for the average in flight and applies it to the outer weights (what the
+        next outer step would do first, with the same bits): a checkpoint never holds anything in flight.
+        The eager schemes add "start", the point the current inner steps started from (eager-adaptive also
+        its weight "alpha")."""
+        if self.overlap:
+            self._drain()
         sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
         if self.state is not None:
             sd.update(self.state.state_dict())
+            if self.start is not None:
+                sd["start"] = self.start.cpu()
+            if self.overlap_scheme == "eager-adaptive":
+                sd["alpha"] = self.alpha
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores state_dict(); the model's local weights must already be restored."""
+        if self._inflight is not None:
+            raise RuntimeError("load_state_dict while an average is in flight: load before training")
         self.inner_step, self.outer_step = int(sd["inner_step"]), int(sd["outer_step"])
         self.since_sync = int(sd["since_sync"])
         if "outer" in sd and self.state is not None:
             self.state.load_state_dict(sd)
+            if "start" in sd and self.overlap and self.overlap_scheme.startswith("eager"):
+                if self.start is None:
+                    self.start = self.state.new_buffer()
+                self.start.copy_(sd["start"])
+            else:
+                self.start = None
+            self.alpha = float(sd.get("alpha", 1.0))
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
@@ -376,5 +703,16 @@ class DiLoCo:
             if h is not None:
                 h.remove()
         self._pre_hook = self._post_hook = None
+        flight, self._inflight = getattr(self, "_inflight", None), None
+        error = None
+        if flight is not None:
+            # An average still in flight (overlap, finish() not called): wait for it rather than pull the ring
+            # from under it (the peers would see a dead node); it ends within the ring's timeout. Its result is
+            # not applied; a failure is raised below, after the sync is closed.
+            flight.thread.join()
+            error = flight.error
         if self._owns_sync and self._sync is not None:
             self._sync.close()
+        if error is not None:
+            raise OuterSyncError(f"the average of outer step {flight.outer_step}, in flight at close(), failed: "
+                                 f"{error}") from error

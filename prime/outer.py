@@ -10,9 +10,21 @@
 
 For the parameters this process holds (the local shard of each FSDP2
 DTensor, or the whole tensor of a plain module), the outer weights and
-momentum are flat fp32 buffers in CPU memory (pinned when the parameters are
-on a GPU), each parameter starting a new codec block, so that no int8 block of
-the all-reduce spans two parameters.
+momentum are flat fp32 buffers, each parameter starting a new codec block, so
+that no int8 block of the all-reduce spans two parameters. They live where
+`device` says:
+
+    "cpu"   CPU memory (pinned when the parameters are on a GPU); the copies to
+            and from the GPU run on a side stream, one parameter at a time, so
+            that the CPU works on one parameter while the next one crosses PCIe
+    "gpu"   the parameters' GPU: every pass is a GPU kernel, nothing crosses PCIe
+    "auto"  "gpu" when the parameters are on a GPU and the buffers take at most
+            1/3 of its memory (AUTO_GPU_FRACTION), else "cpu"
+
+The passes of an outer step: one over the parameters for the pseudo-gradient
+and its squared norm (pseudo_gradient), then after the average one update pass
+(update) and one copy back (load_into_model). With overlap (prime/diloco.py)
+a lookahead pass computes the next start point without touching the momentum.
 
 The default update is Nesterov SGD written as separate elementwise multiplies
 and adds, each one IEEE fp32 rounding with no fused multiply-add, so every
@@ -24,9 +36,14 @@ node computes the same bits from the same average on any CPU:
 
 torch.optim.SGD gives the same values up to the last bit, but it may fuse
 `a + mu * b` where the CPU has FMA, and nodes with different CPUs would then
-drift apart. An `optimizer_factory` replaces this update by any torch
-optimizer over the outer parameters (one fp32 CPU tensor per model parameter,
-viewing the flat buffer); its bits then depend on torch's CPU kernels, which
+drift apart. The same sequence of single-rounding torch kernels runs on the
+GPU (one kernel per operation, so nothing can be contracted into an FMA across
+them), and the CPU and GPU give the same bits (tests/test_outer_gpu.py): nodes
+stay identical whichever device each keeps its outer state on.
+
+An `optimizer_factory` replaces this update by any torch
+optimizer over the outer parameters (one fp32 tensor per model parameter,
+viewing the flat buffer, on the outer state's device); its bits then depend on torch's CPU kernels, which
 are identical only on the same torch build and CPU instruction set.
 """
 
@@ -41,24 +58,59 @@ from torch import nn
 
 from prime.parallelize import local_shard
 
-__all__ = ["OuterState", "OuterOptimizerFactory"]
+__all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_FRACTION", "resolve_device"]
 
-# Chunk of the elementwise passes over the flat buffers: large enough to amortize
+# Chunk of the elementwise passes over the flat buffers on the CPU: large enough to amortize
 # the per-op overhead, small enough that the temporary stays in L2/L3 cache.
 _CHUNK = 1 << 20
+# On a GPU one kernel per operation over 64M values (256 MiB) is already at full bandwidth;
+# the chunk only bounds the temporaries' memory.
+_GPU_CHUNK = 1 << 26
+# Piece of the CPU state's copy pipeline (GPU <-> pinned memory): 16M values (64 MiB, ~3 ms of PCIe) per copy, so
+# that the CPU pass starts after the first piece has landed, not after a whole embedding table (1 GB for 1B).
+_PIPE_CHUNK = 1 << 24
+
+OUTER_STATE_DEVICES = ("cpu", "gpu", "auto")
+AUTO_GPU_FRACTION = 1 / 3
+"""device="auto" keeps the outer state on the GPU when its buffers take at most this fraction of the GPU's memory
+(the rest is for the model, the inner optimizer and activations). 1/3: the 1B model's five buffers of eager
+overlap (25 GB) fit on an 80 GB H100 beside its training (fp32 weights, gradients and AdamW: 20 GB)."""
+
+
+def resolve_device(device: str, local_tensors: list, buffers: int) -> torch.device:
+    """Where the outer state's `buffers` flat fp32 buffers go, for parameters whose local shards are
+    `local_tensors` (see OuterState's `device`)."""
+    if device not in OUTER_STATE_DEVICES:
+        raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {device!r}")
+    cuda = [t.device for t in local_tensors if t.device.type == "cuda"]
+    if device == "cpu" or (device == "auto" and not cuda):
+        return torch.device("cpu")
+    if not cuda:
+        raise ValueError("outer_state_device = 'gpu' needs the model's parameters on a GPU; they are on the CPU "
+                         "(use 'cpu' or 'auto')")
+    dev = cuda[0]
+    if device == "gpu":
+        return dev
+    need = buffers * 4 * sum(t.numel() for t in local_tensors)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    return dev if need <= AUTO_GPU_FRACTION * total else torch.device("cpu")
 
 OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
-"""outer_optimizer(params) -> a torch optimizer over `params`: one fp32 CPU nn.Parameter per model
-parameter (the local shard's shape), in model.parameters() order. Its .grad is the averaged pseudo-gradient."""
+"""outer_optimizer(params) -> a torch optimizer over `params`: one fp32 nn.Parameter per model
+parameter (the local shard's shape, on the outer state's device), in model.parameters() order. Its .grad is the
+averaged pseudo-gradient."""
 
 
 class OuterState:
-    """Outer weights, momentum (or a torch outer optimizer) and the pseudo-gradient buffer, flat fp32 on the CPU.
+    """Outer weights, momentum (or a torch outer optimizer) and the pseudo-gradient buffer, flat fp32.
 
     params:            the model's parameters (FSDP2 DTensors or plain tensors)
     block_size:        codec block size; every parameter starts a new block
     outer_lr, outer_momentum, nesterov: the default outer update
     optimizer_factory: replaces the default update (see OuterOptimizerFactory)
+    device:            "cpu", "gpu" or "auto": where the buffers live (see the module docstring)
+    extra_buffers:     buffers beyond the three (outer, momentum, grad) that the caller will ask
+                       new_buffer() for; counted by device="auto"
     """
 
     def __init__(
@@ -70,6 +122,8 @@ class OuterState:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         optimizer_factory: Optional[OuterOptimizerFactory] = None,
+        device: str = "cpu",
+        extra_buffers: int = 0,
     ):
         self.params = list(params)
         self.block_size = block_size
@@ -84,17 +138,21 @@ class OuterState:
         self.numel = off
         """Length of the flat buffers: the local shards, each padded to whole blocks."""
         self.on_gpu = any(t.device.type == "cuda" for t in locals_)
-        pin = self.on_gpu and torch.cuda.is_available()
-        self.outer = torch.zeros(off, dtype=torch.float32, pin_memory=pin)
+        """True when the parameters are on a GPU (whatever the outer state's device)."""
+        self.device = resolve_device(device, locals_, 3 + extra_buffers)
+        """Where the flat buffers live: the CPU, or the parameters' GPU."""
+        self._pin = self.on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
+        self._stream = None  # side stream of the CPU state's copies to and from the GPU (made on first use)
+        self.outer = self.new_buffer()
         """The outer weights (padding: 0)."""
-        self.grad = torch.zeros(off, dtype=torch.float32, pin_memory=pin)
+        self.grad = self.new_buffer()
         """Work buffer of the pseudo-gradient; after the all-reduce, its average."""
         self.taken = False
         """True once the outer weights hold something (take(), load_state_dict() or a download)."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.momentum: Optional[torch.Tensor] = None
         if optimizer_factory is None:
-            self.momentum = torch.zeros(off, dtype=torch.float32)
+            self.momentum = torch.zeros(off, dtype=torch.float32, device=self.device)
         else:
             # nn.Parameters that alias the flat buffer: the optimizer's in-place updates land in self.outer.
             self.outer_params = [nn.Parameter(self.outer[o : o + n].view(s))
@@ -107,31 +165,113 @@ class OuterState:
 
     # -- layout ------------------------------------------------------------
 
+    def new_buffer(self) -> torch.Tensor:
+        """A zeroed flat fp32 buffer of the layout, on the outer state's device (pinned on the CPU when the
+        parameters are on a GPU)."""
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device, pin_memory=self._pin)
+
     def _locals(self) -> list:
         # Looked up on every copy: a parameter whose tensor was replaced (load_state_dict(assign=True)) is followed.
         return [local_shard(p.detach()) for p in self.params]
 
-    def _views(self, flat: torch.Tensor):
-        for t, off in zip(self._locals(), self.offsets):
-            yield t, flat[off : off + t.numel()]
+    def _spans(self):
+        """(local tensor, offset, padded end) of every parameter."""
+        ends = self.offsets[1:] + [self.numel]
+        return zip(self._locals(), self.offsets, ends)
+
+    def _pieces(self) -> list:
+        """The copy pipeline's pieces: (local tensor, flat offset, start, end within the tensor, padded end of the
+        parameter on its last piece else None); parameters cut at _PIPE_CHUNK values (whole when not contiguous)."""
+        out = []
+        for t, off, end in self._spans():
+            n = t.numel()
+            step = _PIPE_CHUNK if t.is_contiguous() else max(n, 1)
+            starts = list(range(0, n, step)) or [0]
+            for i, a in enumerate(starts):
+                out.append((t, off, a, min(n, a + step), end if i == len(starts) - 1 else None))
+        return out
+
+    @staticmethod
+    def _piece_of(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Values a..b of t, flat: a view of t (whole pieces of non-contiguous tensors are a reshaped copy)."""
+        return t.view(-1)[a:b] if t.is_contiguous() else t.reshape(-1)
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._gpu_device())
+        return self._stream
+
+    def _gpu_device(self) -> torch.device:
+        return next(t.device for t in self._locals() if t.device.type == "cuda")
+
+    def _piped(self) -> bool:
+        """True when the buffers are in CPU memory and the parameters on a GPU: copies go through the side stream."""
+        return self.on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
+
+    def _fetch(self, dst: torch.Tensor):
+        """Yields (values, view, padding) per parameter: `view` is the parameter's span of dst, `values` a flat
+        fp32 tensor on dst's device holding the parameter's current values (the parameter's own storage when it
+        is already flat fp32 there, else `view` itself, filled by a copy), `padding` dst's tail of the
+        parameter's last block.
+
+        CPU state, GPU parameters: every device-to-host copy is queued at once on the side stream
+        (after the inner steps' kernels), and each parameter is yielded as soon as its own copy has
+        landed, so the caller's CPU pass over one parameter overlaps the copy of the next."""
+        spans = list(self._spans())
+        if not self._piped():
+            for t, off, end in spans:
+                view = dst[off : off + t.numel()]
+                if t.device == dst.device and t.is_contiguous() and t.dtype == dst.dtype:
+                    yield t.reshape(-1), view, dst[off + t.numel() : end]
+                else:
+                    view.copy_(t.reshape(-1))
+                    yield view, view, dst[off + t.numel() : end]
+            return
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        pieces, events = self._pieces(), []
+        with torch.cuda.stream(stream):
+            for t, off, a, b, _ in pieces:
+                if t.device.type == "cuda":
+                    dst[off + a : off + b].copy_(self._piece_of(t, a, b), non_blocking=True)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(stream)
+                else:
+                    events.append(None)
+        for (t, off, a, b, end), ev in zip(pieces, events):
+            view = dst[off + a : off + b]
+            if ev is None:
+                view.copy_(self._piece_of(t, a, b))
+            else:
+                ev.synchronize()  # this piece's bytes are in dst; later ones are still crossing PCIe
+            pad = dst[off + t.numel() : end] if end is not None else dst[:0]
+            yield view, view, pad
 
     @torch.no_grad()
     def gather(self, dst: torch.Tensor) -> None:
-        """Copies the local parameter values into the flat buffer `dst` (device -> host); padding := 0."""
-        ends = self.offsets[1:] + [self.numel]
-        for (t, view), off, end in zip(self._views(dst), self.offsets, ends):
-            view.copy_(t.reshape(-1), non_blocking=True)
-            dst[off + t.numel() : end].zero_()  # a buffer a failed all-reduce scrambled gets clean padding too
-        if self.on_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies must land before the CPU reads dst
+        """Copies the local parameter values into the flat buffer `dst`; padding := 0."""
+        for values, view, pad in self._fetch(dst):
+            if values is not view:
+                view.copy_(values)
+            pad.zero_()  # a buffer a failed all-reduce scrambled gets clean padding too
 
     @torch.no_grad()
     def scatter(self, src: torch.Tensor) -> None:
-        """Copies the flat buffer `src` into the local parameters (host -> device)."""
-        for t, view in self._views(src):
-            t.copy_(view.view_as(t), non_blocking=True)
-        if self.on_gpu:
-            torch.cuda.synchronize()  # src is pinned host memory that the next outer step rewrites
+        """Copies the flat buffer `src` into the local parameters.
+
+        CPU state, GPU parameters: host-to-device copies on the side stream; the compute stream waits
+        for them, and this call returns once they are done (src is rewritten at the next outer step)."""
+        if not self._piped():
+            for t, off, _ in self._spans():
+                t.copy_(src[off : off + t.numel()].view_as(t))
+            return
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            for t, off, _ in self._spans():
+                t.copy_(src[off : off + t.numel()].view_as(t), non_blocking=True)
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+        stream.synchronize()
 
     # -- the outer step's parts --------------------------------------------------
 
@@ -146,44 +286,114 @@ class OuterState:
             self.take()
 
     @torch.no_grad()
-    def pseudo_gradient(self, g: torch.Tensor) -> None:
-        """g = outer - local (padding stays 0 - 0 = 0)."""
-        self.gather(g)
-        torch.sub(self.outer, g, out=g)
+    def pseudo_gradient(self, g: torch.Tensor, anchor: Optional[torch.Tensor] = None) -> float:
+        """g = anchor - local (anchor: the outer weights by default; padding 0); returns the squared L2 norm of g
+        (float64 sums of fp32 dot products; not bit-critical: it is reported and checked for finiteness only).
+
+        One pass per parameter: the subtraction and the sum of squares run on each parameter's
+        values while they are hot (on the CPU state, while the next parameter is still crossing PCIe)."""
+        anchor = self.outer if anchor is None else anchor
+        sq = torch.zeros((), dtype=torch.float64, device=g.device)
+        step = _GPU_CHUNK if g.is_cuda else _CHUNK
+        off = 0
+        for values, view, pad in self._fetch(g):
+            off = view.storage_offset() - g.storage_offset()
+            torch.sub(anchor[off : off + view.numel()], values, out=view)
+            pad.zero_()
+            for s in range(0, view.numel(), step):
+                c = view[s : s + step]
+                sq += torch.dot(c, c).double()
+        return float(sq)  # one host sync on a GPU
+
+    @torch.no_grad()
+    def int8_error_sq(self, g: torch.Tensor) -> float:
+        """Sum of squares of the int8 round-trip error of g (quantize, dequantize, subtract), by whole codec
+        blocks: a separate pass, for rings that do not report their own quantization error."""
+        from prime import ops
+
+        err = torch.zeros((), dtype=torch.float64, device=g.device)
+        bs = self.block_size
+        chunk = ((_GPU_CHUNK if g.is_cuda else _CHUNK) // bs) * bs or bs  # whole blocks, as the ring cuts them
+        for s in range(0, g.numel(), chunk):
+            c = g[s : s + chunk]
+            q, scales = ops.quantize_int8(c, bs, check_finite=False)
+            d = ops.dequantize_int8(q, scales, bs)
+            d.sub_(c)
+            err += torch.dot(d, d).double()
+        return float(err)
 
     @torch.no_grad()
     def inspect(self, g: torch.Tensor, compression_error: bool) -> tuple[float, Optional[float]]:
         """L2 norm of g and, when asked, the relative L2 error of its int8 quantize/dequantize round trip."""
-        from prime import ops
-
-        sq = err = 0.0
-        bs = self.block_size
-        chunk = (_CHUNK // bs) * bs or bs  # whole blocks, as the ring cuts them
-        for s in range(0, g.numel(), chunk):
-            c = g[s : s + chunk]
-            sq += float(torch.dot(c, c).double() if c.numel() else 0.0)
-            if compression_error and math.isfinite(sq):
-                q, scales = ops.quantize_int8(c, bs, check_finite=False)
-                d = ops.dequantize_int8(q, scales, bs)
-                d.sub_(c)
-                err += float(torch.dot(d, d))
+        sq = 0.0
+        bs = _GPU_CHUNK if g.is_cuda else _CHUNK
+        for s in range(0, g.numel(), bs):
+            c = g[s : s + bs]
+            sq += float(torch.dot(c, c).double())
         norm = math.sqrt(sq)
         if not compression_error:
             return norm, None
-        return norm, (math.sqrt(err) / norm if norm > 0 else 0.0)
+        if not math.isfinite(sq):
+            return norm, float("nan")
+        return norm, (math.sqrt(self.int8_error_sq(g)) / norm if norm > 0 else 0.0)
+
+    def _chunks(self, *bufs: torch.Tensor, load: Optional[torch.Tensor] = None):
+        """Chunks of the flat buffers, in order. With `load` (a buffer the chunks produce), each parameter is
+        copied from `load` into the model as soon as the chunks covering it are done: on the CPU state of a GPU
+        model, the host-to-device copy of one parameter then overlaps the CPU pass over the next."""
+        n = bufs[0].numel()
+        step = _GPU_CHUNK if bufs[0].is_cuda else _CHUNK
+        piped = load is not None and self._piped()
+        if piped:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            pieces, nxt = self._pieces(), 0
+        for s in range(0, n, step):
+            yield tuple(b[s : s + step] for b in bufs)
+            if piped:
+                with torch.cuda.stream(stream):
+                    while nxt < len(pieces) and pieces[nxt][1] + pieces[nxt][3] <= s + step:
+                        self._load_piece(pieces[nxt], load)
+                        nxt += 1
+        if load is None:
+            return
+        if piped:
+            with torch.cuda.stream(stream):
+                for piece in pieces[nxt:]:
+                    self._load_piece(piece, load)
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+            stream.synchronize()  # `load` is rewritten at the next outer step
+        else:
+            self.scatter(load)
+
+    def _load_piece(self, piece, src: torch.Tensor) -> None:
+        """Queues the copy of one pipeline piece from `src` into the model (on the current stream)."""
+        t, off, a, b, _ = piece
+        if t.is_contiguous():
+            t.view(-1)[a:b].copy_(src[off + a : off + b], non_blocking=True)
+        else:
+            t.copy_(src[off : off + t.numel()].view_as(t), non_blocking=True)
 
     @torch.no_grad()
-    def update(self, g: torch.Tensor) -> None:
-        """The outer step on the CPU fp32 outer weights, from the averaged pseudo-gradient g."""
+    def update(self, g: torch.Tensor, *, load: bool = False, norm: bool = False) -> Optional[float]:
+        """The outer step on the fp32 outer weights, from the averaged pseudo-gradient g (same bits on CPU and
+        GPU). `load`: also copy the new outer weights into the model (overlapped with the update where it can).
+        `norm`: return the squared L2 norm of g (fp32 dot products per chunk, summed in float64), else None."""
+        sq = torch.zeros((), dtype=torch.float64, device=g.device) if norm else None
         if self.optimizer is not None:
             if g is not self.grad:
                 self.grad.copy_(g)
             self.optimizer.step()
-            return
+            if load:
+                self.scatter(self.outer)
+            if norm:
+                for (gc,) in self._chunks(g):
+                    sq += torch.dot(gc, gc).double()
+            return float(sq) if norm else None
         mu, lr = self.mu, self.lr
-        tmp = torch.empty(min(_CHUNK, g.numel()), dtype=torch.float32)
-        for s in range(0, g.numel(), _CHUNK):
-            gc, mc, wc = g[s : s + _CHUNK], self.momentum[s : s + _CHUNK], self.outer[s : s + _CHUNK]
+        step = _GPU_CHUNK if g.is_cuda else _CHUNK
+        tmp = torch.empty(min(step, g.numel()), dtype=torch.float32, device=g.device)
+        for gc, mc, wc in self._chunks(g, self.momentum, self.outer, load=self.outer if load else None):
             t = tmp[: gc.numel()]
             mc.mul_(mu)
             mc.add_(gc)  # momentum = mu * momentum + g  (two roundings, never one FMA)
@@ -194,10 +404,52 @@ class OuterState:
                 t.copy_(mc)
             t.mul_(lr)
             wc.sub_(t)  # outer -= lr * update
+            if norm:
+                sq += torch.dot(gc, gc).double()  # while gc is hot
+        return float(sq) if norm else None
 
-    def load_into_model(self) -> None:
-        """Local weights := outer weights."""
-        self.scatter(self.outer)
+    @torch.no_grad()
+    def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
+                  scale: Optional[float] = None) -> None:
+        """out = the outer weights update(g) would give, without changing the weights or the momentum.
+        `load`: also copy `out` into the model. `scale`: use fp32(g * scale) in place of g.
+
+        The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
+        if self.optimizer is not None:
+            raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
+        mu, lr = self.mu, self.lr
+        step = _GPU_CHUNK if g.is_cuda else _CHUNK
+        tmp = torch.empty(min(step, g.numel()), dtype=torch.float32, device=g.device)
+        tmp2 = torch.empty_like(tmp) if self.nesterov else None
+        tmp3 = torch.empty_like(tmp) if scale is not None else None
+        for gc, mc, wc, oc in self._chunks(g, self.momentum, self.outer, out, load=out if load else None):
+            if scale is not None:
+                gc = torch.mul(gc, scale, out=tmp3[: gc.numel()])
+            m = tmp[: gc.numel()]
+            torch.mul(mc, mu, out=m)
+            m.add_(gc)  # the momentum update() would store
+            if self.nesterov:
+                t = tmp2[: gc.numel()]
+                torch.mul(m, mu, out=t)
+                t.add_(gc)
+            else:
+                t = m
+            t.mul_(lr)
+            torch.sub(wc, t, out=oc)
+
+    @torch.no_grad()
+    def add_to_model(self, delta: torch.Tensor) -> None:
+        """Local weights += delta (a buffer of the layout), one fp32 rounding per value."""
+        piped = self._piped()
+        for t, off, _ in self._spans():
+            d = delta[off : off + t.numel()].view_as(t)
+            t.add_(d.to(t.device, non_blocking=piped) if d.device != t.device else d)
+        if piped:
+            torch.cuda.synchronize(self._gpu_device())  # delta is rewritten at the next outer step
+
+    def load_into_model(self, src: Optional[torch.Tensor] = None) -> None:
+        """Local weights := outer weights (or `src`, a buffer of the same layout)."""
+        self.scatter(self.outer if src is None else src)
 
     # -- identity and state ----------------------------------------------------------
 
@@ -213,7 +465,7 @@ class OuterState:
     def weights_hash(self) -> int:
         """64-bit hash of the outer weights' bytes."""
         self.ensure_taken()
-        return int.from_bytes(hashlib.blake2b(self.outer.numpy().data, digest_size=8).digest(), "little")
+        return int.from_bytes(hashlib.blake2b(self.outer.cpu().numpy().data, digest_size=8).digest(), "little")
 
     def tensors(self) -> list:
         """The flat state a joining node must download (outer weights and momentum)."""
@@ -223,11 +475,11 @@ class OuterState:
         return [self.outer, self.momentum]
 
     def state_dict(self) -> dict:
-        """Outer weights and momentum (or the outer optimizer's state), CPU tensors."""
+        """Outer weights and momentum (or the outer optimizer's state), CPU tensors (copies when on a GPU)."""
         self.ensure_taken()
-        sd = {"outer": self.outer, "numel": self.numel}
+        sd = {"outer": self.outer.cpu(), "numel": self.numel}
         if self.optimizer is None:
-            sd["momentum"] = self.momentum
+            sd["momentum"] = self.momentum.cpu()
         else:
             sd["outer_optimizer"] = self.optimizer.state_dict()
         return sd

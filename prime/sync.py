@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "work_stats",
-           "is_comm_error", "node_local_group", "all_local"]
+           "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS"]
 
 
 class OuterSyncError(RuntimeError):
@@ -93,11 +93,23 @@ class Sync(Protocol):
 # -- what a ring reports and how it fails --------------------------------------------
 
 
+QUANT_ERROR_FIELDS = ("quant_err_sq", "quant_in_sq")
+"""WorkStats fields a ring may report so that DiLoCo needs no quantize/dequantize pass of its own to measure the
+int8 error: sum over every int8 block this rank quantized in the all-reduce of ||dequantize(quantize(x)) - x||^2
+(quant_err_sq) and of ||x||^2 (quant_in_sq), as float64. OuterStepResult.compression_error is then
+sqrt(quant_err_sq / quant_in_sq): the relative error of one quantization, averaged over the hops of this rank."""
+
+
 def work_stats(work) -> dict:
     """A finished ring Work's statistics (prime.comm.WorkStats) under the names the trainer records."""
     s = work.stats()
-    return {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "quantize_s": s.quantize_s,
-            "wire_s": s.wait_s, "reduce_s": s.reduce_s, "total_s": s.total_s}
+    out = {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "quantize_s": s.quantize_s,
+           "wire_s": s.wait_s, "reduce_s": s.reduce_s, "total_s": s.total_s}
+    for name in QUANT_ERROR_FIELDS:  # rings that measure their own int8 error (see QUANT_ERROR_FIELDS)
+        v = getattr(s, name, None)
+        if v is not None:
+            out[name] = float(v)
+    return out
 
 
 def is_comm_error(e: BaseException) -> bool:
@@ -194,6 +206,8 @@ class RingSync:
             raise ValueError("RingSync needs a ring or a ring_factory")
         self.ring_factory, self.retries = ring_factory, retries
         self.local_group = local_group
+        self.average_group = local_group
+        """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
         self.codec, self.block_size = "int8", 256  # set by bind()
         self._caller_ring = ring
         self.ring = ring if ring is not None else ring_factory("start")
@@ -201,6 +215,26 @@ class RingSync:
 
     def bind(self, state, settings: dict) -> None:
         self.codec, self.block_size = settings["codec"], settings["block_size"]
+
+    def use_from_background(self) -> None:
+        """Prepares average() to run on a background thread (DiLoCo's overlap) while the main thread keeps
+        using the node's process group (FSDP2, DiLoCo's finiteness check): the agreement before a retry then
+        goes through a gloo group of its own, so that the two threads' collectives never interleave on one
+        group. Every process of the node calls this at the same point (it creates a group)."""
+        g = self.local_group
+        if g is None:
+            return
+        import torch.distributed as dist
+
+        if dist.get_world_size(g) == 1:
+            self.average_group = None  # agreeing with oneself needs no collective
+        elif g is dist.group.WORLD:
+            self.average_group = dist.new_group(backend="gloo")
+        else:
+            raise ValueError(
+                "overlap on a node of several processes needs the node's group to be the default group (one "
+                "torchrun per node), so that a group of its own can be made for the background all-reduce; "
+                "a local_group passed in cannot be duplicated here")
 
     def agree(self, ok: bool) -> bool:
         return all_local(self.local_group, ok)
@@ -215,7 +249,7 @@ class RingSync:
                 pass
 
     def _allreduce(self, buf: torch.Tensor, *, op: str, codec: str, outer_step: int,
-                   recompute: Optional[Callable[[torch.Tensor], None]]) -> SyncResult:
+                   recompute: Optional[Callable[[torch.Tensor], None]], group=None) -> SyncResult:
         """ring.all_reduce(buf) with retries on fresh rings, for outer step `outer_step` (the next one)."""
         t0 = time.perf_counter()
         last = None
@@ -235,7 +269,7 @@ class RingSync:
                 if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
                     raise  # a bug or a bad argument, not a network failure: no retry
                 err = e
-            if self.agree(err is None):
+            if all_local(group, err is None):
                 return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
                                   attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=stats)
             # Some process of this node failed. Everyone drops its ring, so that all
@@ -252,7 +286,8 @@ class RingSync:
 
     def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
                 recompute: Callable[[torch.Tensor], None]) -> SyncResult:
-        return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute)
+        return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
+                               group=self.average_group)
 
     def committed(self, result: SyncResult) -> None:
         pass
@@ -274,7 +309,7 @@ class RingSync:
 
         vec = torch.empty(size * slots, dtype=torch.float32)
         fill(vec)
-        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill)
+        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill, group=self.local_group)
         table = vec.view(size, slots).to(torch.int64).tolist()
         problems = []
         for what, lo, hi in (("shard sizes", 8, 11),

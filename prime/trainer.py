@@ -171,6 +171,7 @@ class Trainer:
                     self._save()
                 faults.hit("train.after_step", self.step, log=m.print,  # prime/faults.py
                            before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
+            self.diloco.finish()  # overlap: the last outer step's average is applied (nothing without overlap)
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:

@@ -1,0 +1,312 @@
+"""Fidelity of the outer step: final loss at equal tokens, data parallel against DiLoCo variants.
+
+    nice python3 benchmarks/bench_fidelity.py --config configs/demo.toml --train.steps 120 --out benchmarks/results/fidelity_cpu
+    python3 benchmarks/bench_fidelity.py --config configs/150M.toml --train.steps 300 --out OUT    # on a GPU
+
+Every method sees the same tokens: N nodes (threads of this process, --nodes) each read their own shard
+of the training split (the shards of a real N-node run) for train.steps inner steps; data parallel reads
+the same N batches per step as one batch (the average of the N gradients, exact, every step). Methods:
+
+  dp                   data parallel: AdamW on the average gradient of the N batches, every step
+  diloco-exact         synchronous DiLoCo, codec none (exact fp32 average)
+  diloco-int8          synchronous DiLoCo, int8 ring
+  overlap-int8-eager   DiLoCo with overlap (eager), int8 ring; the average is applied at the next outer step
+  overlap-int8-eager@F the same with overlap_steps = F x H (a fraction like 1/4, or a number of steps): the
+                       average is applied after that many inner steps of the next outer step
+  overlap-int8-eager-adaptive  DiLoCo with overlap (eager-adaptive), int8 ring
+  overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
+
+DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
+the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
+overlap, after finish() applied the last average) on --eval-batches fixed batches of a held-out split
+(the last 5% of the corpus, never trained on). train.grad_accum is not used (one micro-batch per step). Writes <out>.json, <out>.csv (the training-loss curves) and
+<out>.png when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prime.config import load_config, parse_cli  # noqa: E402
+from prime.data import ShardedLoader, TokenSource, load_source  # noqa: E402
+from prime.diloco import DiLoCo  # noqa: E402
+from prime.model import Transformer  # noqa: E402
+
+METHODS = {
+    "dp": None,
+    "diloco-exact": dict(codec="none", overlap=False),
+    "diloco-int8": dict(codec="int8", overlap=False),
+    "overlap-int8-eager": dict(codec="int8", overlap=True, overlap_scheme="eager"),
+    "overlap-int8-eager-adaptive": dict(codec="int8", overlap=True, overlap_scheme="eager-adaptive"),
+    "overlap-int8-delayed": dict(codec="int8", overlap=True, overlap_scheme="delayed"),
+}
+EVAL_FRACTION = 0.05
+
+
+def lr_at(step, cfg):
+    o, total = cfg.optim, cfg.train.steps
+    if o.warmup_steps > 0 and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    start = total - o.decay_steps
+    if o.decay_steps > 0 and step > start:
+        return o.lr * (1.0 - (1.0 - o.min_lr_ratio) * min(1.0, (step - start) / o.decay_steps))
+    return o.lr
+
+
+class Setup:
+    def __init__(self, cfg, nodes, device):
+        self.cfg, self.nodes, self.device = cfg, nodes, device
+        src = load_source(cfg.data.source, cfg.data.path, cfg.data.bin_dtype)
+        arrays = [a for a in src.arrays if a.shape[0] > 0]
+        big = max(range(len(arrays)), key=lambda i: arrays[i].shape[0])
+        cut = int(arrays[big].shape[0] * (1 - EVAL_FRACTION))  # held out: the tail of the largest array
+        train = arrays[:big] + [arrays[big][:cut]] + arrays[big + 1 :]
+        self.train_src = TokenSource(train, src.description + " (training split)")
+        self.eval_src = TokenSource([arrays[big][cut:]], src.description + " (held-out split)")
+        self.args = cfg.model.args()
+        self.bf16 = device.type == "cuda"
+
+    def model(self):
+        torch.manual_seed(self.cfg.train.seed)
+        return Transformer(self.args).to(self.device)
+
+    def optimizer(self, model):
+        o = self.cfg.optim
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+    def loader(self, node):
+        c = self.cfg
+        return ShardedLoader(self.train_src, c.data.seq_len, c.train.micro_batch_size, shard=node,
+                             num_shards=self.nodes, seed=c.train.seed, vocab_size=self.args.vocab_size)
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+
+    def loss(self, model, inputs, targets):
+        with self.autocast():
+            logits = model(inputs.to(self.device))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def inner_step(self, model, opt, batches, step):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, self.cfg)
+        loss = self.loss(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, model, batches):
+        model.eval()
+        total = sum(float(self.loss(model, x, y)) for x, y in batches)
+        model.train()
+        return total / len(batches)
+
+
+def run_dp(s: Setup, eval_batches):
+    model, loaders = s.model(), [s.loader(r) for r in range(s.nodes)]
+    opt = s.optimizer(model)
+    curve = []
+    for step in range(1, s.cfg.train.steps + 1):
+        curve.append(s.inner_step(model, opt, [ld.next_batch() for ld in loaders], step))
+    return s.evaluate(model, eval_batches), curve, {}
+
+
+def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
+    from prime.comm import Ring
+
+    cfg, n = s.cfg, s.nodes
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=60))
+    port = master.port
+    models = [s.model() for _ in range(n)]  # here, not in the threads: torch's global RNG seeds the init
+    curves = [[] for _ in range(n)]
+    finals, errors, extra = [None] * n, [None] * n, [dict() for _ in range(n)]
+
+    def node(r):
+        try:
+            store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+            ring = Ring(store, r, n, timeout=timedelta(seconds=120), job_id=f"fidelity-{tag}")
+            model = models[r]
+            opt = s.optimizer(model)
+            ld = s.loader(r)
+            d = cfg.diloco
+            with DiLoCo(model, opt, ring, inner_steps=d.inner_steps, outer_lr=d.outer_lr,
+                        outer_momentum=d.outer_momentum, nesterov=d.nesterov, block_size=d.block_size,
+                        **opts) as dl:
+                errs = []
+                for step in range(1, cfg.train.steps + 1):
+                    curves[r].append(s.inner_step(model, opt, [ld.next_batch()], step))
+                    if dl.result.did_sync and dl.result.compression_error is not None:
+                        errs.append(dl.result.compression_error)
+                dl.finish()
+                outer = dl.state.outer.clone()
+                extra[r] = {"outer_steps": dl.outer_step, "since_sync": dl.since_sync,
+                            "mean_int8_error": sum(errs) / len(errs) if errs else None}
+                finals[r] = (outer, [p.detach().clone() for p in model.parameters()])
+            ring.close()
+        except BaseException as e:  # reported by the main thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    identical = all(torch.equal(finals[0][0], f[0]) for f in finals)
+    model = s.model()
+    with torch.no_grad():  # the final outer weights (every node holds the same)
+        for p, w in zip(model.parameters(), finals[0][1]):
+            p.copy_(w)
+    curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
+    info = dict(extra[0], outer_weights_identical=identical)
+    return s.evaluate(model, eval_batches), curve, info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--methods", default="dp,diloco-exact,diloco-int8,overlap-int8-eager,overlap-int8-eager@1/4",
+                    help=f"comma list of {', '.join(METHODS)}; an overlap method may end in @F (overlap_steps = F x H)")
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--out", default="benchmarks/results/fidelity")
+    ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
+    a, rest = ap.parse_known_args()
+    if a.replot:
+        with open(a.out + ".json") as f:
+            saved = json.load(f)
+        plot(saved["results"], saved["meta"], a.out)
+        return 0
+    path, overrides, _ = parse_cli(rest)
+    cfg = load_config(path, overrides).validate()
+    torch.set_num_threads(a.threads)
+    dev = cfg.train.device
+    device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+    s = Setup(cfg, a.nodes, device)
+    ev = ShardedLoader(s.eval_src, cfg.data.seq_len, cfg.train.micro_batch_size, shard=0, num_shards=1, seed=12345,
+                       vocab_size=s.args.vocab_size)
+    eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
+    methods = [m for m in a.methods.split(",") if m]
+    def options(m):
+        base, _, frac = m.partition("@")
+        if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")):
+            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F)")
+        if not frac:
+            return METHODS[base]
+        h = cfg.diloco.inner_steps
+        num, _, den = frac.partition("/")
+        steps = max(1, min(h, round(h * int(num) / int(den)))) if den else int(num)
+        return dict(METHODS[base], overlap_steps=steps)
+
+    opts = {m: options(m) for m in methods}
+    tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len
+    machine = _machine(device)
+    print(f"fidelity: model {cfg.model.name} ({sum(p.numel() for p in s.model().parameters()) / 1e6:.1f}M), "
+          f"{a.nodes} nodes x {cfg.train.steps} steps x {cfg.train.micro_batch_size} x {cfg.data.seq_len} = "
+          f"{tokens / 1e6:.2f}M tokens per method, H = {cfg.diloco.inner_steps}, on {device} ({machine})")
+    results = {}
+    for m in methods:
+        t0 = time.perf_counter()
+        if opts[m] is None:
+            loss, curve, info = run_dp(s, eval_batches)
+        else:
+            loss, curve, info = run_diloco(s, eval_batches, opts[m], m.replace("/", "-").replace("@", "-"))
+            if "overlap_steps" in opts[m]:
+                info["overlap_steps"] = opts[m]["overlap_steps"]
+        results[m] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]),
+                      "curve": curve, "wall_s": time.perf_counter() - t0, **info}
+        print(f"  {m:22s} eval loss {loss:.4f}   train loss (last 10) {results[m]['train_loss_last10']:.4f}   "
+              f"{results[m]['wall_s']:.0f} s" + ("" if "outer_weights_identical" not in info else
+                                                  f"   outer weights identical: {info['outer_weights_identical']}"))
+    ref = results.get("diloco-exact", {}).get("eval_loss")
+    dp = results.get("dp", {}).get("eval_loss")
+    print(f"\n| method | final eval loss | vs DiLoCo exact | vs data parallel |\n|---|---|---|---|")
+    for m, r in results.items():
+        rel = f"{100 * (r['eval_loss'] / ref - 1):+.2f}%" if ref else "n/a"
+        rdp = f"{100 * (r['eval_loss'] / dp - 1):+.2f}%" if dp else "n/a"
+        print(f"| {m} | {r['eval_loss']:.4f} | {rel} | {rdp} |")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
+            "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
+            "device": str(device), "machine": machine, "argv": sys.argv[1:]}
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(a.out + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step"] + list(results))
+        for i in range(cfg.train.steps):
+            w.writerow([i + 1] + [f"{results[m]['curve'][i]:.5f}" for m in results])
+    plot(results, meta, a.out)
+    return 0
+
+
+def plot(results: dict, meta: dict, out: str) -> None:
+    """<out>.png: the training-loss curves and the final held-out losses (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot; the curves are in {out}.csv")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    k = max(1, meta["inner_steps"])
+    for m, r in results.items():
+        c = r["curve"]
+        smooth = [sum(c[max(0, i - k + 1) : i + 1]) / len(c[max(0, i - k + 1) : i + 1]) for i in range(len(c))]
+        ax1.plot(range(1, len(c) + 1), smooth, label=m)
+    ax1.set_xlabel("inner step")
+    ax1.set_ylabel(f"training loss (moving mean of {k})")
+    ax1.legend()
+    names = list(results)
+    ax2.bar(range(len(names)), [results[m]["eval_loss"] for m in names])
+    ax2.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    lo = min(results[m]["eval_loss"] for m in names)
+    ax2.set_ylim(lo * 0.97, max(results[m]["eval_loss"] for m in names) * 1.01)
+    ax2.set_ylabel("final held-out loss")
+    fig.suptitle(f"{meta['model']}, {meta['nodes']} nodes, H = {meta['inner_steps']}, "
+                 f"{meta['tokens_per_method'] / 1e6:.2f}M tokens per method ({meta['machine']})")
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+    print(f"plot: {out}.png")
+
+
+def _machine(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        return f"{name}, {os.cpu_count()} cores"
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

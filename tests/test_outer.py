@@ -1,0 +1,138 @@
+"""prime.outer.OuterState on the CPU: the pseudo-gradient pass and its norm, the lookahead against the update,
+where the state lives, and the int8 error taken from the ring's own statistics."""
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from prime.diloco import DiLoCo
+from prime.outer import OuterState, resolve_device
+from test_diloco import FakeThreadGroup, FakeThreadRing, FakeWork, TwoParams
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(2**31)
+    print(f"seed {s}")
+    return s
+
+
+def _model(gen, shapes=((70,), (3, 50), (1,))):
+    m = nn.Module()
+    for i, s in enumerate(shapes):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.randn(*s, generator=gen)))
+    return m
+
+
+def test_pseudo_gradient_and_norm_against_float64(seed):
+    """g = anchor - local per parameter, zero padding, and the squared norm against a float64 sum."""
+    gen = torch.Generator().manual_seed(seed)
+    model = _model(gen)
+    st = OuterState(model.parameters(), block_size=32)
+    st.take()
+    anchor = st.new_buffer()
+    anchor.normal_(generator=gen)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    g = st.new_buffer().fill_(7.0)  # stale values: the padding must come back as 0
+    for a in (None, anchor):
+        sq = st.pseudo_gradient(g, anchor=a)
+        src = st.outer if a is None else a
+        ref_sq = 0.0
+        for p, off, n in zip(model.parameters(), st.offsets, st.sizes):
+            want = src[off : off + n] - p.detach().reshape(-1)  # one fp32 subtraction
+            assert torch.equal(g[off : off + n], want), f"seed {seed}"
+            ref_sq += float((want.double() ** 2).sum())
+        pads = torch.ones(st.numel, dtype=torch.bool)
+        for off, n in zip(st.offsets, st.sizes):
+            pads[off : off + n] = False
+        assert torch.count_nonzero(g[pads]) == 0
+        assert sq == pytest.approx(ref_sq, rel=1e-6), f"seed {seed}"
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_lookahead_is_the_update_without_writing_the_state(seed, nesterov):
+    gen = torch.Generator().manual_seed(seed)
+    st = OuterState(_model(gen).parameters(), block_size=32, nesterov=nesterov)
+    st.take()
+    st.momentum.normal_(generator=gen)
+    g = 0.1 * torch.randn(st.numel, generator=gen)
+    out = st.new_buffer()
+    w0, m0 = st.outer.clone(), st.momentum.clone()
+    st.lookahead(g, out)
+    assert torch.equal(st.outer, w0) and torch.equal(st.momentum, m0)
+    st.update(g)
+    assert torch.equal(out, st.outer), f"seed {seed}"
+    assert not torch.equal(out, w0)
+
+
+def test_update_with_load_copies_the_new_weights(seed):
+    gen = torch.Generator().manual_seed(seed)
+    model = _model(gen)
+    st = OuterState(model.parameters(), block_size=32)
+    st.take()
+    st.update(torch.randn(st.numel, generator=gen), load=True)
+    for p, off, n in zip(model.parameters(), st.offsets, st.sizes):
+        assert torch.equal(p.detach().reshape(-1), st.outer[off : off + n])
+
+
+def test_state_device_on_a_cpu_model():
+    params = [torch.zeros(10)]
+    assert resolve_device("auto", params, 3).type == "cpu"
+    assert resolve_device("cpu", params, 3).type == "cpu"
+    with pytest.raises(ValueError, match="needs the model's parameters on a GPU"):
+        resolve_device("gpu", params, 3)
+    with pytest.raises(ValueError, match="outer_state_device"):
+        resolve_device("disk", params, 3)
+
+
+class ReportingRing(FakeThreadRing):
+    """A fake ring whose statistics carry its own int8 error (prime.sync.QUANT_ERROR_FIELDS)."""
+
+    reports_quant_error = True
+
+    def all_reduce(self, t, op="avg", codec="int8", block_size=256):
+        super().all_reduce(t, op, codec, block_size)
+        base = FakeWork(t.numel()).stats()
+        work = SimpleNamespace(wait=lambda: None,
+                               stats=lambda: SimpleNamespace(**vars(base), quant_err_sq=4.0, quant_in_sq=100.0))
+        return work
+
+
+def test_compression_error_comes_from_the_ring_when_it_reports_it(seed, monkeypatch):
+    """No quantize/dequantize pass of DiLoCo's own: the error is sqrt(quant_err_sq / quant_in_sq)."""
+    def no_pass(self, g):
+        raise AssertionError("DiLoCo ran its own int8 pass although the ring reports the error")
+
+    monkeypatch.setattr(OuterState, "int8_error_sq", no_pass)
+    model = TwoParams(torch.randn(64, generator=torch.Generator().manual_seed(seed)), torch.zeros(0))
+    d = DiLoCo(model, None, ReportingRing(FakeThreadGroup(1), 0), inner_steps=1, codec="int8", block_size=32)
+    with torch.no_grad():
+        model.a -= 0.1
+    r = d.step()
+    assert r.compression_error == pytest.approx(math.sqrt(4.0 / 100.0))
+    assert "quant_err_sq" not in r.ring_stats
+
+
+def test_copy_pipeline_pieces_tile_every_parameter(monkeypatch):
+    """The CPU state's GPU copies go in pieces: together they cover every parameter exactly once, the padding
+    end comes with each parameter's last piece, and a non-contiguous parameter stays whole."""
+    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 100)
+    m = nn.Module()
+    m.a = nn.Parameter(torch.zeros(250))
+    m.b = nn.Parameter(torch.zeros(100))
+    m.c = nn.Parameter(torch.zeros(30, 10).t())  # not contiguous
+    m.d = nn.Parameter(torch.zeros(0))
+    st = OuterState(m.parameters(), block_size=32)
+    covered = {}
+    for t, off, a, b, end in st._pieces():
+        covered.setdefault(off, []).append((a, b, end))
+    assert covered[st.offsets[0]] == [(0, 100, None), (100, 200, None), (200, 250, st.offsets[1])]
+    assert covered[st.offsets[1]] == [(0, 100, st.offsets[2])]
+    assert covered[st.offsets[2]] == [(0, 300, st.offsets[3])]
+    assert covered[st.offsets[3]] == [(0, 0, st.numel)]
