@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 12's measurements on a 2-GPU host, split into two calls of under 10 minutes each:
+#   PHASE=a benchmarks/gpu_issue12.sh OUT   CUDA build; GPU tests of the outer step and the CUDA ring;
+#                                            the outer step's passes for 1B (gpu_outer.sh); the ring with
+#                                            CUDA tensors, one process per GPU (gpu_ring.sh QUICK=1); DiLoCo
+#                                            2 nodes x 1 GPU, 1B, H=100, synchronous, 10 Gbit/s
+#   PHASE=b benchmarks/gpu_issue12.sh OUT   DiLoCo 2 nodes x 1 GPU, 1B, H=100, overlapped (eager), at
+#                                            10 Gbit/s (overlap_steps 10) and 1 Gbit/s (overlap_steps 80)
+# Every part writes its full log under OUT; the tail of the output is a summary.
+set -uo pipefail
+out=${1:?usage: PHASE=a|b benchmarks/gpu_issue12.sh OUT}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
+summary=()
+note() { summary+=("$*"); echo "== $*"; }
+
+echo "== build (CUDA, sm_90)"
+if ! python3 -c "import prime._C as C, sys; sys.exit(0 if getattr(C, '_ring_reduces_on_gpu', False) else 1)" 2>/dev/null; then
+  PRIME_CUDA_ARCHS=90 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
+fi
+python3 -c "import prime._C as C; print('CUDA ring codec:', C._ring_reduces_on_gpu)"
+
+diloco() {  # diloco NAME RATE EXTRA...
+  local name=$1 rate=$2; shift 2
+  echo "== DiLoCo $name: 2 nodes x 1 GPU, 1B, H=100, ${OUTER:-3} outer steps, $rate Mbit/s, $*"
+  timeout ${RUN_TIMEOUT:-230} python3 -m prime.simulate --nodes 2 --procs-per-node 1 -- \
+    --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps $((100 * ${OUTER:-3})) \
+    --diloco.inner_steps 100 --diloco.max_rate_mbit "$rate" --optim.warmup_steps 10 --metrics.log_every 50 \
+    --metrics.plot false --train.threads 8 --train.compile false "$@" --metrics.out_dir "$out/$name" \
+    >"$out/diloco_$name.log" 2>&1
+  local rc=$?
+  grep -E "outer step|utilization|identical|differ|rror|median" "$out/diloco_$name.log" | tail -12
+  note "diloco $name: exit $rc"
+}
+
+case "${PHASE:-a}" in
+a)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_outer_gpu.py tests/test_ring_cuda.py \
+    "tests/test_ring.py::test_cuda_tensor" >"$out/tests.log" 2>&1
+  note "GPU tests: exit $? ($(tail -1 "$out/tests.log"))"
+  grep -E "FAILED|Error" "$out/tests.log" | head -10
+  BENCH_TIMEOUT=100 bash benchmarks/gpu_outer.sh "$out/outer" >"$out/gpu_outer.log" 2>&1
+  note "gpu_outer.sh: exit $?"
+  tail -25 "$out/gpu_outer.log"
+  QUICK=1 SKIP_TESTS=1 bash benchmarks/gpu_ring.sh "$out/ring" >"$out/gpu_ring.log" 2>&1
+  note "gpu_ring.sh QUICK: exit $?"
+  tail -22 "$out/gpu_ring.log"
+  diloco sync_10g 10000
+  ;;
+b)
+  diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10
+  diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80
+  ;;
+esac
+echo "== summary"
+printf '%s\n' "${summary[@]}"
