@@ -1,5 +1,6 @@
 #include "tcp_transport.h"
 
+#include <cxxabi.h>
 #include <poll.h>
 
 #include <cstring>
@@ -14,6 +15,11 @@ namespace {
 constexpr size_t kLimitedPiece = 64 << 10;
 // Frames below this size are copied next to their header and sent in one call.
 constexpr size_t kCoalesceBytes = 64 << 10;
+// Payloads are sealed piece by piece just before each piece is sent, and opened piece
+// by piece as each arrives: the MAC runs on bytes still in cache and overlaps the wire,
+// so a frame is ready one piece's MAC after its last byte (not a whole payload's).
+// 128 KiB: chosen by measurement, see benchmarks/RESULTS.md (cost of authenticated frames).
+constexpr size_t kSealPiece = 128 << 10;
 // How long shutdown() tries to deliver its abort/close frame per socket.
 constexpr Millis kControlDeadline{1000};
 // Frames received ahead of the consumer, per stream. A correct peer never gets
@@ -56,14 +62,62 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Stream> right, 
     stream->progress_ns = now_ns();
     recv_.push_back(std::move(stream));
   }
-  for (int j = 0; j < k_; ++j) {
-    send_[j]->thread = std::thread(&TcpTransport::sender_loop, this, j);
-    recv_[j]->thread = std::thread(&TcpTransport::receiver_loop, this, j);
+  try {
+    for (int j = 0; j < k_; ++j) {
+      send_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::sender_loop, j);
+      recv_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::receiver_loop, j);
+    }
+    watcher_ = std::thread(&TcpTransport::guarded, this, &TcpTransport::watcher_loop, 0);
+  } catch (...) {
+    // Out of threads: the members must not be destroyed with running threads (that is
+    // std::terminate), so stop and join those that started before rethrowing.
+    stop_and_join();
+    throw;
   }
-  watcher_ = std::thread(&TcpTransport::watcher_loop, this);
 }
 
-TcpTransport::~TcpTransport() { shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring"); }
+TcpTransport::~TcpTransport() {
+  try {
+    shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring");
+  } catch (...) {  // allocating the message failed: still stop every thread
+  }
+  stop_and_join();  // nothing left to join after shutdown()
+}
+
+void TcpTransport::stop_and_join() noexcept {
+  stop_ = true;
+  send_cv_.notify_all();
+  sent_cv_.notify_all();
+  recv_cv_.notify_all();
+  for (auto& s : send_) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+  for (auto& s : recv_) {
+    s->socket.shutdown_both();
+    if (s->thread.joinable()) s->thread.join();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void TcpTransport::guarded(void (TcpTransport::*loop)(int), int j) {
+  try {
+    (this->*loop)(j);
+  } catch (const abi::__forced_unwind&) {
+    throw;  // thread cancellation must unwind on
+  } catch (const std::exception& e) {
+    // Each loop handles the errors it expects; this is an allocation failure or a bug.
+    // Recorded as the ring's failure rather than escaping the thread (std::terminate).
+    try {
+      record({ErrorKind::kInternal, -1, std::string("internal error on an I/O thread: ") + e.what()});
+    } catch (...) {
+    }
+  } catch (...) {
+    try {
+      record({ErrorKind::kInternal, -1, "internal error on an I/O thread"});
+    } catch (...) {
+    }
+  }
+}
 
 void TcpTransport::record(Failure f) {
   if (stop_) return;  // our own shutdown makes sockets fail: not news
@@ -146,7 +200,7 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   s.sealer.begin(f.header, header);
   s.mid_frame = true;
   send_all(s.socket, header, kHeaderBytes, limits);
-  const size_t piece = limiter_.limited() ? kLimitedPiece : (size_t{4} << 20);
+  const size_t piece = limiter_.limited() ? kLimitedPiece : kSealPiece;
   if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
   for (size_t off = 0; off < f.size; off += piece) {
     const size_t len = std::min(piece, f.size - off);
@@ -269,10 +323,14 @@ InFrame TcpTransport::read_frame(const Socket& socket, FrameOpener& opener, cons
   if (!bad.empty()) throw FrameError{ErrorKind::kCorruptFrame, bad};
   const FrameHeader& h = f.header;
   f.payload = pool_->acquire(h.payload_len);
-  recv_all(socket, f.payload->data(), h.payload_len, limits);
+  char* data = f.payload->data();
+  for (size_t off = 0; off < h.payload_len; off += kSealPiece) {
+    const size_t len = std::min<size_t>(kSealPiece, h.payload_len - off);
+    recv_all(socket, data + off, len, limits);
+    opener.payload(data + off, len);  // while the piece is in cache and the next one on its way
+  }
   uint8_t tag[kTagBytes];
   recv_all(socket, tag, kTagBytes, limits);
-  opener.payload(f.payload->data(), h.payload_len);
   const std::string forged = opener.finish(h, tag);
   if (!forged.empty()) throw FrameError{ErrorKind::kCorruptFrame, forged + "; the frame claims to be " + frame_name(h)};
   const std::string stray = check_link(h, expected_rank, opt_.job, opt_.encrypt);
@@ -386,7 +444,7 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
 // ---------------------------------------------------------------------------
 // the right neighbour's reports, and shutting down
 
-void TcpTransport::watcher_loop() {
+void TcpTransport::watcher_loop(int) {
   std::vector<bool> open(k_, true);
   const std::string from = "rank " + std::to_string(opt_.right);
   while (!stop_) {
