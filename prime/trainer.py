@@ -647,27 +647,34 @@ class Trainer:
         """Finishes checkpoint writes, closes rings and logs, writes the plot (node 0), releases the store.
 
         After a failure (`failed`) the store's host does not wait for the other nodes."""
+        # Teardown order: checkpoint writer, rings (DiLoCo / elastic sync), logs, store;
+        # then barrier and destroy_process_group, last and whatever failed before them.
         try:
             if self.ckpt is not None:
                 self.ckpt.close()
         finally:
-            self.diloco.close()
-            if getattr(self, "elastic_sync", None) is not None:
-                self.elastic_sync.close()  # leaves the job: the others drop this node at once
-            if hasattr(self, "log"):  # absent when the constructor stopped (CheckpointError)
-                self.log.close()
-            if hasattr(self, "log") and self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
-                path = plot_losses(self.cfg.metrics.out_dir, os.path.join(self.cfg.metrics.out_dir, "loss.png"))
-                if path:
-                    print(f"loss plot: {path}", flush=True)
-            if not failed:
-                self._release_store()
-            if self.dist.is_initialized():
+            try:
+                self.diloco.close()
+                if getattr(self, "elastic_sync", None) is not None:
+                    self.elastic_sync.close()  # leaves the job: the others drop this node at once
+                if hasattr(self, "log"):  # absent when the constructor stopped (CheckpointError)
+                    self.log.close()
+                if hasattr(self, "log") and self.cfg.metrics.plot and self.is_logger and self.node_rank == 0:
+                    path = plot_losses(self.cfg.metrics.out_dir, os.path.join(self.cfg.metrics.out_dir, "loss.png"))
+                    if path:
+                        print(f"loss plot: {path}", flush=True)
                 if not failed:
-                    # every local rank leaves gloo together: a rank that tears down its
-                    # process group while a peer still uses it can abort that peer
-                    self.dist.barrier()
-                self.dist.destroy_process_group()
+                    self._release_store()
+            except BaseException:
+                failed = True  # the other local ranks may never reach the barrier
+                raise
+            finally:
+                if self.dist.is_initialized():
+                    if not failed:
+                        # every local rank leaves gloo together: a rank that tears down its
+                        # process group while a peer still uses it can abort that peer
+                        self.dist.barrier()
+                    self.dist.destroy_process_group()
 
     def _release_store(self) -> None:
         """The store's host (node 0, process 0) waits until every process is done with it before exiting."""
