@@ -196,10 +196,14 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
     s.mid_frame = false;
     return;
   }
+  // Unlimited, the header, the pieces and the tag go out as one stream of full segments
+  // (MSG_MORE; the tag's send pushes): no small packets, no receiver woken for 64 or 16
+  // bytes. Rate-limited, every piece leaves at once (it may wait for the limiter).
+  const bool more = !limiter_.limited();
   uint8_t header[kHeaderBytes];
   s.sealer.begin(f.header, header);
   s.mid_frame = true;
-  send_all(s.socket, header, kHeaderBytes, limits);
+  send_all(s.socket, header, kHeaderBytes, limits, more);
   const size_t piece = limiter_.limited() ? kLimitedPiece : kSealPiece;
   if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
   for (size_t off = 0; off < f.size; off += piece) {
@@ -214,9 +218,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
       ByteBuffer copy(len);
       std::memcpy(copy.data(), sealed, len);
       copy.data()[target - base] ^= 0x10;
-      send_all(s.socket, copy.data(), len, limits);
+      send_all(s.socket, copy.data(), len, limits, more);
     } else {
-      send_all(s.socket, sealed, len, limits);
+      send_all(s.socket, sealed, len, limits, more);
     }
   }
   uint8_t tag[kTagBytes];
