@@ -18,7 +18,8 @@ constexpr size_t kCoalesceBytes = 64 << 10;
 // Payloads are sealed piece by piece just before each piece is sent, and opened piece
 // by piece as each arrives: the MAC runs on bytes still in cache and overlaps the wire,
 // so a frame is ready one piece's MAC after its last byte (not a whole payload's).
-// 256 KiB: chosen by a sweep of 64 KiB-4 MiB (CPU time; benchmarks/RESULTS.md, cost of authenticated frames).
+// 256 KiB: four pieces per fp32 segment; a CPU-time sweep of 64 KiB-4 MiB on the loaded dev
+// machine could not separate 64 from 256 KiB (benchmarks/RESULTS.md, cost of authenticated frames).
 constexpr size_t kSealPiece = 256 << 10;
 // How long shutdown() tries to deliver its abort/close frame per socket.
 constexpr Millis kControlDeadline{1000};
