@@ -231,13 +231,26 @@ class Trainer:
         """Finishes checkpoint writes, closes rings and logs, writes the plot (node 0), releases the store.
 
         After a failure (`failed`) the store's host does not wait for the other nodes."""
-        try:
-            if self.checkpoints is not None:
-                self.checkpoints.close()
-        finally:
-            self.diloco.close()
-            self.nodes.close()  # closes the rings; elastic: leaves the job, the others drop this node at once
-            self.metrics.close(plot=self.cfg.metrics.plot)
-            if not failed:
-                self.nodes.release()
-            self.env.close(failed)
+        # Teardown order: checkpoint writer, outer step (an average in flight), rings (elastic: leave the
+        # job), logs and plot, the store; then barrier and destroy_process_group, last. Every step runs even
+        # when an earlier one raised; the first error is raised at the end, and after one the barrier is
+        # skipped (the other local ranks may never reach it).
+        error: Optional[BaseException] = None
+
+        def run(step) -> None:
+            nonlocal error
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the process group is gone
+                error = error or e
+
+        if self.checkpoints is not None:
+            run(self.checkpoints.close)
+        run(self.diloco.close)
+        run(self.nodes.close)
+        run(lambda: self.metrics.close(plot=self.cfg.metrics.plot))
+        if not failed and error is None:
+            run(self.nodes.release)  # the store's host waits for the others only after a clean run
+        self.env.close(failed or error is not None)
+        if error is not None:
+            raise error

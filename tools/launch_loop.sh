@@ -22,6 +22,7 @@ mkdir -p "$LOGS"
 ok=0
 aborted=0
 echo "launch_loop: $N launches of 2 FSDP processes, prime from $ROOT, logs in $LOGS"
+echo "launch_loop: start $(date -u +%H:%M:%S) UTC, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for i in $(seq 1 "$N"); do
     dir="$LOGS/run$i"
     mkdir -p "$dir"
@@ -46,5 +47,6 @@ for i in $(seq 1 "$N"); do
     fi
     printf 'launch %d/%d: exit %d, %.1f s%s\n' "$i" "$N" "$rc" "$secs" "$note"
 done
+echo "launch_loop: end $(date -u +%H:%M:%S) UTC, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "launch_loop: $ok of $N launches exited 0; $aborted printed 'terminate called'"
 [ $ok -eq "$N" ]

@@ -3,6 +3,8 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cxxabi.h>
+
 #include <cerrno>
 #include <system_error>
 
@@ -30,6 +32,13 @@ void Rendezvous::stop() {
   wake();
   if (acceptor_.joinable()) acceptor_.join();
   listener_.close();
+}
+
+void Rendezvous::interrupt() {
+  interrupted_ = true;
+  stop_ = true;
+  wake();
+  cv_.notify_all();
 }
 
 void Rendezvous::wake() const {
@@ -66,6 +75,31 @@ CommError Rendezvous::error(ErrorKind kind, int peer, const std::string& cause) 
 }
 
 void Rendezvous::accept_loop() {
+  try {
+    accept_until_done();
+  } catch (const abi::__forced_unwind&) {
+    throw;
+  } catch (const std::exception& e) {  // allocation failure: stop accepting, say why
+    std::lock_guard<std::mutex> lock(mu_);
+    accept_error_ = std::string("internal error while accepting: ") + e.what();
+  }
+  // The left neighbour is in, or the deadline passed, or we stop: interrupt the rest.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& p : pending_) p->socket.shutdown_both();
+  }
+  for (auto& p : pending_) {
+    if (p->thread.joinable()) p->thread.join();
+  }
+  pending_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    acceptor_done_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Rendezvous::accept_until_done() {
   for (;;) {
     // Join the handshakes that finished.
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -112,30 +146,35 @@ void Rendezvous::accept_loop() {
     p->who = s.peer_address();
     p->socket = std::move(s);
     Pending* raw = p.get();
+    // Listed before its thread starts: a Pending is never destroyed with a running thread.
+    pending_.push_back(std::move(p));
     try {
-      p->thread = std::thread(&Rendezvous::serve, this, raw);
+      raw->thread = std::thread(&Rendezvous::serve, this, raw);
     } catch (const std::system_error& e) {  // out of threads: refuse this one, keep accepting
       std::lock_guard<std::mutex> lock(mu_);
-      reject("rejected connection from " + p->who + ": cannot start a handshake thread: " + e.what());
+      reject("rejected connection from " + raw->who + ": cannot start a handshake thread: " + e.what());
+      pending_.pop_back();
       continue;
     }
-    pending_.push_back(std::move(p));
   }
-  // The left neighbour is in, or the deadline passed, or we stop: interrupt the rest.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& p : pending_) p->socket.shutdown_both();
-  }
-  for (auto& p : pending_) p->thread.join();
-  pending_.clear();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    acceptor_done_ = true;
-  }
-  cv_.notify_all();
 }
 
 void Rendezvous::serve(Pending* p) {
+  try {
+    serve_one(p);
+  } catch (const abi::__forced_unwind&) {
+    throw;
+  } catch (...) {  // only an allocation failure while reporting: still mark it done
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    p->done = true;
+  }
+  wake();
+  cv_.notify_all();
+}
+
+void Rendezvous::serve_one(Pending* p) {
   std::string failure;
   try {
     const Deadline d = deadline_.sooner(Deadline::after(handshake_limit_));
@@ -166,15 +205,13 @@ void Rendezvous::serve(Pending* p) {
       }
       reject("rejected connection from " + p->who + ": " + failure);
     }
-    p->done = true;
   }
-  wake();
-  cv_.notify_all();
 }
 
 Stream Rendezvous::connect_right(const std::string& host, int port, int stream, const std::string& where) {
   std::string last;
   for (;;) {
+    if (stop_) throw IoError(IoError::Reason::kStopped, "stopped");
     Socket s = connect_to(host, port, deadline_);  // throws IoError at the deadline
     try {
       // Short per attempt: a server that dropped us to make room is tried again.
@@ -205,6 +242,7 @@ Links Rendezvous::complete(const std::string& right_host, int right_port) {
       throw error(ErrorKind::kHandshake, right_, "handshake with " + where + " failed: " + e.what());
     } catch (const IoError& e) {
       stop();
+      if (interrupted_) throw error(ErrorKind::kClosed, -1, "the ring was closed while it was forming");
       if (e.reason() == IoError::Reason::kTimeout) {
         throw error(ErrorKind::kTimeout, right_,
                     "timed out after " + std::to_string(opt_.timeout.count()) + " ms connecting to " + where + ": " +
@@ -218,6 +256,7 @@ Links Rendezvous::complete(const std::string& right_host, int right_port) {
     cv_.wait(lock, [&] { return accepted_ == opt_.streams || acceptor_done_; });
   }
   stop();  // the ring is formed (or never will be): nothing listens any more
+  if (interrupted_) throw error(ErrorKind::kClosed, -1, "the ring was closed while it was forming");
   std::lock_guard<std::mutex> lock(mu_);
   if (accepted_ < opt_.streams) {
     std::string cause = "timed out after " + std::to_string(opt_.timeout.count()) + " ms waiting for rank " +

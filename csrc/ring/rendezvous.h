@@ -70,6 +70,9 @@ class Rendezvous {
   // (kind kTimeout or kHandshake) naming the neighbour that did not come.
   Links complete(const std::string& right_host, int right_port);
   std::vector<std::string> rejected() const;
+  // From another thread: complete() gives up (kClosed) as soon as it next checks (the
+  // accept loop at once; a connection attempt to the right within its deadline).
+  void interrupt();
 
  private:
   struct Pending {
@@ -80,8 +83,10 @@ class Rendezvous {
     std::thread thread;
   };
 
-  void accept_loop();
-  void serve(Pending* p);
+  void accept_loop();        // the acceptor thread: accept_until_done(), then join the handshakes
+  void accept_until_done();
+  void serve(Pending* p);    // a handshake thread: serve_one(), then mark it done (always)
+  void serve_one(Pending* p);
   void reject(const std::string& line);  // mu_ held
   void wake() const;
   void stop();
@@ -96,6 +101,7 @@ class Rendezvous {
   Listener listener_;
   Socket wake_;  // an eventfd: a finished handshake wakes the accept loop
   std::atomic<bool> stop_{false};
+  std::atomic<bool> interrupted_{false};
   std::thread acceptor_;
   std::list<std::unique_ptr<Pending>> pending_;  // the accept loop's
 

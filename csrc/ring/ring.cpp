@@ -1,5 +1,8 @@
 #include "ring.h"
 
+#include <cxxabi.h>
+
+#include <cstdio>
 #include <cstring>
 
 #include "../codec/codec.h"
@@ -62,7 +65,26 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
   }
 }
 
-Ring::~Ring() { close(); }
+Ring::~Ring() {
+  // A destructor must not throw (std::terminate): close() only allocates messages, but
+  // should it fail, the worker is still stopped and joined here.
+  try {
+    close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "prime ring rank %d: closing the ring failed: %s\n", opt_.rank, e.what());
+  }
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    // Stops every I/O thread (the transport itself stays until the worker is joined), so
+    // the worker's waits end.
+    if (transport_) transport_->shutdown(FrameKind::kClose, opt_.rank, "closed");
+    worker_.join();
+  }
+}
 
 int Ring::port() const { return rendezvous_ ? rendezvous_->port() : 0; }
 
@@ -71,6 +93,7 @@ std::vector<std::string> Ring::rejected_connections() const {
 }
 
 void Ring::connect(const std::string& right_host, int right_port) {
+  std::lock_guard<std::mutex> life(lifecycle_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (connecting_ || closed_) throw std::logic_error("connect() may be called once, before close()");
@@ -78,6 +101,15 @@ void Ring::connect(const std::string& right_host, int right_port) {
   }
   if (opt_.world_size > 1) {
     Links links = rendezvous_->complete(right_host, right_port);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closing_) {  // close() ran meanwhile: start nothing (the links close with `links`)
+        ErrorInfo e = invalid(opt_.rank, "the ring was closed while it was forming");
+        e.kind = ErrorKind::kClosed;
+        e.where.phase = Phase::kRendezvous;
+        throw CommError(e);
+      }
+    }
     TransportOptions t;
     t.rank = opt_.rank;
     t.left = (opt_.rank + opt_.world_size - 1) % opt_.world_size;
@@ -159,8 +191,37 @@ void Ring::worker_loop() {
       queue_.pop_front();
       running_ = true;
     }
-    execute(p);
+    execute_guarded(p);
   }
+}
+
+void Ring::execute_guarded(Pending& p) {
+  try {
+    execute(p);
+    return;
+  } catch (const abi::__forced_unwind&) {
+    throw;  // thread cancellation must unwind on
+  } catch (const std::exception& e) {
+    try {
+      ErrorInfo info = invalid(opt_.rank, std::string("internal error: ") + e.what());
+      info.where = Context{p.work->seq()};
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_ = false;
+      }
+      break_ring(info);
+      if (!p.work->completed()) p.work->finish(info, WorkStats{});
+      return;
+    } catch (...) {
+    }
+  } catch (...) {
+  }
+  // Not even the error could be built (out of memory): fail the job with what exists.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  if (!p.work->completed()) p.work->finish(ErrorInfo{}, WorkStats{});
 }
 
 void Ring::execute(Pending& p) {
@@ -275,15 +336,21 @@ void Ring::execute(Pending& p) {
 }
 
 void Ring::close() {
-  bool was_running;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = true;
     closing_ = true;
-    was_running = running_ || !queue_.empty();
   }
   cv_.notify_all();
+  // A connect() in another thread gives up its rendezvous; then wait until it returned.
+  if (rendezvous_) rendezvous_->interrupt();
+  std::lock_guard<std::mutex> life(lifecycle_mu_);
+  bool was_running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was_running = running_ || !queue_.empty();
+  }
   if (transport_) {
     // Interrupts a running collective (its waits see the stop and fail with kClosed)
     // and tells the neighbours why.
@@ -302,7 +369,7 @@ void Ring::close() {
       std::lock_guard<std::mutex> lock(mu_);
       left.swap(queue_);
     }
-    for (auto& p : left) execute(p);
+    for (auto& p : left) execute_guarded(p);
   }
   rendezvous_.reset();
 }

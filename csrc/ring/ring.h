@@ -71,7 +71,9 @@ class Ring {
   void connect(const std::string& right_host, int right_port);
   std::vector<std::string> rejected_connections() const;
   std::shared_ptr<Work> all_reduce(AllReduceJob job);
-  // Joins every thread and closes every socket; queued jobs fail with kClosed.
+  // Joins every thread and closes every socket; queued jobs fail with kClosed. Safe to
+  // call from any thread but the worker, also while connect() runs in another (which
+  // then fails with kClosed). Never called by the worker itself (jobs hold no Ring).
   void close();
 
  private:
@@ -83,6 +85,9 @@ class Ring {
 
   void worker_loop();
   void execute(Pending& p);
+  // execute(), but an unexpected exception fails the job (and breaks the ring) instead
+  // of leaving the worker thread: nothing a job does can end the process.
+  void execute_guarded(Pending& p);
   void break_ring(const ErrorInfo& e);
   ErrorInfo broken_error(int64_t seq) const;
 
@@ -92,6 +97,12 @@ class Ring {
   std::unique_ptr<Rendezvous> rendezvous_;
   std::unique_ptr<TcpTransport> transport_;
   std::thread worker_;
+  // Held by connect() from start to end and by close() for its teardown: threads are
+  // started and joined under it, so a close() racing a connect() waits for it (after
+  // interrupting its rendezvous) instead of returning while connect() goes on to start
+  // a worker that nobody joins (whose std::thread would then end the process with
+  // std::terminate when the Ring is destroyed).
+  std::mutex lifecycle_mu_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

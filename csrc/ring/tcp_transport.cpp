@@ -1,5 +1,6 @@
 #include "tcp_transport.h"
 
+#include <cxxabi.h>
 #include <poll.h>
 
 #include <cstring>
@@ -14,6 +15,12 @@ namespace {
 constexpr size_t kLimitedPiece = 64 << 10;
 // Frames below this size are copied next to their header and sent in one call.
 constexpr size_t kCoalesceBytes = 64 << 10;
+// Payloads are sealed piece by piece just before each piece is sent, and opened piece
+// by piece as each arrives: the MAC runs on bytes still in cache and overlaps the wire,
+// so a frame is ready one piece's MAC after its last byte (not a whole payload's).
+// 256 KiB: four pieces per fp32 segment; a CPU-time sweep of 64 KiB-4 MiB on the loaded dev
+// machine could not separate 64 from 256 KiB (benchmarks/RESULTS.md, cost of authenticated frames).
+constexpr size_t kSealPiece = 256 << 10;
 // How long shutdown() tries to deliver its abort/close frame per socket.
 constexpr Millis kControlDeadline{1000};
 // Frames received ahead of the consumer, per stream. A correct peer never gets
@@ -56,14 +63,62 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Stream> right, 
     stream->progress_ns = now_ns();
     recv_.push_back(std::move(stream));
   }
-  for (int j = 0; j < k_; ++j) {
-    send_[j]->thread = std::thread(&TcpTransport::sender_loop, this, j);
-    recv_[j]->thread = std::thread(&TcpTransport::receiver_loop, this, j);
+  try {
+    for (int j = 0; j < k_; ++j) {
+      send_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::sender_loop, j);
+      recv_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::receiver_loop, j);
+    }
+    watcher_ = std::thread(&TcpTransport::guarded, this, &TcpTransport::watcher_loop, 0);
+  } catch (...) {
+    // Out of threads: the members must not be destroyed with running threads (that is
+    // std::terminate), so stop and join those that started before rethrowing.
+    stop_and_join();
+    throw;
   }
-  watcher_ = std::thread(&TcpTransport::watcher_loop, this);
 }
 
-TcpTransport::~TcpTransport() { shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring"); }
+TcpTransport::~TcpTransport() {
+  try {
+    shutdown(FrameKind::kClose, opt_.rank, "rank " + std::to_string(opt_.rank) + " closed the ring");
+  } catch (...) {  // allocating the message failed: still stop every thread
+  }
+  stop_and_join();  // nothing left to join after shutdown()
+}
+
+void TcpTransport::stop_and_join() noexcept {
+  stop_ = true;
+  send_cv_.notify_all();
+  sent_cv_.notify_all();
+  recv_cv_.notify_all();
+  for (auto& s : send_) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+  for (auto& s : recv_) {
+    s->socket.shutdown_both();
+    if (s->thread.joinable()) s->thread.join();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void TcpTransport::guarded(void (TcpTransport::*loop)(int), int j) {
+  try {
+    (this->*loop)(j);
+  } catch (const abi::__forced_unwind&) {
+    throw;  // thread cancellation must unwind on
+  } catch (const std::exception& e) {
+    // Each loop handles the errors it expects; this is an allocation failure or a bug.
+    // Recorded as the ring's failure rather than escaping the thread (std::terminate).
+    try {
+      record({ErrorKind::kInternal, -1, std::string("internal error on an I/O thread: ") + e.what()});
+    } catch (...) {
+    }
+  } catch (...) {
+    try {
+      record({ErrorKind::kInternal, -1, "internal error on an I/O thread"});
+    } catch (...) {
+    }
+  }
+}
 
 void TcpTransport::record(Failure f) {
   if (stop_) return;  // our own shutdown makes sockets fail: not news
@@ -144,13 +199,17 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
     s.mid_frame = false;
     return;
   }
+  // Unlimited, the header, the pieces and the tag go out as one stream of full segments
+  // (MSG_MORE; the tag's send pushes): no small packets, no receiver woken for 64 or 16
+  // bytes. Rate-limited, every piece leaves at once (it may wait for the limiter).
+  const bool more = !limiter_.limited();
   uint8_t header[kHeaderBytes];
   int64_t a0 = now_ns();
   s.sealer.begin(f.header, header);
   s.mid_frame = true;
   f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
-  send_all(s.socket, header, kHeaderBytes, limits);
-  const size_t piece = limiter_.limited() ? kLimitedPiece : (size_t{4} << 20);
+  send_all(s.socket, header, kHeaderBytes, limits, more);
+  const size_t piece = limiter_.limited() ? kLimitedPiece : kSealPiece;
   if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
   for (size_t off = 0; off < f.size; off += piece) {
     const size_t len = std::min(piece, f.size - off);
@@ -166,9 +225,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
       ByteBuffer copy(len);
       std::memcpy(copy.data(), sealed, len);
       copy.data()[target - base] ^= 0x10;
-      send_all(s.socket, copy.data(), len, limits);
+      send_all(s.socket, copy.data(), len, limits, more);
     } else {
-      send_all(s.socket, sealed, len, limits);
+      send_all(s.socket, sealed, len, limits, more);
     }
   }
   uint8_t tag[kTagBytes];
@@ -280,11 +339,17 @@ InFrame TcpTransport::read_frame(const Socket& socket, FrameOpener& opener, cons
   if (!bad.empty()) throw FrameError{ErrorKind::kCorruptFrame, bad};
   const FrameHeader& h = f.header;
   f.payload = pool_->acquire(h.payload_len);
-  recv_all(socket, f.payload->data(), h.payload_len, limits);
+  char* data = f.payload->data();
+  for (size_t off = 0; off < h.payload_len; off += kSealPiece) {
+    const size_t len = std::min<size_t>(kSealPiece, h.payload_len - off);
+    recv_all(socket, data + off, len, limits);
+    a0 = now_ns();
+    opener.payload(data + off, len);  // while the piece is in cache and the next one on its way
+    f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
+  }
   uint8_t tag[kTagBytes];
   recv_all(socket, tag, kTagBytes, limits);
   a0 = now_ns();
-  opener.payload(f.payload->data(), h.payload_len);
   const std::string forged = opener.finish(h, tag);
   f.auth_ns += static_cast<uint64_t>(now_ns() - a0);
   if (!forged.empty()) throw FrameError{ErrorKind::kCorruptFrame, forged + "; the frame claims to be " + frame_name(h)};
@@ -400,7 +465,7 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
 // ---------------------------------------------------------------------------
 // the right neighbour's reports, and shutting down
 
-void TcpTransport::watcher_loop() {
+void TcpTransport::watcher_loop(int) {
   std::vector<bool> open(k_, true);
   const std::string from = "rank " + std::to_string(opt_.right);
   while (!stop_) {

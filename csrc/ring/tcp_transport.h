@@ -95,9 +95,15 @@ class TcpTransport : public Transport {
     std::thread thread;
   };
 
+  // Every thread runs one of these loops through guarded(), which turns an unexpected
+  // exception into the ring's failure (an exception leaving a thread is std::terminate).
+  void guarded(void (TcpTransport::*loop)(int), int j);
   void sender_loop(int j);
   void receiver_loop(int j);
-  void watcher_loop();
+  void watcher_loop(int unused);
+  // Stops and joins every thread without telling the neighbours (constructor failure,
+  // or a shutdown() that could not run). Safe to call twice.
+  void stop_and_join() noexcept;
   void write_frame(SendStream& s, OutFrame& f);
   InFrame read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits, uint32_t max_data_payload,
                      int expected_rank);

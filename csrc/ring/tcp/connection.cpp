@@ -62,11 +62,12 @@ void set_nonblocking(int fd) {
 
 }  // namespace
 
-void send_all(const Socket& s, const void* data, size_t n, const IoLimits& limits) {
+void send_all(const Socket& s, const void* data, size_t n, const IoLimits& limits, bool more) {
   const char* p = static_cast<const char*>(data);
   auto last_progress = Clock::now();
+  const int flags = MSG_NOSIGNAL | (more ? MSG_MORE : 0);  // MSG_NOSIGNAL: EPIPE, not SIGPIPE
   while (n > 0) {
-    const ssize_t k = ::send(s.fd(), p, n, MSG_NOSIGNAL);  // MSG_NOSIGNAL: EPIPE, not SIGPIPE
+    const ssize_t k = ::send(s.fd(), p, n, flags);
     if (k > 0) {
       p += k;
       n -= static_cast<size_t>(k);

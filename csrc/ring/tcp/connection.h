@@ -23,7 +23,9 @@ struct IoLimits {
   std::atomic<int64_t>* progress_ns = nullptr;  // set to now_ns() whenever bytes move
 };
 
-void send_all(const Socket& s, const void* data, size_t n, const IoLimits& limits);
+// `more`: more bytes of the same message follow at once (MSG_MORE): the kernel holds a
+// partial segment back for them instead of sending a small packet now.
+void send_all(const Socket& s, const void* data, size_t n, const IoLimits& limits, bool more = false);
 void recv_all(const Socket& s, void* data, size_t n, const IoLimits& limits);
 
 // Waits until the socket is readable (data or EOF). Returns false at the deadline / stop.
