@@ -50,8 +50,9 @@ a)
   diloco sync_10g 10000
   ;;
 b)
-  diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10
-  diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80
+  # the state on the GPU: "auto" keeps it in CPU memory for 1B with overlap (5 buffers, 30 GB > 1/3 of 80 GB)
+  diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
+  diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80 --diloco.outer_state_device gpu
   ;;
 esac
 echo "== summary"
