@@ -6,6 +6,7 @@
 #                                            2 nodes x 1 GPU, 1B, H=100, synchronous, 10 Gbit/s
 #   PHASE=b benchmarks/gpu_issue12.sh OUT   DiLoCo 2 nodes x 1 GPU, 1B, H=100, overlapped (eager), at
 #                                            10 Gbit/s (overlap_steps 10) and 1 Gbit/s (overlap_steps 80)
+#   PHASE=c (4 GPUs) benchmarks/gpu_issue12.sh OUT   2 nodes x 2 GPUs with FSDP2, overlapped, 10 Gbit/s
 # Every part writes its full log under OUT; the tail of the output is a summary.
 set -uo pipefail
 out=${1:?usage: PHASE=a|b benchmarks/gpu_issue12.sh OUT}
@@ -24,8 +25,8 @@ python3 -c "import prime._C as C; print('CUDA ring codec:', C._ring_reduces_on_g
 
 diloco() {  # diloco NAME RATE EXTRA...
   local name=$1 rate=$2; shift 2
-  echo "== DiLoCo $name: 2 nodes x 1 GPU, 1B, H=100, ${OUTER:-3} outer steps, $rate Mbit/s, $*"
-  timeout ${RUN_TIMEOUT:-230} python3 -m prime.simulate --nodes 2 --procs-per-node 1 -- \
+  echo "== DiLoCo $name: 2 nodes x ${PROCS:-1} GPU, 1B, H=100, ${OUTER:-3} outer steps, $rate Mbit/s, $*"
+  timeout ${RUN_TIMEOUT:-230} python3 -m prime.simulate --nodes 2 --procs-per-node ${PROCS:-1} -- \
     --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps $((100 * ${OUTER:-3})) \
     --diloco.inner_steps 100 --diloco.max_rate_mbit "$rate" --optim.warmup_steps 10 --metrics.log_every 50 \
     --metrics.plot false --train.threads 8 --train.compile false "$@" --metrics.out_dir "$out/$name" \
@@ -53,6 +54,9 @@ b)
   # the state on the GPU: "auto" keeps it in CPU memory for 1B with overlap (5 buffers, 30 GB > 1/3 of 80 GB)
   diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
   diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80 --diloco.outer_state_device gpu
+  ;;
+c)  # 2 nodes x 2 GPUs (FSDP2 inside a node): needs a 4-GPU host
+  PROCS=2 diloco fsdp_overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
   ;;
 esac
 echo "== summary"
