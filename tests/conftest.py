@@ -17,6 +17,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import time
 import traceback
@@ -171,6 +172,14 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, printed so that a failure can be replayed (test files may override it)."""
+    s = random.randrange(2**31)
+    print(f"seed {s}")
+    return s
 
 
 @pytest.fixture(scope="session")

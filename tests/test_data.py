@@ -9,13 +9,6 @@ import torch
 from prime.data import DOC_SEPARATOR, ShardedLoader, TokenSource, load_source
 
 
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
-
-
 def counting_source(n):
     # token i has value i: a window's first token tells where it starts
     return TokenSource([np.arange(n, dtype=np.uint32)], f"{n} counting tokens")

@@ -7,7 +7,6 @@ float64 from docs/wire-format.md (independent of prime.ops), and can be told
 to fail. The real ring is exercised by tests/test_train.py.
 """
 
-import random
 import threading
 
 import pytest
@@ -145,13 +144,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
 
 
 def test_outer_steps_match_hand_computed_nesterov(seed):

@@ -2,7 +2,6 @@
 where the state lives, and the int8 error taken from the ring's own statistics."""
 
 import math
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -12,13 +11,6 @@ from torch import nn
 from prime.diloco import DiLoCo
 from prime.outer import OuterState, resolve_device
 from test_diloco import FakeThreadGroup, FakeThreadRing, FakeWork, TwoParams
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
 
 
 def _model(gen, shapes=((70,), (3, 50), (1,))):

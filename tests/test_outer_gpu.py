@@ -4,7 +4,6 @@ Nodes may keep their outer state on different devices (diloco.outer_state_device
 if the pseudo-gradient, the update and the lookahead round the same way on both. Fresh random data each run,
 sizes that do not fill whole codec blocks."""
 
-import random
 
 import pytest
 import torch
@@ -13,13 +12,6 @@ from torch import nn
 from prime.outer import OuterState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
 
 
 def _gpu_model(gen, shapes):

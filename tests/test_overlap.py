@@ -2,7 +2,6 @@
 against a plain-torch reference of the same algorithm written here, with nodes as threads (the fake ring of
 tests/test_diloco.py). The algorithm is the one docs/training.md writes out ("Overlapping the all-reduce")."""
 
-import random
 
 import pytest
 import torch
@@ -10,22 +9,8 @@ from torch import nn
 
 from prime.config import Config
 from prime.diloco import DiLoCo, OuterSyncError
-from test_diloco import FakeThreadGroup, FakeThreadRing, TwoParams, int8_round_trip_f64, run_nodes
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
+from test_diloco import (FakeThreadGroup, FakeThreadRing, TwoParams, int8_round_trip_f64,  # noqa: F401
+                         one_thread, run_nodes)  # one_thread: autouse, one torch thread here too
 
 
 def nesterov_f32(w, m, g, lr, mu, nesterov):

@@ -6,7 +6,6 @@ float64 by hand. ElasticSync's own arithmetic is tested in test_elastic.py
 (nodes as threads) and RingSync's with a fake ring in test_diloco.py.
 """
 
-import random
 
 import pytest
 import torch
@@ -73,13 +72,6 @@ class TwoParams(nn.Module):
         super().__init__()
         self.a = nn.Parameter(w_a.clone())
         self.b = nn.Parameter(w_b.clone())
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    return s
 
 
 def _flat(state, a, b):
