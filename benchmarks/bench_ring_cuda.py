@@ -115,7 +115,8 @@ def run_rank(rank: int, args, port: int) -> dict:
                 gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.world, timedelta(seconds=120))
             elif base != "gloo-fp32" and segment not in rings:
                 rings[segment] = Ring(dist.PrefixStore(f"ring{segment}", store), rank, args.world, timeout=120,
-                                      job_id=f"bench-ring-cuda-{segment}", segment_bytes=segment)
+                                      job_id=f"bench-ring-cuda-{segment}", segment_bytes=segment,
+                                      max_rate=args.max_rate_mbit * 1e6 / 8)
             times, stats = [], []
             iters = args.iters
             times_warm = []
@@ -190,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--mib", type=int, default=256, help="tensor size per rank, MiB of fp32")
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--max-rate-mbit", type=float, default=0.0,
+                   help="pace each ring link at this many Mbit/s (the Ring's rate limiter; 0: unlimited), "
+                        "as DiLoCo's --diloco.max_rate_mbit does")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=float, default=180, help="seconds for the whole run")

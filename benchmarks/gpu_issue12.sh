@@ -7,6 +7,12 @@
 #   PHASE=b benchmarks/gpu_issue12.sh OUT   DiLoCo 2 nodes x 1 GPU, 1B, H=100, overlapped (eager), at
 #                                            10 Gbit/s (overlap_steps 10) and 1 Gbit/s (overlap_steps 80)
 #   PHASE=c (4 GPUs) benchmarks/gpu_issue12.sh OUT   2 nodes x 2 GPUs with FSDP2, overlapped, 10 Gbit/s
+#   PHASE=d benchmarks/gpu_issue12.sh OUT   CUDA build; the CUDA ring alone on the 1B model's size (2 ranks x
+#                                            5716 MiB fp32), paced at 10 Gbit/s and unpaced; DiLoCo 2 x 1 GPU,
+#                                            synchronous, 10 Gbit/s, train.compile true
+#   PHASE=e benchmarks/gpu_issue12.sh OUT   DiLoCo 2 x 1 GPU overlapped (eager), train.compile true, at
+#                                            1 Gbit/s (overlap_steps 80) and 10 Gbit/s (overlap_steps 10)
+# COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
 # Every part writes its full log under OUT; the tail of the output is a summary.
 set -uo pipefail
 out=${1:?usage: PHASE=a|b benchmarks/gpu_issue12.sh OUT}
@@ -29,11 +35,27 @@ diloco() {  # diloco NAME RATE EXTRA...
   timeout ${RUN_TIMEOUT:-230} python3 -m prime.simulate --nodes 2 --procs-per-node ${PROCS:-1} -- \
     --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps $((100 * ${OUTER:-3})) \
     --diloco.inner_steps 100 --diloco.max_rate_mbit "$rate" --optim.warmup_steps 10 --metrics.log_every 50 \
-    --metrics.plot false --train.threads 8 --train.compile false "$@" --metrics.out_dir "$out/$name" \
+    --metrics.plot false --train.threads 8 --train.compile ${COMPILE:-false} "$@" --metrics.out_dir "$out/$name" \
     >"$out/diloco_$name.log" 2>&1
   local rc=$?
   grep -E "outer step|utilization|identical|differ|rror|median" "$out/diloco_$name.log" | tail -12
+  ring_split "$out/$name"
   note "diloco $name: exit $rc"
+}
+
+ring_split() {  # ring_split DIR: each outer step's all-reduce and the ring's own split of it (metrics records)
+  python3 - "$1" <<'PY'
+import glob, json, sys
+for path in sorted(glob.glob(sys.argv[1] + "/metrics_node*.jsonl")):
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("kind") != "outer":
+            continue
+        keys = ("allreduce_s", "outer_s", "total_s", "wire_s", "reduce_s", "gpu_wait_s", "gpu_codec_s", "h2d_s",
+                "d2h_s", "staging_s", "auth_s", "commit_s", "stage_s", "utilization")
+        print(f"  node {r.get('node')} outer {r.get('outer_step')}: "
+              + " ".join(f"{k}={r[k]:.3f}" for k in keys if isinstance(r.get(k), (int, float))))
+PY
 }
 
 case "${PHASE:-a}" in
@@ -57,6 +79,23 @@ b)
   ;;
 c)  # 2 nodes x 2 GPUs (FSDP2 inside a node): needs a 4-GPU host
   PROCS=2 diloco fsdp_overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
+  ;;
+d)
+  timeout 150 python3 benchmarks/bench_ring_cuda.py --world 2 --mib 5716 --warmup 1 --iters 4 --method-budget 30 \
+    --methods gpu-int8 --max-rate-mbit 10000 --out "$out/ring_paced" >"$out/ring_paced.log" 2>&1
+  note "ring 2 x 5716 MiB paced 10 Gbit/s: exit $?"
+  tail -6 "$out/ring_paced.log"
+  timeout 100 python3 benchmarks/bench_ring_cuda.py --world 2 --mib 5716 --warmup 1 --iters 4 --method-budget 30 \
+    --methods gpu-int8 --out "$out/ring_unpaced" >"$out/ring_unpaced.log" 2>&1
+  note "ring 2 x 5716 MiB unpaced: exit $?"
+  tail -6 "$out/ring_unpaced.log"
+  COMPILE=true RUN_TIMEOUT=280 diloco sync_10g_compile 10000
+  ;;
+e)
+  COMPILE=true RUN_TIMEOUT=270 diloco overlap_1g_compile 1000 --diloco.overlap true --diloco.overlap_steps 80 \
+    --diloco.outer_state_device gpu
+  COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_steps 10 \
+    --diloco.outer_state_device gpu
   ;;
 esac
 echo "== summary"

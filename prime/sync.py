@@ -100,11 +100,21 @@ int8 error: sum over every int8 block this rank quantized in the all-reduce of |
 sqrt(quant_err_sq / quant_in_sq): the relative error of one quantization, averaged over the hops of this rank."""
 
 
+SPLIT_FIELDS = ("auth_s", "stage_s", "commit_s", "queue_s", "gpu_codec_s", "h2d_s", "d2h_s", "staging_s",
+                "gpu_wait_s")
+"""WorkStats times recorded beside the main ones when non-zero (prime.comm.WorkStats says what each counts):
+the split of a GPU all-reduce, and the time spent sealing and opening frames."""
+
+
 def work_stats(work) -> dict:
     """A finished ring Work's statistics (prime.comm.WorkStats) under the names the trainer records."""
     s = work.stats()
     out = {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "quantize_s": s.quantize_s,
            "wire_s": s.wait_s, "reduce_s": s.reduce_s, "total_s": s.total_s}
+    for name in SPLIT_FIELDS:  # where the rest of the time went, when the ring reports it
+        v = getattr(s, name, None)
+        if v:
+            out[name] = float(v)
     for name in QUANT_ERROR_FIELDS:  # rings that measure their own int8 error (see QUANT_ERROR_FIELDS)
         v = getattr(s, name, None)
         if v is not None:
