@@ -9,9 +9,9 @@
 #   PHASE=c (4 GPUs) benchmarks/gpu_issue12.sh OUT   2 nodes x 2 GPUs with FSDP2, overlapped, 10 Gbit/s
 #   PHASE=d benchmarks/gpu_issue12.sh OUT   CUDA build; the CUDA ring alone on the 1B model's size (2 ranks x
 #                                            5716 MiB fp32), paced at 10 Gbit/s and unpaced; DiLoCo 2 x 1 GPU,
-#                                            synchronous, 10 Gbit/s, train.compile true
+#                                            synchronous, 10 Gbit/s, eager and train.compile true
 #   PHASE=e benchmarks/gpu_issue12.sh OUT   DiLoCo 2 x 1 GPU overlapped (eager), train.compile true, at
-#                                            1 Gbit/s (overlap_steps 80) and 10 Gbit/s (overlap_steps 10)
+#                                            1 Gbit/s (overlap_steps 90) and 10 Gbit/s (overlap_steps 20)
 # COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
 # Every part writes its full log under OUT; the tail of the output is a summary.
 set -uo pipefail
@@ -89,12 +89,14 @@ d)
     --methods gpu-int8 --out "$out/ring_unpaced" >"$out/ring_unpaced.log" 2>&1
   note "ring 2 x 5716 MiB unpaced: exit $?"
   tail -6 "$out/ring_unpaced.log"
-  COMPILE=true RUN_TIMEOUT=280 diloco sync_10g_compile 10000
+  RUN_TIMEOUT=200 diloco sync_10g 10000
+  COMPILE=true RUN_TIMEOUT=200 diloco sync_10g_compile 10000
   ;;
 e)
-  COMPILE=true RUN_TIMEOUT=270 diloco overlap_1g_compile 1000 --diloco.overlap true --diloco.overlap_steps 80 \
+  # compiled inner steps are ~0.16 s: the 1 Gbit/s all-reduce (~12.5 s) needs ~80 of them, the 10 Gbit/s one ~12
+  COMPILE=true RUN_TIMEOUT=270 diloco overlap_1g_compile 1000 --diloco.overlap true --diloco.overlap_steps 90 \
     --diloco.outer_state_device gpu
-  COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_steps 10 \
+  COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_steps 20 \
     --diloco.outer_state_device gpu
   ;;
 esac

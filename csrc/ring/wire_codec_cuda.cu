@@ -3,6 +3,8 @@
 // and waits only where the transport needs bytes.
 #include "wire_codec_cuda.h"
 
+#include <unistd.h>
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,8 +58,8 @@ class DeviceScope {
 // ---------------------------------------------------------------------------
 // PinnedPool
 
-std::shared_ptr<PinnedPool> PinnedPool::create(size_t max_cached_bytes) {
-  return std::make_shared<PinnedPool>(Key{}, max_cached_bytes);
+std::shared_ptr<PinnedPool> PinnedPool::create(size_t min_cached_bytes, size_t max_cached_bytes) {
+  return std::make_shared<PinnedPool>(Key{}, min_cached_bytes, std::max(min_cached_bytes, max_cached_bytes));
 }
 
 PinnedPool::~PinnedPool() {
@@ -76,6 +78,8 @@ Buffer PinnedPool::acquire(size_t size) {
       p = it->second;
       cached_ -= cap;
       idle_.erase(it);
+      live_ += cap;
+      peak_ = std::max(peak_, live_);
     }
   }
   if (!p) {
@@ -83,6 +87,9 @@ Buffer PinnedPool::acquire(size_t size) {
     cuda_check(cudaHostAlloc(&raw, want, cudaHostAllocPortable), "cudaHostAlloc (pinned staging)");
     p = static_cast<char*>(raw);
     cap = want;
+    std::lock_guard<std::mutex> lock(mu_);
+    live_ += cap;
+    peak_ = std::max(peak_, live_);
   }
   std::weak_ptr<PinnedPool> pool = weak_from_this();
   std::shared_ptr<void> keeper(p, [pool, cap](void* q) {
@@ -98,7 +105,8 @@ Buffer PinnedPool::acquire(size_t size) {
 void PinnedPool::release(char* p, size_t capacity) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (cached_ + capacity <= max_cached_) {
+    live_ -= capacity;
+    if (cached_ + capacity <= std::min(max_cached_, std::max(min_cached_, peak_))) {
       cached_ += capacity;
       idle_.emplace(capacity, p);
       return;
@@ -113,8 +121,11 @@ void PinnedPool::release(char* p, size_t capacity) {
 CudaContext::CudaContext(int device) : device_(device) {
   DeviceScope scope(device);
   cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  // Idle pinned buffers kept: the frames of a few large collectives in flight.
-  pinned_ = PinnedPool::create(size_t{512} << 20);
+  // Idle pinned buffers kept: what the largest collective so far had in flight, at
+  // least 512 MiB, at most a quarter of the host's memory.
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  const size_t quarter = pages > 0 && page > 0 ? static_cast<size_t>(pages) / 4 * static_cast<size_t>(page) : 0;
+  pinned_ = PinnedPool::create(size_t{512} << 20, quarter);
   void* flags = nullptr;
   cuda_check(cudaHostAlloc(&flags, 64, cudaHostAllocPortable), "cudaHostAlloc (flags)");
   host_flags_ = static_cast<uint32_t*>(flags);
