@@ -77,6 +77,9 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["d2h_s"] = s.d2h_s;
   d["staging_s"] = s.staging_s;
   d["gpu_wait_s"] = s.gpu_wait_s;
+  // None unless measured (codec int8, world size > 1): never a 0 nobody measured.
+  d["quant_err_sq"] = s.quant_measured ? py::object(py::float_(s.quant_err_sq)) : py::object(py::none());
+  d["quant_in_sq"] = s.quant_measured ? py::object(py::float_(s.quant_in_sq)) : py::object(py::none());
   return d;
 }
 

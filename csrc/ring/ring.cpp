@@ -288,6 +288,9 @@ void Ring::execute(Pending& p) {
     stats.d2h_s = times.d2h_s;
     stats.staging_s = times.staging_s;
     stats.gpu_wait_s = times.gpu_wait_s;
+    stats.quant_measured = spec.codec == CodecKind::kInt8;
+    stats.quant_err_sq = times.quant_err_sq;
+    stats.quant_in_sq = times.quant_in_sq;
     if (failure) {
       // Stops every I/O thread (and with them every pointer into this job's buffers)
       // before the job, and the tensors it keeps alive, go away.

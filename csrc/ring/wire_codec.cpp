@@ -98,8 +98,11 @@ class Int8Codec final : public WireCodec {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
     const int64_t nb = codec::num_blocks(len, block_);
-    *bad_blocks = codec::quantize(x, type, len, block_, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
-                                  buf->as<float>());
+    int8_t* q = reinterpret_cast<int8_t*>(buf->data() + 4 * nb);
+    *bad_blocks = codec::quantize(x, type, len, block_, q, buf->as<float>());
+    // While x is still in cache: the error this encode makes (the ring reports it, so
+    // DiLoCo needs no round-trip pass of its own).
+    codec::quantize_error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
     return buf;
   }
 

@@ -81,6 +81,11 @@ class WorkStats:
     d2h_s: float = 0.0  # GPU time of the device-to-host payload copies (PCIe)
     staging_s: float = 0.0  # host time copying received payloads into pinned staging
     gpu_wait_s: float = 0.0  # host time blocked until the GPU produced a payload to send
+    # The int8 error this rank made while encoding (prime.sync.QUANT_ERROR_FIELDS): over every
+    # block it quantized, the float64 sums of ||dequantize(quantize(x)) - x||^2 and of ||x||^2.
+    # None when nothing was measured: codec "none", or a ring of one rank (it quantizes nothing).
+    quant_err_sq: Optional[float] = None
+    quant_in_sq: Optional[float] = None
 
 
 @runtime_checkable
@@ -301,6 +306,13 @@ class Ring:
             raise
 
     # -- collectives ---------------------------------------------------------
+
+    @property
+    def reports_quant_error(self) -> bool:
+        """True when an int8 all_reduce's stats() carry quant_err_sq and quant_in_sq (prime.sync.QUANT_ERROR_FIELDS,
+        measured by the codec as it encodes, on the CPU or the GPU): DiLoCo then skips its own round-trip pass. A ring
+        of one rank quantizes nothing and reports nothing."""
+        return self.world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
