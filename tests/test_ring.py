@@ -466,6 +466,62 @@ def test_ring_reports_its_own_int8_error(ranks, world_size):
         assert reports is True
 
 
+def _rank_diloco_error(ctx, seed):
+    from prime.diloco import DiLoCo
+    from prime.outer import OuterState
+
+    def no_pass(self, g):
+        raise AssertionError("DiLoCo ran its own int8 round-trip pass although the ring reports the error")
+
+    saved = OuterState.int8_error_sq
+    OuterState.int8_error_sq = no_pass  # (a long-lived worker process: put back below)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        model = torch.nn.Linear(70, 41)  # 2911 values: no multiple of the block
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))  # the same start on every rank
+        with ctx.ring() as ring:
+            d = DiLoCo(model, None, ring, inner_steps=1, codec="int8")
+            captured = []
+            average = d._sync.average
+
+            def capture(grad, **kw):  # the pseudo-gradient as it enters the ring
+                captured.append(grad.detach().clone())
+                return average(grad, **kw)
+
+            d._sync.average = capture
+            local = torch.Generator().manual_seed(seed * 7 + ctx.rank)
+            results = []
+            for _ in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(0.01 * torch.randn(p.shape, generator=local))
+                r = d.step()
+                results.append((r.compression_error, sorted(r.ring_stats)))
+            d.close()
+        return results, captured
+    finally:
+        OuterState.int8_error_sq = saved
+
+
+def test_diloco_takes_compression_error_from_the_ring(ranks):
+    """With the real ring, DiLoCo runs no round-trip pass of its own (it would raise) and
+    compression_error is sqrt(quant_err_sq / quant_in_sq) of the blocks this rank quantized,
+    checked against the torch model of the ring on the pseudo-gradients that entered it."""
+    world = 3
+    out = ranks.run(_rank_diloco_error, SEED, world_size=world)
+    for step in range(2):
+        grads = [out[r][1][step] for r in range(world)]
+        _, sums = model_all_reduce(grads, "avg", "int8", quant_error=True)
+        for r in range(world):
+            got, stat_names = out[r][0][step]
+            want = (sums[r][0] / sums[r][1]) ** 0.5
+            assert got == pytest.approx(want, rel=1e-8), f"rank {r} step {step} {_seed_note()}"
+            assert 0 < got < 0.05
+            assert "quant_err_sq" not in stat_names and "quant_in_sq" not in stat_names  # consumed, not recorded
+
+
 # ---------------------------------------------------------------------------
 # bytes on the wire
 
