@@ -1,6 +1,7 @@
 """prime.outer.OuterState on the CPU: the pseudo-gradient pass and its norm, the lookahead against the update,
 where the state lives, and the int8 error taken from the ring's own statistics."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -92,7 +93,7 @@ class ReportingRing(FakeThreadRing):
         super().all_reduce(t, op, codec, block_size)
         base = FakeWork(t.numel()).stats()
         work = SimpleNamespace(wait=lambda: None,
-                               stats=lambda: SimpleNamespace(**vars(base), quant_err_sq=4.0, quant_in_sq=100.0))
+                               stats=lambda: dataclasses.replace(base, quant_err_sq=4.0, quant_in_sq=100.0))
         return work
 
 
