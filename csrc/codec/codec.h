@@ -71,5 +71,7 @@ int64_t quantize(Isa isa, const void* x, InputType type, int64_t n, int64_t bloc
 void dequantize_as(Isa isa, const int8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                    InputType out_type);
 void dequantize_add(Isa isa, float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                       int64_t block, double* err, double* ref);
 
 }  // namespace prime::codec

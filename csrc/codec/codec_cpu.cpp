@@ -182,12 +182,17 @@ void dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n,
 
 void quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
                        double* err, double* ref) {
+  quantize_error_sq(best_isa(), x, type, q, scales, n, block, err, ref);
+}
+
+void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                       int64_t block, double* err, double* ref) {
+  TORCH_CHECK(isa_supported(isa), "the CPU codec kernels for ", isa_name(isa), " do not run on this CPU");
   using ErrorKernel = void (*)(const void*, InputType, const int8_t*, const float*, int64_t, int64_t, double*, double*);
+  ErrorKernel kernel = &cpu::quantize_error_sq_scalar;
 #if PRIME_CODEC_X86
-  static const ErrorKernel kernel =
-      isa_supported(Isa::kAvx2) ? &cpu::quantize_error_sq_avx2 : &cpu::quantize_error_sq_scalar;
-#else
-  static const ErrorKernel kernel = &cpu::quantize_error_sq_scalar;
+  if (isa == Isa::kAvx512) kernel = &cpu::quantize_error_sq_avx512;
+  if (isa == Isa::kAvx2) kernel = &cpu::quantize_error_sq_avx2;
 #endif
   const int64_t esize = element_size(type);
   std::mutex mu;
