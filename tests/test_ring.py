@@ -438,6 +438,11 @@ def _rank_quant_error(ctx, seed):
         w = ring.all_reduce(x, op="avg", codec="none")
         w.wait()
         out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error))
+    with ctx.ring(quant_error=False) as ring:  # measurement off: nothing reported, the same bytes
+        x = make_input(seed, ctx.rank, 1000, torch.float32)
+        w = ring.all_reduce(x, op="avg", codec="int8")
+        w.wait()
+        out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error, _digest(x)))
     return out
 
 
@@ -460,10 +465,15 @@ def test_ring_reports_its_own_int8_error(ranks, world_size):
             assert err == pytest.approx(sums[r][0], rel=1e-9, abs=1e-300), f"rank {r} quant_err_sq {note}"
             if n >= 1000:
                 assert 0 < err < 1e-3 * ref, f"rank {r}: implausible int8 error {err} vs {ref} {note}"
+    inputs = [make_input(SEED, r, 1000, torch.float32) for r in range(world_size)]
+    model = model_all_reduce(inputs, "avg", "int8")
     for r in range(world_size):
-        err, ref, reports = results[r][-1]
+        err, ref, reports = results[r][-2]
         assert err is None and ref is None, "the exact codec quantizes nothing: nothing is reported"
         assert reports is True
+        err, ref, reports, digest = results[r][-1]
+        assert err is None and ref is None and reports is False, "quant_error=False: nothing measured"
+        assert digest == _digest(model), "quant_error=False changes nothing else"
 
 
 def _rank_diloco_error(ctx, seed):

@@ -45,6 +45,8 @@ struct AllReduceSpec {
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
   int64_t block = 256;
+  // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
+  bool measure_error = true;
   // Set: input and output are device memory of that job's GPU, and the wire codec
   // (make_wire_codec) quantizes and reduces there; only payload bytes cross PCIe.
   std::shared_ptr<CudaJob> cuda;

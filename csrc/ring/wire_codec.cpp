@@ -34,7 +34,7 @@ namespace {
 class Int8Codec final : public WireCodec {
  public:
   Int8Codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
-      : dtype_(spec.dtype), block_(spec.block), pool_(pool), times_(times) {}
+      : dtype_(spec.dtype), block_(spec.block), measure_(spec.measure_error), pool_(pool), times_(times) {}
 
   int64_t unit() const override { return block_; }
   int64_t partial_bytes(int64_t len) const override { return 4 * codec::num_blocks(len, block_) + len; }
@@ -102,12 +102,15 @@ class Int8Codec final : public WireCodec {
     *bad_blocks = codec::quantize(x, type, len, block_, q, buf->as<float>());
     // While x is still in cache: the error this encode makes (the ring reports it, so
     // DiLoCo needs no round-trip pass of its own).
-    codec::quantize_error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
+    if (measure_) {
+      codec::quantize_error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
+    }
     return buf;
   }
 
   const DType dtype_;
   const int64_t block_;
+  const bool measure_;  // add the quantization error to times_
   BufferPool& pool_;
   ScheduleTimes& times_;
 };

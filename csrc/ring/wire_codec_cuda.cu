@@ -181,6 +181,7 @@ class CudaWireCodec final : public WireCodec {
         ctx_(*spec.cuda->context),
         stream_(ctx_.stream()),
         int8_(spec.codec == CodecKind::kInt8),
+        measure_(int8_ && spec.measure_error),
         dtype_(spec.dtype),
         type_(input_type_of(spec.dtype)),
         esize_(dtype_size(spec.dtype)),
@@ -233,9 +234,11 @@ class CudaWireCodec final : public WireCodec {
         char* out = out_buffer(bytes);
         check(codec::cuda::quantize(own, type_, len, block_, q_of(out, len), scales_of(out), std::nullopt, stream_),
               "quantize (own values)");
-        check(codec::cuda::quantize_error_sq(own, type_, q_of(out, len), scales_of(out), len, block_, err_sums_,
-                                             stream_),
-              "quantization error (own values)");
+        if (measure_) {
+          check(codec::cuda::quantize_error_sq(own, type_, q_of(out, len), scales_of(out), len, block_, err_sums_,
+                                               stream_),
+                "quantization error (own values)");
+        }
         src = out;
       } else if (dtype_ == DType::kFloat32) {
         check(codec::cuda::widen(own, type_, len, nullptr, &flags_[0], stream_), "finite check (own values)");
@@ -393,7 +396,7 @@ class CudaWireCodec final : public WireCodec {
   void finish() override {
     // The int8 error sums, read back once (every encode was enqueued before this).
     char* host_sums = reinterpret_cast<char*>(ctx_.host_flags()) + kErrSumsOffset;
-    if (int8_) {
+    if (measure_) {
       cuda_check(cudaMemcpyAsync(host_sums, err_sums_, 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
                  "cudaMemcpyAsync (error sums)");
     }
@@ -402,7 +405,7 @@ class CudaWireCodec final : public WireCodec {
       cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (end of the collective)");
     }
     own_bad_ |= ctx_.host_flags()[0] != 0;
-    if (int8_) {
+    if (measure_) {
       double sums[2];
       std::memcpy(sums, host_sums, sizeof(sums));
       times_->quant_err_sq += sums[0];
@@ -496,7 +499,7 @@ class CudaWireCodec final : public WireCodec {
       if (int8_) {
         check(codec::cuda::reduce_quantize(own_, type_, q_of(in_, len), scales_of(in_), len, block_, divisor_,
                                            q_of(out, len), scales_of(out), &flags_[0], result_bad, type_, stream_,
-                                           err_sums_),
+                                           measure_ ? err_sums_ : nullptr),
               final ? "reduce-quantize (final value)" : "reduce-quantize (partial sum)");
       } else {
         // exact: the fp32 partial sums, or the final value rounded to the dtype
@@ -509,9 +512,11 @@ class CudaWireCodec final : public WireCodec {
     check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
                                 std::nullopt, stream_),
           final ? "quantize (final value)" : "quantize (partial sum)");
-    check(codec::cuda::quantize_error_sq(acc_, codec::InputType::kFloat32, q_of(out, len), scales_of(out), len, block_,
-                                         err_sums_, stream_),
-          "quantization error");
+    if (measure_) {
+      check(codec::cuda::quantize_error_sq(acc_, codec::InputType::kFloat32, q_of(out, len), scales_of(out), len,
+                                           block_, err_sums_, stream_),
+            "quantization error");
+    }
     if (final) {
       // Every rank writes decode(these bytes) in the dtype: it must be finite.
       check(codec::cuda::flag_nonfinite_decoded(q_of(out, len), scales_of(out), len, block_, type_, &flags_[1],
@@ -574,6 +579,7 @@ class CudaWireCodec final : public WireCodec {
   CudaContext& ctx_;
   const cudaStream_t stream_;
   const bool int8_;
+  const bool measure_;  // int8: add the quantization error to err_sums_
   const DType dtype_;
   const codec::InputType type_;
   const size_t esize_;
