@@ -476,7 +476,7 @@ def test_ring_reports_its_own_int8_error(ranks, world_size):
         assert digest == _digest(model), "quant_error=False changes nothing else"
 
 
-def _rank_diloco_error(ctx, seed):
+def _rank_diloco_error(ctx, seed, overlap):
     from prime.diloco import DiLoCo
     from prime.outer import OuterState
 
@@ -492,7 +492,7 @@ def _rank_diloco_error(ctx, seed):
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen))  # the same start on every rank
         with ctx.ring() as ring:
-            d = DiLoCo(model, None, ring, inner_steps=1, codec="int8")
+            d = DiLoCo(model, None, ring, inner_steps=1, codec="int8", overlap=overlap)
             captured = []
             average = d._sync.average
 
@@ -503,26 +503,32 @@ def _rank_diloco_error(ctx, seed):
             d._sync.average = capture
             local = torch.Generator().manual_seed(seed * 7 + ctx.rank)
             results = []
-            for _ in range(2):
+            for _ in range(3):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.sub_(0.01 * torch.randn(p.shape, generator=local))
                 r = d.step()
                 results.append((r.compression_error, sorted(r.ring_stats)))
+            d.finish()
             d.close()
         return results, captured
     finally:
         OuterState.int8_error_sq = saved
 
 
-def test_diloco_takes_compression_error_from_the_ring(ranks):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_diloco_takes_compression_error_from_the_ring(ranks, overlap):
     """With the real ring, DiLoCo runs no round-trip pass of its own (it would raise) and
     compression_error is sqrt(quant_err_sq / quant_in_sq) of the blocks this rank quantized,
-    checked against the torch model of the ring on the pseudo-gradients that entered it."""
+    checked against the torch model of the ring on the pseudo-gradients that entered it.
+    With overlap, outer step k reports the all-reduce it applies (that of step k-1)."""
     world = 3
-    out = ranks.run(_rank_diloco_error, SEED, world_size=world)
-    for step in range(2):
-        grads = [out[r][1][step] for r in range(world)]
+    out = ranks.run(_rank_diloco_error, SEED, overlap, world_size=world)
+    lag = 1 if overlap else 0
+    if overlap:
+        assert all(out[r][0][0][0] is None for r in range(world)), "nothing was applied at the first outer step"
+    for step in range(lag, 3):
+        grads = [out[r][1][step - lag] for r in range(world)]
         _, sums = model_all_reduce(grads, "avg", "int8", quant_error=True)
         for r in range(world):
             got, stat_names = out[r][0][step]
