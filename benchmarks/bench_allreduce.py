@@ -428,8 +428,10 @@ class RingAdapter:
 
     @staticmethod
     def numeric_stats(stats) -> dict:
-        """A WorkStats as {field: float}."""
-        return {f.name: float(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
+        """A WorkStats as {field: float}, without the fields that were not measured (None: quant_err_sq and
+        quant_in_sq of the exact codec)."""
+        values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+        return {name: float(v) for name, v in values.items() if v is not None}
 
     def close(self) -> None:
         """Closes the ring's sockets and threads."""

@@ -199,7 +199,7 @@ class DiLoCoConfig:
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     outer_state_device: str = "auto"
-    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they take at most 1/3 of its memory)."""
+    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)

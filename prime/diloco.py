@@ -212,7 +212,8 @@ class DiLoCo:
                       Below inner_steps it needs an eager scheme
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
-                      when they fit in a third of its memory
+                      when they fit in its free memory less the gradients and inner
+                      optimizer state still to come and a margin for activations
     """
 
     def __init__(
@@ -315,7 +316,7 @@ class DiLoCo:
             extra = (1 if overlap_scheme == "delayed" else 2) + (outer_optimizer is not None)
             self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                     nesterov=nesterov, optimizer_factory=outer_optimizer, device=outer_state_device,
-                                    extra_buffers=extra if self.overlap else 0)
+                                    extra_buffers=extra if self.overlap else 0, inner_optimizer=inner_optimizer)
             self._sync.bind(self.state, self.settings())
             if inner_optimizer is None:
                 self.state.take()  # no first inner step to wait for

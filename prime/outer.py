@@ -18,8 +18,9 @@ that no int8 block of the all-reduce spans two parameters. They live where
             and from the GPU run on a side stream, one parameter at a time, so
             that the CPU works on one parameter while the next one crosses PCIe
     "gpu"   the parameters' GPU: every pass is a GPU kernel, nothing crosses PCIe
-    "auto"  "gpu" when the parameters are on a GPU and the buffers take at most
-            1/3 of its memory (AUTO_GPU_FRACTION), else "cpu"
+    "auto"  "gpu" when the parameters are on a GPU and the buffers fit in its free
+            memory less what training will still allocate and a margin for
+            activations (AUTO_GPU_MARGIN_BYTES), else "cpu"; logged (prime.outer)
 
 The passes of an outer step: one over the parameters for the pseudo-gradient
 and its squared norm (pseudo_gradient), then after the average one update pass
@@ -50,6 +51,7 @@ are identical only on the same torch build and CPU instruction set.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from typing import Callable, Iterable, Optional
 
@@ -58,7 +60,8 @@ from torch import nn
 
 from prime.parallelize import local_shard
 
-__all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_FRACTION", "resolve_device"]
+__all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
+           "AUTO_GPU_MARGIN_FRACTION", "pending_training_bytes", "resolve_device", "choose_device"]
 
 # Chunk of the elementwise passes over the flat buffers on the CPU: large enough to amortize
 # the per-op overhead, small enough that the temporary stays in L2/L3 cache.
@@ -71,29 +74,76 @@ _GPU_CHUNK = 1 << 26
 _PIPE_CHUNK = 1 << 24
 
 OUTER_STATE_DEVICES = ("cpu", "gpu", "auto")
-AUTO_GPU_FRACTION = 1 / 3
-"""device="auto" keeps the outer state on the GPU when its buffers take at most this fraction of the GPU's memory
-(the rest is for the model, the inner optimizer and activations). 1/3: the 1B model's five buffers of eager
-overlap (25 GB) fit on an 80 GB H100 beside its training (fp32 weights, gradients and AdamW: 20 GB)."""
+AUTO_GPU_MARGIN_BYTES = 8 << 30
+AUTO_GPU_MARGIN_FRACTION = 0.15
+"""device="auto" puts the outer state on the GPU when its buffers fit in the memory that is free there now (the
+driver's free memory plus what torch's allocator holds unused), less what training will still allocate that does
+not exist yet (gradients, the inner optimizer's state: `pending_bytes`), less a margin for activations, temporaries
+and fragmentation of max(AUTO_GPU_MARGIN_BYTES, AUTO_GPU_MARGIN_FRACTION of the card). The state is built when
+DiLoCo is, after the model and the inner optimizer exist but before the first step, so gradients and AdamW's
+moments are usually still to come. The 1B model on an 80 GB H100 (fp32 weights 5 GB, gradients and AdamW 15 GB to
+come, margin 12 GB) keeps its 5 buffers of eager overlap (30 GB) on the GPU; a fixed third of the card (the rule
+before) sent them to the CPU, costing 1.5-2.2 s per outer step (benchmarks/RESULTS.md)."""
+
+logger = logging.getLogger("prime.outer")
 
 
-def resolve_device(device: str, local_tensors: list, buffers: int) -> torch.device:
+def pending_training_bytes(params: list, local_tensors: list, inner_optimizer=None) -> int:
+    """GPU memory training will still allocate for these parameters that does not exist yet: a gradient per
+    parameter whose .grad is None, and the inner optimizer's state for each parameter it has none for yet (torch
+    optimizers make it at the first step): 2 tensors of the parameter's size for Adam-like optimizers (and any
+    optimizer not known here), 1 for SGD with momentum, 0 for plain SGD."""
+    per_param = 0
+    if inner_optimizer is not None:
+        per_param = 2
+        if isinstance(inner_optimizer, torch.optim.SGD):
+            per_param = 1 if any(g.get("momentum", 0) for g in inner_optimizer.param_groups) else 0
+    total = 0
+    for p, t in zip(params, local_tensors):
+        if t.device.type != "cuda":
+            continue
+        size = t.numel() * t.element_size()
+        if p.grad is None:
+            total += size
+        if inner_optimizer is not None and not inner_optimizer.state.get(p):
+            total += per_param * size
+    return total
+
+
+def resolve_device(device: str, local_tensors: list, buffers: int, pending_bytes: int = 0) -> torch.device:
     """Where the outer state's `buffers` flat fp32 buffers go, for parameters whose local shards are
-    `local_tensors` (see OuterState's `device`)."""
+    `local_tensors` (see OuterState's `device`); `pending_bytes`: GPU memory training will still allocate
+    (pending_training_bytes), counted by "auto" (see AUTO_GPU_MARGIN_BYTES). "auto" logs its choice."""
+    return choose_device(device, local_tensors, buffers, pending_bytes)[0]
+
+
+def choose_device(device: str, local_tensors: list, buffers: int, pending_bytes: int = 0) -> tuple:
+    """resolve_device, and the choice in words (one line)."""
     if device not in OUTER_STATE_DEVICES:
         raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {device!r}")
     cuda = [t.device for t in local_tensors if t.device.type == "cuda"]
     if device == "cpu" or (device == "auto" and not cuda):
-        return torch.device("cpu")
+        return torch.device("cpu"), f"outer state on the CPU (outer_state_device {device!r})"
     if not cuda:
         raise ValueError("outer_state_device = 'gpu' needs the model's parameters on a GPU; they are on the CPU "
                          "(use 'cpu' or 'auto')")
     dev = cuda[0]
     if device == "gpu":
-        return dev
+        return dev, f"outer state on {dev} (outer_state_device 'gpu')"
     need = buffers * 4 * sum(t.numel() for t in local_tensors)
     total = torch.cuda.get_device_properties(dev).total_memory
-    return dev if need <= AUTO_GPU_FRACTION * total else torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(dev)
+    cached = max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))  # torch holds it, unused
+    margin = max(AUTO_GPU_MARGIN_BYTES, int(AUTO_GPU_MARGIN_FRACTION * total))
+    room = free + cached - pending_bytes - margin
+    chosen = dev if need <= room else torch.device("cpu")
+    gib = 1 << 30
+    why = (f"outer_state_device auto: {'gpu' if chosen.type == 'cuda' else 'cpu'} ({buffers} buffers need "
+           f"{need / gib:.1f} GiB; {dev} has {(free + cached) / gib:.1f} GiB free now, {pending_bytes / gib:.1f} GiB more "
+           f"to come for gradients and optimizer state, {margin / gib:.1f} GiB kept for activations: room "
+           f"{room / gib:.1f} GiB)")
+    logger.info(why)
+    return chosen, why
 
 OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
 """outer_optimizer(params) -> a torch optimizer over `params`: one fp32 nn.Parameter per model
@@ -111,6 +161,8 @@ class OuterState:
     device:            "cpu", "gpu" or "auto": where the buffers live (see the module docstring)
     extra_buffers:     buffers beyond the three (outer, momentum, grad) that the caller will ask
                        new_buffer() for; counted by device="auto"
+    inner_optimizer:   the inner optimizer, if any: device="auto" counts the state it will still make
+                       (pending_training_bytes)
     """
 
     def __init__(
@@ -124,6 +176,7 @@ class OuterState:
         optimizer_factory: Optional[OuterOptimizerFactory] = None,
         device: str = "cpu",
         extra_buffers: int = 0,
+        inner_optimizer: Optional[torch.optim.Optimizer] = None,
     ):
         self.params = list(params)
         self.block_size = block_size
@@ -139,8 +192,9 @@ class OuterState:
         """Length of the flat buffers: the local shards, each padded to whole blocks."""
         self.on_gpu = any(t.device.type == "cuda" for t in locals_)
         """True when the parameters are on a GPU (whatever the outer state's device)."""
-        self.device = resolve_device(device, locals_, 3 + extra_buffers)
-        """Where the flat buffers live: the CPU, or the parameters' GPU."""
+        pending = pending_training_bytes(self.params, locals_, inner_optimizer) if device == "auto" else 0
+        self.device, self.device_reason = choose_device(device, locals_, 3 + extra_buffers, pending)
+        """Where the flat buffers live: the CPU, or the parameters' GPU; and why, in one line."""
         self._pin = self.on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
         self._stream = None  # side stream of the CPU state's copies to and from the GPU (made on first use)
         self.outer = self.new_buffer()

@@ -95,6 +95,9 @@ class Trainer:
 
     def _describe(self) -> None:
         lines = [self.parts.describe(self.cfg, self.env, self.metrics.peak), self.data.describe(), self.nodes.describe()]
+        state = self.diloco.state
+        if state is not None and state.on_gpu:  # where the outer state went, and why (diloco.outer_state_device)
+            lines.append(state.device_reason)
         if self.resumed_from is not None:
             lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
         for line in filter(None, lines):

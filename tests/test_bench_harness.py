@@ -2,6 +2,7 @@
 tiny unshaped run with 2 gloo ranks on 127.0.0.1. Nothing here needs root or namespaces;
 timing itself is never asserted (it belongs to benchmarks/)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -195,6 +196,11 @@ def test_ring_adapter_reads_work_stats_by_field():
     sent, numeric = adapter.all_reduce(torch.zeros(4))
     assert sent == 123.0
     assert numeric["bytes_received"] == 7.0 and numeric["quantize_s"] == 0.25 and numeric["seq"] == 3.0
+    # every field, but those not measured (None: the int8 error sums here)
+    assert set(numeric) == {f for f in WorkStats.__dataclass_fields__} - {"quant_err_sq", "quant_in_sq"}
+    stats = dataclasses.replace(stats, quant_err_sq=0.5, quant_in_sq=2.0)
+    _, numeric = adapter.all_reduce(torch.zeros(4))
+    assert numeric["quant_err_sq"] == 0.5 and numeric["quant_in_sq"] == 2.0
     assert set(numeric) == {f for f in WorkStats.__dataclass_fields__}
 
 

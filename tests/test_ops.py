@@ -584,6 +584,33 @@ def test_instruction_set_names():
         torch.ops.prime._quantize_int8_isa(torch.zeros(4), 32, None, "sse9")
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [32, 256, 4096])
+def test_quantize_error_sums_match_float64(dtype, block_size):
+    """codec.h quantize_error_sq (what the ring reports as quant_err_sq / quant_in_sq), every instruction set,
+    against float64 sums in torch over the blocks with a finite scale: a length that is no multiple of the
+    block, a NaN block and an Inf block (left out), tiny values (fp16 subnormals), a zero block."""
+    g = gen_for("qerr", dtype, block_size)
+    n = 5 * block_size + 37
+    x = (torch.randn(n, generator=g) * torch.rand(1, generator=g) * 10).to(dtype)
+    x[block_size : 2 * block_size] = (torch.randn(block_size, generator=g) * 1e-6).to(dtype)  # subnormal in fp16
+    x[2 * block_size + 3] = float("nan")
+    x[3 * block_size] = float("inf")
+    x[4 * block_size : 5 * block_size] = 0
+    q, scales = ops.quantize_int8_reference(x, block_size)
+    ok = torch.isfinite(scales).repeat_interleave(block_size)[:n]
+    xd = x.double()[ok]
+    d = (q.float() * scales.repeat_interleave(block_size)[:n]).double()[ok] - xd
+    want = [float((d * d).sum()), float((xd * xd).sum())]
+    assert want[0] > 0
+    for isa in torch.ops.prime._cpu_codec_isas():
+        got = torch.ops.prime._quantize_error_sq_isa(x, q, scales, block_size, isa)
+        note = ctx(isa=isa, dtype=dtype, block_size=block_size)
+        assert got[0] == pytest.approx(want[0], rel=1e-12), note
+        assert got[1] == pytest.approx(want[1], rel=1e-12), note
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("NVCC", "nvcc")) is None, reason="nvcc not installed")
 def test_cuda_kernels_use_exact_float_ops(tmp_path):
     """The PTX of csrc/codec/codec_cuda.cu has no FMA, approximate division or flush-to-zero.

@@ -1,6 +1,7 @@
 """prime.outer.OuterState on the CPU: the pseudo-gradient pass and its norm, the lookahead against the update,
 where the state lives, and the int8 error taken from the ring's own statistics."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -83,6 +84,76 @@ def test_state_device_on_a_cpu_model():
         resolve_device("disk", params, 3)
 
 
+def _fake_gpu(monkeypatch, total, free, reserved=0, allocated=0):
+    """torch.cuda's memory queries answer as a GPU with these byte counts would (no GPU needed)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: allocated)
+
+
+def _gpu_shard(numel, esize=4):
+    """What resolve_device reads of a parameter's local shard on cuda:0."""
+    return SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: numel, element_size=lambda: esize)
+
+
+def test_auto_state_device_counts_free_memory_pending_state_and_a_margin(monkeypatch, caplog):
+    import logging
+
+    from prime import outer
+
+    gib = 1 << 30
+    total = 85_000_000_000  # an 80 GB H100 as torch reports it (79.2 GiB)
+    n = 1_500_000_000  # fp32 weights of a "1B" model: 6 GB
+    shards = [_gpu_shard(n)]
+    need = 5 * 4 * n  # eager overlap: 5 buffers, 30 GB (more than a third of the card: the old rule said cpu)
+    assert need > total / 3
+    pending = 3 * 4 * n  # gradients and AdamW's two moments, made at the first step
+    margin = max(8 * gib, int(0.15 * total))
+    # The rule: need <= free + cached - pending - margin, at the boundary byte.
+    _fake_gpu(monkeypatch, total, free=need + pending + margin)
+    with caplog.at_level(logging.INFO, logger="prime.outer"):
+        assert resolve_device("auto", shards, 5, pending).type == "cuda"
+    assert any("outer_state_device auto: gpu" in r.getMessage() for r in caplog.records), caplog.text
+    _fake_gpu(monkeypatch, total, free=need + pending + margin - 1)
+    assert resolve_device("auto", shards, 5, pending).type == "cpu"
+    # Memory torch's allocator holds unused counts as free.
+    _fake_gpu(monkeypatch, total, free=need + pending + margin - gib, reserved=5 * gib, allocated=4 * gib)
+    assert resolve_device("auto", shards, 5, pending).type == "cuda"
+    # The H100 after building a 1B model: ~73 GiB free. GPU with the state to come; a small card: CPU.
+    _fake_gpu(monkeypatch, total, free=73 * gib)
+    assert resolve_device("auto", shards, 5, pending).type == "cuda"
+    _fake_gpu(monkeypatch, 40 * gib, free=33 * gib)
+    assert resolve_device("auto", shards, 5, pending).type == "cpu"
+    # The margin is at least 8 GiB, and 15% of a large card.
+    assert outer.AUTO_GPU_MARGIN_BYTES == 8 * gib and outer.AUTO_GPU_MARGIN_FRACTION == 0.15
+    _fake_gpu(monkeypatch, 20 * gib, free=need + pending + 8 * gib)
+    assert resolve_device("auto", shards, 5, pending).type == "cuda"
+    _fake_gpu(monkeypatch, 20 * gib, free=need + pending + 8 * gib - 1)
+    assert resolve_device("auto", shards, 5, pending).type == "cpu"
+    # "gpu" and "cpu" are taken as given, whatever the memory.
+    _fake_gpu(monkeypatch, total, free=0)
+    assert resolve_device("gpu", shards, 5, pending).type == "cuda"
+    assert resolve_device("cpu", shards, 5, pending).type == "cpu"
+
+
+def test_pending_training_bytes_counts_what_the_first_step_will_make():
+    from prime.outer import pending_training_bytes
+
+    a, b = nn.Parameter(torch.zeros(10, 3)), nn.Parameter(torch.zeros(7))
+    shards = [_gpu_shard(30), _gpu_shard(7, esize=2)]
+    size = 30 * 4 + 7 * 2
+    assert pending_training_bytes([a, b], shards) == size  # gradients only
+    adam = torch.optim.AdamW([a, b])
+    assert pending_training_bytes([a, b], shards, adam) == 3 * size
+    assert pending_training_bytes([a, b], shards, torch.optim.SGD([a, b], lr=0.1, momentum=0.9)) == 2 * size
+    assert pending_training_bytes([a, b], shards, torch.optim.SGD([a, b], lr=0.1)) == size
+    (a.sum() + b.sum()).backward()
+    adam.step()  # gradients and moments exist now
+    assert pending_training_bytes([a, b], shards, adam) == 0
+    assert pending_training_bytes([a, b], [torch.zeros(30), torch.zeros(7)], None) == 0  # CPU shards: nothing
+
+
 class ReportingRing(FakeThreadRing):
     """A fake ring whose statistics carry its own int8 error (prime.sync.QUANT_ERROR_FIELDS)."""
 
@@ -92,7 +163,7 @@ class ReportingRing(FakeThreadRing):
         super().all_reduce(t, op, codec, block_size)
         base = FakeWork(t.numel()).stats()
         work = SimpleNamespace(wait=lambda: None,
-                               stats=lambda: SimpleNamespace(**vars(base), quant_err_sq=4.0, quant_in_sq=100.0))
+                               stats=lambda: dataclasses.replace(base, quant_err_sq=4.0, quant_in_sq=100.0))
         return work
 
 

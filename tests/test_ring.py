@@ -85,24 +85,45 @@ def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.repeat_interleave(BLOCK)[: q.numel()]
 
 
-def model_all_reduce(inputs, op: str, codec: str) -> torch.Tensor:
+def _error_sums(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> list:
+    """[sum (dequantize - x)^2, sum x^2] in float64 over the blocks with a finite scale."""
+    ok = torch.isfinite(s).repeat_interleave(BLOCK)[: x.numel()]
+    xd = x.double()[ok]
+    d = _dequant(q, s).double()[ok] - xd
+    return [float((d * d).sum()), float((xd * xd).sum())]
+
+
+def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False):
     """The ring algorithm of docs/ring.md in plain torch: chunk c starts at rank c and
     is summed along c, c+1, ..., c-1, each hop sending (for int8) the quantized partial
-    sum; the owner (rank c-1) averages and quantizes once; everyone decodes those bytes."""
+    sum; the owner (rank c-1) averages and quantizes once; everyone decodes those bytes.
+
+    quant_error: also return, per rank, the float64 sums [err, ref] over every block that
+    rank quantized (rank c its input chunk c, rank c+j the partial sum or final value of
+    chunk c it encoded) of (dequantize(quantize(x)) - x)^2 and x^2: what the ring reports
+    as quant_err_sq / quant_in_sq (prime.sync.QUANT_ERROR_FIELDS). Returns (result, sums)."""
     from prime.ops import quantize_int8_reference as quantize
 
     world, n, dtype = len(inputs), inputs[0].numel(), inputs[0].dtype
     unit = BLOCK if codec == "int8" else 256
     out = torch.empty(n, dtype=dtype)
+    sums = [[0.0, 0.0] for _ in range(world)]
+
+    def encode(rank, x):
+        q, s = quantize(x, BLOCK)
+        if x.numel():
+            sums[rank] = [a + b for a, b in zip(sums[rank], _error_sums(x, q, s))]
+        return q, s
+
     for c in range(world):
         b, e = _span(n, unit, world, c)
         if codec == "int8":
-            q, s = quantize(inputs[c][b:e], BLOCK)
+            q, s = encode(c, inputs[c][b:e])
             for j in range(1, world):
                 acc = inputs[(c + j) % world][b:e].float() + _dequant(q, s)
                 if j == world - 1 and op == "avg":
                     acc = acc / torch.full_like(acc, world)  # a true division, like the C++
-                q, s = quantize(acc, BLOCK)
+                q, s = encode((c + j) % world, acc)
             out[b:e] = (_dequant(q, s) if world > 1 else inputs[c][b:e].float()).to(dtype)
         else:
             acc = inputs[c][b:e].float()
@@ -111,7 +132,7 @@ def model_all_reduce(inputs, op: str, codec: str) -> torch.Tensor:
             if op == "avg" and world > 1:
                 acc = acc / torch.full_like(acc, world)
             out[b:e] = acc.to(dtype) if world > 1 else inputs[c][b:e]
-    return out
+    return (out, sums) if quant_error else out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -374,6 +395,8 @@ def _rank_world_one(ctx, seed):
         assert torch.equal(x, keep), "world_size 1: the average of one tensor is itself"
         stats = w.stats()
         assert stats.bytes_sent == 0 and stats.bytes_received == 0
+        assert stats.quant_err_sq is None and stats.quant_in_sq is None  # nothing was quantized
+        assert ring.reports_quant_error is False
         x[3] = float("nan")
         keep = x.clone()
         from prime.comm import NonFiniteError
@@ -387,6 +410,132 @@ def _rank_world_one(ctx, seed):
 
 def test_world_size_one_is_a_no_op(ranks):
     assert ranks.run(_rank_world_one, SEED, world_size=1) == [True]
+
+
+# ---------------------------------------------------------------------------
+# the int8 error the ring measures as it encodes (WorkStats.quant_err_sq / quant_in_sq)
+
+QERR_CASES = [  # n, dtype, op, kind: sizes that are no multiple of the block or the segment
+    (1000, torch.float32, "avg", "gauss"),
+    (100003, torch.float32, "avg", "t3"),
+    (100003, torch.bfloat16, "avg", "gauss"),
+    (77777, torch.float16, "sum", "gauss"),
+    (BIG, torch.float32, "sum", "gauss"),
+    (7, torch.bfloat16, "avg", "gauss"),  # chunks shorter than a block, some empty
+]
+
+
+def _rank_quant_error(ctx, seed):
+    out = []
+    with ctx.ring(segment_bytes=1 << 16) as ring:  # 16 Ki values: several segments per chunk
+        for n, dtype, op, kind in QERR_CASES:
+            x = make_input(seed, ctx.rank, n, dtype, kind)
+            w = ring.all_reduce(x, op=op, codec="int8")
+            w.wait()
+            st = w.stats()
+            out.append((st.quant_err_sq, st.quant_in_sq, _digest(x)))
+        x = make_input(seed, ctx.rank, 1000, torch.float32)
+        w = ring.all_reduce(x, op="avg", codec="none")
+        w.wait()
+        out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error))
+    with ctx.ring(quant_error=False) as ring:  # measurement off: nothing reported, the same bytes
+        x = make_input(seed, ctx.rank, 1000, torch.float32)
+        w = ring.all_reduce(x, op="avg", codec="int8")
+        w.wait()
+        out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error, _digest(x)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_reports_its_own_int8_error(ranks, world_size):
+    """Each rank's quant_err_sq / quant_in_sq are the float64 sums over the blocks it quantized,
+    as the torch model of the algorithm computes them (independent of the C++ codec)."""
+    if world_size > MAX_RANKS:
+        pytest.skip(f"the rank pool has {MAX_RANKS} ranks")
+    results = ranks.run(_rank_quant_error, SEED, world_size=world_size)
+    for i, (n, dtype, op, kind) in enumerate(QERR_CASES):
+        note = f"[N={world_size} n={n} {dtype} op={op} data={kind}] {_seed_note()}"
+        inputs = [make_input(SEED, r, n, dtype, kind) for r in range(world_size)]
+        model, sums = model_all_reduce(inputs, op, "int8", quant_error=True)
+        for r in range(world_size):
+            err, ref, digest = results[r][i]
+            assert digest == _digest(model), f"rank {r}: result differs from the model {note}"
+            assert err is not None and ref is not None, f"rank {r}: nothing reported {note}"
+            assert ref == pytest.approx(sums[r][1], rel=1e-9, abs=1e-300), f"rank {r} quant_in_sq {note}"
+            assert err == pytest.approx(sums[r][0], rel=1e-9, abs=1e-300), f"rank {r} quant_err_sq {note}"
+            if n >= 1000:
+                assert 0 < err < 1e-3 * ref, f"rank {r}: implausible int8 error {err} vs {ref} {note}"
+    inputs = [make_input(SEED, r, 1000, torch.float32) for r in range(world_size)]
+    model = model_all_reduce(inputs, "avg", "int8")
+    for r in range(world_size):
+        err, ref, reports = results[r][-2]
+        assert err is None and ref is None, "the exact codec quantizes nothing: nothing is reported"
+        assert reports is True
+        err, ref, reports, digest = results[r][-1]
+        assert err is None and ref is None and reports is False, "quant_error=False: nothing measured"
+        assert digest == _digest(model), "quant_error=False changes nothing else"
+
+
+def _rank_diloco_error(ctx, seed, overlap):
+    from prime.diloco import DiLoCo
+    from prime.outer import OuterState
+
+    def no_pass(self, g):
+        raise AssertionError("DiLoCo ran its own int8 round-trip pass although the ring reports the error")
+
+    saved = OuterState.int8_error_sq
+    OuterState.int8_error_sq = no_pass  # (a long-lived worker process: put back below)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        model = torch.nn.Linear(70, 41)  # 2911 values: no multiple of the block
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))  # the same start on every rank
+        with ctx.ring() as ring:
+            d = DiLoCo(model, None, ring, inner_steps=1, codec="int8", overlap=overlap)
+            captured = []
+            average = d._sync.average
+
+            def capture(grad, **kw):  # the pseudo-gradient as it enters the ring
+                captured.append(grad.detach().clone())
+                return average(grad, **kw)
+
+            d._sync.average = capture
+            local = torch.Generator().manual_seed(seed * 7 + ctx.rank)
+            results = []
+            for _ in range(3):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(0.01 * torch.randn(p.shape, generator=local))
+                r = d.step()
+                results.append((r.compression_error, sorted(r.ring_stats)))
+            d.finish()
+            d.close()
+        return results, captured
+    finally:
+        OuterState.int8_error_sq = saved
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_diloco_takes_compression_error_from_the_ring(ranks, overlap):
+    """With the real ring, DiLoCo runs no round-trip pass of its own (it would raise) and
+    compression_error is sqrt(quant_err_sq / quant_in_sq) of the blocks this rank quantized,
+    checked against the torch model of the ring on the pseudo-gradients that entered it.
+    With overlap, outer step k reports the all-reduce it applies (that of step k-1)."""
+    world = 3
+    out = ranks.run(_rank_diloco_error, SEED, overlap, world_size=world)
+    lag = 1 if overlap else 0
+    if overlap:
+        assert all(out[r][0][0][0] is None for r in range(world)), "nothing was applied at the first outer step"
+    for step in range(lag, 3):
+        grads = [out[r][1][step - lag] for r in range(world)]
+        _, sums = model_all_reduce(grads, "avg", "int8", quant_error=True)
+        for r in range(world):
+            got, stat_names = out[r][0][step]
+            want = (sums[r][0] / sums[r][1]) ** 0.5
+            assert got == pytest.approx(want, rel=1e-8), f"rank {r} step {step} {_seed_note()}"
+            assert 0 < got < 0.05
+            assert "quant_err_sq" not in stat_names and "quant_in_sq" not in stat_names  # consumed, not recorded
 
 
 # ---------------------------------------------------------------------------

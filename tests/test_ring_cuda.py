@@ -148,6 +148,34 @@ def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size):
         )
 
 
+@pytest.mark.parametrize("world,devices,n,dtype,block_size", [
+    (2, ("cuda", "cuda"), 100003, torch.float32, 256),  # fused reduce-quantize
+    (3, ("cuda", "cpu", "cuda"), 77777, torch.bfloat16, 256),
+    (3, ("cuda", "cuda", "cuda"), 50001, torch.float16, 32),
+    (2, ("cuda", "cuda"), 70001, torch.float32, 2048),  # unfused: quantize, then the error kernel
+    (3, ("cuda", "cuda", "cuda"), 7, torch.float32, 256),  # chunks shorter than a block, some empty
+])
+def test_gpu_ranks_report_the_cpu_rings_quant_error(world, devices, n, dtype, block_size):
+    # The int8 bytes are the all-CPU ring's, so the error each rank measured while encoding
+    # (WorkStats.quant_err_sq / quant_in_sq) is too, up to the order of the float64 additions.
+    # (The CPU ring's sums are checked against the torch model in tests/test_ring.py.)
+    inputs = [make_input(SEED, r, n, dtype) for r in range(world)]
+    reference = run_ring(inputs, ["cpu"] * world, "avg", "int8", block_size=block_size)
+    mixed = run_ring(inputs, list(devices), "avg", "int8", block_size=block_size)
+    for r in range(world):
+        ref_stats, stats = reference[r][1], mixed[r][1]
+        assert not isinstance(stats, Exception), f"rank {r}: {stats} (SEED={SEED})"
+        assert torch.equal(_bits(mixed[r][0]), _bits(reference[r][0])), f"rank {r} (SEED={SEED})"
+        assert stats.quant_err_sq is not None and stats.quant_in_sq is not None, stats
+        note = f"rank {r} ({devices[r]}) n={n} {dtype} block {block_size} (SEED={SEED})"
+        assert stats.quant_in_sq == pytest.approx(ref_stats.quant_in_sq, rel=1e-9, abs=1e-300), note
+        assert stats.quant_err_sq == pytest.approx(ref_stats.quant_err_sq, rel=1e-9, abs=1e-300), note
+        if n > 1000:
+            assert 0 < stats.quant_err_sq < 1e-3 * stats.quant_in_sq, note
+    exact = run_ring(inputs, list(devices), "avg", "none", block_size=block_size)
+    assert all(s.quant_err_sq is None and s.quant_in_sq is None for _, s in exact)  # nothing quantized
+
+
 def test_result_against_float64_sum():
     # Independent of the CPU ring: the exact codec's sum is within the fp32 bound of docs/ring.md.
     world, n = 3, 100003

@@ -37,6 +37,16 @@ int64_t quantize(const void* x, InputType type, int64_t n, int64_t block, int8_t
 void dequantize(const int8_t* q, const float* scales, int64_t n, int64_t block, float* y);
 void dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
 
+// The int8 round-trip error of x[0, n) (of `type`, widened to fp32 exactly as quantize
+// reads it) given what quantize wrote for it (q, scales): adds to *err the sum of
+// (double(float(q[i]) * scale) - double(x[i]))^2 and to *ref the sum of double(x[i])^2,
+// in float64, over the blocks with a finite scale (a block holding NaN or Inf has no
+// error to speak of: the collective that sends it fails anyway). One pass over memory
+// that was just quantized; multithreaded like quantize (the order of the float64
+// additions across threads may vary: the sums may differ in their last bits).
+void quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
+                       double* err, double* ref);
+
 // ---------------------------------------------------------------------------
 // Additions: decoding straight into bf16 / fp16, and the choice of instruction set.
 
@@ -61,5 +71,7 @@ int64_t quantize(Isa isa, const void* x, InputType type, int64_t n, int64_t bloc
 void dequantize_as(Isa isa, const int8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                    InputType out_type);
 void dequantize_add(Isa isa, float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                       int64_t block, double* err, double* ref);
 
 }  // namespace prime::codec

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <string>
 
 #include "cpu_kernels.h"
@@ -177,6 +178,32 @@ void dequantize_as(const int8_t* q, const float* scales, int64_t n, int64_t bloc
 
 void dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
   dequantize_add_with(best_kernels(), acc, q, scales, n, block);
+}
+
+void quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
+                       double* err, double* ref) {
+  quantize_error_sq(best_isa(), x, type, q, scales, n, block, err, ref);
+}
+
+void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                       int64_t block, double* err, double* ref) {
+  TORCH_CHECK(isa_supported(isa), "the CPU codec kernels for ", isa_name(isa), " do not run on this CPU");
+  using ErrorKernel = void (*)(const void*, InputType, const int8_t*, const float*, int64_t, int64_t, double*, double*);
+  ErrorKernel kernel = &cpu::quantize_error_sq_scalar;
+#if PRIME_CODEC_X86
+  if (isa == Isa::kAvx512) kernel = &cpu::quantize_error_sq_avx512;
+  if (isa == Isa::kAvx2) kernel = &cpu::quantize_error_sq_avx2;
+#endif
+  const int64_t esize = element_size(type);
+  std::mutex mu;
+  for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
+    double e = 0, r = 0;
+    kernel(static_cast<const char*>(x) + start * esize, type, q + start, scales + b0, len, block,
+                                 &e, &r);
+    std::lock_guard<std::mutex> lock(mu);
+    *err += e;
+    *ref += r;
+  });
 }
 
 int64_t quantize(Isa isa, const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,

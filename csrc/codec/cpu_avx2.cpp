@@ -244,7 +244,60 @@ void dequantize_add_avx2(float* acc, const int8_t* q, const float* scales, int64
   if (done < n) dequantize_add_scalar(acc + done, q + done, scales + full, n - done, block);
 }
 
+// codec.h's quantize_error_sq over whole blocks: 8 values at a time, widened to
+// float64 (exact) before the subtraction, two float64 accumulators per sum.
+template <class In>
+void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float* scales, int64_t nblocks,
+                       int64_t block, double* err, double* ref) {
+  __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd(), r0 = _mm256_setzero_pd(), r1 = _mm256_setzero_pd();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if ((float_bits(scales[b]) & kAbsMask) >= kInfBits) continue;  // the block held NaN or Inf
+    const __m256 s = _mm256_set1_ps(scales[b]);
+    const int64_t start = b * block;
+    for (int64_t i = start; i < start + block; i += 8) {
+      const __m256 v = In::load(x + i);
+      const __m256 dq = decode8(q + i, s);  // dequantized, as dequantize rounds it
+      const __m256d vl = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      const __m256d vh = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      const __m256d dl = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(dq)), vl);
+      const __m256d dh = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(dq, 1)), vh);
+      e0 = _mm256_add_pd(e0, _mm256_mul_pd(dl, dl));  // multiply, then add
+      e1 = _mm256_add_pd(e1, _mm256_mul_pd(dh, dh));
+      r0 = _mm256_add_pd(r0, _mm256_mul_pd(vl, vl));
+      r1 = _mm256_add_pd(r1, _mm256_mul_pd(vh, vh));
+    }
+  }
+  alignas(32) double e[4], r[4];
+  _mm256_store_pd(e, _mm256_add_pd(e0, e1));
+  _mm256_store_pd(r, _mm256_add_pd(r0, r1));
+  *err += (e[0] + e[1]) + (e[2] + e[3]);
+  *ref += (r[0] + r[1]) + (r[2] + r[3]);
+}
+
+template <class In>
+void error_typed(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
+                 double* err, double* ref) {
+  const auto* xt = static_cast<const typename In::Elem*>(x);
+  const int64_t full = n / block;
+  error_full_blocks<In>(xt, q, scales, full, block, err, ref);
+  const int64_t done = full * block;
+  if (done < n) quantize_error_sq_scalar(xt + done, type, q + done, scales + full, n - done, block, err, ref);
+}
+
 }  // namespace
+
+void quantize_error_sq_avx2(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, double* err, double* ref) {
+  switch (type) {
+    case InputType::kFloat32:
+      return error_typed<LoadF32>(x, type, q, scales, n, block, err, ref);
+    case InputType::kBFloat16:
+      return error_typed<LoadBF16>(x, type, q, scales, n, block, err, ref);
+    case InputType::kFloat16:
+      return error_typed<LoadF16>(x, type, q, scales, n, block, err, ref);
+  }
+}
+
 }  // namespace prime::codec::cpu
 
 #pragma GCC pop_options

@@ -45,6 +45,19 @@ int64_t quantize_scalar(const void* x, InputType type, int64_t n, int64_t block,
 void dequantize_scalar(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
 void dequantize_add_scalar(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
 
+// codec.h's quantize_error_sq on one range (adds to *err and *ref): plain C++
+// (cpu_error.cpp, also the SIMD versions' last partial block), AVX2 (cpu_avx2.cpp)
+// and AVX-512F (cpu_avx512.cpp). Not in the Kernels tables: the float64 pass is
+// arithmetic-bound, so the widest vectors win (codec_cpu.cpp picks them).
+void quantize_error_sq_scalar(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                              int64_t block, double* err, double* ref);
+#if PRIME_CODEC_X86
+void quantize_error_sq_avx2(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                            int64_t block, double* err, double* ref);
+void quantize_error_sq_avx512(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                              int64_t block, double* err, double* ref);
+#endif
+
 // ---- shared scalar pieces (static: a private copy per file, see above) ----
 
 // The SIMD quantize kernels prefetch the input this far ahead of the block they

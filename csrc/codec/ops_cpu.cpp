@@ -114,6 +114,8 @@ TORCH_LIBRARY_FRAGMENT(prime, m) {
   m.def("_quantize_int8_isa(Tensor x, int block_size, int? seed, str isa) -> (Tensor q, Tensor scales)");
   m.def("_dequantize_int8_isa(Tensor q, Tensor scales, int block_size, ScalarType dtype, str isa) -> Tensor");
   m.def("_dequantize_add_int8_isa_(Tensor(a!) acc, Tensor q, Tensor scales, int block_size, str isa) -> ()");
+  // The int8 round-trip error sums the ring reports (codec.h quantize_error_sq): [err, ref].
+  m.def("_quantize_error_sq_isa(Tensor x, Tensor q, Tensor scales, int block_size, str isa) -> float[]");
 }
 
 TORCH_LIBRARY_IMPL(prime, CPU, m) {
@@ -126,6 +128,17 @@ TORCH_LIBRARY_IMPL(prime, CPU, m) {
   m.impl("_dequantize_add_int8_isa_", [](at::Tensor& acc, const at::Tensor& q, const at::Tensor& scales,
                                          int64_t block_size, const std::string& isa) {
     dequantize_add_impl(acc, q, scales, block_size, parse_isa(isa));
+  });
+  m.impl("_quantize_error_sq_isa", [](const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                                      int64_t block_size, const std::string& isa) {
+    check_encoded(q, scales, block_size);
+    const InputType type = input_type(x);
+    TORCH_CHECK(x.numel() == q.numel(), "x and q differ in length");
+    const at::Tensor xc = x.contiguous(), qc = q.contiguous(), sc = scales.contiguous();
+    double err = 0, ref = 0;
+    quantize_error_sq(parse_isa(isa), xc.data_ptr(), type, qc.data_ptr<int8_t>(), sc.data_ptr<float>(), xc.numel(),
+                      block_size, &err, &ref);
+    return std::vector<double>{err, ref};
   });
 }
 

@@ -134,17 +134,85 @@ constexpr uint32_t kInfBits = 0x7f800000u;
 constexpr uint32_t kCanonicalNaN = 0x7fc00000u;
 constexpr int kWarpsPerCta = kThreads / 32;
 
-template <int V>
+__device__ __forceinline__ void atomic_add_f64(double* at, double v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+  // (no native float64 atomicAdd before sm_60)
+  auto* word = reinterpret_cast<unsigned long long*>(at);
+  unsigned long long old = *word, seen;
+  do {
+    seen = old;
+    old = atomicCAS(word, seen, __double_as_longlong(__longlong_as_double(seen) + v));
+  } while (seen != old);
+#else
+  atomicAdd(at, v);
+#endif
+}
+
+// Adds the CTA's error sums (e, r of every thread) to sums[0], sums[1]: a warp shuffle
+// tree, then one float64 atomic per sum per CTA. Every thread of the CTA must call it.
+__device__ __forceinline__ void add_error_sums(double e, double r, double* sums) {
+  __shared__ double warp_e[kWarpsPerCta], warp_r[kWarpsPerCta];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    e += __shfl_xor_sync(0xffffffffu, e, off);
+    r += __shfl_xor_sync(0xffffffffu, r, off);
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    warp_e[warp] = e;
+    warp_r[warp] = r;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double te = 0, tr = 0;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerCta; ++w) {
+      te += warp_e[w];
+      tr += warp_r[w];
+    }
+    atomic_add_f64(&sums[0], te);
+    atomic_add_f64(&sums[1], tr);
+  }
+}
+
+// The error terms of one value v quantized to k with `scale` (dequantized as the
+// decoders round it, then widened; the subtraction and squares in float64).
+__device__ __forceinline__ void error_terms(float v, int k, float scale, double& e, double& r) {
+  const double x = v;
+  const double d = __dsub_rn(static_cast<double>(__fmul_rn(static_cast<float>(k), scale)), x);
+  e = __dadd_rn(e, __dmul_rn(d, d));
+  r = __dadd_rn(r, __dmul_rn(x, x));
+}
+
+// quantize_error_sq: one warp per block (lane l reads values l + 32 j of it).
 __global__ void __launch_bounds__(kThreads)
-    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
-                           const float* __restrict__ scales, int64_t n, float divisor, int8_t* __restrict__ q_out,
-                           float* __restrict__ scales_out, uint32_t* own_bad, uint32_t* result_bad,
-                           InputType result_type) {
-  constexpr int64_t B = 32 * V;
+    quantize_error_kernel(const void* __restrict__ x, InputType type, const int8_t* __restrict__ q,
+                          const float* __restrict__ scales, int64_t n, int64_t block_size, double* sums) {
   const int lane = threadIdx.x % 32;
   const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
+  const int64_t start = block * block_size;
+  double e = 0, r = 0;
+  if (start < n) {  // (no early return: every thread reaches the CTA reduction)
+    const float s = scales[block];
+    if ((__float_as_uint(s) & kAbsMask) < kInfBits) {  // a NaN scale: the block held NaN or Inf
+      const int64_t end = min(n, start + block_size);
+      for (int64_t i = start + lane; i < end; i += 32) error_terms(load_widened(x, type, i), q[i], s, e, r);
+    }
+  }
+  add_error_sums(e, r, sums);
+}
+
+// One block of reduce_quantize_kernel (its warp). With `measure`, adds the block's
+// error terms to e, r.
+template <int V>
+__device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ own, InputType type,
+                                                      const int8_t* __restrict__ q, const float* __restrict__ scales,
+                                                      int64_t n, float divisor, int8_t* __restrict__ q_out,
+                                                      float* __restrict__ scales_out, uint32_t* own_bad,
+                                                      uint32_t* result_bad, InputType result_type, int64_t block,
+                                                      int lane, bool measure, double& e, double& r) {
+  constexpr int64_t B = 32 * V;
   const int64_t start = block * B;
-  if (start >= n) return;  // whole warps leave together
   const float s_in = scales[block];
   float v[V];
   bool bad = false;
@@ -183,10 +251,29 @@ __global__ void __launch_bounds__(kThreads)
     if (i < n) {
       q_out[i] = static_cast<int8_t>(k);
       if (result_bad) rbad |= nonfinite(rounded(__fmul_rn(static_cast<float>(k), scale), result_type));
+      if (measure && finite) error_terms(v[j], k, scale, e, r);
     }
   }
   raise_flag(bad, own_bad);
   if (result_bad) raise_flag(rbad, result_bad);
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
+                           const float* __restrict__ scales, int64_t n, float divisor, int8_t* __restrict__ q_out,
+                           float* __restrict__ scales_out, uint32_t* own_bad, uint32_t* result_bad,
+                           InputType result_type, double* err_sums) {
+  const int lane = threadIdx.x % 32;
+  const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
+  double e = 0, r = 0;
+  // Warps past the end skip the block (whole warps: the shuffles stay full) but, when
+  // the error is measured, still reach the CTA's reduction (err_sums is the grid's).
+  if (block * 32 * V < n) {
+    reduce_quantize_block<V>(own, type, q, scales, n, divisor, q_out, scales_out, own_bad, result_bad, result_type,
+                             block, lane, err_sums != nullptr, e, r);
+  }
+  if (err_sums) add_error_sums(e, r, err_sums);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -264,14 +351,14 @@ bool reduce_quantize_supported(int64_t block) { return valid_block_size(block) &
 
 cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
                             int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
-                            uint32_t* result_bad, InputType result_type, cudaStream_t stream) {
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream, double* err_sums) {
   if (!reduce_quantize_supported(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const int64_t blocks = (n + block - 1) / block;
   const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
 #define PRIME_RQ(V)                                                                                                  \
   reduce_quantize_kernel<V><<<grid, kThreads, 0, stream>>>(own, type, q, scales, n, divisor, q_out, scales_out, \
-                                                           own_bad, result_bad, result_type)
+                                                           own_bad, result_bad, result_type, err_sums)
   switch (block / 32) {
     case 1: PRIME_RQ(1); break;
     case 2: PRIME_RQ(2); break;
@@ -281,6 +368,16 @@ cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, co
     default: PRIME_RQ(32); break;
   }
 #undef PRIME_RQ
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                              int64_t block, double* sums, cudaStream_t stream) {
+  if (!valid_block_size(block)) return cudaErrorInvalidValue;
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = (n + block - 1) / block;
+  const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
+  quantize_error_kernel<<<grid, kThreads, 0, stream>>>(x, type, q, scales, n, block, sums);
   return cudaGetLastError();
 }
 

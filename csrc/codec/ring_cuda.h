@@ -55,10 +55,21 @@ bool reduce_quantize_supported(int64_t block);
 // divisor != 0, quantized into q_out / scales_out (nearest even; a block holding NaN or
 // Inf gets the NaN scale and zero q). *own_bad = 1 when own holds NaN or Inf; when
 // result_bad is set, *result_bad = 1 when a decoded value rounded to result_type is NaN
-// or Inf (flag_nonfinite_decoded of the output).
+// or Inf (flag_nonfinite_decoded of the output). When err_sums is set, the quantization
+// error of v is added to it as quantize_error_sq does (below), from the registers.
 cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
                             int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
-                            uint32_t* result_bad, InputType result_type, cudaStream_t stream);
+                            uint32_t* result_bad, InputType result_type, cudaStream_t stream,
+                            double* err_sums = nullptr);
+
+// The int8 round-trip error of x[0, n) (of `type`) given what quantize wrote for it
+// (q, scales), as codec.h's quantize_error_sq computes it on the CPU: sums[0] += the sum
+// of (double(float(q[i]) * scale) - double(widen(x[i])))^2 and sums[1] += the sum of
+// double(widen(x[i]))^2, over the blocks with a finite scale. sums: two device doubles,
+// added to with one float64 atomic per CTA (so the order of additions, and the last
+// bits, may vary from run to run). Any valid block size.
+cudaError_t quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                              int64_t block, double* sums, cudaStream_t stream);
 
 // exact: v[i] = widen(own[i]) + add[i], then v[i] / divisor when divisor != 0, stored
 // rounded to out_type (fp32: as it is). *own_bad = 1 when own holds NaN or Inf; when

@@ -77,6 +77,9 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["d2h_s"] = s.d2h_s;
   d["staging_s"] = s.staging_s;
   d["gpu_wait_s"] = s.gpu_wait_s;
+  // None unless measured (codec int8, world size > 1, the ring's quant_error on): never a 0 nobody measured.
+  d["quant_err_sq"] = s.quant_measured ? py::object(py::float_(s.quant_err_sq)) : py::object(py::none());
+  d["quant_in_sq"] = s.quant_measured ? py::object(py::float_(s.quant_in_sq)) : py::object(py::none());
   return d;
 }
 
@@ -238,7 +241,8 @@ void init_ring_bindings(py::module_& m) {
   py::class_<Ring, std::shared_ptr<Ring>>(m, "_Ring", "One rank's end of the TCP ring (see prime.comm.Ring).")
       .def(py::init([](int rank, int world_size, const std::string& job_id, py::bytes secret, double timeout_s, double rendezvous_timeout_s,
                        int streams, double max_rate, bool encrypt, int64_t segment_elems,
-                       const std::string& bind_addr, int socket_buffer_bytes, int64_t corrupt_after_bytes) {
+                       const std::string& bind_addr, int socket_buffer_bytes, int64_t corrupt_after_bytes,
+                       bool measure_quant_error) {
              RingOptions o;
              o.rank = rank;
              o.world_size = world_size;
@@ -253,12 +257,14 @@ void init_ring_bindings(py::module_& m) {
              o.bind_addr = bind_addr;
              o.socket_buffer_bytes = socket_buffer_bytes;
              o.corrupt_after_bytes = corrupt_after_bytes;
+             o.measure_quant_error = measure_quant_error;
              py::gil_scoped_release no_gil;
              return std::make_shared<Ring>(std::move(o));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("secret"), py::arg("timeout_s"),
            py::arg("rendezvous_timeout_s"), py::arg("streams"), py::arg("max_rate"), py::arg("encrypt"), py::arg("segment_elems"),
-           py::arg("bind_addr"), py::arg("socket_buffer_bytes"), py::arg("corrupt_after_bytes"))
+           py::arg("bind_addr"), py::arg("socket_buffer_bytes"), py::arg("corrupt_after_bytes"),
+           py::arg("measure_quant_error") = true)
       .def_property_readonly("port", &Ring::port)
       .def("connect", &Ring::connect, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>())
       .def("rejected_connections", &Ring::rejected_connections)

@@ -138,6 +138,7 @@ std::shared_ptr<Work> Ring::all_reduce(AllReduceJob job) {
     throw std::logic_error(closing_ ? "all_reduce on a closed ring" : "all_reduce before the ring was connected");
   }
   auto work = std::make_shared<Work>(next_seq_++);
+  job.spec.measure_error = opt_.measure_quant_error && job.spec.codec == CodecKind::kInt8;
   queue_.push_back(Pending{std::move(job), work, Clock::now()});
   cv_.notify_all();
   return work;
@@ -288,6 +289,9 @@ void Ring::execute(Pending& p) {
     stats.d2h_s = times.d2h_s;
     stats.staging_s = times.staging_s;
     stats.gpu_wait_s = times.gpu_wait_s;
+    stats.quant_measured = spec.measure_error;
+    stats.quant_err_sq = times.quant_err_sq;
+    stats.quant_in_sq = times.quant_in_sq;
     if (failure) {
       // Stops every I/O thread (and with them every pointer into this job's buffers)
       // before the job, and the tensors it keeps alive, go away.

@@ -45,6 +45,8 @@ struct AllReduceSpec {
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
   int64_t block = 256;
+  // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
+  bool measure_error = true;
   // Set: input and output are device memory of that job's GPU, and the wire codec
   // (make_wire_codec) quantizes and reduces there; only payload bytes cross PCIe.
   std::shared_ptr<CudaJob> cuda;
@@ -68,6 +70,11 @@ struct ScheduleTimes {
   // Host time of the worker:
   double staging_s = 0;   // copying received payloads into pinned staging
   double gpu_wait_s = 0;  // blocked until the GPU produced a payload to send
+  // Not times: the int8 codecs' own quantization error (codec.h quantize_error_sq), summed
+  // over every block this rank quantized (its input, each partial sum it re-encoded, the
+  // final value it encoded as owner), float64. The CUDA codec adds them in finish().
+  double quant_err_sq = 0;  // sum of (dequantize(quantize(x)) - x)^2
+  double quant_in_sq = 0;   // sum of x^2
 };
 
 // One segment of the final result as it came off the wire (or, on its owner, as it

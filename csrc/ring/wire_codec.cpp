@@ -34,7 +34,7 @@ namespace {
 class Int8Codec final : public WireCodec {
  public:
   Int8Codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
-      : dtype_(spec.dtype), block_(spec.block), pool_(pool), times_(times) {}
+      : dtype_(spec.dtype), block_(spec.block), measure_(spec.measure_error), pool_(pool), times_(times) {}
 
   int64_t unit() const override { return block_; }
   int64_t partial_bytes(int64_t len) const override { return 4 * codec::num_blocks(len, block_) + len; }
@@ -98,13 +98,19 @@ class Int8Codec final : public WireCodec {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
     const int64_t nb = codec::num_blocks(len, block_);
-    *bad_blocks = codec::quantize(x, type, len, block_, reinterpret_cast<int8_t*>(buf->data() + 4 * nb),
-                                  buf->as<float>());
+    int8_t* q = reinterpret_cast<int8_t*>(buf->data() + 4 * nb);
+    *bad_blocks = codec::quantize(x, type, len, block_, q, buf->as<float>());
+    // While x is still in cache: the error this encode makes (the ring reports it, so
+    // DiLoCo needs no round-trip pass of its own).
+    if (measure_) {
+      codec::quantize_error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
+    }
     return buf;
   }
 
   const DType dtype_;
   const int64_t block_;
+  const bool measure_;  // add the quantization error to times_
   BufferPool& pool_;
   ScheduleTimes& times_;
 };

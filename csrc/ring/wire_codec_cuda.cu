@@ -192,6 +192,7 @@ class CudaWireCodec final : public WireCodec {
         ctx_(*spec.cuda->context),
         stream_(ctx_.stream()),
         int8_(spec.codec == CodecKind::kInt8),
+        measure_(int8_ && spec.measure_error),
         dtype_(spec.dtype),
         type_(input_type_of(spec.dtype)),
         esize_(dtype_size(spec.dtype)),
@@ -202,7 +203,9 @@ class CudaWireCodec final : public WireCodec {
     cuda_check(cudaSetDevice(ctx_.device()), "cudaSetDevice");
     if (job_->input_ready) cuda_check(cudaStreamWaitEvent(stream_, job_->input_ready, 0), "cudaStreamWaitEvent");
     flags_ = reinterpret_cast<uint32_t*>(ctx_.device_buffer(CudaContext::kFlags, 64));
-    cuda_check(cudaMemsetAsync(flags_, 0, 2 * sizeof(uint32_t), stream_), "cudaMemsetAsync (flags)");
+    err_sums_ = reinterpret_cast<double*>(reinterpret_cast<char*>(flags_) + kErrSumsOffset);
+    // The flags and the int8 error sums (bytes [kErrSumsOffset, +16) of the same buffer).
+    cuda_check(cudaMemsetAsync(flags_, 0, kErrSumsOffset + 2 * sizeof(double), stream_), "cudaMemsetAsync (flags)");
     ctx_.host_flags()[0] = ctx_.host_flags()[1] = 0;
     // The final result gathers here (allocated now: growing later would wait for the stream).
     if (int8_) {
@@ -242,6 +245,11 @@ class CudaWireCodec final : public WireCodec {
         char* out = out_buffer(bytes);
         check(codec::cuda::quantize(own, type_, len, block_, q_of(out, len), scales_of(out), std::nullopt, stream_),
               "quantize (own values)");
+        if (measure_) {
+          check(codec::cuda::quantize_error_sq(own, type_, q_of(out, len), scales_of(out), len, block_, err_sums_,
+                                               stream_),
+                "quantization error (own values)");
+        }
         src = out;
       } else if (dtype_ == DType::kFloat32) {
         check(codec::cuda::widen(own, type_, len, nullptr, &flags_[0], stream_), "finite check (own values)");
@@ -397,11 +405,23 @@ class CudaWireCodec final : public WireCodec {
   bool input_finite() const override { return !own_bad_; }
 
   void finish() override {
+    // The int8 error sums, read back once (every encode was enqueued before this).
+    char* host_sums = reinterpret_cast<char*>(ctx_.host_flags()) + kErrSumsOffset;
+    if (measure_) {
+      cuda_check(cudaMemcpyAsync(host_sums, err_sums_, 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync (error sums)");
+    }
     {
       ScopedTimer timer(times_->gpu_wait_s);
       cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (end of the collective)");
     }
     own_bad_ |= ctx_.host_flags()[0] != 0;
+    if (measure_) {
+      double sums[2];
+      std::memcpy(sums, host_sums, sizeof(sums));
+      times_->quant_err_sq += sums[0];
+      times_->quant_in_sq += sums[1];
+    }
     for (const Span& s : spans_) {
       float ms = 0;
       cuda_check(cudaEventElapsedTime(&ms, s.a, s.b), "cudaEventElapsedTime");
@@ -489,7 +509,8 @@ class CudaWireCodec final : public WireCodec {
     if (!summed_) {
       if (int8_) {
         check(codec::cuda::reduce_quantize(own_, type_, q_of(in_, len), scales_of(in_), len, block_, divisor_,
-                                           q_of(out, len), scales_of(out), &flags_[0], result_bad, type_, stream_),
+                                           q_of(out, len), scales_of(out), &flags_[0], result_bad, type_, stream_,
+                                           measure_ ? err_sums_ : nullptr),
               final ? "reduce-quantize (final value)" : "reduce-quantize (partial sum)");
       } else {
         // exact: the fp32 partial sums, or the final value rounded to the dtype
@@ -502,6 +523,11 @@ class CudaWireCodec final : public WireCodec {
     check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
                                 std::nullopt, stream_),
           final ? "quantize (final value)" : "quantize (partial sum)");
+    if (measure_) {
+      check(codec::cuda::quantize_error_sq(acc_, codec::InputType::kFloat32, q_of(out, len), scales_of(out), len,
+                                           block_, err_sums_, stream_),
+            "quantization error");
+    }
     if (final) {
       // Every rank writes decode(these bytes) in the dtype: it must be finite.
       check(codec::cuda::flag_nonfinite_decoded(q_of(out, len), scales_of(out), len, block_, type_, &flags_[1],
@@ -564,6 +590,7 @@ class CudaWireCodec final : public WireCodec {
   CudaContext& ctx_;
   const cudaStream_t stream_;
   const bool int8_;
+  const bool measure_;  // int8: add the quantization error to err_sums_
   const DType dtype_;
   const codec::InputType type_;
   const size_t esize_;
@@ -571,7 +598,12 @@ class CudaWireCodec final : public WireCodec {
   const int64_t n_;
   ScheduleTimes* times_;
 
+  // Byte offset of the two int8 error sums (device doubles: error, input) in the flags
+  // buffer, and of their copy in the context's pinned host_flags (64 bytes each).
+  static constexpr size_t kErrSumsOffset = 16;
+
   uint32_t* flags_ = nullptr;  // device: [own input bad, result bad], OR-accumulated
+  double* err_sums_ = nullptr; // device: the int8 error sums (ScheduleTimes::quant_err_sq, quant_in_sq)
   int8_t* image_q_ = nullptr;  // int8: the result's values; exact: its bytes
   float* image_s_ = nullptr;   // int8: the result's scales
   float* acc_ = nullptr;       // the current segment's fp32 sum (device; unfused path only)
@@ -619,6 +651,7 @@ std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int
   char* in = dev(payload);
   char* out = dev(payload);
   uint32_t* flags = reinterpret_cast<uint32_t*>(dev(64));
+  double* err_sums = reinterpret_cast<double*>(reinterpret_cast<char*>(flags) + 16);
   void* pinned = nullptr;
   cuda_check(cudaHostAlloc(&pinned, payload, cudaHostAllocPortable), "cudaHostAlloc");
   {
@@ -655,6 +688,13 @@ std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int
          return codec::cuda::reduce_quantize(own, F::kFloat32, qq(in), sc(in), n, block, 2.f, qq(out), sc(out),
                                              &flags[0], &flags[1], F::kFloat32, stream);
        }},
+      {"reduce-quantize + error sums (what the ring runs)", 4 * N + 2 * (N + S),
+       [&] {
+         return codec::cuda::reduce_quantize(own, F::kFloat32, qq(in), sc(in), n, block, 2.f, qq(out), sc(out),
+                                             &flags[0], &flags[1], F::kFloat32, stream, err_sums);
+       }},
+      {"quantization error of the own values (after quantize own)", 4 * N + N + S,
+       [&] { return codec::cuda::quantize_error_sq(own, F::kFloat32, qq(out), sc(out), n, block, err_sums, stream); }},
       {"  unfused: add_dequantized", 4 * N + N + S + 4 * N,
        [&] {
          return codec::cuda::add_dequantized(own, F::kFloat32, qq(in), sc(in), n, block, acc, &flags[0], stream);

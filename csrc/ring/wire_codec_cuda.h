@@ -83,7 +83,8 @@ class CudaContext {
   cudaEvent_t take_event();  // a timing event
   void give_event(cudaEvent_t e);
 
-  // Two pinned words the collective's flags are downloaded into (own input bad, result bad).
+  // Pinned memory (64 bytes) the collective's flags are downloaded into (words 0, 1: own
+  // input bad, result bad; bytes 16-31: the int8 error sums, at the end of the collective).
   uint32_t* host_flags() { return host_flags_; }
 
   // How received payloads reach the GPU in the collectives submitted from now on (each

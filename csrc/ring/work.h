@@ -34,6 +34,14 @@ struct WorkStats {
   double d2h_s = 0;        // GPU time of the device-to-host payload copies
   double staging_s = 0;    // host time copying received payloads into pinned staging
   double gpu_wait_s = 0;   // host time blocked until the GPU produced a payload to send
+  // The int8 quantization error this rank measured while it encoded (ScheduleTimes; the
+  // fields of prime.sync.QUANT_ERROR_FIELDS). Only when quant_measured: codec int8 with
+  // world size > 1 (the exact codec quantizes nothing, nor does a ring of one) and
+  // RingOptions::measure_quant_error; the bindings give None otherwise, never a 0 that
+  // was not measured.
+  bool quant_measured = false;
+  double quant_err_sq = 0;  // sum over every block quantized of ||dequantize(quantize(x)) - x||^2
+  double quant_in_sq = 0;   // and of ||x||^2
 };
 
 class Work {

@@ -45,6 +45,8 @@ ENV_MAX_RATE = "PRIME_RING_MAX_RATE"
 ENV_JOB_ID = "PRIME_RING_JOB_ID"
 ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
 ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
+# "0" turns off the int8 codec's own error measurement (WorkStats.quant_err_sq / quant_in_sq).
+ENV_QUANT_ERROR = "PRIME_RING_QUANT_ERROR"
 # Where the ring reduces CUDA tensors: "auto" (default: on their GPU when prime._C was
 # built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
 # without CUDA), "cpu" (always through pinned host memory: the path before issue 12).
@@ -81,6 +83,11 @@ class WorkStats:
     d2h_s: float = 0.0  # GPU time of the device-to-host payload copies (PCIe)
     staging_s: float = 0.0  # host time copying received payloads into pinned staging
     gpu_wait_s: float = 0.0  # host time blocked until the GPU produced a payload to send
+    # The int8 error this rank made while encoding (prime.sync.QUANT_ERROR_FIELDS): over every
+    # block it quantized, the float64 sums of ||dequantize(quantize(x)) - x||^2 and of ||x||^2.
+    # None when nothing was measured: codec "none", or a ring of one rank (it quantizes nothing).
+    quant_err_sq: Optional[float] = None
+    quant_in_sq: Optional[float] = None
 
 
 @runtime_checkable
@@ -203,6 +210,11 @@ class Ring:
       encrypt: also encrypt payloads (AES-256-GCM; default $PRIME_RING_ENCRYPT, else off:
         authenticated only). Every rank must pass the same value.
       segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
+      quant_error: the int8 codec measures the error of every quantize it makes and reports
+        it in WorkStats (quant_err_sq, quant_in_sq; DiLoCo's compression_error). Default
+        $PRIME_RING_QUANT_ERROR, else on. One float64 pass over each segment just quantized:
+        free on the GPU, about 2x the quantize time on the CPU (benchmarks/RESULTS.md). Off:
+        the fields are None. Local to this rank (nothing on the wire changes).
 
     Fault point ring.send (prime/faults.py, tests only): `ring.send@N` armed in this
     process flips one bit of the payload byte at offset N of everything the ring sends
@@ -224,6 +236,7 @@ class Ring:
         checksum: bool = True,
         segment_bytes: Optional[int] = None,
         encrypt: Optional[bool] = None,
+        quant_error: Optional[bool] = None,
     ):
         C = _extension.require()
         if not isinstance(world_size, int) or not 1 <= world_size <= 64:
@@ -245,6 +258,9 @@ class Ring:
             raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
         if encrypt is None:
             encrypt = os.environ.get(ENV_ENCRYPT, "0").strip().lower() in ("1", "true", "yes", "on")
+        if quant_error is None:
+            quant_error = os.environ.get(ENV_QUANT_ERROR, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.quant_error = bool(quant_error)
         segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
 
         self.rank = rank
@@ -271,6 +287,7 @@ class Ring:
             segment_elems=segment_elems,
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
             corrupt_after_bytes=_corrupt_offset(),
+            measure_quant_error=self.quant_error,
         )
         if world_size == 1:
             self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)
@@ -301,6 +318,13 @@ class Ring:
             raise
 
     # -- collectives ---------------------------------------------------------
+
+    @property
+    def reports_quant_error(self) -> bool:
+        """True when an int8 all_reduce's stats() carry quant_err_sq and quant_in_sq (prime.sync.QUANT_ERROR_FIELDS,
+        measured by the codec as it encodes, on the CPU or the GPU): DiLoCo then skips its own round-trip pass. A ring
+        of one rank quantizes nothing and reports nothing; quant_error=False turns the measurement off."""
+        return self.world_size > 1 and self.quant_error
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
