@@ -73,7 +73,7 @@ a)
   diloco sync_10g 10000
   ;;
 b)
-  # the state on the GPU: "auto" keeps it in CPU memory for 1B with overlap (5 buffers, 30 GB > 1/3 of 80 GB)
+  # the state on the GPU (before the "auto" rule counted free memory it put the 1B overlap state, 30 GB, in CPU memory)
   diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
   diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80 --diloco.outer_state_device gpu
   ;;

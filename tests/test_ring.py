@@ -427,7 +427,7 @@ QERR_CASES = [  # n, dtype, op, kind: sizes that are no multiple of the block or
 
 def _rank_quant_error(ctx, seed):
     out = []
-    with ctx.ring(segment_bytes=1 << 16) as ring:  # 16 Ki values: several segments per chunk
+    with ctx.ring(segment_bytes=1 << 16, quant_error=True) as ring:  # 16 Ki values: several segments per chunk
         for n, dtype, op, kind in QERR_CASES:
             x = make_input(seed, ctx.rank, n, dtype, kind)
             w = ring.all_reduce(x, op=op, codec="int8")
@@ -438,7 +438,7 @@ def _rank_quant_error(ctx, seed):
         w = ring.all_reduce(x, op="avg", codec="none")
         w.wait()
         out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error))
-    with ctx.ring(quant_error=False) as ring:  # measurement off: nothing reported, the same bytes
+    with ctx.ring() as ring:  # off by default (DiLoCo's rings ask for it): nothing reported, the same bytes
         x = make_input(seed, ctx.rank, 1000, torch.float32)
         w = ring.all_reduce(x, op="avg", codec="int8")
         w.wait()
@@ -472,8 +472,8 @@ def test_ring_reports_its_own_int8_error(ranks, world_size):
         assert err is None and ref is None, "the exact codec quantizes nothing: nothing is reported"
         assert reports is True
         err, ref, reports, digest = results[r][-1]
-        assert err is None and ref is None and reports is False, "quant_error=False: nothing measured"
-        assert digest == _digest(model), "quant_error=False changes nothing else"
+        assert err is None and ref is None and reports is False, "quant_error off (the default): nothing measured"
+        assert digest == _digest(model), "quant_error off changes nothing else"
 
 
 def _rank_diloco_error(ctx, seed, overlap):
@@ -491,7 +491,7 @@ def _rank_diloco_error(ctx, seed, overlap):
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen))  # the same start on every rank
-        with ctx.ring() as ring:
+        with ctx.ring(quant_error=True) as ring:
             d = DiLoCo(model, None, ring, inner_steps=1, codec="int8", overlap=overlap)
             captured = []
             average = d._sync.average

@@ -70,7 +70,7 @@ def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, 
                 wide = torch.zeros(2 * x.numel(), dtype=x.dtype, device=x.device)
                 wide[::2] = x
                 x = wide[::2]
-            with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES) as ring:
+            with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES, quant_error=True) as ring:
                 work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size)
                 try:
                     work.wait()

@@ -212,9 +212,11 @@ class Ring:
       segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
       quant_error: the int8 codec measures the error of every quantize it makes and reports
         it in WorkStats (quant_err_sq, quant_in_sq; DiLoCo's compression_error). Default
-        $PRIME_RING_QUANT_ERROR, else on. One float64 pass over each segment just quantized:
-        free on the GPU, about 2x the quantize time on the CPU (benchmarks/RESULTS.md). Off:
-        the fields are None. Local to this rank (nothing on the wire changes).
+        $PRIME_RING_QUANT_ERROR, else off (DiLoCo's rings turn it on when
+        diloco.compression_error is set). One float64 pass over each segment just quantized:
+        nearly free on the GPU (inside the fused kernel), about 2x the quantize time on the
+        CPU (benchmarks/RESULTS.md). Off: the fields are None. Local to this rank (nothing
+        on the wire changes).
 
     Fault point ring.send (prime/faults.py, tests only): `ring.send@N` armed in this
     process flips one bit of the payload byte at offset N of everything the ring sends
@@ -259,7 +261,7 @@ class Ring:
         if encrypt is None:
             encrypt = os.environ.get(ENV_ENCRYPT, "0").strip().lower() in ("1", "true", "yes", "on")
         if quant_error is None:
-            quant_error = os.environ.get(ENV_QUANT_ERROR, "1").strip().lower() not in ("0", "false", "no", "off")
+            quant_error = os.environ.get(ENV_QUANT_ERROR, "0").strip().lower() in ("1", "true", "yes", "on")
         self.quant_error = bool(quant_error)
         segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
 

@@ -161,6 +161,7 @@ class ElasticSync:
         slot_state_fn: Optional[Callable[[], dict]] = None,
         local_group=None,
         listen_when_stale: bool = True,
+        quant_error: bool = True,
     ):
         import torch.distributed as dist
 
@@ -176,6 +177,7 @@ class ElasticSync:
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
         self.listen_when_stale = listen_when_stale
+        self.quant_error = quant_error
         self._sources: list = []
         self.ring = None
         self._state = None  # the OuterState, from bind()
@@ -478,7 +480,7 @@ class ElasticSync:
         rank = members.index(self.node_id)
         store, job_id = self.membership.ring_store(k, attempt, rank)
         kwargs = {"timeout": timedelta(seconds=self.ring_timeout_s), "secret": self.membership.secret,
-                  "job_id": job_id}
+                  "job_id": job_id, "quant_error": self.quant_error}
         if self.streams:
             kwargs["streams"] = self.streams
         if self.max_rate:
