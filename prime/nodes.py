@@ -106,6 +106,18 @@ def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, s
     return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
 
 
+def final_agreement_result(env, say, node, what: str, digest: str, differ, nodes: int) -> dict:
+    """The end of a final-weights comparison, fixed or elastic: raises ReplicaMismatchError naming the nodes
+    whose digest differs, else says (on the logging process) that all `nodes` agree."""
+    if differ:
+        raise ReplicaMismatchError(f"node {node}: final {what} differ from node(s) {sorted(differ)} "
+                                   f"(blake2b {digest} here)")
+    if env.is_logger:
+        say(f"final {what} identical on all {nodes} nodes: blake2b {digest}"
+            + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
+    return {"weights_digest": digest}
+
+
 def signed_records(cfg: Config, store, secret: bytes):
     """The trainer's own store records (resume agreement, final digests, finish), signed under the job secret:
     the store has no credentials, so nothing read from it is trusted unsigned (docs/security.md)."""
@@ -197,13 +209,7 @@ class FixedNodes:
         self.records.set(keys.final_digest(env.local_rank, env.node_rank), digest)
         others = [self.records.get(keys.final_digest(env.local_rank, n)).decode() for n in range(env.num_nodes)]
         differ = [n for n, d in enumerate(others) if d != digest]
-        if differ:
-            raise ReplicaMismatchError(f"node {env.node_rank}: final {what} differ from node(s) {differ} "
-                                       f"(blake2b {digest} here)")
-        if env.is_logger:
-            self.say(f"final {what} identical on all {env.num_nodes} nodes: blake2b {digest}"
-                     + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
-        return {"weights_digest": digest}
+        return final_agreement_result(env, self.say, env.node_rank, what, digest, differ, env.num_nodes)
 
     def close(self) -> None:
         if self.sync is not None:

@@ -20,10 +20,10 @@ import torch
 
 from prime.comm import store_keys as keys
 from prime.config import Config
-from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
+from prime.diloco import DiLoCo, OuterStepResult
 from prime.elastic.membership import JobFinished, JoinError, Membership, MembershipError
 from prime.elastic.node import ElasticSync
-from prime.nodes import AfterOuter, final_weights_digest, signed_records
+from prime.nodes import AfterOuter, final_agreement_result, final_weights_digest, signed_records
 from prime.runtime import Environment
 
 __all__ = ["ElasticNodes"]
@@ -138,13 +138,7 @@ class ElasticNodes:
             lambda i: r.records.get(keys.final_digest(env.local_rank, i)), digest, self.cfg.diloco.timeout_s)
         if same is None:
             return {"weights_digest": digest}
-        if differ:
-            raise ReplicaMismatchError(f"node {me}: final {what} differ from node(s) {sorted(differ)} "
-                                       f"(blake2b {digest} here)")
-        if env.is_logger:
-            self.metrics.print(f"final {what} identical on all {len(same)} nodes: blake2b {digest}"
-                               + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
-        return {"weights_digest": digest}
+        return final_agreement_result(env, self.metrics.print, me, what, digest, differ, len(same))
 
     def close(self) -> None:
         """Leaves the job: the others drop this node at once."""
