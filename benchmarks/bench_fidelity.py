@@ -15,6 +15,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        average is applied after that many inner steps of the next outer step
   overlap-int8-eager-adaptive  DiLoCo with overlap (eager-adaptive), int8 ring
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
+  overlap-int8-eager-merge  DiLoCo with overlap (eager-merge: the local weights keep half of their start's
+                       offset when the average arrives), int8 ring; may end in @F as eager
 
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
 the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
@@ -53,6 +55,7 @@ METHODS = {
     "overlap-int8-eager": dict(codec="int8", overlap=True, overlap_scheme="eager"),
     "overlap-int8-eager-adaptive": dict(codec="int8", overlap=True, overlap_scheme="eager-adaptive"),
     "overlap-int8-delayed": dict(codec="int8", overlap=True, overlap_scheme="delayed"),
+    "overlap-int8-eager-merge": dict(codec="int8", overlap=True, overlap_scheme="eager-merge"),
 }
 EVAL_FRACTION = 0.05
 
