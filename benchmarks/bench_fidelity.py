@@ -199,12 +199,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default="benchmarks/results/fidelity")
     ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
+    ap.add_argument("--merge-alpha", type=float, default=None,
+                    help="eager-merge: the share of the start's offset kept (prime.diloco.MERGE_ALPHA, 0.5); a study "
+                         "knob of this benchmark only")
     a, rest = ap.parse_known_args()
     if a.replot:
         with open(a.out + ".json") as f:
             saved = json.load(f)
         plot(saved["results"], saved["meta"], a.out)
         return 0
+    if a.merge_alpha is not None:
+        import prime.diloco
+
+        prime.diloco.MERGE_ALPHA = a.merge_alpha
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -256,7 +263,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
-            "device": str(device), "machine": machine, "argv": sys.argv[1:]}
+            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": _merge_alpha()}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:
@@ -298,6 +305,12 @@ def plot(results: dict, meta: dict, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=110)
     print(f"plot: {out}.png")
+
+
+def _merge_alpha() -> float:
+    import prime.diloco
+
+    return prime.diloco.MERGE_ALPHA
 
 
 def _machine(device) -> str:
