@@ -72,7 +72,7 @@ MERGE_ALPHA = 0.5
 """eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
 the average arrives. 1/2 is Streaming DiLoCo's mixing factor, and the value that keeps the node's offset
 from growing whatever fraction c in [0, 1] of it the inner steps undo (the offset of the next start is
--lr (1 + mu) (c - 1/2) times this one, plus fresh noise); measured in benchmarks/RESULTS.md, "Overlap:
+-lr (1 + mu) (c - 1/2) times this one, plus fresh noise: a gain below 1 while lr (1 + mu) < 2); measured in benchmarks/RESULTS.md, "Overlap:
 the eager-merge scheme"."""
 
 
