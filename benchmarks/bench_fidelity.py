@@ -15,6 +15,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        average is applied after that many inner steps of the next outer step
   overlap-int8-eager-adaptive  DiLoCo with overlap (eager-adaptive), int8 ring
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
+  overlap-int8-eager-merge  DiLoCo with overlap (eager-merge: the local weights keep half of their start's
+                       offset when the average arrives), int8 ring; may end in @F as eager
 
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
 the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
@@ -53,6 +55,7 @@ METHODS = {
     "overlap-int8-eager": dict(codec="int8", overlap=True, overlap_scheme="eager"),
     "overlap-int8-eager-adaptive": dict(codec="int8", overlap=True, overlap_scheme="eager-adaptive"),
     "overlap-int8-delayed": dict(codec="int8", overlap=True, overlap_scheme="delayed"),
+    "overlap-int8-eager-merge": dict(codec="int8", overlap=True, overlap_scheme="eager-merge"),
 }
 EVAL_FRACTION = 0.05
 
@@ -196,12 +199,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default="benchmarks/results/fidelity")
     ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
+    ap.add_argument("--merge-alpha", type=float, default=None,
+                    help="eager-merge: the share of the start's offset kept (prime.diloco.MERGE_ALPHA, 0.5); a study "
+                         "knob of this benchmark only")
     a, rest = ap.parse_known_args()
     if a.replot:
         with open(a.out + ".json") as f:
             saved = json.load(f)
         plot(saved["results"], saved["meta"], a.out)
         return 0
+    if a.merge_alpha is not None:
+        import prime.diloco
+
+        prime.diloco.MERGE_ALPHA = a.merge_alpha
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -253,7 +263,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
-            "device": str(device), "machine": machine, "argv": sys.argv[1:]}
+            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": _merge_alpha()}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:
@@ -295,6 +305,12 @@ def plot(results: dict, meta: dict, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=110)
     print(f"plot: {out}.png")
+
+
+def _merge_alpha() -> float:
+    import prime.diloco
+
+    return prime.diloco.MERGE_ALPHA
 
 
 def _machine(device) -> str:

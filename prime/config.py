@@ -195,7 +195,7 @@ class DiLoCoConfig:
     overlap: bool = False
     """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
     overlap_scheme: str = "eager"
-    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
+    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]), delayed (from the outer weights without the step in flight) or eager-merge (eager; when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md)."""
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     outer_state_device: str = "auto"
@@ -203,8 +203,8 @@ class DiLoCoConfig:
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
-        _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed"), "diloco.overlap_scheme",
-                 "'eager', 'eager-adaptive' or 'delayed'", self.overlap_scheme)
+        _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed", "eager-merge"), "diloco.overlap_scheme",
+                 "'eager', 'eager-adaptive', 'delayed' or 'eager-merge'", self.overlap_scheme)
         _require(0 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
                  f"in [0, diloco.inner_steps = {self.inner_steps}] (0: inner_steps)", self.overlap_steps)
         _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),

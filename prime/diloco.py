@@ -58,12 +58,22 @@ __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError"
 
 logger = logging.getLogger("prime.diloco")
 
-OVERLAP_SCHEMES = ("eager", "eager-adaptive", "delayed")
+OVERLAP_SCHEMES = ("eager", "eager-adaptive", "delayed", "eager-merge")
 """How the next inner steps start while the average of the last outer step is in flight (docs/training.md,
 "Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give (the local
 pseudo-gradient stands in for the average), "eager-adaptive" from the one alpha times it would give, alpha =
 ||a||^2 / ||d||^2 of the previous outer step clamped to [1/nodes, 1] (the least-squares shrink of a noisy
-local estimate), "delayed" from the outer weights as they are (without the step in flight)."""
+local estimate), "delayed" from the outer weights as they are (without the step in flight), "eager-merge" as
+eager, but when the average arrives the local weights keep MERGE_ALPHA of their start point's offset from the
+outer weights (Streaming DiLoCo's merge), so that the next start does not echo the part of the offset that
+the inner steps already undid."""
+
+MERGE_ALPHA = 0.5
+"""eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
+the average arrives. 1/2 is Streaming DiLoCo's mixing factor, and the value that keeps the node's offset
+from growing whatever fraction c in [0, 1] of it the inner steps undo (the offset of the next start is
+-lr (1 + mu) (c - 1/2) times this one, plus fresh noise: a gain below 1 while lr (1 + mu) < 2); measured in benchmarks/RESULTS.md, "Overlap:
+the eager-merge scheme"."""
 
 
 @dataclass
@@ -203,8 +213,11 @@ class DiLoCo:
     overlap_scheme:   "eager" (default: the inner steps start from the outer update
                       the local pseudo-gradient would give), "eager-adaptive" (the
                       local pseudo-gradient shrunk by how much of it the last average
-                      kept) or "delayed" (from the outer weights without the step in
-                      flight); see OVERLAP_SCHEMES
+                      kept), "delayed" (from the outer weights without the step in
+                      flight) or "eager-merge" (eager; when the average arrives the local
+                      weights keep half of their start point's offset from the outer
+                      weights: the smallest loss cost at high overlap_steps); see
+                      OVERLAP_SCHEMES
     overlap_steps:    with overlap, apply the average in flight after this many inner
                       steps of the next outer step, shifting the local weights by what
                       the start point missed (None: inner_steps, the whole phase).
@@ -553,10 +566,15 @@ class DiLoCo:
         elif not eager:
             st.load_into_model()
         if eager:
+            src = g
             if self.start is None:
                 self.start = self._start_buf if self._start_buf is not None else st.new_buffer()
+            elif self.overlap_scheme == "eager-merge":
+                # overlap_steps = inner_steps: the average arrived at this boundary. The local weights, merged,
+                # would be x + (1 - alpha)(w - s): their pseudo-gradient from w is d - alpha (s - w).
+                src = self._merge_stand_in(g)
             adaptive = self.overlap_scheme == "eager-adaptive" and self.alpha != 1.0
-            st.lookahead(g, self.start, load=True, scale=self.alpha if adaptive else None)
+            st.lookahead(src, self.start, load=True, scale=self.alpha if adaptive else None)
             self._last_sq = sq
         else:
             self.start = None
@@ -589,8 +607,20 @@ class DiLoCo:
         if self.start is not None:
             st = self.state
             torch.sub(st.outer, self.start, out=self.start)  # what the start point missed
+            if self.overlap_scheme == "eager-merge":
+                self.start.mul_(1.0 - MERGE_ALPHA)  # keep alpha of the offset: the inner steps undid part of it
             st.add_to_model(self.start)
             self._start_buf, self.start = self.start, None  # the buffer is reused at the next outer step
+
+    def _merge_stand_in(self, g: torch.Tensor) -> torch.Tensor:
+        """eager-merge at a boundary with the start still set (the average applied at the boundary): the start
+        buffer := g - alpha (start - outer weights), each operation rounded once; returns it (lookahead reads
+        each chunk before writing it, so it may be both the input and the output)."""
+        s = self.start
+        torch.sub(s, self.state.outer, out=s)  # the start point's offset from the new outer weights
+        s.mul_(MERGE_ALPHA)
+        torch.sub(g, s, out=s)
+        return s
 
     def _join(self, flight: _InFlight) -> SyncResult:
         """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from prime.config import Config
-from prime.diloco import DiLoCo, OuterSyncError
+from prime.diloco import MERGE_ALPHA, DiLoCo, OuterSyncError
 from test_diloco import (FakeThreadGroup, FakeThreadRing, TwoParams, int8_round_trip_f64,  # noqa: F401
                          one_thread, run_nodes)  # one_thread: autouse, one torch thread here too
 
@@ -44,6 +44,9 @@ def reference(w0, deltas, scheme, *, lr, mu, nesterov, codec, block_size):
         for r in range(n):
             if scheme == "eager":
                 starts[r] = nesterov_f32(w, m, d[r], lr, mu, nesterov)[0]
+            elif scheme == "eager-merge":  # the local pseudo-gradient less alpha x the previous start's offset
+                stand_in = d[r] if k == 0 else d[r] - torch.mul(starts[r] - w, MERGE_ALPHA)
+                starts[r] = nesterov_f32(w, m, stand_in, lr, mu, nesterov)[0]
             elif scheme == "eager-adaptive":  # the local pseudo-gradient shrunk by alpha, rounded to fp32
                 stand_in = d[r] if alphas[r] == 1.0 else torch.mul(d[r], alphas[r])
                 starts[r] = nesterov_f32(w, m, stand_in, lr, mu, nesterov)[0]
@@ -108,10 +111,10 @@ def test_overlap_matches_plain_torch_reference_bit_for_bit(seed, scheme, codec, 
         assert torch.equal(got[r][1], ref_final), f"seed {seed} node {r}: final weights"
 
 
-def reference_midway(w0, deltas, tau, *, lr, mu, codec, block_size):
+def reference_midway(w0, deltas, tau, *, lr, mu, codec, block_size, scheme="eager"):
     """Plain-torch eager overlap with overlap_steps = tau < H: deltas[k][r][j] moves node r at inner step j of
     outer step k. After tau inner steps the average in flight is applied and the local weights are shifted by
-    (outer weights - start point). Returns the final weights."""
+    (outer weights - start point) (eager-merge: by (1 - alpha) of it). Returns the final weights."""
     n, H = len(deltas[0]), len(deltas[0][0])
     w, m = w0.clone(), torch.zeros_like(w0)
     starts, x = [w0.clone() for _ in range(n)], [w0.clone() for _ in range(n)]
@@ -122,7 +125,10 @@ def reference_midway(w0, deltas, tau, *, lr, mu, codec, block_size):
             if j + 1 == tau and k > 0:
                 w, m = nesterov_f32(w, m, pending, lr, mu, True)
                 pending = None
-                x = [x[r] + (w - starts[r]) for r in range(n)]  # (w - start) rounded, then added
+                if scheme == "eager-merge":
+                    x = [x[r] + torch.mul(w - starts[r], 1.0 - MERGE_ALPHA) for r in range(n)]
+                else:
+                    x = [x[r] + (w - starts[r]) for r in range(n)]  # (w - start) rounded, then added
                 starts = [w.clone() for _ in range(n)]
         d = [starts[r] - x[r] for r in range(n)]
         if pending is not None:
@@ -434,3 +440,127 @@ def test_checkpoint_before_overlap_steps_resumes_bit_for_bit(seed):
         d.finish()
         d.close()
     assert torch.equal(m1.a, m2.a) and torch.equal(m1.a, m3.a), f"seed {seed}"
+
+
+# -- eager-merge ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec,nesterov", [("int8", True), ("none", True), ("none", False)])
+def test_eager_merge_matches_plain_torch_reference_bit_for_bit(seed, codec, nesterov):
+    """eager-merge over the whole phase, 3 nodes, 5 outer steps: each next start is the lookahead of
+    d - alpha (previous start - outer weights); every node's model, the shared outer weights and the final
+    weights equal the reference's bits, and the outer weights are identical on every node."""
+    gen = torch.Generator().manual_seed(seed)
+    n, steps, size = 3, 5, 200
+    w0 = torch.randn(size, generator=gen)
+    deltas = [[0.05 * torch.randn(size, generator=gen) for _ in range(n)] for _ in range(steps)]
+    got = run_overlap(w0, deltas, "eager-merge", codec=codec, nesterov=nesterov)
+    ref_steps, ref_final = reference(w0, deltas, "eager-merge", lr=0.7, mu=0.9, nesterov=nesterov, codec=codec,
+                                     block_size=32)
+    eager_steps, _ = reference(w0, deltas, "eager", lr=0.7, mu=0.9, nesterov=nesterov, codec=codec, block_size=32)
+    assert not torch.equal(ref_steps[2][0][0], eager_steps[2][0][0])  # the merge changes the starts
+    for k, (starts, w) in enumerate(ref_steps):
+        for r in range(n):
+            model_w, outer_w = got[r][0][k]
+            assert torch.equal(model_w, starts[r]), f"seed {seed} step {k + 1} node {r}: model weights"
+            assert torch.equal(outer_w, w), f"seed {seed} step {k + 1} node {r}: outer weights"
+    for r in range(n):
+        assert torch.equal(got[r][1], ref_final), f"seed {seed} node {r}: final weights"
+
+
+def run_midway(w0, deltas, tau, scheme, *, checkpoint_at=None, codec="int8"):
+    """Nodes as threads, inner_steps = len(deltas[0][0]), overlap_steps = tau; with checkpoint_at = (k, j) every
+    node saves state_dict() after inner step j of outer step k and continues on a fresh DiLoCo restored from
+    it. Returns every node's final weights."""
+    n, H = len(deltas[0]), len(deltas[0][0])
+    group = FakeThreadGroup(n)
+    kw = dict(inner_steps=H, overlap_steps=tau, codec=codec, block_size=32, overlap=True, overlap_scheme=scheme,
+              check_replicas=False)
+
+    def node(r):
+        model = TwoParams(w0, torch.zeros(0))
+        d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
+        for k in range(len(deltas)):
+            for j in range(H):
+                with torch.no_grad():
+                    model.a -= deltas[k][r][j]
+                d.step()
+                if (k, j) == checkpoint_at:
+                    sd = {key: (v.clone() if torch.is_tensor(v) else v) for key, v in d.state_dict().items()}
+                    d.close()
+                    model = TwoParams(model.a.detach().clone(), torch.zeros(0))
+                    d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
+                    d.load_state_dict(sd)
+        d.finish()
+        d.close()
+        return model.a.detach().clone()
+
+    return run_nodes(n, node)
+
+
+@pytest.mark.parametrize("tau", [1, 2])
+def test_eager_merge_overlap_steps_match_plain_torch_reference_bit_for_bit(seed, tau):
+    """eager-merge with overlap_steps < inner_steps (3): after tau inner steps the average is applied and the
+    local weights move by (1 - alpha)(outer weights - start); 2 nodes, int8, final weights equal the
+    reference's bits on both nodes (and differ from eager's)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, H, steps, size = 2, 3, 4, 150
+    w0 = torch.randn(size, generator=gen)
+    deltas = [[[0.02 * torch.randn(size, generator=gen) for _ in range(H)] for _ in range(n)] for _ in range(steps)]
+    got = run_midway(w0, deltas, tau, "eager-merge")
+    ref = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32, scheme="eager-merge")
+    eager = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32)
+    assert not torch.equal(ref, eager)
+    for r in range(n):
+        assert torch.equal(got[r], ref), f"seed {seed} tau {tau} node {r}"
+
+
+@pytest.mark.parametrize("tau,checkpoint_at", [(3, (1, 2)), (3, (2, 0)), (2, (1, 0)), (1, (2, 1))])
+def test_eager_merge_checkpoint_resumes_bit_for_bit(seed, tau, checkpoint_at):
+    """2 nodes (so that the start offsets are not zero), inner_steps 3: a checkpoint at an outer step, inside a
+    whole-phase overlap, before the average is applied (tau = 2) and after (tau = 1) continues bit for bit like
+    the uninterrupted run: the merge needs no state beyond eager's."""
+    gen = torch.Generator().manual_seed(seed)
+    n, H, steps, size = 2, 3, 4, 80
+    w0 = torch.randn(size, generator=gen)
+    deltas = [[[0.02 * torch.randn(size, generator=gen) for _ in range(H)] for _ in range(n)] for _ in range(steps)]
+    plain = run_midway(w0, deltas, tau, "eager-merge")
+    resumed = run_midway(w0, deltas, tau, "eager-merge", checkpoint_at=checkpoint_at)
+    for r in range(n):
+        assert torch.equal(resumed[r], plain[r]), f"seed {seed} tau {tau} checkpoint {checkpoint_at} node {r}"
+    assert torch.equal(plain[0], plain[1])
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_one_node_eager_merge_is_the_synchronous_outer_step(seed, tau):
+    """With one node (exact average) every start offset is exactly 0, so eager-merge gives the synchronous
+    bits."""
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(300, generator=gen)
+    deltas = [[[0.05 * torch.randn(300, generator=gen) for _ in range(3)]] for _ in range(4)]
+    got = run_midway(w0, deltas, tau, "eager-merge", codec="none")[0]
+    model = TwoParams(w0, torch.zeros(0))
+    d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=3, codec="none", block_size=32,
+               check_replicas=False)
+    for k in range(4):
+        for j in range(3):
+            with torch.no_grad():
+                model.a -= deltas[k][0][j]
+            d.step()
+    assert torch.equal(model.a.detach(), got), f"seed {seed} tau {tau}"
+
+
+def test_eager_merge_config_and_settings():
+    """The config accepts eager-merge (with overlap_steps below inner_steps too), it needs the default outer
+    update like eager, and it is part of the replica fingerprint's settings."""
+    cfg = Config()
+    cfg.diloco.overlap, cfg.diloco.overlap_scheme = True, "eager-merge"
+    cfg.diloco.inner_steps, cfg.diloco.overlap_steps = 10, 9
+    cfg.validate()
+    with pytest.raises(ValueError, match="outer_optimizer=None"):
+        DiLoCo(nn.Linear(2, 2), None, FakeThreadRing(FakeThreadGroup(1), 0), overlap=True,
+               overlap_scheme="eager-merge", outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    d = DiLoCo(nn.Linear(2, 2), None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, overlap_steps=2,
+               overlap=True, overlap_scheme="eager-merge", check_replicas=False)
+    assert d.settings()["overlap"] == "eager-merge" and d.settings()["overlap_steps"] == 2
+    d.close()
