@@ -12,6 +12,15 @@
 #                                            synchronous, 10 Gbit/s, eager and train.compile true
 #   PHASE=e benchmarks/gpu_issue12.sh OUT   DiLoCo 2 x 1 GPU overlapped (eager), train.compile true, at
 #                                            1 Gbit/s (overlap_steps 90) and 10 Gbit/s (overlap_steps 20)
+#   PHASE=f (4 GPUs) benchmarks/gpu_issue12.sh OUT   CUDA build; 2 nodes x 2 GPUs (FSDP2), synchronous, 10 Gbit/s
+#                                            per node, eager and train.compile true
+#   PHASE=g (4 GPUs) benchmarks/gpu_issue12.sh OUT   2 nodes x 2 GPUs (FSDP2), overlapped (eager-merge): 1 Gbit/s
+#                                            eager and compiled, 10 Gbit/s compiled
+#   PHASE=h (4 GPUs) benchmarks/gpu_issue12.sh OUT   bench_fidelity.py 150M, eager-merge against synchronous exact,
+#                                            two seeds (GPUs 2 and 3), beside DiLoCo 2 x 1 GPU (GPUs 0 and 1),
+#                                            overlapped (eager-merge), compiled, 1 Gbit/s
+# With 2 GPUs per node each local rank keeps its own ring (ring g joins local rank g of every node), so the
+# node's link is shared by its rings: phases f and g pace each ring at half the node's rate (NODE_MBIT / 2).
 # COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
 # Every part writes its full log under OUT; the tail of the output is a summary.
 set -uo pipefail
@@ -24,14 +33,14 @@ note() { summary+=("$*"); echo "== $*"; }
 
 echo "== build (CUDA, sm_90)"
 if ! python3 -c "import prime._C as C, sys; sys.exit(0 if getattr(C, '_ring_reduces_on_gpu', False) else 1)" 2>/dev/null; then
-  PRIME_CUDA_ARCHS=90 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
+  PRIME_CUDA_ARCHS=90 MAX_JOBS=$(( $(nproc) < 32 ? $(nproc) : 32 )) python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
 fi
 python3 -c "import prime._C as C; print('CUDA ring codec:', C._ring_reduces_on_gpu)"
 
 diloco() {  # diloco NAME RATE EXTRA...
   local name=$1 rate=$2; shift 2
-  echo "== DiLoCo $name: 2 nodes x ${PROCS:-1} GPU, 1B, H=100, ${OUTER:-3} outer steps, $rate Mbit/s, $*"
+  echo "== DiLoCo $name: 2 nodes x ${PROCS:-1} GPU, 1B, H=100, ${OUTER:-3} outer steps, $rate Mbit/s per ring, $*"
   timeout ${RUN_TIMEOUT:-230} python3 -m prime.simulate --nodes 2 --procs-per-node ${PROCS:-1} -- \
     --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps $((100 * ${OUTER:-3})) \
     --diloco.inner_steps 100 --diloco.max_rate_mbit "$rate" --optim.warmup_steps 10 --metrics.log_every 50 \
@@ -98,6 +107,38 @@ e)
     --diloco.outer_state_device gpu
   COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_steps 20 \
     --diloco.outer_state_device gpu
+  ;;
+f)  # 2 nodes x 2 GPUs (FSDP2 inside a node): needs a 4-GPU host; each ring gets half of the node's 10 Gbit/s
+  PROCS=2 RUN_TIMEOUT=200 diloco fsdp_sync_10g 5000
+  PROCS=2 COMPILE=true RUN_TIMEOUT=220 diloco fsdp_sync_10g_compile 5000
+  ;;
+g)
+  PROCS=2 RUN_TIMEOUT=170 diloco fsdp_overlap_1g 500 --diloco.overlap true --diloco.overlap_steps 80 \
+    --diloco.overlap_scheme eager-merge --diloco.outer_state_device gpu
+  PROCS=2 COMPILE=true RUN_TIMEOUT=190 diloco fsdp_overlap_1g_compile 500 --diloco.overlap true \
+    --diloco.overlap_steps 90 --diloco.overlap_scheme eager-merge --diloco.outer_state_device gpu
+  PROCS=2 COMPILE=true RUN_TIMEOUT=180 diloco fsdp_overlap_10g_compile 5000 --diloco.overlap true \
+    --diloco.overlap_steps 20 --diloco.overlap_scheme eager-merge --diloco.outer_state_device gpu
+  ;;
+h)
+  # the fidelity runs time nothing, so they share the host with the timed run (one GPU each)
+  pids=()
+  for seed in 0 1; do
+    CUDA_VISIBLE_DEVICES=$((2 + seed)) timeout ${FIDELITY_TIMEOUT:-400} python3 benchmarks/bench_fidelity.py \
+      --config configs/150M.toml --data.source embedded --train.steps 400 --optim.warmup_steps 40 \
+      --optim.decay_steps 100 --diloco.inner_steps 40 --train.micro_batch_size 16 --data.seq_len 512 \
+      --eval-batches 16 --train.seed $seed \
+      --methods "${FID_METHODS:-diloco-exact,diloco-int8,overlap-int8-eager@9/10,overlap-int8-eager-merge@1/5,overlap-int8-eager-merge@9/10}" \
+      --out "$out/fidelity_150M_seed$seed" >"$out/fidelity_150M_seed$seed.log" 2>&1 &
+    pids+=($!)
+  done
+  CUDA_VISIBLE_DEVICES=0,1 COMPILE=true RUN_TIMEOUT=200 diloco overlap_1g_compile_merge 1000 --diloco.overlap true \
+    --diloco.overlap_steps 90 --diloco.overlap_scheme eager-merge --diloco.outer_state_device gpu
+  for i in 0 1; do
+    wait ${pids[$i]}
+    note "fidelity 150M seed $i: exit $?"
+    grep -v Warning "$out/fidelity_150M_seed$i.log" | tail -9
+  done
   ;;
 esac
 echo "== summary"
