@@ -19,6 +19,8 @@
 #   PHASE=h (4 GPUs) benchmarks/gpu_issue12.sh OUT   bench_fidelity.py 150M, eager-merge against synchronous exact,
 #                                            two seeds (GPUs 2 and 3), beside DiLoCo 2 x 1 GPU (GPUs 0 and 1),
 #                                            overlapped (eager-merge), compiled, 1 Gbit/s
+#   PHASE=i benchmarks/gpu_issue12.sh OUT   CUDA build; DiLoCo 2 x 1 GPU, synchronous, 10 Gbit/s, train.compile true
+#                                            and eager (phase d's runs after the tied-embedding fix)
 # With 2 GPUs per node each local rank keeps its own ring (ring g joins local rank g of every node), so the
 # node's link is shared by its rings: phases f and g pace each ring at half the node's rate (NODE_MBIT / 2).
 # COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
@@ -139,6 +141,10 @@ h)
     note "fidelity 150M seed $i: exit $?"
     grep -v Warning "$out/fidelity_150M_seed$i.log" | tail -9
   done
+  ;;
+i)
+  COMPILE=true RUN_TIMEOUT=200 diloco sync_10g_compile 10000
+  RUN_TIMEOUT=180 diloco sync_10g 10000
   ;;
 esac
 echo "== summary"

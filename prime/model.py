@@ -259,6 +259,10 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
         """(Re)initializes every parameter and rebuilds the rotary tables."""
         device = buffer_device or self.tok_embeddings.weight.device
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # `to_empty` from the meta device gives each module its own tensor (FSDP2 keeps shared ones shared):
+            # tie again, or the output weight stays uninitialized memory and is trained (and synced) on its own
+            self.output.weight = self.tok_embeddings.weight
         with torch.no_grad():
             cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
             self.rope_cos, self.rope_sin = cos, sin

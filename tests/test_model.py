@@ -129,14 +129,25 @@ def test_learns_a_fixed_batch(seed):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_meta_init_then_init_weights(seed):
+@pytest.mark.parametrize("tie", [False, True])
+def test_meta_init_then_init_weights(seed, tie):
+    args = ModelArgs(**SMALL, tie_embeddings=tie)
     with torch.device("meta"):
-        model = Transformer(ModelArgs(**SMALL))
-    model.to_empty(device="cpu")
+        model = Transformer(args)
+    model.to_empty(device="cpu")  # unties shared parameters: init_weights must tie them again
     model.init_weights()
     x = torch.randint(0, 100, (1, 8))
     assert torch.isfinite(model(x)).all()
     assert model.rope_cos.shape == (64, 8)
+    assert (model.output.weight is model.tok_embeddings.weight) == tie
+    assert model.num_params() == args.num_params()
+    # the same weights as a model built on the real device from the same seed
+    ref = Transformer(args)
+    for m in (model, ref):
+        torch.manual_seed(1234)
+        m.init_weights()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
 
 
 @pytest.mark.parametrize("bad,match", [
