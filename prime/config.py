@@ -194,8 +194,8 @@ class DiLoCoConfig:
     """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
     overlap: bool = False
     """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
-    overlap_scheme: str = "eager"
-    """With overlap: eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]), delayed (from the outer weights without the step in flight) or eager-merge (eager; when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md)."""
+    overlap_scheme: str = "eager-merge"
+    """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     outer_state_device: str = "auto"

@@ -210,13 +210,14 @@ class DiLoCo:
                       outer step k+1 (docs/training.md, "Overlapping the all-reduce").
                       Needs a ring (or RingSync), not an elastic sync. Call finish()
                       at the end of training to apply the last one
-    overlap_scheme:   "eager" (default: the inner steps start from the outer update
-                      the local pseudo-gradient would give), "eager-adaptive" (the
-                      local pseudo-gradient shrunk by how much of it the last average
-                      kept), "delayed" (from the outer weights without the step in
-                      flight) or "eager-merge" (eager; when the average arrives the local
-                      weights keep half of their start point's offset from the outer
-                      weights: the smallest loss cost at high overlap_steps); see
+    overlap_scheme:   "eager-merge" (default: eager, but when the average arrives the
+                      local weights keep half of their start point's offset from the
+                      outer weights: the smallest loss cost at high overlap_steps),
+                      "eager" (the inner steps start from the outer update the local
+                      pseudo-gradient would give), "eager-adaptive" (the local
+                      pseudo-gradient shrunk by how much of it the last average
+                      kept) or "delayed" (from the outer weights without the step in
+                      flight); see
                       OVERLAP_SCHEMES
     overlap_steps:    with overlap, apply the average in flight after this many inner
                       steps of the next outer step, shifting the local weights by what
@@ -248,7 +249,7 @@ class DiLoCo:
         measure_compression_error: bool = True,
         check_replicas: bool = True,
         overlap: bool = False,
-        overlap_scheme: str = "eager",
+        overlap_scheme: str = "eager-merge",
         outer_state_device: str = "auto",
         overlap_steps: Optional[int] = None,
     ):

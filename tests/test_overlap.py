@@ -157,7 +157,7 @@ def test_overlap_steps_match_plain_torch_reference_bit_for_bit(seed, tau):
     def node(r):
         model = TwoParams(w0, torch.zeros(0))
         d = DiLoCo(model, None, FakeThreadRing(group, r), inner_steps=H, overlap_steps=tau, codec="int8",
-                   block_size=32, overlap=True, check_replicas=False)
+                   block_size=32, overlap=True, overlap_scheme="eager", check_replicas=False)
         for k in range(steps):
             for j in range(H):
                 with torch.no_grad():
@@ -205,7 +205,8 @@ def test_checkpoint_mid_run_resumes_bit_for_bit(seed):
 
     def node(r):
         model = TwoParams(w0, torch.zeros(0))
-        kw = dict(inner_steps=1, codec="int8", block_size=32, overlap=True, check_replicas=False)
+        kw = dict(inner_steps=1, codec="int8", block_size=32, overlap=True, overlap_scheme="eager",
+                  check_replicas=False)
         d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
         for k in range(2):
             with torch.no_grad():
@@ -416,7 +417,7 @@ def test_checkpoint_before_overlap_steps_resumes_bit_for_bit(seed):
     def make(w):
         model = TwoParams(w, torch.zeros(0))
         return model, DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=3, overlap_steps=2,
-                             codec="none", overlap=True, check_replicas=False)
+                             codec="none", overlap=True, overlap_scheme="eager", check_replicas=False)
 
     m1, d1 = make(w0)
     for k in range(4):  # one outer step and one inner step: an average in flight
