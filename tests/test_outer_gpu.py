@@ -92,10 +92,10 @@ class CpuSideRing:
         self.inner.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_nodes_with_outer_state_on_different_devices_stay_identical(seed, overlap):
+@pytest.mark.parametrize("scheme", [None, "eager", "eager-merge"])
+def test_nodes_with_outer_state_on_different_devices_stay_identical(seed, scheme):
     """Node 0 keeps its outer state on the GPU, node 1 in CPU memory: identical weights after every outer
-    step, with and without overlap."""
+    step, synchronous (scheme None) and with overlap."""
     from prime.diloco import DiLoCo
     from test_diloco import FakeThreadGroup, FakeThreadRing, run_nodes
 
@@ -109,7 +109,8 @@ def test_nodes_with_outer_state_on_different_devices_stay_identical(seed, overla
         model.weight = nn.Parameter(w0.clone().cuda())
         model.bias = None
         d = DiLoCo(model, None, CpuSideRing(FakeThreadRing(group, r)), inner_steps=1, codec="int8",
-                   overlap=overlap, outer_state_device="gpu" if r == 0 else "cpu", check_replicas=False)
+                   overlap=scheme is not None, overlap_scheme=scheme or "eager-merge",
+                   outer_state_device="gpu" if r == 0 else "cpu", check_replicas=False)
         assert d.state.device.type == ("cuda" if r == 0 else "cpu")
         outs = []
         for k in range(4):
