@@ -23,7 +23,8 @@
 #                                            and eager (phase d's runs after the tied-embedding fix)
 # With 2 GPUs per node each local rank keeps its own ring (ring g joins local rank g of every node), so the
 # node's link is shared by its rings: phases f and g pace each ring at half the node's rate (NODE_MBIT / 2).
-# COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
+# Phases b, c and e name the eager scheme (the default until eager-merge replaced it), so they repeat the
+# recorded runs. COMPILE=true|false sets train.compile of phases a-c (default false; d and e use true).
 # Every part writes its full log under OUT; the tail of the output is a summary.
 set -uo pipefail
 out=${1:?usage: PHASE=a|b benchmarks/gpu_issue12.sh OUT}
@@ -85,11 +86,14 @@ a)
   ;;
 b)
   # the state on the GPU (before the "auto" rule counted free memory it put the 1B overlap state, 30 GB, in CPU memory)
-  diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
-  diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_steps 80 --diloco.outer_state_device gpu
+  diloco overlap_10g 10000 --diloco.overlap true --diloco.overlap_scheme eager --diloco.overlap_steps 10 \
+    --diloco.outer_state_device gpu
+  diloco overlap_1g 1000 --diloco.overlap true --diloco.overlap_scheme eager --diloco.overlap_steps 80 \
+    --diloco.outer_state_device gpu
   ;;
 c)  # 2 nodes x 2 GPUs (FSDP2 inside a node): needs a 4-GPU host
-  PROCS=2 diloco fsdp_overlap_10g 10000 --diloco.overlap true --diloco.overlap_steps 10 --diloco.outer_state_device gpu
+  PROCS=2 diloco fsdp_overlap_10g 10000 --diloco.overlap true --diloco.overlap_scheme eager --diloco.overlap_steps 10 \
+    --diloco.outer_state_device gpu
   ;;
 d)
   timeout 150 python3 benchmarks/bench_ring_cuda.py --world 2 --mib 5716 --warmup 1 --iters 4 --method-budget 30 \
@@ -105,10 +109,10 @@ d)
   ;;
 e)
   # compiled inner steps are ~0.16 s: the 1 Gbit/s all-reduce (~12.5 s) needs ~80 of them, the 10 Gbit/s one ~12
-  COMPILE=true RUN_TIMEOUT=270 diloco overlap_1g_compile 1000 --diloco.overlap true --diloco.overlap_steps 90 \
-    --diloco.outer_state_device gpu
-  COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_steps 20 \
-    --diloco.outer_state_device gpu
+  COMPILE=true RUN_TIMEOUT=270 diloco overlap_1g_compile 1000 --diloco.overlap true --diloco.overlap_scheme eager \
+    --diloco.overlap_steps 90 --diloco.outer_state_device gpu
+  COMPILE=true RUN_TIMEOUT=230 diloco overlap_10g_compile 10000 --diloco.overlap true --diloco.overlap_scheme eager \
+    --diloco.overlap_steps 20 --diloco.outer_state_device gpu
   ;;
 f)  # 2 nodes x 2 GPUs (FSDP2 inside a node): needs a 4-GPU host; each ring gets half of the node's 10 Gbit/s
   PROCS=2 RUN_TIMEOUT=200 diloco fsdp_sync_10g 5000
