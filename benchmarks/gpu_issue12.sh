@@ -21,6 +21,10 @@
 #                                            overlapped (eager-merge), compiled, 1 Gbit/s
 #   PHASE=i benchmarks/gpu_issue12.sh OUT   CUDA build; DiLoCo 2 x 1 GPU, synchronous, 10 Gbit/s, train.compile true
 #                                            and eager (phase d's runs after the tied-embedding fix)
+#   PHASE=j (4 GPUs) benchmarks/gpu_issue12.sh OUT   CUDA build; GPU tests (the mixed-device test with eager-merge);
+#                                            bench_fidelity.py 150M at 800 steps (20 outer steps): synchronous
+#                                            exact and eager-merge at 9/10 of H, seeds 1-3 (one GPU each), and
+#                                            data parallel, seed 0 (GPU 0)
 # With 2 GPUs per node each local rank keeps its own ring (ring g joins local rank g of every node), so the
 # node's link is shared by its rings: phases f and g pace each ring at half the node's rate (NODE_MBIT / 2).
 # Phases b, c and e name the eager scheme (the default until eager-merge replaced it), so they repeat the
@@ -144,6 +148,27 @@ h)
     wait ${pids[$i]}
     note "fidelity 150M seed $i: exit $?"
     grep -v Warning "$out/fidelity_150M_seed$i.log" | tail -9
+  done
+  ;;
+j)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_outer_gpu.py tests/test_ring_cuda.py \
+    "tests/test_ring.py::test_cuda_tensor" >"$out/tests.log" 2>&1
+  note "GPU tests: exit $? ($(tail -1 "$out/tests.log"))"
+  grep -E "FAILED|Error" "$out/tests.log" | head -10
+  pids=()
+  for gpu in 0 1 2 3; do  # GPU 0: data parallel, seed 0 (the 800-step exact and eager-merge of seed 0 are recorded)
+    if [ $gpu = 0 ]; then seed=0 methods=dp; else seed=$gpu methods=diloco-exact,overlap-int8-eager-merge@9/10; fi
+    CUDA_VISIBLE_DEVICES=$gpu timeout ${FIDELITY_TIMEOUT:-540} python3 benchmarks/bench_fidelity.py \
+      --config configs/150M.toml --data.source embedded --train.steps 800 --optim.warmup_steps 40 \
+      --optim.decay_steps 100 --diloco.inner_steps 40 --train.micro_batch_size 16 --data.seq_len 512 \
+      --eval-batches 16 --train.seed $seed --methods "$methods" --out "$out/fid800_gpu$gpu" \
+      >"$out/fid800_gpu$gpu.log" 2>&1 &
+    pids+=($!)
+  done
+  for gpu in 0 1 2 3; do
+    wait ${pids[$gpu]}
+    note "fidelity 150M 800 steps, GPU $gpu: exit $?"
+    grep -v Warning "$out/fid800_gpu$gpu.log" | tail -5
   done
   ;;
 i)
