@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prime.config import load_config, parse_cli  # noqa: E402
 from prime.data import ShardedLoader, TokenSource, load_source  # noqa: E402
+import prime.diloco  # noqa: E402
 from prime.diloco import DiLoCo  # noqa: E402
 from prime.model import Transformer  # noqa: E402
 
@@ -202,16 +203,19 @@ def main() -> int:
     ap.add_argument("--merge-alpha", type=float, default=None,
                     help="eager-merge: the share of the start's offset kept (prime.diloco.MERGE_ALPHA, 0.5); a study "
                          "knob of this benchmark only")
+    ap.add_argument("--stand-in-others", type=float, default=None,
+                    help="eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a "
+                         "stand-in for the other nodes' part of the average (prime.diloco.STAND_IN_OTHERS, 0.5; 1 "
+                         "gives the whole stand-in of the first eager-merge); a study knob of this benchmark only")
     a, rest = ap.parse_known_args()
     if a.replot:
         with open(a.out + ".json") as f:
             saved = json.load(f)
         plot(saved["results"], saved["meta"], a.out)
         return 0
-    if a.merge_alpha is not None:
-        import prime.diloco
-
-        prime.diloco.MERGE_ALPHA = a.merge_alpha
+    for name, value in (("MERGE_ALPHA", a.merge_alpha), ("STAND_IN_OTHERS", a.stand_in_others)):
+        if value is not None:
+            setattr(prime.diloco, name, value)
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -263,7 +267,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
-            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": _merge_alpha()}
+            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.diloco.MERGE_ALPHA,
+            "stand_in_others": prime.diloco.STAND_IN_OTHERS}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:
@@ -306,11 +311,6 @@ def plot(results: dict, meta: dict, out: str) -> None:
     fig.savefig(out + ".png", dpi=110)
     print(f"plot: {out}.png")
 
-
-def _merge_alpha() -> float:
-    import prime.diloco
-
-    return prime.diloco.MERGE_ALPHA
 
 
 def _machine(device) -> str:

@@ -66,7 +66,22 @@ pseudo-gradient stands in for the average), "eager-adaptive" from the one alpha 
 local estimate), "delayed" from the outer weights as they are (without the step in flight), "eager-merge" as
 eager, but when the average arrives the local weights keep MERGE_ALPHA of their start point's offset from the
 outer weights (Streaming DiLoCo's merge), so that the next start does not echo the part of the offset that
-the inner steps already undid."""
+the inner steps already undid; with overlap_steps < inner_steps its start is the lookahead of stand_in_share()
+of the local pseudo-gradient (the nodes' starts spread less; the shift after overlap_steps corrects the lag)."""
+
+STAND_IN_OTHERS = 0.5
+"""eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
+other nodes' part of the average (stand_in_share()). Measured in benchmarks/RESULTS.md, "Overlap at longer
+phases: the stand-in share"."""
+
+
+def stand_in_share(nodes: int) -> float:
+    """eager-merge with overlap_steps < inner_steps: the next start is the lookahead of this share of the local
+    pseudo-gradient: its own part of the average, 1/nodes, in full, and the other nodes' part, 1 - 1/nodes,
+    estimated by STAND_IN_OTHERS times it (a noisy local estimate, shrunk). The common lag this leaves is
+    corrected by the shift after overlap_steps. One node: 1, the synchronous outer step."""
+    return 1.0 / nodes + (1.0 - 1.0 / nodes) * STAND_IN_OTHERS
+
 
 MERGE_ALPHA = 0.5
 """eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
@@ -212,7 +227,9 @@ class DiLoCo:
                       at the end of training to apply the last one
     overlap_scheme:   "eager-merge" (default: eager, but when the average arrives the
                       local weights keep half of their start point's offset from the
-                      outer weights: the smallest loss cost at high overlap_steps),
+                      outer weights, and with overlap_steps < inner_steps the start
+                      is the lookahead of a shrunk local pseudo-gradient,
+                      stand_in_share(): the smallest loss cost at high overlap_steps),
                       "eager" (the inner steps start from the outer update the local
                       pseudo-gradient would give), "eager-adaptive" (the local
                       pseudo-gradient shrunk by how much of it the last average
@@ -574,8 +591,7 @@ class DiLoCo:
                 # overlap_steps = inner_steps: the average arrived at this boundary. The local weights, merged,
                 # would be x + (1 - alpha)(w - s): their pseudo-gradient from w is d - alpha (s - w).
                 src = self._merge_stand_in(g)
-            adaptive = self.overlap_scheme == "eager-adaptive" and self.alpha != 1.0
-            st.lookahead(src, self.start, load=True, scale=self.alpha if adaptive else None)
+            st.lookahead(src, self.start, load=True, scale=self._stand_in_scale())
             self._last_sq = sq
         else:
             self.start = None
@@ -591,6 +607,18 @@ class DiLoCo:
         self._inflight = flight
         return self._result(r, t0, prepare_s, update_s, norm, self._ring_error(r, own_err) if r else own_err,
                             overlapped=True, wait_s=wait_s, applied_outer_step=applied)
+
+    def _stand_in_scale(self) -> Optional[float]:
+        """The factor of the stand-in in the next lookahead (None: 1): eager-adaptive's alpha; eager-merge with
+        overlap_steps < inner_steps, stand_in_share() of the ring's nodes (over the whole phase no shift follows
+        that would correct the lag of a shrunk stand-in: measured worse, so the stand-in stays whole)."""
+        if self.overlap_scheme == "eager-adaptive":
+            scale = self.alpha
+        elif self.overlap_scheme == "eager-merge" and self.overlap_steps < self.inner_steps:
+            scale = stand_in_share(self._sync.world_size)
+        else:
+            return None
+        return None if scale == 1.0 else scale
 
     @torch.no_grad()
     def _apply_midway(self) -> None:

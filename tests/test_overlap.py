@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from prime.config import Config
-from prime.diloco import MERGE_ALPHA, DiLoCo, OuterSyncError
+import prime.diloco
+from prime.diloco import MERGE_ALPHA, DiLoCo, OuterSyncError, stand_in_share
 from test_diloco import (FakeThreadGroup, FakeThreadRing, TwoParams, int8_round_trip_f64,  # noqa: F401
                          one_thread, run_nodes)  # one_thread: autouse, one torch thread here too
 
@@ -133,7 +134,9 @@ def reference_midway(w0, deltas, tau, *, lr, mu, codec, block_size, scheme="eage
         d = [starts[r] - x[r] for r in range(n)]
         if pending is not None:
             w, m = nesterov_f32(w, m, pending, lr, mu, True)
-        starts = [nesterov_f32(w, m, d[r], lr, mu, True)[0] for r in range(n)]
+        share = stand_in_share(n) if scheme == "eager-merge" else 1.0  # the stand-in, shrunk, rounded to fp32
+        stand_in = d if share == 1.0 else [torch.mul(v, share) for v in d]
+        starts = [nesterov_f32(w, m, stand_in[r], lr, mu, True)[0] for r in range(n)]
         x = [s.clone() for s in starts]
         parts = [int8_round_trip_f64(v, block_size) for v in d] if codec == "int8" else d
         acc = parts[0].clone()
@@ -499,21 +502,31 @@ def run_midway(w0, deltas, tau, scheme, *, checkpoint_at=None, codec="int8"):
     return run_nodes(n, node)
 
 
-@pytest.mark.parametrize("tau", [1, 2])
-def test_eager_merge_overlap_steps_match_plain_torch_reference_bit_for_bit(seed, tau):
-    """eager-merge with overlap_steps < inner_steps (3): after tau inner steps the average is applied and the
-    local weights move by (1 - alpha)(outer weights - start); 2 nodes, int8, final weights equal the
-    reference's bits on both nodes (and differ from eager's)."""
+@pytest.mark.parametrize("tau,n", [(1, 2), (2, 2), (2, 3)])
+def test_eager_merge_overlap_steps_match_plain_torch_reference_bit_for_bit(seed, tau, n, monkeypatch):
+    """eager-merge with overlap_steps < inner_steps (3): each start is the lookahead of stand_in_share(n) times
+    the local pseudo-gradient; after tau inner steps the average is applied and the local weights move by
+    (1 - alpha)(outer weights - start); int8, final weights equal the reference's bits on every node (and
+    differ from eager's, and from eager-merge's with the whole stand-in)."""
     gen = torch.Generator().manual_seed(seed)
-    n, H, steps, size = 2, 3, 4, 150
+    H, steps, size = 3, 4, 150
     w0 = torch.randn(size, generator=gen)
     deltas = [[[0.02 * torch.randn(size, generator=gen) for _ in range(H)] for _ in range(n)] for _ in range(steps)]
     got = run_midway(w0, deltas, tau, "eager-merge")
     ref = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32, scheme="eager-merge")
     eager = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32)
-    assert not torch.equal(ref, eager)
+    monkeypatch.setattr(prime.diloco, "STAND_IN_OTHERS", 1.0)
+    whole = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32, scheme="eager-merge")
+    assert not torch.equal(ref, eager) and not torch.equal(ref, whole)
     for r in range(n):
         assert torch.equal(got[r], ref), f"seed {seed} tau {tau} node {r}"
+
+
+def test_stand_in_share():
+    """A node's own part of the average in full, the others' part at STAND_IN_OTHERS: one node keeps the
+    synchronous step, two weigh the local pseudo-gradient 3/4, many tend to STAND_IN_OTHERS."""
+    assert stand_in_share(1) == 1.0 and stand_in_share(2) == 0.75
+    assert stand_in_share(3) == pytest.approx(2 / 3) and stand_in_share(1000) == pytest.approx(0.5005)
 
 
 @pytest.mark.parametrize("tau,checkpoint_at", [(3, (1, 2)), (3, (2, 0)), (2, (1, 0)), (1, (2, 1))])
