@@ -23,8 +23,9 @@
 #                                            and eager (phase d's runs after the tied-embedding fix)
 #   PHASE=j (4 GPUs) benchmarks/gpu_issue12.sh OUT   CUDA build; GPU tests (the mixed-device test with eager-merge);
 #                                            bench_fidelity.py 150M at 800 steps (20 outer steps): synchronous
-#                                            exact and eager-merge at 9/10 of H, seeds 1-3 (one GPU each), and
-#                                            data parallel, seed 0 (GPU 0)
+#                                            exact and eager-merge at 9/10 of H (with the stand-in share, the
+#                                            default since 6db5b4b), seeds 1-3 (one GPU each), and data parallel,
+#                                            seed 0 (GPU 0)
 # With 2 GPUs per node each local rank keeps its own ring (ring g joins local rank g of every node), so the
 # node's link is shared by its rings: phases f and g pace each ring at half the node's rate (NODE_MBIT / 2).
 # Phases b, c and e name the eager scheme (the default until eager-merge replaced it), so they repeat the
