@@ -312,7 +312,6 @@ def plot(results: dict, meta: dict, out: str) -> None:
     print(f"plot: {out}.png")
 
 
-
 def _machine(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name()

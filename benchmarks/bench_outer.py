@@ -10,6 +10,8 @@ For the model's parameters (fp32, on the GPU when there is one) it times, per ou
              own error, prime.sync.QUANT_ERROR_FIELDS)
   update     Nesterov update and the copy back into the model (CPU state: host-to-device overlapped)
   lookahead  the eager overlap's extra pass (next start point, copied into the model)
+  lookahead_share  the same with eager-merge's shrunk stand-in (overlap_steps < inner_steps, two nodes:
+             the pseudo-gradient times prime.diloco.stand_in_share(2) first)
 and checks that the CPU and GPU states give the same bits (pseudo-gradient, outer weights, momentum, lookahead).
 Medians over --repeats; JSON with every sample.
 """
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from prime.diloco import stand_in_share  # noqa: E402
 from prime.model import Transformer, preset  # noqa: E402
 from prime.outer import OuterState  # noqa: E402
 
@@ -81,8 +84,9 @@ def main() -> int:
     perturb = [(1e-3 * torch.randn(p.shape, generator=gen)).to(a.device) for p in params[:4]]
     bufs = {dev: (st.new_buffer(), st.new_buffer()) for dev, st in states.items()}
     for dev, st in states.items():
-        rows[dev] = {"prepare": [], "int8_pass": [], "update": [], "lookahead": []}
-    bits = {}
+        rows[dev] = {"prepare": [], "int8_pass": [], "update": [], "lookahead": [], "lookahead_share": []}
+    bits, plain_look = {}, {}
+    share = stand_in_share(2)
     for rep in range(a.repeats):
         with torch.no_grad():  # the inner steps: move a few parameters
             for p, d in zip(params, perturb):
@@ -96,22 +100,27 @@ def main() -> int:
                 avg = g.detach().cpu() if dev != "cpu" else g.clone()  # stand-in for the average: the same everywhere
             g.copy_(avg)
             rows[dev]["lookahead"].append(_timed(lambda: st.lookahead(g, look, load=True)))
+            if rep == 0:
+                plain_look[dev] = look.cpu().clone()
+            rows[dev]["lookahead_share"].append(_timed(lambda: st.lookahead(g, look, load=True, scale=share)))
             rows[dev]["update"].append(_timed(lambda: st.update(g, load=True)))
         if len(states) == 2 and rep == 0:
             c, gp = states["cpu"], states["gpu"]
             bits = {"outer": torch.equal(c.outer, gp.outer.cpu()),
                     "momentum": torch.equal(c.momentum, gp.momentum.cpu()),
-                    "lookahead": torch.equal(bufs["cpu"][1], bufs["gpu"][1].cpu())}
+                    "lookahead": torch.equal(plain_look["cpu"], plain_look["gpu"]),
+                    "lookahead_share": torch.equal(bufs["cpu"][1], bufs["gpu"][1].cpu())}
             # both loaded their update into the same model; the GPU one ran last
             print(f"  CPU and GPU state identical after one outer step: {bits}")
     summary = {}
-    print(f"\n  {'state':6} {'prepare':>9} {'int8_pass':>10} {'update':>9} {'lookahead':>10} {'outer step*':>12}   (median s)")
+    print(f"\n  {'state':6} {'prepare':>9} {'int8_pass':>10} {'update':>9} {'lookahead':>10} {'la_share':>9} "
+          f"{'outer step*':>12}   (median s)")
     for dev, r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
         med["outer_step"] = med["prepare"] + med["update"]
         summary[dev] = med
         print(f"  {dev:6} {med['prepare']:9.3f} {med['int8_pass']:10.3f} {med['update']:9.3f} "
-              f"{med['lookahead']:10.3f} {med['outer_step']:12.3f}")
+              f"{med['lookahead']:10.3f} {med['lookahead_share']:9.3f} {med['outer_step']:12.3f}")
     print("  * prepare + update: the outer step beyond the all-reduce, without overlap and with the ring "
           "reporting its own int8 error")
     if a.out:
