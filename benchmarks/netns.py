@@ -103,7 +103,7 @@ def remove_stale() -> list[str]:
     """Deletes namespaces of earlier runs whose process is gone; returns their names."""
     removed = []
     for ns in _list_namespaces():
-        m = re.match(rf"^{PREFIX}(\d+)-", ns)
+        m = re.match(rf"^{PREFIX}(\d+)e?-", ns)  # "e": benchmarks/netem.py's delay-line nodes
         if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
             _delete_namespace(ns)
             removed.append(ns)
