@@ -45,6 +45,10 @@ BLOCK = 256
 #   gauss 0.85%  0.98%  1.10%  1.21%  1.48%
 #   t3    1.96%  2.25%  2.36%  2.62%  2.89%
 INT8_BOUND = {"gauss": lambda n: 0.0065 * n**0.5 + 0.002, "t3": lambda n: 0.012 * n**0.5 + 0.008}
+# The direct schedule quantizes each contribution once and the owner's sum once: the error
+# is e * sqrt(1 + (N-1)/N) for a single quantization's e (docs/ring.md), at most sqrt(2) e
+# whatever N. Measured (Gaussian): 0.85% (2), 0.92% (4), 0.95% (8), 0.97% (16).
+INT8_BOUND_DIRECT = {"gauss": lambda n: 0.0105, "t3": lambda n: 0.026}
 
 
 @pytest.fixture(autouse=True)
@@ -93,18 +97,23 @@ def _error_sums(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> list:
     return [float((d * d).sum()), float((xd * xd).sum())]
 
 
-def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False):
-    """The ring algorithm of docs/ring.md in plain torch: chunk c starts at rank c and
-    is summed along c, c+1, ..., c-1, each hop sending (for int8) the quantized partial
-    sum; the owner (rank c-1) averages and quantizes once; everyone decodes those bytes.
+def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False, schedule: str = "ring", order=None):
+    """The schedules of docs/ring.md in plain torch.
+
+    ring: chunk c starts at the rank in position c of `order` (default 0..N-1) and is summed
+    along the order, each hop sending (for int8) the quantized partial sum; the owner (position
+    c-1) averages and quantizes once; everyone decodes those bytes.
+    direct: rank c owns chunk c and adds, in fp32, its own values and every other rank's values
+    (ranks c+1, c+2, ...), each quantized once (int8) by its sender; it averages, quantizes once,
+    and everyone decodes those bytes.
 
     quant_error: also return, per rank, the float64 sums [err, ref] over every block that
-    rank quantized (rank c its input chunk c, rank c+j the partial sum or final value of
-    chunk c it encoded) of (dequantize(quantize(x)) - x)^2 and x^2: what the ring reports
-    as quant_err_sq / quant_in_sq (prime.sync.QUANT_ERROR_FIELDS). Returns (result, sums)."""
+    rank quantized of (dequantize(quantize(x)) - x)^2 and x^2: what the ring reports as
+    quant_err_sq / quant_in_sq (prime.sync.QUANT_ERROR_FIELDS). Returns (result, sums)."""
     from prime.ops import quantize_int8_reference as quantize
 
     world, n, dtype = len(inputs), inputs[0].numel(), inputs[0].dtype
+    order = list(range(world)) if order is None else list(order)
     unit = BLOCK if codec == "int8" else 256
     out = torch.empty(n, dtype=dtype)
     sums = [[0.0, 0.0] for _ in range(world)]
@@ -115,23 +124,39 @@ def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False):
             sums[rank] = [a + b for a, b in zip(sums[rank], _error_sums(x, q, s))]
         return q, s
 
+    def average(acc):
+        return acc / torch.full_like(acc, world) if op == "avg" else acc  # a true division, like the C++
+
     for c in range(world):
         b, e = _span(n, unit, world, c)
-        if codec == "int8":
-            q, s = encode(c, inputs[c][b:e])
+        if world == 1:
+            out[b:e] = inputs[c][b:e]
+        elif schedule == "direct":
+            parts = [(c + j) % world for j in range(1, world)]
+            if codec == "int8":
+                acc = inputs[c][b:e].float()
+                for r in parts:
+                    acc = acc + _dequant(*encode(r, inputs[r][b:e]))
+                out[b:e] = _dequant(*encode(c, average(acc))).to(dtype)
+            else:
+                acc = inputs[c][b:e].float()
+                for r in parts:
+                    acc = acc + inputs[r][b:e].float()
+                out[b:e] = average(acc).to(dtype)
+        elif codec == "int8":
+            q, s = encode(order[c], inputs[order[c]][b:e])
             for j in range(1, world):
-                acc = inputs[(c + j) % world][b:e].float() + _dequant(q, s)
-                if j == world - 1 and op == "avg":
-                    acc = acc / torch.full_like(acc, world)  # a true division, like the C++
-                q, s = encode((c + j) % world, acc)
-            out[b:e] = (_dequant(q, s) if world > 1 else inputs[c][b:e].float()).to(dtype)
+                r = order[(c + j) % world]
+                acc = inputs[r][b:e].float() + _dequant(q, s)
+                if j == world - 1:
+                    acc = average(acc)
+                q, s = encode(r, acc)
+            out[b:e] = _dequant(q, s).to(dtype)
         else:
-            acc = inputs[c][b:e].float()
+            acc = inputs[order[c]][b:e].float()
             for j in range(1, world):
-                acc = inputs[(c + j) % world][b:e].float() + acc
-            if op == "avg" and world > 1:
-                acc = acc / torch.full_like(acc, world)
-            out[b:e] = acc.to(dtype) if world > 1 else inputs[c][b:e]
+                acc = inputs[order[(c + j) % world]][b:e].float() + acc
+            out[b:e] = average(acc).to(dtype)
     return (out, sums) if quant_error else out
 
 
@@ -151,7 +176,8 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(e.clamp_min(torch.log2(torch.tensor(info.tiny, dtype=torch.float64))) - mant)
 
 
-def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: str, note: str) -> None:
+def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: str, note: str,
+                          schedule: str = "ring") -> None:
     world = len(inputs)
     x64 = torch.stack([x.double() for x in inputs]) if inputs[0].numel() else torch.zeros(world, 0, dtype=torch.float64)
     ref = x64.sum(0)
@@ -177,7 +203,7 @@ def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: st
         assert torch.allclose(y64, ref, rtol=2e-2, atol=0), f"int8 gloo check off: {y64[:4]} vs {ref[:4]} {note}"
     elif y.numel() >= 1000 and op == "avg":
         rel = float((y64 - ref).norm() / ref.norm())
-        bound = INT8_BOUND[kind](world)
+        bound = (INT8_BOUND_DIRECT if schedule == "direct" else INT8_BOUND)[kind](world)
         if y.dtype != torch.float32:  # the final rounding to 8 or 11 mantissa bits adds its own error
             bound += 0.003 if y.dtype == torch.bfloat16 else 0.0005
         assert rel <= bound, f"int8 relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
@@ -222,7 +248,11 @@ def test_bad_arguments_are_refused_before_any_network():
     with pytest.raises(ValueError, match="rank"):
         Ring(store, 3, 2)
     with pytest.raises(ValueError, match="streams"):
-        Ring(store, 0, 2, streams=0)
+        Ring(store, 0, 2, streams=65)
+    with pytest.raises(ValueError, match="schedule"):
+        Ring(store, 0, 2, schedule="tree")
+    with pytest.raises(ValueError, match="order"):
+        Ring(store, 0, 2, order=[0, 0])
     with pytest.raises(ValueError, match="segment_bytes"):
         Ring(store, 0, 2, segment_bytes=100)
     with Ring(store, 0, 1) as ring:
@@ -234,6 +264,8 @@ def test_bad_arguments_are_refused_before_any_network():
             ring.all_reduce(torch.zeros(3), codec="fp8")
         with pytest.raises(ValueError, match="block_size"):
             ring.all_reduce(torch.zeros(3), block_size=100)
+        with pytest.raises(ValueError, match="schedule"):
+            ring.all_reduce(torch.zeros(3), schedule="tree")
 
 
 # ---------------------------------------------------------------------------
@@ -258,9 +290,12 @@ def _cases(world: int):
     return cases
 
 
-def _rank_run_cases(ctx, seed, cases):
+SCHEDULES = ("ring", "direct")
+
+
+def _rank_run_cases(ctx, seed, cases, schedule):
     out = []
-    with ctx.ring(segment_bytes=1 << 18) as ring:  # small segments: several per chunk
+    with ctx.ring(segment_bytes=1 << 18, schedule=schedule) as ring:  # small segments: several per chunk
         for n, dtype, codec, op, kind, strided in cases:
             x = make_input(seed, ctx.rank, n, dtype, kind)
             t = x.view(33, 64).t() if strided else x.clone()  # strided: a transposed view
@@ -271,21 +306,22 @@ def _rank_run_cases(ctx, seed, cases):
     return out
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("world_size", list(range(1, MAX_RANKS + 1)))
-def test_all_reduce_matches_references(ranks, world_size):
+def test_all_reduce_matches_references(ranks, world_size, schedule):
     cases = _cases(world_size)
-    results = ranks.run(_rank_run_cases, SEED, cases, world_size=world_size)
+    results = ranks.run(_rank_run_cases, SEED, cases, schedule, world_size=world_size)
     for i, (n, dtype, codec, op, kind, strided) in enumerate(cases):
-        note = f"[N={world_size} n={n} {dtype} codec={codec} op={op} data={kind}] {_seed_note()}"
+        note = f"[N={world_size} n={n} {dtype} codec={codec} op={op} data={kind} {schedule}] {_seed_note()}"
         digests = {results[r][i][0] for r in range(world_size)}
         assert len(digests) == 1, f"ranks ended with different bytes {note}"
         y = results[0][i][1]
         inputs = [make_input(SEED, r, n, dtype, kind) for r in range(world_size)]
         if strided:
             inputs = [x.view(33, 64).t().reshape(-1) for x in inputs]
-        model = model_all_reduce(inputs, op, codec)
+        model = model_all_reduce(inputs, op, codec, schedule=schedule)
         assert torch.equal(_bits(y), _bits(model)), f"ring differs from the torch model of the algorithm {note}"
-        check_against_float64(y, inputs, op, codec, kind, note)
+        check_against_float64(y, inputs, op, codec, kind, note, schedule)
         if kind == "rank" and codec == "none":
             want = world_size * (world_size - 1) / 2 / (world_size if op == "avg" else 1)
             assert bool((y.double() == want).all()), f"gloo check: want {want} everywhere {note}"
@@ -300,7 +336,7 @@ def _rank_concurrent_and_soak(ctx, seed):
         works = [ring.all_reduce(t, op=op, codec=c) for t, (_, _, c, op) in zip(tensors, specs)]
         for w in works:  # all in flight, waited in order
             w.wait()
-        concurrent = [(_digest(t), t if ctx.rank == 0 else None) for t in tensors]
+        concurrent = [(_digest(t), t if ctx.rank == 0 else None, w.stats().schedule) for t, w in zip(tensors, works)]
         # Soak: 1000 small exact sums, ten in flight at a time; rank r adds r + i.
         wrong = 0
         rng = random.Random(seed)
@@ -328,32 +364,40 @@ def test_concurrent_and_soak(ranks):
     for i, (n, dt, codec, op) in enumerate(specs):
         assert len({results[r]["concurrent"][i][0] for r in range(world)}) == 1, _seed_note()
         inputs = [make_input(SEED + i, r, n, dt) for r in range(world)]
-        model = model_all_reduce(inputs, op, codec)
+        model = model_all_reduce(inputs, op, codec, schedule=results[0]["concurrent"][i][2])
         assert torch.equal(_bits(results[0]["concurrent"][i][1]), _bits(model)), f"collective {i} {_seed_note()}"
     for r in range(world):
         assert results[r]["soak_wrong"] == 0
         assert results[r]["last_seq"] == len(specs) + 999
 
 
-def _rank_options(ctx, seed):
-    """Several streams per link, a rate limit, checksums off: same results."""
+OPTIONS = ({"streams": 3, "segment_bytes": 1 << 16}, {"checksum": False}, {"streams": 2, "max_rate": 5e7},
+           {"order": [0, 2, 1]})
+
+
+def _rank_options(ctx, seed, schedule):
+    """Several streams per link, a rate limit, checksums off, another ring order: same results
+    (the order changes the ring's summation order: compared with the model of that order)."""
     out = []
-    for kwargs in ({"streams": 3, "segment_bytes": 1 << 16}, {"checksum": False}, {"streams": 2, "max_rate": 5e7}):
-        with ctx.ring(**kwargs) as ring:
+    for kwargs in OPTIONS:
+        with ctx.ring(schedule=schedule, **kwargs) as ring:
             for codec in ("int8", "none"):
                 x = make_input(seed, ctx.rank, 200003, torch.float32)
                 ring.all_reduce(x, op="avg", codec=codec).wait()
                 out.append(x if ctx.rank == 0 else _digest(x))
+            if "streams" in kwargs:
+                assert all(link["streams"] == kwargs["streams"] for link in ring.links())
     return out
 
 
-def test_streams_rate_limit_and_no_checksum_give_the_same_result(ranks):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_streams_rate_limit_order_and_no_checksum_give_the_same_result(ranks, schedule):
     world = 3
-    results = ranks.run(_rank_options, SEED, world_size=world)
+    results = ranks.run(_rank_options, SEED, schedule, world_size=world)
     inputs = [make_input(SEED, r, 200003, torch.float32) for r in range(world)]
-    models = {c: model_all_reduce(inputs, "avg", c) for c in ("int8", "none")}
     for i, y in enumerate(results[0]):
-        model = models[("int8", "none")[i % 2]]
+        order = OPTIONS[i // 2].get("order") if schedule == "ring" else None
+        model = model_all_reduce(inputs, "avg", ("int8", "none")[i % 2], schedule=schedule, order=order)
         assert torch.equal(_bits(y), _bits(model)), f"configuration {i // 2} {_seed_note()}"
         for r in range(1, world):
             assert results[r][i] == _digest(model)
@@ -425,9 +469,9 @@ QERR_CASES = [  # n, dtype, op, kind: sizes that are no multiple of the block or
 ]
 
 
-def _rank_quant_error(ctx, seed):
+def _rank_quant_error(ctx, seed, schedule):
     out = []
-    with ctx.ring(segment_bytes=1 << 16, quant_error=True) as ring:  # 16 Ki values: several segments per chunk
+    with ctx.ring(segment_bytes=1 << 16, quant_error=True, schedule=schedule) as ring:  # 16 Ki values: several segments per chunk
         for n, dtype, op, kind in QERR_CASES:
             x = make_input(seed, ctx.rank, n, dtype, kind)
             w = ring.all_reduce(x, op=op, codec="int8")
@@ -438,7 +482,7 @@ def _rank_quant_error(ctx, seed):
         w = ring.all_reduce(x, op="avg", codec="none")
         w.wait()
         out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error))
-    with ctx.ring() as ring:  # off by default (DiLoCo's rings ask for it): nothing reported, the same bytes
+    with ctx.ring(schedule=schedule) as ring:  # off by default (DiLoCo's rings ask for it): nothing reported, the same bytes
         x = make_input(seed, ctx.rank, 1000, torch.float32)
         w = ring.all_reduce(x, op="avg", codec="int8")
         w.wait()
@@ -446,17 +490,18 @@ def _rank_quant_error(ctx, seed):
     return out
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_reports_its_own_int8_error(ranks, world_size):
+def test_ring_reports_its_own_int8_error(ranks, world_size, schedule):
     """Each rank's quant_err_sq / quant_in_sq are the float64 sums over the blocks it quantized,
     as the torch model of the algorithm computes them (independent of the C++ codec)."""
     if world_size > MAX_RANKS:
         pytest.skip(f"the rank pool has {MAX_RANKS} ranks")
-    results = ranks.run(_rank_quant_error, SEED, world_size=world_size)
+    results = ranks.run(_rank_quant_error, SEED, schedule, world_size=world_size)
     for i, (n, dtype, op, kind) in enumerate(QERR_CASES):
-        note = f"[N={world_size} n={n} {dtype} op={op} data={kind}] {_seed_note()}"
+        note = f"[N={world_size} n={n} {dtype} op={op} data={kind} {schedule}] {_seed_note()}"
         inputs = [make_input(SEED, r, n, dtype, kind) for r in range(world_size)]
-        model, sums = model_all_reduce(inputs, op, "int8", quant_error=True)
+        model, sums = model_all_reduce(inputs, op, "int8", quant_error=True, schedule=schedule)
         for r in range(world_size):
             err, ref, digest = results[r][i]
             assert digest == _digest(model), f"rank {r}: result differs from the model {note}"
@@ -466,7 +511,7 @@ def test_ring_reports_its_own_int8_error(ranks, world_size):
             if n >= 1000:
                 assert 0 < err < 1e-3 * ref, f"rank {r}: implausible int8 error {err} vs {ref} {note}"
     inputs = [make_input(SEED, r, 1000, torch.float32) for r in range(world_size)]
-    model = model_all_reduce(inputs, "avg", "int8")
+    model = model_all_reduce(inputs, "avg", "int8", schedule=schedule)
     for r in range(world_size):
         err, ref, reports = results[r][-2]
         assert err is None and ref is None, "the exact codec quantizes nothing: nothing is reported"
@@ -491,7 +536,7 @@ def _rank_diloco_error(ctx, seed, overlap):
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen))  # the same start on every rank
-        with ctx.ring(quant_error=True) as ring:
+        with ctx.ring(quant_error=True, schedule="direct") as ring:
             d = DiLoCo(model, None, ring, inner_steps=1, codec="int8", overlap=overlap)
             captured = []
             average = d._sync.average
@@ -529,7 +574,7 @@ def test_diloco_takes_compression_error_from_the_ring(ranks, overlap):
         assert all(out[r][0][0][0] is None for r in range(world)), "nothing was applied at the first outer step"
     for step in range(lag, 3):
         grads = [out[r][1][step - lag] for r in range(world)]
-        _, sums = model_all_reduce(grads, "avg", "int8", quant_error=True)
+        _, sums = model_all_reduce(grads, "avg", "int8", quant_error=True, schedule="direct")
         for r in range(world):
             got, stat_names = out[r][0][step]
             want = (sums[r][0] / sums[r][1]) ** 0.5
@@ -542,28 +587,42 @@ def test_diloco_takes_compression_error_from_the_ring(ranks, overlap):
 # bytes on the wire
 
 
-def _expected_bytes_sent(rank, world, n, dtype, codec, segment_elems=1 << 18):
+def _frame_bytes(rank, world, n, dtype, codec, c, phase, segment_elems):
+    """Bytes on the wire of chunk c's frames in `phase` ("rs" partial sums, "ag" final values)."""
     unit = BLOCK if codec == "int8" else 256
     esize = 4 if dtype == torch.float32 else 2
+    b, e = _span(n, unit, world, c)
+    length = e - b
+    seg = -(-segment_elems // unit) * unit
     total = 0
-    for phase in ("rs", "ag"):
-        for s in range(world - 1):
-            c = (rank - s) % world if phase == "rs" else (rank + 1 - s) % world
-            b, e = _span(n, unit, world, c)
-            length = e - b
-            seg = -(-segment_elems // unit) * unit
-            sizes = [min(seg, length - k * seg) for k in range(max(1, -(-length // seg)))]
-            for m in sizes:
-                if codec == "int8":
-                    payload = m + 4 * (-(-m // BLOCK))
-                else:
-                    payload = 4 * m if phase == "rs" else esize * m
-                total += 64 + payload + 16  # header, payload, AES-GCM tag
+    for m in [min(seg, length - k * seg) for k in range(max(1, -(-length // seg)))]:
+        if codec == "int8":
+            payload = m + 4 * (-(-m // BLOCK))
+        else:
+            payload = 4 * m if phase == "rs" else esize * m
+        total += 64 + payload + 16  # header, payload, AES-GCM tag
     return total
 
 
-def _rank_wire_stats(ctx, seed):
-    with ctx.ring() as ring:
+def _expected_bytes(rank, world, n, dtype, codec, schedule, segment_elems=1 << 18):
+    """(bytes sent, bytes received) by `rank` in one all-reduce."""
+    def frames(c, phase):
+        return _frame_bytes(rank, world, n, dtype, codec, c, phase, segment_elems)
+
+    if schedule == "direct":
+        others = [c for c in range(world) if c != rank]
+        sent = sum(frames(c, "rs") for c in others) + (world - 1) * frames(rank, "ag")
+        received = (world - 1) * frames(rank, "rs") + sum(frames(c, "ag") for c in others)
+        return sent, received
+
+    def ring_sent(r):
+        return sum(frames((r - s) % world, "rs") + frames((r + 1 - s) % world, "ag") for s in range(world - 1))
+
+    return ring_sent(rank), ring_sent((rank - 1) % world)
+
+
+def _rank_wire_stats(ctx, seed, schedule):
+    with ctx.ring(schedule=schedule) as ring:
         out = {}
         for codec in ("none", "int8"):
             x = make_input(seed, ctx.rank, BIG, torch.float32)
@@ -573,27 +632,37 @@ def _rank_wire_stats(ctx, seed):
     return out
 
 
-def test_int8_sends_a_quarter_of_the_bytes(ranks):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_int8_sends_a_quarter_of_the_bytes(ranks, schedule):
     world = 3
-    results = ranks.run(_rank_wire_stats, SEED, world_size=world)
+    results = ranks.run(_rank_wire_stats, SEED, schedule, world_size=world)
     for r in range(world):
         for codec in ("none", "int8"):
             st = results[r][codec]
-            assert st.bytes_sent == _expected_bytes_sent(r, world, BIG, torch.float32, codec)
-            assert st.bytes_received == _expected_bytes_sent((r - 1) % world, world, BIG, torch.float32, codec)
+            assert st.schedule == schedule
+            assert (st.bytes_sent, st.bytes_received) == _expected_bytes(r, world, BIG, torch.float32, codec, schedule)
         ratio = results[r]["int8"].bytes_sent / results[r]["none"].bytes_sent
         # n + 4n/256 bytes against 4n, plus the same 80 bytes of header and tag per frame on both sides
         assert abs(ratio - (1 + 4 / 256) / 4) < 0.001, f"int8/fp32 wire bytes {ratio:.4f}"
+
+
+def test_both_schedules_send_the_same_bytes():
+    """2(N-1)/N of the encoded tensor per rank, whatever the schedule (counted, not timed)."""
+    for world in (2, 3, 5, 8):
+        for codec in ("none", "int8"):
+            ring = sum(_expected_bytes(r, world, BIG, torch.float32, codec, "ring")[0] for r in range(world))
+            direct = sum(_expected_bytes(r, world, BIG, torch.float32, codec, "direct")[0] for r in range(world))
+            assert ring == direct, (world, codec, ring, direct)
 
 
 # ---------------------------------------------------------------------------
 # failures
 
 
-def _rank_kill_mid_transfer(ctx, seed, victim, timeout):
+def _rank_kill_mid_transfer(ctx, seed, victim, timeout, schedule):
     from prime.comm import CommError
 
-    ring = ctx.ring(timeout=timeout, max_rate=4e6)  # 4 MB/s: the transfer takes seconds
+    ring = ctx.ring(timeout=timeout, max_rate=4e6, schedule=schedule)  # 4 MB/s: the transfer takes seconds
     x = make_input(seed, ctx.rank, 1 << 21, torch.float32)
     keep = x.clone()
     if ctx.rank == victim:
@@ -610,9 +679,11 @@ def _rank_kill_mid_transfer(ctx, seed, victim, timeout):
         ring.close()
 
 
-def test_killed_rank_fails_every_survivor_fast(ranks):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_killed_rank_fails_every_survivor_fast(ranks, schedule):
     world, victim, timeout = 4, 2, 10
-    results = ranks.run(_rank_kill_mid_transfer, SEED, victim, timeout, world_size=world, may_die={victim})
+    results = ranks.run(_rank_kill_mid_transfer, SEED, victim, timeout, schedule, world_size=world,
+                        may_die={victim})
     assert isinstance(results[victim], Died)
     for r in range(world):
         if r == victim:
@@ -622,8 +693,10 @@ def test_killed_rank_fails_every_survivor_fast(ranks):
         assert res["intact"], f"rank {r}'s tensor was modified by a failed all_reduce"
         assert res["elapsed"] < 0.7 + 3, f"rank {r} took {res['elapsed']:.1f} s to notice: {res['message']}"
         print(f"rank {r}: {res['message']}")
-    for neighbour in ((victim - 1) % world, (victim + 1) % world):
-        assert f"rank {victim}" in results[neighbour]["message"], results[neighbour]["message"]
+    # Its ring neighbours (in the direct schedule: everyone, all linked to it) name it.
+    named = ((victim - 1) % world, (victim + 1) % world) if schedule == "ring" else set(range(world)) - {victim}
+    for r in named:
+        assert f"rank {victim}" in results[r]["message"], results[r]["message"]
 
 
 def _rank_missing(ctx, absent, timeout):
@@ -651,10 +724,10 @@ def test_rank_that_never_arrives_is_named(ranks):
         assert res["peer"] == absent and f"rank {absent}" in res["message"], res["message"]
 
 
-def _rank_stall(ctx, seed, staller, timeout):
+def _rank_stall(ctx, seed, staller, timeout, schedule):
     from prime.comm import CommError
 
-    with ctx.ring(timeout=timeout) as ring:
+    with ctx.ring(timeout=timeout, schedule=schedule) as ring:
         x = make_input(seed, ctx.rank, 100000, torch.float32)
         keep = x.clone()
         if ctx.rank == staller:
@@ -675,25 +748,32 @@ def _rank_stall(ctx, seed, staller, timeout):
                     "message": str(e), "intact": torch.equal(x, keep), "early": early}
 
 
-def test_stalled_rank_times_out_everywhere(ranks):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stalled_rank_times_out_everywhere(ranks, schedule):
     world, staller, timeout = 3, 2, 2.0
-    results = ranks.run(_rank_stall, SEED, staller, timeout, world_size=world)
+    results = ranks.run(_rank_stall, SEED, staller, timeout, schedule, world_size=world)
     for r in range(world):
         res = results[r]
         assert res["raised"] and res["intact"], res
         if r != staller:
             assert res["early"] == "timeout", "Work.wait(timeout=0.2) must raise while the collective runs"
             assert res["elapsed"] < timeout + 3, res["message"]
-    right = (staller + 1) % world
-    assert results[right]["kind"] == "timeout" and results[right]["peer"] == staller, results[right]["message"]
-    assert "timed out after 2000 ms waiting for recv from rank 2" in results[right]["message"]
+    # The ring: its right neighbour times out on it. Direct: every rank waits for it; the
+    # first to time out tells the others, who may report that instead.
+    waiting = [(staller + 1) % world] if schedule == "ring" else [r for r in range(world) if r != staller]
+    timed_out = [r for r in waiting if results[r]["kind"] == "timeout" and results[r]["peer"] == staller]
+    assert timed_out, [results[r]["message"] for r in waiting]
+    for r in timed_out:
+        assert "timed out after 2000 ms waiting for recv from rank 2" in results[r]["message"]
+    for r in set(waiting) - set(timed_out):
+        assert "timed out after 2000 ms waiting for recv from rank 2" in results[r]["message"], results[r]["message"]
 
 
 def _open_fds_and_threads():
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-def _rank_corrupt(ctx, seed, bad_rank):
+def _rank_corrupt(ctx, seed, bad_rank, schedule):
     from prime.comm import CommError
 
     from prime import faults
@@ -702,7 +782,7 @@ def _rank_corrupt(ctx, seed, bad_rank):
     if ctx.rank == bad_rank:
         faults.arm("ring.send@5000")  # prime/faults.py: this rank's sender flips a bit at payload byte 5000
     try:
-        ring = ctx.ring(timeout=10)
+        ring = ctx.ring(timeout=10, schedule=schedule)
     finally:
         faults.disarm()
     x = make_input(seed, ctx.rank, 100000, torch.float32)
@@ -722,28 +802,29 @@ def _rank_corrupt(ctx, seed, bad_rank):
     return res
 
 
-def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks, schedule):
     world, bad = 3, 1
-    results = ranks.run(_rank_corrupt, SEED, bad, world_size=world)
+    results = ranks.run(_rank_corrupt, SEED, bad, schedule, world_size=world)
     for r in range(world):
         assert results[r]["raised"] and results[r]["intact"] and results[r]["rebuilt_ok"], results[r]
         before, after = results[r]["leaked"]
         assert before == after, f"rank {r}: (open fds, threads) {before} before two rings, {after} after"
-    detector = results[(bad + 1) % world]
+    detector = results[(bad + 1) % world]  # the first frame it sends goes there in both schedules
     assert detector["kind"] == "corrupt_frame" and detector["peer"] == bad, detector["message"]
     assert "authentication failed" in detector["message"]
     for r in range(world):
         assert "authentication failed" in results[r]["message"], results[r]["message"]
 
 
-def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec):
+def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec, schedule):
     """A bit flips in the all-gather, after the ranks wrote their first final segments
     into the tensor (small segments, corruption past the reduce-scatter's bytes)."""
     from prime.comm import CommError
 
     n, world = 100000, ctx.world_size
-    # Payload bytes the bad rank sends in the reduce-scatter (world - 1 chunks), then
-    # half a chunk into the all-gather's first step.
+    # Payload bytes the bad rank sends in the reduce-scatter (world - 1 chunks in both
+    # schedules), then half a chunk into the all-gather.
     chunk_bytes = (n // world) * (1 if codec == "int8" else 4) * (1 + (4 / 256 if codec == "int8" else 0))
     offset = int((world - 1 + 0.6) * chunk_bytes)
     from prime import faults
@@ -751,39 +832,47 @@ def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec):
     if ctx.rank == bad_rank:
         faults.arm(f"ring.send@{offset}")
     try:
-        ring = ctx.ring(timeout=10, segment_bytes=1 << 14)
+        ring = ctx.ring(timeout=10, segment_bytes=1 << 14, schedule=schedule)
     finally:
         faults.disarm()
     x = make_input(seed, ctx.rank, n, torch.float32)
     keep = x.clone()
     try:
         ring.all_reduce(x, op="avg", codec=codec).wait()
-        res = {"raised": False}
+        res = {"raised": False, "y": x}
     except CommError as e:
         res = {"raised": True, "kind": e.kind, "message": str(e), "intact": torch.equal(_bits(x), _bits(keep))}
     ring.close()
     return res
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("codec", ["int8", "none"])
-def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec):
+def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec, schedule):
     world, bad = 3, 1
-    results = ranks.run(_rank_corrupt_all_gather, SEED, bad, codec, world_size=world)
+    results = ranks.run(_rank_corrupt_all_gather, SEED, bad, codec, schedule, world_size=world)
+    inputs = [make_input(SEED, r, 100000, torch.float32) for r in range(world)]
+    model = model_all_reduce(inputs, "avg", codec, schedule=schedule)
+    failed = 0
     for r in range(world):
-        # The corrupting rank itself may finish first: what it received was sound, and it
-        # may have its last frames before the abort arrives. Everyone else must fail.
-        if r == bad and not results[r]["raised"]:
+        # A rank that had every frame it needed before the abort arrived may finish (the
+        # corrupting rank itself; in the direct schedule also a rank whose frames from it
+        # all arrived intact): with the true result. Others must fail, their tensor intact.
+        if not results[r]["raised"] and (r == bad or schedule == "direct"):
+            assert torch.equal(_bits(results[r]["y"]), _bits(model)), f"rank {r} finished with a wrong result"
             continue
+        failed += 1
         assert results[r]["raised"] and results[r]["intact"], (r, results[r])
-    assert "all_gather" in results[(bad + 1) % world]["message"] or "all-gather" in results[(bad + 1) % world]["message"], \
-        results[(bad + 1) % world]["message"]
+    assert failed >= 1
+    messages = [results[r]["message"] for r in range(world) if results[r]["raised"]]
+    assert any("all-gather" in m for m in messages), messages
 
 
-def _rank_nonfinite(ctx, seed):
+def _rank_nonfinite(ctx, seed, schedule):
     from prime.comm import NonFiniteError
 
     out = []
-    with ctx.ring() as ring:
+    with ctx.ring(schedule=schedule) as ring:
         for dtype in DTYPES:
             for codec in ("none", "int8"):
                 x = make_input(seed, ctx.rank, 5000, dtype)
@@ -813,8 +902,9 @@ def _rank_nonfinite(ctx, seed):
     return out
 
 
-def test_non_finite_input_fails_every_rank_and_touches_nothing(ranks):
-    results = ranks.run(_rank_nonfinite, SEED, world_size=3)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_non_finite_input_fails_every_rank_and_touches_nothing(ranks, schedule):
+    results = ranks.run(_rank_nonfinite, SEED, schedule, world_size=3)
     for r in range(3):
         res = results[r]
         for item in res[:6]:
@@ -855,12 +945,13 @@ def _rank_target(ctx, secret):
         return {"rejected": ring.rejected_connections, "ok": bool((y == 1.0).all())}
 
 
-def _hello(world, streams, flags, segment, job, rank, stream, nonce):
+def _hello(world, streams, flags, segment, job, rank, stream, nonce, link_streams=1):
     """The 72-byte handshake hello of docs/ring.md, written independently of the C++."""
-    return b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 2, world, streams, flags, segment, job, rank, stream, 0) + nonce
+    return (b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 3, world, streams, flags, segment, job, rank, stream, link_streams)
+            + nonce)
 
 
-def _attack(address, secret, job_id, claim_rank, streams=1):
+def _attack(address, secret, job_id, claim_rank, streams=0):
     """Connects and runs the client side of the handshake; returns the server's status byte."""
     host, port = address.rsplit(":", 1)
     job = int.from_bytes(hashlib.sha256(f"{job_id}\0{2}".encode()).digest()[:8], "little")
@@ -908,7 +999,7 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
     rejected = results[0]["rejected"]
     assert len(rejected) == 6, rejected
     text = "\n".join(rejected)
-    for reason in ("garbage", "wrong secret", "another job", "expected rank 1", "configuration differs"):
+    for reason in ("garbage", "wrong secret", "another job", "not another rank", "configuration differs"):
         assert reason in text, text
 
 
@@ -918,11 +1009,11 @@ def test_intruders_are_rejected_while_the_ring_forms(ranks):
 # CPU/GPU rings against all-CPU ones: tests/test_ring_cuda.py.
 
 
-def _rank_cuda(ctx, seed, dtype, mode):
+def _rank_cuda(ctx, seed, dtype, mode, schedule):
     previous = os.environ.get("PRIME_RING_CUDA_REDUCE")
     os.environ["PRIME_RING_CUDA_REDUCE"] = mode
     try:
-        with ctx.ring() as ring:
+        with ctx.ring(schedule=schedule) as ring:
             x = make_input(seed, ctx.rank, 100003, dtype)
             host = x.clone()
             ring.all_reduce(host, op="avg", codec="int8").wait()  # the CPU path, for comparison
@@ -938,12 +1029,13 @@ def _rank_cuda(ctx, seed, dtype, mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mode", ["cpu", "auto"])
 @pytest.mark.parametrize("world_size,dtype", [(2, torch.float32), (4, torch.float32), (4, torch.bfloat16)])
-def test_cuda_tensor(ranks, world_size, dtype, mode):
-    results = ranks.run(_rank_cuda, SEED, dtype, mode, world_size=world_size)
+def test_cuda_tensor(ranks, world_size, dtype, mode, schedule):
+    results = ranks.run(_rank_cuda, SEED, dtype, mode, schedule, world_size=world_size)
     inputs = [make_input(SEED, r, 100003, dtype) for r in range(world_size)]
-    model = model_all_reduce(inputs, "avg", "int8")
+    model = model_all_reduce(inputs, "avg", "int8", schedule=schedule)
     on_gpu = mode == "auto" and _extension.require()._ring_reduces_on_gpu
     for y, host, stats in results:
         assert y.dtype == dtype

@@ -100,6 +100,11 @@ __global__ void __launch_bounds__(kThreads)
   raise_flag(bad, flag);
 }
 
+__global__ void __launch_bounds__(kThreads) add_into_kernel(float* __restrict__ acc, const float* __restrict__ add,
+                                                            int64_t n) {
+  for (int64_t i = first_index(); i < n; i += stride()) acc[i] = __fadd_rn(acc[i], add[i]);
+}
+
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* __restrict__ x, int64_t n, float d) {
   for (int64_t i = first_index(); i < n; i += stride()) x[i] = __fdiv_rn(x[i], d);
 }
@@ -318,6 +323,12 @@ cudaError_t add_widened(const void* own, InputType type, const float* add, int64
                         cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   add_widened_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, add, n, acc, own_bad);
+  return cudaGetLastError();
+}
+
+cudaError_t add_into(float* acc, const float* add, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  add_into_kernel<<<grid_for(n), kThreads, 0, stream>>>(acc, add, n);
   return cudaGetLastError();
 }
 

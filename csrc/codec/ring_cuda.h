@@ -28,6 +28,9 @@ cudaError_t add_dequantized(const void* own, InputType type, const int8_t* q, co
 cudaError_t add_widened(const void* own, InputType type, const float* add, int64_t n, float* acc, uint32_t* own_bad,
                         cudaStream_t stream);
 
+// acc[i] = acc[i] + add[i] (the direct schedule's owner adding an exact contribution).
+cudaError_t add_into(float* acc, const float* add, int64_t n, cudaStream_t stream);
+
 // dst[i] = widen(src[i]) (dst may be null: only the check). *bad = 1 when src holds NaN or Inf.
 cudaError_t widen(const void* src, InputType type, int64_t n, float* dst, uint32_t* bad, cudaStream_t stream);
 

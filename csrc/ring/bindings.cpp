@@ -71,6 +71,7 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["stage_s"] = s.stage_s;
   d["copy_back_s"] = s.copy_back_s;
   d["auth_s"] = s.auth_s;
+  d["schedule"] = s.direct ? "direct" : "ring";
   d["gpu"] = s.gpu;
   d["gpu_codec_s"] = s.gpu_codec_s;
   d["h2d_s"] = s.h2d_s;
@@ -98,7 +99,9 @@ ring::DType dtype_of(const at::Tensor& t) {
 }
 
 ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                            int64_t block_size) {
+                            int64_t block_size, const std::string& schedule = "ring") {
+  TORCH_CHECK(schedule == "ring" || schedule == "direct", "internal: schedule '", schedule,
+              "' reached the ring unchecked (prime.comm.Ring.all_reduce chooses it)");
   TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "none"), "internal: op '", op,
               "' / codec '", codec, "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
   codec::check_block_size(block_size);
@@ -108,6 +111,7 @@ ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, con
   spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : ring::CodecKind::kNone;
   spec.block = block_size;
   spec.n = tensor.numel();
+  spec.schedule = schedule == "direct" ? ring::Schedule::kDirect : ring::Schedule::kRing;
   return spec;
 }
 
@@ -147,9 +151,9 @@ void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<
 #endif
 
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                             int64_t block_size, const py::object& cuda_context) {
+                             int64_t block_size, const py::object& cuda_context, const std::string& schedule) {
   AllReduceJob job;
-  job.spec = spec_of(tensor, op, codec, block_size);
+  job.spec = spec_of(tensor, op, codec, block_size, schedule);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
               tensor.device().str());
 
@@ -266,10 +270,41 @@ void init_ring_bindings(py::module_& m) {
            py::arg("bind_addr"), py::arg("socket_buffer_bytes"), py::arg("corrupt_after_bytes"),
            py::arg("measure_quant_error") = true)
       .def_property_readonly("port", &Ring::port)
-      .def("connect", &Ring::connect, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "connect",
+          [](Ring& r, const std::vector<std::pair<std::string, int>>& addresses) {
+            std::vector<ring::Address> a;
+            for (const auto& [host, port] : addresses) a.push_back(ring::Address{host, port});
+            py::gil_scoped_release no_gil;
+            r.connect(a);
+          },
+          py::arg("addresses"), "Forms the links to every rank: addresses[r] = (host, port) of rank r.")
+      .def("set_order", &Ring::set_order, py::arg("order"))
+      .def("order", &Ring::order)
+      .def(
+          "links",
+          [](const Ring& r) {
+            py::list out;
+            for (const ring::LinkReport& l : r.links()) {
+              py::dict d;
+              d["peer"] = l.peer;
+              d["streams"] = l.streams;
+              d["sndbuf"] = l.sndbuf;
+              d["handshake_rtt_s"] = l.handshake_rtt_s;
+              d["rtt_s"] = l.rtt_s;
+              d["rate"] = l.rate;
+              d["limited_share"] = l.limited_share;
+              d["needed_inflight"] = l.needed_inflight;
+              d["bytes_sent"] = l.bytes_sent;
+              d["changes"] = l.changes;
+              out.append(d);
+            }
+            return out;
+          },
+          "What this rank knows of its outgoing links, one dict per peer.")
       .def("rejected_connections", &Ring::rejected_connections)
       .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"),
-           py::arg("cuda_context") = py::none())
+           py::arg("cuda_context") = py::none(), py::arg("schedule") = "ring")
       .def("close", &Ring::close, py::call_guard<py::gil_scoped_release>());
 
 #ifdef PRIME_WITH_CUDA

@@ -5,7 +5,9 @@
 
 #include <cxxabi.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <exception>
 #include <system_error>
 
 #include "tcp/connection.h"
@@ -14,18 +16,24 @@ namespace prime::ring {
 
 Rendezvous::Rendezvous(RendezvousOptions options)
     : opt_(std::move(options)),
+      limits_(SocketLimits::of_host()),
       deadline_(Deadline::after(opt_.timeout)),
       handshake_limit_(std::min(kHandshakeLimit, opt_.timeout)),
-      left_((opt_.rank + opt_.world_size - 1) % opt_.world_size),
-      right_((opt_.rank + 1) % opt_.world_size),
       listener_(opt_.bind_addr, 0),
-      wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+      wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+      in_(static_cast<size_t>(opt_.world_size)),
+      in_count_(static_cast<size_t>(opt_.world_size), 0) {
   if (!wake_.valid()) throw IoError(IoError::Reason::kOther, "eventfd failed: " + errno_text(errno));
-  left_streams_.resize(opt_.streams);
   acceptor_ = std::thread(&Rendezvous::accept_loop, this);
 }
 
 Rendezvous::~Rendezvous() { stop(); }
+
+size_t Rendezvous::max_pending() const {
+  // Every peer's streams may arrive at once (a peer opens its streams in parallel).
+  const int per_peer = opt_.handshake.streams > 0 ? opt_.handshake.streams : kMaxAutoStreams;
+  return kMaxPendingHandshakes + static_cast<size_t>(std::max(0, opt_.world_size - 1) * per_peer);
+}
 
 void Rendezvous::stop() {
   stop_ = true;
@@ -74,6 +82,8 @@ CommError Rendezvous::error(ErrorKind kind, int peer, const std::string& cause) 
   return CommError(e);
 }
 
+bool Rendezvous::all_in() const { return links_in_ == opt_.world_size - 1; }
+
 void Rendezvous::accept_loop() {
   try {
     accept_until_done();
@@ -83,7 +93,7 @@ void Rendezvous::accept_loop() {
     std::lock_guard<std::mutex> lock(mu_);
     accept_error_ = std::string("internal error while accepting: ") + e.what();
   }
-  // The left neighbour is in, or the deadline passed, or we stop: interrupt the rest.
+  // Every peer is in, or the deadline passed, or we stop: interrupt the rest.
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& p : pending_) p->socket.shutdown_both();
@@ -117,7 +127,7 @@ void Rendezvous::accept_until_done() {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (accepted_ == opt_.streams) break;
+      if (all_in()) break;
     }
     Socket s;
     try {
@@ -132,7 +142,7 @@ void Rendezvous::accept_until_done() {
       [[maybe_unused]] const ssize_t rc = ::read(wake_.fd(), &count, sizeof(count));
       continue;
     }
-    if (pending_.size() >= kMaxPendingHandshakes) {
+    if (pending_.size() >= max_pending()) {
       // Make room: drop the oldest (its thread sees EOF at once and ends).
       for (auto& p : pending_) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -178,16 +188,21 @@ void Rendezvous::serve_one(Pending* p) {
   std::string failure;
   try {
     const Deadline d = deadline_.sooner(Deadline::after(handshake_limit_));
-    Accepted a = handshake_server(p->socket, opt_.handshake, opt_.rank, left_, d);
+    Accepted a = handshake_server(p->socket, opt_.handshake, opt_.rank, d);
     std::lock_guard<std::mutex> lock(mu_);
-    if (left_streams_[a.stream].socket.valid()) {
-      failure = "stream " + std::to_string(a.stream) + " of rank " + std::to_string(left_) + " is already connected";
+    std::vector<Stream>& link = in_[static_cast<size_t>(a.rank)];
+    if (link.empty()) link.resize(static_cast<size_t>(a.link_streams));
+    if (static_cast<int>(link.size()) != a.link_streams) {
+      failure = "rank " + std::to_string(a.rank) + " announced " + std::to_string(a.link_streams) +
+                " streams, and " + std::to_string(link.size()) + " before";
+    } else if (link[static_cast<size_t>(a.stream)].socket.valid()) {
+      failure = "stream " + std::to_string(a.stream) + " of rank " + std::to_string(a.rank) + " is already connected";
     } else if (p->evicted || stop_) {
       failure = "dropped after its handshake: the ring stopped forming";
     } else {
       configure_stream(p->socket, opt_.socket_buffer_bytes);
-      left_streams_[a.stream] = Stream{std::move(p->socket), a.keys};
-      ++accepted_;
+      link[static_cast<size_t>(a.stream)] = Stream{std::move(p->socket), a.keys};
+      if (++in_count_[static_cast<size_t>(a.rank)] == a.link_streams) ++links_in_;
     }
   } catch (const HandshakeError& e) {
     failure = e.what();
@@ -200,7 +215,7 @@ void Rendezvous::serve_one(Pending* p) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure.empty()) {
       if (p->evicted) {
-        failure = "dropped to make room for new connections (" + std::to_string(kMaxPendingHandshakes) +
+        failure = "dropped to make room for new connections (" + std::to_string(max_pending()) +
                   " handshakes were pending; this one had not finished): " + failure;
       }
       reject("rejected connection from " + p->who + ": " + failure);
@@ -208,16 +223,27 @@ void Rendezvous::serve_one(Pending* p) {
   }
 }
 
-Stream Rendezvous::connect_right(const std::string& host, int port, int stream, const std::string& where) {
+Stream Rendezvous::connect_stream(int peer, const Address& a, int stream, Link* link, double* rtt_s) {
+  const std::string where = "rank " + std::to_string(peer) + " at " + a.host + ":" + std::to_string(a.port);
   std::string last;
   for (;;) {
     if (stop_) throw IoError(IoError::Reason::kStopped, "stopped");
-    Socket s = connect_to(host, port, deadline_);  // throws IoError at the deadline
+    double connect_rtt = 0;
+    Socket s = connect_to(a.host, a.port, deadline_, &connect_rtt);  // throws IoError at the deadline
+    if (link->plan.streams == 0) {
+      // The first stream's connect measured the round trip (SYN, SYN-ACK): its hello says
+      // how many streams the link gets.
+      link->plan = opt_.handshake.streams > 0 ? LinkPlan{opt_.handshake.streams, 0, 0}
+                                              : plan_link(connect_rtt, opt_.link_rate, limits_);
+    }
     try {
       // Short per attempt: a server that dropped us to make room is tried again.
       const Deadline d = deadline_.sooner(Deadline::after(handshake_limit_));
-      SessionKeys keys = handshake_client(s, opt_.handshake, opt_.rank, right_, stream, d);
+      double hs_rtt = 0;
+      SessionKeys keys =
+          handshake_client(s, opt_.handshake, opt_.rank, peer, stream, link->plan.streams, d, &hs_rtt);
       configure_stream(s, opt_.socket_buffer_bytes);
+      *rtt_s = connect_rtt > 0 ? std::min(connect_rtt, hs_rtt) : hs_rtt;
       return Stream{std::move(s), keys};
     } catch (const HandshakeError& e) {
       if (!e.transient() || deadline_.expired()) throw;
@@ -231,46 +257,104 @@ Stream Rendezvous::connect_right(const std::string& host, int port, int stream, 
   }
 }
 
-Links Rendezvous::complete(const std::string& right_host, int right_port) {
-  Links links;
-  const std::string where = "rank " + std::to_string(right_) + " at " + right_host + ":" + std::to_string(right_port);
-  for (int j = 0; j < opt_.streams; ++j) {
+Link Rendezvous::connect_link(int peer, const Address& a) {
+  Link link;
+  link.plan.streams = 0;  // chosen by the first stream's connect
+  double rtt = -1;
+  link.out.push_back(connect_stream(peer, a, 0, &link, &rtt));
+  const int k = link.plan.streams;
+  link.out.resize(static_cast<size_t>(k));
+  std::vector<double> rtts(static_cast<size_t>(k), -1);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(k));
+  {
+    std::vector<std::thread> threads;
+    for (int j = 1; j < k; ++j) {
+      threads.emplace_back([&, j] {
+        try {
+          link.out[static_cast<size_t>(j)] = connect_stream(peer, a, j, &link, &rtts[static_cast<size_t>(j)]);
+        } catch (...) {
+          errors[static_cast<size_t>(j)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  for (double r : rtts) {
+    if (r > 0) rtt = rtt > 0 ? std::min(rtt, r) : r;
+  }
+  link.rtt_s = rtt;
+  for (Stream& s : link.out) set_send_buffer(s.socket, link.plan.sndbuf);
+  return link;
+}
+
+std::vector<Link> Rendezvous::complete(const std::vector<Address>& addresses) {
+  const int n = opt_.world_size;
+  std::vector<Link> links(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  {
+    std::vector<std::thread> threads;
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer == opt_.rank) continue;
+      threads.emplace_back([&, peer] {
+        try {
+          links[static_cast<size_t>(peer)] = connect_link(peer, addresses[static_cast<size_t>(peer)]);
+        } catch (...) {
+          errors[static_cast<size_t>(peer)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (int peer = 0; peer < n; ++peer) {
+    if (!errors[static_cast<size_t>(peer)]) continue;
+    const Address& a = addresses[static_cast<size_t>(peer)];
+    const std::string where = "rank " + std::to_string(peer) + " at " + a.host + ":" + std::to_string(a.port);
     try {
-      links.right.push_back(connect_right(right_host, right_port, j, where));
+      std::rethrow_exception(errors[static_cast<size_t>(peer)]);
     } catch (const HandshakeError& e) {
       stop();
-      throw error(ErrorKind::kHandshake, right_, "handshake with " + where + " failed: " + e.what());
+      throw error(ErrorKind::kHandshake, peer, "handshake with " + where + " failed: " + e.what());
     } catch (const IoError& e) {
       stop();
       if (interrupted_) throw error(ErrorKind::kClosed, -1, "the ring was closed while it was forming");
       if (e.reason() == IoError::Reason::kTimeout) {
-        throw error(ErrorKind::kTimeout, right_,
+        throw error(ErrorKind::kTimeout, peer,
                     "timed out after " + std::to_string(opt_.timeout.count()) + " ms connecting to " + where + ": " +
                         e.what());
       }
-      throw error(ErrorKind::kConnectionLost, right_, "could not connect to " + where + ": " + e.what());
+      throw error(ErrorKind::kConnectionLost, peer, "could not connect to " + where + ": " + e.what());
     }
   }
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return accepted_ == opt_.streams || acceptor_done_; });
+    cv_.wait(lock, [&] { return all_in() || acceptor_done_; });
   }
-  stop();  // the ring is formed (or never will be): nothing listens any more
+  stop();  // the links are formed (or never will be): nothing listens any more
   if (interrupted_) throw error(ErrorKind::kClosed, -1, "the ring was closed while it was forming");
   std::lock_guard<std::mutex> lock(mu_);
-  if (accepted_ < opt_.streams) {
+  if (!all_in()) {
+    int missing = -1;
+    for (int peer = 0; peer < n && missing < 0; ++peer) {
+      if (peer == opt_.rank) continue;
+      const auto& l = in_[static_cast<size_t>(peer)];
+      if (l.empty() || in_count_[static_cast<size_t>(peer)] < static_cast<int>(l.size())) missing = peer;
+    }
+    const auto& l = in_[static_cast<size_t>(missing)];
     std::string cause = "timed out after " + std::to_string(opt_.timeout.count()) + " ms waiting for rank " +
-                        std::to_string(left_) + " to connect (" + std::to_string(accepted_) + " of " +
-                        std::to_string(opt_.streams) + " streams arrived)";
+                        std::to_string(missing) + " to connect (" + std::to_string(in_count_[static_cast<size_t>(missing)]) +
+                        " of " + (l.empty() ? std::string("its") : std::to_string(l.size())) + " streams arrived)";
     if (accept_error_ && accept_error_->find("deadline") == std::string::npos) cause += ": " + *accept_error_;
     const size_t n_rejected = rejected_.size() + rejected_unlisted_;
     if (n_rejected > 0) {
       cause += "; meanwhile " + std::to_string(n_rejected) + " connection(s) were rejected, the last listed: " +
                rejected_.back();
     }
-    throw error(ErrorKind::kTimeout, left_, cause);
+    throw error(ErrorKind::kTimeout, missing, cause);
   }
-  links.left = std::move(left_streams_);
+  for (int peer = 0; peer < n; ++peer) links[static_cast<size_t>(peer)].in = std::move(in_[static_cast<size_t>(peer)]);
   return links;
 }
 

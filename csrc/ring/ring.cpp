@@ -2,6 +2,7 @@
 
 #include <cxxabi.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -34,7 +35,8 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
   // prime.comm.Ring checks every option with a message for the user; these are the
   // invariants the C++ relies on (the 64-bit rank mask, whole codec blocks per segment).
   const bool valid = opt_.world_size >= 1 && opt_.world_size <= 64 && opt_.rank >= 0 &&
-                     opt_.rank < opt_.world_size && opt_.streams >= 1 && opt_.streams <= 64 && opt_.timeout_ms > 0 &&
+                     opt_.rank < opt_.world_size && opt_.streams >= 0 && opt_.streams <= kMaxLinkStreams &&
+                     opt_.timeout_ms > 0 &&
                      opt_.rendezvous_timeout_ms > 0 && opt_.segment_elems >= codec::kMaxBlock &&
                      opt_.segment_elems % codec::kMaxBlock == 0 && opt_.segment_elems <= (int64_t{1} << 28);
   if (!valid) {
@@ -46,7 +48,6 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
     RendezvousOptions r;
     r.rank = opt_.rank;
     r.world_size = opt_.world_size;
-    r.streams = opt_.streams;
     r.handshake.secret = opt_.secret;
     r.handshake.job = job_;
     r.handshake.world_size = opt_.world_size;
@@ -55,6 +56,7 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
     r.handshake.segment_elems = static_cast<uint64_t>(opt_.segment_elems);
     r.bind_addr = opt_.bind_addr;
     r.socket_buffer_bytes = opt_.socket_buffer_bytes;
+    r.link_rate = opt_.max_rate > 0 ? opt_.max_rate : kAssumedLinkRate;
     r.timeout = Millis(opt_.rendezvous_timeout_ms);
     try {
       rendezvous_ = std::make_unique<Rendezvous>(std::move(r));
@@ -92,7 +94,7 @@ std::vector<std::string> Ring::rejected_connections() const {
   return rendezvous_ ? rendezvous_->rejected() : std::vector<std::string>{};
 }
 
-void Ring::connect(const std::string& right_host, int right_port) {
+void Ring::connect(const std::vector<Address>& addresses) {
   std::lock_guard<std::mutex> life(lifecycle_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -100,7 +102,10 @@ void Ring::connect(const std::string& right_host, int right_port) {
     connecting_ = true;
   }
   if (opt_.world_size > 1) {
-    Links links = rendezvous_->complete(right_host, right_port);
+    if (static_cast<int>(addresses.size()) != opt_.world_size) {
+      throw std::invalid_argument("internal: connect() needs the address of every rank");
+    }
+    std::vector<Link> links = rendezvous_->complete(addresses);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closing_) {  // close() ran meanwhile: start nothing (the links close with `links`)
@@ -112,17 +117,16 @@ void Ring::connect(const std::string& right_host, int right_port) {
     }
     TransportOptions t;
     t.rank = opt_.rank;
-    t.left = (opt_.rank + opt_.world_size - 1) % opt_.world_size;
-    t.right = (opt_.rank + 1) % opt_.world_size;
     t.timeout = Millis(opt_.timeout_ms);
     t.max_rate = opt_.max_rate;
     t.encrypt = opt_.encrypt;
     t.job = job_;
     t.max_payload = static_cast<uint32_t>(opt_.segment_elems * 4);  // an fp32 segment, the largest payload
     t.corrupt_after_bytes = opt_.corrupt_after_bytes;
+    t.tune_buffers = opt_.streams == 0 && opt_.socket_buffer_bytes == 0;  // the user chose neither
     // Idle frame buffers kept for reuse: a few chunks' worth at the default segment size.
     pool_ = BufferPool::create(size_t{256} << 20);
-    transport_ = std::make_unique<TcpTransport>(std::move(t), std::move(links.right), std::move(links.left), pool_, [this] {
+    transport_ = std::make_unique<TcpTransport>(std::move(t), std::move(links), pool_, [this] {
       { std::lock_guard<std::mutex> lock(mu_); }
       cv_.notify_all();
     });
@@ -132,12 +136,36 @@ void Ring::connect(const std::string& right_host, int right_port) {
   connected_ = true;  // only now may collectives be queued
 }
 
+void Ring::set_order(std::vector<int> order) {
+  std::vector<int> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  bool permutation = static_cast<int>(order.size()) == opt_.world_size;
+  for (int i = 0; permutation && i < opt_.world_size; ++i) permutation = sorted[static_cast<size_t>(i)] == i;
+  if (!permutation) throw std::invalid_argument("internal: a ring order must be a permutation of the ranks");
+  std::lock_guard<std::mutex> lock(mu_);
+  order_ = std::move(order);
+}
+
+std::vector<int> Ring::order() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!order_.empty()) return order_;
+  std::vector<int> identity(static_cast<size_t>(opt_.world_size));
+  for (int i = 0; i < opt_.world_size; ++i) identity[static_cast<size_t>(i)] = i;
+  return identity;
+}
+
+std::vector<LinkReport> Ring::links() const {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);
+  return transport_ ? transport_->link_reports() : std::vector<LinkReport>{};
+}
+
 std::shared_ptr<Work> Ring::all_reduce(AllReduceJob job) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!connected_ || closing_) {
     throw std::logic_error(closing_ ? "all_reduce on a closed ring" : "all_reduce before the ring was connected");
   }
   auto work = std::make_shared<Work>(next_seq_++);
+  job.order = order_;  // the order when it was issued (every rank issues in the same order)
   job.spec.measure_error = opt_.measure_quant_error && job.spec.codec == CodecKind::kInt8;
   queue_.push_back(Pending{std::move(job), work, Clock::now()});
   cv_.notify_all();
@@ -265,7 +293,7 @@ void Ring::execute(Pending& p) {
   } else {
     auto counters = std::make_shared<WireCounters>();
     ScheduleTimes times;
-    RingGeometry g{opt_.rank, opt_.world_size, opt_.segment_elems, job_};
+    RingGeometry g{opt_.rank, opt_.world_size, opt_.segment_elems, job_, p.job.order};
     std::optional<ErrorInfo> failure;
     try {
       outcome = run_all_reduce(*transport_, *pool_, g, static_cast<uint64_t>(p.work->seq()), spec, counters, times);
@@ -292,6 +320,7 @@ void Ring::execute(Pending& p) {
     stats.quant_measured = spec.measure_error;
     stats.quant_err_sq = times.quant_err_sq;
     stats.quant_in_sq = times.quant_in_sq;
+    stats.direct = spec.schedule == Schedule::kDirect;
     if (failure) {
       // Stops every I/O thread (and with them every pointer into this job's buffers)
       // before the job, and the tensors it keeps alive, go away.
@@ -318,6 +347,7 @@ void Ring::execute(Pending& p) {
     return done(e);
   }
   if (opt_.world_size > 1) {
+    transport_->learn();  // between collectives: nothing is on the wire of this one any more
     const auto c0 = Clock::now();
     try {
       // Only now is the caller's tensor written: decoded straight from the wire bytes

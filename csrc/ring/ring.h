@@ -1,4 +1,5 @@
-// One rank's end of the ring: its links, its background worker, its collectives.
+// One rank's end of the ring: its links (to every other rank), its background worker,
+// its collectives (the ring schedule in the ring's order, or the direct one).
 //
 // all_reduce() only queues a job; a single worker thread runs the jobs in FIFO
 // order (every rank must issue them in the same order, as with NCCL; the frame
@@ -35,8 +36,8 @@ struct RingOptions {
   std::string secret;
   int64_t timeout_ms = 60000;             // every wait of a collective
   int64_t rendezvous_timeout_ms = 60000;  // forming the links, from construction on
-  int streams = 1;
-  double max_rate = 0;  // bytes/s of this rank's uplink (to its right); <= 0 unlimited
+  int streams = 1;  // per link; 0: each link chooses from its round trip (tcp/tuning.h)
+  double max_rate = 0;  // bytes/s of this rank's uplink (all its links); <= 0 unlimited
   bool encrypt = false;  // payloads encrypted; every frame is authenticated either way
   int64_t segment_elems = 1 << 18;
   std::string bind_addr = "127.0.0.1";
@@ -55,6 +56,7 @@ struct AllReduceJob {
   void* direct = nullptr;
   std::function<void()> commit;
   std::shared_ptr<void> keep_alive;   // tensors behind spec.input / spec.output
+  std::vector<int> order;             // the ring's order when the job was issued (set by Ring)
   double stage_s = 0;                 // time the caller spent filling spec.input (reported in WorkStats)
 };
 
@@ -70,8 +72,15 @@ class Ring {
   int rank() const { return opt_.rank; }
   int world_size() const { return opt_.world_size; }
   int port() const;  // 0 when there is no listener
-  // Forms the links (connect right, accept left) and starts the worker.
-  void connect(const std::string& right_host, int right_port);
+  // Forms the links (connect to every rank at addresses[r], accept every rank) and starts
+  // the worker.
+  void connect(const std::vector<Address>& addresses);
+  // The ring schedule's order from now on: order[p] is the rank at position p, a
+  // permutation of 0..N-1 every rank passes the same (agreed through the store).
+  void set_order(std::vector<int> order);
+  std::vector<int> order() const;
+  // What this rank knows of its links (one report per peer; empty before connect()).
+  std::vector<LinkReport> links() const;
   std::vector<std::string> rejected_connections() const;
   std::shared_ptr<Work> all_reduce(AllReduceJob job);
   // Joins every thread and closes every socket; queued jobs fail with kClosed. Safe to
@@ -98,17 +107,18 @@ class Ring {
   const uint64_t job_;
   std::shared_ptr<BufferPool> pool_;
   std::unique_ptr<Rendezvous> rendezvous_;
-  std::unique_ptr<TcpTransport> transport_;
+  std::unique_ptr<TcpTransport> transport_;  // set in connect(), under lifecycle_mu_
   std::thread worker_;
   // Held by connect() from start to end and by close() for its teardown: threads are
   // started and joined under it, so a close() racing a connect() waits for it (after
   // interrupting its rendezvous) instead of returning while connect() goes on to start
   // a worker that nobody joins (whose std::thread would then end the process with
   // std::terminate when the Ring is destroyed).
-  std::mutex lifecycle_mu_;
+  mutable std::mutex lifecycle_mu_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  std::vector<int> order_;  // empty: rank order
   std::deque<Pending> queue_;
   int64_t next_seq_ = 0;
   bool running_ = false;  // the worker is inside a job

@@ -1,13 +1,22 @@
-// The ring all-reduce schedule: reduce-scatter then all-gather over N chunks, each
-// chunk cut into segments so that one segment is on the wire while the previous is
-// reduced. It knows only "send to the right, receive from the left" (transport.h)
-// and walks steps, chunks and segments; what a payload holds and how it is added
-// is the wire codec's (wire_codec.h).
+// The all-reduce schedules: reduce-scatter then all-gather over N chunks, each chunk
+// cut into segments so that one segment is on the wire while the previous is reduced.
+// They know only "send to a peer, receive from a peer" (transport.h) and walk steps,
+// chunks and segments; what a payload holds and how it is added is the wire codec's
+// (wire_codec.h), so every codec runs in both.
 //
-// Chunk c holds the partition units [c*U/N, (c+1)*U/N) of the U = ceil(n/unit)
-// units (unit = the codec's: the block size for int8, 256 values otherwise). Chunk c
-// starts at rank c, is summed along the ring c, c+1, ..., c-1, and rank c-1 (its
-// owner) computes the final value, which the all-gather forwards verbatim.
+// Chunk c holds the partition units [c*U/N, (c+1)*U/N) of the U = ceil(n/unit) units
+// (unit = the codec's: the block size for int8, 256 values otherwise).
+//
+//   ring    2(N-1) hops. Chunk c starts at the rank in ring position c, is summed
+//           along the ring order, and the rank in position c-1 (its owner) computes
+//           the final value, which the all-gather forwards verbatim around the ring.
+//           Every hop re-encodes the partial sum.
+//   direct  2 hops ("two-hop"). Rank c owns chunk c: every other rank sends it its
+//           own values of chunk c, encoded once; the owner sums them in fp32 and
+//           sends the encoded final value straight back to every rank.
+//
+// Both send every rank 2(N-1)/N of the tensor's encoded bytes; the ring pays 2(N-1)
+// one-way delays in sequence, the direct schedule two.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +30,7 @@ namespace prime::ring {
 
 enum class ReduceOp : int { kSum = 0, kAvg = 1 };
 enum class CodecKind : int { kNone = 0, kInt8 = 1 };
+enum class Schedule : int { kRing = 0, kDirect = 1 };
 
 constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact codec (values)
 
@@ -45,6 +55,7 @@ struct AllReduceSpec {
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
   int64_t block = 256;
+  Schedule schedule = Schedule::kRing;
   // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
   bool measure_error = true;
   // Set: input and output are device memory of that job's GPU, and the wire codec
@@ -57,6 +68,8 @@ struct RingGeometry {
   int world_size = 1;
   int64_t segment_elems = 1 << 18;  // a multiple of every partition unit
   uint64_t job = 0;
+  // The ring schedule's order: order[p] is the rank at position p (empty: 0, 1, ..., N-1).
+  std::vector<int> order;
 };
 
 struct ScheduleTimes {
@@ -112,7 +125,7 @@ std::string describe_spec(const AllReduceSpec& spec);
 // so it either throws before touching dst or writes all of it.
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool);
 
-// Runs all-reduce number `seq`. Writes nothing: returns the result's pieces and
+// Runs all-reduce number `seq` with spec.schedule. Writes nothing: returns the result's pieces and
 // which ranks had non-finite input (the caller decides whether to write_result). Throws
 // CommError on any wire failure.
 ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,

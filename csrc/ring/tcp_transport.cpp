@@ -29,9 +29,15 @@ constexpr Millis kControlDeadline{1000};
 // consumer catches up, so this cannot deadlock: the queue holds the next frames
 // the consumer needs.
 constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
-// How long a bare EOF waits for a neighbour's abort frame (which names the root
-// cause) to arrive on another path before it is reported as the failure itself.
+// How long a bare EOF waits for a peer's abort frame (which names the root cause) to
+// arrive on another path before it is reported as the failure itself.
 constexpr Millis kRootCauseGrace{250};
+// learn() reads a link's TCP counters once it carried this much since the last time: a
+// rate measured over less is mostly slow start and round trips.
+constexpr uint64_t kLearnMinBytes = 4 << 20;
+// A link whose streams waited on a send buffer or the receiver's window for more than this
+// share of their busy time was held back by them: its buffers grow.
+constexpr double kLimitedShare = 0.1;
 
 std::string frame_name(const FrameHeader& h) {
   StrBuilder s;
@@ -49,24 +55,50 @@ std::string io_cause(const IoError& e) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(TransportOptions options, std::vector<Stream> right, std::vector<Stream> left,
-                           std::shared_ptr<BufferPool> pool, std::function<void()> on_failure)
+TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, std::shared_ptr<BufferPool> pool,
+                           std::function<void()> on_failure)
     : opt_(std::move(options)),
-      k_(static_cast<int>(right.size())),
       pool_(std::move(pool)),
       on_failure_(std::move(on_failure)),
+      limits_(SocketLimits::of_host()),
       limiter_(opt_.max_rate, std::max<double>(kLimitedPiece, opt_.max_rate * 0.01)) {
   send_progress_ns_ = now_ns();
-  for (auto& s : right) send_.push_back(std::make_unique<SendStream>(std::move(s.socket), s.keys, opt_.encrypt));
-  for (auto& s : left) {
-    auto stream = std::make_unique<RecvStream>(std::move(s.socket), s.keys, opt_.encrypt);
-    stream->progress_ns = now_ns();
-    recv_.push_back(std::move(stream));
+  out_.resize(links.size());
+  in_.resize(links.size());
+  for (size_t peer = 0; peer < links.size(); ++peer) {
+    Link& l = links[peer];
+    const int p = static_cast<int>(peer);
+    if (!l.out.empty()) {
+      out_[peer] = std::make_unique<OutLink>();
+      OutLink& o = *out_[peer];
+      for (size_t j = 0; j < l.out.size(); ++j) {
+        send_.push_back(std::make_unique<SendStream>(p, static_cast<int>(j), std::move(l.out[j].socket),
+                                                     l.out[j].keys, opt_.encrypt));
+        o.streams.push_back(send_.back().get());
+      }
+      o.report.peer = p;
+      o.report.streams = static_cast<int>(l.out.size());
+      o.report.handshake_rtt_s = l.rtt_s;
+      o.report.needed_inflight = l.plan.needed_inflight;
+      TcpStats st;
+      if (read_tcp_stats(o.streams[0]->socket, &st)) o.report.sndbuf = st.sndbuf;
+    }
+    if (!l.in.empty()) {
+      in_[peer] = std::make_unique<InLink>();
+      for (size_t j = 0; j < l.in.size(); ++j) {
+        recv_.push_back(std::make_unique<RecvStream>(p, static_cast<int>(j), std::move(l.in[j].socket), l.in[j].keys,
+                                                     opt_.encrypt));
+        recv_.back()->progress_ns = now_ns();
+        in_[peer]->streams.push_back(recv_.back().get());
+      }
+    }
   }
   try {
-    for (int j = 0; j < k_; ++j) {
-      send_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::sender_loop, j);
-      recv_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::receiver_loop, j);
+    for (size_t j = 0; j < send_.size(); ++j) {
+      send_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::sender_loop, static_cast<int>(j));
+    }
+    for (size_t j = 0; j < recv_.size(); ++j) {
+      recv_[j]->thread = std::thread(&TcpTransport::guarded, this, &TcpTransport::receiver_loop, static_cast<int>(j));
     }
     watcher_ = std::thread(&TcpTransport::guarded, this, &TcpTransport::watcher_loop, 0);
   } catch (...) {
@@ -167,9 +199,32 @@ std::optional<ErrorInfo> TcpTransport::failure(const Context& where) const {
 // ---------------------------------------------------------------------------
 // sending
 
-void TcpTransport::send(OutFrame frame) {
+TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link) {
+  const size_t k = link.streams.size();
+  if (k == 1) return *link.streams[0];
+  // The stream with the least still to deliver: its queue, the frame it writes, and what
+  // its socket holds unacknowledged. Ties go round, so idle streams share the frames.
+  size_t best = link.next_pick % k;
+  int64_t least = -1;
+  for (size_t i = 0; i < k; ++i) {
+    const size_t j = (link.next_pick + i) % k;
+    const SendStream& s = *link.streams[j];
+    const int64_t backlog = static_cast<int64_t>(s.queued_bytes) + unacked_bytes(s.socket);
+    if (least < 0 || backlog < least) {
+      least = backlog;
+      best = j;
+    }
+  }
+  link.next_pick = best + 1;
+  return *link.streams[best];
+}
+
+void TcpTransport::send(int peer, OutFrame frame) {
   std::lock_guard<std::mutex> lock(send_mu_);
-  SendStream& s = *send_[next_send_++ % k_];
+  OutLink& link = *out_.at(static_cast<size_t>(peer));
+  frame.header.link_frame = link.next_frame++;
+  SendStream& s = pick_stream(link);
+  s.queued_bytes += frame.size;
   s.queue.push_back(std::move(frame));
   send_cv_.notify_all();
 }
@@ -239,7 +294,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
 }
 
 void TcpTransport::sender_loop(int j) {
-  SendStream& s = *send_[j];
+  SendStream& s = *send_[static_cast<size_t>(j)];
+  OutLink& link = *out_[static_cast<size_t>(s.peer)];
+  const std::string to = "rank " + std::to_string(s.peer);
   for (;;) {
     OutFrame f;
     {
@@ -254,29 +311,28 @@ void TcpTransport::sender_loop(int j) {
       write_frame(s, f);
     } catch (const IoError& e) {
       if (e.reason() == IoError::Reason::kStopped) return;
-      Failure fail{ErrorKind::kConnectionLost, opt_.right, ""};
-      if (right_closed_) {
+      Failure fail{ErrorKind::kConnectionLost, s.peer, ""};
+      if (link.closed) {
         fail.kind = ErrorKind::kClosed;
-        fail.cause = "rank " + std::to_string(opt_.right) + " closed the ring (it called close()) while this rank sent " +
-                     frame_name(f.header) + " to it";
+        fail.cause = to + " closed the ring (it called close()) while this rank sent " + frame_name(f.header) + " to it";
       } else if (e.reason() == IoError::Reason::kTimeout) {
         fail.kind = ErrorKind::kTimeout;
-        fail.cause = "timed out after " + std::to_string(opt_.timeout.count()) + " ms sending to rank " +
-                     std::to_string(opt_.right) + " (it stopped reading; while sending " + frame_name(f.header) + ")";
+        fail.cause = "timed out after " + std::to_string(opt_.timeout.count()) + " ms sending to " + to +
+                     " (it stopped reading; while sending " + frame_name(f.header) + ")";
       } else {
-        fail.cause = "send to rank " + std::to_string(opt_.right) + " failed: " + io_cause(e) + " (while sending " +
-                     frame_name(f.header) + ")";
-        // A neighbour that failed on its own wrote why on this socket's return path
-        // before closing it: let the watcher read that first.
+        fail.cause = "send to " + to + " failed: " + io_cause(e) + " (while sending " + frame_name(f.header) + ")";
+        // A peer that failed on its own wrote why on this socket's return path before
+        // closing it: let the watcher read that first.
         record_lost(std::move(fail));
         return;
       }
       record(std::move(fail));
       return;
     } catch (const std::exception& e) {  // libcrypto failed
-      record({ErrorKind::kInternal, opt_.right, std::string("sealing a frame failed: ") + e.what()});
+      record({ErrorKind::kInternal, s.peer, std::string("sealing a frame failed: ") + e.what()});
       return;
     }
+    link.bytes += kFrameOverhead + f.size;
     if (f.counters) {
       f.counters->bytes_sent += kFrameOverhead + f.size;
       f.counters->frames_sent += 1;
@@ -285,6 +341,7 @@ void TcpTransport::sender_loop(int j) {
     {
       std::lock_guard<std::mutex> lock(send_mu_);
       s.busy = false;
+      s.queued_bytes -= f.size;
     }
     sent_cv_.notify_all();
   }
@@ -296,16 +353,18 @@ void TcpTransport::flush(const Context& where) {
   // that somehow stopped without recording why.
   const auto guard = opt_.timeout + Millis(5000);
   for (;;) {
-    bool idle = true;
-    for (auto& s : send_) idle &= s->queue.empty() && !s->busy;
-    if (idle) return;
+    int waiting_for = -1;  // a peer whose frames are not out yet
+    for (auto& s : send_) {
+      if (!s->queue.empty() || s->busy) waiting_for = s->peer;
+    }
+    if (waiting_for < 0) return;
     if (auto e = failure(where)) throw CommError(*e);
     if (stop_) throw CommError(local_error(ErrorKind::kClosed, -1, "the ring was closed", where));
     const int64_t last = send_progress_ns_.load();
     if (now_ns() - last > std::chrono::duration_cast<std::chrono::nanoseconds>(guard).count()) {
-      throw CommError(local_error(ErrorKind::kTimeout, opt_.right,
+      throw CommError(local_error(ErrorKind::kTimeout, waiting_for,
                                   "timed out after " + std::to_string(guard.count()) + " ms flushing frames to rank " +
-                                      std::to_string(opt_.right),
+                                      std::to_string(waiting_for),
                                   where));
     }
     sent_cv_.wait_for(lock, Millis(kPollSliceMs));
@@ -359,8 +418,9 @@ InFrame TcpTransport::read_frame(const Socket& socket, FrameOpener& opener, cons
 }
 
 void TcpTransport::receiver_loop(int j) {
-  RecvStream& s = *recv_[j];
-  const std::string from = "rank " + std::to_string(opt_.left);
+  RecvStream& s = *recv_[static_cast<size_t>(j)];
+  InLink& link = *in_[static_cast<size_t>(s.peer)];
+  const std::string from = "rank " + std::to_string(s.peer);
   IoLimits limits;
   limits.stop = &stop_;
   limits.progress_ns = &s.progress_ns;
@@ -368,10 +428,10 @@ void TcpTransport::receiver_loop(int j) {
     InFrame f;
     try {
       if (!wait_readable(s.socket, limits)) return;  // stopped
-      f = read_frame(s.socket, s.opener, limits, opt_.max_payload, opt_.left);
+      f = read_frame(s.socket, s.opener, limits, opt_.max_payload, s.peer);
     } catch (const IoError& e) {
       if (e.reason() == IoError::Reason::kStopped) return;
-      if (left_closed_ && e.reason() == IoError::Reason::kEof) {
+      if (link.closed && e.reason() == IoError::Reason::kEof) {
         {
           std::lock_guard<std::mutex> lock(recv_mu_);
           s.ended = true;
@@ -379,14 +439,14 @@ void TcpTransport::receiver_loop(int j) {
         recv_cv_.notify_all();
         return;
       }
-      record_lost({ErrorKind::kConnectionLost, opt_.left, "connection from " + from + " lost: " + io_cause(e)});
+      record_lost({ErrorKind::kConnectionLost, s.peer, "connection from " + from + " lost: " + io_cause(e)});
       return;
     } catch (const FrameError& e) {
-      record({e.kind, opt_.left, (e.kind == ErrorKind::kCorruptFrame ? "corrupt frame from " : "unexpected frame from ") +
-                                     from + " on stream " + std::to_string(j) + ": " + e.what});
+      record({e.kind, s.peer, (e.kind == ErrorKind::kCorruptFrame ? "corrupt frame from " : "unexpected frame from ") +
+                                  from + " on stream " + std::to_string(s.index) + ": " + e.what});
       return;
     } catch (const std::exception& e) {  // libcrypto failed, allocation failure
-      record({ErrorKind::kInternal, opt_.left, "receiving from " + from + " failed: " + e.what()});
+      record({ErrorKind::kInternal, s.peer, "receiving from " + from + " failed: " + e.what()});
       return;
     }
     const FrameHeader& h = f.header;
@@ -405,57 +465,73 @@ void TcpTransport::receiver_loop(int j) {
     int origin = -1;
     std::string message;
     if (!decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
-      record({ErrorKind::kProtocol, opt_.left, "malformed control frame from " + from});
+      record({ErrorKind::kProtocol, s.peer, "malformed control frame from " + from});
       return;
     }
     if (h.kind == FrameKind::kAbort) {
-      record({ErrorKind::kPeerFailed, opt_.left, message, origin, message});
+      record({ErrorKind::kPeerFailed, s.peer, message, origin, message});
       return;
     }
-    left_closed_ = true;  // kClose: frames already queued stay valid; EOF follows
+    link.closed = true;  // kClose: frames already queued stay valid; EOF follows
   }
 }
 
-bool TcpTransport::frame_ready() {
+bool TcpTransport::frame_ready(int peer) {
   std::lock_guard<std::mutex> lock(recv_mu_);
-  return !recv_[next_recv_ % k_]->queue.empty();
+  const InLink& link = *in_.at(static_cast<size_t>(peer));
+  for (const RecvStream* s : link.streams) {
+    if (!s->queue.empty() && s->queue.front().header.link_frame == link.next_frame) return true;
+  }
+  return false;
 }
 
-InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
+InFrame TcpTransport::recv(int peer, const Context& where, WireCounters& counters) {
   std::unique_lock<std::mutex> lock(recv_mu_);
-  RecvStream& s = *recv_[next_recv_ % k_];
+  InLink& link = *in_.at(static_cast<size_t>(peer));
+  const std::string from = "rank " + std::to_string(peer);
   const int64_t start = now_ns();
   const int64_t timeout_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(opt_.timeout).count();
   for (;;) {
     // Frames that arrived whole are used even after a failure was recorded: they
-    // may be all this collective still needs (a neighbour that closed after its
-    // last collective, for instance).
-    if (!s.queue.empty()) {
-      InFrame f = std::move(s.queue.front());
-      s.queue.pop_front();
-      s.queued_bytes -= f.header.payload_len;
-      ++next_recv_;
+    // may be all this collective still needs (a peer that closed after its last
+    // collective, for instance).
+    bool all_ended = true, all_waiting = true;
+    int64_t last = start;
+    for (RecvStream* s : link.streams) {
+      all_ended &= s->ended && s->queue.empty();
+      all_waiting &= !s->queue.empty();
+      last = std::max(last, s->progress_ns.load());
+      if (s->queue.empty() || s->queue.front().header.link_frame != link.next_frame) continue;
+      InFrame f = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->queued_bytes -= f.header.payload_len;
+      ++link.next_frame;
       recv_cv_.notify_all();  // a receiver may wait for room
       counters.bytes_received += kFrameOverhead + f.header.payload_len;
       counters.frames_received += 1;
       counters.auth_ns += f.auth_ns;
       return f;
     }
-    if (auto e = failure(where)) throw CommError(*e);
-    if (stop_) throw CommError(local_error(ErrorKind::kClosed, -1, "the ring was closed", where));
-    if (s.ended) {
-      throw CommError(local_error(ErrorKind::kClosed, opt_.left,
-                                  "rank " + std::to_string(opt_.left) +
-                                      " closed the ring (it called close()) while this rank waits for recv from it; "
-                                      "did every rank call all_reduce the same number of times?",
+    if (all_waiting) {
+      // Every stream holds a frame and none is the next: the peer numbered them wrong.
+      throw CommError(local_error(ErrorKind::kProtocol, peer,
+                                  "frames from " + from + " out of order: frame #" + std::to_string(link.next_frame) +
+                                      " of the link is on none of its streams",
                                   where));
     }
-    const int64_t last = std::max(start, s.progress_ns.load());
+    if (auto e = failure(where)) throw CommError(*e);
+    if (stop_) throw CommError(local_error(ErrorKind::kClosed, -1, "the ring was closed", where));
+    if (all_ended) {
+      throw CommError(local_error(ErrorKind::kClosed, peer,
+                                  from + " closed the ring (it called close()) while this rank waits for recv from it; "
+                                         "did every rank call all_reduce the same number of times?",
+                                  where));
+    }
     const int64_t left_ns = last + timeout_ns - now_ns();
     if (left_ns <= 0) {
-      throw CommError(local_error(ErrorKind::kTimeout, opt_.left,
+      throw CommError(local_error(ErrorKind::kTimeout, peer,
                                   "timed out after " + std::to_string(opt_.timeout.count()) +
-                                      " ms waiting for recv from rank " + std::to_string(opt_.left),
+                                      " ms waiting for recv from " + from,
                                   where));
     }
     recv_cv_.wait_for(lock, std::min<std::chrono::nanoseconds>(std::chrono::nanoseconds(left_ns), Millis(kPollSliceMs)));
@@ -463,15 +539,14 @@ InFrame TcpTransport::recv(const Context& where, WireCounters& counters) {
 }
 
 // ---------------------------------------------------------------------------
-// the right neighbour's reports, and shutting down
+// the peers' reports, what the links learned, and shutting down
 
 void TcpTransport::watcher_loop(int) {
-  std::vector<bool> open(k_, true);
-  const std::string from = "rank " + std::to_string(opt_.right);
+  std::vector<bool> open(send_.size(), true);
   while (!stop_) {
     std::vector<pollfd> fds;
-    std::vector<int> index;
-    for (int j = 0; j < k_; ++j) {
+    std::vector<size_t> index;
+    for (size_t j = 0; j < send_.size(); ++j) {
       if (open[j]) {
         fds.push_back({send_[j]->socket.fd(), POLLIN, 0});
         index.push_back(j);
@@ -482,39 +557,99 @@ void TcpTransport::watcher_loop(int) {
     if (rc <= 0 || stop_) continue;
     for (size_t i = 0; i < fds.size(); ++i) {
       if (!fds[i].revents) continue;
-      const int j = index[i];
-      open[j] = false;  // one report per stream is all a neighbour sends
+      const size_t j = index[i];
+      SendStream& s = *send_[j];
+      OutLink& link = *out_[static_cast<size_t>(s.peer)];
+      const std::string from = "rank " + std::to_string(s.peer);
+      open[j] = false;  // one report per stream is all a peer sends
       IoLimits limits;
       limits.deadline = Deadline::after(kControlDeadline);
       limits.stop = &stop_;
       try {
-        const InFrame f = read_frame(send_[j]->socket, send_[j]->reports, limits, 0, opt_.right);
+        const InFrame f = read_frame(s.socket, s.reports, limits, 0, s.peer);
         const FrameHeader& h = f.header;
         int origin = -1;
         std::string message;
         if (h.kind == FrameKind::kData || !decode_control(f.payload->data(), h.payload_len, &origin, &message)) {
-          record({ErrorKind::kProtocol, opt_.right, "unexpected bytes from " + from + " on the return path"});
+          record({ErrorKind::kProtocol, s.peer, "unexpected bytes from " + from + " on the return path"});
           return;
         }
         if (h.kind == FrameKind::kAbort) {
-          record({ErrorKind::kPeerFailed, opt_.right, message, origin, message});
+          record({ErrorKind::kPeerFailed, s.peer, message, origin, message});
           return;
         }
-        right_closed_ = true;  // a clean close: only later sends to it are errors
+        link.closed = true;  // a clean close: only later sends to it are errors
       } catch (const IoError& e) {
         if (e.reason() == IoError::Reason::kStopped) return;
-        if (right_closed_) continue;
-        record_lost({ErrorKind::kConnectionLost, opt_.right, "connection to " + from + " lost: " + io_cause(e)});
+        if (link.closed) continue;
+        record_lost({ErrorKind::kConnectionLost, s.peer, "connection to " + from + " lost: " + io_cause(e)});
         return;
       } catch (const FrameError& e) {
-        record({e.kind, opt_.right, "bad report from " + from + " on the return path: " + e.what});
+        record({e.kind, s.peer, "bad report from " + from + " on the return path: " + e.what});
         return;
       } catch (const std::exception& e) {
-        record({ErrorKind::kInternal, opt_.right, "reading the return path from " + from + " failed: " + e.what()});
+        record({ErrorKind::kInternal, s.peer, "reading the return path from " + from + " failed: " + e.what()});
         return;
       }
     }
   }
+}
+
+void TcpTransport::learn() {
+  for (auto& o : out_) {
+    if (!o) continue;
+    OutLink& link = *o;
+    const uint64_t bytes = link.bytes.load();
+    if (bytes - link.bytes_at_learn < kLearnMinBytes) continue;
+    link.bytes_at_learn = bytes;
+    double acked = 0, busy = 0, limited = 0, min_rtt = -1;
+    int sndbuf = 0;
+    for (SendStream* s : link.streams) {
+      TcpStats now;
+      if (!read_tcp_stats(s->socket, &now)) continue;
+      const TcpStats& before = s->seen;
+      acked += static_cast<double>(now.bytes_acked - before.bytes_acked);
+      const double b = now.busy_s - before.busy_s;
+      busy = std::max(busy, b);
+      limited = std::max(limited, (now.sndbuf_limited_s - before.sndbuf_limited_s) +
+                                      (now.rwnd_limited_s - before.rwnd_limited_s));
+      if (now.min_rtt_s > 0) min_rtt = min_rtt < 0 ? now.min_rtt_s : std::min(min_rtt, now.min_rtt_s);
+      sndbuf = now.sndbuf;
+      s->seen = now;
+    }
+    if (busy <= 0 || acked <= 0) continue;
+    std::lock_guard<std::mutex> lock(report_mu_);
+    LinkReport& r = link.report;
+    r.rtt_s = min_rtt;
+    r.rate = acked / busy;
+    r.limited_share = std::min(1.0, limited / busy);
+    r.sndbuf = sndbuf;
+    const double rtt = min_rtt > 0 ? min_rtt : r.handshake_rtt_s;
+    // A link that waited on its buffers may be faster than it showed: ask for twice what
+    // it kept in flight; otherwise for the measured rate x rtt.
+    double need = kInflightHeadroom * r.rate * rtt;
+    if (r.limited_share > kLimitedShare) need = std::max(need, 2 * r.rate * rtt);
+    r.needed_inflight = need;
+    if (!opt_.tune_buffers || rtt <= 0) continue;
+    // Only ever grown (sndbuf is what the kernel granted: twice the ask).
+    const int per_stream_ask = sndbuf_for(need / static_cast<double>(link.streams.size()), limits_);
+    if (per_stream_ask == 0 || 2 * static_cast<int64_t>(per_stream_ask) <= sndbuf) continue;
+    for (SendStream* s : link.streams) set_send_buffer(s->socket, per_stream_ask);
+    TcpStats after;
+    if (read_tcp_stats(link.streams[0]->socket, &after)) r.sndbuf = after.sndbuf;
+    ++r.changes;
+  }
+}
+
+std::vector<LinkReport> TcpTransport::link_reports() const {
+  std::lock_guard<std::mutex> lock(report_mu_);
+  std::vector<LinkReport> out;
+  for (const auto& o : out_) {
+    if (!o) continue;
+    out.push_back(o->report);
+    out.back().bytes_sent = o->bytes.load();
+  }
+  return out;
 }
 
 void TcpTransport::send_control(const Socket& s, FrameSealer& sealer, FrameKind kind, int origin,
@@ -558,7 +693,7 @@ void TcpTransport::shutdown(FrameKind kind, int origin, const std::string& messa
     if (!s->mid_frame) send_control(s->socket, s->sealer, kind, origin, message);
     s->socket.shutdown_write();
   }
-  for (auto& s : recv_) send_control(s->socket, s->reports, kind, origin, message);  // the return path to the left
+  for (auto& s : recv_) send_control(s->socket, s->reports, kind, origin, message);  // the return paths
   for (auto& s : recv_) {
     s->socket.shutdown_both();
     if (s->thread.joinable()) s->thread.join();

@@ -1,16 +1,18 @@
-// The transport over k TCP streams to each neighbour.
+// The transport over TCP links to every peer, each of one or more streams.
 //
-// Threads: one sender per stream to the right, one receiver per stream from the
-// left, and a watcher on the right streams' reverse direction (where the right
-// neighbour reports its failure or close). Frame i goes on stream i mod k on both
-// ends, so order is kept without sequence buffers.
+// Threads: one sender per outgoing stream, one receiver per incoming stream, and a
+// watcher on the outgoing streams' reverse direction (where a peer reports its failure
+// or close). A frame for a peer goes on the link's stream with the least data still
+// to deliver (its queue and what its socket holds unacknowledged), so a stream that
+// TCP slows down takes fewer frames; frames carry their number on the link, and the
+// receiver takes them in that order from whichever stream brought them.
 //
 // Every frame is sealed (AES-256-GCM tag, tcp/frame.h) by the thread that writes it
 // and opened by the thread that reads it, under the stream's session keys: the
 // sender, receiver and watcher threads do the cryptography, beside the worker.
 //
 // Failure: any thread that fails records the first failure and wakes everyone;
-// the owner (the ring's worker) then calls shutdown(), which tells both neighbours
+// the owner (the ring's worker) then calls shutdown(), which tells every peer
 // why (an abort frame), closes every socket and joins every thread.
 #pragma once
 
@@ -27,40 +29,61 @@
 #include "rendezvous.h"
 #include "tcp/connection.h"
 #include "tcp/socket.h"
+#include "tcp/tuning.h"
 #include "transport.h"
 
 namespace prime::ring {
 
 struct TransportOptions {
   int rank = 0;
-  int left = 0;
-  int right = 0;
   Millis timeout{60000};
-  double max_rate = 0;  // bytes/s over all streams to the right; <= 0 unlimited
+  double max_rate = 0;  // bytes/s over all outgoing streams; <= 0 unlimited
   bool encrypt = false;  // payloads encrypted (else authenticated only)
   uint64_t job = 0;
   uint32_t max_payload = 0;        // longest data payload a peer may announce
   int64_t corrupt_after_bytes = -1;  // tests only: flip one bit of the payload byte at this offset (after sealing)
+  bool tune_buffers = true;  // learn(): grow send buffers to the measured bandwidth-delay product
+};
+
+// What this rank knows of its link to one peer (the outgoing direction).
+struct LinkReport {
+  int peer = -1;
+  int streams = 0;
+  int sndbuf = 0;              // per stream, as the kernel grants it (doubled SO_SNDBUF, or autotuned)
+  double handshake_rtt_s = -1;  // the round trip measured while the link formed
+  double rtt_s = -1;            // TCP's windowed minimum over the streams, once data flowed
+  double rate = 0;              // bytes/s delivered over the last collective that measured it, 0 before
+  double limited_share = 0;     // share of that time the streams waited on a buffer or window
+  double needed_inflight = 0;   // bytes the link must keep in flight (rate x rtt, with headroom)
+  uint64_t bytes_sent = 0;      // payload and frame bytes, since the link formed
+  int64_t changes = 0;          // send-buffer changes since the link formed
 };
 
 class TcpTransport : public Transport {
  public:
-  // `on_failure` runs (on an I/O thread, no lock held) when a failure is first recorded.
-  TcpTransport(TransportOptions options, std::vector<Stream> right, std::vector<Stream> left,
-               std::shared_ptr<BufferPool> pool, std::function<void()> on_failure);
+  // links[r]: the streams to and from rank r (empty for ranks without a link). `on_failure`
+  // runs (on an I/O thread, no lock held) when a failure is first recorded.
+  TcpTransport(TransportOptions options, std::vector<Link> links, std::shared_ptr<BufferPool> pool,
+               std::function<void()> on_failure);
   ~TcpTransport() override;
 
-  void send(OutFrame frame) override;
-  InFrame recv(const Context& where, WireCounters& counters) override;
+  void send(int peer, OutFrame frame) override;
+  InFrame recv(int peer, const Context& where, WireCounters& counters) override;
   void flush(const Context& where) override;
-  bool frame_ready() override;
+  bool frame_ready(int peer) override;
 
   bool failed() const { return failed_.load(); }
   // The recorded failure as seen from `where`, if any.
   std::optional<ErrorInfo> failure(const Context& where) const;
-  // Tells the neighbours (an abort or close frame carrying `origin` and `message`),
-  // stops and joins every thread, closes the sockets. Idempotent.
+  // Tells every peer (an abort or close frame carrying `origin` and `message`), stops
+  // and joins every thread, closes the sockets. Idempotent.
   void shutdown(FrameKind kind, int origin, const std::string& message);
+
+  // Between collectives (the worker): reads what TCP measured on every link that carried
+  // enough since the last call (round trip, delivery rate, time limited by buffers) and
+  // grows the send buffers of links whose bandwidth-delay product outgrew them.
+  void learn();
+  std::vector<LinkReport> link_reports() const;
 
  private:
   struct Failure {
@@ -71,28 +94,56 @@ class TcpTransport : public Transport {
     std::string origin_message;
   };
   struct SendStream {
-    SendStream(Socket s, const SessionKeys& keys, bool encrypt)
-        : socket(std::move(s)), sealer(keys.client_to_server, encrypt), reports(keys.server_to_client, encrypt) {}
+    SendStream(int peer, int index, Socket s, const SessionKeys& keys, bool encrypt)
+        : peer(peer),
+          index(index),
+          socket(std::move(s)),
+          sealer(keys.client_to_server, encrypt),
+          reports(keys.server_to_client, encrypt) {}
+    const int peer;
+    const int index;
     Socket socket;
-    FrameSealer sealer;   // our frames to the right (sender thread, then shutdown)
-    FrameOpener reports;  // the right neighbour's abort / close frame (watcher thread)
+    FrameSealer sealer;   // our frames to the peer (sender thread, then shutdown)
+    FrameOpener reports;  // the peer's abort / close frame (watcher thread)
     ByteBuffer scratch;   // ciphertext of one piece, when encrypting
     std::deque<OutFrame> queue;
+    size_t queued_bytes = 0;  // payloads in the queue and the one being written
     bool busy = false;       // a frame is being written
     bool mid_frame = false;  // stopped inside a frame: no control frame may follow
+    TcpStats seen;           // learn(): the counters at the last call
     std::thread thread;
   };
   struct RecvStream {
-    RecvStream(Socket s, const SessionKeys& keys, bool encrypt)
-        : socket(std::move(s)), opener(keys.client_to_server, encrypt), reports(keys.server_to_client, encrypt) {}
+    RecvStream(int peer, int index, Socket s, const SessionKeys& keys, bool encrypt)
+        : peer(peer),
+          index(index),
+          socket(std::move(s)),
+          opener(keys.client_to_server, encrypt),
+          reports(keys.server_to_client, encrypt) {}
+    const int peer;
+    const int index;
     Socket socket;
-    FrameOpener opener;   // the left neighbour's frames (receiver thread)
-    FrameSealer reports;  // our abort / close frame to the left (shutdown)
+    FrameOpener opener;   // the peer's frames (receiver thread)
+    FrameSealer reports;  // our abort / close frame to the peer (shutdown)
     std::deque<InFrame> queue;
     bool ended = false;  // EOF after the peer's close frame
     size_t queued_bytes = 0;
     std::atomic<int64_t> progress_ns{0};
     std::thread thread;
+  };
+  struct OutLink {
+    std::vector<SendStream*> streams;
+    uint32_t next_frame = 0;  // under send_mu_
+    size_t next_pick = 0;     // where the search for the least-loaded stream starts
+    std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
+    std::atomic<uint64_t> bytes{0};   // sent, since the link formed
+    uint64_t bytes_at_learn = 0;
+    LinkReport report;  // under report_mu_
+  };
+  struct InLink {
+    std::vector<RecvStream*> streams;
+    uint32_t next_frame = 0;  // under recv_mu_
+    std::atomic<bool> closed{false};  // the peer closed the ring: EOF follows
   };
 
   // Every thread runs one of these loops through guarded(), which turns an unexpected
@@ -101,10 +152,11 @@ class TcpTransport : public Transport {
   void sender_loop(int j);
   void receiver_loop(int j);
   void watcher_loop(int unused);
-  // Stops and joins every thread without telling the neighbours (constructor failure,
-  // or a shutdown() that could not run). Safe to call twice.
+  // Stops and joins every thread without telling the peers (constructor failure, or a
+  // shutdown() that could not run). Safe to call twice.
   void stop_and_join() noexcept;
   void write_frame(SendStream& s, OutFrame& f);
+  SendStream& pick_stream(OutLink& link);  // send_mu_ held
   InFrame read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits, uint32_t max_data_payload,
                      int expected_rank);
   void record(Failure f);
@@ -114,9 +166,9 @@ class TcpTransport : public Transport {
   void send_control(const Socket& s, FrameSealer& sealer, FrameKind kind, int origin, const std::string& message);
 
   const TransportOptions opt_;
-  const int k_;
   std::shared_ptr<BufferPool> pool_;
   std::function<void()> on_failure_;
+  const SocketLimits limits_;
   RateLimiter limiter_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
@@ -126,20 +178,21 @@ class TcpTransport : public Transport {
 
   mutable std::mutex fail_mu_;
   std::optional<Failure> failure_;
-  std::atomic<bool> left_closed_{false};
-  std::atomic<bool> right_closed_{false};
+
+  // Indexed by peer rank (null: no link); the streams themselves live in send_ / recv_.
+  std::vector<std::unique_ptr<OutLink>> out_;
+  std::vector<std::unique_ptr<InLink>> in_;
+  mutable std::mutex report_mu_;
 
   std::mutex send_mu_;
   std::condition_variable send_cv_;   // new frames, stop
   std::condition_variable sent_cv_;   // a frame left (flush waits on it)
   std::vector<std::unique_ptr<SendStream>> send_;
-  uint64_t next_send_ = 0;
   std::atomic<int64_t> send_progress_ns_{0};
 
   std::mutex recv_mu_;
   std::condition_variable recv_cv_;
   std::vector<std::unique_ptr<RecvStream>> recv_;
-  uint64_t next_recv_ = 0;
 
   std::thread watcher_;
 };

@@ -1,6 +1,6 @@
-// What the ring schedule needs from the network: send a frame to the right
-// neighbour, receive the next frame from the left one, each bounded by the ring's
-// timeout. The TCP implementation is tcp_transport.h.
+// What the schedules need from the network: send a frame to a peer, receive the next
+// frame from a peer, each bounded by the ring's timeout. Frames between two ranks
+// arrive in the order they were sent. The TCP implementation is tcp_transport.h.
 #pragma once
 
 #include <atomic>
@@ -44,15 +44,15 @@ struct InFrame {
 class Transport {
  public:
   virtual ~Transport() = default;
-  // Queues a frame for the right neighbour and returns at once (frames leave in order).
-  virtual void send(OutFrame frame) = 0;
-  // The next frame from the left neighbour. Throws CommError (with `where` as context)
-  // when nothing arrives for the timeout, or when the ring failed.
-  virtual InFrame recv(const Context& where, WireCounters& counters) = 0;
+  // Queues a frame for `peer` and returns at once (a peer's frames leave in order).
+  virtual void send(int peer, OutFrame frame) = 0;
+  // The next frame from `peer`. Throws CommError (with `where` as context) when nothing
+  // arrives for the timeout, or when the ring failed.
+  virtual InFrame recv(int peer, const Context& where, WireCounters& counters) = 0;
   // Blocks until every queued frame has been handed to the network. Throws like recv.
   virtual void flush(const Context& where) = 0;
-  // True when the next recv() would return without blocking (a frame is queued).
-  virtual bool frame_ready() { return true; }
+  // True when the next recv(peer) would return without blocking (its frame is queued).
+  virtual bool frame_ready(int peer) { return true; }
 };
 
 }  // namespace prime::ring

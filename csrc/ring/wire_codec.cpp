@@ -53,6 +53,10 @@ class Int8Codec final : public WireCodec {
     return finite;
   }
 
+  void add_partial(const char* payload, int64_t len, float* acc) override {
+    codec::dequantize_add(acc, values(payload, len), scales(payload), len, block_);
+  }
+
   Payload encode_partial(const Buffer& acc, int64_t len) override {
     int64_t bad = 0;  // a non-finite partial sum needs non-finite input, already flagged
     Buffer buf = quantize(acc->data(), codec::InputType::kFloat32, len, &bad);
@@ -146,6 +150,11 @@ class ExactCodec final : public WireCodec {
 
   bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
     return add_widened(own, dtype_, reinterpret_cast<const float*>(payload), len, acc);
+  }
+
+  void add_partial(const char* payload, int64_t len, float* acc) override {
+    // (A partial sum is finite unless some input was not, which its rank flagged.)
+    add_widened(acc, DType::kFloat32, reinterpret_cast<const float*>(payload), len, acc);
   }
 
   Payload encode_partial(const Buffer& acc, int64_t len) override {

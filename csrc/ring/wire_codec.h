@@ -68,6 +68,9 @@ class WireCodec {
   // acc[0, len) = own values + decode(payload). Returns false when the own values
   // hold NaN or Inf.
   virtual bool accumulate(const void* own, const char* payload, int64_t len, float* acc) = 0;
+  // acc[0, len) += decode(payload), a partial-format payload: another rank's contribution
+  // to a sum accumulate() started (the direct schedule's owner adds N-1 of them).
+  virtual void add_partial(const char* payload, int64_t len, float* acc) = 0;
   // A partial sum (acc holds `len` fp32 values) for the next hop.
   virtual Payload encode_partial(const Buffer& acc, int64_t len) = 0;
   // The owner's final value (acc, `len` fp32 values, may be overwritten) as every rank

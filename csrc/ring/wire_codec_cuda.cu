@@ -296,42 +296,27 @@ class CudaWireCodec final : public WireCodec {
 
   bool accumulate(const void* own, const char* payload, int64_t len, float*) override {
     if (len == 0) return input_finite();
-    const size_t bytes = static_cast<size_t>(partial_bytes(len));
-    in_ = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
-    if (job_->pageable_upload) {
-      // Straight from the transport's buffer: the call returns once the driver has copied
-      // the bytes into its own staging (host time, counted as staging), so the buffer may
-      // go back to the pool at once.
-      cudaEvent_t a = record();
-      {
-        ScopedTimer timer(staging_);
-        cuda_check(cudaMemcpyAsync(in_, payload, bytes, cudaMemcpyHostToDevice, stream_),
-                   "cudaMemcpyAsync (upload, pageable)");
-      }
-      kernels_from_ = record();
-      span(&h2d_, a, kernels_from_);
-    } else {
-      const char* staged = stage(payload, bytes);
-      cudaEvent_t a = record();  // (after the host copy: the span is the GPU's)
-      cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
-      staged_done();
-      kernels_from_ = record();
-      span(&h2d_, a, kernels_from_);
-    }
+    kernels_from_ = nullptr;
+    upload(payload, static_cast<size_t>(partial_bytes(len)));
     own_ = own;
     divisor_ = 0.f;
     summed_ = false;
-    if (!fused()) {
-      // Block sizes the fused kernel does not take: the sum in fp32 first.
-      acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
-      check(codec::cuda::add_dequantized(own, type_, q_of(in_, len), scales_of(in_), len, block_, acc_, &flags_[0],
-                                         stream_),
-            "dequantize-add");
-      summed_ = true;
-    }
+    if (!fused()) sum_first(len);  // block sizes the fused kernel does not take: the sum in fp32 first
     // The own values' check is read back with this segment's encode (before anything is
     // sent: the schedule asks input_finite() for every frame header).
     return input_finite();
+  }
+
+  void add_partial(const char* payload, int64_t len, float*) override {
+    if (len == 0) return;
+    if (!summed_) sum_first(len);  // (before the upload below reuses the device buffer: same stream)
+    upload(payload, static_cast<size_t>(partial_bytes(len)));
+    if (int8_) {
+      check(codec::cuda::dequantize_add(acc_, q_of(in_, len), scales_of(in_), len, block_, stream_),
+            "dequantize-add (contribution)");
+    } else {
+      check(codec::cuda::add_into(acc_, reinterpret_cast<const float*>(in_), len, stream_), "add (contribution)");
+    }
   }
 
   void divide(float*, int64_t len, float d) override {
@@ -502,6 +487,44 @@ class CudaWireCodec final : public WireCodec {
 
   bool fused() const { return !int8_ || codec::cuda::reduce_quantize_supported(block_); }
 
+  // Uploads a received payload into in_ (the device's copy of the current payload).
+  void upload(const char* payload, size_t bytes) {
+    in_ = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
+    cudaEvent_t a;
+    if (job_->pageable_upload) {
+      // Straight from the transport's buffer: the call returns once the driver has copied
+      // the bytes into its own staging (host time, counted as staging), so the buffer may
+      // go back to the pool at once.
+      a = record();
+      ScopedTimer timer(staging_);
+      cuda_check(cudaMemcpyAsync(in_, payload, bytes, cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync (upload, pageable)");
+    } else {
+      const char* staged = stage(payload, bytes);
+      a = record();  // (after the host copy: the span is the GPU's)
+      cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+      staged_done();
+    }
+    cudaEvent_t b = record();
+    span(&h2d_, a, b);
+    if (!kernels_from_) kernels_from_ = b;
+  }
+
+  // acc_ = own values + the uploaded payload, in fp32 (the unfused path, and the direct
+  // schedule's owner before it adds more contributions).
+  void sum_first(int64_t len) {
+    acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
+    if (int8_) {
+      check(codec::cuda::add_dequantized(own_, type_, q_of(in_, len), scales_of(in_), len, block_, acc_, &flags_[0],
+                                         stream_),
+            "dequantize-add");
+    } else {
+      check(codec::cuda::add_widened(own_, type_, reinterpret_cast<const float*>(in_), len, acc_, &flags_[0], stream_),
+            "add");
+    }
+    summed_ = true;
+  }
+
   // The segment's sum (own values + the uploaded payload, divided when divide() said so)
   // encoded into `out`: one fused pass, or (large int8 blocks) a quantize of acc_.
   void encode_sum(char* out, int64_t len, bool final) {
@@ -518,6 +541,13 @@ class CudaWireCodec final : public WireCodec {
                                         final ? type_ : codec::InputType::kFloat32, &flags_[0], result_bad, stream_),
               final ? "reduce (final value)" : "reduce (partial sum)");
       }
+      return;
+    }
+    if (!int8_) {
+      // exact, summed (the direct schedule's owner): the fp32 sum, rounded to the dtype when final
+      check(codec::cuda::narrow(acc_, len, final ? type_ : codec::InputType::kFloat32, out, &flags_[final ? 1 : 2],
+                                stream_),
+            final ? "round (final value)" : "copy (partial sum)");
       return;
     }
     check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
@@ -602,7 +632,7 @@ class CudaWireCodec final : public WireCodec {
   // buffer, and of their copy in the context's pinned host_flags (64 bytes each).
   static constexpr size_t kErrSumsOffset = 16;
 
-  uint32_t* flags_ = nullptr;  // device: [own input bad, result bad], OR-accumulated
+  uint32_t* flags_ = nullptr;  // device: [own input bad, result bad, ignored], OR-accumulated
   double* err_sums_ = nullptr; // device: the int8 error sums (ScheduleTimes::quant_err_sq, quant_in_sq)
   int8_t* image_q_ = nullptr;  // int8: the result's values; exact: its bytes
   float* image_s_ = nullptr;   // int8: the result's scales

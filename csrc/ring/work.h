@@ -27,6 +27,7 @@ struct WorkStats {
   double queue_s = 0;     // from submission until the worker started it
   double total_s = 0;     // from start to completion (queue time excluded)
   double auth_s = 0;      // sealing and opening frames (AES-GCM) on the I/O threads; overlaps the rest
+  bool direct = false;    // the direct (two-hop) schedule ran, not the ring
   // CUDA tensors reduced on their GPU (gpu true; ScheduleTimes says what each counts):
   bool gpu = false;
   double gpu_codec_s = 0;  // GPU time of the codec kernels

@@ -1,8 +1,9 @@
 """Forming a ring through a torch.distributed Store: which address to listen on,
-the shared secret, publishing and finding addresses, and the final barrier.
+the shared secret, publishing and finding addresses, agreeing on the link table and
+the ring order, and the final barrier.
 
 Store keys live under ``prime_ring/<job_id>/`` (prime.comm.store_keys). The
-address, ready and failure records are signed under the ring secret and bound
+address, link, plan, ready and failure records are signed under the ring secret and bound
 to their key and the job id (prime.comm.signed_store): a record rewritten by
 someone without the secret is ignored, so a rank never dials an address that
 a stranger planted. A job whose ranks are on more than one host must be given
@@ -13,18 +14,20 @@ loopback.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import secrets
 import socket
 import time
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
 from prime.comm import store_keys as keys
 from prime.comm.errors import CommError
+from prime.comm.links import LinkTable, plan_order
 from prime.comm.signed_store import SignedStore
 
 logger = logging.getLogger("prime.comm")
@@ -191,7 +194,38 @@ def parse_address(text: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def publish_and_find_right(
+def _wait_signed(signed: SignedStore, store: dist.Store, key: str, deadline: float):
+    """The value of a validly signed record under `key`, waiting for one until the deadline
+    (a record that is not signed is ignored: the wait goes on); None at the deadline."""
+    while True:
+        if _wait(store, [key], deadline):
+            got = signed.get(key)
+            if got is not None:
+                return got
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)  # a forged record is there: wait for the rank to write a valid one
+
+
+def _missing_record(rank: int, other: int, key: str, timeout_ms: int, signed: SignedStore, what: str) -> CommError:
+    why = (
+        f"the record there is not signed with this ring's secret (rewritten by someone outside the job, or rank "
+        f"{other} has another secret); no record that is not signed is ever used"
+        if signed.rejected
+        else f"did rank {other} start, with the same store and job_id?"
+    )
+    return CommError(
+        f"rank {rank}: timed out after {timeout_ms} ms waiting for rank {other} to publish {what} "
+        f"(store key {key!r}); {why}",
+        kind="timeout",
+        rank=rank,
+        peer=other,
+        origin=rank,
+        phase="rendezvous",
+    )
+
+
+def publish_and_find_all(
     store: dist.Store,
     ns: str,
     rank: int,
@@ -200,39 +234,64 @@ def publish_and_find_right(
     deadline: float,
     timeout_ms: int,
     secret: bytes = b"",
-) -> Tuple[str, int]:
-    """Publishes this rank's address (signed) and returns its right neighbour's.
+) -> List[Tuple[str, int]]:
+    """Publishes this rank's address (signed) and returns every rank's, ours included.
 
-    A record under the neighbour's key that is not signed with `secret` for
-    this ring is ignored (logged once): the wait goes on for a valid one, and
-    the timeout error says that a forged record was seen."""
+    A record under another rank's key that is not signed with `secret` for this ring is
+    ignored (logged once): the wait goes on for a valid one, and the timeout error says
+    that a forged record was seen. No address that is not signed is ever dialled."""
     signed = records(store, secret, ns)
     signed.put(keys.ring_addr(ns, rank), address)
-    right = (rank + 1) % world_size
-    key = keys.ring_addr(ns, right)
-    while True:
-        if _wait(store, [key], deadline):
-            got = signed.get(key)
-            if got is not None:
-                return parse_address(str(got))
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)  # a forged record is there: wait for rank `right` to write a valid one
-    why = (
-        f"the record there is not signed with this ring's secret (rewritten by someone outside the job, or rank "
-        f"{right} has another secret); no address that is not signed is ever dialled"
-        if signed.rejected
-        else f"did rank {right} start, with the same store and job_id?"
-    )
-    raise CommError(
-        f"rank {rank}: timed out after {timeout_ms} ms waiting for rank {right} to publish its address "
-        f"(store key {key!r}); {why}",
-        kind="timeout",
-        rank=rank,
-        peer=right,
-        origin=rank,
-        phase="rendezvous",
-    )
+    out = []
+    for r in range(world_size):
+        key = keys.ring_addr(ns, r)
+        got = address if r == rank else _wait_signed(signed, store, key, deadline)
+        if got is None:
+            raise _missing_record(rank, r, key, timeout_ms, signed, "its address")
+        out.append(parse_address(str(got)))
+    return out
+
+
+def agree_links(
+    store: dist.Store,
+    ns: str,
+    rank: int,
+    world_size: int,
+    rtt_row: List[float],
+    rate_row: List[float],
+    order: Union[str, List[int]],
+    deadline: float,
+    timeout_ms: int,
+    secret: bytes = b"",
+) -> Tuple[List[int], LinkTable]:
+    """Every rank publishes what it measured of its links (signed); rank 0 merges the rows,
+    plans the ring order (`order`: "auto" plans it from the table, "rank" keeps the rank
+    order, or an explicit permutation) and publishes both (signed); every rank returns rank
+    0's (order, table), so decisions taken from them agree without further messages."""
+    signed = records(store, secret, ns)
+    signed.put(keys.ring_links(ns, rank), json.dumps({"rtt_s": rtt_row, "rate": rate_row}))
+    plan_key = keys.ring_plan(ns)
+    if rank == 0:
+        rtt_rows, rate_rows = [], []
+        for r in range(world_size):
+            key = keys.ring_links(ns, r)
+            got = _wait_signed(signed, store, key, deadline)
+            if got is None:
+                raise _missing_record(rank, r, key, timeout_ms, signed, "its link measurements")
+            row = json.loads(str(got))
+            if len(row["rtt_s"]) != world_size or len(row["rate"]) != world_size:
+                raise CommError(f"rank {rank}: rank {r} published link measurements for another world size",
+                                kind="protocol", rank=rank, peer=r, origin=r, phase="rendezvous")
+            rtt_rows.append(row["rtt_s"])
+            rate_rows.append(row["rate"])
+        table = LinkTable.from_rows(rtt_rows, rate_rows)
+        chosen = plan_order(table) if order == "auto" else list(range(world_size)) if order == "rank" else list(order)
+        signed.put(plan_key, json.dumps({"order": chosen, "table": table.to_json()}))
+    got = _wait_signed(signed, store, plan_key, deadline)
+    if got is None:
+        raise _missing_record(rank, 0, plan_key, timeout_ms, signed, "the ring's plan")
+    plan = json.loads(str(got))
+    return [int(r) for r in plan["order"]], LinkTable.from_json(plan["table"])
 
 
 def report_failure(store: dist.Store, ns: str, rank: int, message: str, secret: bytes = b"") -> None:

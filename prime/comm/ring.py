@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Protocol, Union, runtime_checkable
+from typing import List, Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from prime import _extension, faults
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
-from prime.ops import check_block_size
+from prime.comm.links import LinkTable, choose_schedule
+from prime.ops import check_block_size, wire_bytes
 
 __all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
@@ -34,13 +35,16 @@ logger = logging.getLogger("prime.comm")
 # segment: small enough that quantizing one segment overlaps sending the previous,
 # large enough that the 80 bytes of frame header and tag are noise (0.03%).
 DEFAULT_SEGMENT_BYTES = 1 << 20
-# One TCP stream per link. More streams help only where a single TCP flow cannot
-# fill the path (long fat pipes with loss); on loopback and shaped links one
-# stream already runs at the link's rate (docs/ring.md).
-DEFAULT_STREAMS = 1
+# 0: every link chooses its streams (and send buffers) from its round trip, as many as
+# its bandwidth-delay product needs within the host's socket-buffer limits: one on
+# loopback and short paths, more on long fat ones (csrc/ring/tcp/tuning.h, docs/ring.md).
+DEFAULT_STREAMS = 0
 _SEGMENT_ALIGN = 4096  # values: the largest codec block, so every block size divides a segment
 
 ENV_STREAMS = "PRIME_RING_STREAMS"
+# "auto" (default), "ring" or "direct": the schedule of every all_reduce (docs/ring.md, "Schedules").
+ENV_SCHEDULE = "PRIME_RING_SCHEDULE"
+SCHEDULES = ("auto", "ring", "direct")
 ENV_MAX_RATE = "PRIME_RING_MAX_RATE"
 ENV_JOB_ID = "PRIME_RING_JOB_ID"
 ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
@@ -76,6 +80,7 @@ class WorkStats:
     stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into staging
     copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
     auth_s: float = 0.0  # sealing + opening frames (AES-GCM) on the transport's threads; overlaps the rest
+    schedule: str = "ring"  # "ring" or "direct" (two hops): what ran
     # CUDA tensors reduced on their GPU (gpu=True; docs/ring.md, "CUDA tensors"):
     gpu: bool = False
     gpu_codec_s: float = 0.0  # GPU time of the codec kernels (CUDA events)
@@ -194,7 +199,10 @@ class Ring:
       timeout: how long any wait may last without progress (seconds or timedelta),
         also the limit for forming the ring. A dead, stalled or hostile peer makes every
         survivor's Work.wait() raise CommError within about this long.
-      streams: TCP streams per link (default $PRIME_RING_STREAMS or 1).
+      streams: TCP streams per link (default $PRIME_RING_STREAMS, else 0: each link chooses
+        its streams and send buffers from its round trip and max_rate, enough to fill its
+        bandwidth-delay product within the host's socket-buffer limits, and grows its
+        buffers as collectives measure it; see links()).
       secret: shared secret (bytes/str) authenticating every stream; default
         $PRIME_RING_SECRET, else (only when the store and every address are on loopback)
         rank 0 draws one and shares it through the store; a ring across hosts without a
@@ -210,6 +218,18 @@ class Ring:
       encrypt: also encrypt payloads (AES-256-GCM; default $PRIME_RING_ENCRYPT, else off:
         authenticated only). Every rank must pass the same value.
       segment_bytes: pipeline segment size in fp32 bytes (default 1 MiB).
+      schedule: "auto" (default, or $PRIME_RING_SCHEDULE), "ring" or "direct": the
+        schedule of every all_reduce (all_reduce may override it per call). "direct" sends
+        each rank's values straight to the owner of their chunk, encoded once, and the
+        owner's result straight back: two one-way delays instead of 2(N-1), and one
+        quantization per contribution. "auto" picks, per collective, the one with the
+        smaller predicted time from the agreed link table and the size (links.choose_schedule):
+        the direct one unless measured link rates say the ring avoids a slow link.
+      order: the ring schedule's order: "auto" (default: planned from the links, its
+        slowest link as fast as possible, then the least delay; links.plan_order), "rank"
+        (0, 1, ..., N-1) or a permutation of the ranks. Rank 0's setting decides.
+      link_history: what an earlier ring measured (Ring.link_history() of it), so that this
+        one plans with link rates from the start: {peer host: {"rate": bytes/s, "rtt_s": s}}.
       quant_error: the int8 codec measures the error of every quantize it makes and reports
         it in WorkStats (quant_err_sq, quant_in_sq; DiLoCo's compression_error). Default
         $PRIME_RING_QUANT_ERROR, else off (DiLoCo's rings turn it on when
@@ -239,6 +259,9 @@ class Ring:
         segment_bytes: Optional[int] = None,
         encrypt: Optional[bool] = None,
         quant_error: Optional[bool] = None,
+        schedule: Optional[str] = None,
+        order: Union[str, List[int], None] = None,
+        link_history: Optional[dict] = None,
     ):
         C = _extension.require()
         if not isinstance(world_size, int) or not 1 <= world_size <= 64:
@@ -249,8 +272,17 @@ class Ring:
         if timeout_s <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         streams = int(os.environ.get(ENV_STREAMS, DEFAULT_STREAMS)) if streams is None else streams
-        if not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
+        if not isinstance(streams, int) or not 0 <= streams <= 64:
+            raise ValueError(f"streams must be an int from 0 (chosen per link) to 64, got {streams!r}")
+        schedule = (os.environ.get(ENV_SCHEDULE) or "auto") if schedule is None else schedule
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        order = "auto" if order is None else order
+        if isinstance(order, str):
+            if order not in ("auto", "rank"):
+                raise ValueError(f"order must be 'auto', 'rank' or a permutation of the ranks, got {order!r}")
+        elif sorted(order) != list(range(world_size)):
+            raise ValueError(f"order must be a permutation of range({world_size}), got {order!r}")
         if max_rate is None:
             max_rate = float(os.environ.get(ENV_MAX_RATE, 0))
         if max_rate < 0:
@@ -270,7 +302,12 @@ class Ring:
         self.job_id = job_id or os.environ.get(ENV_JOB_ID, "prime")
         self.timeout = timeout_s
         self.streams = streams
+        self.schedule = schedule
         self.address: Optional[str] = None
+        self.order: List[int] = list(range(world_size))  # the ring schedule's order (agreed while forming)
+        self.link_table: Optional[LinkTable] = None  # what the ranks agreed about their links
+        self._peer_hosts: List[str] = []
+        self._history = dict(link_history or {})
         # Connections dropped during the rendezvous (bad secret, garbage, ...), also logged.
         self.rejected_connections: list = []
         self._ring = None
@@ -293,7 +330,7 @@ class Ring:
         )
         if world_size == 1:
             self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)
-            self._ring.connect("", 0)
+            self._ring.connect([("", 0)])
             return
 
         rendezvous.claim_job(store, ns, rank, world_size, self.job_id)
@@ -304,15 +341,22 @@ class Ring:
             left_s = max(0.001, deadline - time.monotonic())
             self._ring = C._Ring(secret=key, rendezvous_timeout_s=left_s, bind_addr=bind, **common)
             self.address = rendezvous.format_address(advertise, self._ring.port)
-            host, port = rendezvous.publish_and_find_right(
+            addresses = rendezvous.publish_and_find_all(
                 store, ns, rank, world_size, self.address, deadline, timeout_ms, secret=key
             )
+            self._peer_hosts = [host for host, _ in addresses]
             try:
-                self._ring.connect(host, port)
+                self._ring.connect(addresses)
             finally:
                 self.rejected_connections = list(self._ring.rejected_connections())
                 for line in self.rejected_connections:
                     logger.warning("prime ring rank %d: %s", rank, line)
+            rtt_row, rate_row = self._measured_row(max_rate)
+            self.order, self.link_table = rendezvous.agree_links(
+                store, ns, rank, world_size, rtt_row, rate_row, order, deadline, timeout_ms, secret=key
+            )
+            self._ring.set_order(self.order)
+            self._log_links()
             rendezvous.barrier(store, ns, rank, world_size, deadline, timeout_ms, secret=key)
         except BaseException as e:
             rendezvous.report_failure(store, ns, rank, str(e), secret=key)
@@ -328,13 +372,15 @@ class Ring:
         of one rank quantizes nothing and reports nothing; quant_error=False turns the measurement off."""
         return self.world_size > 1 and self.quant_error
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256,
+                   schedule: Optional[str] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one fp32
         scale per `block_size` values (0.254x the bytes of fp32); codec="none" sends
-        exact values. Every rank must call all_reduce in the same order with tensors of
-        the same size and dtype and the same op, codec and block_size. The tensor holds
-        the result once wait() returned; on failure it is left unchanged."""
+        exact values. schedule: "auto", "ring" or "direct" (default: the ring's setting).
+        Every rank must call all_reduce in the same order with tensors of the same size
+        and dtype and the same op, codec, block_size and schedule. The tensor holds the
+        result once wait() returned; on failure it is left unchanged."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
@@ -348,8 +394,72 @@ class Ring:
         if codec not in ("int8", "none"):
             raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
         check_block_size(block_size)
+        schedule = self.schedule if schedule is None else schedule
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        chosen = self._choose(schedule, tensor.numel(), codec, block_size, tensor.element_size())
         context = self._cuda_context(tensor)
-        return Work(self._ring.all_reduce(tensor, op, codec, block_size, context), self, tensor)
+        return Work(self._ring.all_reduce(tensor, op, codec, block_size, context, chosen), self, tensor)
+
+    def _choose(self, schedule: str, n: int, codec: str, block_size: int, esize: int) -> str:
+        """The schedule a collective runs: the setting, or for "auto" the one links.choose_schedule
+        predicts faster from the agreed link table (the same choice on every rank)."""
+        if schedule != "auto":
+            return schedule
+        if self.world_size <= 2 or self.link_table is None:
+            return "direct"  # (two ranks: the same two hops either way)
+        encoded = wire_bytes(n, block_size) if codec == "int8" else 4 * n
+        return choose_schedule(self.link_table, self.order, 2 * (self.world_size - 1) / self.world_size * encoded)
+
+    # -- links ----------------------------------------------------------------
+
+    def _measured_row(self, max_rate: float) -> tuple:
+        """This rank's row of the link table: the round trip to every peer measured while
+        the links formed, and a rate per peer from link_history (by the peer's host), else
+        max_rate when set, else 0 (unknown)."""
+        rtt = [0.0] * self.world_size
+        rate = [0.0] * self.world_size
+        for link in self._ring.links():
+            p = link["peer"]
+            rtt[p] = link["handshake_rtt_s"]
+            seen = self._history.get(self._peer_hosts[p], {})
+            rate[p] = float(seen.get("rate") or max_rate or 0.0)
+        return rtt, rate
+
+    def links(self) -> List[dict]:
+        """What this rank knows of its link to each peer: streams, send buffer (as granted),
+        the round trip measured while forming and by TCP since, the rate the last collective
+        that carried enough on it measured, the share of time it waited on buffers, and the
+        bytes in flight it needs. Empty for a ring of one rank or a closed ring."""
+        if self._ring is None:
+            return []
+        out = self._ring.links()
+        for link in out:
+            link["host"] = self._peer_hosts[link["peer"]]
+        return out
+
+    def link_history(self) -> dict:
+        """What this ring knows of its peers' links, by peer host, for the next ring's
+        link_history: {host: {"rate": bytes/s, "rtt_s": seconds}} (measured values win over
+        the history this ring was given). Also after close()."""
+        for link in self.links():
+            seen = self._history.setdefault(link["host"], {})
+            if link["rate"] > 0:
+                seen["rate"] = link["rate"]
+            rtt = link["rtt_s"] if link["rtt_s"] > 0 else link["handshake_rtt_s"]
+            if rtt > 0:
+                seen["rtt_s"] = rtt
+        return {host: dict(v) for host, v in self._history.items()}
+
+    def _log_links(self) -> None:
+        for link in self.links():
+            logger.info(
+                "prime ring rank %d: link to rank %d (%s): round trip %.2f ms, %d stream(s), send buffer %s",
+                self.rank, link["peer"], link["host"], 1e3 * link["handshake_rtt_s"], link["streams"],
+                f"{link['sndbuf'] / (1 << 20):.1f} MiB" if link["sndbuf"] else "autotuned",
+            )
+        if self.rank == 0 and self.world_size > 2:
+            logger.info("prime ring: order %s (schedule %s)", self.order, self.schedule)
 
     def _cuda_context(self, tensor: torch.Tensor):
         """The ring's stream and staging on tensor's GPU when the ring reduces it there
@@ -382,6 +492,8 @@ class Ring:
     def close(self) -> None:
         """Stops the ring: joins its threads and closes its sockets. Collectives still
         queued fail with CommError(kind="closed"). Idempotent."""
+        if self._ring is not None and self.world_size > 1:
+            self.link_history()  # keep what the links showed, for link_history() after close
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()

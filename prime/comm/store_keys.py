@@ -8,6 +8,8 @@ Ring rendezvous (prime.comm.rendezvous), under ``prime_ring/<job_id>/``:
     joined             counter: catches a job id used twice (unsigned: a stranger can only stop the ring)
     secret             the ring secret, only when rank 0 drew one (one-host jobs only)
     addr/<rank>        signed: host:port of the rank's ring listener
+    links/<rank>       signed: what the rank measured of its links (round trips, known rates)
+    plan               signed by rank 0: the merged link table and the ring order every rank uses
     ready/<rank>       signed: the rank formed its links
     failed/<rank>      signed: why the rank gave up forming the ring
 
@@ -61,6 +63,14 @@ def ring_secret(ns: str) -> str:
 
 def ring_addr(ns: str, rank: int) -> str:
     return f"{ns}/addr/{rank}"
+
+
+def ring_links(ns: str, rank: int) -> str:
+    return f"{ns}/links/{rank}"
+
+
+def ring_plan(ns: str) -> str:
+    return f"{ns}/plan"
 
 
 def ring_ready(ns: str, rank: int) -> str:

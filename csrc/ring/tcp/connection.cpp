@@ -140,7 +140,7 @@ void configure_stream(const Socket& s, int buffer_bytes) {
   }
 }
 
-Socket connect_to(const std::string& host, int port, Deadline deadline) {
+Socket connect_to(const std::string& host, int port, Deadline deadline, double* rtt_s) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -161,6 +161,8 @@ Socket connect_to(const std::string& host, int port, Deadline deadline) {
         continue;
       }
       set_nonblocking(s.fd());
+      const auto t0 = Clock::now();
+      if (rtt_s) *rtt_s = 0;
       if (::connect(s.fd(), ai->ai_addr, ai->ai_addrlen) == 0) return s;
       if (errno != EINPROGRESS) {
         last_error = errno_text(errno);
@@ -178,7 +180,10 @@ Socket connect_to(const std::string& host, int port, Deadline deadline) {
       int err = 0;
       socklen_t len = sizeof(err);
       ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err == 0) return s;
+      if (err == 0) {
+        if (rtt_s) *rtt_s = seconds_since(t0);
+        return s;
+      }
       last_error = errno_text(err);
     }
     // Refused or unreachable: the peer may not listen yet. Retry with backoff.

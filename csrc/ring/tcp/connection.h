@@ -37,7 +37,8 @@ bool wait_readable(const Socket& s, const IoLimits& limits);
 // size capped by net.core.wmem_max on most hosts: see docs/ring.md.
 void configure_stream(const Socket& s, int buffer_bytes);
 
-// Connects to host:port, retrying refused connections until the deadline.
-Socket connect_to(const std::string& host, int port, Deadline deadline);
+// Connects to host:port, retrying refused connections until the deadline. *rtt_s (when
+// not null): how long the successful attempt took, one round trip (SYN, SYN-ACK).
+Socket connect_to(const std::string& host, int port, Deadline deadline, double* rtt_s = nullptr);
 
 }  // namespace prime::ring

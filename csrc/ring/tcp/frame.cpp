@@ -25,7 +25,7 @@ void encode_header(const FrameHeader& h, uint8_t* out) {
   put<uint32_t>(out + 32, h.step);
   put<uint32_t>(out + 36, h.segment);
   put<uint32_t>(out + 40, h.desc);
-  put<uint32_t>(out + 44, 0);
+  put<uint32_t>(out + 44, h.link_frame);
   put<uint64_t>(out + 48, h.nonfinite_mask);
   put<uint64_t>(out + 56, h.frame_no);
 }
@@ -95,6 +95,7 @@ std::string FrameOpener::begin(const uint8_t* in, FrameHeader* h, uint32_t max_d
   h->step = get<uint32_t>(in + 32);
   h->segment = get<uint32_t>(in + 36);
   h->desc = get<uint32_t>(in + 40);
+  h->link_frame = get<uint32_t>(in + 44);
   h->nonfinite_mask = get<uint64_t>(in + 48);
   h->frame_no = get<uint64_t>(in + 56);
   // Checked before anything is allocated or read for the payload.

@@ -2,7 +2,7 @@
 //
 //   offset size field
 //    0     4   magic 0x474E5250 ("PRNG" as little-endian bytes P R N G)
-//    4     2   protocol version (2)
+//    4     2   protocol version (3)
 //    6     1   kind: 1 data, 2 abort, 3 close
 //    7     1   phase: 1 reduce-scatter, 2 all-gather
 //    8     2   flags: bit 1 sum overflowed, bit 2 payload encrypted
@@ -13,7 +13,8 @@
 //   32     4   step
 //   36     4   segment
 //   40     4   descriptor: CRC32C of (n, dtype, op, codec, block size)
-//   44     4   reserved, 0
+//   44     4   link frame: data frames numbered 0, 1, 2, ... per direction of a link,
+//              across its streams (the receiver takes them in this order)
 //   48     8   non-finite mask: bit r set when rank r's input held NaN/Inf
 //   56     8   frame number on this stream and direction (0, 1, 2, ...)
 //   64     -   payload (ciphertext when encrypted)
@@ -37,7 +38,7 @@
 namespace prime::ring {
 
 constexpr uint32_t kFrameMagic = 0x474E5250u;
-constexpr uint16_t kProtocolVersion = 2;
+constexpr uint16_t kProtocolVersion = 3;  // 3: link frame numbers (a link's streams may differ in speed)
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTagBytes = crypto::kGcmTagBytes;
 constexpr size_t kFrameOverhead = kHeaderBytes + kTagBytes;
@@ -59,6 +60,7 @@ struct FrameHeader {
   uint32_t step = 0;
   uint32_t segment = 0;
   uint32_t desc = 0;
+  uint32_t link_frame = 0;  // set by the transport
   uint64_t nonfinite_mask = 0;
   uint64_t frame_no = 0;  // set by FrameSealer
 };

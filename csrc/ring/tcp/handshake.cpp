@@ -25,7 +25,7 @@ enum Status : uint8_t {
   kConfigMismatch = 4,
 };
 
-constexpr uint16_t kHelloVersion = 2;  // 2: frames carry AES-256-GCM tags
+constexpr uint16_t kHelloVersion = 3;  // 2: frames carry AES-256-GCM tags; 3: a mesh, streams per link
 constexpr uint16_t kFlagAuthenticated = 1u << 0;  // always set since version 2
 constexpr uint16_t kFlagEncrypted = 1u << 1;
 
@@ -38,6 +38,7 @@ struct Hello {
   uint64_t job = 0;
   uint16_t rank = 0;
   uint16_t stream = 0;
+  uint32_t link_streams = 0;  // client: the streams of this link; server: 0
   uint8_t nonce[32] = {};
 };
 
@@ -54,7 +55,7 @@ void encode(const Hello& h, uint8_t* out) {
   put<uint64_t>(out + 24, h.job);
   put<uint16_t>(out + 32, h.rank);
   put<uint16_t>(out + 34, h.stream);
-  put<uint32_t>(out + 36, 0);
+  put<uint32_t>(out + 36, h.link_streams);
   std::memcpy(out + 40, h.nonce, 32);
 }
 
@@ -68,11 +69,12 @@ bool decode(const uint8_t* in, Hello* h) {
   h->job = get<uint64_t>(in + 24);
   h->rank = get<uint16_t>(in + 32);
   h->stream = get<uint16_t>(in + 34);
+  h->link_streams = get<uint32_t>(in + 36);
   std::memcpy(h->nonce, in + 40, 32);
   return true;
 }
 
-Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream) {
+Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream, uint32_t link_streams = 0) {
   Hello h;
   h.world_size = static_cast<uint16_t>(c.world_size);
   h.streams = static_cast<uint16_t>(c.streams);
@@ -81,6 +83,7 @@ Hello make_hello(const HandshakeConfig& c, int rank, uint16_t stream) {
   h.job = c.job;
   h.rank = static_cast<uint16_t>(rank);
   h.stream = stream;
+  h.link_streams = link_streams;
   size_t got = 0;
   while (got < sizeof(h.nonce)) {
     const ssize_t k = ::getrandom(h.nonce + got, sizeof(h.nonce) - got, 0);
@@ -132,7 +135,7 @@ const char* status_text(uint8_t status) {
   switch (status) {
     case kBadMac: return "authentication failed (the secret differs: set the same PRIME_RING_SECRET / secret= on every rank)";
     case kWrongJob: return "the job id differs (a rank of another job or an older ring generation?)";
-    case kWrongRank: return "the server expected another rank as its left neighbour";
+    case kWrongRank: return "the server did not accept our rank (not a rank of its ring, or its own)";
     case kConfigMismatch: return "the ring configuration differs (protocol version, streams, segment_bytes or encryption)";
     default: return "refused";
   }
@@ -156,8 +159,7 @@ void send_status(const Socket& s, uint8_t status, Deadline deadline) {
 
 }  // namespace
 
-Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                          Deadline deadline) {
+Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, Deadline deadline) {
   const Hello mine = make_hello(config, my_rank, kServerStream);
   uint8_t hello_s[kHelloBytes];
   encode(mine, hello_s);
@@ -186,14 +188,17 @@ Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my
     send_status(s, kBadMac, deadline);
     throw HandshakeError("authentication failed: wrong secret");
   }
-  if (peer.rank != expected_rank) {
+  if (peer.rank >= config.world_size || peer.rank == my_rank) {
     send_status(s, kWrongRank, deadline);
-    throw HandshakeError("peer proved the secret but is rank " + std::to_string(peer.rank) + ", expected rank " +
-                         std::to_string(expected_rank) + " (the left neighbour)");
+    throw HandshakeError("peer proved the secret but claims to be rank " + std::to_string(peer.rank) +
+                         ", not another rank of this ring of " + std::to_string(config.world_size));
   }
-  if (peer.stream >= config.streams) {
+  const bool streams_ok = peer.link_streams >= 1 && peer.link_streams <= static_cast<uint32_t>(kMaxLinkStreams) &&
+                          (config.streams == 0 || peer.link_streams == static_cast<uint32_t>(config.streams));
+  if (!streams_ok || peer.stream >= peer.link_streams) {
     send_status(s, kConfigMismatch, deadline);
-    throw HandshakeError("stream index " + std::to_string(peer.stream) + " out of range");
+    throw HandshakeError("stream " + std::to_string(peer.stream) + " of " + std::to_string(peer.link_streams) +
+                         " out of range");
   }
   uint8_t reply[33];
   reply[0] = kAccepted;
@@ -204,12 +209,13 @@ Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my
   } catch (const IoError& e) {
     throw HandshakeError(std::string("peer vanished during the handshake: ") + e.what(), true);
   }
-  return Accepted{peer.stream, derive_keys(config.secret, hello_s, hello_c)};
+  return Accepted{peer.rank, peer.stream, static_cast<int>(peer.link_streams),
+                  derive_keys(config.secret, hello_s, hello_c)};
 }
 
 SessionKeys handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                             int stream, Deadline deadline) {
-  const Hello mine = make_hello(config, my_rank, static_cast<uint16_t>(stream));
+                             int stream, int link_streams, Deadline deadline, double* rtt_s) {
+  const Hello mine = make_hello(config, my_rank, static_cast<uint16_t>(stream), static_cast<uint32_t>(link_streams));
   uint8_t hello_s[kHelloBytes];
   uint8_t hello_c[kHelloBytes + 32];
   uint8_t reply[33];
@@ -231,8 +237,10 @@ SessionKeys handshake_client(const Socket& s, const HandshakeConfig& config, int
   const Digest proof = mac(config.secret, "prime-ring client", hello_s, hello_c);
   std::memcpy(hello_c + kHelloBytes, proof.data(), 32);
   try {
+    const auto t0 = Clock::now();
     send_all(s, hello_c, sizeof(hello_c), limits(deadline));
     recv_all(s, reply, sizeof(reply), limits(deadline));
+    if (rtt_s) *rtt_s = seconds_since(t0);
   } catch (const IoError& e) {
     throw HandshakeError(std::string("the server dropped the handshake: ") + e.what(), true);
   }

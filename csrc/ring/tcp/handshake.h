@@ -1,8 +1,11 @@
 // Mutual authentication of a new stream: HMAC-SHA256 challenge-response in both
-// directions, binding the job, the ring's shape and both ranks.
+// directions, binding the job, the ring's shape, both ranks and the link's stream count.
+// Every rank links to every other (a mesh): the client is the rank that sends data on
+// the stream, the server the one that receives it.
 //
 //   server -> client   hello_s: magic "PRIMEHS1", config, job, server rank, nonce_s
-//   client -> server   hello_c: the same fields for the client (+ stream index),
+//   client -> server   hello_c: the same fields for the client (+ stream index and the
+//                      number of streams of this link, which the client chose),
 //                      mac_c = HMAC(secret, "prime-ring client" || hello_s || hello_c)
 //   server -> client   status (0 accepted, else the reason) || mac_s =
 //                      HMAC(secret, "prime-ring server" || hello_s || hello_c)
@@ -26,11 +29,14 @@
 
 namespace prime::ring {
 
+// The most streams one link may have (the client's choice, or the streams setting).
+constexpr int kMaxLinkStreams = 64;
+
 struct HandshakeConfig {
   std::string secret;
   uint64_t job = 0;  // hash of the job id and world size
   int world_size = 0;
-  int streams = 1;
+  int streams = 1;  // the setting every rank must share: streams per link, 0 = chosen per link
   bool encrypt = false;  // payloads encrypted (else authenticated only)
   uint64_t segment_elems = 0;
 };
@@ -55,17 +61,19 @@ struct SessionKeys {
 };
 
 struct Accepted {
-  int stream = 0;
+  int rank = 0;          // the client, a rank of this ring other than the server
+  int stream = 0;        // its index on the link
+  int link_streams = 1;  // how many streams the client opens on this link
   SessionKeys keys;
 };
 
-// Server side. Returns the client's stream index and the session keys; the client
-// must be `expected_rank`.
-Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                          Deadline deadline);
+// Server side: any other rank of the ring may connect. Returns who it is, the stream's
+// place on its link and the session keys.
+Accepted handshake_server(const Socket& s, const HandshakeConfig& config, int my_rank, Deadline deadline);
 
-// Client side, for stream `stream` to `expected_rank`.
+// Client side, for stream `stream` of `link_streams` to `expected_rank`. *rtt_s (when
+// not null): the time from sending hello_c to the server's reply, one round trip.
 SessionKeys handshake_client(const Socket& s, const HandshakeConfig& config, int my_rank, int expected_rank,
-                             int stream, Deadline deadline);
+                             int stream, int link_streams, Deadline deadline, double* rtt_s = nullptr);
 
 }  // namespace prime::ring

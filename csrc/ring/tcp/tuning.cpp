@@ -1,0 +1,84 @@
+#include "tuning.h"
+
+#include <linux/sockios.h>
+#include <linux/tcp.h>
+#include <netinet/in.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+namespace prime::ring {
+namespace {
+
+// What share of a send buffer a stream keeps in flight (measured, see tuning.h).
+constexpr double kInflightShare = 0.66;
+
+int64_t read_last_number(const char* path, int64_t fallback) {
+  std::ifstream f(path);
+  int64_t v = 0, last = -1;
+  while (f >> v) last = v;
+  return last > 0 ? last : fallback;
+}
+
+}  // namespace
+
+SocketLimits SocketLimits::of_host() {
+  SocketLimits l;
+  l.wmem_max = read_last_number("/proc/sys/net/core/wmem_max", l.wmem_max);
+  l.tcp_wmem_max = read_last_number("/proc/sys/net/ipv4/tcp_wmem", l.tcp_wmem_max);
+  return l;
+}
+
+double SocketLimits::autotuned_inflight() const { return kInflightShare * static_cast<double>(tcp_wmem_max); }
+
+double SocketLimits::max_inflight() const {
+  return kInflightShare * static_cast<double>(std::max(tcp_wmem_max, 2 * wmem_max));
+}
+
+int sndbuf_for(double inflight, const SocketLimits& limits) {
+  if (inflight <= limits.autotuned_inflight()) return 0;
+  // SO_SNDBUF asks for half of what the kernel then grants.
+  const double ask = std::ceil(inflight / kInflightShare / 2);
+  return static_cast<int>(std::min<double>(ask, static_cast<double>(limits.wmem_max)));
+}
+
+LinkPlan plan_link(double rtt_s, double rate, const SocketLimits& limits) {
+  LinkPlan p;
+  p.needed_inflight = kInflightHeadroom * std::max(0.0, rate) * std::max(0.0, rtt_s);
+  if (p.needed_inflight <= limits.autotuned_inflight()) return p;  // one autotuned stream fills it
+  p.streams = static_cast<int>(std::clamp(std::ceil(p.needed_inflight / limits.max_inflight()), 1.0,
+                                          static_cast<double>(kMaxAutoStreams)));
+  p.sndbuf = sndbuf_for(p.needed_inflight / p.streams, limits);
+  return p;
+}
+
+void set_send_buffer(const Socket& s, int bytes) {
+  if (bytes > 0) ::setsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+}
+
+bool read_tcp_stats(const Socket& s, TcpStats* out) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  out->rtt_s = info.tcpi_rtt * 1e-6;
+  out->min_rtt_s = info.tcpi_min_rtt * 1e-6;
+  out->busy_s = static_cast<double>(info.tcpi_busy_time) * 1e-6;
+  out->sndbuf_limited_s = static_cast<double>(info.tcpi_sndbuf_limited) * 1e-6;
+  out->rwnd_limited_s = static_cast<double>(info.tcpi_rwnd_limited) * 1e-6;
+  out->bytes_acked = info.tcpi_bytes_acked;
+  int buf = 0;
+  socklen_t blen = sizeof(buf);
+  if (::getsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &buf, &blen) == 0) out->sndbuf = buf;
+  return true;
+}
+
+int64_t unacked_bytes(const Socket& s) {
+  int v = 0;
+  if (s.fd() < 0 || ::ioctl(s.fd(), SIOCOUTQ, &v) != 0) return 0;
+  return v;
+}
+
+}  // namespace prime::ring

@@ -1,0 +1,68 @@
+// Sizing a link to its bandwidth-delay product within the host's limits.
+//
+// One TCP stream keeps at most about two thirds of its send buffer in flight (the rest
+// is the kernel's bookkeeping: measured 2.76 MB of a 4 MiB buffer, 5.56 MB of 8 MiB),
+// and its send buffer grows by autotuning only to net.ipv4.tcp_wmem's maximum (4 MiB
+// on many hosts: 222 Mbit/s at 100 ms RTT), or, set with SO_SNDBUF, to twice
+// net.core.wmem_max. A link whose bandwidth-delay product exceeds that gets a larger
+// buffer, and then more streams. Nothing here needs privileges.
+#pragma once
+
+#include <cstdint>
+
+#include "socket.h"
+
+namespace prime::ring {
+
+// The host's TCP send-buffer limits (read once, from /proc/sys of this network namespace).
+struct SocketLimits {
+  int64_t wmem_max = 208 << 10;        // net.core.wmem_max: the most SO_SNDBUF may ask for
+  int64_t tcp_wmem_max = 4 << 20;      // net.ipv4.tcp_wmem[2]: where autotuning stops
+  static SocketLimits of_host();
+  // Bytes one stream keeps in flight with autotuning, and with the largest SO_SNDBUF.
+  double autotuned_inflight() const;
+  double max_inflight() const;
+};
+
+// How a link is set up: its streams and each stream's SO_SNDBUF (0: autotuning).
+struct LinkPlan {
+  int streams = 1;
+  int sndbuf = 0;
+  double needed_inflight = 0;  // bytes the link must keep in flight to fill its path
+};
+
+// The link rate assumed when nothing is known (no max_rate, nothing measured yet):
+// 2.5 Gbit/s, so that links up to that rate fill from the first collective at any RTT
+// the stream cap allows (8 streams: 1 Gbit/s up to ~350 ms, 2.5 Gbit/s up to ~140 ms).
+constexpr double kAssumedLinkRate = 2.5e9 / 8;  // bytes/s
+constexpr int kMaxAutoStreams = 8;
+// In-flight headroom over the bandwidth-delay product (queueing, pacing gain).
+constexpr double kInflightHeadroom = 1.25;
+
+// The SO_SNDBUF a stream needs to keep `inflight` bytes in flight: 0 when autotuning
+// reaches it, else as much as it takes, at most net.core.wmem_max.
+int sndbuf_for(double inflight, const SocketLimits& limits);
+
+// The plan for a link of `rtt_s` and `rate` bytes/s: enough in flight for rate x rtt (with
+// headroom), in as few streams as the limits allow, at most kMaxAutoStreams.
+LinkPlan plan_link(double rtt_s, double rate, const SocketLimits& limits);
+
+// SO_SNDBUF (not FORCE: the host's limit holds); the kernel doubles it.
+void set_send_buffer(const Socket& s, int bytes);
+
+// What the kernel knows of a stream (TCP_INFO). Times in seconds, counters cumulative.
+struct TcpStats {
+  double rtt_s = 0;       // smoothed
+  double min_rtt_s = 0;   // windowed minimum
+  double busy_s = 0;      // time with data in flight
+  double sndbuf_limited_s = 0;  // of that, limited by the send buffer
+  double rwnd_limited_s = 0;    // limited by the receiver's window
+  uint64_t bytes_acked = 0;
+  int sndbuf = 0;  // the socket's current send buffer (SO_SNDBUF as read back)
+};
+bool read_tcp_stats(const Socket& s, TcpStats* out);
+
+// Bytes written to the stream that its peer has not acknowledged yet (SIOCOUTQ).
+int64_t unacked_bytes(const Socket& s);
+
+}  // namespace prime::ring
