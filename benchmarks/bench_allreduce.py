@@ -429,9 +429,9 @@ class RingAdapter:
     @staticmethod
     def numeric_stats(stats) -> dict:
         """A WorkStats as {field: float}, without the fields that were not measured (None: quant_err_sq and
-        quant_in_sq of the exact codec)."""
+        quant_in_sq of the exact codec) and those that are not numbers (the schedule's name)."""
         values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-        return {name: float(v) for name, v in values.items() if v is not None}
+        return {name: float(v) for name, v in values.items() if v is not None and not isinstance(v, str)}
 
     def close(self) -> None:
         """Closes the ring's sockets and threads."""

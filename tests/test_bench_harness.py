@@ -196,12 +196,12 @@ def test_ring_adapter_reads_work_stats_by_field():
     sent, numeric = adapter.all_reduce(torch.zeros(4))
     assert sent == 123.0
     assert numeric["bytes_received"] == 7.0 and numeric["quantize_s"] == 0.25 and numeric["seq"] == 3.0
-    # every field, but those not measured (None: the int8 error sums here)
-    assert set(numeric) == {f for f in WorkStats.__dataclass_fields__} - {"quant_err_sq", "quant_in_sq"}
+    # every field, but those not measured (None: the int8 error sums here) and the schedule's name
+    assert set(numeric) == {f for f in WorkStats.__dataclass_fields__} - {"quant_err_sq", "quant_in_sq", "schedule"}
     stats = dataclasses.replace(stats, quant_err_sq=0.5, quant_in_sq=2.0)
     _, numeric = adapter.all_reduce(torch.zeros(4))
     assert numeric["quant_err_sq"] == 0.5 and numeric["quant_in_sq"] == 2.0
-    assert set(numeric) == {f for f in WorkStats.__dataclass_fields__}
+    assert set(numeric) == {f for f in WorkStats.__dataclass_fields__} - {"schedule"}
 
 
 def test_the_ring_and_its_stand_in_follow_the_ring_protocol():

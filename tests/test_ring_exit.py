@@ -88,9 +88,9 @@ def test_rings_alive_at_interpreter_exit():
     _assert_clean(p, "exiting")
 
 
-def test_close_while_connect_waits_for_the_left_neighbour():
+def test_close_while_connect_waits_for_a_peer():
     # The C++ ring directly: connect() on a thread (rank 1 never connects, so rank 0
-    # waits for its left neighbour), close() from the main thread meanwhile.
+    # waits for it), close() from the main thread meanwhile.
     p = _run("""
         from prime import _extension
         C = _extension.require()
@@ -102,7 +102,7 @@ def test_close_while_connect_waits_for_the_left_neighbour():
         outcome = {}
         def connect():
             try:
-                r0.connect("127.0.0.1", r1.port)
+                r0.connect([("127.0.0.1", 0), ("127.0.0.1", r1.port)])
                 outcome["error"] = None
             except Exception as e:  # CommError(kind="closed") expected
                 outcome["error"] = e

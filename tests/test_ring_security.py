@@ -237,7 +237,7 @@ class FrameProxy:
             pass
 
 
-def _rank_behind_proxy(ctx, seed, codec, encrypt):
+def _rank_behind_proxy(ctx, seed, codec, encrypt, schedule):
     """Rank 0 builds its ring only once the test has put the proxy in place."""
     from prime.comm import CommError
 
@@ -245,7 +245,8 @@ def _rank_behind_proxy(ctx, seed, codec, encrypt):
         ctx.store.wait([f"{ctx.job}/go"], timedelta(seconds=60))
     x = make_input(seed, ctx.rank, N)
     keep = x.clone()
-    kwargs = dict(secret=_secret(seed), job_id=f"{ctx.job}/ring", timeout=20, segment_bytes=SEGMENT_BYTES)
+    kwargs = dict(secret=_secret(seed), job_id=f"{ctx.job}/ring", timeout=20, segment_bytes=SEGMENT_BYTES,
+                  schedule=schedule)
     if encrypt:
         kwargs["encrypt"] = True
     with ctx.ring(**kwargs) as ring:
@@ -286,8 +287,10 @@ def _wait_key(ranks, job, world, key, timeout=60.0):
         time.sleep(0.05)
 
 
-def _run_with_proxy(ranks, attack, phase, codec, encrypt=False, world=3):
-    job = ranks.start(_rank_behind_proxy, SEED, codec, encrypt, world_size=world)
+def _run_with_proxy(ranks, attack, phase, codec, encrypt=False, world=3, schedule="ring"):
+    """Every connection to rank 1 goes through the proxy: in the ring schedule only rank 0
+    sends it data (ranks 0 -> 1 -> 2 -> 0), in the direct schedule ranks 0 and 2 do."""
+    job = ranks.start(_rank_behind_proxy, SEED, codec, encrypt, schedule, world_size=world)
     key = f"prime_ring/{job}/ring/addr/1"
     _wait_key(ranks, job, world, key)
     proxy = FrameProxy(_address(ranks.store, f"{job}/ring", 1, SEED), attack, phase)
@@ -300,12 +303,12 @@ def _run_with_proxy(ranks, attack, phase, codec, encrypt=False, world=3):
     return proxy, results
 
 
-def _assert_every_rank_failed_intact(proxy, results, codec, world=3, may_complete=()):
+def _assert_every_rank_failed_intact(proxy, results, codec, world=3, may_complete=(), senders=(0,)):
     """Every rank raised with its tensor unchanged, except that a rank in may_complete
-    may have finished first with the right result: rank 0, the sender of an altered
-    all-gather frame, already has everything it needs from its left neighbour (the
-    inherent limit of docs/ring.md, "Failure behaviour"); it must then hold the true
-    average, not a forged one."""
+    may have finished first with the right result: the sender of an altered all-gather
+    frame (in the direct schedule any rank but the receiver) already has everything it
+    needs (the inherent limit of docs/ring.md, "Failure behaviour"); it must then hold
+    the true average, not a forged one. senders: the ranks whose frames the proxy sees."""
     assert proxy.attacked, f"the proxy found no frame to attack (frame versions seen: {proxy.versions}) {_note()}"
     ref = sum(make_input(SEED, r, N).double() for r in range(world)) / world
     for r in range(world):
@@ -318,7 +321,7 @@ def _assert_every_rank_failed_intact(proxy, results, codec, world=3, may_complet
         assert res["intact"], f"rank {r}: the tensor changed although the all-reduce failed {_note()}"
         assert "authentication failed" in res["message"], f"rank {r}: {res['message']}"
     detector = results[1]  # the receiving end of the attacked link
-    assert detector["kind"] == "corrupt_frame" and detector["peer"] == 0, detector
+    assert detector["kind"] == "corrupt_frame" and detector["peer"] in senders, detector
     assert " step " in detector["message"], detector["message"]
     for r in (0, 2):
         assert not results[r]["raised"] or results[r]["origin"] == 1, results[r]
@@ -329,6 +332,15 @@ def _assert_every_rank_failed_intact(proxy, results, codec, world=3, may_complet
 def test_rewritten_frame_with_recomputed_checksums_fails_every_rank(ranks, phase, codec):
     proxy, results = _run_with_proxy(ranks, "tamper", phase, codec)
     _assert_every_rank_failed_intact(proxy, results, codec, may_complete=(0,) if phase == 2 else ())
+
+
+@pytest.mark.parametrize("attack", ["tamper", "replay", "reorder"])
+@pytest.mark.parametrize("phase", [1, 2], ids=["reduce-scatter", "all-gather"])
+def test_attacked_frame_fails_the_direct_schedule(ranks, attack, phase):
+    """The direct schedule: ranks 0 and 2 both send to rank 1 through the proxy."""
+    proxy, results = _run_with_proxy(ranks, attack, phase, "int8", schedule="direct")
+    _assert_every_rank_failed_intact(proxy, results, "int8", may_complete=(0, 2) if phase == 2 else (),
+                                     senders=(0, 2))
 
 
 def test_rewritten_frame_is_caught_with_encryption_on(ranks):

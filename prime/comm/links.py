@@ -236,7 +236,8 @@ def choose_schedule(table: LinkTable, order: Sequence[int], wire_bytes: float) -
             fastest link (so a rank's parallel paths are not counted on); plus the longest
             one-way delay twice.
     Unknown rates are the same everywhere: then only the delays decide, and the direct
-    schedule never pays more of them."""
+    schedule never pays more of them. Predictions within DELAY_TOLERANCE_* of each other
+    are a tie (round trips of microseconds on one host are noise)."""
     n = table.n
     if n <= 2:
         return "direct"  # the same two hops either way
@@ -251,4 +252,5 @@ def choose_schedule(table: LinkTable, order: Sequence[int], wire_bytes: float) -
         direct_s += max(max(max(wire_bytes / (n - 1) / rate[i][j] for j in range(n) if j != i),
                             wire_bytes / max(rate[i][j] for j in range(n) if j != i))
                         for i in range(n))
-    return "direct" if direct_s <= ring_s else "ring"
+    tie = max(DELAY_TOLERANCE_S, DELAY_TOLERANCE_SHARE * ring_s)
+    return "direct" if direct_s <= ring_s + tie else "ring"
