@@ -6,6 +6,15 @@ Every rank is a separate process. Link conditions:
   netns             one network namespace per rank on a bridge, no shaping
   tc-<rate>         one network namespace per rank on a bridge, each rank's uplink and
                     downlink shaped to <rate> with tc tbf (benchmarks/netns.py; needs root, ip, tc)
+  netem-<rate>-rtt<ms>
+                    one network namespace per rank on the delay line of benchmarks/netem.py:
+                    each rank's uplink and downlink at <rate> with a drop-tail queue of one
+                    bandwidth-delay product, every path with that round-trip time (and
+                    --loss, --jitter-ms). `--conditions netem-1gbit --rtt 0,50,100` expands to
+                    one condition per RTT. Needs root and /dev/net/tun.
+  topo-<name>       the delay line with a topology given as matrices (--topology): e.g.
+                    two-regions, 6 nodes numbered alternately, 10 Gbit/s and 2 ms RTT within
+                    a region, 1 Gbit/s and 100 ms RTT between them
   ratelimit-<rate>  ranks on 127.0.0.1, the ring paces itself with max_rate=<rate>; for
                     machines without tc (the GPU machines). gloo cannot be limited, so rows
                     compare against our exact fp32 ring under the same limit.
@@ -14,13 +23,21 @@ Methods, run on the same input tensors in the same process group:
 
   gloo-fp32, gloo-bf16      torch.distributed.all_reduce(SUM) with the gloo backend; bf16
                             times only the all_reduce of a bf16 copy (the casts are free for it)
-  ring-fp32                 prime.comm.Ring, codec "none", --streams streams, checksums on
-  ring-int8                 prime.comm.Ring, codec "int8", --streams streams, checksums on
+  ring-fp32                 prime.comm.Ring, codec "none", the ring's defaults (--streams to force streams)
+  ring-int8                 prime.comm.Ring, codec "int8", the ring's defaults: streams and buffers
+                            chosen per link, the schedule per collective, the ring order planned
   ring-int8-1stream         as ring-int8 with one TCP stream per link (the same as ring-int8
                             unless --streams is above 1)
   ring-int8-b128            as ring-int8 with block_size=128: one fp32 scale per 128 values
                             (1.031 bytes/value instead of 1.016) for a smaller error
   ring-int8-nocheck         as ring-int8 with checksums off
+  ring-int8-ring            as ring-int8 with schedule="ring" (hop by hop, the planned order)
+  ring-int8-direct          as ring-int8 with schedule="direct" (two hops)
+  ring-int8-rankorder       schedule="ring" in the rank order 0, 1, ..., N-1
+  ring-int8-bestorder       schedule="ring" in the best order for the topology (topo-* conditions;
+                            found by brute force from the topology's matrices)
+  ring-int8-classic         the ring as it was before links were sized and schedules chosen: the
+                            ring schedule in rank order, one stream per link, autotuned buffers
   pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
                             (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
   pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
@@ -62,17 +79,24 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import netns  # noqa: E402  (benchmarks/netns.py, next to this file)
+sys.path.insert(1, REPO)  # the prime of this checkout, in this process and (PYTHONPATH) in the ranks
+import netem  # noqa: E402  (benchmarks/netem.py, next to this file)
+import netns  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
 INT8_BLOCK = 256  # elements per fp32 scale in the int8 codec (docs/wire-format.md)
 GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
 RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128")
+# The ring's schedules and orders forced (run them with --methods).
+RING_VARIANTS = ("ring-int8-ring", "ring-int8-direct", "ring-int8-rankorder", "ring-int8-bestorder",
+                 "ring-int8-classic")
 # The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
 PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
-ALL_METHODS = GLOO_METHODS + RING_METHODS + PG_METHODS
+DEFAULT_METHODS = GLOO_METHODS + RING_METHODS + PG_METHODS
+ALL_METHODS = GLOO_METHODS + RING_METHODS + RING_VARIANTS + PG_METHODS
 RESULT_TAG = "@@RESULT "  # rank 0 prints one such line (JSON) per finished case
 STORE_PORT_NETNS = 29500  # each namespace is fresh, so a fixed port is free there
 LOOPBACK_ASSUMED_BITS = 8e9  # only for skipping cases that would run too long on loopback
@@ -87,26 +111,67 @@ class Condition:
     """A link condition: how ranks are connected and how fast."""
 
     name: str
-    # "loopback", "tc" (namespaces + tbf) or "ratelimit" (the ring's own max_rate)
+    # "loopback", "tc" (namespaces + tbf), "netem" (the delay line, uniform links), "topo" (the
+    # delay line with a topology) or "ratelimit" (the ring's own max_rate)
     kind: str
-    # link rate in bits per second; None when unshaped
+    # link rate in bits per second; None when unshaped (or a topology's links differ)
     rate_bits: float | None = None
     # the tc spelling of the rate, e.g. "1gbit"
     rate: str | None = None
+    # netem: every path's round-trip time, random loss per packet, jitter (seconds)
+    rtt_s: float = 0.0
+    loss: float = 0.0
+    jitter_s: float = 0.0
+    # topo: the topology (netem.Topology.to_json())
+    topology: dict | None = None
 
 
-def parse_condition(name: str) -> Condition:
-    """'loopback' | 'netns' | 'tc-<rate>' | 'ratelimit-<rate>' with rates like 100mbit, 1gbit."""
+def _netem_name(rate: str, rtt_ms: float, loss: float, jitter_ms: float) -> str:
+    name = f"netem-{rate}-rtt{rtt_ms:g}"
+    if loss:
+        name += f"-loss{100 * loss:g}%"
+    if jitter_ms:
+        name += f"-jitter{jitter_ms:g}"
+    return name
+
+
+def parse_condition(name: str, loss: float = 0.0, jitter_ms: float = 0.0) -> Condition:
+    """'loopback' | 'netns' | 'tc-<rate>' | 'ratelimit-<rate>' | 'netem-<rate>-rtt<ms>' with rates like
+    100mbit, 1gbit (topologies come from parse_topology)."""
     if name == "loopback":
         return Condition(name, "loopback")
     if name == "netns":  # namespaces on the bridge, unshaped: what the veths and bridge cost
         return Condition(name, "tc")
+    if name.startswith("netem-"):
+        rate, sep, rtt = name[len("netem-"):].partition("-rtt")
+        try:
+            rtt_ms = float(rtt.split("-")[0]) if sep else 0.0
+        except ValueError:
+            raise ValueError(f"condition {name!r}: the RTT is not a number of ms (like netem-1gbit-rtt100)") from None
+        bits = netns.rate_to_bits(rate)
+        return Condition(_netem_name(rate, rtt_ms, loss, jitter_ms), "netem", bits, rate, rtt_ms / 1000, loss,
+                         jitter_ms / 1000)
     for kind in ("tc", "ratelimit"):
         if name.startswith(kind + "-"):
             rate = name[len(kind) + 1:]
             return Condition(name, kind, netns.rate_to_bits(rate), rate)
-    raise ValueError(f"condition {name!r} is not 'loopback', 'netns', 'tc-<rate>' or 'ratelimit-<rate>' "
-                     "(rate like 1gbit)")
+    raise ValueError(f"condition {name!r} is not 'loopback', 'netns', 'tc-<rate>', 'ratelimit-<rate>' or "
+                     "'netem-<rate>-rtt<ms>' (rate like 1gbit)")
+
+
+def parse_topology(spec: str) -> Condition:
+    """--topology: 'two-regions' (6 nodes) or 'two-regions:<n>', or a JSON file of netem.Topology.to_json()."""
+    import netem
+
+    if spec.startswith("two-regions"):
+        _, _, n = spec.partition(":")
+        topo = netem.two_regions(int(n) if n else 6)
+    elif os.path.exists(spec):
+        with open(spec) as f:
+            topo = netem.Topology.from_json(json.load(f))
+    else:
+        raise ValueError(f"--topology {spec!r} is neither 'two-regions[:n]' nor a JSON file")
+    return Condition(f"topo-{topo.name}", "topo", topology=topo.to_json())
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
@@ -133,14 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 4 ranks, 4 and 64 MiB, loopback and 1 Gbit/s (tc or ratelimit)")
-    p.add_argument("--conditions", help="comma list of loopback, tc-<rate>, ratelimit-<rate> "
-                   "(default: all this machine can run)")
+    p.add_argument("--conditions", help="comma list of loopback, tc-<rate>, ratelimit-<rate>, netem-<rate> "
+                   "(default: all this machine can run, netem aside)")
+    p.add_argument("--rtt", default=None, help="comma list of round-trip times in ms for the netem-* conditions "
+                   "(default 0)")
+    p.add_argument("--loss", type=float, default=0.0, help="netem: random loss probability per packet (0.001: 0.1%%)")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="netem: up to this much extra one-way delay per packet")
+    p.add_argument("--topology", default=None,
+                   help="run on the delay line with this topology: two-regions[:n] or a JSON file (netem.Topology)")
+    p.add_argument("--no-gso", action="store_true",
+                   help="netem: forward MTU-sized packets (per-packet loss; costs the forwarder much more CPU)")
     p.add_argument("--world-sizes", default="2,4,8", help="comma list of rank counts (default 2,4,8)")
     p.add_argument("--sizes", default="1,4,16,64,256,1024", help="comma list of MiB of fp32 per rank")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma list of {', '.join(ALL_METHODS)}")
-    # Default 1, the ring's own default (prime.comm.ring.DEFAULT_STREAMS): on these links one
-    # stream fills the link, and every extra stream is two more threads on a busy CPU.
-    p.add_argument("--streams", type=int, default=1, help="TCP streams per ring link for the ring-* methods (default 1)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(ALL_METHODS)} "
+                   f"(default: all but {', '.join(RING_VARIANTS)})")
+    p.add_argument("--streams", type=int, default=0,
+                   help="TCP streams per ring link for the ring-* methods (default 0: the ring chooses per link)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
     p.add_argument("--min-iters", type=int, default=3, help="timed iterations per case, at least")
     p.add_argument("--max-iters", type=int, default=20, help="timed iterations per case, at most")
@@ -188,6 +261,7 @@ class Plan:
     out: str
     plot: bool
     notes: list[str] = field(default_factory=list)
+    gso: bool = True
 
 
 def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked") -> Plan:
@@ -207,7 +281,33 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
         cond_names = default_conditions(tc_reason)
     if args.conditions:
         cond_names = [c.strip() for c in args.conditions.split(",") if c.strip()]
-    conditions = [parse_condition(c) for c in cond_names]
+    if args.topology:
+        cond_names = [c for c in cond_names if args.conditions and c in args.conditions.split(",")]
+    rtts = [float(x) for x in args.rtt.split(",") if x.strip()] if args.rtt else None
+    expanded = []
+    for c in cond_names:
+        if c.startswith("netem-") and "-rtt" not in c:
+            expanded += [f"{c}-rtt{r:g}" for r in (rtts or [0.0])]
+        else:
+            expanded.append(c)
+    if args.loss < 0 or args.loss >= 1 or args.jitter_ms < 0:
+        raise ValueError(f"--loss({args.loss}) must be in [0, 1) and --jitter-ms({args.jitter_ms}) >= 0")
+    conditions = [parse_condition(c, args.loss, args.jitter_ms) for c in expanded]
+    if args.topology:
+        topo = parse_topology(args.topology)
+        conditions.append(topo)
+        n = topo.topology["n"]
+        if "--world-sizes" in (argv or []) and world_sizes != [n]:
+            raise ValueError(f"--topology {args.topology} has {n} nodes; --world-sizes must be {n} (or left out)")
+        world_sizes = [n]
+    if any(c.kind in ("netem", "topo") for c in conditions):
+        import netem
+
+        reason = netem.support()
+        if reason is not None:
+            dropped = [c.name for c in conditions if c.kind in ("netem", "topo")]
+            notes.append(f"skipped {', '.join(dropped)}: {reason}")
+            conditions = [c for c in conditions if c.kind not in ("netem", "topo")]
     if any(c.kind == "tc" for c in conditions) and tc_reason is not None:
         dropped = [c.name for c in conditions if c.kind == "tc"]
         notes.append(f"skipped {', '.join(dropped)}: {tc_reason}; only loopback and ratelimit-* run")
@@ -220,8 +320,8 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
         raise ValueError(f"world sizes must be at least 2, got {world_sizes}")
     if any(w > netns.MAX_RANKS for w in world_sizes):
         raise ValueError(f"world sizes must be at most {netns.MAX_RANKS}, got {world_sizes}")
-    if args.streams < 1:
-        raise ValueError(f"--streams({args.streams}) must be at least 1")
+    if args.streams < 0:
+        raise ValueError(f"--streams({args.streams}) must be at least 0 (0: the ring chooses)")
     if not 1 <= args.min_iters <= args.max_iters:
         raise ValueError(f"need 1 <= --min-iters({args.min_iters}) <= --max-iters({args.max_iters})")
     if args.warmup < 0:
@@ -230,7 +330,7 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
     out = args.out or os.path.join(HERE, "results", "allreduce_quick" if args.quick else "allreduce")
     return Plan(conditions, world_sizes, sizes, methods, args.streams, args.warmup, args.min_iters,
                 args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.device, args.shape, args.mtu,
-                args.burst, seed, args.timeout_s, out, not args.no_plot, notes)
+                args.burst, seed, args.timeout_s, out, not args.no_plot, notes, gso=not args.no_gso)
 
 
 # ---------------------------------------------------------------------------
@@ -245,6 +345,18 @@ def ring_factor(world_size: int) -> float:
 def int8_bytes(n: int, block: int = INT8_BLOCK) -> int:
     """Bytes of n values in the int8 codec: one byte each plus one fp32 scale per block."""
     return n + 4 * ((n + block - 1) // block)
+
+
+def method_ring_options(method: str, spec: dict) -> dict:
+    """prime.comm.Ring options a ring-* method sets (beyond the codec and block size)."""
+    return {
+        "ring-int8-1stream": {"streams": 1},
+        "ring-int8-ring": {"schedule": "ring"},
+        "ring-int8-direct": {"schedule": "direct"},
+        "ring-int8-rankorder": {"schedule": "ring", "order": "rank"},
+        "ring-int8-bestorder": {"schedule": "ring", "order": spec.get("best_order") or "rank"},
+        "ring-int8-classic": {"schedule": "ring", "order": "rank", "streams": 1},
+    }.get(method, {})
 
 
 def method_block(method: str) -> int:
@@ -409,14 +521,16 @@ class RingAdapter:
         module, _, cls = os.environ.get("PRIME_BENCH_RING", "prime.comm:Ring").partition(":")
         ring_cls = getattr(importlib.import_module(module), cls)
         self.codec = "none" if method == "ring-fp32" else "int8"
-        streams = 1 if method == "ring-int8-1stream" else spec["streams"]
-        checksum = method != "ring-int8-nocheck"
         self.block = method_block(method)
-        kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), streams=streams,
-                      secret=f"bench-{spec['seed']}", max_rate=spec["max_rate_bytes"], checksum=checksum)
+        kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), secret=f"bench-{spec['seed']}",
+                      max_rate=spec["max_rate_bytes"], checksum=method != "ring-int8-nocheck")
+        kwargs.update(method_ring_options(method, spec))
+        if spec["streams"] and "streams" not in kwargs:
+            kwargs["streams"] = spec["streams"]
         if spec["addr"]:
             kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
         self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
+        self.schedule = None  # what the last collective ran (WorkStats.schedule)
 
     def all_reduce(self, tensor) -> tuple[float, dict]:
         """Sums `tensor` in place over all ranks. Returns (bytes this rank sent on the wire,
@@ -424,6 +538,7 @@ class RingAdapter:
         work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block)
         work.wait()
         stats = work.stats()
+        self.schedule = getattr(stats, "schedule", None)
         return float(stats.bytes_sent), self.numeric_stats(stats)
 
     @staticmethod
@@ -569,6 +684,12 @@ def worker_main(spec: dict) -> None:
                     keys = set().union(*ring_stats) if ring_stats else set()
                     row["ring_stats_rank0"] = {k: sum(st.get(k, 0.0) for st in ring_stats) / len(ring_stats)
                                                for k in sorted(keys)}
+                    adapter = rings.get(method)
+                    if getattr(adapter, "schedule", None):
+                        row["schedule"] = adapter.schedule
+                        row["order"] = list(getattr(adapter.ring, "order", []))
+                        links = getattr(adapter.ring, "links", None)
+                        row["links_rank0"] = links() if callable(links) else None
                 emit(row)
             del x, ref, buf
     finally:
@@ -618,10 +739,34 @@ def plan_skips(plan: Plan, cond: Condition, world: int) -> dict[str, str]:
             if cond.kind == "ratelimit" and method.startswith("gloo"):
                 skips[key] = "gloo has no rate limit"
                 continue
-            predicted = expected_wire_bytes(method, nbytes // 4, world) * 8 / rate
+            predicted = expected_wire_bytes(method, nbytes // 4, world) * 8 / rate + 2 * world * cond.rtt_s
+            if method.startswith("gloo") and cond.rtt_s:
+                # gloo keeps one TCP stream per pair, window-limited to ~2.8 MB in flight
+                predicted = max(predicted, expected_wire_bytes(method, nbytes // 4, world) / 2.8e6 * cond.rtt_s)
             if predicted * (plan.warmup + plan.min_iters) > plan.max_case_s:
                 skips[key] = f"predicted {predicted:.0f} s per iteration (over --max-case-s)"
     return skips
+
+
+def condition_topology(cond: Condition, world: int, shape: str):
+    """The delay line's topology of a netem-* or topo-* condition."""
+    if cond.kind == "topo":
+        topo = netem.Topology.from_json(cond.topology)
+        if topo.n != world:
+            raise ValueError(f"topology {topo.name} has {topo.n} nodes, not {world}")
+        return topo
+    return netem.Topology.uniform(world, cond.rate_bits, cond.rtt_s, loss=cond.loss, jitter_s=cond.jitter_s,
+                                  shape=shape)
+
+
+def best_order(topology: dict) -> list[int]:
+    """The best ring order of a topology, by brute force over every ring (prime.comm.links)."""
+    from prime.comm.links import LinkTable, brute_force_order
+
+    t = netem.Topology.from_json(topology)
+    rtt = [[t.rtt_s(i, j) for j in range(t.n)] for i in range(t.n)]
+    rate = [[t.path_rate_bits(i, j) / 8 if i != j else 0.0 for j in range(t.n)] for i in range(t.n)]
+    return brute_force_order(LinkTable.from_rows(rtt, rate))
 
 
 def _die_with_parent() -> None:
@@ -648,12 +793,14 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
         "case_budget_s": plan.case_budget_s, "threads": plan.threads, "device": plan.device, "seed": plan.seed,
         "timeout_s": plan.timeout_s, "skips": skips,
         "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
+        "best_order": best_order(cond.topology) if cond.topology else None,
         # tbf lets a full bucket (the burst) through at once; waiting burst/rate before each
         # iteration refills it, so every iteration gets the same credit (link_util_burst_adj).
         "refill_s": 1.1 * netns.size_to_bytes(plan.burst) * 8 / cond.rate_bits
         if cond.kind == "tc" and cond.rate_bits else 0.0,
     }
     env = dict(os.environ, OMP_NUM_THREADS=str(plan.threads))
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     net = None
     procs: list[subprocess.Popen] = []
     logs = []
@@ -662,6 +809,12 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
             net = netns.Network(world, rate=cond.rate, shape=plan.shape, mtu=plan.mtu, burst=plan.burst)
             net.up()
             env["GLOO_SOCKET_IFNAME"] = netns.RANK_IFNAME
+            store_host, store_port = net.addr(0), STORE_PORT_NETNS
+        elif cond.kind in ("netem", "topo"):
+            net = netem.Emulator(condition_topology(cond, world, plan.shape), gso=plan.gso, mtu=plan.mtu,
+                                 seed=plan.seed)
+            net.up()
+            env["GLOO_SOCKET_IFNAME"] = netem.IFNAME
             store_host, store_port = net.addr(0), STORE_PORT_NETNS
         else:
             env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -770,14 +923,16 @@ def progress_line(row: dict) -> str:
         util += " [burst-dominated]"
     err = f"{row['rel_l2_err']:.2e}" if row.get("rel_l2_err") is not None else "-"
     agree = f"  RANKS DIFFER by {row['ranks_agree_rel']:.1e}" if row.get("ranks_agree_rel") else ""
+    sched = f"  [{row['schedule']}]" if row.get("schedule") else ""
     return (f"{head} median {row['median_s']:.4f} s  p90 {row['p90_s']:.4f} s  busbw {fmt_bits(row['busbw_bits'])}"
-            f"  util {util}  err {err}  ({row['iters']} iters){agree}")
+            f"  util {util}  err {err}  ({row['iters']} iters){agree}{sched}")
 
 
 def table(rows: list[dict]) -> str:
     """The final table, one line per measured case."""
     hdr = (f"{'condition':>16} {'N':>2} {'size':>9} {'method':<18} {'median s':>9} {'p90 s':>9} {'algbw':>7} "
-           f"{'busbw':>7} {'wire/rank':>10} {'util':>7} {'adj':>6} {'x gloo32':>8} {'x bf16':>7} {'x ring32':>8} {'rel L2':>9}")
+           f"{'busbw':>7} {'wire/rank':>10} {'util':>7} {'adj':>6} {'x gloo32':>8} {'x bf16':>7} {'x ring32':>8} {'rel L2':>9}"
+           f" {'sched':>6}")
     out = [hdr, "-" * len(hdr)]
     for r in rows:
         if "median_s" not in r:
@@ -795,13 +950,14 @@ def table(rows: list[dict]) -> str:
                    f"{r['median_s']:>9.4f} {r['p90_s']:>9.4f} {fmt_bits(r['algbw_bits']):>7} "
                    f"{fmt_bits(r['busbw_bits']):>7} {fmt_size(r.get('wire_bytes')):>10} {util:>7} {adj:>6} "
                    f"{sp('speedup_vs_gloo-fp32'):>8} {sp('speedup_vs_gloo-bf16'):>7} {sp('speedup_vs_ring-fp32'):>8} "
-                   f"{err:>9}")
+                   f"{err:>9} {r.get('schedule') or '-':>6}")
     out.append("")
     out.append("time: slowest rank, median and p90 over the timed iterations; algbw = fp32 tensor bytes / time;")
     out.append("busbw = algbw * 2(N-1)/N; wire/rank: the ring's counters, gloo's theory; util = (wire / rate) / time;")
     out.append("adj = util with one tbf burst credited ((wire - burst) / rate / time); * = burst >= 10% of wire bytes,")
     out.append("so the row mostly times the burst; x gloo32 / x bf16 / x ring32 = that method's median / this one's;")
-    out.append("rel L2 = ||result - float64 sum|| / ||float64 sum|| on rank 0.")
+    out.append("rel L2 = ||result - float64 sum|| / ||float64 sum|| on rank 0; sched = the ring's schedule (the last")
+    out.append("iteration's; ring or direct).")
     return "\n".join(out)
 
 
@@ -891,6 +1047,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine}\nseed: {plan.seed}\ncommand: {command}")
     if any(c.kind == "tc" for c in plan.conditions):
         print(f"tc links: tbf burst {plan.burst} latency {netns.TBF_LATENCY}, shaped {plan.shape}, mtu {plan.mtu}")
+    if any(c.kind in ("netem", "topo") for c in plan.conditions):
+        print(f"delay line (benchmarks/netem.py): drop-tail queues of one BDP, mtu {plan.mtu}, "
+              f"{'gso' if plan.gso else 'no gso'}, shaped {plan.shape}")
     conditions = {c.name: c for c in plan.conditions}
     rows: list[dict] = []
 

@@ -165,11 +165,14 @@ static Event heap_pop(void) {
 }
 
 // A rate-limited drop-tail FIFO seen at time t: returns when the packet leaves it, or -1
-// when the queue (the bytes still waiting at t) has no room for it.
+// when the queue is full (the bytes still waiting at t reach its limit). A packet is
+// taken while the queue is below its limit, so it may pass it by one packet: with 64 KiB
+// super-packets (gso) that is what a queue of MTU-sized packets would have taken of it,
+// give or take the segments that would not have fit.
 static int64_t fifo(double rate, double queue, int64_t* busy, int64_t t, uint32_t wire) {
   if (rate <= 0) return t;
   const int64_t start = *busy > t ? *busy : t;
-  if ((double)(start - t) * rate + wire > queue) return -1;
+  if ((double)(start - t) * rate >= queue) return -1;
   *busy = start + (int64_t)ceil(wire / rate);
   return *busy;
 }

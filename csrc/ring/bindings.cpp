@@ -289,6 +289,7 @@ void init_ring_bindings(py::module_& m) {
               py::dict d;
               d["peer"] = l.peer;
               d["streams"] = l.streams;
+              d["wanted"] = l.wanted;
               d["sndbuf"] = l.sndbuf;
               d["handshake_rtt_s"] = l.handshake_rtt_s;
               d["rtt_s"] = l.rtt_s;

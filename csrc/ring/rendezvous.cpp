@@ -233,8 +233,17 @@ Stream Rendezvous::connect_stream(int peer, const Address& a, int stream, Link* 
     if (link->plan.streams == 0) {
       // The first stream's connect measured the round trip (SYN, SYN-ACK): its hello says
       // how many streams the link gets.
-      link->plan = opt_.handshake.streams > 0 ? LinkPlan{opt_.handshake.streams, 0, 0}
-                                              : plan_link(connect_rtt, opt_.link_rate, limits_);
+      if (opt_.handshake.streams > 0) {
+        link->plan = LinkPlan{opt_.handshake.streams, 0, 0};
+        link->start_streams = opt_.handshake.streams;
+      } else {
+        link->plan = plan_link(connect_rtt, std::max(opt_.pool_rate, opt_.link_rate), limits_);
+        const LinkPlan start = plan_link(connect_rtt, opt_.link_rate, limits_);
+        link->start_streams = std::min(start.streams, link->plan.streams);
+        // Every stream gets the largest buffer the host allows when one would not do: the
+        // link may use fewer streams than it opened.
+        if (link->plan.sndbuf > 0 || start.sndbuf > 0) link->plan.sndbuf = static_cast<int>(limits_.wmem_max);
+      }
     }
     try {
       // Short per attempt: a server that dropped us to make room is tried again.

@@ -8,8 +8,9 @@
 // every peer's streams are in or the deadline passes.
 //
 // The client side of a link chooses its streams: the setting, or (setting 0) as many as
-// the link's bandwidth-delay product needs (tcp/tuning.h), from the round trip of the
-// link's first TCP connect; the handshake tells the server how many to expect.
+// the link's bandwidth-delay product may need (tcp/tuning.h: for kPoolLinkRate, of which
+// it starts using those that kAssumedLinkRate needs), from the round trip of the link's
+// first TCP connect; the handshake tells the server how many to expect.
 //
 // Handshakes run in parallel, one thread each, each with its own short deadline
 // (min(kHandshakeLimit, timeout)); at most max_pending() at a time, the oldest dropped
@@ -49,7 +50,8 @@ struct RendezvousOptions {
   HandshakeConfig handshake;  // handshake.streams: the streams setting (0: chosen per link)
   std::string bind_addr = "127.0.0.1";
   int socket_buffer_bytes = 0;  // > 0: fixed send and receive buffers ($PRIME_RING_SOCKET_BUFFER)
-  double link_rate = kAssumedLinkRate;  // bytes/s the stream choice assumes (max_rate when set)
+  double link_rate = kAssumedLinkRate;  // bytes/s a link starts from (max_rate when set)
+  double pool_rate = kPoolLinkRate;    // bytes/s the streams opened allow for
   Millis timeout{60000};
 };
 
@@ -64,7 +66,8 @@ struct Link {
   std::vector<Stream> out;  // streams we send on (we were the handshake's client)
   std::vector<Stream> in;   // streams we receive on (we were the server)
   double rtt_s = -1;        // the smallest round trip our connects and handshakes saw
-  LinkPlan plan;            // how our streams were set up
+  LinkPlan plan;            // how our streams were set up (enough for pool_rate)
+  int start_streams = 1;    // how many of them to use at first (enough for link_rate)
 };
 
 struct Address {

@@ -57,6 +57,7 @@ Ring::Ring(RingOptions options) : opt_(std::move(options)), job_(job_hash(opt_.j
     r.bind_addr = opt_.bind_addr;
     r.socket_buffer_bytes = opt_.socket_buffer_bytes;
     r.link_rate = opt_.max_rate > 0 ? opt_.max_rate : kAssumedLinkRate;
+    r.pool_rate = opt_.max_rate > 0 ? opt_.max_rate : kPoolLinkRate;
     r.timeout = Millis(opt_.rendezvous_timeout_ms);
     try {
       rendezvous_ = std::make_unique<Rendezvous>(std::move(r));
@@ -123,7 +124,7 @@ void Ring::connect(const std::vector<Address>& addresses) {
     t.job = job_;
     t.max_payload = static_cast<uint32_t>(opt_.segment_elems * 4);  // an fp32 segment, the largest payload
     t.corrupt_after_bytes = opt_.corrupt_after_bytes;
-    t.tune_buffers = opt_.streams == 0 && opt_.socket_buffer_bytes == 0;  // the user chose neither
+    t.tune = opt_.streams == 0 && opt_.socket_buffer_bytes == 0;  // the user chose neither
     // Idle frame buffers kept for reuse: a few chunks' worth at the default segment size.
     pool_ = BufferPool::create(size_t{256} << 20);
     transport_ = std::make_unique<TcpTransport>(std::move(t), std::move(links), pool_, [this] {
@@ -296,6 +297,7 @@ void Ring::execute(Pending& p) {
     RingGeometry g{opt_.rank, opt_.world_size, opt_.segment_elems, job_, p.job.order};
     std::optional<ErrorInfo> failure;
     try {
+      transport_->begin_collective(spec.schedule == Schedule::kDirect ? opt_.world_size - 1 : 1);
       outcome = run_all_reduce(*transport_, *pool_, g, static_cast<uint64_t>(p.work->seq()), spec, counters, times);
     } catch (const CommError& e) {
       failure = e.info();

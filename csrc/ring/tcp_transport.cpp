@@ -3,6 +3,7 @@
 #include <cxxabi.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "tcp/connection.h"
@@ -35,9 +36,11 @@ constexpr Millis kRootCauseGrace{250};
 // learn() reads a link's TCP counters once it carried this much since the last time: a
 // rate measured over less is mostly slow start and round trips.
 constexpr uint64_t kLearnMinBytes = 4 << 20;
-// A link whose streams waited on a send buffer or the receiver's window for more than this
-// share of their busy time was held back by them: its buffers grow.
+// A link whose streams waited on the receiver's window for more than this share of their
+// busy time, or kept more than kHeldBackShare of what their send buffers allow in flight,
+// was held back by them: its buffers grow, then it uses more streams.
 constexpr double kLimitedShare = 0.1;
+constexpr double kHeldBackShare = 0.75;
 
 std::string frame_name(const FrameHeader& h) {
   StrBuilder s;
@@ -78,6 +81,8 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, st
       }
       o.report.peer = p;
       o.report.streams = static_cast<int>(l.out.size());
+      o.wanted = o.report.wanted = std::clamp(l.start_streams, 1, static_cast<int>(l.out.size()));
+      o.active = static_cast<size_t>(o.wanted);
       o.report.handshake_rtt_s = l.rtt_s;
       o.report.needed_inflight = l.plan.needed_inflight;
       TcpStats st;
@@ -199,8 +204,17 @@ std::optional<ErrorInfo> TcpTransport::failure(const Context& where) const {
 // ---------------------------------------------------------------------------
 // sending
 
+void TcpTransport::begin_collective(int concurrent) {
+  std::lock_guard<std::mutex> lock(send_mu_);
+  for (auto& o : out_) {
+    if (!o) continue;
+    const int share = opt_.tune ? (o->wanted + std::max(1, concurrent) - 1) / std::max(1, concurrent) : o->wanted;
+    o->active = static_cast<size_t>(std::clamp(share, 1, static_cast<int>(o->streams.size())));
+  }
+}
+
 TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link) {
-  const size_t k = link.streams.size();
+  const size_t k = std::min(link.active, link.streams.size());
   if (k == 1) return *link.streams[0];
   // The stream with the least still to deliver: its queue, the frame it writes, and what
   // its socket holds unacknowledged. Ties go round, so idle streams share the frames.
@@ -602,42 +616,54 @@ void TcpTransport::learn() {
     const uint64_t bytes = link.bytes.load();
     if (bytes - link.bytes_at_learn < kLearnMinBytes) continue;
     link.bytes_at_learn = bytes;
-    double acked = 0, busy = 0, limited = 0, min_rtt = -1;
+    double acked = 0, busy = 0, rwnd_limited = 0, min_rtt = -1;
     int sndbuf = 0;
     for (SendStream* s : link.streams) {
       TcpStats now;
       if (!read_tcp_stats(s->socket, &now)) continue;
       const TcpStats& before = s->seen;
       acked += static_cast<double>(now.bytes_acked - before.bytes_acked);
-      const double b = now.busy_s - before.busy_s;
-      busy = std::max(busy, b);
-      limited = std::max(limited, (now.sndbuf_limited_s - before.sndbuf_limited_s) +
-                                      (now.rwnd_limited_s - before.rwnd_limited_s));
+      busy = std::max(busy, now.busy_s - before.busy_s);  // the streams overlap: the link was busy this long
+      rwnd_limited = std::max(rwnd_limited, now.rwnd_limited_s - before.rwnd_limited_s);
       if (now.min_rtt_s > 0) min_rtt = min_rtt < 0 ? now.min_rtt_s : std::min(min_rtt, now.min_rtt_s);
-      sndbuf = now.sndbuf;
+      sndbuf = std::max(sndbuf, now.sndbuf);
       s->seen = now;
     }
     if (busy <= 0 || acked <= 0) continue;
+    size_t active;
+    {
+      std::lock_guard<std::mutex> lock(send_mu_);
+      active = link.active;
+    }
     std::lock_guard<std::mutex> lock(report_mu_);
     LinkReport& r = link.report;
     r.rtt_s = min_rtt;
     r.rate = acked / busy;
-    r.limited_share = std::min(1.0, limited / busy);
+    r.limited_share = std::min(1.0, rwnd_limited / busy);
     r.sndbuf = sndbuf;
     const double rtt = min_rtt > 0 ? min_rtt : r.handshake_rtt_s;
-    // A link that waited on its buffers may be faster than it showed: ask for twice what
-    // it kept in flight; otherwise for the measured rate x rtt.
-    double need = kInflightHeadroom * r.rate * rtt;
-    if (r.limited_share > kLimitedShare) need = std::max(need, 2 * r.rate * rtt);
-    r.needed_inflight = need;
-    if (!opt_.tune_buffers || rtt <= 0) continue;
-    // Only ever grown (sndbuf is what the kernel granted: twice the ask).
-    const int per_stream_ask = sndbuf_for(need / static_cast<double>(link.streams.size()), limits_);
-    if (per_stream_ask == 0 || 2 * static_cast<int64_t>(per_stream_ask) <= sndbuf) continue;
-    for (SendStream* s : link.streams) set_send_buffer(s->socket, per_stream_ask);
-    TcpStats after;
-    if (read_tcp_stats(link.streams[0]->socket, &after)) r.sndbuf = after.sndbuf;
-    ++r.changes;
+    // What the streams it used could keep in flight, against what it kept: a link that
+    // kept close to all of it (or waited on the receiver's window) may be faster than it
+    // showed, and asks for twice as much.
+    const double inflight = r.rate * rtt;
+    const double room = static_cast<double>(active) * limits_.inflight_of(sndbuf);
+    const bool held_back = inflight >= kHeldBackShare * room || r.limited_share > kLimitedShare;
+    r.needed_inflight = held_back ? 2 * inflight : kInflightHeadroom * inflight;
+    if (!opt_.tune || rtt <= 0 || !held_back) continue;
+    // First larger buffers (sndbuf is what the kernel granted, twice the ask), then, at the
+    // host's limit, more of its streams (a stream used for the first time starts slowly,
+    // so they are added only when the link showed it needs them).
+    const int ask = sndbuf_for(r.needed_inflight / static_cast<double>(active), limits_);
+    if (ask > 0 && 2 * static_cast<int64_t>(ask) > sndbuf) {
+      for (SendStream* s : link.streams) set_send_buffer(s->socket, ask);
+      TcpStats after;
+      if (read_tcp_stats(link.streams[0]->socket, &after)) r.sndbuf = after.sndbuf;
+      ++r.changes;
+    } else if (link.wanted < static_cast<int>(link.streams.size())) {
+      link.wanted = std::min(static_cast<int>(link.streams.size()), link.wanted + std::max(1, link.wanted / 2));
+      r.wanted = link.wanted;
+      ++r.changes;
+    }
   }
 }
 

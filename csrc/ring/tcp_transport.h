@@ -42,13 +42,14 @@ struct TransportOptions {
   uint64_t job = 0;
   uint32_t max_payload = 0;        // longest data payload a peer may announce
   int64_t corrupt_after_bytes = -1;  // tests only: flip one bit of the payload byte at this offset (after sealing)
-  bool tune_buffers = true;  // learn(): grow send buffers to the measured bandwidth-delay product
+  bool tune = true;  // the user chose neither streams nor buffers: learn() adapts them
 };
 
 // What this rank knows of its link to one peer (the outgoing direction).
 struct LinkReport {
   int peer = -1;
-  int streams = 0;
+  int streams = 0;              // opened
+  int wanted = 0;               // used by a collective that sends on this link alone (fewer when it shares the uplink)
   int sndbuf = 0;              // per stream, as the kernel grants it (doubled SO_SNDBUF, or autotuned)
   double handshake_rtt_s = -1;  // the round trip measured while the link formed
   double rtt_s = -1;            // TCP's windowed minimum over the streams, once data flowed
@@ -56,7 +57,7 @@ struct LinkReport {
   double limited_share = 0;     // share of that time the streams waited on a buffer or window
   double needed_inflight = 0;   // bytes the link must keep in flight (rate x rtt, with headroom)
   uint64_t bytes_sent = 0;      // payload and frame bytes, since the link formed
-  int64_t changes = 0;          // send-buffer changes since the link formed
+  int64_t changes = 0;          // changes of buffers or streams used since the link formed
 };
 
 class TcpTransport : public Transport {
@@ -79,9 +80,13 @@ class TcpTransport : public Transport {
   // and joins every thread, closes the sockets. Idempotent.
   void shutdown(FrameKind kind, int origin, const std::string& message);
 
+  // Before a collective (the worker): it sends on `concurrent` links at once (1 for the
+  // ring, N-1 for the direct schedule), which share this rank's uplink: each link then
+  // uses its wanted streams divided among them.
+  void begin_collective(int concurrent);
   // Between collectives (the worker): reads what TCP measured on every link that carried
-  // enough since the last call (round trip, delivery rate, time limited by buffers) and
-  // grows the send buffers of links whose bandwidth-delay product outgrew them.
+  // enough since the last call (round trip, delivery rate, time limited by buffers); a
+  // link that waited on its buffers grows them, then uses more of its streams.
   void learn();
   std::vector<LinkReport> link_reports() const;
 
@@ -135,6 +140,8 @@ class TcpTransport : public Transport {
     std::vector<SendStream*> streams;
     uint32_t next_frame = 0;  // under send_mu_
     size_t next_pick = 0;     // where the search for the least-loaded stream starts
+    size_t active = 1;        // streams this collective uses (under send_mu_)
+    int wanted = 1;           // streams it would use alone (the worker's)
     std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
     std::atomic<uint64_t> bytes{0};   // sent, since the link formed
     uint64_t bytes_at_learn = 0;

@@ -38,6 +38,10 @@ double SocketLimits::max_inflight() const {
   return kInflightShare * static_cast<double>(std::max(tcp_wmem_max, 2 * wmem_max));
 }
 
+double SocketLimits::inflight_of(int64_t sndbuf) const {
+  return kInflightShare * static_cast<double>(sndbuf > 0 ? sndbuf : tcp_wmem_max);
+}
+
 int sndbuf_for(double inflight, const SocketLimits& limits) {
   if (inflight <= limits.autotuned_inflight()) return 0;
   // SO_SNDBUF asks for half of what the kernel then grants.

@@ -22,6 +22,9 @@ struct SocketLimits {
   // Bytes one stream keeps in flight with autotuning, and with the largest SO_SNDBUF.
   double autotuned_inflight() const;
   double max_inflight() const;
+  // Bytes one stream keeps in flight with a send buffer of `sndbuf` bytes (as granted), or
+  // (sndbuf 0) as far as autotuning goes.
+  double inflight_of(int64_t sndbuf) const;
 };
 
 // How a link is set up: its streams and each stream's SO_SNDBUF (0: autotuning).
@@ -31,10 +34,13 @@ struct LinkPlan {
   double needed_inflight = 0;  // bytes the link must keep in flight to fill its path
 };
 
-// The link rate assumed when nothing is known (no max_rate, nothing measured yet):
-// 2.5 Gbit/s, so that links up to that rate fill from the first collective at any RTT
-// the stream cap allows (8 streams: 1 Gbit/s up to ~350 ms, 2.5 Gbit/s up to ~140 ms).
-constexpr double kAssumedLinkRate = 2.5e9 / 8;  // bytes/s
+// The link rate assumed while nothing is known (no max_rate, nothing measured yet):
+// a link starts with the streams 1 Gbit/s needs at its round trip, and opens enough for
+// kPoolLinkRate, so that it can use more when collectives show it waiting on its
+// buffers (TcpTransport::learn). 8 streams fill 1 Gbit/s up to ~350 ms, 2.5 Gbit/s up to
+// ~140 ms.
+constexpr double kAssumedLinkRate = 1e9 / 8;  // bytes/s
+constexpr double kPoolLinkRate = 2.5e9 / 8;   // bytes/s
 constexpr int kMaxAutoStreams = 8;
 // In-flight headroom over the bandwidth-delay product (queueing, pacing gain).
 constexpr double kInflightHeadroom = 1.25;
