@@ -145,7 +145,15 @@ def build_environment(cfg: Config) -> Environment:
         # node 0's first process hosts the store (unless an elastic job hosts it outside), everyone else connects
         n = cfg.nodes
         is_master = env.node_rank == 0 and local_rank == 0 and not (elastic and cfg.elastic.external_store)
-        raw = dist.TCPStore(n.store_host, n.store_port, is_master=is_master,
-                            timeout=timedelta(seconds=cfg.diloco.timeout_s), wait_for_workers=False)
+        timeout = timedelta(seconds=cfg.diloco.timeout_s)
+        if is_master:
+            # Listening on the store's address only (torch's own server listens on every
+            # interface): a job on one host, whose secret may be drawn into the store, keeps
+            # the store on loopback (docs/security.md).
+            from prime.comm.rendezvous import host_store
+
+            raw = host_store(n.store_host, n.store_port, timeout=timeout, any_if_not_local=True)
+        else:
+            raw = dist.TCPStore(n.store_host, n.store_port, is_master=False, timeout=timeout, wait_for_workers=False)
         env.store = dist.PrefixStore(f"prime/{n.run_id}", raw)
     return env

@@ -647,7 +647,10 @@ void TcpTransport::learn() {
     // showed, and asks for twice as much.
     const double inflight = r.rate * rtt;
     const double room = static_cast<double>(active) * limits_.inflight_of(sndbuf);
-    const bool held_back = inflight >= kHeldBackShare * room || r.limited_share > kLimitedShare;
+    // (A path whose bandwidth-delay product autotuning covers needs nothing: there a full
+    // receiver window is the receiver being slow, not too few buffers.)
+    const bool long_path = 2 * inflight > limits_.autotuned_inflight();
+    const bool held_back = long_path && (inflight >= kHeldBackShare * room || r.limited_share > kLimitedShare);
     r.needed_inflight = held_back ? 2 * inflight : kInflightHeadroom * inflight;
     if (!opt_.tune || rtt <= 0 || !held_back) continue;
     // First larger buffers (sndbuf is what the kernel granted, twice the ask), then, at the

@@ -5,6 +5,7 @@
 """
 
 from prime.comm.errors import CommError, NonFiniteError
+from prime.comm.rendezvous import host_store
 from prime.comm.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_STREAMS, Ring, RingProtocol, Work, WorkProtocol, WorkStats
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "NonFiniteError",
     "DEFAULT_SEGMENT_BYTES",
     "DEFAULT_STREAMS",
+    "host_store",
 ]

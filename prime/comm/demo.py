@@ -62,7 +62,9 @@ def run_ring_demo(world_size: int = 4, numel: int = 1 << 22, rate_mbit: Optional
     links = [("loopback", 0.0)]
     if rate_mbit:
         links.append((f"{rate_mbit:g} Mbit/s", rate_mbit * 1e6 / 8))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    from prime.comm.rendezvous import host_store
+
+    store = host_store("127.0.0.1", 0)  # loopback only: the ranks draw their secret into it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [

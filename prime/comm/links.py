@@ -2,7 +2,7 @@
 
     table = LinkTable.from_rows(rows)            # rows[i] = rank i's measurements
     order = plan_order(table)                    # the ring order: its slowest link as fast as possible
-    choose_schedule(table, order, nbytes)        # "ring" or "direct" for one collective
+    choose_schedule(table, order, nbytes, seg)   # "ring" or "direct" for one collective
 
 Every rank measures its links while the ring forms (the round trip of each TCP connect
 and handshake) and keeps what running collectives showed (rates, round trips; see
@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["LinkTable", "plan_order", "ring_cost", "choose_schedule", "brute_force_order", "EXACT_ORDER_MAX"]
+__all__ = ["LinkTable", "plan_order", "ring_cost", "choose_schedule", "predict_times", "brute_force_order",
+           "EXACT_ORDER_MAX"]
 
 # Up to this many ranks plan_order is exact (a dynamic program over subsets, about 0.1 s
 # at 10); beyond, a heuristic (see plan_order).
@@ -29,6 +30,12 @@ EXACT_ORDER_MAX = 10
 # Rates within this factor count as equal when comparing rings' slowest links: a rate
 # measured on a loaded host varies by a few percent, which must not outweigh the delays.
 RATE_TOLERANCE = 0.8
+# The link rate assumed where none is known (the ring's links assume it too, tcp/tuning.h).
+ASSUMED_RATE = 1e9 / 8
+# The direct schedule's uplinks carry N-1 TCP flows at once; they ran at this share of the
+# ring's one flow per uplink on emulated 1 Gbit/s links (4 ranks, 64 and 256 MiB,
+# benchmarks/RESULTS.md, "Schedules").
+DIRECT_EFFICIENCY = 0.9
 # The rank order is kept unless the planned ring's delays are shorter by more than this
 # (seconds, or the share below): round trips of microseconds on one host are noise.
 DELAY_TOLERANCE_S = 0.001
@@ -224,33 +231,45 @@ def _exact_order(table: LinkTable) -> list:
     return _min_delay_cycle(table, lambda a, b: True)
 
 
-def choose_schedule(table: LinkTable, order: Sequence[int], wire_bytes: float) -> str:
-    """"ring" or "direct" for a collective that sends `wire_bytes` per rank (2(N-1)/N of the
-    encoded tensor, the same in both schedules): the one with the smaller predicted time,
-    the direct one on a tie (each contribution is quantized once: a smaller error).
+def predict_times(table: LinkTable, order: Sequence[int], encoded_bytes: float, segment_bytes: float) -> dict:
+    """Predicted seconds of one all-reduce in each schedule, for a tensor of `encoded_bytes`
+    on the wire (the codec's bytes of the whole tensor) cut into segments of `segment_bytes`.
 
-    ring    wire_bytes over its slowest link, plus 2(N-1)/N of the delays around the ring
-            (each chunk travels all but one link, twice);
-    direct  each rank sends wire_bytes/(N-1) to every peer at once, each over that pair's
-            link, and all of it through its own uplink, taken to be no faster than its
-            fastest link (so a rank's parallel paths are not counted on); plus the longest
-            one-way delay twice.
-    Unknown rates are the same everywhere: then only the delays decide, and the direct
-    schedule never pays more of them. Predictions within DELAY_TOLERANCE_* of each other
-    are a tie (round trips of microseconds on one host are noise)."""
+    ring    2(N-1) steps; in each, every link sends a chunk (1/N of the tensor), and a
+            segment can go on only once it arrived: a step lasts the longer of sending a
+            chunk and one hop of a segment (delay + its sending time), so the delays hide
+            behind chunks that take longer to send than they take to cross; plus the last
+            segment's delay.
+    direct  every rank sends 2/N of the tensor to each peer (its contribution, then the
+            owner's result), all pairs at once, through its uplink (taken to be no faster
+            than its fastest link: parallel paths are not counted on), at DIRECT_EFFICIENCY
+            of the ring's rate (several flows share the uplink; measured); the owner can
+            send its result only once the contributions arrived (half the bytes, plus the
+            longest delay); plus the longest delay.
+    Rates: the table's; unknown ones as slow as the slowest known one, or ASSUMED_RATE."""
     n = table.n
-    if n <= 2:
-        return "direct"  # the same two hops either way
     rates = [r for row in table.rate for r in row if r > 0]
-    fill = min(rates) if rates else None  # an unknown link: as slow as the slowest known one
+    fill = min(rates) if rates else ASSUMED_RATE
     rate = [[(table.rate[i][j] if table.rate[i][j] > 0 else fill) for j in range(n)] for i in range(n)]
-    ring_delay = sum(table.delay(order[p], order[(p + 1) % n]) for p in range(n))
-    ring_s = 2 * (n - 1) / n * ring_delay
-    direct_s = 2 * max(table.delay(i, j) for i in range(n) for j in range(n) if i != j)
-    if fill is not None:
-        ring_s += wire_bytes / min(rate[order[p]][order[(p + 1) % n]] for p in range(n))
-        direct_s += max(max(max(wire_bytes / (n - 1) / rate[i][j] for j in range(n) if j != i),
-                            wire_bytes / max(rate[i][j] for j in range(n) if j != i))
-                        for i in range(n))
-    tie = max(DELAY_TOLERANCE_S, DELAY_TOLERANCE_SHARE * ring_s)
-    return "direct" if direct_s <= ring_s + tie else "ring"
+    chunk = encoded_bytes / n
+    links = [(order[p], order[(p + 1) % n]) for p in range(n)]
+    ring_rate = min(rate[a][b] for a, b in links)
+    ring_delay = max(table.delay(a, b) for a, b in links)
+    step = max(chunk / ring_rate, ring_delay + segment_bytes / ring_rate)
+    ring = 2 * (n - 1) * step + ring_delay
+    longest = max(table.delay(i, j) for i in range(n) for j in range(n) if i != j)
+    uplink = max(max(max(2 * chunk / rate[i][j] for j in range(n) if j != i),
+                     2 * chunk * (n - 1) / max(rate[i][j] for j in range(n) if j != i))
+                 for i in range(n)) / DIRECT_EFFICIENCY
+    direct = max(uplink, uplink / 2 + longest + segment_bytes / fill) + longest
+    return {"ring": ring, "direct": direct}
+
+
+def choose_schedule(table: LinkTable, order: Sequence[int], encoded_bytes: float, segment_bytes: float) -> str:
+    """"ring" or "direct" for one all-reduce: the one predict_times finds faster (the ring on
+    a tie: it is what every rank ran before there was a choice). Two ranks run the same two
+    hops either way: "direct", whose owner keeps its own values exact."""
+    if table.n <= 2:
+        return "direct"
+    t = predict_times(table, order, encoded_bytes, segment_bytes)
+    return "direct" if t["direct"] < t["ring"] else "ring"

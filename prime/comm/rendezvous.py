@@ -13,6 +13,7 @@ loopback.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
@@ -133,15 +134,102 @@ def one_host(store: dist.Store, advertise: Optional[str] = None) -> bool:
 
 
 def require_secret_or_one_host(store: dist.Store, advertise: Optional[str], what: str) -> None:
-    """Raises ValueError when no secret is configured and the job may span more than one host."""
+    """Raises ValueError when no secret is configured and drawing one into the store would be
+    readable from another machine: the job may span more than one host, or its store's server
+    listens beyond loopback (torch's TCPStore listens on every interface; host_store does not)."""
+    endpoint = store_endpoint(store)
+    where = f"store {format_address(*endpoint)}" if endpoint else "a local store"
     if not one_host(store, advertise):
-        endpoint = store_endpoint(store)
-        where = f"store {format_address(*endpoint)}" if endpoint else "a local store"
         raise ValueError(
             f"{what}: no job secret is set, and this job spans more than one host ({where}, this node "
             f"advertises {advertise}): drawing a secret into the store would hand it to anyone who reaches "
             f"the store. {SECRET_HELP}"
         )
+    exposed = store_exposure(store)
+    if exposed:
+        raise ValueError(
+            f"{what}: no job secret is set, and the server of {where} {exposed}: a secret drawn into it could be "
+            f"read from another machine. Host the store with prime.comm.host_store('127.0.0.1', port) (it "
+            f"listens on loopback only), or {SECRET_HELP}"
+        )
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, timeout: timedelta = timedelta(seconds=300),
+               world_size: Optional[int] = None, wait_for_workers: bool = False,
+               any_if_not_local: bool = False) -> dist.TCPStore:
+    """The server of a TCPStore that listens on `host` only.
+
+    torch's TCPStore server listens on every interface of its machine, whatever host it is
+    given; this one binds the listening socket to `host` and hands it to torch
+    (master_listen_fd), so a store on 127.0.0.1 cannot be reached from another address
+    (tests/test_store_privacy.py). any_if_not_local: when `host` is not an address of this
+    machine (behind NAT), listen on every interface instead of failing."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if not any_if_not_local or e.errno != errno.EADDRNOTAVAIL:
+                raise
+            logger.warning("prime store: %s is not an address of this machine; listening on every interface", host)
+            sock.close()
+            sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        sock.listen(4096)
+        bound = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the socket from here on (and closes it)
+    try:
+        return dist.TCPStore(host, bound, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=wait_for_workers, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _listening_addresses(port: int) -> List[str]:
+    """Local addresses a TCP socket listens on at `port`, in this network namespace (/proc/net/tcp, tcp6)."""
+    found = []
+    for path, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            hexaddr, hexport = fields[1].split(":")
+            if int(hexport, 16) != port:
+                continue
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def store_exposure(store: dist.Store) -> Optional[str]:
+    """Why a store on this machine's loopback may be reached from another address, or None:
+    its server listens on a non-loopback address (torch's default: every interface), or it
+    cannot be found listening here. None for local stores (HashStore, FileStore)."""
+    endpoint = store_endpoint(store)
+    if endpoint is None:
+        return None
+    host, port = endpoint
+    if not _is_loopback(host):
+        return f"is at the non-loopback address {host}"
+    addresses = _listening_addresses(port)
+    if not addresses:
+        return f"was not found listening on port {port} of this machine"
+    wide = [a for a in addresses if not ipaddress.ip_address(a).is_loopback]
+    if wide:
+        return f"listens on {wide[0]} ({'every interface' if ipaddress.ip_address(wide[0]).is_unspecified else 'a network address'})"
+    return None
 
 
 def shared_secret(

@@ -296,6 +296,7 @@ class Ring:
             quant_error = os.environ.get(ENV_QUANT_ERROR, "0").strip().lower() in ("1", "true", "yes", "on")
         self.quant_error = bool(quant_error)
         segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
+        self._segment_elems = segment_elems
 
         self.rank = rank
         self.world_size = world_size
@@ -408,8 +409,8 @@ class Ring:
             return schedule
         if self.world_size <= 2 or self.link_table is None:
             return "direct"  # (two ranks: the same two hops either way)
-        encoded = wire_bytes(n, block_size) if codec == "int8" else 4 * n
-        return choose_schedule(self.link_table, self.order, 2 * (self.world_size - 1) / self.world_size * encoded)
+        per_value = wire_bytes(n, block_size) / max(n, 1) if codec == "int8" else 4.0
+        return choose_schedule(self.link_table, self.order, per_value * n, per_value * self._segment_elems)
 
     # -- links ----------------------------------------------------------------
 

@@ -138,11 +138,12 @@ def chaos_victims(nodes: list, min_members: int) -> list:
 class _Launcher:
     def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None,
                  procs_per_node: int = 1, chaos_dir: Optional[str] = None):
-        import torch.distributed as dist
         from datetime import timedelta
 
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        from prime.comm.rendezvous import host_store
+
+        # loopback only: nodes without a secret draw one into it (docs/security.md)
+        self.store = host_store("127.0.0.1", 0, timeout=timedelta(seconds=60))
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
         self.faults = faults or {}
         self.procs_per_node, self.chaos_dir = procs_per_node, chaos_dir

@@ -1,0 +1,130 @@
+"""int8 all-reduce error against the number of ranks, for both schedules.
+
+Each of N ranks (threads of this process, each with its own prime.comm.Ring on 127.0.0.1)
+holds n independent standard-normal values; they average them with codec="int8". The
+table gives the relative L2 error of the result against the float64 mean, and whether
+every rank ended with the same bits:
+
+    ring    every hop re-quantizes the partial sum: the error grows like sqrt(N)
+    direct  each rank's values are quantized once and summed in fp32 by the chunk's owner,
+            whose sum is quantized once: e * sqrt(1 + (N-1)/N) for one quantization's e,
+            at most sqrt(2) e whatever N (docs/ring.md, "Error bounds")
+
+    python benchmarks/bench_error_vs_n.py                         # N = 2..16, 1 Mi values, block 256
+    python benchmarks/bench_error_vs_n.py --blocks 256,128,64 --world-sizes 2,4,8,16
+
+Output: the table, and benchmarks/results/error_vs_n.json (with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import threading
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the prime of this checkout
+
+import torch  # noqa: E402
+
+TARGET = 0.009  # the error the direct schedule is asked to stay under at every N
+
+
+def inputs(seed: int, world: int, n: int) -> list:
+    """Independent standard-normal inputs, one per rank, from (seed, rank)."""
+    return [torch.randn(n, generator=torch.Generator().manual_seed(seed * 1009 + r)) for r in range(world)]
+
+
+def all_reduce_threads(xs: list, schedule: str, block: int, timeout_s: float = 120.0) -> list:
+    """Averages xs[r] across len(xs) rings (threads of this process); returns every rank's result."""
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    world = len(xs)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    out, errors = [None] * world, []
+
+    def rank(r: int) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60))
+            with Ring(client, r, world, timeout=timeout_s, secret=b"error-vs-n", job_id=f"evn-{schedule}-{block}",
+                      schedule=schedule) as ring:
+                y = xs[r].clone()
+                work = ring.all_reduce(y, op="avg", codec="int8", block_size=block)
+                work.wait()
+                assert work.stats().schedule == schedule
+                out[r] = y
+        except BaseException as e:  # reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"rank(s) failed: {errors}")
+    return out
+
+
+def measure(world: int, n: int, schedule: str, block: int, seed: int) -> dict:
+    """The relative L2 error of one all-reduce against the float64 mean, and the ranks' agreement."""
+    xs = inputs(seed, world, n)
+    ys = all_reduce_threads(xs, schedule, block)
+    ref = torch.stack([x.double() for x in xs]).mean(0)
+    identical = all(torch.equal(ys[0].view(torch.int32), y.view(torch.int32)) for y in ys[1:])
+    err = float((ys[0].double() - ref).norm() / ref.norm())
+    return {"world_size": world, "n": n, "schedule": schedule, "block_size": block, "rel_l2_err": err,
+            "bit_identical": identical}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-sizes", default=",".join(str(w) for w in range(2, 17)))
+    p.add_argument("--n", type=int, default=1 << 20, help="values per rank (default 1 Mi)")
+    p.add_argument("--schedules", default="direct,ring")
+    p.add_argument("--blocks", default="256", help="int8 block sizes (default 256, the ring's default)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/error_vs_n.json)")
+    args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    schedules = [s.strip() for s in args.schedules.split(",")]
+    blocks = [int(b) for b in args.blocks.split(",")]
+    torch.set_num_threads(1)
+    command = "python benchmarks/bench_error_vs_n.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    print(f"machine: {platform.node()} {os.cpu_count()} cpus; seed {seed}\ncommand: {command}")
+    rows = []
+    t0 = time.time()
+    header = f"{'N':>3} " + " ".join(f"{s + ' b' + str(b):>16}" for s in schedules for b in blocks)
+    print(header)
+    for world in worlds:
+        cells = []
+        for schedule in schedules:
+            for block in blocks:
+                row = measure(world, args.n, schedule, block, seed)
+                rows.append(row)
+                mark = "" if row["bit_identical"] else " DIFFER"
+                flag = "" if schedule != "direct" or row["rel_l2_err"] <= TARGET else " >0.9%"
+                cells.append(f"{100 * row['rel_l2_err']:>9.3f}%{flag:>6}{mark}")
+        print(f"{world:>3} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+    print(f"relative L2 error of op='avg' against the float64 mean, {args.n} independent N(0,1) values per rank; "
+          f"'>0.9%': over the target of the direct schedule; DIFFER: ranks ended with different bits "
+          f"({time.time() - t0:.0f} s)")
+    out = args.out or os.path.join(HERE, "results", "error_vs_n.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"command": command, "seed": seed, "rows": rows}, f, indent=1)
+    print(f"wrote {out}")
+    return 0 if all(r["bit_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
