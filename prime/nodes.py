@@ -140,6 +140,7 @@ class FixedNodes:
         self.multi_node = env.num_nodes > 1
         self.diloco: Optional[DiLoCo] = None
         self.sync = self.records = None
+        self._last_ring = None  # the newest ring: its link measurements seed the next one's order
         if not self.multi_node:
             return
         # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
@@ -173,7 +174,10 @@ class FixedNodes:
             kwargs["streams"] = d.streams
         if d.max_rate_mbit:
             kwargs["max_rate"] = d.max_rate_mbit * 1e6 / 8  # bytes per second
-        return Ring(store, self.env.node_rank, self.env.num_nodes, **kwargs)
+        # What the ring before measured of the links (rates, round trips): the next one plans its order with it.
+        kwargs["link_history"] = self._last_ring.link_history() if self._last_ring is not None else {}
+        self._last_ring = Ring(store, self.env.node_rank, self.env.num_nodes, **kwargs)
+        return self._last_ring
 
     def attach(self, diloco: DiLoCo) -> None:
         self.diloco = diloco

@@ -31,7 +31,7 @@ def test_plan_defaults_without_tc_use_rate_limit_conditions():
                                                  "ratelimit-10gbit"]
     assert plan.world_sizes == [2, 4, 8]
     assert plan.sizes_mib == [1, 4, 16, 64, 256, 1024]
-    assert plan.methods == list(bench.ALL_METHODS)
+    assert plan.methods == list(bench.DEFAULT_METHODS)
 
 
 def test_plan_drops_tc_conditions_with_a_note_when_tc_is_missing():
@@ -46,6 +46,43 @@ def test_quick_plan_is_small():
     assert plan.world_sizes == [4] and plan.sizes_mib == [4, 64]
     assert plan.out.endswith("allreduce_quick")
     assert 0 <= plan.seed < 2**31
+
+
+def test_netem_conditions_expand_per_rtt_and_take_loss():
+    plan = bench.make_plan(["--conditions", "loopback,netem-1gbit", "--rtt", "0,100", "--loss", "0.001",
+                            "--seed", "1"], tc_reason=None)
+    names = [c.name for c in plan.conditions]
+    if any("delay-line" in n or "root" in n for n in plan.notes):  # no TUN here: dropped with a note
+        assert names == ["loopback"]
+        return
+    assert names == ["loopback", "netem-1gbit-rtt0-loss0.1%", "netem-1gbit-rtt100-loss0.1%"]
+    c = plan.conditions[2]
+    assert (c.kind, c.rate_bits, c.rtt_s, c.loss) == ("netem", 1e9, 0.1, 0.001)
+    t = bench.condition_topology(c, 4, "both")
+    assert t.n == 4 and t.rtt_s(0, 3) == pytest.approx(0.1) and t.loss[1][2] == 0.001
+
+
+def test_topology_sets_the_world_size_and_the_best_order_is_brute_forced():
+    plan = bench.make_plan(["--topology", "two-regions", "--methods", "ring-int8,ring-int8-bestorder", "--seed", "1"],
+                           tc_reason=None)
+    topo = [c for c in plan.conditions if c.kind == "topo"]
+    if topo:
+        assert plan.world_sizes == [6] and topo[0].name == "topo-two-regions-6"
+    import netem
+
+    order = bench.best_order(netem.two_regions(6).to_json())
+    assert sum(order[p] % 2 != order[(p + 1) % 6] % 2 for p in range(6)) == 2, order
+    with pytest.raises(ValueError, match="--world-sizes"):
+        bench.make_plan(["--topology", "two-regions", "--world-sizes", "4"], tc_reason=None)
+    with pytest.raises(ValueError, match="neither"):
+        bench.parse_topology("no-such-topology")
+
+
+def test_ring_variants_set_their_ring_options():
+    assert bench.method_ring_options("ring-int8-direct", {}) == {"schedule": "direct"}
+    assert bench.method_ring_options("ring-int8-classic", {}) == {"schedule": "ring", "order": "rank", "streams": 1}
+    assert bench.method_ring_options("ring-int8-bestorder", {"best_order": [0, 2, 1]})["order"] == [0, 2, 1]
+    assert bench.method_ring_options("ring-int8", {}) == {}
 
 
 def test_conditions_parse_rates():
@@ -63,7 +100,9 @@ def test_conditions_parse_rates():
     (["--methods", "gloo-fp32,nccl"], "unknown method"),
     (["--conditions", "wan-1gbit"], "loopback"),
     (["--conditions", "tc-1gigabit"], "like '100mbit'"),
-    (["--streams", "0"], "--streams"),
+    (["--streams", "-1"], "--streams"),
+    (["--conditions", "netem-1gbit-rttx"], "RTT"),
+    (["--loss", "1.5"], "--loss"),
     (["--min-iters", "5", "--max-iters", "2"], "--min-iters"),
 ])
 def test_bad_arguments_say_what_is_wrong(argv, words):

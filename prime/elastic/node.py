@@ -180,6 +180,7 @@ class ElasticSync:
         self.quant_error = quant_error
         self._sources: list = []
         self.ring = None
+        self._link_history: dict = {}  # what the rings so far measured of the links (Ring.link_history)
         self._state = None  # the OuterState, from bind()
         self._settings: dict = {}
         self.codec, self.block_size, self.inner_steps = "int8", 256, 1  # from bind()
@@ -485,6 +486,8 @@ class ElasticSync:
             kwargs["streams"] = self.streams
         if self.max_rate:
             kwargs["max_rate"] = self.max_rate
+        # What the earlier rings measured of the links: the new members' order is planned with it.
+        kwargs["link_history"] = self._link_history
         return Ring(store, rank, len(members), **kwargs)
 
     def _dead_member(self, members: list) -> Optional[int]:
@@ -538,6 +541,7 @@ class ElasticSync:
 
     def _drop_ring(self) -> None:
         if self.ring is not None:
+            self._link_history = getattr(self.ring, "link_history", dict)()  # for the next ring's order
             try:
                 self.ring.close()
             except Exception:  # already broken; closing is best effort
