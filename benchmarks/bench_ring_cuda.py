@@ -11,6 +11,7 @@ wait() returning (the result is then in the tensor). Methods:
   METHOD/segN          the same with Ring(segment_bytes=N MiB) (default: the Ring's 1 MiB)
   gpu-*/pageable       received payloads uploaded straight from the transport's buffers
                        (PRIME_RING_CUDA_UPLOAD=pageable) instead of through pinned slots
+  METHOD/ring, /direct the schedule forced (default: the Ring's, "auto"; docs/ring.md, "Schedules")
 
 --ranks: "processes" (one per rank, the deployment's shape) or "threads" (all ranks in one
 process). "auto" (default) takes processes when every rank has a GPU of its own and threads
@@ -64,21 +65,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_method(method: str) -> tuple[str, int | None, bool]:
-    """'gpu-int8/seg4/pageable' -> ('gpu-int8', 4 MiB in bytes, True); no suffix: (method, None, False)."""
+def split_method(method: str) -> tuple[str, int | None, bool, str | None]:
+    """'gpu-int8/seg4/pageable/direct' -> ('gpu-int8', 4 MiB in bytes, True, 'direct'); no suffix:
+    (method, None, False, None)."""
     base, *options = method.split("/")
-    segment, pageable, ok = None, False, base in METHODS
+    segment, pageable, schedule, ok = None, False, None, base in METHODS
     for o in options:
         if o.startswith("seg") and o[3:].isdigit() and segment is None:
             segment = int(o[3:]) << 20
         elif o == "pageable" and base.startswith("gpu") and not pageable:
             pageable = True
+        elif o in ("ring", "direct") and schedule is None and base != "gloo-fp32":
+            schedule = o
         else:
             ok = False
     if not ok:
         raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)}, optionally /segN with N in MiB, "
-                         "and for gpu-* /pageable)")
-    return base, segment, pageable
+                         "/ring or /direct, and for gpu-* /pageable)")
+    return base, segment, pageable, schedule
 
 
 def run_rank(rank: int, args, port: int) -> dict:
@@ -110,13 +114,13 @@ def run_rank(rank: int, args, port: int) -> dict:
 
     try:
         for method in methods:
-            base, segment, pageable = split_method(method)
+            base, segment, pageable, schedule = split_method(method)
             if base == "gloo-fp32" and gloo is None:
                 gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.world, timedelta(seconds=120))
             elif base != "gloo-fp32" and segment not in rings:
                 rings[segment] = Ring(dist.PrefixStore(f"ring{segment}", store), rank, args.world, timeout=120,
                                       job_id=f"bench-ring-cuda-{segment}", segment_bytes=segment,
-                                      max_rate=args.max_rate_mbit * 1e6 / 8)
+                                      max_rate=args.max_rate_mbit * 1e6 / 8, secret=b"bench-ring-cuda")
             times, stats = [], []
             iters = args.iters
             times_warm = []
@@ -142,7 +146,8 @@ def run_rank(rank: int, args, port: int) -> dict:
                 else:
                     os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if base.startswith("gpu") else "cpu"
                     os.environ["PRIME_RING_CUDA_UPLOAD"] = "pageable" if pageable else "pinned"
-                    work = rings[segment].all_reduce(x, op="avg", codec="int8" if base.endswith("int8") else "none")
+                    work = rings[segment].all_reduce(x, op="avg", codec="int8" if base.endswith("int8") else "none",
+                                                     schedule=schedule)
                     work.wait()
                     st = work.stats()
                 elapsed = time.perf_counter() - t0

@@ -48,7 +48,8 @@ def _device(i: int) -> torch.device:
 _jobs = iter(range(1 << 30))
 
 
-def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=256):
+def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=256,
+             schedule=None):
     """One all_reduce with rank r's input on devices[r] ("cpu" or "cuda"); returns per rank
     (result on the CPU, stats or the exception, the tensor after the call)."""
     import torch.distributed as dist
@@ -71,7 +72,7 @@ def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, 
                 wide[::2] = x
                 x = wide[::2]
             with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES, quant_error=True) as ring:
-                work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size)
+                work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size, schedule=schedule)
                 try:
                     work.wait()
                     outcome = work.stats()
@@ -105,16 +106,20 @@ CASES = [
     (3, ("cuda", "cpu", "cuda"), 77777, torch.bfloat16),
     (3, ("cuda", "cuda", "cpu"), 50001, torch.float16),
     (3, ("cuda", "cuda", "cuda"), 7, torch.float32),  # chunks smaller than a block, some empty
+    (4, ("cuda", "cpu", "cuda", "cuda"), 100003, torch.bfloat16),  # the direct owner adds 3 contributions
 ]
 
 
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
 @pytest.mark.parametrize("codec", ["int8", "none"])
 @pytest.mark.parametrize("op", ["sum", "avg"])
 @pytest.mark.parametrize("world,devices,n,dtype", CASES)
-def test_mixed_ring_gives_the_all_cpu_bits(world, devices, n, dtype, op, codec):
+def test_mixed_ring_gives_the_all_cpu_bits(world, devices, n, dtype, op, codec, schedule):
+    """Both schedules: the GPU ranks reduce on their GPU (the direct schedule's owner adds every
+    contribution there) and end with the all-CPU ring's bits."""
     inputs = [make_input(SEED, r, n, dtype) for r in range(world)]
-    reference = run_ring(inputs, ["cpu"] * world, op, codec)
-    mixed = run_ring(inputs, list(devices), op, codec)
+    reference = run_ring(inputs, ["cpu"] * world, op, codec, schedule=schedule)
+    mixed = run_ring(inputs, list(devices), op, codec, schedule=schedule)
     for r in range(world):
         ref_y, ref_stats = reference[r]
         y, stats = mixed[r]
@@ -127,18 +132,21 @@ def test_mixed_ring_gives_the_all_cpu_bits(world, devices, n, dtype, op, codec):
         assert torch.equal(_bits(y), _bits(reference[0][0]))  # and every rank agrees
         assert stats.bytes_sent == ref_stats.bytes_sent  # the same frames on the wire
         assert stats.gpu == (devices[r] == "cuda")
+        assert stats.schedule == schedule
         if devices[r] == "cuda" and n >= 1000:
             assert stats.gpu_codec_s > 0 and stats.h2d_s > 0 and stats.d2h_s > 0, stats
 
 
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
 @pytest.mark.parametrize("block_size", [32, 1024, 2048, 4096])
 @pytest.mark.parametrize("world,devices", [(2, ("cuda", "cpu")), (3, ("cuda", "cpu", "cuda"))])
-def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size):
-    # One warp per block in the fused reduce-quantize up to 1024, the unfused kernels above.
+def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size, schedule):
+    # One warp per block in the fused reduce-quantize up to 1024, the unfused kernels above;
+    # the direct schedule's owner of 3 ranks sums in fp32 on the device whatever the block.
     n = 70001
     inputs = [make_input(SEED + block_size, r, n, torch.float32) for r in range(world)]
-    reference = run_ring(inputs, ["cpu"] * world, "avg", "int8", block_size=block_size)
-    mixed = run_ring(inputs, list(devices), "avg", "int8", block_size=block_size)
+    reference = run_ring(inputs, ["cpu"] * world, "avg", "int8", block_size=block_size, schedule=schedule)
+    mixed = run_ring(inputs, list(devices), "avg", "int8", block_size=block_size, schedule=schedule)
     for r in range(world):
         y, stats = mixed[r]
         assert not isinstance(stats, Exception), f"rank {r}: {stats} (SEED={SEED})"
