@@ -33,6 +33,9 @@ constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
 // How long a bare EOF waits for a peer's abort frame (which names the root cause) to
 // arrive on another path before it is reported as the failure itself.
 constexpr Millis kRootCauseGrace{250};
+// A stream's pacing rate is taken to be at least this (bytes/s) when choosing where a
+// frame goes (a stream that never sent reports next to nothing).
+constexpr double kSlowestPacing = 64 << 10;
 // learn() reads a link's TCP counters once it carried this much since the last time: a
 // rate measured over less is mostly slow start and round trips.
 constexpr uint64_t kLearnMinBytes = 4 << 20;
@@ -213,19 +216,23 @@ void TcpTransport::begin_collective(int concurrent) {
   }
 }
 
-TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link) {
+TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {
   const size_t k = std::min(link.active, link.streams.size());
   if (k == 1) return *link.streams[0];
-  // The stream with the least still to deliver: its queue, the frame it writes, and what
-  // its socket holds unacknowledged. Ties go round, so idle streams share the frames.
+  // The stream that would deliver this frame first: what it still has to deliver (its
+  // queue, the frame it writes, what its socket holds unacknowledged) and the frame, at the
+  // rate it paces at. A stream used for the first time, still in slow start, paces slowly
+  // and takes a frame only when the others are that far behind: the receiver takes a link's
+  // frames in order, so one frame held up holds up the link. Ties go round.
   size_t best = link.next_pick % k;
-  int64_t least = -1;
+  double soonest = -1;
   for (size_t i = 0; i < k; ++i) {
     const size_t j = (link.next_pick + i) % k;
     const SendStream& s = *link.streams[j];
-    const int64_t backlog = static_cast<int64_t>(s.queued_bytes) + unacked_bytes(s.socket);
-    if (least < 0 || backlog < least) {
-      least = backlog;
+    const double backlog = static_cast<double>(s.queued_bytes + frame_bytes) + static_cast<double>(unacked_bytes(s.socket));
+    const double eta = backlog / std::max(pacing_rate(s.socket), kSlowestPacing);
+    if (soonest < 0 || eta < soonest) {
+      soonest = eta;
       best = j;
     }
   }
@@ -237,7 +244,7 @@ void TcpTransport::send(int peer, OutFrame frame) {
   std::lock_guard<std::mutex> lock(send_mu_);
   OutLink& link = *out_.at(static_cast<size_t>(peer));
   frame.header.link_frame = link.next_frame++;
-  SendStream& s = pick_stream(link);
+  SendStream& s = pick_stream(link, frame.size);
   s.queued_bytes += frame.size;
   s.queue.push_back(std::move(frame));
   send_cv_.notify_all();
