@@ -17,8 +17,8 @@ Queues are drop-tail, one bandwidth-delay product of the stage's longest path (a
 1000 packets: 1.5 MB). Segmentation offload (gso, on by default) lets TCP hand 64 KiB
 super-packets to the forwarder, which still counts every segment's headers: TCP sees
 MSS-sized segments (MTU 1500) and the forwarder does a 44th of the per-packet work, so
-one core forwards several Gbit/s. Loss under gso drops a whole super-packet with the
-probability that any of its segments would be lost; run with gso=False for per-packet loss.
+one core forwards several Gbit/s. Loss is per segment either way: a super-packet that
+loses some of its segments is cut into the segments, and the others go on.
 
 `python benchmarks/netem.py --check` verifies the emulator itself: RTT against 2 x delay,
 one TCP stream's rate at RTT 0 against the configured rate, and the forwarder's CPU time.
