@@ -44,8 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import netns  # noqa: E402  (namespace lifecycle, shared with the tc bridge)
 
-SUBNET = "192.168.78"
-FIRST_HOST = 10
+SUBNET = "192.168.78"  # node i at .10 + i (netns.FIRST_HOST)
 IFNAME = "ptun0"  # the TUN's name in every node namespace (GLOO_SOCKET_IFNAME)
 MAX_NODES = 64
 # A queue holds at least 1000 MTU-sized packets (Linux's default txqueuelen): on a path of
@@ -190,7 +189,7 @@ def _queue_bytes(rate_bits: float, rtt_s: float) -> float:
 # the emulator
 
 
-class Emulator:
+class Emulator(netns.Namespaces):
     """The namespaces, TUN devices and forwarder of one topology. Use as a context manager;
     down() is idempotent and also runs at exit and on SIGTERM/SIGHUP/SIGINT (netns.py)."""
 
@@ -203,22 +202,9 @@ class Emulator:
         self.gso_max_size = gso_max_size
         self.mtu = mtu
         self.seed = seed
-        self.tag = f"{netns.PREFIX}{os.getpid()}e"
-        self._created: list[str] = []
+        super().__init__(f"{netns.PREFIX}{os.getpid()}e", SUBNET)
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
-
-    def ns(self, i: int) -> str:
-        """Node i's namespace."""
-        return f"{self.tag}-r{i}"
-
-    def addr(self, i: int) -> str:
-        """Node i's IPv4 address (on IFNAME in its namespace)."""
-        return f"{SUBNET}.{FIRST_HOST + i}"
-
-    def exec_argv(self, i: int, argv: list[str]) -> list[str]:
-        """The command line that runs argv inside node i's namespace."""
-        return ["ip", "netns", "exec", self.ns(i)] + list(argv)
 
     def spec(self) -> str:
         """The forwarder's input (netem.c)."""
@@ -245,11 +231,9 @@ class Emulator:
         if reason:
             raise RuntimeError(f"cannot emulate links: {reason}")
         binary = build_forwarder()
-        netns._live.append(self)
         try:
             for i in range(self.topology.n):
-                netns._run(["ip", "netns", "add", self.ns(i)])
-                self._created.append(self.ns(i))
+                self._add_ns(self.ns(i))
             self._proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                           start_new_session=True)
             self._proc.stdin.write(self.spec())
@@ -285,36 +269,19 @@ class Emulator:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def down(self) -> None:
-        """Stops the forwarder and deletes the namespaces (idempotent; signals held meanwhile)."""
-        import signal
-
-        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
-            if self._proc is not None:
-                try:
-                    self._proc.stdin.close()
-                except OSError:
-                    pass
-                try:
-                    self._proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
-                self._proc = None
-            for ns in reversed(self._created):
-                netns._delete_namespace(ns)
-            self._created.clear()
-            if self in netns._live:
-                netns._live.remove(self)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-    def __enter__(self) -> "Emulator":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
+        """Stops the forwarder, then deletes the namespaces (idempotent)."""
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        super().down()
 
     def describe(self) -> str:
         """One line for logs."""

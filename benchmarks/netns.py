@@ -149,7 +149,59 @@ def rate_to_bits(rate: str) -> float:
     return float(m.group(1)) * scale
 
 
-class Network:
+class Namespaces:
+    """Namespaces named after this process (tag), node i in `<tag>-r<i>` at `<subnet>.<10 + i>`,
+    all deleted by down() (idempotent; also at exit and on SIGTERM/SIGHUP/SIGINT). Subclasses
+    build what runs in them (up()) and stop it before they call down()."""
+
+    def __init__(self, tag: str, subnet: str):
+        self.tag = tag
+        self.subnet = subnet
+        self._created: list[str] = []
+
+    def ns(self, rank: int) -> str:
+        """Name of rank `rank`'s namespace."""
+        return f"{self.tag}-r{rank}"
+
+    def addr(self, rank: int) -> str:
+        """IPv4 address of rank `rank` in its namespace."""
+        return f"{self.subnet}.{FIRST_HOST + rank}"
+
+    def exec_argv(self, rank: int, argv: list[str]) -> list[str]:
+        """Command line that runs `argv` inside rank `rank`'s namespace."""
+        return ["ip", "netns", "exec", self.ns(rank)] + list(argv)
+
+    def _add_ns(self, ns: str) -> None:
+        if self not in _live:
+            _live.append(self)
+        _run(["ip", "netns", "add", ns])
+        self._created.append(ns)
+
+    def down(self) -> None:
+        """Kills what runs inside the namespaces and deletes them (idempotent).
+
+        Termination signals are held back meanwhile, so a second Ctrl-C cannot leave half
+        the namespaces behind; they are delivered once everything is gone.
+        """
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            for ns in reversed(self._created):
+                _delete_namespace(ns)
+            self._created.clear()
+            if self in _live:
+                _live.remove(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+class Network(Namespaces):
     """One namespace per rank on a bridge, optionally shaped to `rate` (a tc rate like '1gbit').
 
     Use as a context manager; `down()` is idempotent and also runs at exit and on signals.
@@ -165,26 +217,13 @@ class Network:
             rate_to_bits(rate)  # validates
         if size_to_bytes(burst) <= mtu + 100:
             raise ValueError(f"burst({burst}) must be well above the mtu({mtu}); tbf stalls TCP otherwise")
+        super().__init__(f"{PREFIX}{os.getpid()}", SUBNET)
         self.world_size = world_size
         self.rate = rate
         self.shape = shape
         self.mtu = mtu
         self.burst = burst
-        self.tag = f"{PREFIX}{os.getpid()}"
         self.bridge_ns = f"{self.tag}-br"
-        self._created: list[str] = []
-
-    def ns(self, rank: int) -> str:
-        """Name of rank `rank`'s namespace."""
-        return f"{self.tag}-r{rank}"
-
-    def addr(self, rank: int) -> str:
-        """IPv4 address of rank `rank` (on its RANK_IFNAME)."""
-        return f"{SUBNET}.{FIRST_HOST + rank}"
-
-    def exec_argv(self, rank: int, argv: list[str]) -> list[str]:
-        """Command line that runs `argv` inside rank `rank`'s namespace."""
-        return ["ip", "netns", "exec", self.ns(rank)] + list(argv)
 
     def _tbf(self, ns: str, dev: str) -> None:
         _run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
@@ -225,10 +264,6 @@ class Network:
             raise
         return self
 
-    def _add_ns(self, ns: str) -> None:
-        _run(["ip", "netns", "add", ns])
-        self._created.append(ns)
-
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
         # The bridge port needs a moment to reach forwarding state; ping would be
         # the usual probe but is not always installed, so poll the port state.
@@ -239,29 +274,6 @@ class Network:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"bridge ports of {self.bridge_ns} did not reach forwarding state in {timeout_s} s")
-
-    def down(self) -> None:
-        """Kills what runs inside the namespaces and deletes them (idempotent).
-
-        Termination signals are held back meanwhile, so a second Ctrl-C cannot leave half
-        the namespaces behind; they are delivered once everything is gone.
-        """
-        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
-            for ns in reversed(self._created):
-                _delete_namespace(ns)
-            self._created.clear()
-            if self in _live:
-                _live.remove(self)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-    def __enter__(self) -> "Network":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def describe(self) -> str:
         """One line for logs: ranks, rate, which directions are shaped, MTU."""
