@@ -1,4 +1,4 @@
-"""Golden vectors of the int8 block codec, derived from docs/wire-format.md alone.
+"""Golden vectors of the block codecs (int8 and fp4), derived from docs/wire-format.md alone.
 
     python tools/golden_vectors.py > /tmp/golden.py   # the GOLDEN literal of tests/test_golden.py
 
@@ -13,7 +13,8 @@ tests/test_golden.py holds the printed literal (committed hex) and checks every
 backend against it, and checks that this script still prints the same vectors.
 Hex conventions: an fp32 value is the 8 hex digits of its bit pattern (as an
 integer, so 1.0 is 3f800000); bf16 / fp16 values 4 hex digits; q is one string of
-two hex digits per element (two's complement: -1 is ff).
+two hex digits per element (two's complement: -1 is ff); fp4 q is the packed bytes,
+two hex digits per byte (value 2j in the low nibble: codes 3 then 9 are the byte 93).
 """
 
 from __future__ import annotations
@@ -138,6 +139,70 @@ def decode_add(acc: list[float], q: list[int], scales: list[int]) -> list[float]
 
 
 # ---------------------------------------------------------------------------
+# fp4: E2M1 codes, one fp32 scale per block (a / 6)
+
+FP4_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def fp4_nearest(t: float) -> int:
+    """The magnitude index nearest to t >= 0; of two equally near, the even index."""
+    best = min(range(8), key=lambda k: (abs(t - FP4_MAGNITUDES[k]), k % 2))
+    return best
+
+
+def fp4_encode_block(xs: list[float], seed: int | None, first: int) -> tuple[int, list[int]]:
+    """(scale bits, codes) of one block whose first element has flattened index `first`."""
+    if any(math.isnan(x) or math.isinf(x) for x in xs):
+        return 0x7FC00000, [0] * len(xs)
+    a = max(abs(x) for x in xs)
+    scale = f32(a / 6.0)
+    inv = 0.0 if a == 0 else f32(6.0 / a)
+    if math.isinf(inv):
+        inv = 0.0
+    codes = []
+    for j, x in enumerate(xs):
+        v = f32(x * inv)
+        t = abs(v)
+        if seed is None:
+            m = fp4_nearest(t)
+        else:
+            low = max(k for k in range(8) if FP4_MAGNITUDES[k] <= t)
+            if low == 7:
+                m = 7
+            else:
+                frac = (t - FP4_MAGNITUDES[low]) / (FP4_MAGNITUDES[low + 1] - FP4_MAGNITUDES[low])
+                u = (stochastic_h(seed, first + j) >> 8) * 2.0**-24
+                m = low + (1 if u < frac else 0)
+        codes.append(0 if m == 0 else m | (8 if v < 0 else 0))
+    return bits32(scale), codes
+
+
+def fp4_encode(xs: list[float], seed: int | None = None, first_index: int = 0) -> tuple[list[int], list[int]]:
+    scales, codes = [], []
+    for start in range(0, len(xs), B):
+        s, c = fp4_encode_block(xs[start : start + B], seed, first_index + start)
+        scales.append(s)
+        codes.extend(c)
+    return scales, codes
+
+
+def fp4_pack(codes: list[int]) -> list[int]:
+    """Two codes a byte, the first in the low nibble; an odd count leaves the last high nibble 0."""
+    padded = codes + [0] * (len(codes) % 2)
+    return [padded[i] | padded[i + 1] << 4 for i in range(0, len(padded), 2)]
+
+
+def fp4_decode(packed: list[int], n: int, scales: list[int]) -> list[float]:
+    """y_i = (+-M[code & 7]) * scale, the sign from bit 3 (code 8 is -0.0): one fp32 multiply."""
+    out = []
+    for i in range(n):
+        code = (packed[i // 2] >> (4 * (i % 2))) & 15
+        value = math.copysign(FP4_MAGNITUDES[code & 7], -1.0 if code & 8 else 1.0)
+        out.append(f32(value * from_bits32(scales[i // B])))
+    return out
+
+
+# ---------------------------------------------------------------------------
 # inputs: every rule of the format in a few blocks
 
 
@@ -197,6 +262,48 @@ def half_input(rng: Lcg, kind: str) -> list[int]:
     return [to_bits(x) for x in ties + rand + short]
 
 
+def fp4_input(rng: Lcg) -> list[float]:
+    blocks = []
+    # 0: midpoints. a = 6 * 2^-2, so scale = 2^-2 and inv = 4 exactly; x = t / 4 lands on v = t:
+    # the seven midpoints of both signs go to the even index, values an ulp beside them to the
+    # nearer one; small negatives that round to 0 give code 0 (no -0); signed zeros.
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    ts = mids + [-t for t in mids]
+    ts += [from_bits32(bits32(t) + d) for t in mids for d in (-1, 1)]
+    ts += [-0.1, -0.0, 0.0]
+    blocks.append([1.5, -1.5] + [f32(t * 0.25) for t in ts][: B - 2])
+    # 1: ordinary values, largest |x| = 1 twice (scale 1/6 rounded, inv 6)
+    b = [rng.uniform() for _ in range(B)]
+    b[5], b[17] = 1.0, -1.0
+    blocks.append(b)
+    # 2: all equal: every code is -6 (f)
+    blocks.append([f32(-3.7)] * B)
+    # 3: zeros of both signs: scale 0, inv 0
+    blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
+    # 4: subnormals: 6 / a overflows, so every code is 0 and scale = a / 6
+    blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
+    # 5: a ~ 1e-36: inv finite, scale a / 6 a normal number (1e-36 / 6 > 2^-126)
+    blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])
+    # 6: huge: a = FLT_MAX
+    blocks.append([f32(rng.uniform() * 3e38) for _ in range(B - 1)] + [-FLT_MAX])
+    # 7: a NaN in a block: the flag
+    b = [rng.uniform() for _ in range(B)]
+    b[11] = math.nan
+    blocks.append(b)
+    # 8: a short last block of 7 values (an odd count: the last byte's high nibble is 0)
+    blocks.append([rng.uniform() for _ in range(7)])
+    return [x for blk in blocks for x in blk]
+
+
+def fp4_decode_input() -> tuple[list[int], list[float]]:
+    """Every byte value (so every code in both nibbles, code 8 included) under scales that
+    decode to zero, subnormals, huge values (inf in fp16, and past FLT_MAX in fp32) and NaN."""
+    packed = list(range(256))
+    scales = [1.0, 0.25, f32(1 / 3), 0.0, -2.0, 3e-45, f32(1.2e-38), 1e4, f32(3e38), math.nan, 7.5, 2.0**-24,
+              f32(1e-8), 65504 / 6, 1e-3, 5.0]
+    return packed, scales
+
+
 SR_SEEDS = [0, 0x9E3779B9, 0xFFFFFFFF]
 # Flattened index of the first element: 0; two blocks below 2^32 (the high half changes
 # inside the vector); 2^40 + 2^32 - 32; the top of the int64 range.
@@ -250,6 +357,52 @@ def build() -> dict:
             sr["q"][f"{seed}@{first}"] = hex_q(encode(xs, seed, first)[1])
     out["stochastic"] = sr
     out["hash"] = {f"{seed}@{i}": f"{stochastic_h(seed, i):08x}" for seed, i in HASH_PAIRS}
+    out["fp4"] = build_fp4(Lcg(20261127))
+    return out
+
+
+def hex_bytes(values: list[int]) -> str:
+    return "".join(f"{v:02x}" for v in values)
+
+
+def build_fp4(rng: Lcg) -> dict:
+    """The fp4 vectors: encode, decode, decode-add, half inputs, stochastic rounding."""
+    x = fp4_input(rng)
+    scales, codes = fp4_encode(x)
+    packed = fp4_pack(codes)
+    y = fp4_decode(packed, len(x), scales)
+    acc = [f32(rng.uniform() * 4.0) for _ in x]
+    dq, dscales = fp4_decode_input()
+    dy = fp4_decode(dq, 2 * len(dq), [bits32(v) for v in dscales])
+    out = {
+        "fp32": {
+            "x": hex32(x),
+            "scales": " ".join(f"{v:08x}" for v in scales),
+            "q": hex_bytes(packed),
+            "decoded_fp32": hex32(y),
+            "decoded_bf16": hex16([bf16_bits(v) for v in y]),
+            "decoded_fp16": hex16([fp16_bits(v) for v in y]),
+            "acc": hex32(acc),
+            "acc_plus_decoded": hex32([f32(a + v) for a, v in zip(acc, y)]),
+        },
+        "all_codes": {
+            "q": hex_bytes(dq),
+            "scales": hex32(dscales),
+            "decoded_fp32": hex32(dy),
+            "decoded_bf16": hex16([bf16_bits(v) for v in dy]),
+            "decoded_fp16": hex16([fp16_bits(v) for v in dy]),
+        },
+    }
+    for kind in ("bfloat16", "float16"):
+        bits = half_input(rng, kind)
+        hs, hc = fp4_encode([widen16(h, kind) for h in bits])
+        out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in hs), "q": hex_bytes(fp4_pack(hc))}
+    xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
+    sr = {"x": hex32(xs), "scales": " ".join(f"{v:08x}" for v in fp4_encode(xs)[0]), "q": {}}
+    for seed in SR_SEEDS:
+        for first in SR_OFFSETS:
+            sr["q"][f"{seed}@{first}"] = hex_bytes(fp4_pack(fp4_encode(xs, seed, first)[1]))
+    out["stochastic"] = sr
     return out
 
 
