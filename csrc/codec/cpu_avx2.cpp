@@ -131,24 +131,33 @@ struct Fp4Out {
     const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
   }
-  // Adds the sign (8) to a nonzero magnitude of a negative v.
+  // Adds the sign (8) to a nonzero magnitude m of a negative v.
   static __m256i signed_code(__m256 v, __m256i m) {
     const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     const __m256i nonzero = _mm256_cmpgt_epi32(m, _mm256_setzero_si256());
     return _mm256_or_si256(m, _mm256_and_si256(_mm256_and_si256(neg, nonzero), _mm256_set1_epi32(8)));
   }
-  // The nearest magnitude: one count per midpoint below |v|, ties to the even index.
+  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
+  static __m256i signed_nearest(__m256 v, __m256i m) {
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ));
+    return _mm256_or_si256(m, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+  }
+  // The nearest magnitude (a midpoint to the even index), in fewer operations than counting
+  // midpoints (cpu_kernels.h fp4_nearest, the definition; the tests hold them equal):
+  // below 2 the levels are the multiples of 0.5, so m = round_half_even(2t) (2t exact); from 2
+  // on they are the floats with one mantissa bit, and rounding t's bits to one mantissa bit
+  // (add 2^21 - 1 plus the kept bit, a carry into the exponent included) gives
+  // m = (rounded bits >> 22) - 252 (2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7).
   static __m256i nearest(__m256 v) {
-    const __m256 t = abs_ps(v);
-    __m256i m = _mm256_setzero_si256();
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(0.25f), _CMP_GT_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(0.75f), _CMP_GE_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(1.25f), _CMP_GT_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(1.75f), _CMP_GE_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(2.5f), _CMP_GT_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(3.5f), _CMP_GE_OQ));
-    m = count_if(m, _mm256_cmp_ps(t, _mm256_set1_ps(5.0f), _CMP_GT_OQ));
-    return signed_code(v, m);
+    const __m256i bits = abs_bits(v);
+    const __m256 t = _mm256_castsi256_ps(bits);
+    const __m256i low = _mm256_cvtps_epi32(_mm256_add_ps(t, t));
+    const __m256i kept = _mm256_and_si256(_mm256_srli_epi32(bits, 22), _mm256_set1_epi32(1));
+    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(kept, _mm256_set1_epi32(0x1fffff - (252 << 22))));
+    const __m256i high = _mm256_srli_epi32(rounded, 22);
+    const __m256 below2 = _mm256_cmp_ps(t, _mm256_set1_ps(2.0f), _CMP_LT_OQ);
+    return signed_nearest(v, _mm256_blendv_epi8(high, low, _mm256_castps_si256(below2)));
   }
   // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
   // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).

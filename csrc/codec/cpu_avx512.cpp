@@ -118,23 +118,27 @@ struct Fp4Out {
     const __m128i b = _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28)));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q), b);
   }
-  // Adds the sign (8) to a nonzero magnitude of a negative v.
+  // Adds the sign (8) to a nonzero magnitude m of a negative v.
   static __m512i signed_code(__m512 v, __m512i m) {
     const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(m, m);
     return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
   }
-  // The nearest magnitude: one count per midpoint below |v|, ties to the even index.
+  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
+  static __m512i signed_nearest(__m512 v, __m512i m) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-0.25f), _CMP_LT_OQ);
+    return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
+  }
+  // The nearest magnitude (a midpoint to the even index) as cpu_avx2.cpp computes it: below 2,
+  // round_half_even(2t); from 2 on, t's bits rounded to one mantissa bit, (bits >> 22) - 252.
   static __m512i nearest(__m512 v) {
-    const __m512 t = abs_ps(v);
-    __m512i m = _mm512_setzero_si512();
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(0.25f), _CMP_GT_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(0.75f), _CMP_GE_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(1.25f), _CMP_GT_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(1.75f), _CMP_GE_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(2.5f), _CMP_GT_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(3.5f), _CMP_GE_OQ));
-    m = count_if(m, _mm512_cmp_ps_mask(t, _mm512_set1_ps(5.0f), _CMP_GT_OQ));
-    return signed_code(v, m);
+    const __m512i bits = abs_bits(v);
+    const __m512 t = _mm512_castsi512_ps(bits);
+    const __m512i low = _mm512_cvt_roundps_epi32(_mm512_add_ps(t, t), kNearest);
+    const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1));
+    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(kept, _mm512_set1_epi32(0x1fffff - (252 << 22))));
+    const __m512i high = _mm512_srli_epi32(rounded, 22);
+    return signed_nearest(v, _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(t, _mm512_set1_ps(2.0f), _CMP_LT_OQ), high, low));
   }
   // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
   // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
