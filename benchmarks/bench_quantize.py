@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -370,10 +371,14 @@ def bench_size(size_bytes, args, device, timer, impls, refs):
         k = max(1, min(2000, round(args.target_ms / 1e3 / max(once, 1e-7))))
         plans.append((codec, op, name, fn, slots, k))
 
-    # interleaved: every contender (both codecs) once per repeat, so background load hits them alike
+    # interleaved: every contender (both codecs) once per repeat, so background load hits them alike,
+    # in a fresh order each repeat: a batch that follows one reading the same buffers (the copy
+    # before the first quantize) finds them in the last-level cache, which a fixed order would
+    # give to the same contender every time (seen: +40% for the first quantize at 64 MiB)
     times = {(codec, op, name): [] for codec, op, name, _, _, _ in plans}
+    order = random.Random(args.seed)
     for r in range(args.repeats):
-        for codec, op, name, fn, slots, k in plans:
+        for codec, op, name, fn, slots, k in order.sample(plans, len(plans)):
             # each batch goes on where the last one stopped, so calls keep rotating buffers
             times[(codec, op, name)].append(timer.batch(fn, slots, k, first=r * k))
 
