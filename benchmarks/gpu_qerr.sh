@@ -27,7 +27,7 @@ python3 -c "import prime._C as C, sys; sys.exit(0 if C._ring_reduces_on_gpu else
 
 echo "== tests"
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -rs --tb=short tests/test_ring_cuda.py tests/test_outer_gpu.py \
-  "tests/test_ring.py::test_ring_reports_its_own_int8_error" "tests/test_ring.py::test_diloco_takes_compression_error_from_the_ring" \
+  "tests/test_ring.py::test_ring_reports_its_own_quantization_error" "tests/test_ring.py::test_diloco_takes_compression_error_from_the_ring" \
   >"$out/tests.log" 2>&1 || status=1
 tail -5 "$out/tests.log"
 
