@@ -16,6 +16,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
 
+#include "cpu_simd_shared.h"
+
 namespace prime::codec::cpu {
 namespace {
 
@@ -243,15 +245,9 @@ int64_t quantize_typed(const void* x, InputType type, int64_t n, int64_t block, 
 template <class Out>
 int64_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Out::Code* q, float* scales,
                     bool stochastic, uint32_t seed, int64_t first_index) {
-  switch (type) {
-    case InputType::kFloat32:
-      return quantize_typed<LoadF32, Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kBFloat16:
-      return quantize_typed<LoadBF16, Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kFloat16:
-      return quantize_typed<LoadF16, Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
-  }
-  return 0;
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    return quantize_typed<decltype(in), Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  });
 }
 
 int64_t quantize_avx2(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
@@ -266,24 +262,14 @@ int64_t quantize_fp4_avx2(const void* x, InputType type, int64_t n, int64_t bloc
 
 // ---- decoding: 8 values at element i of a block's codes, times the scale ----
 
-struct Int8In {
-  using Code = int8_t;
-  static constexpr auto& dequantize_rest = dequantize_scalar;
-  static constexpr auto& dequantize_add_rest = dequantize_add_scalar;
-  static constexpr auto& error_rest = quantize_error_sq_scalar;
-  static int64_t bytes(int64_t values) { return values; }
+struct Int8In : Int8Codes {
   static __m256 decode8(const int8_t* q, int64_t i, __m256 scale) {
     const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
   }
 };
 
-struct Fp4In {
-  using Code = uint8_t;
-  static constexpr auto& dequantize_rest = dequantize_fp4_scalar;
-  static constexpr auto& dequantize_add_rest = dequantize_add_fp4_scalar;
-  static constexpr auto& error_rest = quantize_error_sq_fp4_scalar;
-  static int64_t bytes(int64_t values) { return values / 2; }  // (of a whole number of bytes)
+struct Fp4In : Fp4Codes {
   // i: a multiple of 8. The 4 bytes widen to 4 qwords; each becomes its two codes as dwords
   // (low nibble | high nibble << 32): 8 codes in order. The magnitude comes from a table of
   // 8, the sign bit from bit 3 of the code.
@@ -343,14 +329,9 @@ void dequantize_typed(const typename Codes::Code* q, const float* scales, int64_
 template <class Codes>
 void dequantize_as(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
                    InputType out_type) {
-  switch (out_type) {
-    case InputType::kFloat32:
-      return dequantize_typed<Codes, StoreF32>(q, scales, n, block, y, out_type);
-    case InputType::kBFloat16:
-      return dequantize_typed<Codes, StoreBF16>(q, scales, n, block, y, out_type);
-    case InputType::kFloat16:
-      return dequantize_typed<Codes, StoreF16>(q, scales, n, block, y, out_type);
-  }
+  with_type<StoreF32, StoreBF16, StoreF16>(out_type, [&](auto out) {
+    dequantize_typed<Codes, decltype(out)>(q, scales, n, block, y, out_type);
+  });
 }
 
 template <class Codes>
@@ -426,14 +407,9 @@ void error_typed(const void* x, InputType type, const typename Codes::Code* q, c
 template <class Codes>
 void error_as(const void* x, InputType type, const typename Codes::Code* q, const float* scales, int64_t n,
               int64_t block, double* err, double* ref) {
-  switch (type) {
-    case InputType::kFloat32:
-      return error_typed<LoadF32, Codes>(x, type, q, scales, n, block, err, ref);
-    case InputType::kBFloat16:
-      return error_typed<LoadBF16, Codes>(x, type, q, scales, n, block, err, ref);
-    case InputType::kFloat16:
-      return error_typed<LoadF16, Codes>(x, type, q, scales, n, block, err, ref);
-  }
+  with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    error_typed<decltype(in), Codes>(x, type, q, scales, n, block, err, ref);
+  });
 }
 
 }  // namespace

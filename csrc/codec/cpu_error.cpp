@@ -44,14 +44,9 @@ void error_typed(const T* x, const typename Format::Code* q, const float* scales
 template <class Format>
 void error_as(const void* x, InputType type, const typename Format::Code* q, const float* scales, int64_t n,
               int64_t block, double* err, double* ref) {
-  switch (type) {
-    case InputType::kFloat32:
-      return error_typed<Format>(static_cast<const float*>(x), q, scales, n, block, err, ref);
-    case InputType::kBFloat16:
-      return error_typed<Format>(static_cast<const c10::BFloat16*>(x), q, scales, n, block, err, ref);
-    case InputType::kFloat16:
-      return error_typed<Format>(static_cast<const c10::Half*>(x), q, scales, n, block, err, ref);
-  }
+  with_type<float, c10::BFloat16, c10::Half>(type, [&](auto element) {
+    error_typed<Format>(static_cast<const decltype(element)*>(x), q, scales, n, block, err, ref);
+  });
 }
 
 }  // namespace

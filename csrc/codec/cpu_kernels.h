@@ -112,6 +112,20 @@ static inline void block_scale(uint32_t amax_bits, float qmax, float* scale, flo
   *inv = r;
 }
 
+// f(T{}) with T the one of three element types (a file's loaders, storers or element types
+// for fp32, bf16, fp16) that `type` names: the dtype dispatch of every kernel.
+template <class F32, class BF16, class F16, class F>
+static inline auto with_type(InputType type, F&& f) {
+  switch (type) {
+    case InputType::kBFloat16:
+      return f(BF16{});
+    case InputType::kFloat16:
+      return f(F16{});
+    default:
+      return f(F32{});
+  }
+}
+
 // ---- fp4 (E2M1 codes: sign << 3 | magnitude index; docs/wire-format.md) ----
 
 // The decoded value of each code before the scale; code 8 (never written) is -0.

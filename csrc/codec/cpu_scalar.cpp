@@ -68,31 +68,19 @@ void dequantize_typed(const typename Format::Code* q, const float* scales, int64
 template <class Format>
 int64_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Format::Code* q, float* scales,
                     bool stochastic, uint32_t seed, int64_t first_index) {
-  switch (type) {
-    case InputType::kFloat32:
-      return quantize_typed<Format>(static_cast<const float*>(x), n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kBFloat16:
-      return quantize_typed<Format>(static_cast<const c10::BFloat16*>(x), n, block, q, scales, stochastic, seed,
-                                    first_index);
-    case InputType::kFloat16:
-      return quantize_typed<Format>(static_cast<const c10::Half*>(x), n, block, q, scales, stochastic, seed,
-                                    first_index);
-  }
-  return 0;
+  return with_type<float, c10::BFloat16, c10::Half>(type, [&](auto element) {
+    using T = decltype(element);
+    return quantize_typed<Format>(static_cast<const T*>(x), n, block, q, scales, stochastic, seed, first_index);
+  });
 }
 
 // fp32 -> bf16 / fp16 through c10's conversions: round to nearest even, NaN stays NaN.
 template <class Format>
 void dequantize_as(const typename Format::Code* q, const float* scales, int64_t n, int64_t block, void* y,
                    InputType out_type) {
-  switch (out_type) {
-    case InputType::kFloat32:
-      return dequantize_typed<Format>(q, scales, n, block, static_cast<float*>(y));
-    case InputType::kBFloat16:
-      return dequantize_typed<Format>(q, scales, n, block, static_cast<c10::BFloat16*>(y));
-    case InputType::kFloat16:
-      return dequantize_typed<Format>(q, scales, n, block, static_cast<c10::Half*>(y));
-  }
+  with_type<float, c10::BFloat16, c10::Half>(out_type, [&](auto element) {
+    dequantize_typed<Format>(q, scales, n, block, static_cast<decltype(element)*>(y));
+  });
 }
 
 template <class Format>
