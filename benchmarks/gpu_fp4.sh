@@ -17,13 +17,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 status=0
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$out/machine.txt"
-
-echo "== build (CUDA, sm_${PRIME_CUDA_ARCHS:-90})"
-if ! PRIME_CUDA_ARCHS=${PRIME_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace >"$out/build.log" 2>&1; then
-  grep -E "error|Error" "$out/build.log" | head -40; echo "BUILD FAILED (build.log)"; exit 1
-fi
-python3 -c "import prime._C as C, sys; sys.exit(0 if C._ring_reduces_on_gpu else 1)" || { echo "no CUDA ring codec"; exit 1; }
+machine_and_cuda_build "$out"
 
 echo "== tests"
 timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --tb=short tests/test_fp4.py tests/test_golden.py tests/test_triton.py \

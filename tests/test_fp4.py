@@ -22,8 +22,8 @@ from test_ops import (  # noqa: F401  (tests/ is on sys.path under pytest)
     DTYPES,
     KINDS,
     SEED,
+    both,
     ctx,
-    float_bits,
     gen_for,
     make,
     needs_cuda,
@@ -343,12 +343,6 @@ def test_bad_arguments(backend):
     x = torch.randn(1001, device=dev)
     q, s = ops.quantize_fp4(x, 64, backend=backend)
     acc = torch.zeros(1001, device=dev)
-
-    def both(py, raw, exc, match):
-        with pytest.raises(exc, match=match):
-            py()
-        with pytest.raises(RuntimeError, match=match):
-            raw()
 
     both(lambda: ops.quantize_fp4(x.int(), backend=backend), lambda: P.quantize_fp4(x.int(), 256, None),
          TypeError, "quantize_fp4 expects a float32, bfloat16 or float16 tensor, got")

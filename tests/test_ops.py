@@ -516,19 +516,20 @@ def test_opcheck(backend):
 # bad arguments: clear messages from the Python API and from the raw ops
 
 
+def both(py, raw, exc, match):
+    """The Python API raises exc and the raw op a RuntimeError, both with a message matching `match`."""
+    with pytest.raises(exc, match=match):
+        py()
+    with pytest.raises(RuntimeError, match=match):
+        raw()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments(backend):
     dev = "cuda" if backend == "cuda" else "cpu"
     x = torch.randn(1000, device=dev)
     q, s = ops.quantize_int8(x, 64, backend=backend)
     acc = torch.zeros(1000, device=dev)
-
-    def both(py, raw, exc, match):
-        with pytest.raises(exc, match=match):
-            py()
-        with pytest.raises(RuntimeError, match=match):
-            raw()
-
     P = torch.ops.prime
     both(lambda: ops.quantize_int8(x.int(), backend=backend), lambda: P.quantize_int8(x.int(), 256, None),
          TypeError, "expects a float32, bfloat16 or float16 tensor, got")

@@ -133,11 +133,6 @@ def decode(q: list[int], scales: list[int]) -> list[float]:
     return [f32(float(v) * from_bits32(scales[i // B])) for i, v in enumerate(q)]
 
 
-def decode_add(acc: list[float], q: list[int], scales: list[int]) -> list[float]:
-    """acc_i + float(q_i) * scale: one fp32 multiply, then one fp32 add."""
-    return [f32(a + y) for a, y in zip(acc, decode(q, scales))]
-
-
 # ---------------------------------------------------------------------------
 # fp4: E2M1 codes, one fp32 scale per block (a / 6)
 
@@ -325,15 +320,15 @@ def hex16(bits: list[int]) -> str:
     return " ".join(f"{b:04x}" for b in bits)
 
 
-def build() -> dict:
-    """Every golden vector, as hex strings."""
-    rng = Lcg(20261126)
-    x = fp32_input(rng)
-    scales, q = encode(x)
-    y = decode(q, scales)
+def codec_vectors(rng: Lcg, x: list[float], encode_q, decode_q) -> dict:
+    """One codec's vectors: encode, decode, decode-add of x, half inputs, stochastic rounding.
+
+    encode_q(xs, seed, first) -> (scale bits, q bytes: int8 values or packed fp4 codes);
+    decode_q(q, n, scale bits) -> the n decoded fp32 values."""
+    scales, q = encode_q(x, None, 0)
+    y = decode_q(q, len(x), scales)
     acc = [f32(rng.uniform() * 4.0) for _ in x]
     out = {
-        "block_size": B,
         "fp32": {
             "x": hex32(x),
             "scales": " ".join(f"{s:08x}" for s in scales),
@@ -342,67 +337,50 @@ def build() -> dict:
             "decoded_bf16": hex16([bf16_bits(v) for v in y]),
             "decoded_fp16": hex16([fp16_bits(v) for v in y]),
             "acc": hex32(acc),
-            "acc_plus_decoded": hex32(decode_add(acc, q, scales)),
+            "acc_plus_decoded": hex32([f32(a + v) for a, v in zip(acc, y)]),  # one multiply, then one add
         },
     }
     for kind in ("bfloat16", "float16"):
         bits = half_input(rng, kind)
-        s, qh = encode([widen16(h, kind) for h in bits])
+        s, qh = encode_q([widen16(h, kind) for h in bits], None, 0)
         out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in s), "q": hex_q(qh)}
-    # stochastic rounding: the first four blocks (ties, ordinary, all-equal, zeros) and a fresh one
+    # stochastic rounding: the first three blocks of x and a fresh one
     xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
-    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode(xs)[0]), "q": {}}
+    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, None, 0)[0]), "q": {}}
     for seed in SR_SEEDS:
         for first in SR_OFFSETS:
-            sr["q"][f"{seed}@{first}"] = hex_q(encode(xs, seed, first)[1])
+            sr["q"][f"{seed}@{first}"] = hex_q(encode_q(xs, seed, first)[1])
     out["stochastic"] = sr
+    return out
+
+
+def build() -> dict:
+    """Every golden vector, as hex strings."""
+    rng = Lcg(20261126)
+    int8 = codec_vectors(rng, fp32_input(rng), encode, lambda q, n, scales: decode(q, scales))
+    out = {"block_size": B, **int8}
     out["hash"] = {f"{seed}@{i}": f"{stochastic_h(seed, i):08x}" for seed, i in HASH_PAIRS}
     out["fp4"] = build_fp4(Lcg(20261127))
     return out
 
 
-def hex_bytes(values: list[int]) -> str:
-    return "".join(f"{v:02x}" for v in values)
-
-
 def build_fp4(rng: Lcg) -> dict:
-    """The fp4 vectors: encode, decode, decode-add, half inputs, stochastic rounding."""
-    x = fp4_input(rng)
-    scales, codes = fp4_encode(x)
-    packed = fp4_pack(codes)
-    y = fp4_decode(packed, len(x), scales)
-    acc = [f32(rng.uniform() * 4.0) for _ in x]
+    """The fp4 vectors: codec_vectors', and every byte value decoded."""
+
+    def encode_q(xs, seed, first):
+        scales, codes = fp4_encode(xs, seed, first)
+        return scales, fp4_pack(codes)
+
+    out = codec_vectors(rng, fp4_input(rng), encode_q, fp4_decode)
     dq, dscales = fp4_decode_input()
     dy = fp4_decode(dq, 2 * len(dq), [bits32(v) for v in dscales])
-    out = {
-        "fp32": {
-            "x": hex32(x),
-            "scales": " ".join(f"{v:08x}" for v in scales),
-            "q": hex_bytes(packed),
-            "decoded_fp32": hex32(y),
-            "decoded_bf16": hex16([bf16_bits(v) for v in y]),
-            "decoded_fp16": hex16([fp16_bits(v) for v in y]),
-            "acc": hex32(acc),
-            "acc_plus_decoded": hex32([f32(a + v) for a, v in zip(acc, y)]),
-        },
-        "all_codes": {
-            "q": hex_bytes(dq),
-            "scales": hex32(dscales),
-            "decoded_fp32": hex32(dy),
-            "decoded_bf16": hex16([bf16_bits(v) for v in dy]),
-            "decoded_fp16": hex16([fp16_bits(v) for v in dy]),
-        },
+    out["all_codes"] = {
+        "q": hex_q(dq),
+        "scales": hex32(dscales),
+        "decoded_fp32": hex32(dy),
+        "decoded_bf16": hex16([bf16_bits(v) for v in dy]),
+        "decoded_fp16": hex16([fp16_bits(v) for v in dy]),
     }
-    for kind in ("bfloat16", "float16"):
-        bits = half_input(rng, kind)
-        hs, hc = fp4_encode([widen16(h, kind) for h in bits])
-        out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in hs), "q": hex_bytes(fp4_pack(hc))}
-    xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
-    sr = {"x": hex32(xs), "scales": " ".join(f"{v:08x}" for v in fp4_encode(xs)[0]), "q": {}}
-    for seed in SR_SEEDS:
-        for first in SR_OFFSETS:
-            sr["q"][f"{seed}@{first}"] = hex_bytes(fp4_pack(fp4_encode(xs, seed, first)[1]))
-    out["stochastic"] = sr
     return out
 
 
