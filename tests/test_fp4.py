@@ -10,7 +10,6 @@ PRIME_TEST_SEED=<seed> to replay it.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -22,14 +21,17 @@ from test_ops import (  # noqa: F401  (tests/ is on sys.path under pytest)
     DTYPES,
     KINDS,
     SEED,
+    assert_same_encoding,
+    assert_same_floats,
     both,
+    check_roundtrip,
     ctx,
     gen_for,
     make,
     needs_cuda,
     needs_ext,
     relative_l2,
-    assert_same_floats,
+    run_case,
 )
 
 BLOCK_SIZES = [32, 64, 256, 1024, 4096]
@@ -47,10 +49,10 @@ class Impl:
             return P._quantize_fp4_isa(x, block_size, seed, self.isa)
         return ops.quantize_fp4(x, block_size, seed=seed, backend=self.backend, check_finite=False)
 
-    def dequantize(self, q, scales, n, block_size, dtype=torch.float32):
+    def dequantize(self, q, scales, block_size, dtype=torch.float32, numel=None):
         if self.isa:
-            return P._dequantize_fp4_isa(q, scales, n, block_size, dtype, self.isa)
-        return ops.dequantize_fp4(q, scales, n, block_size, dtype, backend=self.backend)
+            return P._dequantize_fp4_isa(q, scales, numel, block_size, dtype, self.isa)
+        return ops.dequantize_fp4(q, scales, numel, block_size, dtype, backend=self.backend)
 
     def dequantize_add_(self, acc, q, scales, block_size):
         if self.isa:
@@ -80,55 +82,6 @@ def codes_of(q: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], 1).reshape(-1)[:n]
 
 
-def assert_same_encoding(got, want, what):
-    (q, s), (qr, sr) = got, want
-    q, s = q.cpu(), s.cpu()
-    assert q.dtype == torch.uint8 and s.dtype == torch.float32, what
-    assert q.shape == qr.shape and s.shape == sr.shape, f"{what}: shapes {q.shape}/{s.shape} vs {qr.shape}/{sr.shape}"
-    bad = (s.view(torch.int32) != sr.view(torch.int32)).nonzero()
-    assert bad.numel() == 0, f"{what}: scale bits differ in {bad.numel()} blocks, first block {int(bad[0])}"
-    bad = (q != qr).nonzero()
-    assert bad.numel() == 0, (
-        f"{what}: q differs at {bad.numel()} bytes, first byte {int(bad[0])}: {int(q[bad[0]]):#04x} vs reference "
-        f"{int(qr[bad[0]]):#04x}"
-    )
-
-
-def reference_outputs(x, block_size, seed, key):
-    q, s = ops.quantize_fp4_reference(x, block_size, seed)
-    n = x.numel()
-    deq = {dtype: ops.dequantize_fp4_reference(q, s, n, block_size, dtype) for dtype in DTYPES}
-    acc = torch.randn(n, generator=gen_for("fp4 acc", key)) * 3
-    return (q, s), deq, acc, ops.dequantize_add_fp4_reference_(acc.clone(), q, s, block_size)
-
-
-@functools.lru_cache(maxsize=None)
-def reference_case(kind, n, dtype, block_size, seed):
-    x = make(kind, n, dtype, gen_for("fp4 case", kind, n, dtype, block_size, seed))
-    return x, reference_outputs(x, block_size, seed, (kind, n, dtype, block_size, seed))
-
-
-def check_roundtrip(impl, x, block_size, seed, what, expected=None):
-    """quantize, dequantize (3 dtypes) and dequantize-add of x on impl vs the reference on the CPU."""
-    if expected is None:
-        expected = reference_outputs(x.cpu(), block_size, seed, ("roundtrip", what))
-    (qr, sr), deq, acc, want_acc = expected
-    n = x.numel()
-    assert_same_encoding(impl.quantize(x, block_size, seed), (qr, sr), f"quantize {what}")
-    qd, sd = qr.to(impl.device), sr.to(impl.device)
-    for dtype in DTYPES:
-        assert_same_floats(impl.dequantize(qd, sd, n, block_size, dtype), deq[dtype], f"dequantize->{dtype} {what}")
-    got_acc = acc.to(impl.device, copy=True)
-    assert impl.dequantize_add_(got_acc, qd, sd, block_size) is got_acc
-    assert_same_floats(got_acc, want_acc, f"dequantize_add {what}")
-
-
-def run_case(impl, kind, n, dtype, block_size, seed):
-    x, expected = reference_case(kind, n, dtype, block_size, seed)
-    what = ctx(impl=impl, dtype=dtype, B=block_size, n=n, kind=kind, seed=seed)
-    check_roundtrip(impl, x.to(impl.device), block_size, seed, what, expected)
-
-
 # ---------------------------------------------------------------------------
 # bit-exactness on random data
 
@@ -141,7 +94,7 @@ def test_matches_reference(impl, dtype, block_size):
     for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):  # odd lengths: a last half byte
         kind = list(KINDS)[i % len(KINDS)]
         seed = None if i % 2 == 0 else (SEED + i) & 0xFFFFFFFF
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, "fp4")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -150,14 +103,14 @@ def test_large_tensor(impl):
     n = (1 << 20) + 7
     for kind, dtype, B, seed in [("student_t", torch.float32, 256, None), ("outliers", torch.bfloat16, 4096, None),
                                  ("normal", torch.float16, 32, SEED & 0xFFFF)]:
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, "fp4")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_stochastic_seeds(impl):
     x = make("student_t", 50_001, torch.float32, gen_for("fp4 seeds", impl.name)).to(impl.device)
     for seed in [0, 1, 2**31 + 5, 2**32 - 1, SEED]:
-        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed))
+        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed), codec="fp4")
     if not impl.isa:  # the public API keys on any Python int mod 2^32
         for seed in [-1, 2**64 + 7]:
             assert_same_encoding(impl.quantize(x, 128, seed), ops.quantize_fp4_reference(x.cpu(), 128, seed),
@@ -175,7 +128,7 @@ def test_non_contiguous_and_misaligned(impl):
             assert_same_encoding(impl.quantize(v, 64, seed), want, ctx(impl=impl, view=name, seed=seed))
     flat = base.reshape(-1)
     for off in (1, 3):  # inputs at odd offsets (misaligned for vector loads)
-        check_roundtrip(impl, flat[off : off + 10_000], 256, None, ctx(impl=impl, offset=off))
+        check_roundtrip(impl, flat[off : off + 10_000], 256, None, ctx(impl=impl, offset=off), codec="fp4")
     n = 20_001
     q, s = ops.quantize_fp4_reference(flat.cpu()[:n], 32)
     qv = torch.cat([q[:1], q])[1:].to(impl.device)  # codes at an odd byte address
@@ -210,7 +163,7 @@ def test_special_blocks(impl, dtype):
     x = x.to(dtype)
     for seed in (None, 5):
         what = ctx(impl=impl, dtype=dtype, seed=seed)
-        check_roundtrip(impl, x.to(impl.device), B, seed, what)
+        check_roundtrip(impl, x.to(impl.device), B, seed, what, codec="fp4")
         q, s = impl.quantize(x.to(impl.device), B, seed)
         codes, s = codes_of(q, x.numel()), s.cpu()
         bad_blocks = [2, 7, 8]

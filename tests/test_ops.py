@@ -56,7 +56,8 @@ class Impl:
             return torch.ops.prime._quantize_int8_isa(x, block_size, seed, self.isa)
         return ops.quantize_int8(x, block_size, seed=seed, backend=self.backend, check_finite=False)
 
-    def dequantize(self, q, scales, block_size, dtype=torch.float32):
+    def dequantize(self, q, scales, block_size, dtype=torch.float32, numel=None):
+        """(numel: the values q encodes; int8 knows it from q.)"""
         if self.isa:
             return torch.ops.prime._dequantize_int8_isa(q, scales, block_size, dtype, self.isa)
         return ops.dequantize_int8(q, scales, block_size, dtype, backend=self.backend)
@@ -126,9 +127,10 @@ def make(kind, n, dtype, g):
 
 
 def assert_same_encoding(got, want, what):
+    """Bit-identical codes (int8 values or packed fp4 bytes, as the reference has them) and scales."""
     (q, s), (qr, sr) = got, want
     q, s = q.cpu(), s.cpu()
-    assert q.dtype == torch.int8 and s.dtype == torch.float32, what
+    assert q.dtype == qr.dtype and s.dtype == torch.float32, what
     assert q.shape == qr.shape and s.shape == sr.shape, f"{what}: shapes {q.shape}/{s.shape} vs {qr.shape}/{sr.shape}"
     bad = (s.view(torch.int32) != sr.view(torch.int32)).nonzero()
     assert bad.numel() == 0, (
@@ -159,42 +161,51 @@ def assert_same_floats(got, want, what):
     )
 
 
-def check_roundtrip(impl, x, block_size, seed=None, what="", expected=None):
+def check_roundtrip(impl, x, block_size, seed=None, what="", expected=None, codec="int8"):
     """quantize, dequantize (3 dtypes) and dequantize-add of x on impl vs the reference on the CPU.
 
     `expected` (from reference_case) saves recomputing the reference for every implementation."""
     x_cpu = x.cpu() if x.device.type != "cpu" else x
     if expected is None:
-        expected = reference_outputs(x_cpu, block_size, seed, ("roundtrip", what))
+        expected = reference_outputs(x_cpu, block_size, seed, ("roundtrip", what), codec)
     (qr, sr), deq, acc, want_acc = expected
     assert_same_encoding(impl.quantize(x, block_size, seed), (qr, sr), f"quantize {what}")
     qd, sd = qr.to(impl.device), sr.to(impl.device)
     for dtype in DTYPES:
-        assert_same_floats(impl.dequantize(qd, sd, block_size, dtype), deq[dtype], f"dequantize->{dtype} {what}")
+        assert_same_floats(impl.dequantize(qd, sd, block_size, dtype, x.numel()), deq[dtype],
+                           f"dequantize->{dtype} {what}")
     got_acc = acc.to(impl.device, copy=True)  # the cached accumulator stays untouched
     out = impl.dequantize_add_(got_acc, qd, sd, block_size)
     assert out is got_acc
     assert_same_floats(got_acc, want_acc, f"dequantize_add {what}")
 
 
-def reference_outputs(x, block_size, seed, key):
-    q, s = ops.quantize_int8_reference(x, block_size, seed)
-    deq = {dtype: ops.dequantize_int8_reference(q, s, block_size, dtype) for dtype in DTYPES}
-    acc = torch.randn(q.numel(), generator=gen_for("acc", key)) * 3
-    return (q, s), deq, acc, ops.dequantize_add_int8_reference_(acc.clone(), q, s, block_size)
+def reference_outputs(x, block_size, seed, key, codec="int8"):
+    """The reference's codes, decodes (3 dtypes), an accumulator and the reference's dequantize-add into it."""
+    n = x.numel()
+    if codec == "int8":
+        q, s = ops.quantize_int8_reference(x, block_size, seed)
+        deq = {dtype: ops.dequantize_int8_reference(q, s, block_size, dtype) for dtype in DTYPES}
+        add = ops.dequantize_add_int8_reference_
+    else:
+        q, s = ops.quantize_fp4_reference(x, block_size, seed)
+        deq = {dtype: ops.dequantize_fp4_reference(q, s, n, block_size, dtype) for dtype in DTYPES}
+        add = ops.dequantize_add_fp4_reference_
+    acc = torch.randn(n, generator=gen_for("acc", codec, key)) * 3
+    return (q, s), deq, acc, add(acc.clone(), q, s, block_size)
 
 
 @functools.lru_cache(maxsize=None)
-def reference_case(kind, n, dtype, block_size, seed):
+def reference_case(kind, n, dtype, block_size, seed, codec="int8"):
     """Input and reference outputs of one case, shared by every implementation in this run."""
-    x = make(kind, n, dtype, gen_for("case", kind, n, dtype, block_size, seed))
-    return x, reference_outputs(x, block_size, seed, (kind, n, dtype, block_size, seed))
+    x = make(kind, n, dtype, gen_for("case", codec, kind, n, dtype, block_size, seed))
+    return x, reference_outputs(x, block_size, seed, (kind, n, dtype, block_size, seed), codec)
 
 
-def run_case(impl, kind, n, dtype, block_size, seed):
-    x, expected = reference_case(kind, n, dtype, block_size, seed)
-    what = ctx(impl=impl, dtype=dtype, B=block_size, n=n, kind=kind, seed=seed)
-    check_roundtrip(impl, x.to(impl.device), block_size, seed, what, expected)
+def run_case(impl, kind, n, dtype, block_size, seed, codec="int8"):
+    x, expected = reference_case(kind, n, dtype, block_size, seed, codec)
+    what = ctx(impl=impl, codec=codec, dtype=dtype, B=block_size, n=n, kind=kind, seed=seed)
+    check_roundtrip(impl, x.to(impl.device), block_size, seed, what, expected, codec)
 
 
 # ---------------------------------------------------------------------------
