@@ -27,6 +27,7 @@ from test_ops import (  # noqa: F401  (tests/ is on sys.path under pytest)
     check_roundtrip,
     ctx,
     gen_for,
+    impls,
     make,
     needs_cuda,
     needs_ext,
@@ -38,42 +39,7 @@ BLOCK_SIZES = [32, 64, 256, 1024, 4096]
 P = torch.ops.prime if _extension.available() else None
 
 
-class Impl:
-    """One fp4 kernel variant: the public API pinned to a backend, or a named CPU instruction set."""
-
-    def __init__(self, name, device, backend=None, isa=None):
-        self.name, self.device, self.backend, self.isa = name, torch.device(device), backend, isa
-
-    def quantize(self, x, block_size, seed=None):
-        if self.isa:
-            return P._quantize_fp4_isa(x, block_size, seed, self.isa)
-        return ops.quantize_fp4(x, block_size, seed=seed, backend=self.backend, check_finite=False)
-
-    def dequantize(self, q, scales, block_size, dtype=torch.float32, numel=None):
-        if self.isa:
-            return P._dequantize_fp4_isa(q, scales, numel, block_size, dtype, self.isa)
-        return ops.dequantize_fp4(q, scales, numel, block_size, dtype, backend=self.backend)
-
-    def dequantize_add_(self, acc, q, scales, block_size):
-        if self.isa:
-            P._dequantize_add_fp4_isa_(acc, q, scales, block_size, self.isa)
-            return acc
-        return ops.dequantize_add_fp4_(acc, q, scales, block_size, backend=self.backend)
-
-    def __repr__(self):
-        return self.name
-
-
-def _impls():
-    out = [pytest.param(Impl("cpu", "cpu", backend="cpu"), marks=needs_ext, id="cpu")]
-    if _extension.available():
-        for isa in P._cpu_codec_isas():
-            out.append(pytest.param(Impl(f"cpu-{isa}", "cpu", isa=isa), id=f"cpu-{isa}"))
-    out.append(pytest.param(Impl("cuda", "cuda", backend="cuda"), marks=needs_cuda, id="cuda"))
-    return out
-
-
-IMPLS = _impls()
+IMPLS = impls("fp4")
 
 
 def codes_of(q: torch.Tensor, n: int) -> torch.Tensor:

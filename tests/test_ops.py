@@ -46,42 +46,46 @@ def ctx(**kw) -> str:
 
 
 class Impl:
-    """One kernel variant: the public API pinned to a backend, or a named CPU instruction set."""
+    """One kernel variant of a codec (int8, fp4): the public API pinned to a backend, or a named CPU
+    instruction set. The same calls for both codecs (dequantize takes the value count fp4 needs)."""
 
-    def __init__(self, name, device, backend=None, isa=None):
-        self.name, self.device, self.backend, self.isa = name, torch.device(device), backend, isa
+    def __init__(self, name, device, backend=None, isa=None, codec="int8"):
+        self.name, self.device, self.backend, self.isa, self.codec = name, torch.device(device), backend, isa, codec
 
     def quantize(self, x, block_size, seed=None):
         if self.isa:
-            return torch.ops.prime._quantize_int8_isa(x, block_size, seed, self.isa)
-        return ops.quantize_int8(x, block_size, seed=seed, backend=self.backend, check_finite=False)
+            return getattr(torch.ops.prime, f"_quantize_{self.codec}_isa")(x, block_size, seed, self.isa)
+        return getattr(ops, f"quantize_{self.codec}")(x, block_size, seed=seed, backend=self.backend,
+                                                      check_finite=False)
 
     def dequantize(self, q, scales, block_size, dtype=torch.float32, numel=None):
         """(numel: the values q encodes; int8 knows it from q.)"""
+        args = (q, scales, block_size, dtype) if self.codec == "int8" else (q, scales, numel, block_size, dtype)
         if self.isa:
-            return torch.ops.prime._dequantize_int8_isa(q, scales, block_size, dtype, self.isa)
-        return ops.dequantize_int8(q, scales, block_size, dtype, backend=self.backend)
+            return getattr(torch.ops.prime, f"_dequantize_{self.codec}_isa")(*args, self.isa)
+        return getattr(ops, f"dequantize_{self.codec}")(*args, backend=self.backend)
 
     def dequantize_add_(self, acc, q, scales, block_size):
         if self.isa:
-            torch.ops.prime._dequantize_add_int8_isa_(acc, q, scales, block_size, self.isa)
+            getattr(torch.ops.prime, f"_dequantize_add_{self.codec}_isa_")(acc, q, scales, block_size, self.isa)
             return acc
-        return ops.dequantize_add_int8_(acc, q, scales, block_size, backend=self.backend)
+        return getattr(ops, f"dequantize_add_{self.codec}_")(acc, q, scales, block_size, backend=self.backend)
 
     def __repr__(self):
         return self.name
 
 
-def _impls():
-    out = [pytest.param(Impl("cpu", "cpu", backend="cpu"), marks=needs_ext, id="cpu")]
+def impls(codec="int8"):
+    """The kernel variants of `codec` here, as pytest params."""
+    out = [pytest.param(Impl("cpu", "cpu", backend="cpu", codec=codec), marks=needs_ext, id="cpu")]
     if _extension.available():
         for isa in torch.ops.prime._cpu_codec_isas():
-            out.append(pytest.param(Impl(f"cpu-{isa}", "cpu", isa=isa), id=f"cpu-{isa}"))
-    out.append(pytest.param(Impl("cuda", "cuda", backend="cuda"), marks=needs_cuda, id="cuda"))
+            out.append(pytest.param(Impl(f"cpu-{isa}", "cpu", isa=isa, codec=codec), id=f"cpu-{isa}"))
+    out.append(pytest.param(Impl("cuda", "cuda", backend="cuda", codec=codec), marks=needs_cuda, id="cuda"))
     return out
 
 
-IMPLS = _impls()
+IMPLS = impls()
 # the backends behind the public ops (the named instruction sets only exist on the CPU)
 BACKENDS = [
     pytest.param("cpu", marks=needs_ext, id="cpu"),

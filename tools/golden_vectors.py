@@ -218,14 +218,10 @@ class Lcg:
         return lo + self.next() % (hi - lo + 1)
 
 
-def fp32_input(rng: Lcg) -> list[float]:
+def common_blocks(rng: Lcg) -> list[list[float]]:
+    """Blocks 1-7 of both codecs' fp32 input (qmax: 127 for int8, 6 for fp4)."""
     blocks = []
-    # 0: ties. a = 127 * 2^-3, so scale = 2^-3 and inv = 8 exactly; x = (k + 0.5) * 2^-3
-    # lands on v = k + 0.5. Repeated maxima of both signs; signed zeros.
-    ks = [0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, 125.5, -126.5, 126.5, -125.5, 63.5, -64.5, 0.0, -0.0]
-    ks += [rng.int(-127, 126) + 0.5 for _ in range(B - len(ks) - 3)]
-    blocks.append([127.0 * 0.125, -127.0 * 0.125, 127.0 * 0.125] + [k * 0.125 for k in ks])
-    # 1: ordinary values, largest |x| = 1 twice (scale 1/127 rounded, inv 127)
+    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded, inv qmax)
     b = [rng.uniform() for _ in range(B)]
     b[5], b[17] = 1.0, -1.0
     blocks.append(b)
@@ -233,9 +229,9 @@ def fp32_input(rng: Lcg) -> list[float]:
     blocks.append([f32(-3.7)] * B)
     # 3: zeros of both signs: scale 0, inv 0
     blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: 127 / a overflows, so q is all zero and scale = a / 127 (rounds to a subnormal or 0)
+    # 4: subnormals: qmax / a overflows, so every code is 0 and scale = a / qmax (a subnormal or 0)
     blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
-    # 5: a ~ 1e-36: inv finite, scale subnormal
+    # 5: a ~ 1e-36: inv finite; the scale is subnormal for int8, normal for fp4 (1e-36 / 6 > 2^-126)
     blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])
     # 6: huge: a = FLT_MAX
     blocks.append([f32(rng.uniform() * 3e38) for _ in range(B - 1)] + [-FLT_MAX])
@@ -243,6 +239,17 @@ def fp32_input(rng: Lcg) -> list[float]:
     b = [rng.uniform() for _ in range(B)]
     b[11] = math.nan
     blocks.append(b)
+    return blocks
+
+
+def fp32_input(rng: Lcg) -> list[float]:
+    blocks = []
+    # 0: ties. a = 127 * 2^-3, so scale = 2^-3 and inv = 8 exactly; x = (k + 0.5) * 2^-3
+    # lands on v = k + 0.5. Repeated maxima of both signs; signed zeros.
+    ks = [0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, 125.5, -126.5, 126.5, -125.5, 63.5, -64.5, 0.0, -0.0]
+    ks += [rng.int(-127, 126) + 0.5 for _ in range(B - len(ks) - 3)]
+    blocks.append([127.0 * 0.125, -127.0 * 0.125, 127.0 * 0.125] + [k * 0.125 for k in ks])
+    blocks += common_blocks(rng)
     # 8: a short last block (7 values) with an infinity: the flag
     blocks.append([rng.uniform() for _ in range(6)] + [math.inf])
     return [x for blk in blocks for x in blk]
@@ -267,24 +274,7 @@ def fp4_input(rng: Lcg) -> list[float]:
     ts += [from_bits32(bits32(t) + d) for t in mids for d in (-1, 1)]
     ts += [-0.1, -0.0, 0.0]
     blocks.append([1.5, -1.5] + [f32(t * 0.25) for t in ts][: B - 2])
-    # 1: ordinary values, largest |x| = 1 twice (scale 1/6 rounded, inv 6)
-    b = [rng.uniform() for _ in range(B)]
-    b[5], b[17] = 1.0, -1.0
-    blocks.append(b)
-    # 2: all equal: every code is -6 (f)
-    blocks.append([f32(-3.7)] * B)
-    # 3: zeros of both signs: scale 0, inv 0
-    blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: 6 / a overflows, so every code is 0 and scale = a / 6
-    blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
-    # 5: a ~ 1e-36: inv finite, scale a / 6 a normal number (1e-36 / 6 > 2^-126)
-    blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])
-    # 6: huge: a = FLT_MAX
-    blocks.append([f32(rng.uniform() * 3e38) for _ in range(B - 1)] + [-FLT_MAX])
-    # 7: a NaN in a block: the flag
-    b = [rng.uniform() for _ in range(B)]
-    b[11] = math.nan
-    blocks.append(b)
+    blocks += common_blocks(rng)  # (block 2: every code is -6, f)
     # 8: a short last block of 7 values (an odd count: the last byte's high nibble is 0)
     blocks.append([rng.uniform() for _ in range(7)])
     return [x for blk in blocks for x in blk]
