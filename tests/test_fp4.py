@@ -1,8 +1,9 @@
 """The fp4 block codec's C++ backends (CPU, every instruction set; CUDA when present)
 against the pure-torch reference, bit for bit, on fresh random data; and its
 properties stated without the reference (the nearest-even rule on midpoints, the
-error bound, unbiased stochastic rounding). tests/test_ops.py does the same for int8
-and lends its data makers and comparisons; Triton has its own file (tests/test_triton.py).
+error bound, unbiased stochastic rounding). tests/test_ops.py runs its random-data
+round trips (every block size, dtype and length, large tensors, seeds) for both codecs
+and lends its helpers here; Triton has its own file (tests/test_triton.py).
 
 The run's seed is printed at import (test_ops) and in every failure message; rerun with
 PRIME_TEST_SEED=<seed> to replay it.
@@ -32,10 +33,8 @@ from test_ops import (  # noqa: F401  (tests/ is on sys.path under pytest)
     needs_cuda,
     needs_ext,
     relative_l2,
-    run_case,
 )
 
-BLOCK_SIZES = [32, 64, 256, 1024, 4096]
 P = torch.ops.prime if _extension.available() else None
 
 
@@ -50,37 +49,6 @@ def codes_of(q: torch.Tensor, n: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------
 # bit-exactness on random data
-
-
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", IMPLS)
-def test_matches_reference(impl, dtype, block_size):
-    B = block_size
-    for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):  # odd lengths: a last half byte
-        kind = list(KINDS)[i % len(KINDS)]
-        seed = None if i % 2 == 0 else (SEED + i) & 0xFFFFFFFF
-        run_case(impl, kind, n, dtype, B, seed, "fp4")
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_large_tensor(impl):
-    """2^20 + 7 elements: many threads' worth of blocks and a short last block."""
-    n = (1 << 20) + 7
-    for kind, dtype, B, seed in [("student_t", torch.float32, 256, None), ("outliers", torch.bfloat16, 4096, None),
-                                 ("normal", torch.float16, 32, SEED & 0xFFFF)]:
-        run_case(impl, kind, n, dtype, B, seed, "fp4")
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_stochastic_seeds(impl):
-    x = make("student_t", 50_001, torch.float32, gen_for("fp4 seeds", impl.name)).to(impl.device)
-    for seed in [0, 1, 2**31 + 5, 2**32 - 1, SEED]:
-        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed), codec="fp4")
-    if not impl.isa:  # the public API keys on any Python int mod 2^32
-        for seed in [-1, 2**64 + 7]:
-            assert_same_encoding(impl.quantize(x, 128, seed), ops.quantize_fp4_reference(x.cpu(), 128, seed),
-                                 ctx(impl=impl, seed=seed))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

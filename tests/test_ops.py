@@ -76,16 +76,18 @@ class Impl:
 
 
 def impls(codec="int8"):
-    """The kernel variants of `codec` here, as pytest params."""
-    out = [pytest.param(Impl("cpu", "cpu", backend="cpu", codec=codec), marks=needs_ext, id="cpu")]
+    """The kernel variants of `codec` here, as pytest params (ids: cpu, cpu-avx2, ...; fp4-cpu, ... for fp4)."""
+    pre = "" if codec == "int8" else f"{codec}-"
+    out = [pytest.param(Impl(f"{pre}cpu", "cpu", backend="cpu", codec=codec), marks=needs_ext, id=f"{pre}cpu")]
     if _extension.available():
         for isa in torch.ops.prime._cpu_codec_isas():
-            out.append(pytest.param(Impl(f"cpu-{isa}", "cpu", isa=isa, codec=codec), id=f"cpu-{isa}"))
-    out.append(pytest.param(Impl("cuda", "cuda", backend="cuda", codec=codec), marks=needs_cuda, id="cuda"))
+            out.append(pytest.param(Impl(f"{pre}cpu-{isa}", "cpu", isa=isa, codec=codec), id=f"{pre}cpu-{isa}"))
+    out.append(pytest.param(Impl(f"{pre}cuda", "cuda", backend="cuda", codec=codec), marks=needs_cuda, id=f"{pre}cuda"))
     return out
 
 
 IMPLS = impls()
+BOTH_CODECS = impls("int8") + impls("fp4")  # the tests that hold for either codec as written
 # the backends behind the public ops (the named instruction sets only exist on the CPU)
 BACKENDS = [
     pytest.param("cpu", marks=needs_ext, id="cpu"),
@@ -218,34 +220,34 @@ def run_case(impl, kind, n, dtype, block_size, seed, codec="int8"):
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_matches_reference(impl, dtype, block_size):
     B = block_size
-    for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):
+    for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):  # (fp4: odd lengths end in half a byte)
         kind = list(KINDS)[i % len(KINDS)]
         seed = None if i % 2 == 0 else (SEED + i) & 0xFFFFFFFF  # both roundings at every size class
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, impl.codec)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_large_tensor(impl, dtype):
     """2^20 + 7 elements: many threads' worth of blocks and a short last block."""
     n = (1 << 20) + 7
     for kind, B, seed in [("student_t", 256, None), ("outliers", 4096, None), ("normal", 32, SEED & 0xFFFF)]:
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, impl.codec)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_stochastic_seeds(impl):
     """Several seeds, including ones above 2^31 and 2^32 - 1; every seed gives the reference's bits."""
     x = make("student_t", 50_001, torch.float32, gen_for("seeds", impl.name)).to(impl.device)
     for seed in [0, 1, 2**31 + 5, 2**32 - 1, SEED]:
-        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed))
+        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed), codec=impl.codec)
     if not impl.isa:  # the public API takes any Python int and keys on it mod 2^32
+        reference = getattr(ops, f"quantize_{impl.codec}_reference")
         for seed in [-1, 2**64 + 7]:
-            assert_same_encoding(impl.quantize(x, 128, seed), ops.quantize_int8_reference(x.cpu(), 128, seed),
-                                 ctx(impl=impl, seed=seed))
+            assert_same_encoding(impl.quantize(x, 128, seed), reference(x.cpu(), 128, seed), ctx(impl=impl, seed=seed))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
