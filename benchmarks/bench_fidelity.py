@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prime.config import load_config, parse_cli  # noqa: E402
 from prime.data import ShardedLoader, TokenSource, load_source  # noqa: E402
-import prime.diloco  # noqa: E402
+import prime.fragments  # noqa: E402
 from prime.diloco import DiLoCo  # noqa: E402
 from prime.model import Transformer  # noqa: E402
 
@@ -201,11 +201,11 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/fidelity")
     ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
     ap.add_argument("--merge-alpha", type=float, default=None,
-                    help="eager-merge: the share of the start's offset kept (prime.diloco.MERGE_ALPHA, 0.5); a study "
+                    help="eager-merge: the share of the start's offset kept (prime.fragments.MERGE_ALPHA, 0.5); a study "
                          "knob of this benchmark only")
     ap.add_argument("--stand-in-others", type=float, default=None,
                     help="eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a "
-                         "stand-in for the other nodes' part of the average (prime.diloco.STAND_IN_OTHERS, 0.5; 1 "
+                         "stand-in for the other nodes' part of the average (prime.fragments.STAND_IN_OTHERS, 0.5; 1 "
                          "gives the whole stand-in of the first eager-merge); a study knob of this benchmark only")
     a, rest = ap.parse_known_args()
     if a.replot:
@@ -215,7 +215,7 @@ def main() -> int:
         return 0
     for name, value in (("MERGE_ALPHA", a.merge_alpha), ("STAND_IN_OTHERS", a.stand_in_others)):
         if value is not None:
-            setattr(prime.diloco, name, value)
+            setattr(prime.fragments, name, value)
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -267,8 +267,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
-            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.diloco.MERGE_ALPHA,
-            "stand_in_others": prime.diloco.STAND_IN_OTHERS}
+            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.fragments.MERGE_ALPHA,
+            "stand_in_others": prime.fragments.STAND_IN_OTHERS}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:

@@ -198,6 +198,8 @@ class DiLoCoConfig:
     """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
+    fragments: int = 1
+    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights. Not with elastic.enabled."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
@@ -205,8 +207,18 @@ class DiLoCoConfig:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
         _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed", "eager-merge"), "diloco.overlap_scheme",
                  "'eager', 'eager-adaptive', 'delayed' or 'eager-merge'", self.overlap_scheme)
+        _require(1 <= self.fragments <= self.inner_steps, "diloco.fragments",
+                 f"in [1, diloco.inner_steps = {self.inner_steps}]", self.fragments)
+        _require_range(self.fragments, "diloco.fragments", 1, 1024)
         _require(0 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
                  f"in [0, diloco.inner_steps = {self.inner_steps}] (0: inner_steps)", self.overlap_steps)
+        if self.fragments > 1:
+            from prime.fragments import FragmentSchedule
+
+            spacing = FragmentSchedule(self.inner_steps, self.fragments).spacing()
+            _require(self.overlap_steps <= spacing, "diloco.overlap_steps",
+                     f"<= {spacing} with diloco.fragments = {self.fragments} (inner_steps / fragments: the spacing of "
+                     "the fragments' syncs, so that one average is in flight at a time; 0: that)", self.overlap_steps)
         _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
                  "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
@@ -438,6 +450,10 @@ class Config:
             raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
                              "decides at each outer step who contributes, which an all-reduce already in flight "
                              "cannot follow; set diloco.overlap = false")
+        if self.elastic.enabled and self.diloco.fragments > 1:
+            raise ValueError(f"diloco.fragments = {self.diloco.fragments} is not supported with elastic.enabled = true: "
+                             "elastic membership decides who contributes per whole outer step and hands joiners the "
+                             "whole state; set diloco.fragments = 1")
         if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
             raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
                              "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")

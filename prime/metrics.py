@@ -276,7 +276,7 @@ class RunMetrics:
         ar_s /= self.local_world
         err = r.compression_error
         # what data parallelism among this outer step's nodes would have sent over the same inner steps
-        dp = 2 * (n - 1) / n * 4 * self.model_numel * self.inner_steps
+        dp = 2 * (n - 1) / n * 4 * self.model_numel * self.inner_steps * getattr(r, "share", 1.0)  # (its fragment)
         self.total_sent += sent
         self.sent_measured &= measured
         self.total_dp += dp

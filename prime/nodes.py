@@ -95,14 +95,13 @@ class Nodes(Protocol):
 def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, str]:
     """(blake2b of this process's final weights, what they are). The weights agree bit for bit across nodes
     only right after an outer step, so after a run whose last step is not one this hashes the outer weights."""
-    outer = diloco.state_dict().get("outer")
-    synced = diloco.since_sync == 0 or outer is None
+    synced = not diloco.distributed or diloco.since_sync == 0
     h = hashlib.blake2b(digest_size=16)
     if synced:
         for p in model.parameters():
             h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
     else:
-        h.update(outer.numpy().tobytes())
+        h.update(diloco.outer_weights().numpy().tobytes())
     return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
 
 
@@ -192,7 +191,7 @@ class FixedNodes:
         d = self.diloco
         if d.distributed and self.cfg.diloco.check_replicas:
             d.check_replicas()
-        if d.distributed and d.since_sync >= d.inner_steps:
+        if d.owes_outer_step():
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
 

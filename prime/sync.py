@@ -122,6 +122,17 @@ def work_stats(work) -> dict:
     return out
 
 
+def _add_stats(totals: dict, stats: dict) -> None:
+    """Adds one piece's work_stats() to the totals of a pipelined average (sums; None stays None)."""
+    for k, v in stats.items():
+        if v is None:
+            totals.setdefault(k, None)
+        elif totals.get(k) is None and k in totals:
+            continue
+        else:
+            totals[k] = totals.get(k, 0) + v
+
+
 def is_comm_error(e: BaseException) -> bool:
     """True for a failed collective: prime.comm.CommError, or an exception of that name (test doubles)."""
     try:
@@ -220,6 +231,8 @@ class RingSync:
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
         self.codec, self.block_size = "int8", 256  # set by bind()
         self._caller_ring = ring
+        self.last_apply_s = 0.0
+        """average_pieces(): seconds the last piece's apply() took (the update left after the wire)."""
         self.ring = ring if ring is not None else ring_factory("start")
         self.rank, self.world_size = self.ring.rank, self.ring.world_size
 
@@ -298,6 +311,77 @@ class RingSync:
                 recompute: Callable[[torch.Tensor], None]) -> SyncResult:
         return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
                                group=self.average_group)
+
+    def average_pieces(self, grad: torch.Tensor, ranges: list, *, outer_step: int, inner_step: int,
+                       prepare: Callable[[int], None], apply: Callable[[int], None], start: int = 0) -> SyncResult:
+        """A pipelined average of `grad` in pieces: grad[lo:hi] for each (lo, hi) of `ranges`, from piece
+        `start` on. prepare(j) writes piece j's pseudo-gradient (and may raise to stop: a pseudo-gradient that is
+        not finite); its all-reduce is queued on the ring at once, so the wire starts with the first piece while
+        the next ones are prepared. apply(j) runs once piece j's average is in grad, in order, while the later
+        pieces are still on the wire: its update never waits for the whole average.
+
+        Every process of the node agrees on each piece before applying it (all rings of the node then fail and
+        are rebuilt together). A failed piece is retried, with every piece after it, on a fresh ring (tagged
+        with the outer step, the piece and the attempt); pieces already applied stay applied. OuterSyncError
+        when no attempt works: the outer weights then hold the pieces before the failed one (the caller's
+        Fragment records how many, so that a resumed run does only the rest)."""
+        t0 = time.perf_counter()
+        group = self.local_group
+        attempts = 1 + (self.retries if self.ring_factory is not None else 0)
+        totals: dict = {}
+        done, last = start, None
+        self.last_apply_s = 0.0
+        for attempt in range(attempts):
+            works: dict = {}
+            err = None
+            for j in range(done, len(ranges)):
+                prepare(j)  # may raise (a pseudo-gradient that is not finite): no retry
+                lo, hi = ranges[j]
+                if grad.is_cuda:
+                    torch.cuda.current_stream(grad.device).synchronize()  # the piece is written
+                try:
+                    if self.ring is None:
+                        if self.ring_factory is None:
+                            raise OuterSyncError("the ring failed earlier and no ring_factory was given to "
+                                                 "rebuild it; restart the job")
+                        self.ring = self.ring_factory(f"o{outer_step - 1}p{done}a{attempt}")
+                    works[j] = self.ring.all_reduce(grad[lo:hi], op="avg", codec=self.codec,
+                                                    block_size=self.block_size)
+                except Exception as e:
+                    if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
+                        raise  # a bug or a bad argument, not a network failure: no retry
+                    err = e
+                    break
+            failed = False
+            for j in range(done, len(ranges)):
+                piece_err = err if j not in works else None
+                if piece_err is None:
+                    try:
+                        works[j].wait()
+                        _add_stats(totals, work_stats(works[j]))
+                    except Exception as e:
+                        if not is_comm_error(e):
+                            raise
+                        piece_err = e
+                if not all_local(group, piece_err is None):
+                    last = piece_err or last or RuntimeError("the all-reduce failed on another process of this node")
+                    self._drop_ring()
+                    failed = True
+                    break
+                if grad.is_cuda:
+                    torch.cuda.synchronize(grad.device)  # the ring's decode is in grad
+                u0 = time.perf_counter()
+                apply(j)
+                self.last_apply_s = time.perf_counter() - u0
+                done = j + 1
+            if not failed:
+                return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
+                                  attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=totals)
+        raise OuterSyncError(
+            f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) at piece {done + 1} of "
+            f"{len(ranges)} (last error: {last}). Pieces 1 to {done} were applied; the rest was not. Stopping so that "
+            "nodes do not diverge: restart every node from the last checkpoint."
+        )
 
     def committed(self, result: SyncResult) -> None:
         pass

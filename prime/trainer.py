@@ -95,9 +95,8 @@ class Trainer:
 
     def _describe(self) -> None:
         lines = [self.parts.describe(self.cfg, self.env, self.metrics.peak), self.data.describe(), self.nodes.describe()]
-        state = self.diloco.state
-        if state is not None and state.on_gpu:  # where the outer state went, and why (diloco.outer_state_device)
-            lines.append(state.device_reason)
+        if self.diloco.placement and self.env.device.type == "cuda":  # where the outer state went, and why
+            lines.append(self.diloco.placement)
         if self.resumed_from is not None:
             lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
         for line in filter(None, lines):
@@ -174,7 +173,9 @@ class Trainer:
                     self._save()
                 faults.hit("train.after_step", self.step, log=m.print,  # prime/faults.py
                            before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
-            self.diloco.finish()  # overlap: the last outer step's average is applied (nothing without overlap)
+            # overlap: the last averages are applied; fragments: those with inner steps not yet averaged sync
+            for result in self.diloco.finish():
+                self._log_outer(result, AfterOuter(note=" | final sync of this fragment"))
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:
