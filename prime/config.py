@@ -40,6 +40,7 @@ __all__ = [
     "DataConfig",
     "CheckpointConfig",
     "MetricsConfig",
+    "MemoryConfig",
     "NodesConfig",
     "ElasticConfig",
     "load_config",
@@ -346,6 +347,23 @@ class MetricsConfig:
 
 
 @dataclass
+class MemoryConfig:
+    check: bool = True
+    """Refuse to start when the memory plan printed at start (every process's GPU and host memory, checkpoints included) does not fit, naming the settings to change (prime/memory.py)."""
+    host_gib: float = 0.0
+    """Host memory for all of this job's processes on one host, GiB (0: detected, the cgroup limit or the machine's memory)."""
+    gpu_gib: float = 0.0
+    """Memory of each GPU, GiB (0: the device's)."""
+    host_procs: int = 0
+    """Processes of this job sharing one host's memory (0: counted, the processes that report this host through the store, else this node's)."""
+
+    def validate(self) -> None:
+        _require_range(self.host_gib, "memory.host_gib", 0, 1 << 20, " GiB (0: detected)")
+        _require_range(self.gpu_gib, "memory.gpu_gib", 0, 1 << 16, " GiB (0: detected)")
+        _require_range(self.host_procs, "memory.host_procs", 0, 1 << 16, " (0: counted)")
+
+
+@dataclass
 class NodesConfig:
     num_nodes: int = 1
     """Nodes in the DiLoCo ring (env PRIME_NUM_NODES, flag --num-nodes)."""
@@ -434,6 +452,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 

@@ -268,6 +268,7 @@ class DiLoCo:
         """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
         self.placement = ""
         """Where the outer state lives and why, in one line (empty on a single node)."""
+        self.work_bytes = 0
         self._settings_fields: tuple = ()
         if self.distributed:
             self._build_fragments(named, inner_optimizer, outer_state_device, outer_lr, outer_momentum, nesterov,
@@ -301,10 +302,13 @@ class DiLoCo:
         frag_numel = [sum(-(-locals_[i].numel() // bs) * bs for i in idx) for idx in groups]
         total, largest = sum(frag_numel), max(frag_numel)
         on_gpu = any(t.device.type == "cuda" for t in locals_)
-        grads, starts = self.work_buffers()
+        G = _local_world()
+        pieces = [1 if self.overlap else sync_pieces(sum(params[i].numel() for i in idx), G) for idx in groups]
+        self.work_bytes = self._work_bytes(frag_numel, pieces, on_gpu)
+        """Bytes of the work buffers (pseudo-gradients, overlap start points) at most, on the work device."""
         if device == "auto":
             pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
-            pending += (grads + starts) * 4 * largest + staging_bytes(False, on_gpu) if on_gpu else 0
+            pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0
             home, why = choose_device("auto", locals_, 2, pending, numel=total)
             device = "gpu" if home.type == "cuda" else "cpu"
         else:
@@ -319,15 +323,25 @@ class DiLoCo:
             nodes=lambda: self._sync.world_size, check_finite=self._agree_finite)
         self._settings = settings
         model_numel = sum(p.numel() for p in params) or 1
-        G = _local_world()
         for p, idx in enumerate(groups):
             st = OuterState([params[i] for i in idx], block_size=bs, outer_lr=lr, outer_momentum=mu,
                             nesterov=nesterov, optimizer_factory=outer_optimizer, device=device)
             share = sum(params[i].numel() for i in idx) / model_numel
-            global_numel = sum(params[i].numel() for i in idx)
-            pieces = sync_pieces(global_numel, G) if not self.overlap else 1
-            self.fragments.append(Fragment(p, st, self.schedule.offset(p), settings, share, pieces))
+            self.fragments.append(Fragment(p, st, self.schedule.offset(p), settings, share, pieces[p]))
         self._groups = groups
+
+    def _work_bytes(self, frag_numel: list, pieces: list, on_gpu: bool) -> int:
+        """The work buffers' bytes at most: with overlap, work_buffers() of the largest fragment's size; a
+        synchronous step, the largest fragment's pseudo-gradient, or PIPELINE_DEPTH pieces of it when pipelined
+        (a piece is cut at a pass piece, so it may be up to one pass piece longer than its share)."""
+        from prime.fragments import PIPELINE_DEPTH
+        from prime.outer import _CHUNK, _PIPE_CHUNK
+
+        if self.overlap:
+            grads, starts = self.work_buffers()
+            return (grads + starts) * 4 * max(frag_numel)
+        chunk = _PIPE_CHUNK if on_gpu else _CHUNK
+        return max(4 * (n if k == 1 else PIPELINE_DEPTH * min(n, -(-n // k) + chunk)) for n, k in zip(frag_numel, pieces))
 
     def work_buffers(self) -> tuple:
         """(pseudo-gradient buffers, start buffers) of the largest fragment's size this DiLoCo keeps at most on

@@ -44,6 +44,11 @@ SYNC_PIECE_VALUES = 1 << 27
 many values (128M: 512 MiB of fp32, 128 MiB of int8, 0.2 s of a 5 Gbit/s link; PCIe moves it in ~10 ms), so
 that preparing and applying pieces overlaps the wire. Smaller fragments go in one all-reduce, as before."""
 
+PIPELINE_DEPTH = 3
+"""Pieces of a pipelined synchronous outer step prepared and not yet applied at once (each its own work buffer):
+the piece being applied, the one on the wire and the next, queued; 3 x 512 MiB at most on the GPU instead of
+the fragment's whole pseudo-gradient."""
+
 STAND_IN_OTHERS = 0.5
 """eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
 other nodes' part of the average (stand_in_share()). Measured in benchmarks/RESULTS.md, "Overlap at longer
@@ -329,6 +334,7 @@ class Fragment:
         self._inflight: Optional[_InFlight] = None
         self._last_sq: Optional[float] = None
         self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
+        self._slots: Optional[torch.Tensor] = None  # the pipelined step's piece buffers
 
     # -- the schedule -----------------------------------------------------------------
 
@@ -356,23 +362,30 @@ class Fragment:
 
     @torch.no_grad()
     def sync(self, inner_step: int, outer_step: int) -> tuple:
-        """A synchronous outer step of this fragment. Returns (SyncResult, timings dict, norm, own error)."""
+        """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several.
+        Returns (SyncResult, timings dict, norm, own error)."""
         st, s = self.state, self.s
         st.ensure_taken()
         t0 = time.perf_counter()
-        base = s.grads.take()
-        g = base[: st.numel]
         ranges = st.ranges(self.pieces)
-        sq, first = [0.0], [None]
-        own_sq = [0.0]
+        sq, first, own_sq = [0.0], [None], [0.0]
         measure_own = s.measure_compression_error and not _ring_reports_error(s.sync)
+        pipelined = isinstance(s.sync, RingSync) and len(ranges) > 1
+        if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
+            width = max(hi - lo for lo, hi in ranges)
+            slots = self._piece_slots(width)
+            buffer = lambda j: slots[j % PIPELINE_DEPTH][: ranges[j][1] - ranges[j][0]]  # noqa: E731
+            base = None
+        else:
+            base = s.grads.take()
+            buffer = lambda j: base[ranges[j][0] : ranges[j][1]]  # noqa: E731
 
         def prepare(j: int) -> None:
             lo, hi = ranges[j]
-            q = st.pseudo_gradient(g, lo=lo, hi=hi)
+            q = st.pseudo_gradient(buffer(j), lo=lo, hi=hi, at=lo)
             finite = math.isfinite(q)
             if measure_own and finite and hi > lo:
-                own_sq[0] += st.int8_error_sq(g[lo:hi])
+                own_sq[0] += st.int8_error_sq(buffer(j))
             sq[0] += q
             s.check_finite(finite, outer_step)
             if first[0] is None:
@@ -380,29 +393,28 @@ class Fragment:
 
         def apply(j: int) -> None:
             lo, hi = ranges[j]
-            st.update(g, load=True, lo=lo, hi=hi)
+            st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
             self.pieces_done = j + 1
 
         try:
-            sync = s.sync
-            if isinstance(sync, RingSync) and len(ranges) > 1:
-                r = sync.average_pieces(g, ranges, outer_step=outer_step, inner_step=inner_step,
-                                        prepare=prepare, apply=apply, start=self.pieces_done)
-                u_last = sync.last_apply_s
+            if pipelined:
+                r = s.sync.average_pieces(ranges, outer_step=outer_step, inner_step=inner_step, buffer=buffer,
+                                          prepare=prepare, apply=apply, start=self.pieces_done,
+                                          window=PIPELINE_DEPTH)
+                u_last = s.sync.last_apply_s
             else:  # one all-reduce (elastic membership, or a fragment small enough)
                 todo = range(self.pieces_done, len(ranges))
                 lo, hi = ranges[todo[0]][0], ranges[-1][1]
                 for j in todo:
                     prepare(j)
-                sub = g[lo:hi]
 
-                def recompute(b):
+                def recompute(_):
                     for j in todo:
-                        st.pseudo_gradient(g, lo=ranges[j][0], hi=ranges[j][1])
+                        st.pseudo_gradient(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
 
-                r = sync.average(sub, outer_step=outer_step, inner_step=inner_step, recompute=recompute)
+                r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
                 u0 = time.perf_counter()
-                st.update(g, load=True, lo=lo, hi=hi)
+                st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
                 u_last = time.perf_counter() - u0
             self.pieces_done = 0
         finally:
@@ -413,6 +425,12 @@ class Fragment:
         self.outer_step += 1
         self.since_sync = 0
         return r, timings, norm, own
+
+    def _piece_slots(self, width: int) -> list:
+        """PIPELINE_DEPTH work buffers of `width` values for a pipelined synchronous step (kept)."""
+        if self._slots is None or self._slots.numel() < PIPELINE_DEPTH * width:
+            self._slots = torch.zeros(PIPELINE_DEPTH * width, dtype=torch.float32, device=self.state.work_device)
+        return [self._slots[i * width : (i + 1) * width] for i in range(PIPELINE_DEPTH)]
 
     # -- the overlapped outer step ---------------------------------------------------------
 
@@ -431,7 +449,13 @@ class Fragment:
         st.ensure_taken()
         base = s.grads.take()  # a second one once: at the second outer step of a whole-phase overlap
         g = base[: st.numel]
-        sq = st.pseudo_gradient(g, anchor=self.start)
+        eager = s.overlap_scheme.startswith("eager")
+        fused = eager and self.start is None and self._inflight is None  # overlap_steps < the phase (fragments)
+        if fused:  # the pseudo-gradient and the next start in one pass over the outer state
+            self.start = s.starts.take()[: st.numel]
+            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=self._stand_in_scale())
+        else:
+            sq = st.pseudo_gradient(g, anchor=self.start)
         norm = math.sqrt(sq)
         finite = math.isfinite(norm)
         own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
@@ -452,14 +476,15 @@ class Fragment:
             r, applied, wait_s = self._midway
             self._midway = None
         u0 = time.perf_counter()
-        eager = s.overlap_scheme.startswith("eager")
         if prev is not None:
             a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
             self._adapt(a_sq)
             s.grads.give(prev.base)
         elif not eager:
             st.load_into_model()
-        if eager:
+        if fused:
+            self._last_sq = sq
+        elif eager:
             src = g
             if self.start is None:
                 self.start = s.starts.take()[: st.numel]
@@ -509,13 +534,17 @@ class Fragment:
         of this fragment's next pseudo-gradient. (A checkpoint may have applied the average already.)"""
         t0 = time.perf_counter()
         flight, self._inflight = self._inflight, None
+        keep = (1.0 - MERGE_ALPHA) if self.s.overlap_scheme == "eager-merge" else None
         if flight is not None:
             r = self._join(flight)
-            self._adapt(self.state.update(flight.buf, norm=True))
+            if self.start is not None:  # the update and the shift in one pass over the outer state
+                self._adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
+                self._give_start()
+            else:
+                self._adapt(self.state.update(flight.buf, norm=True))
             self.s.grads.give(flight.base)
             self._midway = (r, flight.outer_step, time.perf_counter() - t0)
-        if self.start is not None:
-            keep = (1.0 - MERGE_ALPHA) if self.s.overlap_scheme == "eager-merge" else None
+        if self.start is not None:  # (a checkpoint applied the average already)
             self.state.shift_to_outer(self.start, keep)  # keep alpha of the offset: the inner steps undid part
             self._give_start()
 

@@ -282,7 +282,8 @@ class RunMetrics:
         self.total_dp += dp
         now = time.perf_counter()
         wall = now - self.phase_t0
-        util = self.phase_compute / wall if wall > 0 else float("nan")
+        compute = self.phase_compute
+        util = compute / wall if wall > 0 else float("nan")
         self.phase_t0, self.phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
         self.print(
@@ -291,7 +292,8 @@ class RunMetrics:
             f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
             + (f" | {r.attempts} attempts" if r.attempts > 1 else "") + note
         )
-        self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
+        self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s, phase_s=wall,
+                    phase_compute_s=compute, fragment=getattr(r, "fragment", 0),
                     prepare_s=getattr(r, "prepare_s", None), update_s=getattr(r, "update_s", None),
                     bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
                     pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **(fields or {}),

@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -166,6 +167,35 @@ def choose_device(device: str, local_tensors: list, buffers: int, pending_bytes:
 def staging_bytes(home_on_gpu: bool, on_gpu: bool) -> int:
     """GPU memory a streamed outer state keeps for its staging slots (0 when its home is its work device)."""
     return 0 if home_on_gpu or not on_gpu else _SLOTS * 2 * 4 * _PIPE_CHUNK
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: CUDA may be gone already
+        pass
+
+
+def pinned_zeros(numel: int) -> torch.Tensor:
+    """A zeroed fp32 CPU tensor of exactly `numel` values, page-locked for asynchronous copies.
+
+    Not pin_memory=True: torch's caching host allocator rounds every pinned block up to a power of two, so the
+    20 GB buffers of a 10B model's shard would pin 32 GB each. Here the pages of an ordinary allocation are
+    registered with CUDA (cudaHostRegister), exactly its size, and unregistered when the tensor is freed;
+    where registering fails, pin_memory=True it is (with its rounding)."""
+    t = torch.empty(numel, dtype=torch.float32)
+    nbytes = numel * 4
+    if nbytes:
+        ptr = t.data_ptr()
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        except Exception as e:  # no CUDA runtime bindings
+            err = e
+        if err not in (0, None) and not (hasattr(err, "value") and err.value == 0):
+            logger.warning("cudaHostRegister of %d bytes failed (%s): pinning with pin_memory=True", nbytes, err)
+            return torch.zeros(numel, dtype=torch.float32, pin_memory=True)
+        weakref.finalize(t, _unregister, ptr)  # before its memory goes back (the tensor owns it)
+    return t.zero_()
 
 
 OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -280,7 +310,9 @@ class OuterState:
     # -- layout ------------------------------------------------------------
 
     def _home_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=torch.float32, device=self.device, pin_memory=self._pin)
+        if self._pin:
+            return pinned_zeros(self.numel)
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
     def new_buffer(self) -> torch.Tensor:
         """A zeroed flat fp32 work buffer of the layout, on the work device (the parameters' GPU or the CPU)."""
@@ -367,17 +399,21 @@ class OuterState:
         return [[self._staging[(2 * i + j) * width : (2 * i + j + 1) * width] for j in range(k)]
                 for i in range(_SLOTS)]
 
-    def _walk(self, fn, *, home=(), work=(), write_home=False, lo: int = 0, hi: Optional[int] = None) -> None:
+    def _walk(self, fn, *, home=(), work=(), write_home=False, lo: int = 0, hi: Optional[int] = None,
+              work_at: int = 0) -> None:
         """Calls fn(piece, *home views, *work views) for every piece of [lo, hi), in order, with every view on the
-        work device: the work buffers' slices, and the home buffers' slices themselves when they live there, else
+        work device: the work buffers' slices (a work buffer's value 0 is flat value `work_at`: a buffer of one
+        range only), and the home buffers' slices themselves when they live there, else
         (streamed) staged copies of them, copied in ahead on a side stream and, with `write_home`, copied back
         after fn on another (one fp32 copy each way: the same bits). Returns once the home buffers hold the
         result."""
         hi = self.numel if hi is None else hi
         pieces = self._pieces_in(lo, hi)
+        w = work_at
+
         if not self.streamed:
             for p in pieces:
-                fn(p, *[b[p.lo : p.hi] for b in home], *[b[p.lo : p.hi] for b in work])
+                fn(p, *[b[p.lo : p.hi] for b in home], *[b[p.lo - w : p.hi - w] for b in work])
             return
         width = max((p.hi - p.lo for p in pieces), default=0)
         slots = self._slots(len(home), width)
@@ -387,7 +423,7 @@ class OuterState:
                 staged = [s[: p.hi - p.lo] for s in slots[0]]
                 for s, b in zip(staged, home):
                     s.copy_(b[p.lo : p.hi])
-                fn(p, *staged, *[b[p.lo : p.hi] for b in work])
+                fn(p, *staged, *[b[p.lo - w : p.hi - w] for b in work])
                 if write_home:
                     for s, b in zip(staged, home):
                         b[p.lo : p.hi].copy_(s)
@@ -415,7 +451,7 @@ class OuterState:
             slot = i % _SLOTS
             compute.wait_event(landed[i])
             staged = [s[: p.hi - p.lo] for s in slots[slot]]
-            fn(p, *staged, *[b[p.lo : p.hi] for b in work])
+            fn(p, *staged, *[b[p.lo - w : p.hi - w] for b in work])
             done = torch.cuda.Event()
             done.record(compute)
             if write_home:
@@ -481,8 +517,9 @@ class OuterState:
 
     @torch.no_grad()
     def pseudo_gradient(self, g: torch.Tensor, anchor: Optional[torch.Tensor] = None, lo: int = 0,
-                        hi: Optional[int] = None) -> float:
-        """g = anchor - local over [lo, hi) (anchor: the outer weights by default, else a work buffer; padding 0);
+                        hi: Optional[int] = None, at: int = 0) -> float:
+        """g = anchor - local over [lo, hi) (anchor: the outer weights by default, else a work buffer; padding 0;
+        `at`: g holds the values from flat value `at` on, e.g. a buffer of range [lo, hi) only with at = lo);
         returns the squared L2 norm of that part of g (float64 sums of fp32 dot products per piece; not
         bit-critical: it is reported and checked for finiteness only). One pass: the subtraction and the sum
         of squares run on each piece while it is hot."""
@@ -494,8 +531,10 @@ class OuterState:
             sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
 
         if anchor is None:
-            self._walk(body, home=(self.outer,), work=(g,), lo=lo, hi=hi)
+            self._walk(body, home=(self.outer,), work=(g,), lo=lo, hi=hi, work_at=at)
         else:
+            if at:
+                raise ValueError("pseudo_gradient: an anchor buffer needs g of the whole layout (at = 0)")
             self._walk(body, work=(anchor, g), lo=lo, hi=hi)
         return float(sq)  # one host sync on a GPU
 
@@ -533,14 +572,16 @@ class OuterState:
 
     @torch.no_grad()
     def update(self, g: torch.Tensor, *, load: bool = False, norm: bool = False, lo: int = 0,
-               hi: Optional[int] = None) -> Optional[float]:
+               hi: Optional[int] = None, at: int = 0, shift: Optional[torch.Tensor] = None,
+               keep: Optional[float] = None) -> Optional[float]:
         """The outer step on the fp32 outer weights over [lo, hi), from the averaged pseudo-gradient g (a work
-        buffer; same bits on CPU, GPU and streamed). `load`: also copy the new outer weights into the model, piece
+        buffer holding the values from flat value `at` on; same bits on CPU, GPU and streamed). `shift`: in the
+        same pass, shift_to_outer(shift, keep) with the new outer weights (overlap's midway step). `load`: also copy the new outer weights into the model, piece
         by piece as they are computed. `norm`: return the squared L2 norm of g (fp32 dot products per piece,
         summed in float64), else None."""
         sq = torch.zeros((), dtype=torch.float64, device=g.device) if norm else None
         if self.optimizer is not None:
-            if lo != 0 or (hi is not None and hi != self.numel):
+            if lo != 0 or at != 0 or (hi is not None and hi != self.numel):
                 raise ValueError("a custom outer_optimizer updates the whole state at once (no pipelined pieces)")
             self._opt_grad.copy_(g)
             self.optimizer.step()
@@ -552,7 +593,7 @@ class OuterState:
         mu, lr, nesterov = self.mu, self.lr, self.nesterov
         tmp = self._scratch(1)[0]
 
-        def body(p, mc, wc, gc):
+        def body(p, mc, wc, gc, *sc):
             t = tmp[: gc.numel()]
             mc.mul_(mu)
             mc.add_(gc)  # momentum = mu * momentum + g  (two roundings, never one FMA)
@@ -567,8 +608,20 @@ class OuterState:
                 sq.add_(torch.dot(gc, gc).double())  # while gc is hot
             if load:
                 p.write(wc)
+            if sc:
+                torch.sub(wc, sc[0], out=sc[0])  # shift_to_outer, while the new outer weights are hot
+                if keep is not None:
+                    sc[0].mul_(keep)
+                p.write(sc[0], add=True)
 
-        self._walk(body, home=(self.momentum, self.outer), work=(g,), write_home=True, lo=lo, hi=hi)
+        if shift is None:
+            self._walk(body, home=(self.momentum, self.outer), work=(g,), write_home=True, lo=lo, hi=hi,
+                       work_at=at)
+        else:
+            if at or load:
+                raise ValueError("update(shift=...) covers whole-layout buffers and shifts instead of loading")
+            self._walk(lambda p, mc, wc, gc, sc_: body(p, mc, wc, gc, sc_), home=(self.momentum, self.outer),
+                       work=(g, shift), write_home=True, lo=lo, hi=hi)
         return float(sq) if norm else None
 
     @torch.no_grad()
@@ -602,6 +655,37 @@ class OuterState:
                 p.write(oc)
 
         self._walk(body, home=(self.momentum, self.outer), work=(g, out))
+
+    @torch.no_grad()
+    def pseudo_gradient_and_lookahead(self, g: torch.Tensor, out: torch.Tensor, *, scale: Optional[float] = None) -> float:
+        """pseudo_gradient(g) from the outer weights, then lookahead(g, out, load=True, scale=scale), in one
+        pass over the home buffers (the same operations, so the same bits as the two passes). Returns ||g||^2."""
+        if self.optimizer is not None:
+            raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
+        mu, lr, nesterov = self.mu, self.lr, self.nesterov
+        tmp, tmp2, tmp3 = self._scratch(3)
+        sq = torch.zeros((), dtype=torch.float64, device=g.device)
+
+        def body(p, mc, wc, gv, oc):
+            torch.sub(wc[: p.n], p.values(), out=gv[: p.n])
+            gv[p.n :].zero_()
+            sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
+            gc = gv if scale is None else torch.mul(gv, scale, out=tmp3[: gv.numel()])
+            m = tmp[: gc.numel()]
+            torch.mul(mc, mu, out=m)
+            m.add_(gc)
+            if nesterov:
+                t = tmp2[: gc.numel()]
+                torch.mul(m, mu, out=t)
+                t.add_(gc)
+            else:
+                t = m
+            t.mul_(lr)
+            torch.sub(wc, t, out=oc)
+            p.write(oc)
+
+        self._walk(body, home=(self.momentum, self.outer), work=(g, out))
+        return float(sq)
 
     @torch.no_grad()
     def shift_to_outer(self, start: torch.Tensor, keep: Optional[float] = None) -> None:

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from prime import faults
-from prime.builders import (build_checkpoints, build_data, build_metrics, build_model_and_optimizer,
-                            build_outer_step)
+from prime.builders import (build_checkpoints, build_data, build_memory_plan, build_metrics,
+                            build_model_and_optimizer, build_outer_step)
 from prime.checkpoint import CheckpointError
 from prime.config import Config
 from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError
+from prime.memory import MemoryPlanError, peak_host_bytes
 from prime.nodes import AfterOuter
 from prime.runtime import build_environment
 
@@ -81,10 +82,17 @@ class Trainer:
         self.diloco, self.nodes = build_outer_step(cfg, env, self.parts, self.data, self.metrics)
         self.checkpoints = build_checkpoints(cfg, env, self.parts, self.data, self.diloco)
         self.step, self.resumed_from = 0, None
+        try:  # before anything is loaded or trained: a run that cannot fit stops here, on every node
+            self.memory = build_memory_plan(cfg, env, self.parts, self.diloco, self.nodes, self.checkpoints,
+                                            say=self.metrics.print)
+        except MemoryPlanError:
+            self.close(failed=True)
+            raise
         if self.checkpoints is not None and cfg.checkpoint.resume and self.nodes.resumes:
             try:  # verified against its manifest on every node first
                 self.resumed_from = self.checkpoints.resume(self.nodes.records, env.node_rank, env.num_nodes,
-                                                            publish=env.local_rank == 0, log=self.metrics.print)
+                                                            publish=env.local_rank == 0, log=self.metrics.print,
+                                                            scope=self.nodes.launch_scope())
             except CheckpointError:
                 self.close()  # every process of every node stops here alike: leave store, rings, groups in order
                 raise
@@ -182,6 +190,7 @@ class Trainer:
             raise TrainingStopped(f"{e}{self._saved_after(e)}") from e
         self._save(block=True)
         summary = m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
+        m.print(self.memory.peaks(self.env.device))
         summary.update(self.nodes.finish(self.model))  # the final-weights agreement across nodes
         return summary
 
