@@ -103,7 +103,7 @@ class ModelConfig:
     ffn_dim: Optional[int] = None
     """SwiGLU hidden size (None: the preset's)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size (None: the preset's; the byte-level data needs >= 256)."""
+    """Vocabulary size (None: the tokenizer's when data.path has prime-tokenize's meta.json, else the preset's; byte-level data needs >= 256)."""
     max_seq_len: Optional[int] = None
     """Longest sequence (None: the preset's)."""
     rope_theta: Optional[float] = None
@@ -269,17 +269,18 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (pre-tokenized .bin shards)."""
+    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (token shards: prime-tokenize's output, or nanoGPT-style *.bin)."""
     path: str = ""
     """Directory for source = text or bin (ignored for embedded)."""
-    bin_dtype: str = "uint16"
-    """Token dtype of the .bin shards: uint16 or uint32 (nanoGPT writes uint16)."""
+    bin_dtype: str = "auto"
+    """Token dtype of the .bin shards: auto (from prime-tokenize's meta.json; uint16 without one), uint16 or uint32."""
     seq_len: int = 256
     """Tokens per training sequence."""
 
     def validate(self) -> None:
         _require(self.source in ("embedded", "text", "bin"), "data.source", "'embedded', 'text' or 'bin'", self.source)
-        _require(self.bin_dtype in ("uint16", "uint32"), "data.bin_dtype", "'uint16' or 'uint32'", self.bin_dtype)
+        _require(self.bin_dtype in ("auto", "uint16", "uint32"), "data.bin_dtype", "'auto', 'uint16' or 'uint32'",
+                 self.bin_dtype)
         _require(self.seq_len >= 1, "data.seq_len", ">= 1", self.seq_len)
         if self.source in ("text", "bin"):
             if not self.path:
@@ -441,6 +442,7 @@ class Config:
         if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
             raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
                              "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
+        self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(
@@ -450,6 +452,20 @@ class Config:
         if self.data.seq_len > args.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({args.max_seq_len})")
         return self
+
+    def _resolve_vocab_size(self) -> None:
+        """Tokenized data (prime-tokenize's meta.json): an unset model.vocab_size becomes the tokenizer's, a
+        smaller one is refused naming both numbers (a larger one only pads the embedding)."""
+        if self.data.source != "bin":
+            return
+        from prime.data import check_vocab_size, read_metadata
+
+        meta = read_metadata(self.data.path)
+        if meta is None:
+            return
+        if self.model.vocab_size is None:
+            self.model.vocab_size = meta["vocab_size"]
+        check_vocab_size(meta, self.data.path, self.model.vocab_size)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
