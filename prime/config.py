@@ -321,17 +321,26 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak bf16 TFLOP/s per device for MFU (0: from the table for H100/H200/A100; CPU: MFU shown as n/a)."""
     tensorboard: bool = False
-    """Also log to TensorBoard under out_dir/tb (needs tensorboard)."""
+    """Also log every step, outer step and summary field to TensorBoard, under out_dir/tb/<nodes.run_id>/node<rank> (needs the tensorboard package)."""
     wandb: bool = False
-    """Also log to Weights & Biases (needs wandb and a login)."""
+    """Also log every field to Weights & Biases: one W&B run per node, named node<rank>, grouped by nodes.run_id (needs the wandb package)."""
     wandb_project: str = "prime"
     """W&B project name."""
+    wandb_mode: str = ""
+    """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them later) or empty (the WANDB_MODE environment variable, else online)."""
+    progress: str = "auto"
+    """auto: a progress bar with ETA and tokens/s when the output is a terminal, plain lines otherwise; bar; lines."""
 
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", ">= 0", self.peak_tflops)
         _require_range(self.peak_tflops, "metrics.peak_tflops", 0, 1e6, " TFLOP/s")
         _require(bool(self.out_dir), "metrics.out_dir", "a directory path", self.out_dir)
+        _require(self.wandb_mode in ("", "online", "offline"), "metrics.wandb_mode", "'online', 'offline' or ''",
+                 self.wandb_mode)
+        _require(self.progress in ("auto", "bar", "lines"), "metrics.progress", "'auto', 'bar' or 'lines'",
+                 self.progress)
+        _require(bool(self.wandb_project.strip()), "metrics.wandb_project", "a project name", self.wandb_project)
 
 
 @dataclass
