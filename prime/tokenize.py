@@ -183,30 +183,36 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
 
 
-def _safe_cut(text: str, near: int) -> int:
-    """An index <= near (or near itself) after a newline that sits between two non-space characters: the
-    byte-level BPE and Llama-3 pre-tokenizers never join pieces across such a newline, so encoding the two
-    sides apart gives the same tokens. Falls back to any newline, then to `near`."""
-    lo = max(1, near // 2)
-    i = near
-    while i > lo:
-        j = text.rfind("\n", lo, i)
-        if j <= 0 or j + 1 >= len(text):
-            break
-        if not text[j - 1].isspace() and not text[j + 1].isspace():
-            return j + 1
-        i = j
+def _is_safe_cut(text: str, j: int) -> bool:
+    """Whether text[j] is a newline between two non-space characters: the byte-level BPE and Llama-3
+    pre-tokenizers never join pieces across it, so the two sides encoded apart give the same tokens."""
+    return 0 < j < len(text) - 1 and not text[j - 1].isspace() and not text[j + 1].isspace()
+
+
+def _safe_cut(text: str, lo: int, near: int) -> int:
+    """The index just after the last safe newline (_is_safe_cut) in [lo, near), else after the first one from
+    near on, else len(text): a piece may grow, never cut where the tokens could change."""
     j = text.rfind("\n", lo, near)
-    return j + 1 if j > 0 else near
+    while j > lo and not _is_safe_cut(text, j):
+        j = text.rfind("\n", lo, j)
+    if j > lo:
+        return j + 1
+    j = text.find("\n", near)
+    while j != -1 and not _is_safe_cut(text, j):
+        j = text.find("\n", j + 1)
+    return j + 1 if j != -1 else len(text)
 
 
 def _text_pieces(text: str) -> Iterator[tuple[str, bool]]:
     """A document as (piece, is_last) of about TEXT_PIECE_CHARS each."""
-    while len(text) > TEXT_PIECE_CHARS:
-        cut = _safe_cut(text, TEXT_PIECE_CHARS)
-        yield text[:cut], False
-        text = text[cut:]
-    yield text, True
+    start = 0
+    while len(text) - start > TEXT_PIECE_CHARS:
+        cut = _safe_cut(text, start, start + TEXT_PIECE_CHARS)
+        if cut >= len(text):
+            break
+        yield text[start:cut], False
+        start = cut
+    yield text[start:], True
 
 
 def _jsonl_docs(path: str, start: int, end: int, field: str) -> Iterator[tuple[str, int]]:
