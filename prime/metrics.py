@@ -413,6 +413,14 @@ class RunMetrics:
         self.losses.append((step, loss))
         self.step_s.append(step_s)
         mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        if self.progress is not None:  # before the line: the bar drawn under it shows this step
+            fields = {}
+            if self.num_nodes > 1:
+                h = self.inner_steps
+                k = (step - 1) % h + 1
+                fill = round(10 * k / h)
+                fields["phase"] = f"outer {(step - 1) // h + 1} [{'#' * fill}{'.' * (10 - fill)}] {k}/{h}"
+            self.progress.update(step, loss=f"loss {loss:.4f}", rate=f"{format_count(tok_s)} tok/s", **fields)
         if show:
             self.print(
                 f"step {step:>6}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
@@ -420,12 +428,6 @@ class RunMetrics:
             )
         self.record("step", step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
                     step_s=step_s, tokens=step * self.tokens_per_step)
-        if self.progress is not None:
-            h = self.inner_steps
-            k = (step - 1) % h + 1
-            fill = round(10 * k / h)
-            self.progress.update(step, phase=f"outer {(step - 1) // h + 1} [{'#' * fill}{'.' * (10 - fill)}] {k}/{h}",
-                                 loss=f"loss {loss:.4f}", rate=f"{format_count(tok_s)} tok/s")
         return loss
 
     def outer_step(self, step: int, r, note: str = "", fields: Optional[dict] = None) -> None:

@@ -70,6 +70,7 @@ class Progress:
         self._fields: dict = {}
         self._status = ""
         self._shown = False  # a bar line is on the screen (interactive only)
+        self._drawn = ""
         self.closed = False
 
     # -- what the bar says ------------------------------------------------------------------
@@ -104,7 +105,8 @@ class Progress:
             self.closed = True
 
     def _draw(self) -> None:
-        self._emit("\r\x1b[2K" + self.bar())
+        self._drawn = self.bar()
+        self._emit("\r\x1b[2K" + self._drawn)
         self._shown = True
         self._last_draw = time.monotonic()
 
@@ -134,7 +136,10 @@ class Progress:
     def write(self, line: str) -> None:
         """Prints `line` (above the bar on a terminal)."""
         if self.closed:
-            print(line, flush=True)
+            try:
+                print(line, file=self.stream, flush=True)
+            except (ValueError, OSError):
+                pass
             return
         if self.interactive and self._shown:
             self._emit("\r\x1b[2K" + line + "\n")
@@ -147,5 +152,6 @@ class Progress:
         if self.closed:
             return
         if self.interactive and self._shown:
-            self._emit("\r\x1b[2K" + self.bar() + "\n")
+            final = self.bar()
+            self._emit("\n" if final == self._drawn else "\r\x1b[2K" + final + "\n")
         self.closed = True
