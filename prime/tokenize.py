@@ -594,12 +594,13 @@ def tokenize(s: Settings, say: Callable[[str], None] = print) -> dict:
     }
     _write_json(os.path.join(s.out, META_FILE), meta)
     wall = time.perf_counter() - t_start
+    tok_s = time.perf_counter() - t0
     new_tokens = live["tokens"]
     say(f"prime-tokenize: {len(files)} files ({total_bytes / 2**20:.1f} MiB"
         + (f"; {len(skipped)} binary files skipped" if skipped else "") + f") -> "
-        f"{meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents, {len(records)} {dtype} shards "
-        f"under {s.out} in {format_duration(wall)}"
-        + (f" ({format_count(new_tokens / wall)} tokens/s)" if new_tokens and wall > 0 else ""))
+        f"{meta['num_tokens']:,} tokens in {meta['num_documents']:,} documents, {len(records)} {dtype} "
+        f"shard{'s' if len(records) != 1 else ''} under {s.out} in {format_duration(wall)}"
+        + (f" (tokenizing: {format_count(new_tokens / tok_s)} tokens/s)" if new_tokens and tok_s > 0 else ""))
     say(f"  tokenizer: {tok_info['source']}; vocabulary {vocab}, end of text {eos_token!r} = {eos_id}")
     say(f"  train on it: --data.source bin --data.path {s.out} (model.vocab_size {vocab} is read from {META_FILE})")
     return meta
