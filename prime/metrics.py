@@ -18,6 +18,7 @@ Definitions used in the lines and the JSONL records:
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import math
 import os
@@ -80,6 +81,16 @@ def _sinks_note(msg: str) -> None:
     print(f"prime: {msg}", file=sys.stderr, flush=True)
 
 
+def _optional_import(module: str, field: str, package: str, service: str):
+    """The module, or None after one line saying that `field` is on but `package` is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        _sinks_note(f"{field} is on, but the {package} package is not installed (pip install {package}): "
+                    f"not logging to {service}")
+        return None
+
+
 def _numbers(kind: str, values: dict) -> dict:
     """The numeric fields of a record as {kind/name: float} (bools as 0/1; None, text and lists left out)."""
     out = {}
@@ -103,12 +114,10 @@ class TensorBoardSink:
     @classmethod
     def open(cls, out_dir: str, run_id: str, node_rank: int, resume_step: Optional[int],
              config: Optional[dict]) -> Optional["TensorBoardSink"]:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            _sinks_note("metrics.tensorboard is on, but the tensorboard package is not installed "
-                        "(pip install tensorboard): not logging to TensorBoard")
+        tb = _optional_import("torch.utils.tensorboard", "metrics.tensorboard", "tensorboard", "TensorBoard")
+        if tb is None:
             return None
+        SummaryWriter = tb.SummaryWriter
         log_dir = os.path.join(out_dir, "tb", run_id, f"node{node_rank}")
         try:
             writer = SummaryWriter(log_dir, purge_step=0 if resume_step is None else resume_step + 1, flush_secs=10)
@@ -140,11 +149,8 @@ class WandbSink:
     @classmethod
     def open(cls, out_dir: str, run_id: str, node_rank: int, project: str, mode: str, resume_step: Optional[int],
              config: Optional[dict]) -> Optional["WandbSink"]:
-        try:
-            import wandb
-        except ImportError:
-            _sinks_note("metrics.wandb is on, but the wandb package is not installed (pip install wandb): "
-                        "not logging to Weights & Biases")
+        wandb = _optional_import("wandb", "metrics.wandb", "wandb", "Weights & Biases")
+        if wandb is None:
             return None
         mode = mode or os.environ.get("WANDB_MODE", "") or "online"
         id_dir = os.path.join(out_dir, "wandb")
