@@ -104,7 +104,7 @@ class ModelConfig:
     ffn_dim: Optional[int] = None
     """SwiGLU hidden size (None: the preset's)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size (None: the preset's; the byte-level data needs >= 256)."""
+    """Vocabulary size (None: the tokenizer's when data.path has prime-tokenize's meta.json, else the preset's; byte-level data needs >= 256)."""
     max_seq_len: Optional[int] = None
     """Longest sequence (None: the preset's)."""
     rope_theta: Optional[float] = None
@@ -282,17 +282,18 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (pre-tokenized .bin shards)."""
+    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (token shards: prime-tokenize's output, or nanoGPT-style *.bin)."""
     path: str = ""
     """Directory for source = text or bin (ignored for embedded)."""
-    bin_dtype: str = "uint16"
-    """Token dtype of the .bin shards: uint16 or uint32 (nanoGPT writes uint16)."""
+    bin_dtype: str = "auto"
+    """Token dtype of the .bin shards: auto (from prime-tokenize's meta.json; uint16 without one), uint16 or uint32."""
     seq_len: int = 256
     """Tokens per training sequence."""
 
     def validate(self) -> None:
         _require(self.source in ("embedded", "text", "bin"), "data.source", "'embedded', 'text' or 'bin'", self.source)
-        _require(self.bin_dtype in ("uint16", "uint32"), "data.bin_dtype", "'uint16' or 'uint32'", self.bin_dtype)
+        _require(self.bin_dtype in ("auto", "uint16", "uint32"), "data.bin_dtype", "'auto', 'uint16' or 'uint32'",
+                 self.bin_dtype)
         _require(self.seq_len >= 1, "data.seq_len", ">= 1", self.seq_len)
         if self.source in ("text", "bin"):
             if not self.path:
@@ -333,17 +334,26 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak bf16 TFLOP/s per device for MFU (0: from the table for H100/H200/A100; CPU: MFU shown as n/a)."""
     tensorboard: bool = False
-    """Also log to TensorBoard under out_dir/tb (needs tensorboard)."""
+    """Also log every step, outer step and summary field to TensorBoard, under out_dir/tb/<nodes.run_id>/node<rank> (needs the tensorboard package)."""
     wandb: bool = False
-    """Also log to Weights & Biases (needs wandb and a login)."""
+    """Also log every field to Weights & Biases: one W&B run per node, named node<rank>, grouped by nodes.run_id (needs the wandb package)."""
     wandb_project: str = "prime"
     """W&B project name."""
+    wandb_mode: str = ""
+    """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them later) or empty (the WANDB_MODE environment variable, else online)."""
+    progress: str = "auto"
+    """auto: a progress bar with ETA and tokens/s when the output is a terminal, plain lines otherwise; bar; lines."""
 
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", ">= 0", self.peak_tflops)
         _require_range(self.peak_tflops, "metrics.peak_tflops", 0, 1e6, " TFLOP/s")
         _require(bool(self.out_dir), "metrics.out_dir", "a directory path", self.out_dir)
+        _require(self.wandb_mode in ("", "online", "offline"), "metrics.wandb_mode", "'online', 'offline' or ''",
+                 self.wandb_mode)
+        _require(self.progress in ("auto", "bar", "lines"), "metrics.progress", "'auto', 'bar' or 'lines'",
+                 self.progress)
+        _require(bool(self.wandb_project.strip()), "metrics.wandb_project", "a project name", self.wandb_project)
 
 
 @dataclass
@@ -476,6 +486,7 @@ class Config:
         if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
             raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
                              "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
+        self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(
@@ -485,6 +496,20 @@ class Config:
         if self.data.seq_len > args.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({args.max_seq_len})")
         return self
+
+    def _resolve_vocab_size(self) -> None:
+        """Tokenized data (prime-tokenize's meta.json): an unset model.vocab_size becomes the tokenizer's, a
+        smaller one is refused naming both numbers (a larger one only pads the embedding)."""
+        if self.data.source != "bin":
+            return
+        from prime.data import check_vocab_size, read_metadata
+
+        meta = read_metadata(self.data.path)
+        if meta is None:
+            return
+        if self.model.vocab_size is None:
+            self.model.vocab_size = meta["vocab_size"]
+        check_vocab_size(meta, self.data.path, self.model.vocab_size)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

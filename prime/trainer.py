@@ -99,6 +99,7 @@ class Trainer:
             self.step = self.resumed_from or 0
         m = cfg.metrics  # opened last: a resumed run keeps the curve up to its checkpoint and appends to it
         self.metrics.open(tensorboard=m.tensorboard, wandb=m.wandb, wandb_project=m.wandb_project,
+                          wandb_mode=m.wandb_mode, run_id=cfg.nodes.run_id, progress=m.progress,
                           config=cfg.to_dict(), resume_step=self.resumed_from)
 
     def _describe(self) -> None:
@@ -143,7 +144,9 @@ class Trainer:
         m.reset()
         t_start = time.perf_counter()
         try:
+            t0 = time.perf_counter()
             result = self.nodes.start()  # fixed: replicas checked; elastic: the state served, or joined
+            m.spend("start", time.perf_counter() - t0)
             if result is None:  # the job ended before this node got in
                 return m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
             if result.did_sync:
@@ -165,9 +168,16 @@ class Trainer:
                 gnorm = float(gnorm)
                 if not math.isfinite(gnorm):
                     self._diverged(float(loss), gnorm)
-                result = self.diloco.step()
+                d = self.diloco
+                if d.distributed and d.since_sync + 1 >= d.inner_steps:
+                    m.outer_running(d.outer_step + 1)
+                t0 = time.perf_counter()
+                result = d.step()
                 # The loop's one call into the nodes component: what this outer step changes for this node.
                 decision = self.nodes.after_outer(result) if result.did_sync else AfterOuter()
+                m.spend("outer", time.perf_counter() - t0)
+                if result.did_sync:  # the all-reduce (synchronous) or the wait for the previous average (overlap)
+                    m.spend("outer_wait", result.wait_s if result.overlapped else result.allreduce_s)
                 if decision.rejoined_at is not None:  # (re)joined the job: go on from the job's step and data
                     self._log_outer(result, decision)
                     continue
@@ -202,7 +212,12 @@ class Trainer:
 
     def _save(self, block: bool = False) -> None:
         """Checkpoints the current state (if checkpoint.dir is set); raises TrainingDiverged when it is not finite."""
-        if self.checkpoints is not None and not self.checkpoints.save(self.step, block=block):
+        if self.checkpoints is None:
+            return
+        t0 = time.perf_counter()
+        saved = self.checkpoints.save(self.step, block=block)
+        self.metrics.spend("checkpoint", time.perf_counter() - t0)
+        if not saved:
             raise TrainingDiverged(
                 f"step {self.step}: the weights or the optimizer state are not finite; they were not saved as a "
                 f"checkpoint. {self._restart_hint()}"
