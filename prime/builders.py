@@ -24,7 +24,7 @@ from prime.checkpoint import Checkpointer, TrainCheckpoints, manifest_key
 from prime.config import Config
 from prime.data import ShardedLoader, TokenSource, load_source
 from prime.diloco import DiLoCo
-from prime.memory import MemoryPlan, MemoryPlanError, plan_memory
+from prime.memory import MemoryPlan, MemoryPlanError, auto_margin_bytes, plan_memory
 from prime.metrics import RunMetrics, peak_flops
 from prime.model import Transformer
 from prime.parallelize import parallelize
@@ -173,6 +173,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
         overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,
         fragments=d.fragments,
+        auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None,
     )
     nodes.attach(diloco)
     return diloco, nodes

@@ -154,6 +154,9 @@ class DiLoCo:
                       finish() then syncs every fragment with inner steps not yet
                       averaged, so that every node ends with the same weights. Not with
                       an elastic sync
+    auto_margin_bytes: GPU memory outer_state_device="auto" keeps free for activations
+                      and the like (None: max(8 GiB, 15% of the card); the trainer
+                      passes its memory plan's estimate, prime.memory.auto_margin_bytes)
     """
 
 
@@ -180,6 +183,7 @@ class DiLoCo:
         outer_state_device: str = "auto",
         overlap_steps: Optional[int] = None,
         fragments: int = 1,
+        auto_margin_bytes: Optional[int] = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -272,7 +276,7 @@ class DiLoCo:
         self._settings_fields: tuple = ()
         if self.distributed:
             self._build_fragments(named, inner_optimizer, outer_state_device, outer_lr, outer_momentum, nesterov,
-                                  outer_optimizer)
+                                  outer_optimizer, auto_margin_bytes)
             self._sync.bind(self.state if fragments == 1 else None, self.settings())
             if inner_optimizer is None:
                 for f in self.fragments:
@@ -287,7 +291,7 @@ class DiLoCo:
         self._post_hook = None
         self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step) if inner_optimizer else None
 
-    def _build_fragments(self, named, inner_optimizer, device, lr, mu, nesterov, outer_optimizer) -> None:
+    def _build_fragments(self, named, inner_optimizer, device, lr, mu, nesterov, outer_optimizer, margin) -> None:
         """Cuts the parameters into fragments, decides where their outer state lives (one decision for all: the
         outer weights and momentum of the whole model beside the work buffers of the largest fragment), and
         builds each fragment's OuterState."""
@@ -309,7 +313,7 @@ class DiLoCo:
         if device == "auto":
             pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
             pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0
-            home, why = choose_device("auto", locals_, 2, pending, numel=total)
+            home, why = choose_device("auto", locals_, 2, pending, numel=total, margin=margin)
             device = "gpu" if home.type == "cuda" else "cpu"
         else:
             home, why = choose_device(device, locals_, 2, numel=total)

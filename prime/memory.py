@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
-           "peak_host_bytes"]
+           "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
 
 GIB = 1 << 30
 RUNTIME_HOST_BYTES = 4 * GIB
@@ -42,8 +42,12 @@ RUNTIME_HOST_BYTES_CPU = GIB
 """The same for a CPU-only process (about 0.5 GiB measured here)."""
 CUDA_CONTEXT_BYTES = GIB
 """GPU memory the CUDA context, NCCL and the ring's device staging take before any tensor."""
-GPU_SLACK_FRACTION = 0.08
-"""Of the card, kept free for the allocator's fragmentation and temporaries the estimate does not name."""
+GPU_SLACK_FRACTION = 0.05
+"""Of the card, kept free for temporaries the estimate does not name."""
+ALLOCATOR_FRACTION = 0.10
+"""What torch's caching allocator reserves beyond the tensors it holds, as a share of them. Calibrated on H200s
+(benchmarks/RESULTS.md, "Streaming fragments and the 10B model"): peak reserved against the named tensors was
++7% for the 10B synchronous step, +9% for 1B on 2 x 2 GPUs, +10% for 10B with overlap (two streams allocate)."""
 
 
 class MemoryPlanError(ValueError):
@@ -161,8 +165,44 @@ def _activation_bytes(args, micro_batch: int, seq: int, checkpointing: bool, lay
         acts = args.n_layers * tokens * args.dim * 2 + 2 * block
     else:
         acts = args.n_layers * block
-    logits = tokens * args.vocab_size * (2 + 4 + 4)
+    # bf16 logits, their fp32 copy for the loss, log-softmax's fp32 output, and the fp32 and bf16 gradients
+    logits = tokens * args.vocab_size * (2 + 4 + 4 + 4 + 2)
     return acts + logits
+
+
+def training_gpu_items(cfg, env, parts) -> list:
+    """[(what, bytes)] of training itself on this process's GPU (no DiLoCo): the local shard's fp32 weights,
+    gradients and AdamW moments, FSDP2's gathered layers, its fp32 unsharded gradients under grad_accum, and the
+    activations with the logits."""
+    from prime.parallelize import local_shard
+
+    params = list(parts.model.parameters())
+    local = sum(local_shard(p.detach()).numel() for p in params)
+    full = sum(p.numel() for p in params)
+    args = parts.args
+    bf16 = cfg.train.mixed_precision in ("bf16", "auto")
+    embed = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    layer = (full - embed) / max(1, args.n_layers)
+    items = [("weights", 4 * local), ("gradients", 4 * local), ("AdamW", 8 * local)]
+    if env.fsdp:
+        items.append(("gathered layers", int((2 if bf16 else 4) * (2 * layer + embed))))
+        if cfg.train.grad_accum > 1:
+            # FSDP2 without gradient sync (every micro-batch but the last) keeps the unsharded gradients, upcast
+            # to the fp32 reduce dtype, of the whole model on every process
+            items.append(("unsharded gradients (grad_accum)", 4 * full))
+    items.append(("activations", _activation_bytes(args, cfg.train.micro_batch_size, cfg.data.seq_len,
+                                                   cfg.train.activation_checkpointing, env.fsdp)))
+    return items
+
+
+def auto_margin_bytes(cfg, env, parts) -> int:
+    """For diloco.outer_state_device = "auto": GPU memory to keep free beyond the gradients and optimizer state
+    still to come (which the rule counts itself): the gathered layers, FSDP2's unsharded gradients, the
+    activations, the allocator's share, the CUDA context and the slack of the plan."""
+    items = training_gpu_items(cfg, env, parts)
+    total = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
+    rest = sum(b for what, b in items if what not in ("weights", "gradients", "AdamW"))
+    return int(rest + ALLOCATOR_FRACTION * sum(b for _, b in items)) + CUDA_CONTEXT_BYTES + int(GPU_SLACK_FRACTION * total)
 
 
 def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
@@ -176,9 +216,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     plan = MemoryPlan(host_procs=max(1, host_procs))
     params = list(parts.model.parameters())
     local = sum(local_shard(p.detach()).numel() for p in params)  # this process's shard
-    full = sum(p.numel() for p in params)
     on_gpu = env.device.type == "cuda"
-    args = parts.args
     # -- DiLoCo's buffers ------------------------------------------------------------
     frags = getattr(diloco, "fragments", []) or []
     outer_numel = sum(f.state.numel for f in frags)
@@ -193,30 +231,20 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     pieces = max((f.pieces for f in frags), default=1)
     ring_values = (largest // pieces) if frags else 0
     nodes = max(1, env.num_nodes)
-    ring_host = 2 * ring_values // nodes * (1 + 4 // max(1, cfg.diloco.block_size)) if on_gpu and frags else 0
+    ring_host = int(2 * ring_values / nodes * (1 + 4 / cfg.diloco.block_size)) if on_gpu and frags else 0
     if on_gpu:
         budget = gpu_total if gpu_total is not None else (
             int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
         plan.gpu_budget = int(budget * (1 - GPU_SLACK_FRACTION)) - CUDA_CONTEXT_BYTES
-        bf16 = cfg.train.mixed_precision in ("bf16", "auto")
-        layer = (full - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)) / max(1, args.n_layers)
-        gathered = (2 if bf16 else 4) * (2 * layer + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)) \
-            if env.fsdp else 0
-        # FSDP2 without gradient sync (every micro-batch but the last) keeps the unsharded gradients, upcast to
-        # the fp32 reduce dtype, of the whole model on every process
-        accum_grads = 4 * full if env.fsdp and cfg.train.grad_accum > 1 else 0
-        plan.gpu += [("weights", 4 * local), ("gradients", 4 * local), ("AdamW", 8 * local)]
-        if gathered:
-            plan.gpu.append(("gathered layers", int(gathered)))
-        if accum_grads:
-            plan.gpu.append(("unsharded gradients (grad_accum)", accum_grads))
-        plan.gpu.append(("activations", _activation_bytes(args, cfg.train.micro_batch_size, cfg.data.seq_len,
-                                                          cfg.train.activation_checkpointing, env.fsdp)))
+        plan.gpu += training_gpu_items(cfg, env, parts)
         if frags:
             if home_gpu:
                 plan.gpu.append(("outer weights + momentum", home))
             plan.gpu.append(("outer work buffers", work))
             plan.gpu.append(("outer staging", staging if streamed else staging // 3))
+            # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
+            plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / cfg.diloco.block_size))))
+        plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     if frags:
         if not home_gpu:

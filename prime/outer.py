@@ -134,8 +134,10 @@ def resolve_device(device: str, local_tensors: list, buffers: int, pending_bytes
 
 
 def choose_device(device: str, local_tensors: list, buffers: int, pending_bytes: int = 0,
-                  numel: Optional[int] = None) -> tuple:
-    """resolve_device, and the choice in words (one line). `numel`: values per buffer (default: the tensors')."""
+                  numel: Optional[int] = None, margin: Optional[int] = None) -> tuple:
+    """resolve_device, and the choice in words (one line). `numel`: values per buffer (default: the tensors');
+    `margin`: GPU memory "auto" keeps free for activations and the like (default: AUTO_GPU_MARGIN_BYTES's
+    rule; the trainer passes its memory plan's estimate)."""
     if device not in OUTER_STATE_DEVICES:
         raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {device!r}")
     cuda = [t.device for t in local_tensors if t.device.type == "cuda"]
@@ -152,7 +154,8 @@ def choose_device(device: str, local_tensors: list, buffers: int, pending_bytes:
     total = torch.cuda.get_device_properties(dev).total_memory
     free, _ = torch.cuda.mem_get_info(dev)
     cached = max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))  # torch holds it, unused
-    margin = max(AUTO_GPU_MARGIN_BYTES, int(AUTO_GPU_MARGIN_FRACTION * total))
+    if margin is None:
+        margin = max(AUTO_GPU_MARGIN_BYTES, int(AUTO_GPU_MARGIN_FRACTION * total))
     room = free + cached - pending_bytes - margin
     chosen = dev if need <= room else torch.device("cpu")
     gib = 1 << 30

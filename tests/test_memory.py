@@ -123,3 +123,17 @@ def test_a_run_that_cannot_fit_stops_before_its_first_step(tmp_path):
     assert out.returncode != 0, text[-2000:]
     assert "this run does not fit: host memory needs" in text and "fewer processes on this host" in text, text[-3000:]
     assert "step      1/" not in text and "| loss" not in text
+
+
+@pytest.mark.parametrize("what,kw,peak_gib", [
+    ("10B, 2 x 2, synchronous", dict(mb=2, accum=1), 103.3),
+    ("10B, 2 x 2, 4 fragments with overlap", dict(overlap=True, fragments=4, mb=2, accum=1), 122.6),
+    ("1B, 2 x 2, synchronous", dict(name="1B", mb=4, accum=1, seq=2048, ckpt=False), 42.9),
+    ("1B, 2 x 1, 4 fragments with overlap, state on the GPU", dict(name="1B", procs=1, mb=4, accum=1, seq=2048,
+                                                                  ckpt=False, overlap=True, fragments=4, home="gpu"),
+     56.3)])
+def test_the_plan_covers_the_peaks_measured_on_h200(what, kw, peak_gib):
+    """The GPU plan is at least the peak torch reserved in the runs of benchmarks/RESULTS.md ("Streaming fragments
+    and the 10B model", H200s) and not more than a quarter above it."""
+    plan = plan_memory(*_fake_run(**kw), host_procs=4, gpu_total=H200, host_total=HOST4)
+    assert peak_gib * GIB <= plan.gpu_bytes <= 1.25 * peak_gib * GIB, (what, plan.describe())
