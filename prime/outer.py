@@ -231,6 +231,31 @@ class _Piece:
             self.t.add_(src.view_as(self.t)) if add else self.t.copy_(src.view_as(self.t), non_blocking=True)
 
 
+def _pseudo_gradient_piece(p: _Piece, anchor: torch.Tensor, g: torch.Tensor, sq: torch.Tensor) -> None:
+    """g = anchor - the parameter's values of piece p (one fp32 subtraction; padding 0); sq += ||g||^2."""
+    torch.sub(anchor[: p.n], p.values(), out=g[: p.n])
+    g[p.n :].zero_()
+    sq.add_(torch.dot(g[: p.n], g[: p.n]).double())
+
+
+def _lookahead_piece(out, m, w, g, mu, lr, nesterov, scale, tmp, tmp2, tmp3) -> None:
+    """out = the outer weights update() would make of (w, m) from g (fp32(g * scale) with a scale), leaving w and
+    m as they are: update()'s operations in its order, each rounded once."""
+    if scale is not None:
+        g = torch.mul(g, scale, out=tmp3[: g.numel()])
+    mm = tmp[: g.numel()]
+    torch.mul(m, mu, out=mm)
+    mm.add_(g)  # the momentum update() would store
+    if nesterov:
+        t = tmp2[: g.numel()]
+        torch.mul(mm, mu, out=t)
+        t.add_(g)
+    else:
+        t = mm
+    t.mul_(lr)
+    torch.sub(w, t, out=out)
+
+
 class OuterState:
     """Outer weights and momentum (or a torch outer optimizer), flat fp32.
 
@@ -529,9 +554,7 @@ class OuterState:
         sq = torch.zeros((), dtype=torch.float64, device=g.device)
 
         def body(p, a, gv):
-            torch.sub(a[: p.n], p.values(), out=gv[: p.n])
-            gv[p.n :].zero_()
-            sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
+            _pseudo_gradient_piece(p, a, gv, sq)
 
         if anchor is None:
             self._walk(body, home=(self.outer,), work=(g,), lo=lo, hi=hi, work_at=at)
@@ -578,10 +601,10 @@ class OuterState:
                hi: Optional[int] = None, at: int = 0, shift: Optional[torch.Tensor] = None,
                keep: Optional[float] = None) -> Optional[float]:
         """The outer step on the fp32 outer weights over [lo, hi), from the averaged pseudo-gradient g (a work
-        buffer holding the values from flat value `at` on; same bits on CPU, GPU and streamed). `shift`: in the
-        same pass, shift_to_outer(shift, keep) with the new outer weights (overlap's midway step). `load`: also copy the new outer weights into the model, piece
-        by piece as they are computed. `norm`: return the squared L2 norm of g (fp32 dot products per piece,
-        summed in float64), else None."""
+        buffer holding the values from flat value `at` on; same bits on CPU, GPU and streamed). `load`: also copy
+        the new outer weights into the model, piece by piece as they are computed. `shift`: in the same pass,
+        shift_to_outer(shift, keep) with the new outer weights (overlap's midway step). `norm`: return the
+        squared L2 norm of g (fp32 dot products per piece, summed in float64), else None."""
         sq = torch.zeros((), dtype=torch.float64, device=g.device) if norm else None
         if self.optimizer is not None:
             if lo != 0 or at != 0 or (hi is not None and hi != self.numel):
@@ -641,19 +664,7 @@ class OuterState:
         tmp, tmp2, tmp3 = self._scratch(3)
 
         def body(p, mc, wc, gc, oc):
-            if scale is not None:
-                gc = torch.mul(gc, scale, out=tmp3[: gc.numel()])
-            m = tmp[: gc.numel()]
-            torch.mul(mc, mu, out=m)
-            m.add_(gc)  # the momentum update() would store
-            if nesterov:
-                t = tmp2[: gc.numel()]
-                torch.mul(m, mu, out=t)
-                t.add_(gc)
-            else:
-                t = m
-            t.mul_(lr)
-            torch.sub(wc, t, out=oc)
+            _lookahead_piece(oc, mc, wc, gc, mu, lr, nesterov, scale, tmp, tmp2, tmp3)
             if load:
                 p.write(oc)
 
@@ -670,21 +681,8 @@ class OuterState:
         sq = torch.zeros((), dtype=torch.float64, device=g.device)
 
         def body(p, mc, wc, gv, oc):
-            torch.sub(wc[: p.n], p.values(), out=gv[: p.n])
-            gv[p.n :].zero_()
-            sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
-            gc = gv if scale is None else torch.mul(gv, scale, out=tmp3[: gv.numel()])
-            m = tmp[: gc.numel()]
-            torch.mul(mc, mu, out=m)
-            m.add_(gc)
-            if nesterov:
-                t = tmp2[: gc.numel()]
-                torch.mul(m, mu, out=t)
-                t.add_(gc)
-            else:
-                t = m
-            t.mul_(lr)
-            torch.sub(wc, t, out=oc)
+            _pseudo_gradient_piece(p, wc, gv, sq)
+            _lookahead_piece(oc, mc, wc, gv, mu, lr, nesterov, scale, tmp, tmp2, tmp3)
             p.write(oc)
 
         self._walk(body, home=(self.momentum, self.outer), work=(g, out))

@@ -107,6 +107,12 @@ class Layers(nn.Module):
     def weights(self):
         return [m.w.detach().clone() for m in self.layers]
 
+    def inner_step(self, deltas):
+        """What an inner step does here: each layer moves by its delta."""
+        with torch.no_grad():
+            for m, delta in zip(self.layers, deltas):
+                m.w -= delta
+
 
 def _pad(x):
     return torch.cat([x, torch.zeros(-(-x.numel() // BLOCK) * BLOCK - x.numel())])
@@ -218,15 +224,12 @@ def run_fragments(w0, deltas, P, H, *, tau=None, overlap, codec, scheme="eager-m
         d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
         results = []
         for t, step in enumerate(deltas, 1):
-            with torch.no_grad():
-                for m, delta in zip(model.layers, step[r]):
-                    m.w -= delta
+            model.inner_step(step[r])
             res = d.step()
             if res.did_sync:
                 results.append((t, res.fragment))
             if t == checkpoint_at:
-                sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.state_dict().items()}
-                sd = _clone(sd)
+                sd = _clone(d.state_dict())
                 d.close()
                 model = Layers(model.weights())
                 d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
@@ -322,9 +325,7 @@ def _pipelined_run(w0, deltas, H, group, pieces_at):
                    check_replicas=False, ring_factory=lambda tag: FakeThreadRing(group, r, tag))
         out = []
         for t, step in enumerate(deltas, 1):
-            with torch.no_grad():
-                for m, delta in zip(model.layers, step[r]):
-                    m.w -= delta
+            model.inner_step(step[r])
             res = d.step()
             if res.did_sync:
                 out.append(res.pieces)
@@ -367,9 +368,7 @@ def test_a_persistent_failure_part_way_resumes_with_the_rest(seed, monkeypatch):
         d = DiLoCo(model, None, FakeThreadRing(group, r), ring_factory=lambda tag: FakeThreadRing(group, r, tag),
                    **kw)
         for t, step in enumerate(deltas, 1):
-            with torch.no_grad():
-                for m, delta in zip(model.layers, step[r]):
-                    m.w -= delta
+            model.inner_step(step[r])
             try:
                 d.step()
             except OuterSyncError as e:
