@@ -49,7 +49,7 @@ ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
 ENV_QUANT_ERROR = "PRIME_RING_QUANT_ERROR"
 # Where the ring reduces CUDA tensors: "auto" (default: on their GPU when prime._C was
 # built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
-# without CUDA), "cpu" (always through pinned host memory: the path before issue 12).
+# without CUDA), "cpu" (always through pinned host memory: the path before GPU reduction).
 ENV_CUDA_REDUCE = "PRIME_RING_CUDA_REDUCE"
 # How received payloads reach the GPU when the ring reduces there: "pinned" (default: the
 # worker copies each into pinned memory, then one DMA) or "pageable" (cudaMemcpyAsync
