@@ -1,4 +1,4 @@
-"""All-reduce over emulated internet links: gloo fp32 / bf16 against our TCP ring (exact fp32, int8).
+"""All-reduce over emulated internet links: gloo fp32 / bf16 against our TCP ring (exact fp32, int8, fp4).
 
 Every rank is a separate process. Link conditions:
 
@@ -21,6 +21,7 @@ Methods, run on the same input tensors in the same process group:
   ring-int8-b128            as ring-int8 with block_size=128: one fp32 scale per 128 values
                             (1.031 bytes/value instead of 1.016) for a smaller error
   ring-int8-nocheck         as ring-int8 with checksums off
+  ring-fp4                  prime.comm.Ring, codec "fp4" (4-bit codes, 0.516 bytes/value at block 256)
   pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
                             (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
   pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
@@ -69,7 +70,7 @@ MiB = 1 << 20
 CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
 INT8_BLOCK = 256  # elements per fp32 scale in the int8 codec (docs/wire-format.md)
 GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
-RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128")
+RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128", "ring-fp4")
 # The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
 PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
 ALL_METHODS = GLOO_METHODS + RING_METHODS + PG_METHODS
@@ -254,7 +255,8 @@ def method_block(method: str) -> int:
 
 def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
     """Bytes a rank sends for an all-reduce of n fp32 values by `method`, in theory."""
-    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n}.get(method)
+    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n,
+                 "ring-fp4": (n + 1) // 2 + 4 * ((n + INT8_BLOCK - 1) // INT8_BLOCK)}.get(method)
     payload = per_value if per_value is not None else int8_bytes(n, method_block(method))
     return ring_factor(world_size) * payload
 
@@ -408,7 +410,7 @@ class RingAdapter:
         # (the harness tests use tests/fake_ring.py); default prime.comm:Ring.
         module, _, cls = os.environ.get("PRIME_BENCH_RING", "prime.comm:Ring").partition(":")
         ring_cls = getattr(importlib.import_module(module), cls)
-        self.codec = "none" if method == "ring-fp32" else "int8"
+        self.codec = {"ring-fp32": "none", "ring-fp4": "fp4"}.get(method, "int8")
         streams = 1 if method == "ring-int8-1stream" else spec["streams"]
         checksum = method != "ring-int8-nocheck"
         self.block = method_block(method)

@@ -191,8 +191,8 @@ class DiLoCo:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-        if codec not in ("int8", "none"):
-            raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
+        if codec not in ("int8", "fp4", "none"):
+            raise ValueError(f"codec must be 'int8', 'fp4' or 'none', got {codec!r}")
         if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
         if retries < 0:

@@ -38,7 +38,7 @@ fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   tests=(tests/test_ring_cuda.py tests/test_ring.py::test_cuda_tensor)
-  [ -n "${QERR:-}" ] && tests+=(tests/test_outer_gpu.py tests/test_ring.py::test_ring_reports_its_own_int8_error
+  [ -n "${QERR:-}" ] && tests+=(tests/test_outer_gpu.py tests/test_ring.py::test_ring_reports_its_own_quantization_error
                                tests/test_ring.py::test_diloco_takes_compression_error_from_the_ring)
   run_step "GPU ring tests ($ngpu GPU(s))" $test_timeout tests.log \
     python3 -m pytest -q -rs --tb=short -p no:cacheprovider --junitxml="$out/tests.xml" "${tests[@]}"

@@ -138,7 +138,7 @@ std::shared_ptr<Work> Ring::all_reduce(AllReduceJob job) {
     throw std::logic_error(closing_ ? "all_reduce on a closed ring" : "all_reduce before the ring was connected");
   }
   auto work = std::make_shared<Work>(next_seq_++);
-  job.spec.measure_error = opt_.measure_quant_error && job.spec.codec == CodecKind::kInt8;
+  job.spec.measure_error = opt_.measure_quant_error && job.spec.codec != CodecKind::kNone;
   queue_.push_back(Pending{std::move(job), work, Clock::now()});
   cv_.notify_all();
   return work;

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from prime import _extension, faults
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
-from prime.ops import check_block_size
+from prime.ops import CODECS, check_block_size
 
 __all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
@@ -331,10 +331,11 @@ class Ring:
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one fp32
-        scale per `block_size` values (0.254x the bytes of fp32); codec="none" sends
-        exact values. Every rank must call all_reduce in the same order with tensors of
-        the same size and dtype and the same op, codec and block_size. The tensor holds
-        the result once wait() returned; on failure it is left unchanged."""
+        scale per `block_size` values (0.254x the bytes of fp32); codec="fp4" 4-bit
+        E2M1 codes plus one fp32 scale per block (0.129x); codec="none" sends exact
+        values (docs/wire-format.md). Every rank must call all_reduce in the same order
+        with tensors of the same size and dtype and the same op, codec and block_size.
+        The tensor holds the result once wait() returned; on failure it is left unchanged."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
@@ -345,8 +346,8 @@ class Ring:
             )
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-        if codec not in ("int8", "none"):
-            raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         check_block_size(block_size)
         context = self._cuda_context(tensor)
         return Work(self._ring.all_reduce(tensor, op, codec, block_size, context), self, tensor)
