@@ -180,7 +180,7 @@ class DiLoCoConfig:
     codec: str = "int8"
     """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
     block_size: int = 256
-    """int8 codec block: one fp32 scale per block_size values (power of two, 32..4096)."""
+    """Codec block (int8, fp4): one fp32 scale per block_size values (power of two, 32..4096)."""
     retries: int = 2
     """How many times a failed all-reduce is retried, each on a freshly built ring, before the job stops."""
     timeout_s: float = 300.0

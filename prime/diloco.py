@@ -102,12 +102,14 @@ class DiLoCo:
                       parameters (fp32 CPU tensors, one per model parameter), in place
                       of the default update. Nodes then agree bit for bit only when
                       they run the same torch build on the same CPU instruction set
-    codec:            "int8" (default) or "none". int8 sends about a quarter of the
-                      bytes of fp32 but each node's pseudo-gradient is quantized with
-                      a relative L2 error of about 1% per node (OuterStepResult.
-                      compression_error); the average is then not the exact one.
-                      codec="none" averages in exact fp32 (4x the bytes)
-    block_size:       int8 block size; each parameter starts a new block
+    codec:            "int8" (default), "fp4" or "none". int8 sends about a quarter of
+                      the bytes of fp32 but each node's pseudo-gradient is quantized
+                      with a relative L2 error of about 1% per node (OuterStepResult.
+                      compression_error); the average is then not the exact one. fp4
+                      (4-bit floats, docs/wire-format.md) sends half of int8's bytes at
+                      about 11% error per quantization. codec="none" averages in exact
+                      fp32 (4x the bytes)
+    block_size:       codec block size (int8, fp4); each parameter starts a new block
     ring_factory:     ring_factory(tag) -> new Ring, used to retry after a failure
                       (with a ring or sync=None; None: no retries)
     retries:          retries per outer step when ring_factory is given
@@ -230,7 +232,8 @@ class DiLoCo:
                 )
         self.inner_optimizer = inner_optimizer
         self.inner_steps, self.codec, self.block_size = inner_steps, codec, block_size
-        self.measure_compression_error = measure_compression_error and codec == "int8"
+        # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
+        self.measure_compression_error = measure_compression_error and codec != "none"
         if isinstance(sync, Sync):
             if ring_factory is not None or local_group is not None:
                 raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "

@@ -369,7 +369,7 @@ class Fragment:
         t0 = time.perf_counter()
         ranges = st.ranges(self.pieces)
         sq, first, own_sq = [0.0], [None], [0.0]
-        measure_own = s.measure_compression_error and not _ring_reports_error(s.sync)
+        measure_own = s.measure_compression_error and s.codec == "int8" and not _ring_reports_error(s.sync)
         pipelined = isinstance(s.sync, RingSync) and len(ranges) > 1
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
@@ -582,7 +582,7 @@ class Fragment:
 
     def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
         """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
-        if not self.s.measure_compression_error or _ring_reports_error(self.s.sync):
+        if not self.s.measure_compression_error or self.s.codec != "int8" or _ring_reports_error(self.s.sync):
             return None
         return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
 

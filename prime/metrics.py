@@ -346,6 +346,7 @@ class RunMetrics:
         # int8: a byte a value, fp4: half a byte, each plus an fp32 scale per block; none: fp32
         self.wire_bytes_per_value = {"int8": 1 + 4 / block_size, "fp4": 0.5 + 4 / block_size}.get(codec, 4)
         self.inner_steps, self.model_numel = inner_steps, model_numel
+        self.codec = codec if codec != "none" else "codec"  # names the compression error in the outer step's line
         self.log: Optional[MetricsLogger] = None
         self.reset()
 
@@ -464,7 +465,7 @@ class RunMetrics:
         self.print(
             f"outer {r.outer_step} (step {step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
             f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "
-            f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
+            f"{self.codec} error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
             + (f" | {r.attempts} attempts" if r.attempts > 1 else "") + note
         )
         self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s, phase_s=wall,

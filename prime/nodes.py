@@ -190,7 +190,7 @@ class FixedNodes:
         d, g = self.cfg.diloco, self.env.local_rank
         store = dist.PrefixStore(f"ring/{g}/{tag}", self.env.store)
         kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}",
-                  "quant_error": d.compression_error and d.codec == "int8"}  # DiLoCo's compression_error
+                  "quant_error": d.compression_error and d.codec != "none"}  # DiLoCo's compression_error
         if d.streams:
             kwargs["streams"] = d.streams
         if d.max_rate_mbit:
