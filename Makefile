@@ -27,6 +27,8 @@ deps:
 	@$(PYTHON) -c "import numpy, ninja, pytest, matplotlib" 2>/dev/null || $(PIP) install -q numpy ninja pytest matplotlib
 	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 11))" || $(PYTHON) -c "import tomli" 2>/dev/null || $(PIP) install -q tomli
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q triton || echo "prime: triton not installed; its tests will skip"
+	@# prime-tokenize (tokenizers; pyarrow for Parquet) and the metric sinks (tensorboard, wandb): their tests run, not skip.
+	@$(PYTHON) -c "import tokenizers, pyarrow, tensorboard, wandb" 2>/dev/null || $(PIP) install -q tokenizers pyarrow tensorboard wandb
 
 # --no-build-isolation: build against the torch installed above; with isolation pip
 # would fetch a second torch (several GB) into a throw-away build environment.

@@ -218,13 +218,17 @@ setup(
     # torch is not pinned here: any torch >= 2.6 already installed is kept (the extension is
     # built against it). matplotlib only draws the loss plots and is optional.
     install_requires=["torch>=2.6", "numpy", "tomli; python_version < '3.11'"],
-    extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"], "triton": ["triton"]},
+    extras_require={"plot": ["matplotlib"], "tokenize": ["tokenizers", "pyarrow"],
+                    "track": ["tensorboard", "wandb"],
+                    "test": ["pytest", "matplotlib", "tokenizers", "pyarrow", "tensorboard", "wandb"],
+                    "triton": ["triton"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt},
     entry_points={
         "console_scripts": [
             "prime-train=prime.train:main",
             "prime-simulate=prime.simulate:main",
+            "prime-tokenize=prime.tokenize:main",
         ]
     },
     zip_safe=False,

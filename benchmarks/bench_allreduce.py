@@ -1,4 +1,4 @@
-"""All-reduce over emulated internet links: gloo fp32 / bf16 against our TCP ring (exact fp32, int8).
+"""All-reduce over emulated internet links: gloo fp32 / bf16 against our TCP ring (exact fp32, int8, fp4).
 
 Every rank is a separate process. Link conditions:
 
@@ -31,6 +31,7 @@ Methods, run on the same input tensors in the same process group:
   ring-int8-b128            as ring-int8 with block_size=128: one fp32 scale per 128 values
                             (1.031 bytes/value instead of 1.016) for a smaller error
   ring-int8-nocheck         as ring-int8 with checksums off
+  ring-fp4                  prime.comm.Ring, codec "fp4" (4-bit codes, 0.516 bytes/value at block 256)
   ring-int8-ring            as ring-int8 with schedule="ring" (hop by hop, the planned order)
   ring-int8-direct          as ring-int8 with schedule="direct" (two hops)
   ring-int8-rankorder       schedule="ring" in the rank order 0, 1, ..., N-1
@@ -89,7 +90,7 @@ MiB = 1 << 20
 CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
 INT8_BLOCK = 256  # elements per fp32 scale in the int8 codec (docs/wire-format.md)
 GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
-RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128")
+RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128", "ring-fp4")
 # The ring's schedules and orders forced (run them with --methods).
 RING_VARIANTS = ("ring-int8-ring", "ring-int8-direct", "ring-int8-rankorder", "ring-int8-bestorder",
                  "ring-int8-classic")
@@ -366,7 +367,8 @@ def method_block(method: str) -> int:
 
 def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
     """Bytes a rank sends for an all-reduce of n fp32 values by `method`, in theory."""
-    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n}.get(method)
+    per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n,
+                 "ring-fp4": (n + 1) // 2 + 4 * ((n + INT8_BLOCK - 1) // INT8_BLOCK)}.get(method)
     payload = per_value if per_value is not None else int8_bytes(n, method_block(method))
     return ring_factor(world_size) * payload
 
@@ -520,7 +522,7 @@ class RingAdapter:
         # (the harness tests use tests/fake_ring.py); default prime.comm:Ring.
         module, _, cls = os.environ.get("PRIME_BENCH_RING", "prime.comm:Ring").partition(":")
         ring_cls = getattr(importlib.import_module(module), cls)
-        self.codec = "none" if method == "ring-fp32" else "int8"
+        self.codec = {"ring-fp32": "none", "ring-fp4": "fp4"}.get(method, "int8")
         self.block = method_block(method)
         kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), secret=f"bench-{spec['seed']}",
                       max_rate=spec["max_rate_bytes"], checksum=method != "ring-int8-nocheck")

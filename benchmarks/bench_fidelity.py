@@ -17,6 +17,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
   overlap-int8-eager-merge  DiLoCo with overlap (eager-merge: the local weights keep half of their start's
                        offset when the average arrives), int8 ring; may end in @F as eager
+  METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
+                       at its own offset in the phase; with overlap, overlap_steps defaults to H / P
 
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
 the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prime.config import load_config, parse_cli  # noqa: E402
 from prime.data import ShardedLoader, TokenSource, load_source  # noqa: E402
-import prime.diloco  # noqa: E402
+import prime.fragments  # noqa: E402
 from prime.diloco import DiLoCo  # noqa: E402
 from prime.model import Transformer  # noqa: E402
 
@@ -165,7 +167,7 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
                     if dl.result.did_sync and dl.result.compression_error is not None:
                         errs.append(dl.result.compression_error)
                 dl.finish()
-                outer = dl.state.outer.clone()
+                outer = dl.outer_weights().clone()
                 extra[r] = {"outer_steps": dl.outer_step, "since_sync": dl.since_sync,
                             "mean_int8_error": sum(errs) / len(errs) if errs else None}
                 finals[r] = (outer, [p.detach().clone() for p in model.parameters()])
@@ -201,11 +203,11 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/fidelity")
     ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
     ap.add_argument("--merge-alpha", type=float, default=None,
-                    help="eager-merge: the share of the start's offset kept (prime.diloco.MERGE_ALPHA, 0.5); a study "
+                    help="eager-merge: the share of the start's offset kept (prime.fragments.MERGE_ALPHA, 0.5); a study "
                          "knob of this benchmark only")
     ap.add_argument("--stand-in-others", type=float, default=None,
                     help="eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a "
-                         "stand-in for the other nodes' part of the average (prime.diloco.STAND_IN_OTHERS, 0.5; 1 "
+                         "stand-in for the other nodes' part of the average (prime.fragments.STAND_IN_OTHERS, 0.5; 1 "
                          "gives the whole stand-in of the first eager-merge); a study knob of this benchmark only")
     a, rest = ap.parse_known_args()
     if a.replot:
@@ -215,7 +217,7 @@ def main() -> int:
         return 0
     for name, value in (("MERGE_ALPHA", a.merge_alpha), ("STAND_IN_OTHERS", a.stand_in_others)):
         if value is not None:
-            setattr(prime.diloco, name, value)
+            setattr(prime.fragments, name, value)
     path, overrides, _ = parse_cli(rest)
     cfg = load_config(path, overrides).validate()
     torch.set_num_threads(a.threads)
@@ -227,15 +229,19 @@ def main() -> int:
     eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
     methods = [m for m in a.methods.split(",") if m]
     def options(m):
+        m, _, frags = m.partition(":f")
         base, _, frac = m.partition("@")
-        if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")):
-            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F)")
+        if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")) \
+                or (frags and (not METHODS[base] or not frags.isdigit())):
+            raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F, "
+                             "DiLoCo ones in :fP)")
+        extra = {"fragments": int(frags)} if frags else {}
         if not frac:
-            return METHODS[base]
+            return dict(METHODS[base], **extra) if extra else METHODS[base]
         h = cfg.diloco.inner_steps
         num, _, den = frac.partition("/")
         steps = max(1, min(h, round(h * int(num) / int(den)))) if den else int(num)
-        return dict(METHODS[base], overlap_steps=steps)
+        return dict(METHODS[base], overlap_steps=steps, **extra)
 
     opts = {m: options(m) for m in methods}
     tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len
@@ -249,7 +255,7 @@ def main() -> int:
         if opts[m] is None:
             loss, curve, info = run_dp(s, eval_batches)
         else:
-            loss, curve, info = run_diloco(s, eval_batches, opts[m], m.replace("/", "-").replace("@", "-"))
+            loss, curve, info = run_diloco(s, eval_batches, opts[m], m.replace("/", "-").replace("@", "-").replace(":", "-"))
             if "overlap_steps" in opts[m]:
                 info["overlap_steps"] = opts[m]["overlap_steps"]
         results[m] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]),
@@ -267,8 +273,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
-            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.diloco.MERGE_ALPHA,
-            "stand_in_others": prime.diloco.STAND_IN_OTHERS}
+            "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.fragments.MERGE_ALPHA,
+            "stand_in_others": prime.fragments.STAND_IN_OTHERS}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:

@@ -1,14 +1,15 @@
-"""The outer step's own passes (no all-reduce), outer state on the GPU against pinned CPU memory.
+"""The outer step's own passes (no all-reduce), outer state on the GPU against pinned CPU memory (streamed).
 
     python3 benchmarks/bench_outer.py --model 1B --repeats 3 --out results/outer.json     # on a GPU machine
     python3 benchmarks/bench_outer.py --model tiny --device cpu                            # smoke test, CPU only
 
 For the model's parameters (fp32, on the GPU when there is one) it times, per outer-state device:
-  prepare    pseudo-gradient and its squared norm (one pass per parameter; CPU state: device-to-host
-             copies on a side stream overlapped with the CPU pass)
+  prepare    pseudo-gradient and its squared norm (one pass per piece; a CPU state of a GPU model is
+             streamed through the GPU: its pieces copied in on a side stream while the previous one is computed)
   int8_pass  the separate quantize/dequantize error pass (only needed while the ring does not report its
              own error, prime.sync.QUANT_ERROR_FIELDS)
-  update     Nesterov update and the copy back into the model (CPU state: host-to-device overlapped)
+  update     Nesterov update and the copy into the model (CPU state: pieces copied in and back out on side
+             streams, both directions of PCIe at once)
   lookahead  the eager overlap's extra pass (next start point, copied into the model)
   lookahead_share  the same with eager-merge's shrunk stand-in (overlap_steps < inner_steps, two nodes:
              the pseudo-gradient times prime.diloco.stand_in_share(2) first)

@@ -1,17 +1,23 @@
-"""Throughput of the int8 block codec: every backend next to the pure-torch
-reference (eager and torch.compile) and a plain copy of the same bytes.
+"""Throughput of the block codecs (int8 and fp4, side by side): every backend next
+to the pure-torch reference (eager, and for int8 torch.compile) and a plain copy of
+the same bytes.
 
     python benchmarks/bench_quantize.py --quick                 # CPU here, or the GPU when present
     python benchmarks/bench_quantize.py --device cuda           # 1 MiB .. 1 GiB
-    python benchmarks/bench_quantize.py --device cpu --sizes 64
+    python benchmarks/bench_quantize.py --device cpu --sizes 64 --codecs int8,fp4
 
 Sizes are fp32 input bytes (n = size / 4 elements). GB/s counts bytes read plus
-bytes written, the way a memory-bound kernel is judged:
+bytes written, the way a memory-bound kernel is judged (C: the code bytes, n for
+int8, ceil(n/2) for fp4):
 
     copy            4n read + 4n written (the bandwidth ceiling; "% copy" is relative to it)
-    quantize        in_bytes*n read + n + 4n/B written
-    dequantize      n + 4n/B read + 4n written (fp32 out)
-    dequantize_add  n + 4n/B + 4n read + 4n written
+    quantize        in_bytes*n read + C + 4n/B written
+    dequantize      C + 4n/B read + 4n written (fp32 out)
+    dequantize_add  C + 4n/B + 4n read + 4n written
+
+fp4 moves fewer bytes than int8 for the same n, so its GB/s understate it next to
+int8's; "Gval/s" (values per second, n / time) compares the two codecs at the same
+input, the rate a ring needs.
 
 Each number is the median over repeats of a batch of calls; implementations are
 interleaved repeat by repeat so background load hits them alike. Inputs rotate
@@ -34,6 +40,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -56,12 +63,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # implementations: each maker returns fn(x) / fn(q, s) / fn(acc, q, s), or None when unavailable
 
 
-def _triton_codec(device):
+def _triton_codec(device, codec_name):
     try:
         from prime.kernels import codec  # written by the Triton work; may be absent
     except Exception as e:  # ImportError, or triton itself failing to import
         return None, f"prime.kernels.codec not importable ({type(e).__name__}: {e})"
-    for name in ("quantize_int8", "dequantize_int8", "dequantize_add_int8_", "available"):
+    for name in (f"quantize_{codec_name}", f"dequantize_{codec_name}", f"dequantize_add_{codec_name}_", "available"):
         if not hasattr(codec, name):
             return None, f"prime.kernels.codec has no {name}"
     try:
@@ -73,42 +80,59 @@ def _triton_codec(device):
     return codec, ""
 
 
-def backend_impls(device, block, all_isas):
-    """name -> (quantize(x, seed), dequantize(q, s), dequantize_add_(acc, q, s)); plus notes on skips."""
+# Per codec: the code bytes of n values, and the reference ops (dequantize takes n, as fp4's does).
+CODECS = {
+    "int8": dict(code_bytes=lambda n: n, quantize=ops.quantize_int8_reference,
+                 dequantize=lambda q, s, n, B, dtype: ops.dequantize_int8_reference(q, s, B, dtype),
+                 dequantize_add=ops.dequantize_add_int8_reference_),
+    "fp4": dict(code_bytes=ops.fp4_bytes, quantize=ops.quantize_fp4_reference,
+                dequantize=ops.dequantize_fp4_reference, dequantize_add=ops.dequantize_add_fp4_reference_),
+}
+
+
+def _op_triple(quantize, dequantize, dequantize_add, codec, block):
+    """(fq(x, seed), fd(q, s, n), fa(acc, q, s)) over ops with the argument order of prime.ops' torch ops."""
+    if codec == "fp4":
+        return (lambda x, seed: quantize(x, block, seed),
+                lambda q, s, n: dequantize(q, s, n, block, torch.float32),
+                lambda acc, q, s: dequantize_add(acc, q, s, block))
+    return (lambda x, seed: quantize(x, block, seed),
+            lambda q, s, n: dequantize(q, s, block, torch.float32),
+            lambda acc, q, s: dequantize_add(acc, q, s, block))
+
+
+def backend_impls(device, block, all_isas, codec="int8"):
+    """name -> (quantize(x, seed), dequantize(q, s, n), dequantize_add_(acc, q, s)) of `codec`; plus notes on skips."""
     impls, notes = {}, []
+    P = torch.ops.prime if _extension.available() else None
+
+    def torch_ops():
+        return _op_triple(getattr(P, f"quantize_{codec}"), getattr(P, f"dequantize_{codec}"),
+                          getattr(P, f"dequantize_add_{codec}_"), codec, block)
+
     if device.type == "cpu" and _extension.available():
-        isas = torch.ops.prime._cpu_codec_isas()
-        impls["cpu"] = (
-            lambda x, seed: torch.ops.prime.quantize_int8(x, block, seed),
-            lambda q, s: torch.ops.prime.dequantize_int8(q, s, block, torch.float32),
-            lambda acc, q, s: torch.ops.prime.dequantize_add_int8_(acc, q, s, block),
-        )
-        notes.append(f"cpu backend uses {torch.ops.prime._cpu_codec_plan()} (supported here: {', '.join(isas)})")
+        isas = P._cpu_codec_isas()
+        impls["cpu"] = torch_ops()
+        notes.append(f"cpu backend uses {P._cpu_codec_plan()} (supported here: {', '.join(isas)})")
         if all_isas:
             for isa in isas:
-                impls[f"cpu-{isa}"] = (
-                    lambda x, seed, isa=isa: torch.ops.prime._quantize_int8_isa(x, block, seed, isa),
-                    lambda q, s, isa=isa: torch.ops.prime._dequantize_int8_isa(q, s, block, torch.float32, isa),
-                    lambda acc, q, s, isa=isa: torch.ops.prime._dequantize_add_int8_isa_(acc, q, s, block, isa),
-                )
+                impls[f"cpu-{isa}"] = _op_triple(
+                    lambda x, b, seed, isa=isa: getattr(P, f"_quantize_{codec}_isa")(x, b, seed, isa),
+                    lambda *a, isa=isa: getattr(P, f"_dequantize_{codec}_isa")(*a, isa),
+                    lambda *a, isa=isa: getattr(P, f"_dequantize_add_{codec}_isa_")(*a, isa),
+                    codec, block)
     elif device.type == "cpu":
         notes.append(f"cpu backend skipped: {_extension.build_hint()}")
     if device.type == "cuda":
         if _extension.has_cuda_kernels():
-            impls["cuda"] = (
-                lambda x, seed: torch.ops.prime.quantize_int8(x, block, seed),
-                lambda q, s: torch.ops.prime.dequantize_int8(q, s, block, torch.float32),
-                lambda acc, q, s: torch.ops.prime.dequantize_add_int8_(acc, q, s, block),
-            )
+            impls["cuda"] = torch_ops()
         else:
             notes.append(f"cuda backend skipped: {_extension.build_hint()}")
-        codec, why = _triton_codec(device)
-        if codec is not None:
-            impls["triton"] = (
-                lambda x, seed: codec.quantize_int8(x, block, seed),
-                lambda q, s: codec.dequantize_int8(q, s, block, torch.float32),
-                lambda acc, q, s: codec.dequantize_add_int8_(acc, q, s, block),
-            )
+        triton_codec, why = _triton_codec(device, codec)
+        if triton_codec is not None:
+            impls["triton"] = _op_triple(getattr(triton_codec, f"quantize_{codec}"),
+                                         getattr(triton_codec, f"dequantize_{codec}"),
+                                         getattr(triton_codec, f"dequantize_add_{codec}_"), codec, block)
         else:
             notes.append(f"triton skipped: {why}")
     return impls, notes
@@ -149,15 +173,13 @@ def quantize_reference_compilable(x, block_size, seed, c127):
     return r.to(torch.int8).reshape(-1)[:n].contiguous(), scale.contiguous()
 
 
-def reference_impls(block, compile_ref, compile_sr):
-    """The pure-torch reference, eager and under torch.compile(fullgraph=True)."""
-    eager = (
-        lambda x, seed: ops.quantize_int8_reference(x, block, seed),
-        lambda q, s: ops.dequantize_int8_reference(q, s, block, torch.float32),
-        lambda acc, q, s: ops.dequantize_add_int8_reference_(acc, q, s, block),
-    )
-    out = {"ref-eager": eager}
-    if compile_ref:
+def reference_impls(block, compile_ref, compile_sr, codec="int8"):
+    """The pure-torch reference, eager and (int8) under torch.compile(fullgraph=True)."""
+    c = CODECS[codec]
+    out = {"ref-eager": (lambda x, seed: c["quantize"](x, block, seed),
+                         lambda q, s, n: c["dequantize"](q, s, n, block, torch.float32),
+                         lambda acc, q, s: c["dequantize_add"](acc, q, s, block))}
+    if compile_ref and codec == "int8":
         # Ask inductor for the eager numerics the wire format needs, where this torch
         # has the switches: no FMA contraction in its Triton kernels, and IEEE
         # division instead of Triton's approximate div.full. Whether it worked is
@@ -182,7 +204,7 @@ def reference_impls(block, compile_ref, compile_sr):
 
         out["ref-compiled"] = (
             quantize,
-            lambda q, s: cd(q, s, block, torch.float32),
+            lambda q, s, n: cd(q, s, block, torch.float32),
             lambda acc, q, s: ca(acc, q, s, block),
         )
     return out
@@ -253,132 +275,140 @@ def same_encoding(got, want):
 
 
 def bench_size(size_bytes, args, device, timer, impls, refs):
-    """Times every op of one size; returns result rows."""
+    """Times every op of one size for every codec; returns result rows. impls, refs: codec -> name -> ops."""
     n = size_bytes // 4
     B = args.block_size
     dtype = DTYPES[args.dtype]
     in_bytes = torch.tensor([], dtype=dtype).element_size()
     nb = math.ceil(n / B)
-    nbytes = {
-        "copy": 8 * n,
-        "quantize": in_bytes * n + n + 4 * nb,
-        "quantize_sr": in_bytes * n + n + 4 * nb,
-        "dequantize": n + 4 * nb + 4 * n,
-        "dequantize_add": n + 4 * nb + 8 * n,
-    }
+
+    def nbytes_of(codec):
+        code = CODECS[codec]["code_bytes"](n)
+        return {"quantize": in_bytes * n + code + 4 * nb, "quantize_sr": in_bytes * n + code + 4 * nb,
+                "dequantize": code + 4 * nb + 4 * n, "dequantize_add": code + 4 * nb + 8 * n}
+
+    nbytes = {codec: nbytes_of(codec) for codec in impls}
     # the biggest working set of one call decides how many buffer sets rotate
-    footprint = max(nbytes.values())
+    footprint = max([8 * n] + [v for per in nbytes.values() for v in per.values()])
     cache = last_level_cache_bytes(device)
     sets = 1
     if not args.no_rotate:
         sets = max(1, min(math.ceil(2 * cache / footprint), max(1, (args.rotate_mib * MiB) // footprint)))
 
     gen = torch.Generator(device="cpu").manual_seed(args.seed + n)
-    xs, qs, accs, ys = [], [], [], []
+    xs, accs, ys = [], [], []
     for _ in range(sets):
-        x = torch.randn(n, generator=gen).mul_(0.01).to(device=device, dtype=dtype)
-        xs.append(x)
-        qs.append(ops.quantize_int8_reference(x, B))
+        xs.append(torch.randn(n, generator=gen).mul_(0.01).to(device=device, dtype=dtype))
         accs.append(torch.randn(n, generator=gen).to(device))
         ys.append(torch.empty(n, device=device))
     x32s = [x.float() for x in xs] if dtype != torch.float32 else xs
 
     ops_to_run = ["copy", "quantize", "quantize_sr", "dequantize", "dequantize_add"]
-    contenders = []  # (op, impl name, fn(slot), slots)
-    contenders.append(("copy", "torch", lambda i: ys[i].copy_(x32s[i]), list(range(sets))))
+    contenders = []  # (codec, op, impl name, fn(slot), slots)
+    contenders.append(("", "copy", "torch", lambda i: ys[i].copy_(x32s[i]), list(range(sets))))
 
     eager_ok = size_bytes <= args.max_eager_mib * MiB
-    all_impls = dict(impls)
-    for name, fns in refs.items():
-        if name == "ref-eager" and not eager_ok:
-            continue
-        all_impls[name] = fns
-
-    want_q = {}  # reference encodings of slot 0, for the bit checks
-    x0, (q0, s0), acc0 = xs[0], qs[0], accs[0]
-    want_q["quantize"] = qs[0]
-    want_q["quantize_sr"] = ops.quantize_int8_reference(x0, B, args.seed)
-    want_deq = ops.dequantize_int8_reference(q0, s0, B, torch.float32)
-    want_acc = ops.dequantize_add_int8_reference_(acc0.clone(), q0, s0, B)
-
     skipped, inexact = [], []
 
-    def verify(name, op, ok):
+    def verify(codec, name, op, ok):
         """A backend that is not bit-exact fails the benchmark; the compiled reference is only flagged
         (torch.compile may fuse or approximate: then its speed is not the same computation's)."""
         if ok:
             return
-        msg = f"{name} {op}: output differs from the eager reference at {size_bytes} bytes"
+        msg = f"{codec} {name} {op}: output differs from the eager reference at {size_bytes} bytes"
         if name != "ref-compiled":
             raise SystemExit(msg)
         print(f"# WARNING: {msg}; its row is marked *", flush=True)
-        inexact.append((op, name))
+        inexact.append((codec, op, name))
 
-    for name, (fq, fd, fa) in all_impls.items():
-        t0 = time.perf_counter()
-        # correctness of slot 0 first (compiles too, for ref-compiled)
-        verify(name, "quantize", same_encoding(fq(x0, None), want_q["quantize"]))
-        contenders.append(("quantize", name, lambda i, fq=fq: fq(xs[i], None), list(range(sets))))
-        got = fq(x0, args.seed)
-        if got is None:
-            skipped.append(f"{name} quantize_sr (compile with --compile-sr)")
-        else:
-            verify(name, "quantize_sr", same_encoding(got, want_q["quantize_sr"]))
+    for codec in impls:
+        ref = CODECS[codec]
+        qs = [ref["quantize"](x, B) for x in xs]
+        # reference results of slot 0, for the bit checks
+        x0, (q0, s0), acc0 = xs[0], qs[0], accs[0]
+        want_q = {"quantize": qs[0], "quantize_sr": ref["quantize"](x0, B, args.seed)}
+        want_deq = ref["dequantize"](q0, s0, n, B, torch.float32)
+        want_acc = ref["dequantize_add"](acc0.clone(), q0, s0, B)
+        all_impls = dict(impls[codec])
+        for name, fns in refs[codec].items():
+            if name == "ref-eager" and not eager_ok:
+                continue
+            all_impls[name] = fns
+        for name, (fq, fd, fa) in all_impls.items():
+            t0 = time.perf_counter()
+            # correctness of slot 0 first (compiles too, for ref-compiled)
+            verify(codec, name, "quantize", same_encoding(fq(x0, None), want_q["quantize"]))
+            contenders.append((codec, "quantize", name, lambda i, fq=fq: fq(xs[i], None), list(range(sets))))
+            got = fq(x0, args.seed)
+            if got is None:
+                skipped.append(f"{codec} {name} quantize_sr (compile with --compile-sr)")
+            else:
+                verify(codec, name, "quantize_sr", same_encoding(got, want_q["quantize_sr"]))
+                contenders.append(
+                    (codec, "quantize_sr", name, lambda i, fq=fq: fq(xs[i], args.seed + i), list(range(sets)))
+                )
+            verify(codec, name, "dequantize", nan_aware_equal(fd(q0, s0, n), want_deq))
+            contenders.append((codec, "dequantize", name, lambda i, fd=fd, qs=qs: fd(*qs[i], n), list(range(sets))))
+            acc = acc0.clone()
+            fa(acc, q0, s0)
+            verify(codec, name, "dequantize_add", nan_aware_equal(acc, want_acc))
+            # the accumulator keeps growing over the repeats; magnitude does not change the speed
             contenders.append(
-                ("quantize_sr", name, lambda i, fq=fq: fq(xs[i], args.seed + i), list(range(sets)))
+                (codec, "dequantize_add", name, lambda i, fa=fa, qs=qs: fa(accs[i], *qs[i]), list(range(sets)))
             )
-        verify(name, "dequantize", nan_aware_equal(fd(q0, s0), want_deq))
-        contenders.append(("dequantize", name, lambda i, fd=fd: fd(*qs[i]), list(range(sets))))
-        acc = acc0.clone()
-        fa(acc, q0, s0)
-        verify(name, "dequantize_add", nan_aware_equal(acc, want_acc))
-        # the accumulator keeps growing over the repeats; magnitude does not change the speed
-        contenders.append(("dequantize_add", name, lambda i, fa=fa: fa(accs[i], *qs[i]), list(range(sets))))
-        if args.verbose:
-            print(f"  checked {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+            if args.verbose:
+                print(f"  checked {codec} {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     if not eager_ok:
         skipped.append(f"ref-eager above --max-eager-mib {args.max_eager_mib}")
 
     # warm up and choose the calls per batch: about target_ms per batch
     plans = []
-    for op, name, fn, slots in contenders:
+    for codec, op, name, fn, slots in contenders:
         for i in slots:
             fn(i)
         timer.sync()
         once = min(timer.batch(fn, slots, 1, j) for j in range(3))
         k = max(1, min(2000, round(args.target_ms / 1e3 / max(once, 1e-7))))
-        plans.append((op, name, fn, slots, k))
+        plans.append((codec, op, name, fn, slots, k))
 
-    times = {(op, name): [] for op, name, _, _, _ in plans}
+    # interleaved: every contender (both codecs) once per repeat, so background load hits them alike,
+    # in a fresh order each repeat: a batch that follows one reading the same buffers (the copy
+    # before the first quantize) finds them in the last-level cache, which a fixed order would
+    # give to the same contender every time (seen: +40% for the first quantize at 64 MiB)
+    times = {(codec, op, name): [] for codec, op, name, _, _, _ in plans}
+    order = random.Random(args.seed)
     for r in range(args.repeats):
-        for op, name, fn, slots, k in plans:
+        for codec, op, name, fn, slots, k in order.sample(plans, len(plans)):
             # each batch goes on where the last one stopped, so calls keep rotating buffers
-            times[(op, name)].append(timer.batch(fn, slots, k, first=r * k))
+            times[(codec, op, name)].append(timer.batch(fn, slots, k, first=r * k))
 
     rows = []
-    copy_t = statistics.median(times[("copy", "torch")])
-    copy_gbps = nbytes["copy"] / copy_t / 1e9
+    copy_t = statistics.median(times[("", "copy", "torch")])
+    copy_gbps = 8 * n / copy_t / 1e9
     for op in ops_to_run:
-        for (op2, name), ts in times.items():
+        for (codec, op2, name), ts in times.items():
             if op2 != op:
                 continue
             t = statistics.median(ts)
-            gbps = nbytes[op] / t / 1e9
+            moved = 8 * n if op == "copy" else nbytes[codec][op]
+            gbps = moved / t / 1e9
             rows.append(
                 {
+                    "codec": codec or "-",
                     "op": op,
                     "impl": name,
                     "size_bytes": size_bytes,
                     "n": n,
                     "block_size": B,
                     "input_dtype": args.dtype,
-                    "bytes_moved": nbytes[op],
+                    "bytes_moved": moved,
                     "time_s": t,
                     "time_s_min": min(ts),
                     "gbps": gbps,
+                    "gvalues_per_s": n / t / 1e9,
                     "pct_of_copy": 100.0 * gbps / copy_gbps,
                     "rotating_sets": sets,
-                    "bit_exact": (op, name) not in inexact,
+                    "bit_exact": (codec, op, name) not in inexact,
                 }
             )
     return rows, skipped
@@ -404,6 +434,7 @@ def main(argv=None):
     p.add_argument("--sizes", type=str, default=None, help="comma-separated fp32 input sizes in MiB (default 1..1024)")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES_MIB} MiB, fewer repeats")
     p.add_argument("--block-size", type=int, default=ops.DEFAULT_BLOCK_SIZE)
+    p.add_argument("--codecs", type=str, default="int8,fp4", help="comma-separated block codecs to time side by side")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="input dtype of quantize")
     p.add_argument("--repeats", type=int, default=None, help="timed batches per implementation (median)")
     p.add_argument("--target-ms", type=float, default=None, help="wall time of one timed batch")
@@ -446,8 +477,15 @@ def main(argv=None):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
 
-    impls, notes = backend_impls(device, args.block_size, args.all_isas)
-    refs = reference_impls(args.block_size, not args.no_compile, args.compile_sr)
+    codecs = [c for c in args.codecs.split(",") if c]
+    for c in codecs:
+        if c not in CODECS:
+            raise SystemExit(f"--codecs: {c!r} is not one of {', '.join(CODECS)}")
+    impls, refs, notes = {}, {}, []
+    for c in codecs:
+        impls[c], codec_notes = backend_impls(device, args.block_size, args.all_isas, c)
+        notes += [n for n in codec_notes if n not in notes]
+        refs[c] = reference_impls(args.block_size, not args.no_compile, args.compile_sr, c)
     desc = device_description(device)
     print(f"# codec throughput on {desc}; torch {torch.__version__}; block {args.block_size}; input {args.dtype}")
     for note in notes:
@@ -461,12 +499,13 @@ def main(argv=None):
         all_rows += rows
         all_skipped += [f"{mib:g} MiB: {s}" for s in skipped]
         print(f"\n## {mib:g} MiB fp32-equivalent (n = {size_bytes // 4}), rotating {rows[0]['rotating_sets']} set(s)")
-        print(f"{'op':<16}{'impl':<14}{'time':>12}{'GB/s':>10}{'% copy':>9}")
+        print(f"{'op':<16}{'codec':<6}{'impl':<14}{'time':>12}{'GB/s':>10}{'% copy':>9}{'Gval/s':>9}")
         for r in rows:
             t = r["time_s"]
             ts = f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
             impl = r["impl"] + ("" if r["bit_exact"] else " *")
-            print(f"{r['op']:<16}{impl:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%")
+            print(f"{r['op']:<16}{r['codec']:<6}{impl:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%"
+                  f"{r['gvalues_per_s']:>9.2f}")
         sys.stdout.flush()
     for s in all_skipped:
         print(f"# skipped {s}")

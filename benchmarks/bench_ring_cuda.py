@@ -5,8 +5,8 @@ WORLD ranks on this host's GPUs (rank r on GPU r mod count), loopback, one Ring 
 fresh copy of the same random tensor (op=avg); a time is from the all_reduce call to
 wait() returning (the result is then in the tensor). Methods:
 
-  gpu-int8, gpu-fp32   reduced on the GPU (PRIME_RING_CUDA_REDUCE=gpu; fp32 = codec "none")
-  host-int8, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
+  gpu-int8, gpu-fp4, gpu-fp32   reduced on the GPU (PRIME_RING_CUDA_REDUCE=gpu; fp32 = codec "none")
+  host-int8, host-fp4, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
   gloo-fp32            torch.distributed gloo all_reduce, then a division (reference)
   METHOD/segN          the same with Ring(segment_bytes=N MiB) (default: the Ring's 1 MiB)
   gpu-*/pageable       received payloads uploaded straight from the transport's buffers
@@ -41,7 +41,7 @@ import time
 
 import torch
 
-METHODS = ("gpu-int8", "gpu-fp32", "host-int8", "host-fp32", "gloo-fp32")
+METHODS = ("gpu-int8", "gpu-fp4", "gpu-fp32", "host-int8", "host-fp4", "host-fp32", "gloo-fp32")
 SPLIT = (  # WorkStats fields shown, in ms (rank 0's median)
     ("stage_s", "stage"),
     ("quantize_s", "quant"),
@@ -146,8 +146,8 @@ def run_rank(rank: int, args, port: int) -> dict:
                 else:
                     os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if base.startswith("gpu") else "cpu"
                     os.environ["PRIME_RING_CUDA_UPLOAD"] = "pageable" if pageable else "pinned"
-                    work = rings[segment].all_reduce(x, op="avg", codec="int8" if base.endswith("int8") else "none",
-                                                     schedule=schedule)
+                    codec = {"int8": "int8", "fp4": "fp4"}.get(base.split("-")[1], "none")
+                    work = rings[segment].all_reduce(x, op="avg", codec=codec, schedule=schedule)
                     work.wait()
                     st = work.stats()
                 elapsed = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""The Triton kernels of the int8 block codec (docs/wire-format.md), bit for bit.
+"""The Triton kernels of the block codecs (docs/wire-format.md), bit for bit: int8, and
+fp4 where the constexpr FP4 is set (the same loads, scale and masks; other codes).
 
 Only kernels live here; the typed launchers are in kernels/codec.py. The same
 source runs compiled on CUDA and, under TRITON_INTERPRET=1, interpreted on CPU
@@ -26,6 +27,11 @@ Bit-exactness, point by point (each was a trap):
   subnormals), and it is the same round-to-nearest-even as torch's conversion.
 - The NaN flag is written as the integer 0x7FC00000 into an int32 view of the
   scales, so no arithmetic NaN (whose bits differ between CPU and GPU) is stored.
+- fp4 magnitudes are counted with comparisons against exact constants (the format's
+  definition), and decoded by building the E2M1 value's fp32 bits with integer
+  operations: no table lookup, no conversion that could round.
+- fp4 packs value 2j into the low nibble of byte j: a row of codes is reshaped to
+  pairs and split (tl.split), decoding joins them back (tl.join) in the same order.
 """
 
 import triton
@@ -36,6 +42,8 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)
 _QMAX = tl.constexpr(127.0)
 # The canonical quiet NaN of fp32 (the non-finite flag of a block's scale).
 _NAN_BITS = tl.constexpr(0x7FC00000)
+# fp4: the largest E2M1 magnitude (a block's max |x| maps to it).
+_FP4_MAX = tl.constexpr(6.0)
 
 
 @triton.jit
@@ -55,10 +63,40 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _fp4_magnitude_bits(m):
+    """The fp32 bits of E2M1 magnitude m (int32, 0..7): 0, 0.5, then 2^((m >> 1) - 1) * (1 + (m & 1) / 2)."""
+    normal = (((m >> 1) + 126) << 23) | ((m & 1) << 22)
+    return tl.where(m < 2, m * 0x3F000000, normal)
+
+
+@triton.jit
+def _fp4_values(codes):
+    """The fp32 value (+-M[m], before the scale) of fp4 codes (int32, 0..15); code 8 is -0.0."""
+    return (_fp4_magnitude_bits(codes & 7) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_codes(v, u, STOCHASTIC: tl.constexpr):
+    """The fp4 code (int32) of each v = x * inv: the nearest magnitude (a midpoint goes to the even
+    index), or stochastically the one just below t = |v| plus one when u < (t - M[l]) / gap."""
+    t = tl.abs(v)
+    if STOCHASTIC:
+        m = ((t >= 0.5).to(tl.int32) + (t >= 1.0).to(tl.int32) + (t >= 1.5).to(tl.int32) + (t >= 2.0).to(tl.int32)
+             + (t >= 3.0).to(tl.int32) + (t >= 4.0).to(tl.int32) + (t >= 6.0).to(tl.int32))
+        low = _fp4_magnitude_bits(m).to(tl.float32, bitcast=True)
+        inv_gap = tl.where(m < 4, 2.0, tl.where(m < 6, 1.0, tl.where(m < 7, 0.5, 0.0)))  # 7: stays
+        m += (u < (t - low) * inv_gap).to(tl.int32)  # exact: Sterbenz, and a power-of-two gap
+    else:
+        m = ((t > 0.25).to(tl.int32) + (t >= 0.75).to(tl.int32) + (t > 1.25).to(tl.int32)
+             + (t >= 1.75).to(tl.int32) + (t > 2.5).to(tl.int32) + (t >= 3.5).to(tl.int32) + (t > 5.0).to(tl.int32))
+    return tl.where((m > 0) & (v < 0.0), m + 8, m)  # a zero magnitude is code 0 whatever the sign
+
+
+@triton.jit
 def _quantize_tile(
     x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr,
-    STOCHASTIC: tl.constexpr, MASKED: tl.constexpr,
+    STOCHASTIC: tl.constexpr, MASKED: tl.constexpr, FP4: tl.constexpr,
 ):
     rows = tl.arange(0, ROWS)
     local = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # int32, < TILE
@@ -81,15 +119,16 @@ def _quantize_tile(
     a = tl.max(ax, axis=1)
     nonfinite = a == float("inf")
 
-    c127 = tl.full([ROWS], _QMAX, tl.float32)
-    scale = tl.math.div_rn(a, c127)
+    qmax = tl.full([ROWS], _FP4_MAX if FP4 else _QMAX, tl.float32)
+    scale = tl.math.div_rn(a, qmax)
     positive = a > 0.0
-    inv = tl.math.div_rn(c127, tl.where(positive, a, 1.0))
-    # 0 when a == 0, when 127 / a overflows (tiny subnormal blocks) and, since then
-    # a == inf and 127 / inf == 0, for non-finite blocks.
+    inv = tl.math.div_rn(qmax, tl.where(positive, a, 1.0))
+    # 0 when a == 0, when qmax / a overflows (tiny subnormal blocks) and, since then
+    # a == inf and qmax / inf == 0, for non-finite blocks.
     inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
 
     v = x * inv[:, None]
+    u = 0.0
     if STOCHASTIC:
         # Counter-based uniform keyed by (seed, flattened index i). A tile is a
         # power of two <= 2^32 elements starting at a multiple of its size, so
@@ -99,23 +138,36 @@ def _quantize_tile(
         lo = start.to(tl.uint32) + local.to(tl.uint32)
         h = _fmix32(_fmix32(lo ^ key) + key)
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
-        # floor(v) from the nearest integer: tl.floor lowers to libdevice's
-        # flush-to-zero cvt.rmi.ftz on NVIDIA, which the format never allows.
-        nearest = _round_half_even(v)
-        f = nearest - tl.where(nearest > v, 1.0, 0.0)
-        r = f + tl.where(u < v - f, 1.0, 0.0)
+    if FP4:
+        code = tl.where(nonfinite[:, None], 0, _fp4_codes(v, u, STOCHASTIC))
+        # pairs (value 2j, 2j + 1) -> one byte, the first in the low nibble
+        lo_code, hi_code = tl.split(tl.reshape(code, [ROWS, BLOCK // 2, 2]))
+        q = (lo_code | (hi_code << 4)).to(tl.uint8)
+        q_local = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        q_ptrs = (q_ptr + start // 2) + q_local
+        q_in_range = q_local < (n - start + 1) // 2
     else:
-        r = _round_half_even(v)
-    r = tl.where(nonfinite[:, None], 0.0, r)  # before the clamp: v may be NaN there
-    q = tl.minimum(tl.maximum(r, -_QMAX), _QMAX).to(tl.int8)
+        if STOCHASTIC:
+            # floor(v) from the nearest integer: tl.floor lowers to libdevice's
+            # flush-to-zero cvt.rmi.ftz on NVIDIA, which the format never allows.
+            nearest = _round_half_even(v)
+            f = nearest - tl.where(nearest > v, 1.0, 0.0)
+            r = f + tl.where(u < v - f, 1.0, 0.0)
+        else:
+            r = _round_half_even(v)
+        r = tl.where(nonfinite[:, None], 0.0, r)  # before the clamp: v may be NaN there
+        q = tl.minimum(tl.maximum(r, -_QMAX), _QMAX).to(tl.int8)
+        q_ptrs = (q_ptr + start) + local
+        if MASKED:
+            q_in_range = in_range
 
     scale_bits = tl.where(nonfinite, _NAN_BITS, scale.to(tl.int32, bitcast=True))
     scale_ptrs = (scale_bits_ptr + start // BLOCK) + rows
     if MASKED:
-        tl.store((q_ptr + start) + local, q, mask=in_range)
+        tl.store(q_ptrs, q, mask=q_in_range)
         tl.store(scale_ptrs, scale_bits, mask=rows * BLOCK < n - start)
     else:
-        tl.store((q_ptr + start) + local, q)
+        tl.store(q_ptrs, q)
         tl.store(scale_ptrs, scale_bits)
 
 
@@ -125,15 +177,16 @@ def _quantize_tile(
 def _quantize_kernel(
     x_ptr, q_ptr, scale_bits_ptr, n, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    FP4: tl.constexpr,
 ):
-    """One program encodes ROWS blocks of BLOCK elements: x -> (q int8, scale bits int32)."""
+    """One program encodes ROWS blocks of BLOCK elements: x -> (q int8 or packed fp4 codes, scale bits int32)."""
     start = tl.program_id(0).to(tl.int64) * (ROWS * BLOCK)
     if start + ROWS * BLOCK <= n:
         _quantize_tile(x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
-                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, False)
+                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, False, FP4)
     else:
         _quantize_tile(x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
-                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, True)
+                       BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, True, FP4)
 
 
 @triton.jit
@@ -149,23 +202,36 @@ def _to_bf16_bits(y):
 def _dequantize_tile(
     q_ptr, scale_ptr, out_ptr, start, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
-    OUT_IS_BF16_BITS: tl.constexpr, MASKED: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr, MASKED: tl.constexpr, FP4: tl.constexpr,
 ):
     rows = tl.arange(0, ROWS)
     local = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    q_ptrs = (q_ptr + start) + local
     out_ptrs = (out_ptr + start) + local
     # A row lies inside one block: either ROWS > 1 and COLS == BLOCK (start is a
     # multiple of BLOCK), or ROWS == 1; so this is (start + row * COLS) // BLOCK.
     scale_ptrs = (scale_ptr + start // BLOCK) + (rows * COLS) // BLOCK
     if MASKED:
         in_range = local < n - start
-        q = tl.load(q_ptrs, mask=in_range, other=0)
         scale = tl.load(scale_ptrs, mask=rows * COLS < n - start, other=0.0)
     else:
-        q = tl.load(q_ptrs)
         scale = tl.load(scale_ptrs)
-    y = q.to(tl.float32) * scale[:, None]
+    if FP4:
+        # COLS / 2 bytes a row, each two codes: value 2j in the low nibble of byte j
+        q_local = rows[:, None] * (COLS // 2) + tl.arange(0, COLS // 2)[None, :]
+        q_ptrs = (q_ptr + start // 2) + q_local
+        if MASKED:
+            packed = tl.load(q_ptrs, mask=q_local < (n - start + 1) // 2, other=0).to(tl.int32)
+        else:
+            packed = tl.load(q_ptrs).to(tl.int32)
+        pairs = tl.join(_fp4_values(packed & 15), _fp4_values(packed >> 4))
+        values = tl.reshape(pairs, [ROWS, COLS])
+    else:
+        q_ptrs = (q_ptr + start) + local
+        if MASKED:
+            values = tl.load(q_ptrs, mask=in_range, other=0).to(tl.float32)
+        else:
+            values = tl.load(q_ptrs).to(tl.float32)
+    y = values * scale[:, None]
     if ACCUMULATE:
         if MASKED:
             acc = tl.load(out_ptrs, mask=in_range, other=0.0)
@@ -186,14 +252,17 @@ def _dequantize_tile(
 def _dequantize_kernel(
     q_ptr, scale_ptr, out_ptr, n,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ACCUMULATE: tl.constexpr,
-    OUT_IS_BF16_BITS: tl.constexpr,
+    OUT_IS_BF16_BITS: tl.constexpr, FP4: tl.constexpr,
 ):
-    """out = float(q) * scale (ACCUMULATE: out = out + float(q) * scale) on ROWS x COLS elements.
+    """out = value(q) * scale (ACCUMULATE: out = out + value(q) * scale) on ROWS x COLS elements;
+    value(q) = float(q) for int8, the E2M1 value of the code for fp4 (FP4).
 
     COLS = min(BLOCK, tile): unlike the encoder, a decoder needs no whole block per
     program, so its tile can be sized for the memory system alone."""
     start = tl.program_id(0).to(tl.int64) * (ROWS * COLS)
     if start + ROWS * COLS <= n:
-        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, False)
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS,
+                         False, FP4)
     else:
-        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS, True)
+        _dequantize_tile(q_ptr, scale_ptr, out_ptr, start, n, BLOCK, ROWS, COLS, ACCUMULATE, OUT_IS_BF16_BITS,
+                         True, FP4)

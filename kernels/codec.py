@@ -1,11 +1,14 @@
-"""Triton versions of the int8 block codec ops, bit-identical to the torch reference.
+"""Triton versions of the block codec ops (int8, fp4), bit-identical to the torch reference.
 
-The same three ops as `prime.ops` (whose `backend="triton"` lands here), with the
-same arguments and the same bytes (docs/wire-format.md):
+The same ops as `prime.ops` (whose `backend="triton"` lands here), with the same
+arguments and the same bytes (docs/wire-format.md):
 
-    quantize_int8(x, block_size, seed)              -> (q int8[n], scales fp32[ceil(n/B)])
-    dequantize_int8(q, scales, block_size, dtype)   -> y[n] of dtype
-    dequantize_add_int8_(acc, q, scales, block_size) -> acc, updated in place
+    quantize_int8(x, block_size, seed)                   -> (q int8[n], scales fp32[ceil(n/B)])
+    dequantize_int8(q, scales, block_size, dtype)        -> y[n] of dtype
+    dequantize_add_int8_(acc, q, scales, block_size)     -> acc, updated in place
+    quantize_fp4(x, block_size, seed)                    -> (q uint8[ceil(n/2)], scales fp32[ceil(n/B)])
+    dequantize_fp4(q, scales, numel, block_size, dtype)  -> y[numel] of dtype
+    dequantize_add_fp4_(acc, q, scales, block_size)      -> acc, updated in place
 
 CUDA tensors run compiled kernels. CPU tensors run the same kernels under
 Triton's interpreter (numpy; slow, for tests), which needs TRITON_INTERPRET=1
@@ -24,15 +27,21 @@ import torch
 import triton
 from triton.runtime import JITFunction
 
-from prime.ops import _check_accumulator, _check_encoded, check_block_size
+from prime.ops import (
+    _check_accumulator,
+    _check_dtype,
+    _check_encoded,
+    _check_encoded_fp4,
+    _check_fp4_accumulation,
+    _check_input,
+    check_block_size,
+)
 
 from . import _codec_kernels as _kernels
 
-__all__ = ["available", "quantize_int8", "dequantize_int8", "dequantize_add_int8_"]
+__all__ = ["available", "quantize_int8", "dequantize_int8", "dequantize_add_int8_", "quantize_fp4", "dequantize_fp4",
+           "dequantize_add_fp4_"]
 
-MIN_BLOCK_SIZE = 32
-MAX_BLOCK_SIZE = 4096
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch shapes. Chosen by reasoning and by reading the code Triton 3.9 generates
 # for sm_90 (PTX + ptxas register counts, no GPU run yet; benchmarks/ can sweep
@@ -53,6 +62,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #   and the fp32 loads/stores share a layout (with more values a thread Triton
 #   moves the tile through shared memory between them); ~22 registers, so the
 #   SM is full (2048 threads, 8 programs, ~72 KiB in flight for dequantize-add).
+# fp4 runs the same kernels with the same shapes (constexpr FP4): its codes are half
+#   the bytes, so the same tile moves less memory; not tuned separately.
 _QUANTIZE_TILE = 4096
 _QUANTIZE_WARPS = 4
 _QUANTIZE_MAX_REGISTERS = 64  # round-to-nearest only
@@ -134,11 +145,13 @@ def _launch_quantize(
     block_size: int,
     seed: Optional[int],
     *,
+    fp4: bool = False,
     tile: int = _QUANTIZE_TILE,
     num_warps: int = _QUANTIZE_WARPS,
     max_registers: Optional[int] = _QUANTIZE_MAX_REGISTERS,
 ):
-    """q[:] , scales[:] = quantize(x) for flat contiguous x (fp32/bf16/fp16), q (int8), scales (fp32).
+    """q[:] , scales[:] = quantize(x) for flat contiguous x (fp32/bf16/fp16), q (int8; fp4: uint8,
+    ceil(n/2) bytes), scales (fp32).
 
     Returns the launched kernel handle (its .asm holds the PTX on CUDA)."""
     _check_tile(tile)
@@ -160,6 +173,7 @@ def _launch_quantize(
             ROWS=rows,
             X_IS_BF16_BITS=x_is_bf16,
             STOCHASTIC=seed is not None,
+            FP4=fp4,
             num_warps=num_warps,
             **_COMPILE_OPTIONS,
             **options,
@@ -173,14 +187,16 @@ def _launch_dequantize(
     block_size: int,
     accumulate: bool,
     *,
+    fp4: bool = False,
     tile: int = _DEQUANTIZE_TILE,
     num_warps: int = _DEQUANTIZE_WARPS,
 ):
-    """out[:] = float(q) * scale, or out[:] += float(q) * scale (accumulate; out fp32).
+    """out[:] = value(q) * scale, or out[:] += value(q) * scale (accumulate; out fp32).
 
-    Flat contiguous q (int8), scales (fp32), out (fp32/bf16/fp16). Returns the kernel handle."""
+    Flat contiguous q (int8; fp4: uint8 codes of out.numel() values), scales (fp32), out
+    (fp32/bf16/fp16). Returns the kernel handle."""
     _check_tile(tile)
-    n = q.numel()
+    n = out.numel()
     cols = min(block_size, tile)  # a row lies in one block
     rows = tile // cols
     out_is_bf16 = out.dtype == torch.bfloat16
@@ -197,25 +213,34 @@ def _launch_dequantize(
             COLS=cols,
             ACCUMULATE=accumulate,
             OUT_IS_BF16_BITS=out_is_bf16,
+            FP4=fp4,
             num_warps=num_warps,
             **_COMPILE_OPTIONS,
         )
 
 
 # ---------------------------------------------------------------------------
-# argument checks (prime.ops checks too; these keep direct calls safe)
-
-
-# The argument checks are prime.ops's own, so every backend words its errors alike.
-_check_block_size = check_block_size
+# the ops (the argument checks are prime.ops's own, so every backend words its errors alike)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous()  # a copy only when t is not contiguous
 
 
-# ---------------------------------------------------------------------------
-# the ops
+def _quantize(op: str, x: torch.Tensor, block_size: int, seed: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_input(x, op)
+    check_block_size(block_size)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be None or an int, got {type(seed).__name__}")
+    _check_device(x.device)
+    x = _flat(x)
+    n = x.numel()
+    fp4 = op == "quantize_fp4"
+    q = torch.empty((n + 1) // 2 if fp4 else n, dtype=torch.uint8 if fp4 else torch.int8, device=x.device)
+    scales = torch.empty(triton.cdiv(n, block_size), dtype=torch.float32, device=x.device)
+    if n > 0:
+        _launch_quantize(x, q, scales, block_size, seed, fp4=fp4)
+    return q, scales
 
 
 def quantize_int8(
@@ -228,23 +253,7 @@ def quantize_int8(
     Blocks holding NaN or Inf get the NaN scale (bits 0x7FC00000) and zero q;
     raising on them is prime.ops' job. A non-contiguous x is copied first.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize_int8 expects a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"quantize_int8 expects a float32, bfloat16 or float16 tensor, got {x.dtype}; convert it first, e.g. x.float()"
-        )
-    _check_block_size(block_size)
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise TypeError(f"seed must be None or an int, got {type(seed).__name__}")
-    _check_device(x.device)
-    x = _flat(x)
-    n = x.numel()
-    q = torch.empty(n, dtype=torch.int8, device=x.device)
-    scales = torch.empty(triton.cdiv(n, block_size), dtype=torch.float32, device=x.device)
-    if n > 0:
-        _launch_quantize(x, q, scales, block_size, seed)
-    return q, scales
+    return _quantize("quantize_int8", x, block_size, seed)
 
 
 def dequantize_int8(
@@ -255,8 +264,7 @@ def dequantize_int8(
     y = float(q) * scale in fp32, then rounded to nearest even into `dtype`.
     """
     _check_encoded(q, scales, block_size)
-    if dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    _check_dtype(dtype)
     _check_device(q.device)
     q = _flat(q)
     out = torch.empty(q.numel(), dtype=dtype, device=q.device)
@@ -274,4 +282,35 @@ def dequantize_add_int8_(
     _check_device(q.device)
     if q.numel() > 0:
         _launch_dequantize(_flat(q), _flat(scales), acc.view(-1), block_size, accumulate=True)
+    return acc
+
+
+def quantize_fp4(
+    x: torch.Tensor, block_size: int = 256, seed: Optional[int] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Encodes x (fp32, bf16 or fp16, any shape) as (q uint8[ceil(n/2)], scales fp32[ceil(n/B)]):
+    E2M1 codes, value 2j in the low nibble of byte j. Bit-identical to
+    prime.ops.quantize_fp4_reference; otherwise as quantize_int8."""
+    return _quantize("quantize_fp4", x, block_size, seed)
+
+
+def dequantize_fp4(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, block_size: int = 256, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Decodes the numel values of (q, scales) into a 1-D tensor of `dtype` (fp32, bf16 or fp16)."""
+    _check_encoded_fp4(q, scales, numel, block_size)
+    _check_dtype(dtype)
+    _check_device(q.device)
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    if numel > 0:
+        _launch_dequantize(_flat(q), _flat(scales), out, block_size, accumulate=False, fp4=True)
+    return out
+
+
+def dequantize_add_fp4_(acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256) -> torch.Tensor:
+    """acc += dequantize_fp4(q, scales, acc.numel()) in place: one fp32 multiply, then one fp32 add. Returns acc."""
+    _check_fp4_accumulation(acc, q, scales, block_size)
+    _check_device(q.device)
+    if acc.numel() > 0:
+        _launch_dequantize(_flat(q), _flat(scales), acc.view(-1), block_size, accumulate=True, fp4=True)
     return acc

@@ -19,3 +19,17 @@ if _extension.available():
     @torch.library.register_fake("prime::dequantize_add_int8_")
     def _dequantize_add_int8_fake(acc, q, scales, block_size):
         return None
+
+    @torch.library.register_fake("prime::quantize_fp4")
+    def _quantize_fp4_fake(x, block_size, seed=None):
+        n = x.numel()
+        nb = (n + block_size - 1) // block_size
+        return x.new_empty(((n + 1) // 2,), dtype=torch.uint8), x.new_empty((nb,), dtype=torch.float32)
+
+    @torch.library.register_fake("prime::dequantize_fp4")
+    def _dequantize_fp4_fake(q, scales, numel, block_size, dtype):
+        return q.new_empty((numel,), dtype=dtype)
+
+    @torch.library.register_fake("prime::dequantize_add_fp4_")
+    def _dequantize_add_fp4_fake(acc, q, scales, block_size):
+        return None

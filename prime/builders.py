@@ -6,6 +6,7 @@
     metrics = build_metrics(cfg, env, parts, data)                 # log lines, records, accounting
     diloco, nodes = build_outer_step(cfg, env, parts, data, metrics)   # DiLoCo over a fixed ring or elastic nodes
     checkpoints = build_checkpoints(cfg, env, parts, data, diloco)     # None without checkpoint.dir
+    plan = build_memory_plan(cfg, env, parts, diloco, nodes, checkpoints, say)   # refuses a run that cannot fit
 
 Each builder takes what the ones before it built and nothing else, so each can
 be called (and tested) on its own.
@@ -19,17 +20,18 @@ from typing import Any, Optional
 
 import torch
 
-from prime.checkpoint import Checkpointer, TrainCheckpoints
+from prime.checkpoint import Checkpointer, TrainCheckpoints, manifest_key
 from prime.config import Config
 from prime.data import ShardedLoader, TokenSource, load_source
 from prime.diloco import DiLoCo
+from prime.memory import MemoryPlan, MemoryPlanError, auto_margin_bytes, plan_memory
 from prime.metrics import RunMetrics, peak_flops
 from prime.model import Transformer
 from prime.parallelize import parallelize
 from prime.runtime import Environment
 
 __all__ = ["ModelAndOptimizer", "TrainData", "build_model_and_optimizer", "build_data", "build_metrics",
-           "build_outer_step", "build_checkpoints"]
+           "build_outer_step", "build_checkpoints", "build_memory_plan"]
 
 
 @dataclass
@@ -170,6 +172,8 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         # elastic joiners check a digest of the state they download instead
         check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
         overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,
+        fragments=d.fragments,
+        auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None,
     )
     nodes.attach(diloco)
     return diloco, nodes
@@ -182,5 +186,26 @@ def build_checkpoints(cfg: Config, env: Environment, parts: ModelAndOptimizer, d
     if not c.dir:
         return None
     checkpointer = Checkpointer(c.dir, env.node_rank, env.local_rank, env.local_world,
-                                process_group=env.new_local_group(), keep=c.keep, async_save=c.async_save)
+                                process_group=env.new_local_group(), keep=c.keep, async_save=c.async_save,
+                                key=manifest_key())
     return TrainCheckpoints(checkpointer, parts.model, parts.optimizer, data, diloco, env.local_sum)
+
+
+def build_memory_plan(cfg: Config, env: Environment, parts: ModelAndOptimizer, diloco: DiLoCo, nodes,
+                      checkpoints: Optional[TrainCheckpoints], say=print) -> MemoryPlan:
+    """The memory plan of this process (prime/memory.py), printed by the node's logging process; checkpoints are
+    saved synchronously when their async staging would not fit. Raises MemoryPlanError on every process of every
+    node when some node's plan does not fit (unless memory.check is false)."""
+    procs = cfg.memory.host_procs or nodes.host_processes()
+    plan = plan_memory(cfg, env, parts, diloco, procs)
+    if checkpoints is not None and plan.checkpoint == "blocking":
+        checkpoints.checkpointer.async_save = False
+    if env.is_logger:
+        say(plan.describe())
+    bad = nodes.nodes_that_do_not_fit(plan.fits() or not cfg.memory.check)
+    if bad:
+        if not plan.fits() and cfg.memory.check:
+            plan.check()  # the reason here, with the settings to change
+        raise MemoryPlanError(f"the memory plan of node(s) {bad} does not fit (their log says why and what to change); "
+                              "this node stops with them")
+    return plan

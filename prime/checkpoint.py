@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -46,7 +47,8 @@ from torch import nn
 
 from prime.comm import store_keys as keys
 
-__all__ = ["Checkpointer", "CheckpointError", "TrainCheckpoints", "agree_on_resume_step", "verify_step_dir", "MANIFEST"]
+__all__ = ["Checkpointer", "CheckpointError", "TrainCheckpoints", "agree_on_resume_step", "verify_step_dir", "MANIFEST",
+           "manifest_key"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -94,9 +96,30 @@ def _checkpoint_files(path: str) -> list[str]:
                   and os.path.isfile(os.path.join(path, n)))
 
 
-def write_manifest(path: str, step: int, files: dict) -> None:
-    """Writes `path`/manifest.json naming `files` ({name: {"size", "sha256"}}) atomically and durably."""
+def manifest_key(secret: Optional[bytes] = None) -> Optional[bytes]:
+    """The key that signs checkpoint manifests: derived from the job secret (`secret`, else $PRIME_RING_SECRET);
+    None when there is none (manifests then detect damage, not forgery). A secret drawn for one launch does not
+    sign: the next launch could not check what it signed."""
+    if secret is None:
+        env = os.environ.get("PRIME_RING_SECRET")
+        secret = env.encode() if env else None
+    if not secret:
+        return None
+    return hmac.new(secret, b"prime checkpoint manifest v1", hashlib.sha256).digest()
+
+
+def _mac(key: bytes, doc: dict) -> str:
+    body = {k: v for k, v in doc.items() if k != "mac"}
+    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
+
+
+def write_manifest(path: str, step: int, files: dict, key: Optional[bytes] = None) -> None:
+    """Writes `path`/manifest.json naming `files` ({name: {"size", "sha256"}}) atomically and durably; with `key`,
+    signed (an HMAC-SHA256 of the step, its directory and every file's size and hash)."""
     doc = {"format": _MANIFEST_FORMAT, "step": step, "files": dict(sorted(files.items()))}
+    if key is not None:
+        doc["dir"] = os.path.basename(os.path.dirname(os.path.abspath(path)))  # node<r>: not another node's
+        doc["mac"] = _mac(key, doc)
     tmp = os.path.join(path, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -106,8 +129,10 @@ def write_manifest(path: str, step: int, files: dict) -> None:
     _fsync_dir(path)
 
 
-def read_manifest(path: str, step: Optional[int] = None) -> tuple[Optional[dict], Optional[str]]:
-    """(files of the manifest of step directory `path`, None) or (None, what is wrong with the manifest)."""
+def read_manifest(path: str, step: Optional[int] = None, key: Optional[bytes] = None) -> tuple[Optional[dict], Optional[str]]:
+    """(files of the manifest of step directory `path`, None) or (None, what is wrong with the manifest). With
+    `key`, the manifest must carry a valid signature under it (a file rewritten together with its manifest entry
+    is refused)."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath) as f:
@@ -126,6 +151,17 @@ def read_manifest(path: str, step: Optional[int] = None) -> tuple[Optional[dict]
         return None, f"{mpath} names files outside its directory: {strays[:3]}"
     if step is not None and doc.get("step") != step:
         return None, f"{mpath} is the manifest of step {doc.get('step')!r}, not of step {step}"
+    if key is not None:
+        mac = doc.get("mac")
+        if not isinstance(mac, str):
+            return None, (f"{mpath} is not signed, but this job has a secret (PRIME_RING_SECRET): written without "
+                          "it, or its signature was stripped")
+        if not hmac.compare_digest(mac, _mac(key, doc)):
+            return None, (f"{mpath} has a signature that does not match under this job's secret: the checkpoint "
+                          "was changed (forged) or written by another job")
+        here = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        if doc.get("dir") != here:
+            return None, f"{mpath} was signed for {doc.get('dir')!r}, not for {here!r} (moved from another node)"
     return files, None
 
 
@@ -157,13 +193,14 @@ def verify_files(path: str, manifest: dict, names: list[str]) -> list[str]:
     return problems
 
 
-def verify_step_dir(path: str, step: Optional[int] = None, share: tuple[int, int] = (0, 1)) -> list[str]:
-    """Problems of the checkpoint in step directory `path` ([]: intact).
+def verify_step_dir(path: str, step: Optional[int] = None, share: tuple[int, int] = (0, 1),
+                    key: Optional[bytes] = None) -> list[str]:
+    """Problems of the checkpoint in step directory `path` ([]: intact; with `key`, also signed by this job).
 
     `share` = (g, n) checks only every n-th file from the g-th on, so that n
     processes can verify one checkpoint between them (the manifest itself and
     the list of files are checked by every process)."""
-    manifest, problem = read_manifest(path, step)
+    manifest, problem = read_manifest(path, step, key)
     if problem:
         return [problem]
     names = sorted(set(manifest) | set(_checkpoint_files(path)))
@@ -189,8 +226,11 @@ class Checkpointer:
         process_group=None,
         keep: int = 2,
         async_save: bool = True,
+        key: Optional[bytes] = None,
     ):
         self.root = root
+        self.key = key
+        """Signs and checks the manifests (manifest_key(); None: unsigned)."""
         self.node_dir = os.path.join(root, f"node{node_rank}")
         self.local_rank, self.local_world = local_rank, local_world
         self.pg, self.keep, self.async_save = process_group, keep, async_save
@@ -224,7 +264,7 @@ class Checkpointer:
 
     def verify(self, step: int) -> list[str]:
         """Problems of the checkpoint of `step` on this node ([]: intact); the node's processes hash a share each."""
-        problems = verify_step_dir(self.step_dir(step), step, (self.local_rank, self.local_world))
+        problems = verify_step_dir(self.step_dir(step), step, (self.local_rank, self.local_world), self.key)
         return sorted(set(itertools.chain.from_iterable(self._gather(problems))))
 
     # -- saving ------------------------------------------------------------------
@@ -247,7 +287,8 @@ class Checkpointer:
             os.remove(stale)  # rewriting a step: it is not complete until the new manifest is written
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        extra = _clone_tree(extra)
+        if self.async_save and not block:  # written later: a copy of what may change meanwhile
+            extra = _clone_tree(extra)
         dist_kwargs = {"process_group": self.pg} if self.pg is not None else {"no_dist": True}
 
         with warnings.catch_warnings():
@@ -280,7 +321,7 @@ class Checkpointer:
             for part in self._gather(mine):
                 hashes.update(part)
             if self.local_rank == 0:
-                write_manifest(path, step, hashes)
+                write_manifest(path, step, hashes, self.key)
                 self._prune(step)
 
         self._pending = self._pool.submit(finish)
@@ -303,7 +344,7 @@ class Checkpointer:
     # -- resuming ------------------------------------------------------------------
 
     def choose_resume_step(self, store, node_rank: int, num_nodes: int, publish: bool,
-                           log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+                           log: Optional[Callable[[str], None]] = None, scope: str = "") -> Optional[int]:
         """The newest step that every node holds intact (verified against its manifest), or None: start fresh.
 
         Collective over the node's processes and, through `store`, over the
@@ -318,7 +359,7 @@ class Checkpointer:
             return problems
 
         step, damaged, bad_nodes = agree_on_resume_step(
-            self.complete_steps(), verify, store, node_rank, num_nodes, publish)
+            self.complete_steps(), verify, store, node_rank, num_nodes, publish, scope)
         if step is None and bad_nodes:
             here = "; ".join(f"step {s}: {p[0]}" for s, p in sorted(damaged.items()))
             raise CheckpointError(
@@ -383,11 +424,11 @@ class TrainCheckpoints:
         self.model, self.optimizer, self.data, self.diloco, self.local_sum = model, optimizer, data, diloco, local_sum
 
     def resume(self, store, node_rank: int, num_nodes: int, publish: bool,
-               log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+               log: Optional[Callable[[str], None]] = None, scope: str = "") -> Optional[int]:
         """Loads the newest step that every node holds intact (Checkpointer.choose_resume_step) into the model,
         the optimizer, the data and DiLoCo; returns that step, or None (nothing to resume: start fresh).
         Raises CheckpointError on every process of every node alike when checkpoints exist but none is intact."""
-        step = self.checkpointer.choose_resume_step(store, node_rank, num_nodes, publish=publish, log=log)
+        step = self.checkpointer.choose_resume_step(store, node_rank, num_nodes, publish=publish, log=log, scope=scope)
         if step is None:
             return None
         extra = self.checkpointer.load(step, self.model, self.optimizer)
@@ -434,6 +475,7 @@ class TrainCheckpoints:
 
 def agree_on_resume_step(
     local_steps: list[int], verify: Callable[[int], list[str]], store, node_rank: int, num_nodes: int, publish: bool,
+    scope: str = "",
 ) -> tuple[Optional[int], dict, list[int]]:
     """The newest step that every node holds intact: (step or None, {step: problems} found here, nodes that found damage).
 
@@ -455,8 +497,8 @@ def agree_on_resume_step(
             offers = [mine]
         else:
             if publish:
-                store.set(keys.resume_offer(rnd, node_rank), json.dumps(mine))
-            offers = [json.loads(store.get(keys.resume_offer(rnd, r)).decode()) for r in range(num_nodes)]
+                store.set(keys.resume_offer(rnd, node_rank, scope), json.dumps(mine))
+            offers = [json.loads(store.get(keys.resume_offer(rnd, r, scope)).decode()) for r in range(num_nodes)]
         common = set(offers[0]["steps"]).intersection(*(o["steps"] for o in offers[1:]))
         bad_nodes = [r for r, o in enumerate(offers) if o["damaged"]]
         if not common:

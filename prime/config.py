@@ -40,6 +40,7 @@ __all__ = [
     "DataConfig",
     "CheckpointConfig",
     "MetricsConfig",
+    "MemoryConfig",
     "NodesConfig",
     "ElasticConfig",
     "load_config",
@@ -103,7 +104,7 @@ class ModelConfig:
     ffn_dim: Optional[int] = None
     """SwiGLU hidden size (None: the preset's)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size (None: the preset's; the byte-level data needs >= 256)."""
+    """Vocabulary size (None: the tokenizer's when data.path has prime-tokenize's meta.json, else the preset's; byte-level data needs >= 256)."""
     max_seq_len: Optional[int] = None
     """Longest sequence (None: the preset's)."""
     rope_theta: Optional[float] = None
@@ -177,9 +178,9 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (False: heavy ball)."""
     codec: str = "int8"
-    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes) or none (exact fp32)."""
+    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
     block_size: int = 256
-    """int8 codec block: one fp32 scale per block_size values (power of two, 32..4096)."""
+    """Codec block (int8, fp4): one fp32 scale per block_size values (power of two, 32..4096)."""
     retries: int = 2
     """How many times a failed all-reduce is retried, each on a freshly built ring, before the job stops."""
     timeout_s: float = 300.0
@@ -198,6 +199,8 @@ class DiLoCoConfig:
     """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
+    fragments: int = 1
+    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights. Not with elastic.enabled."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
@@ -205,8 +208,18 @@ class DiLoCoConfig:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
         _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed", "eager-merge"), "diloco.overlap_scheme",
                  "'eager', 'eager-adaptive', 'delayed' or 'eager-merge'", self.overlap_scheme)
+        _require(1 <= self.fragments <= self.inner_steps, "diloco.fragments",
+                 f"in [1, diloco.inner_steps = {self.inner_steps}]", self.fragments)
+        _require_range(self.fragments, "diloco.fragments", 1, 1024)
         _require(0 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
                  f"in [0, diloco.inner_steps = {self.inner_steps}] (0: inner_steps)", self.overlap_steps)
+        if self.fragments > 1:
+            from prime.fragments import FragmentSchedule
+
+            spacing = FragmentSchedule(self.inner_steps, self.fragments).spacing()
+            _require(self.overlap_steps <= spacing, "diloco.overlap_steps",
+                     f"<= {spacing} with diloco.fragments = {self.fragments} (inner_steps / fragments: the spacing of "
+                     "the fragments' syncs, so that one average is in flight at a time; 0: that)", self.overlap_steps)
         _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
                  "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
@@ -215,7 +228,7 @@ class DiLoCoConfig:
         _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
                  self.outer_lr)
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
-        _require(self.codec in ("int8", "none"), "diloco.codec", "'int8' or 'none'", self.codec)
+        _require(self.codec in ("int8", "fp4", "none"), "diloco.codec", "'int8', 'fp4' or 'none'", self.codec)
         check_block_size(self.block_size, "diloco.block_size")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
@@ -269,17 +282,18 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (pre-tokenized .bin shards)."""
+    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (token shards: prime-tokenize's output, or nanoGPT-style *.bin)."""
     path: str = ""
     """Directory for source = text or bin (ignored for embedded)."""
-    bin_dtype: str = "uint16"
-    """Token dtype of the .bin shards: uint16 or uint32 (nanoGPT writes uint16)."""
+    bin_dtype: str = "auto"
+    """Token dtype of the .bin shards: auto (from prime-tokenize's meta.json; uint16 without one), uint16 or uint32."""
     seq_len: int = 256
     """Tokens per training sequence."""
 
     def validate(self) -> None:
         _require(self.source in ("embedded", "text", "bin"), "data.source", "'embedded', 'text' or 'bin'", self.source)
-        _require(self.bin_dtype in ("uint16", "uint32"), "data.bin_dtype", "'uint16' or 'uint32'", self.bin_dtype)
+        _require(self.bin_dtype in ("auto", "uint16", "uint32"), "data.bin_dtype", "'auto', 'uint16' or 'uint32'",
+                 self.bin_dtype)
         _require(self.seq_len >= 1, "data.seq_len", ">= 1", self.seq_len)
         if self.source in ("text", "bin"):
             if not self.path:
@@ -320,17 +334,43 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak bf16 TFLOP/s per device for MFU (0: from the table for H100/H200/A100; CPU: MFU shown as n/a)."""
     tensorboard: bool = False
-    """Also log to TensorBoard under out_dir/tb (needs tensorboard)."""
+    """Also log every step, outer step and summary field to TensorBoard, under out_dir/tb/<nodes.run_id>/node<rank> (needs the tensorboard package)."""
     wandb: bool = False
-    """Also log to Weights & Biases (needs wandb and a login)."""
+    """Also log every field to Weights & Biases: one W&B run per node, named node<rank>, grouped by nodes.run_id (needs the wandb package)."""
     wandb_project: str = "prime"
     """W&B project name."""
+    wandb_mode: str = ""
+    """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them later) or empty (the WANDB_MODE environment variable, else online)."""
+    progress: str = "auto"
+    """auto: a progress bar with ETA and tokens/s when the output is a terminal, plain lines otherwise; bar; lines."""
 
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", ">= 0", self.peak_tflops)
         _require_range(self.peak_tflops, "metrics.peak_tflops", 0, 1e6, " TFLOP/s")
         _require(bool(self.out_dir), "metrics.out_dir", "a directory path", self.out_dir)
+        _require(self.wandb_mode in ("", "online", "offline"), "metrics.wandb_mode", "'online', 'offline' or ''",
+                 self.wandb_mode)
+        _require(self.progress in ("auto", "bar", "lines"), "metrics.progress", "'auto', 'bar' or 'lines'",
+                 self.progress)
+        _require(bool(self.wandb_project.strip()), "metrics.wandb_project", "a project name", self.wandb_project)
+
+
+@dataclass
+class MemoryConfig:
+    check: bool = True
+    """Refuse to start when the memory plan printed at start (every process's GPU and host memory, checkpoints included) does not fit, naming the settings to change (prime/memory.py)."""
+    host_gib: float = 0.0
+    """Host memory for all of this job's processes on one host, GiB (0: detected, the cgroup limit or the machine's memory)."""
+    gpu_gib: float = 0.0
+    """Memory of each GPU, GiB (0: the device's)."""
+    host_procs: int = 0
+    """Processes of this job sharing one host's memory (0: counted, the processes that report this host through the store, else this node's)."""
+
+    def validate(self) -> None:
+        _require_range(self.host_gib, "memory.host_gib", 0, 1 << 20, " GiB (0: detected)")
+        _require_range(self.gpu_gib, "memory.gpu_gib", 0, 1 << 16, " GiB (0: detected)")
+        _require_range(self.host_procs, "memory.host_procs", 0, 1 << 16, " (0: counted)")
 
 
 @dataclass
@@ -422,6 +462,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
@@ -438,9 +479,14 @@ class Config:
             raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
                              "decides at each outer step who contributes, which an all-reduce already in flight "
                              "cannot follow; set diloco.overlap = false")
+        if self.elastic.enabled and self.diloco.fragments > 1:
+            raise ValueError(f"diloco.fragments = {self.diloco.fragments} is not supported with elastic.enabled = true: "
+                             "elastic membership decides who contributes per whole outer step and hands joiners the "
+                             "whole state; set diloco.fragments = 1")
         if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
             raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
                              "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
+        self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:
             raise ValueError(
@@ -450,6 +496,20 @@ class Config:
         if self.data.seq_len > args.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({args.max_seq_len})")
         return self
+
+    def _resolve_vocab_size(self) -> None:
+        """Tokenized data (prime-tokenize's meta.json): an unset model.vocab_size becomes the tokenizer's, a
+        smaller one is refused naming both numbers (a larger one only pads the embedding)."""
+        if self.data.source != "bin":
+            return
+        from prime.data import check_vocab_size, read_metadata
+
+        meta = read_metadata(self.data.path)
+        if meta is None:
+            return
+        if self.model.vocab_size is None:
+            self.model.vocab_size = meta["vocab_size"]
+        check_vocab_size(meta, self.data.path, self.model.vocab_size)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

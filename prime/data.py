@@ -8,8 +8,11 @@ Three sources:
             byte, which never occurs in source code, as document separator.
   text      every regular file under a directory (recursively, sorted by path,
             hidden files skipped), read as bytes the same way.
-  bin       pre-tokenized *.bin shards (nanoGPT style: a bare array of uint16
-            or uint32 token ids), memory-mapped, never loaded whole.
+  bin       pre-tokenized *.bin shards (a bare array of uint16 or uint32 token
+            ids), memory-mapped, never loaded whole. prime-tokenize writes
+            them with a meta.json (read_metadata) that names the shards, the
+            dtype and the tokenizer's vocabulary; without one (nanoGPT's
+            shards) every *.bin is read as data.bin_dtype (uint16 for auto).
 
 A source is cut into windows of seq_len + 1 tokens (inputs and shifted targets)
 that never straddle two .bin files. Window w belongs to shard w mod S, where
@@ -22,6 +25,7 @@ windows in a fresh permutation drawn from (seed, shard, epoch); the position
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -29,9 +33,51 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["TokenSource", "ShardedLoader", "load_source", "embedded_corpus_dir", "DOC_SEPARATOR"]
+__all__ = ["TokenSource", "ShardedLoader", "load_source", "embedded_corpus_dir", "DOC_SEPARATOR", "META_FILE",
+           "META_FORMAT", "read_metadata", "token_dtype_for", "check_vocab_size"]
 
 DOC_SEPARATOR = 0  # byte value joining documents of byte-level sources
+META_FILE = "meta.json"
+"""What prime-tokenize writes beside its shards, last (its presence means the tokenization is whole)."""
+META_FORMAT = "prime-tokens-1"
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The narrowest shard dtype that holds every id of a vocabulary: uint16 up to 65536 tokens, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def read_metadata(path: str) -> Optional[dict]:
+    """The meta.json of a prime-tokenize output directory, checked; None when there is none (plain shards).
+
+    Raises ValueError when the directory holds an unfinished tokenization or a meta.json that is not one."""
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.exists(meta_path):
+        if os.path.exists(os.path.join(path, "plan.json")):
+            raise ValueError(f"data.path {path!r} holds an unfinished prime-tokenize run (plan.json, no {META_FILE}): "
+                             "run the same prime-tokenize command again to finish it")
+        return None
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        ok = meta.get("format") == META_FORMAT and isinstance(meta.get("vocab_size"), int) and \
+            meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("shards"), list)
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{meta_path} is not a prime-tokenize metadata file (format {META_FORMAT}); "
+                         "tokenize again with prime-tokenize, or remove it to read the *.bin files as they are")
+    return meta
+
+
+def check_vocab_size(meta: dict, path: str, vocab_size: int) -> None:
+    """Raises ValueError naming both numbers when a model of vocab_size rows cannot embed the tokens of `meta`."""
+    if vocab_size < meta["vocab_size"]:
+        raise ValueError(
+            f"model.vocab_size is {vocab_size}, but the data under {path} was tokenized with a vocabulary of "
+            f"{meta['vocab_size']} tokens ({os.path.join(path, META_FILE)}): set model.vocab_size to "
+            f"{meta['vocab_size']} (or more), or leave it unset to take it from the data"
+        )
 
 
 def embedded_corpus_dir() -> str:
@@ -47,6 +93,8 @@ class TokenSource:
     """numpy arrays (uint8, uint16 or uint32), possibly memory-mapped."""
     description: str
     """One line for the log: what was read and how many tokens it holds."""
+    vocab_size: Optional[int] = None
+    """The vocabulary of the tokenizer that made the tokens, when known (prime-tokenize's meta.json)."""
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +102,9 @@ class TokenSource:
 
     def max_token_bound(self) -> Optional[int]:
         """An upper bound on token ids known without scanning (256 for bytes), else None."""
-        return 256 if all(a.dtype == np.uint8 for a in self.arrays) else None
+        if all(a.dtype == np.uint8 for a in self.arrays):
+            return 256
+        return self.vocab_size
 
 
 def _read_bytes(files: list[str], what: str) -> TokenSource:
@@ -67,7 +117,46 @@ def _read_bytes(files: list[str], what: str) -> TokenSource:
     return TokenSource([data], f"{what}: {len(files)} files, {data.shape[0] / 1e6:.2f}M byte tokens")
 
 
-def load_source(source: str, path: str = "", bin_dtype: str = "uint16") -> TokenSource:
+def _load_bin(path: str, bin_dtype: str) -> TokenSource:
+    meta = read_metadata(path)
+    if meta is not None:
+        if bin_dtype not in ("auto", meta["dtype"]):
+            raise ValueError(f"data.bin_dtype is {bin_dtype!r}, but {os.path.join(path, META_FILE)} says the shards "
+                             f"are {meta['dtype']!r}: leave data.bin_dtype at 'auto'")
+        dtype = np.dtype(meta["dtype"])
+        files, sizes = [], {}
+        for shard in meta["shards"]:
+            f = os.path.join(path, shard["file"])
+            files.append(f)
+            sizes[f] = shard["tokens"] * dtype.itemsize
+            if not os.path.exists(f):
+                raise ValueError(f"{f} is missing: {META_FILE} lists it; tokenize again with prime-tokenize")
+    else:
+        dtype = np.dtype("uint16" if bin_dtype == "auto" else bin_dtype)
+        files, sizes = sorted(glob.glob(os.path.join(path, "*.bin"))), {}
+        if not files:
+            raise ValueError(f"data.path {path!r} holds no *.bin files (data.source = 'bin')")
+    arrays = []
+    for f in files:
+        size = os.path.getsize(f)
+        if f in sizes and size != sizes[f]:
+            raise ValueError(f"{f} has {size} bytes, {META_FILE} says {sizes[f]}: the shard is damaged or from "
+                             "another run; tokenize again with prime-tokenize")
+        if size % dtype.itemsize:
+            raise ValueError(
+                f"{f} has {size} bytes, not a multiple of {dtype.itemsize}: is data.bin_dtype ({dtype.name}) right?"
+            )
+        if size:
+            arrays.append(np.memmap(f, dtype=dtype, mode="r"))
+    src = TokenSource(arrays, "")
+    what = f"vocabulary {meta['vocab_size']}, " if meta is not None else ""
+    src.description = f"{len(files)} .bin shards under {path} ({what}{dtype.name}), {src.num_tokens / 1e6:.2f}M tokens"
+    if meta is not None:
+        src.vocab_size = meta["vocab_size"]
+    return src
+
+
+def load_source(source: str, path: str = "", bin_dtype: str = "auto") -> TokenSource:
     """Opens the token source named by DataConfig (source, path, bin_dtype). Raises ValueError when it is missing or empty."""
     if source == "embedded":
         root = embedded_corpus_dir()
@@ -87,22 +176,7 @@ def load_source(source: str, path: str = "", bin_dtype: str = "uint16") -> Token
             raise ValueError(f"data.path {path!r} holds no files (data.source = 'text')")
         return _read_bytes(files, f"text files under {path}")
     if source == "bin":
-        dtype = np.dtype(bin_dtype)
-        files = sorted(glob.glob(os.path.join(path, "*.bin")))
-        if not files:
-            raise ValueError(f"data.path {path!r} holds no *.bin files (data.source = 'bin')")
-        arrays = []
-        for f in files:
-            size = os.path.getsize(f)
-            if size % dtype.itemsize:
-                raise ValueError(
-                    f"{f} has {size} bytes, not a multiple of {dtype.itemsize}: is data.bin_dtype ({bin_dtype}) right?"
-                )
-            if size:
-                arrays.append(np.memmap(f, dtype=dtype, mode="r"))
-        src = TokenSource(arrays, "")
-        src.description = f"{len(files)} .bin shards under {path} ({bin_dtype}), {src.num_tokens / 1e6:.2f}M tokens"
-        return src
+        return _load_bin(path, bin_dtype)
     raise ValueError(f"data.source must be 'embedded', 'text' or 'bin', got {source!r}")
 
 
@@ -143,7 +217,8 @@ class ShardedLoader:
             )
         bound = source.max_token_bound()
         if vocab_size is not None and bound is not None and bound > vocab_size:
-            raise ValueError(f"byte-level data needs model.vocab_size >= {bound}, got {vocab_size}")
+            what = "byte-level data" if bound == 256 and source.vocab_size is None else "the data's tokenizer"
+            raise ValueError(f"{what} needs model.vocab_size >= {bound}, got {vocab_size}")
         self._check_ids = vocab_size is not None and bound is None
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)

@@ -12,7 +12,7 @@ is an error at the next `opt.step()`).
 Every `inner_steps` inner steps, for the parameters this process holds (the
 local shard of each FSDP2 DTensor, or the whole tensor of a plain module):
 
-    pseudo_gradient = outer_weights - local_weights          (fp32, on CPU; prime.outer.OuterState)
+    pseudo_gradient = outer_weights - local_weights          (fp32, on the parameters' device; prime.outer)
     average it across nodes                                 (prime.sync: a ring, or elastic membership)
     outer_weights = outer_update(outer_weights, average)    (Nesterov SGD by default)
     local_weights = outer_weights
@@ -35,6 +35,12 @@ outer update the local pseudo-gradient would give (the eager scheme). The
 outer weights and momentum only ever receive averages, in order, so they stay
 bit-identical on every node. docs/training.md, "Overlapping the all-reduce",
 has the math and a worked example.
+
+With fragments=P the model is cut into P fragments of whole layers, each with
+its own outer step at its own offset in the phase (prime/fragments.py:
+streaming fragments): one fragment's all-reduce is in flight at a time, with
+1/P of the bytes and work buffers of 1/P of the model. DiLoCo walks its
+fragments after every inner step; the outer step of each is the one above.
 """
 
 from __future__ import annotations
@@ -42,19 +48,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
+from prime.fragments import (MERGE_ALPHA, STAND_IN_OTHERS, BufferPool, Fragment, FragmentSchedule,
+                             FragmentSettings, OuterStepResult, split_fragments, stand_in_share, sync_pieces)
+from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, pending_training_bytes
+from prime.outer import staging_bytes
 from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
                         work_stats)
 
-__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES"]
+__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
+           "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
 
 logger = logging.getLogger("prime.diloco")
 
@@ -68,114 +76,6 @@ eager, but when the average arrives the local weights keep MERGE_ALPHA of their 
 outer weights (Streaming DiLoCo's merge), so that the next start does not echo the part of the offset that
 the inner steps already undid; with overlap_steps < inner_steps its start is the lookahead of stand_in_share()
 of the local pseudo-gradient (the nodes' starts spread less; the shift after overlap_steps corrects the lag)."""
-
-STAND_IN_OTHERS = 0.5
-"""eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
-other nodes' part of the average (stand_in_share()). Measured in benchmarks/RESULTS.md, "Overlap at longer
-phases: the stand-in share"."""
-
-
-def stand_in_share(nodes: int) -> float:
-    """eager-merge with overlap_steps < inner_steps: the next start is the lookahead of this share of the local
-    pseudo-gradient: its own part of the average, 1/nodes, in full, and the other nodes' part, 1 - 1/nodes,
-    estimated by STAND_IN_OTHERS times it (a noisy local estimate, shrunk). The common lag this leaves is
-    corrected by the shift after overlap_steps. One node: 1, the synchronous outer step."""
-    return 1.0 / nodes + (1.0 - 1.0 / nodes) * STAND_IN_OTHERS
-
-
-MERGE_ALPHA = 0.5
-"""eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
-the average arrives. 1/2 is Streaming DiLoCo's mixing factor, and the value that keeps the node's offset
-from growing whatever fraction c in [0, 1] of it the inner steps undo (the offset of the next start is
--lr (1 + mu) (c - 1/2) times this one, plus fresh noise: a gain below 1 while lr (1 + mu) < 2); measured in benchmarks/RESULTS.md, "Overlap:
-the eager-merge scheme"."""
-
-
-@dataclass
-class OuterStepResult:
-    """What `DiLoCo.step()` did."""
-
-    did_sync: bool
-    """True when this call ran an outer step."""
-    inner_step: int
-    """Inner steps taken so far (this call included)."""
-    outer_step: int
-    """Outer steps completed so far."""
-    numel: int = 0
-    """Values all-reduced by this process (its shard, padded to whole codec blocks)."""
-    allreduce_s: float = 0.0
-    """Wall time of the average across nodes (all attempts)."""
-    outer_s: float = 0.0
-    """Wall time of the whole outer step: copies, all-reduce, outer update."""
-    prepare_s: float = 0.0
-    """Part of outer_s: device-to-host copy and pseudo-gradient, its norm and (when measured and the ring does not
-    report it) its int8 error."""
-    update_s: float = 0.0
-    """Part of outer_s: the outer update of the outer weights and the host-to-device copy back."""
-    bytes_sent: Optional[int] = None
-    """Bytes this process sent on the ring, as the ring reports them (None: not reported)."""
-    bytes_received: Optional[int] = None
-    """Bytes this process received on the ring (None: not reported)."""
-    compression_error: Optional[float] = None
-    """int8 round-trip error of the local pseudo-gradient: ||deq(q(d)) - d|| / ||d|| (None: codec none, off,
-    or this process did not contribute)."""
-    pseudo_grad_norm: float = 0.0
-    """L2 norm of this process's local pseudo-gradient, before averaging (0: it did not contribute)."""
-    attempts: int = 0
-    """All-reduce attempts (1 when the first worked)."""
-    ring_stats: dict = field(default_factory=dict)
-    """Further timings the ring reports (quantize / wire / reduce seconds, ...)."""
-    members: list = field(default_factory=list)
-    """Nodes that took part in the outer step (ring order)."""
-    contributors: int = 0
-    """Nodes whose pseudo-gradient is in the average."""
-    details: Any = None
-    """What the sync reports beyond this (prime.elastic.ElasticReport for elastic nodes)."""
-    overlapped: bool = False
-    """True with overlap: the average of this outer step is still in flight (applied at the next one), and
-    allreduce_s, bytes and attempts describe the average applied here, that of the previous outer step."""
-    wait_s: float = 0.0
-    """Part of outer_s (overlap only): blocked waiting for the previous outer step's average."""
-    applied_outer_step: Optional[int] = None
-    """The outer step whose average this call applied to the outer weights (overlap: the previous one;
-    None: none was in flight)."""
-
-
-class _InFlight:
-    """One average running on a background thread (overlap): the buffer, the thread, and how it ended."""
-
-    def __init__(self, outer_step: int, inner_step: int, buf: torch.Tensor, saved: Optional[torch.Tensor]):
-        self.outer_step, self.inner_step, self.buf, self.saved = outer_step, inner_step, buf, saved
-        self.result: Optional[SyncResult] = None
-        self.error: Optional[BaseException] = None
-        self.thread: Optional[threading.Thread] = None
-
-    def run(self, sync, ready: Optional[Any], device: torch.device) -> None:
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            if ready is not None:
-                ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
-            recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
-            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
-                                       recompute=recompute)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
-        except BaseException as e:  # handed to the main thread at the next outer step (or close)
-            self.error = e
-
-    def start(self, sync, ready, device) -> None:
-        self.thread = threading.Thread(target=self.run, args=(sync, ready, device), daemon=True,
-                                       name=f"prime-outer-allreduce-{self.outer_step}")
-        self.thread.start()
-
-    def join(self) -> SyncResult:
-        """Waits for the average; returns its SyncResult or raises what the background thread raised."""
-        self.thread.join()  # bounded: every wait of the ring has the ring's timeout
-        if self.error is not None:
-            raise self.error
-        return self.result
-
 
 class DiLoCo:
     """Outer optimization across nodes for one process's share of a model.
@@ -202,12 +102,14 @@ class DiLoCo:
                       parameters (fp32 CPU tensors, one per model parameter), in place
                       of the default update. Nodes then agree bit for bit only when
                       they run the same torch build on the same CPU instruction set
-    codec:            "int8" (default) or "none". int8 sends about a quarter of the
-                      bytes of fp32 but each node's pseudo-gradient is quantized with
-                      a relative L2 error of about 1% per node (OuterStepResult.
-                      compression_error); the average is then not the exact one.
-                      codec="none" averages in exact fp32 (4x the bytes)
-    block_size:       int8 block size; each parameter starts a new block
+    codec:            "int8" (default), "fp4" or "none". int8 sends about a quarter of
+                      the bytes of fp32 but each node's pseudo-gradient is quantized
+                      with a relative L2 error of about 1% per node (OuterStepResult.
+                      compression_error); the average is then not the exact one. fp4
+                      (4-bit floats, docs/wire-format.md) sends half of int8's bytes at
+                      about 11% error per quantization. codec="none" averages in exact
+                      fp32 (4x the bytes)
+    block_size:       codec block size (int8, fp4); each parameter starts a new block
     ring_factory:     ring_factory(tag) -> new Ring, used to retry after a failure
                       (with a ring or sync=None; None: no retries)
     retries:          retries per outer step when ring_factory is given
@@ -244,8 +146,21 @@ class DiLoCo:
     outer_state_device: "cpu", "gpu" or "auto" (default): where the outer weights and
                       momentum live (prime/outer.py); "auto" picks the parameters' GPU
                       when they fit in its free memory less the gradients and inner
-                      optimizer state still to come and a margin for activations
+                      optimizer state still to come, the work buffers and a margin for
+                      activations. The arithmetic runs on the parameters' device either
+                      way (a CPU home is streamed through the GPU in pieces)
+    fragments:        P, streaming fragments (prime/fragments.py): the model is cut into
+                      P fragments of whole layers with balanced bytes, fragment p syncs
+                      at inner steps (p + 1) inner_steps / P + k inner_steps; with
+                      overlap, overlap_steps is at most inner_steps / P (default: that).
+                      finish() then syncs every fragment with inner steps not yet
+                      averaged, so that every node ends with the same weights. Not with
+                      an elastic sync
+    auto_margin_bytes: GPU memory outer_state_device="auto" keeps free for activations
+                      and the like (None: max(8 GiB, 15% of the card); the trainer
+                      passes its memory plan's estimate, prime.memory.auto_margin_bytes)
     """
+
 
     def __init__(
         self,
@@ -269,6 +184,8 @@ class DiLoCo:
         overlap_scheme: str = "eager-merge",
         outer_state_device: str = "auto",
         overlap_steps: Optional[int] = None,
+        fragments: int = 1,
+        auto_margin_bytes: Optional[int] = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -276,17 +193,24 @@ class DiLoCo:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-        if codec not in ("int8", "none"):
-            raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
+        if codec not in ("int8", "fp4", "none"):
+            raise ValueError(f"codec must be 'int8', 'fp4' or 'none', got {codec!r}")
         if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if overlap_scheme not in OVERLAP_SCHEMES:
             raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
-        overlap_steps = inner_steps if overlap_steps is None else overlap_steps
-        if not 1 <= overlap_steps <= inner_steps:
-            raise ValueError(f"overlap_steps must be in [1, inner_steps={inner_steps}], got {overlap_steps}")
+        if not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
+            raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got {fragments!r}")
+        self.schedule = FragmentSchedule(inner_steps, fragments)
+        """When each fragment syncs (prime.fragments.FragmentSchedule)."""
+        limit = self.schedule.default_delay()
+        overlap_steps = limit if overlap_steps is None else overlap_steps
+        if not 1 <= overlap_steps <= limit:
+            why = "" if fragments == 1 else (f" = inner_steps / fragments, the spacing of the fragments' syncs, so "
+                                             "that one average is in flight at a time")
+            raise ValueError(f"overlap_steps must be in [1, {limit}{why}], got {overlap_steps}")
         if overlap and overlap_steps < inner_steps and not overlap_scheme.startswith("eager"):
             raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
         if outer_state_device not in OUTER_STATE_DEVICES:
@@ -296,7 +220,8 @@ class DiLoCo:
                              "is the Nesterov step without the momentum write); use outer_optimizer=None or "
                              "overlap_scheme='delayed'")
         self.model = model
-        params = list(model.parameters())
+        named = list(model.named_parameters())
+        params = [p for _, p in named]
         if inner_optimizer is not None:
             ids = {id(p) for p in params}
             stray = sum(1 for g in inner_optimizer.param_groups for p in g["params"] if id(p) not in ids)
@@ -307,7 +232,8 @@ class DiLoCo:
                 )
         self.inner_optimizer = inner_optimizer
         self.inner_steps, self.codec, self.block_size = inner_steps, codec, block_size
-        self.measure_compression_error = measure_compression_error and codec == "int8"
+        # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
+        self.measure_compression_error = measure_compression_error and codec != "none"
         if isinstance(sync, Sync):
             if ring_factory is not None or local_group is not None:
                 raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "
@@ -323,6 +249,11 @@ class DiLoCo:
             raise ValueError(
                 f"overlap=True needs a ring (or a prime.sync.RingSync); {type(self._sync).__name__} cannot average "
                 "in the background (elastic membership decides who contributes at each outer step)")
+        if fragments > 1 and self._sync is not None and not isinstance(self._sync, RingSync):
+            raise ValueError(
+                f"fragments > 1 (diloco.fragments = {fragments}) needs a ring (or a prime.sync.RingSync); "
+                f"{type(self._sync).__name__} (elastic membership) decides who contributes per whole outer step and "
+                "hands joiners the whole state: set diloco.fragments = 1 with elastic.enabled")
         if self._sync is not None and not isinstance(self._sync, RingSync):
             # Another sync (elastic) reads and writes the outer state through the CPU (state transfer, digests).
             if outer_state_device == "gpu":
@@ -337,52 +268,157 @@ class DiLoCo:
         """True when outer steps run (a ring or sync was given); False: step() only counts."""
         self._check_pending = check_replicas and self.distributed
         self.inner_step = 0  # inner steps taken in total
-        self.outer_step = 0  # outer steps completed
-        self.since_sync = 0  # inner steps since the last outer step
+        self.outer_step = 0  # outer steps completed (every fragment's counted)
         self.result: Optional[OuterStepResult] = None
         """The result of the latest step() (also of the ones the optimizer hook runs)."""
-        self.state: Optional[OuterState] = None
-        """The outer weights and momentum (None on a single node)."""
+        self.fragments: list = []
+        """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
+        self.placement = ""
+        """Where the outer state lives and why, in one line (empty on a single node)."""
+        self.work_bytes = 0
+        self._settings_fields: tuple = ()
         if self.distributed:
-            extra = (1 if overlap_scheme == "delayed" else 2) + (outer_optimizer is not None)
-            self.state = OuterState(params, block_size=block_size, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                    nesterov=nesterov, optimizer_factory=outer_optimizer, device=outer_state_device,
-                                    extra_buffers=extra if self.overlap else 0, inner_optimizer=inner_optimizer)
-            self._sync.bind(self.state, self.settings())
+            self._build_fragments(named, inner_optimizer, outer_state_device, outer_lr, outer_momentum, nesterov,
+                                  outer_optimizer, auto_margin_bytes)
+            self._sync.bind(self.state if fragments == 1 else None, self.settings())
             if inner_optimizer is None:
-                self.state.take()  # no first inner step to wait for
-        # Overlap: the average in flight, the buffer the next pseudo-gradient goes to, and (eager) the
-        # point the current inner steps started from, when it is not the outer weights.
-        self._inflight: Optional[_InFlight] = None
-        self._pool: list = []  # free pseudo-gradient buffers (at most one: with the one in flight, two in all)
-        self.start: Optional[torch.Tensor] = None
-        """Eager overlap: the weights the current inner steps started from (None: the outer weights)."""
-        self.alpha = 1.0
-        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
-        self._last_sq: Optional[float] = None  # eager-adaptive: ||d||^2 of the pseudo-gradient in flight
-        self._keep_input = False
-        self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
-        self._start_buf: Optional[torch.Tensor] = None
-        if self.overlap:
-            # st.grad is free with the default update; a custom optimizer reads its .grad, which must never be
-            # the buffer being averaged.
-            self._pool = [self.state.grad if self.state.optimizer is None else self.state.new_buffer()]
-            self._sync.use_from_background()
-            # A retry on a multi-process node may need this process's input back after its own all-reduce worked.
-            self._keep_input = self._sync.average_group is not None and self._sync.ring_factory is not None
+                for f in self.fragments:
+                    f.state.take()  # no first inner step to wait for
+            if self.overlap:
+                self._sync.use_from_background()
+                # A retry on a multi-process node may need this process's input back after its own all-reduce worked.
+                self._settings.keep_input = (self._sync.average_group is not None
+                                             and self._sync.ring_factory is not None)
         # Hooks: the pre-hook runs before every inner step, the post-hook only inside `with`.
         self._unstepped = 0  # inner optimizer steps since the last step() call
         self._post_hook = None
         self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step) if inner_optimizer else None
 
+    def _build_fragments(self, named, inner_optimizer, device, lr, mu, nesterov, outer_optimizer, margin) -> None:
+        """Cuts the parameters into fragments, decides where their outer state lives (one decision for all: the
+        outer weights and momentum of the whole model beside the work buffers of the largest fragment), and
+        builds each fragment's OuterState."""
+        P = self.schedule.fragments
+        names = [n for n, _ in named]
+        params = [p for _, p in named]
+        groups = split_fragments(names, [p.numel() for p in params], P) if P > 1 else [list(range(len(params)))]
+        from prime.parallelize import local_shard
+
+        locals_ = [local_shard(p.detach()) for p in params]
+        bs = self.block_size
+        frag_numel = [sum(-(-locals_[i].numel() // bs) * bs for i in idx) for idx in groups]
+        total, largest = sum(frag_numel), max(frag_numel)
+        on_gpu = any(t.device.type == "cuda" for t in locals_)
+        G = _local_world()
+        pieces = [1 if self.overlap else sync_pieces(sum(params[i].numel() for i in idx), G) for idx in groups]
+        self.work_bytes = self._work_bytes(frag_numel, pieces, on_gpu)
+        """Bytes of the work buffers (pseudo-gradients, overlap start points) at most, on the work device."""
+        if device == "auto":
+            pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
+            pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0
+            home, why = choose_device("auto", locals_, 2, pending, numel=total, margin=margin)
+            device = "gpu" if home.type == "cuda" else "cpu"
+        else:
+            home, why = choose_device(device, locals_, 2, numel=total)
+        self.placement = why
+        work = next((t.device for t in locals_ if t.device.type == "cuda"), torch.device("cpu"))
+        settings = FragmentSettings(
+            sync=self._sync, inner_steps=self.inner_steps, codec=self.codec,
+            measure_compression_error=self.measure_compression_error, overlap=self.overlap,
+            overlap_scheme=self.overlap_scheme, overlap_steps=self.overlap_steps, fragments=P,
+            grads=BufferPool(largest, work), starts=BufferPool(largest, work),
+            nodes=lambda: self._sync.world_size, check_finite=self._agree_finite)
+        self._settings = settings
+        model_numel = sum(p.numel() for p in params) or 1
+        for p, idx in enumerate(groups):
+            st = OuterState([params[i] for i in idx], block_size=bs, outer_lr=lr, outer_momentum=mu,
+                            nesterov=nesterov, optimizer_factory=outer_optimizer, device=device)
+            share = sum(params[i].numel() for i in idx) / model_numel
+            self.fragments.append(Fragment(p, st, self.schedule.offset(p), settings, share, pieces[p]))
+        self._groups = groups
+
+    def _work_bytes(self, frag_numel: list, pieces: list, on_gpu: bool) -> int:
+        """The work buffers' bytes at most: with overlap, work_buffers() of the largest fragment's size; a
+        synchronous step, the largest fragment's pseudo-gradient, or PIPELINE_DEPTH pieces of it when pipelined
+        (a piece is cut at a pass piece, so it may be up to one pass piece longer than its share)."""
+        from prime.fragments import PIPELINE_DEPTH
+        from prime.outer import _CHUNK, _PIPE_CHUNK
+
+        if self.overlap:
+            grads, starts = self.work_buffers()
+            return (grads + starts) * 4 * max(frag_numel)
+        chunk = _PIPE_CHUNK if on_gpu else _CHUNK
+        return max(4 * (n if k == 1 else PIPELINE_DEPTH * min(n, -(-n // k) + chunk)) for n, k in zip(frag_numel, pieces))
+
+    def work_buffers(self) -> tuple:
+        """(pseudo-gradient buffers, start buffers) of the largest fragment's size this DiLoCo keeps at most on
+        the work device: one pseudo-gradient synchronously; with overlap the one in flight and (over a whole
+        phase) the next, and the start point of eager schemes."""
+        if not self.overlap:
+            return 1, 0
+        whole_phase = self.schedule.fragments == 1 and self.overlap_steps >= self.inner_steps
+        return (2 if whole_phase else 1), (1 if self.overlap_scheme.startswith("eager") else 0)
+
+    @property
+    def state(self) -> Optional[OuterState]:
+        """The outer state of a DiLoCo without fragments (None on a single node; with fragments, see
+        `fragments`)."""
+        if not self.fragments:
+            return None
+        if len(self.fragments) > 1:
+            raise AttributeError("DiLoCo.state: with fragments > 1 every fragment has its own outer state "
+                                 "(DiLoCo.fragments[p].state)")
+        return self.fragments[0].state
+
+    @property
+    def since_sync(self) -> int:
+        """Inner steps since the last outer step (with fragments: since the oldest fragment's last one)."""
+        return max((f.since_sync for f in self.fragments), default=self._since_sync_single)
+
+    @since_sync.setter
+    def since_sync(self, value: int) -> None:
+        for f in self.fragments:
+            f.since_sync = value
+        self._since_sync_single = value
+
+    _since_sync_single = 0
+
+    @property
+    def start(self) -> Optional[torch.Tensor]:
+        """Eager overlap without fragments: the weights the current inner steps started from (None: the outer
+        weights)."""
+        return self.fragments[0].start if len(self.fragments) == 1 else None
+
+    @property
+    def _inflight(self):
+        """The average in flight of the first fragment (overlap), if any."""
+        return self.fragments[0]._inflight if self.fragments else None
+
+    @property
+    def alpha(self) -> float:
+        return self.fragments[0].alpha if self.fragments else 1.0
+
+    def owes_outer_step(self) -> bool:
+        """True when some fragment's outer step is due and has not run (a checkpoint written after a failed
+        outer step): the nodes component runs sync() before the first inner step."""
+        return self.distributed and any(f.sync_due() for f in self.fragments)
+
     def settings(self) -> dict:
-        """What every node must share: the cadence, the codec, overlap and the outer update over the same shapes."""
+        """What every node must share: the cadence, the codec, overlap, fragments and the outer update over the
+        same shapes."""
         s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
         if self.overlap:
             s["overlap"] = self.overlap_scheme
             s["overlap_steps"] = self.overlap_steps
-        if self.state is not None:
-            s.update(self.state.settings())
+        if self.schedule.fragments > 1:
+            s["fragments"] = self.schedule.fragments
+        if len(self.fragments) == 1:
+            s.update(self.fragments[0].state.settings())
+        elif self.fragments:
+            per = [f.state.settings() for f in self.fragments]
+            s.update({k: v for k, v in per[0].items() if k not in ("shapes", "numel")})
+            s["shapes"] = [x for st in per for x in st["shapes"]]
+            s["numel"] = sum(st["numel"] for st in per)
         return s
 
     # -- the hook form -------------------------------------------------------------
@@ -416,8 +452,8 @@ class DiLoCo:
     def _before_inner_step(self, *_) -> None:
         if not self._is_inner_step():
             return
-        if self.state is not None:
-            self.state.ensure_taken()  # the first inner step: weights loaded after construction are kept
+        for f in self.fragments:
+            f.state.ensure_taken()  # the first inner step: weights loaded after construction are kept
         if self._post_hook is None and self._unstepped >= 1:
             raise RuntimeError(
                 "the inner optimizer stepped twice without DiLoCo.step() in between, so no outer step would ever "
@@ -428,14 +464,14 @@ class DiLoCo:
     def reset_outer(self) -> None:
         """Outer weights := the model's current weights (momentum kept). Call after loading weights when
         no inner optimizer was given; with one, its first step does this."""
-        if self.state is not None:
-            self.state.take()
+        for f in self.fragments:
+            f.state.take()
 
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> OuterStepResult:
         """Call after every inner optimizer step (not inside `with diloco:`, where the optimizer's hook
-        calls it). Runs an outer step when inner_steps steps have passed; returns what it did."""
+        calls it). Runs an outer step when one is due; returns what it did."""
         if self._post_hook is not None:
             raise RuntimeError("inside `with diloco:` the inner optimizer's step hook runs DiLoCo.step(); "
                                "calling it as well would count every inner step twice")
@@ -444,61 +480,60 @@ class DiLoCo:
     def _count(self) -> OuterStepResult:
         self._unstepped = 0
         self.inner_step += 1
-        self.since_sync += 1
         if not self.distributed:
-            self.since_sync = 0
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
-        elif self.since_sync < self.inner_steps:
-            if self.overlap and self.since_sync == self.overlap_steps:
-                self._apply_midway()
-            self.result = OuterStepResult(False, self.inner_step, self.outer_step)
-        else:
-            self.result = self.sync()
+            return self.result
+        for f in self.fragments:
+            f.tick()
+        for f in self.fragments:  # the schedule: first the averages due (freeing their buffers), then the syncs
+            if f.apply_due():
+                f.apply_midway()
+        due = [f for f in self.fragments if f.sync_due()]
+        self.result = self._sync_fragments(due) if due else OuterStepResult(False, self.inner_step, self.outer_step)
         return self.result
 
     @torch.no_grad()
     def sync(self) -> OuterStepResult:
-        """Runs an outer step now. Raises OuterSyncError (weights unchanged) when the average keeps failing.
+        """Runs an outer step now: of every fragment that is due, or of every fragment when none is. Raises
+        OuterSyncError (that fragment's outer weights unchanged) when the average keeps failing.
 
         With overlap, the average of this outer step is started in the background and the one of the
         previous outer step is applied (its failure raises OuterSyncError here)."""
         if not self.distributed:
             raise RuntimeError("DiLoCo.sync() needs a ring or a sync; this DiLoCo was built with sync=None")
-        if self.overlap:
-            return self._sync_overlapped()
+        due = [f for f in self.fragments if f.sync_due()] or list(self.fragments)
+        return self._sync_fragments(due)
+
+    def _sync_fragments(self, due: list) -> OuterStepResult:
+        result = None
+        for f in due:
+            result = self._sync_one(f)
+        return result
+
+    def _sync_one(self, f: Fragment) -> OuterStepResult:
         t0 = time.perf_counter()
         if self._check_pending:
+            if self.overlap:
+                for other in self.fragments:
+                    other.drain()
             self.check_replicas()
-        st = self.state
-        st.ensure_taken()
-        g = st.grad
-        norm = math.sqrt(st.pseudo_gradient(g))
-        finite = math.isfinite(norm)
-        comp_err = self._own_error(g, norm) if finite else None
-        prepare_s = time.perf_counter() - t0
-        self._agree_finite(finite)
-        r: SyncResult = self._sync.average(g, outer_step=self.outer_step + 1, inner_step=self.inner_step,
-                                           recompute=st.pseudo_gradient)
-        u0 = time.perf_counter()
-        st.update(g, load=True)
-        update_s = time.perf_counter() - u0
-        self.outer_step = self.outer_step + 1 if r.outer_step is None else r.outer_step
+        k = self.outer_step + 1
+        if self.overlap:
+            r, times, norm, err, applied = f.sync_overlapped(self.inner_step, k)
+            self.outer_step += 1
+            return self._result(f, r, t0, times, norm, self._ring_error(r, err) if r else err, overlapped=True,
+                                wait_s=times["wait_s"], applied_outer_step=applied)
+        r, times, norm, err = f.sync(self.inner_step, k)
+        self.outer_step = k if r.outer_step is None else r.outer_step
+        if len(self.fragments) == 1:
+            f.outer_step = self.outer_step
         if r.inner_step is not None:
             self.inner_step = r.inner_step  # elastic: a node that joined takes the job's step
-        self.since_sync = 0
+            for g in self.fragments:
+                g.since_sync = 0
         self._sync.committed(r)
-        return self._result(r, t0, prepare_s, update_s, norm if r.contributed else 0.0,
-                            self._ring_error(r, comp_err) if r.contributed else None)
-
-    def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
-        """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
-        if not self.measure_compression_error or self._ring_reports_error():
-            return None
-        return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
-
-    def _ring_reports_error(self) -> bool:
-        ring = getattr(self._sync, "ring", None)
-        return bool(getattr(ring, "reports_quant_error", False))
+        return self._result(f, r, t0, times, norm if r.contributed else 0.0,
+                            self._ring_error(r, err) if r.contributed else None)
 
     def _ring_error(self, r: SyncResult, own: Optional[float]) -> Optional[float]:
         if not self.measure_compression_error:
@@ -508,15 +543,15 @@ class DiLoCo:
             return math.sqrt(err / ref) if ref > 0 else 0.0
         return own
 
-    def _agree_finite(self, finite: bool) -> None:
+    def _agree_finite(self, finite: bool, outer_step: int) -> None:
         if not self._sync.agree(finite):
             raise OuterSyncError(
-                f"outer step {self.outer_step + 1}: the pseudo-gradient is not finite "
+                f"outer step {outer_step}: the pseudo-gradient is not finite "
                 f"({'here' if not finite else 'on another process of this node'}): inner training diverged; "
                 "lower optim.lr or resume from an earlier checkpoint"
             )
 
-    def _result(self, r: Optional[SyncResult], t0: float, prepare_s: float, update_s: float, norm: float,
+    def _result(self, f: Fragment, r: Optional[SyncResult], t0: float, times: dict, norm: float,
                 comp_err: Optional[float], **extra) -> OuterStepResult:
         stats = dict(r.stats) if r is not None else {}
         for name in ("quant_err_sq", "quant_in_sq"):
@@ -525,11 +560,11 @@ class DiLoCo:
             did_sync=True,
             inner_step=self.inner_step,
             outer_step=self.outer_step,
-            numel=self.state.numel,
+            numel=f.state.numel,
             allreduce_s=r.allreduce_s if r is not None else 0.0,
             outer_s=time.perf_counter() - t0,
-            prepare_s=prepare_s,
-            update_s=update_s,
+            prepare_s=times["prepare_s"],
+            update_s=times["update_s"],
             bytes_sent=stats.pop("bytes_sent", None),
             bytes_received=stats.pop("bytes_received", None),
             compression_error=comp_err,
@@ -539,175 +574,78 @@ class DiLoCo:
             members=list(r.members) if r is not None else [],
             contributors=r.contributors if r is not None else 0,
             details=r.details if r is not None else None,
+            fragment=f.index,
+            fragments=len(self.fragments),
+            share=f.share,
+            pieces=f.pieces,
             **extra,
         )
 
-    # -- overlap ------------------------------------------------------------------------
-
-    def _sync_overlapped(self) -> OuterStepResult:
-        """One outer step with overlap (docs/training.md, "Overlapping the all-reduce"):
-
-            d_k    = start_k - local                    pseudo-gradient of the inner steps just done
-            wait for avg_{k-1}; outer, momentum = Nesterov(outer, momentum, avg_{k-1})   same on every node
-            start_{k+1} = eager: Nesterov lookahead(outer, momentum, d_k)   delayed: outer
-            average d_k in the background; local := start_{k+1}
-        """
-        t0 = time.perf_counter()
-        if self._check_pending:
-            self._drain()
-            self.check_replicas()
-        st = self.state
-        st.ensure_taken()
-        g = self._pool.pop() if self._pool else st.new_buffer()  # a new one once: at the second outer step
-        sq = st.pseudo_gradient(g, anchor=self.start)
-        norm = math.sqrt(sq)
-        finite = math.isfinite(norm)
-        own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
-        prepare_s = time.perf_counter() - t0
-        self._agree_finite(finite)
-        w0 = time.perf_counter()
-        prev, r = self._inflight, None
-        if prev is not None:
-            self._inflight = None
-            r = self._join(prev)
-        wait_s = time.perf_counter() - w0
-        applied = prev.outer_step if prev is not None else None
-        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
-            r, applied, wait_s = self._midway
-            self._midway = None
-        u0 = time.perf_counter()
-        eager = self.overlap_scheme.startswith("eager")
-        if prev is not None:
-            a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
-            self._adapt(a_sq)
-            self._pool.append(prev.buf)
-        elif not eager:
-            st.load_into_model()
-        if eager:
-            src = g
-            if self.start is None:
-                self.start = self._start_buf if self._start_buf is not None else st.new_buffer()
-            elif self.overlap_scheme == "eager-merge":
-                # overlap_steps = inner_steps: the average arrived at this boundary. The local weights, merged,
-                # would be x + (1 - alpha)(w - s): their pseudo-gradient from w is d - alpha (s - w).
-                src = self._merge_stand_in(g)
-            st.lookahead(src, self.start, load=True, scale=self._stand_in_scale())
-            self._last_sq = sq
-        else:
-            self.start = None
-        update_s = time.perf_counter() - u0
-        self.outer_step += 1
-        self.since_sync = 0
-        flight = _InFlight(self.outer_step, self.inner_step, g, g.clone() if self._keep_input else None)
-        ready = None
-        if g.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(g.device))
-        flight.start(self._sync, ready, g.device)
-        self._inflight = flight
-        return self._result(r, t0, prepare_s, update_s, norm, self._ring_error(r, own_err) if r else own_err,
-                            overlapped=True, wait_s=wait_s, applied_outer_step=applied)
-
-    def _stand_in_scale(self) -> Optional[float]:
-        """The factor of the stand-in in the next lookahead (None: 1): eager-adaptive's alpha; eager-merge with
-        overlap_steps < inner_steps, stand_in_share() of the ring's nodes (over the whole phase no shift follows
-        that would correct the lag of a shrunk stand-in: measured worse, so the stand-in stays whole)."""
-        if self.overlap_scheme == "eager-adaptive":
-            scale = self.alpha
-        elif self.overlap_scheme == "eager-merge" and self.overlap_steps < self.inner_steps:
-            scale = stand_in_share(self._sync.world_size)
-        else:
-            return None
-        return None if scale == 1.0 else scale
-
-    @torch.no_grad()
-    def _apply_midway(self) -> None:
-        """overlap_steps < inner_steps, after overlap_steps inner steps: apply the average in flight to the outer
-        weights, then shift the local weights by (outer weights - start point), so that the inner steps go on
-        from where they would be had they started from the outer weights; the outer weights become the anchor
-        of this outer step's pseudo-gradient. (A checkpoint may have applied the average already.)"""
-        t0 = time.perf_counter()
-        flight, self._inflight = self._inflight, None
-        if flight is not None:
-            r = self._join(flight)
-            self._adapt(self.state.update(flight.buf, norm=True))
-            self._pool.append(flight.buf)
-            self._midway = (r, flight.outer_step, time.perf_counter() - t0)
-        if self.start is not None:
-            st = self.state
-            torch.sub(st.outer, self.start, out=self.start)  # what the start point missed
-            if self.overlap_scheme == "eager-merge":
-                self.start.mul_(1.0 - MERGE_ALPHA)  # keep alpha of the offset: the inner steps undid part of it
-            st.add_to_model(self.start)
-            self._start_buf, self.start = self.start, None  # the buffer is reused at the next outer step
-
-    def _merge_stand_in(self, g: torch.Tensor) -> torch.Tensor:
-        """eager-merge at a boundary with the start still set (the average applied at the boundary): the start
-        buffer := g - alpha (start - outer weights), each operation rounded once; returns it (lookahead reads
-        each chunk before writing it, so it may be both the input and the output)."""
-        s = self.start
-        torch.sub(s, self.state.outer, out=s)  # the start point's offset from the new outer weights
-        s.mul_(MERGE_ALPHA)
-        torch.sub(g, s, out=s)
-        return s
-
-    def _join(self, flight: _InFlight) -> SyncResult:
-        """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on
-        any node."""
+    def finish(self) -> list:
+        """End of training. With overlap, waits for the averages in flight and applies them; when the inner
+        steps end on an outer step, the model gets the outer weights (the same on every node). With fragments,
+        every fragment whose inner steps since its last outer step are not yet averaged syncs once more
+        (synchronously), so that every node ends with the same weights. Returns the outer steps it ran (logged
+        like any other). Raises OuterSyncError when an average failed."""
+        if not self.distributed:
+            return []
+        for f in self.fragments:
+            f.drain()
+        if len(self.fragments) == 1:
+            f = self.fragments[0]
+            if self.overlap and f.since_sync == 0 and f.state.taken:
+                f._give_start()
+                f.state.load_into_model()
+            return []
+        results = []
+        overlap, self.overlap = self.overlap, False  # the last syncs are synchronous
+        self._settings.overlap = False
         try:
-            r = flight.join()
-        except OuterSyncError as e:
-            raise OuterSyncError(f"{e} (overlap: the average of outer step {flight.outer_step} is dropped)") from e
-        self._sync.committed(r)
-        return r
-
-    def _drain(self) -> Optional[int]:
-        """Waits for the average in flight and applies it to the outer weights (not to the model). Returns
-        the outer step it completed, or None when nothing was in flight. Bit for bit the same state as
-        applying it at the next outer step: nothing else touches the outer weights in between."""
-        flight, self._inflight = self._inflight, None
-        if flight is None:
-            return None
-        self._join(flight)
-        self._adapt(self.state.update(flight.buf, norm=True))
-        if not self._pool:
-            self._pool.append(flight.buf)
-        return flight.outer_step
-
-    def _adapt(self, a_sq: float) -> None:
-        """eager-adaptive: alpha = ||a||^2 / ||d||^2 (the average against this node's own pseudo-gradient of the
-        same outer step), clamped to [1/nodes, 1]. With nodes' pseudo-gradients d_r = mu + e_r (e_r independent,
-        of variance s^2), the least-squares weight of d_r as an estimate of their mean is
-        (|mu|^2 + s^2/n) / (|mu|^2 + s^2) = E||a||^2 / E||d_r||^2."""
-        if self.overlap_scheme != "eager-adaptive" or not self._last_sq or not math.isfinite(a_sq):
-            return
-        lo = 1.0 / self._sync.world_size
-        self.alpha = min(1.0, max(lo, a_sq / self._last_sq))
-
-    def finish(self) -> None:
-        """End of training with overlap: waits for the last average and applies it; when the inner steps end
-        on an outer step, the model gets the outer weights (the same on every node). Without overlap, nothing
-        to do. Raises OuterSyncError when that average failed."""
-        if not self.overlap:
-            return
-        self._drain()
-        if self.since_sync == 0 and self.state is not None and self.state.taken:
-            self.start = None
-            self.state.load_into_model()
+            for f in self.fragments:
+                if f.since_sync > 0:
+                    if f.start is not None:  # ended before its average was due: the shift it would have made
+                        f.apply_midway()
+                    results.append(self._sync_one(f))
+                elif f.state.taken:  # synced at the last step: its average is applied, the model gets it
+                    f._give_start()
+                    f.state.load_into_model()
+        finally:
+            self.overlap, self._settings.overlap = overlap, overlap
+        return results
 
     # -- consistency across nodes ----------------------------------------------
 
+    def weights_hash(self) -> int:
+        """64-bit hash of the outer weights of every fragment."""
+        if len(self.fragments) == 1:
+            return self.fragments[0].state.weights_hash()
+        h = hashlib.blake2b(digest_size=8)
+        for f in self.fragments:
+            f.state.ensure_taken()
+            h.update(f.state.outer.cpu().numpy().data)
+        return int.from_bytes(h.digest(), "little")
+
+    def outer_weights(self) -> torch.Tensor:
+        """The outer weights of every fragment, flat, in fragment order (a CPU tensor)."""
+        if len(self.fragments) == 1:
+            return self.fragments[0].state.outer.cpu()
+        return torch.cat([f.state.outer.cpu() for f in self.fragments])
+
     def _fingerprint(self) -> tuple[int, int, int]:
-        st = self.state
         s = self.settings()
+        sizes = [n for f in self.fragments for n in f.state.sizes]
+        numel = sum(f.state.numel for f in self.fragments)
         fields = (self.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
-                  s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size, st.sizes,
+                  s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size, sizes,
                   self.outer_step)
         if self.overlap:  # appended only with overlap: the hash of a run without it is unchanged
             fields += (self.overlap_scheme, self.overlap_steps)
+        if len(self.fragments) > 1:  # likewise for fragments
+            fields += (len(self.fragments), [len(g) for g in self._groups],
+                       [(f.outer_step, f.since_sync) for f in self.fragments])
         settings = repr(fields)
         h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
-        return st.weights_hash(), int.from_bytes(h, "little"), st.numel
+        return self.weights_hash(), int.from_bytes(h, "little"), numel
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -724,36 +662,37 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """Counters, outer weights and momentum (CPU tensors; the caller may save them with torch.save).
 
-        With overlap, first waits for the average in flight and applies it to the outer weights (what the
-        next outer step would do first, with the same bits): a checkpoint never holds anything in flight.
-        The eager schemes add "start", the point the current inner steps started from (eager-adaptive also
-        its weight "alpha")."""
-        if self.overlap:
-            self._drain()
+        With overlap, first waits for the averages in flight and applies them to the outer weights (what their
+        due step would do first, with the same bits): a checkpoint never holds anything in flight. The eager
+        schemes add "start", the point the current inner steps started from (eager-adaptive also its weight
+        "alpha"). With fragments, each fragment's part is under "fragments"."""
         sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
-        if self.state is not None:
-            sd.update(self.state.state_dict())
-            if self.start is not None:
-                sd["start"] = self.start.cpu()
-            if self.overlap_scheme == "eager-adaptive":
-                sd["alpha"] = self.alpha
+        if len(self.fragments) == 1:
+            fsd = self.fragments[0].state_dict()
+            fsd.pop("outer_step")
+            fsd.pop("since_sync")
+            sd.update(fsd)
+        elif self.fragments:
+            sd["fragments"] = [f.state_dict() for f in self.fragments]
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores state_dict(); the model's local weights must already be restored."""
-        if self._inflight is not None:
+        if any(f.in_flight for f in self.fragments):
             raise RuntimeError("load_state_dict while an average is in flight: load before training")
+        saved = len(sd.get("fragments", ())) or 1
+        if self.fragments and saved != len(self.fragments):
+            raise ValueError(f"the checkpoint was written with diloco.fragments = {saved}, this run has "
+                             f"{len(self.fragments)}: resume with the same diloco.fragments")
         self.inner_step, self.outer_step = int(sd["inner_step"]), int(sd["outer_step"])
         self.since_sync = int(sd["since_sync"])
-        if "outer" in sd and self.state is not None:
-            self.state.load_state_dict(sd)
-            if "start" in sd and self.overlap and self.overlap_scheme.startswith("eager"):
-                if self.start is None:
-                    self.start = self.state.new_buffer()
-                self.start.copy_(sd["start"])
-            else:
-                self.start = None
-            self.alpha = float(sd.get("alpha", 1.0))
+        if len(self.fragments) == 1:
+            f = self.fragments[0]
+            f.load_state_dict(sd, counters=False)
+            f.outer_step = self.outer_step  # one fragment: its count is the DiLoCo's
+        else:
+            for f, fsd in zip(self.fragments, sd.get("fragments", ())):
+                f.load_state_dict(fsd)
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
@@ -763,16 +702,26 @@ class DiLoCo:
             if h is not None:
                 h.remove()
         self._pre_hook = self._post_hook = None
-        flight, self._inflight = getattr(self, "_inflight", None), None
-        error = None
-        if flight is not None:
+        error, step = None, None
+        for f in getattr(self, "fragments", ()):
             # An average still in flight (overlap, finish() not called): wait for it rather than pull the ring
             # from under it (the peers would see a dead node); it ends within the ring's timeout. Its result is
             # not applied; a failure is raised below, after the sync is closed.
-            flight.thread.join()
-            error = flight.error
+            flight = f._inflight
+            e = f.abandon()
+            if e is not None and error is None:
+                error, step = e, flight.outer_step
         if self._owns_sync and self._sync is not None:
             self._sync.close()
         if error is not None:
-            raise OuterSyncError(f"the average of outer step {flight.outer_step}, in flight at close(), failed: "
-                                 f"{error}") from error
+            raise OuterSyncError(f"the average of outer step {step}, in flight at close(), failed: {error}") from error
+
+
+def _local_world() -> int:
+    """Processes of this node (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

@@ -16,6 +16,7 @@ every process of a node inherits it) or in-process with `arm()`:
     allreduce.inside@file:/tmp/die        SIGKILL inside the first all-reduce that starts after
                                           /tmp/die exists
     transfer.serve@0.4                    SIGKILL after serving 40% of the outer state to a joiner
+    tokenize.after_shard@2                exit with status 17 once prime-tokenize has finished 2 shards
     ring.send@5000                        flip one bit of the byte at payload offset 5000 of
                                           everything this process's ring sends (after sealing)
 
@@ -71,6 +72,8 @@ POINTS: dict[str, Point] = {
                               ("kill",), False),
     "transfer.serve": Point("while serving the outer state to a joiner, once a fraction AT of it was sent",
                             ("kill",), True),
+    "tokenize.after_shard": Point("prime-tokenize, once AT shards are written and recorded (an interruption)",
+                                  ("exit", "kill"), False),
     "ring.send": Point("the ring's sender, at payload byte offset AT of everything it sends", ("corrupt",), True),
 }
 

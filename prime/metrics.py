@@ -18,6 +18,7 @@ Definitions used in the lines and the JSONL records:
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import math
 import os
@@ -27,7 +28,10 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["peak_flops", "human_bytes", "MetricsLogger", "RunMetrics", "plot_losses", "PEAK_TFLOPS_BF16"]
+from prime.progress import Progress, format_count
+
+__all__ = ["peak_flops", "human_bytes", "MetricsLogger", "TensorBoardSink", "WandbSink", "RunMetrics", "plot_losses",
+           "read_records", "PEAK_TFLOPS_BF16", "TIME_ROWS"]
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (no sparsity).
 PEAK_TFLOPS_BF16 = {
@@ -70,14 +74,135 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{n:.1f} TiB"
 
 
+_SAFE_ID = "".join(chr(c) for c in range(128) if chr(c).isalnum()) + "-_."
+
+
+def _sinks_note(msg: str) -> None:
+    print(f"prime: {msg}", file=sys.stderr, flush=True)
+
+
+def _optional_import(module: str, field: str, package: str, service: str):
+    """The module, or None after one line saying that `field` is on but `package` is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        _sinks_note(f"{field} is on, but the {package} package is not installed (pip install {package}): "
+                    f"not logging to {service}")
+        return None
+
+
+def _numbers(kind: str, values: dict) -> dict:
+    """The numeric fields of a record as {kind/name: float} (bools as 0/1; None, text and lists left out)."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, bool):
+            out[f"{kind}/{k}"] = float(v)
+        elif isinstance(v, (int, float)) and math.isfinite(v):
+            out[f"{kind}/{k}"] = v
+    return out
+
+
+class TensorBoardSink:
+    """Scalars of every record into out_dir/tb/<run id>/node<rank> (torch.utils.tensorboard; needs tensorboard).
+
+    A fresh run hides older events of the same directory from TensorBoard, a resumed run those after its
+    checkpoint (SummaryWriter's purge_step), so each node shows one continuous curve, as in the JSONL file."""
+
+    def __init__(self, writer, log_dir: str):
+        self.writer, self.log_dir = writer, log_dir
+
+    @classmethod
+    def open(cls, out_dir: str, run_id: str, node_rank: int, resume_step: Optional[int],
+             config: Optional[dict]) -> Optional["TensorBoardSink"]:
+        tb = _optional_import("torch.utils.tensorboard", "metrics.tensorboard", "tensorboard", "TensorBoard")
+        if tb is None:
+            return None
+        SummaryWriter = tb.SummaryWriter
+        log_dir = os.path.join(out_dir, "tb", run_id, f"node{node_rank}")
+        try:
+            writer = SummaryWriter(log_dir, purge_step=0 if resume_step is None else resume_step + 1, flush_secs=10)
+            if config is not None:
+                writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+        except Exception as e:  # noqa: BLE001 - a broken install (protobuf versions ...) must not stop training
+            _sinks_note(f"TensorBoard could not start ({type(e).__name__}: {e}): not logging to it")
+            return None
+        return cls(writer, log_dir)
+
+    def log(self, kind: str, step: int, values: dict) -> None:
+        for tag, v in _numbers(kind, values).items():
+            self.writer.add_scalar(tag, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Every record into a Weights & Biases run of its own per node (named node<rank>, grouped by run id).
+
+    mode: online, offline (files under out_dir/wandb; `wandb sync` uploads them later; no network needed)
+    or '' (the WANDB_MODE environment variable, else online). A resumed run continues the node's W&B run: its
+    id is kept in out_dir/wandb/node<rank>.id."""
+
+    def __init__(self, run, describe: str):
+        self.run, self.describe = run, describe
+
+    @classmethod
+    def open(cls, out_dir: str, run_id: str, node_rank: int, project: str, mode: str, resume_step: Optional[int],
+             config: Optional[dict]) -> Optional["WandbSink"]:
+        wandb = _optional_import("wandb", "metrics.wandb", "wandb", "Weights & Biases")
+        if wandb is None:
+            return None
+        mode = mode or os.environ.get("WANDB_MODE", "") or "online"
+        id_dir = os.path.join(out_dir, "wandb")
+        id_file = os.path.join(id_dir, f"node{node_rank}.id")
+        run_key = None
+        if resume_step is not None and os.path.exists(id_file):
+            with open(id_file) as f:
+                run_key = f.read().strip() or None
+        if run_key is None:
+            safe = "".join(c if c in _SAFE_ID else "-" for c in run_id)[:40]
+            run_key = f"{safe}-node{node_rank}-{os.urandom(4).hex()}"
+        try:
+            os.makedirs(id_dir, exist_ok=True)
+            run = wandb.init(project=project, group=run_id, name=f"node{node_rank}", job_type="node", id=run_key,
+                             resume="allow", dir=out_dir, config=config or {}, mode=mode,
+                             settings=wandb.Settings(console="off", silent=True))
+        except Exception as e:  # noqa: BLE001 - no login, no network, a bad project name: train anyway
+            _sinks_note(f"Weights & Biases could not start in {mode} mode ({type(e).__name__}: {e}): not logging to "
+                        "it (metrics.wandb_mode = 'offline' needs no network or login)")
+            return None
+        with open(id_file, "w") as f:
+            f.write(run_key + "\n")
+        where = getattr(run, "dir", "") or out_dir
+        describe = (f"Weights & Biases: offline run {run_key} under {os.path.dirname(where)} (upload later with "
+                    f"`wandb sync {os.path.dirname(where)}`)" if mode == "offline"
+                    else f"Weights & Biases: run {run_key} in project {project}, group {run_id}"
+                    + (f" ({run.url})" if getattr(run, "url", None) else ""))
+        return cls(run, describe)
+
+    def log(self, kind: str, step: int, values: dict) -> None:
+        nums = _numbers(kind, values)
+        if kind == "summary":
+            self.run.summary.update(nums)
+        if nums:
+            self.run.log(nums, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
-    """Prints and records the metrics of one node (only its local rank 0 writes)."""
+    """Prints and records the metrics of one node (only its local rank 0 writes): the JSONL file
+    metrics_node<rank>.jsonl and, when asked for, TensorBoard and Weights & Biases."""
 
     def __init__(self, out_dir: str, node_rank: int, *, enabled: bool, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "prime", config: Optional[dict] = None, resume_step: Optional[int] = None):
+                 wandb_project: str = "prime", wandb_mode: str = "", run_id: str = "prime",
+                 config: Optional[dict] = None, resume_step: Optional[int] = None, progress=None):
         self.node_rank, self.enabled = node_rank, enabled
         self.path = os.path.join(out_dir, f"metrics_node{node_rank}.jsonl")
-        self._file = self._tb = self._wandb = None
+        self.progress = progress
+        self._file = None
+        self.sinks: list = []
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -89,45 +214,49 @@ class MetricsLogger:
         for r in kept:
             self._file.write(json.dumps(r) + "\n")
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(os.path.join(out_dir, "tb", f"node{node_rank}"))
-            except ImportError:
-                self.print("tensorboard is not installed (pip install tensorboard): not logging to it")
+            sink = TensorBoardSink.open(out_dir, run_id, node_rank, resume_step, config)
+            if sink is not None:
+                self.sinks.append(sink)
+                self.print(f"TensorBoard: {sink.log_dir} (tensorboard --logdir {os.path.join(out_dir, 'tb')})")
         if wandb:
-            try:
-                import wandb as _wandb
-
-                self._wandb = _wandb.init(project=wandb_project, name=f"node{node_rank}", config=config or {})
-            except ImportError:
-                self.print("wandb is not installed (pip install wandb): not logging to it")
+            sink = WandbSink.open(out_dir, run_id, node_rank, wandb_project, wandb_mode, resume_step, config)
+            if sink is not None:
+                self.sinks.append(sink)
+                self.print(sink.describe)
 
     def print(self, msg: str) -> None:
         if self.enabled:
-            print(msg, flush=True)
+            if self.progress is not None:
+                self.progress.write(msg)
+            else:
+                print(msg, flush=True)
 
     def record(self, kind: str, step: int, **values) -> None:
-        """Appends one JSON line {kind, step, ...} and forwards numbers to TensorBoard / W&B."""
+        """Appends one JSON line {kind, step, ...} and hands the record to TensorBoard / W&B."""
         if not self.enabled:
             return
         rec = {"kind": kind, "step": step, "node": self.node_rank, **values}
         self._file.write(json.dumps(rec) + "\n")
-        nums = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self._tb is not None:
-            for k, v in nums.items():
-                self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
-            self._wandb.log(nums, step=step)
+        for sink in list(self.sinks):
+            try:
+                sink.log(kind, step, values)
+            except Exception as e:  # noqa: BLE001 - a tracking service failing must not stop training
+                _sinks_note(f"{type(sink).__name__[:-4]} failed ({type(e).__name__}: {e}); no longer logging to it")
+                self.sinks.remove(sink)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001
+                _sinks_note(f"closing {type(sink).__name__[:-4]} failed ({type(e).__name__}: {e})")
+        self.sinks = []
 
 
 def read_records(path: str) -> list[dict]:
@@ -172,6 +301,18 @@ def plot_losses(out_dir: str, png_path: str) -> Optional[str]:
     return png_path
 
 
+TIME_ROWS = (
+    ("compute", "inner steps (forward, backward, optimizer)"),
+    ("outer_local", "outer steps: pseudo-gradient, update, copies"),
+    ("outer_wait", "outer steps: waiting for the average (wire, other nodes)"),
+    ("checkpoint", "checkpoints (the part training waits for)"),
+    ("start", "start: replica check or joining (other nodes)"),
+    ("other", "other (data, logging)"),
+)
+"""The rows of the summary's wall-time table: (key, what it counts). 'outer_wait' is the part of an outer
+step spent in the all-reduce (synchronous) or waiting for the previous average (overlap)."""
+
+
 def mean(xs) -> float:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -202,16 +343,42 @@ class RunMetrics:
         self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.local_sum = local_sum
-        self.wire_bytes_per_value = (1 + 4 / block_size) if codec == "int8" else 4
+        # int8: a byte a value, fp4: half a byte, each plus an fp32 scale per block; none: fp32
+        self.wire_bytes_per_value = {"int8": 1 + 4 / block_size, "fp4": 0.5 + 4 / block_size}.get(codec, 4)
         self.inner_steps, self.model_numel = inner_steps, model_numel
+        self.codec = codec if codec != "none" else "codec"  # names the compression error in the outer step's line
         self.log: Optional[MetricsLogger] = None
         self.reset()
 
     def open(self, *, tensorboard: bool = False, wandb: bool = False, wandb_project: str = "prime",
-             config: Optional[dict] = None, resume_step: Optional[int] = None) -> None:
-        """Opens the JSONL file (and TensorBoard / W&B); a resumed run keeps its curve up to resume_step."""
+             wandb_mode: str = "", run_id: str = "prime", progress: str = "auto", config: Optional[dict] = None,
+             resume_step: Optional[int] = None) -> None:
+        """Opens the JSONL file, TensorBoard and W&B when asked, and the progress bar (progress: auto, a bar
+        on a terminal; bar; lines); a resumed run keeps its curve up to resume_step."""
+        bar = None
+        if self.is_logger and progress != "lines":
+            bar = Progress(self.total_steps, label="step", start=resume_step or 0, every_s=0,
+                           interactive=True if progress == "bar" else None)
+            if not bar.interactive:
+                bar = None  # not a terminal: the step and outer lines are the progress
         self.log = MetricsLogger(self.out_dir, self.node_rank, enabled=self.is_logger, tensorboard=tensorboard,
-                                 wandb=wandb, wandb_project=wandb_project, config=config, resume_step=resume_step)
+                                 wandb=wandb, wandb_project=wandb_project, wandb_mode=wandb_mode, run_id=run_id,
+                                 config=config, resume_step=resume_step, progress=bar)
+
+    @property
+    def progress(self) -> Optional[Progress]:
+        """The bar on a terminal (None: plain lines)."""
+        return self.log.progress if self.log is not None else None
+
+    def outer_running(self, outer_step: int) -> None:
+        """Says on the bar that outer step `outer_step` runs (the bar shows it until the next inner step)."""
+        if self.progress is not None:
+            self.progress.status(f"outer step {outer_step}: averaging across nodes ...")
+
+    def spend(self, what: str, seconds: float) -> None:
+        """Counts wall time spent outside the inner steps: 'outer', 'outer_wait' (part of 'outer'),
+        'checkpoint' or 'start' (see TIME_ROWS)."""
+        self.spent[what] = self.spent.get(what, 0.0) + seconds
 
     def print(self, msg: str) -> None:
         """Prints on the node's logging process."""
@@ -232,6 +399,7 @@ class RunMetrics:
         self.total_sent = self.total_dp = self.compute_s = self.phase_compute = 0.0
         self.sent_measured = True
         self.phase_t0 = time.perf_counter()
+        self.spent: dict[str, float] = {}
 
     def compute(self, step_s: float) -> None:
         """Counts `step_s` seconds of inner-step compute."""
@@ -253,6 +421,14 @@ class RunMetrics:
         self.losses.append((step, loss))
         self.step_s.append(step_s)
         mfu_s = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        if self.progress is not None:  # before the line: the bar drawn under it shows this step
+            fields = {}
+            if self.num_nodes > 1:
+                h = self.inner_steps
+                k = (step - 1) % h + 1
+                fill = round(10 * k / h)
+                fields["phase"] = f"outer {(step - 1) // h + 1} [{'#' * fill}{'.' * (10 - fill)}] {k}/{h}"
+            self.progress.update(step, loss=f"loss {loss:.4f}", rate=f"{format_count(tok_s)} tok/s", **fields)
         if show:
             self.print(
                 f"step {step:>6}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
@@ -276,22 +452,24 @@ class RunMetrics:
         ar_s /= self.local_world
         err = r.compression_error
         # what data parallelism among this outer step's nodes would have sent over the same inner steps
-        dp = 2 * (n - 1) / n * 4 * self.model_numel * self.inner_steps
+        dp = 2 * (n - 1) / n * 4 * self.model_numel * self.inner_steps * getattr(r, "share", 1.0)  # (its fragment)
         self.total_sent += sent
         self.sent_measured &= measured
         self.total_dp += dp
         now = time.perf_counter()
         wall = now - self.phase_t0
-        util = self.phase_compute / wall if wall > 0 else float("nan")
+        compute = self.phase_compute
+        util = compute / wall if wall > 0 else float("nan")
         self.phase_t0, self.phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
         self.print(
             f"outer {r.outer_step} (step {step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
             f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "
-            f"int8 error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
+            f"{self.codec} error {err_s} | pseudo-grad norm {r.pseudo_grad_norm:.3f} | utilization {100 * util:.1f}%"
             + (f" | {r.attempts} attempts" if r.attempts > 1 else "") + note
         )
-        self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s,
+        self.record("outer", step, outer_step=r.outer_step, allreduce_s=ar_s, outer_s=r.outer_s, phase_s=wall,
+                    phase_compute_s=compute, fragment=getattr(r, "fragment", 0),
                     prepare_s=getattr(r, "prepare_s", None), update_s=getattr(r, "update_s", None),
                     bytes_sent=sent, bytes_measured=measured, dp_bytes=dp, compression_error=err,
                     pseudo_grad_norm=r.pseudo_grad_norm, utilization=util, attempts=r.attempts, **(fields or {}),
@@ -317,7 +495,11 @@ class RunMetrics:
         rate = self.median_rates()
         if rate:
             s["median_tokens_per_s"], s["median_mfu"] = rate
+        split = self.time_split(wall)
+        s.update({f"time_{key}_s": v for key, v in split.items()})
         self.record("summary", step, **{k2: v for k2, v in s.items() if k2 != "node"})
+        if self.progress is not None:
+            self.progress.close()  # the summary comes after the last state of the bar
         if self.is_logger:
             lines = [f"summary (node {self.node_rank}): {step} steps in {wall:.1f} s, "
                      f"loss {first:.3f} at step {first_step} -> {last:.3f} (mean of the last {k} steps)"]
@@ -333,8 +515,21 @@ class RunMetrics:
                 tok_s, mfu = rate
                 lines.append(f"  median inner step (first {self.WARMUP_STEPS} excluded): {tok_s / 1e3:.1f}k tok/s "
                              "per node" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+            lines.append("  where the wall time went:")
+            width = max(len(what) for _, what in TIME_ROWS)
+            for key, what in TIME_ROWS:
+                pct = 100 * split[key] / wall if wall > 0 else float("nan")
+                lines.append(f"    {what:<{width}} {split[key]:9.1f} s {pct:5.1f}%")
             self.print("\n".join(lines))
         return s
+
+    def time_split(self, wall: float) -> dict:
+        """Seconds of `wall` per TIME_ROWS key; 'other' is what the rest leaves (never below 0)."""
+        outer, wait = self.spent.get("outer", 0.0), self.spent.get("outer_wait", 0.0)
+        split = {"compute": self.compute_s, "outer_local": max(0.0, outer - wait), "outer_wait": wait,
+                 "checkpoint": self.spent.get("checkpoint", 0.0), "start": self.spent.get("start", 0.0)}
+        split["other"] = max(0.0, wall - sum(split.values()))
+        return split
 
     def close(self, plot: bool = False) -> None:
         """Closes the file (if opened); with `plot`, node 0's logging process writes out_dir/loss.png."""

@@ -7,6 +7,8 @@
     ...
     decision = nodes.after_outer(result)       # the loop's one call, after every outer step
     ...
+    nodes.host_processes(); nodes.nodes_that_do_not_fit(fits)   # the memory plan (prime/memory.py)
+    nodes.launch_scope()                       # before a resume: this launch's name in the agreement's keys
     nodes.finish(model)                        # after the last step: final-weights agreement
     nodes.close(); nodes.release()             # at the end, before the process group goes
 
@@ -84,6 +86,15 @@ class Nodes(Protocol):
     def finish(self, model: torch.nn.Module) -> dict:
         """After the last step: checks the final weights across nodes; returns fields for the summary."""
 
+    def host_processes(self) -> int:
+        """This job's processes sharing this host's memory (the memory plan counts them)."""
+
+    def nodes_that_do_not_fit(self, fits: bool) -> list:
+        """The nodes whose memory plan does not fit, given this process's answer (the same list everywhere)."""
+
+    def launch_scope(self) -> str:
+        """A name of this launch that every node agrees on (the resume agreement's keys carry it)."""
+
     def close(self) -> None:
         """Releases the rings and leaves the job (the others drop this node at once)."""
 
@@ -95,14 +106,13 @@ class Nodes(Protocol):
 def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, str]:
     """(blake2b of this process's final weights, what they are). The weights agree bit for bit across nodes
     only right after an outer step, so after a run whose last step is not one this hashes the outer weights."""
-    outer = diloco.state_dict().get("outer")
-    synced = diloco.since_sync == 0 or outer is None
+    synced = not diloco.distributed or diloco.since_sync == 0
     h = hashlib.blake2b(digest_size=16)
     if synced:
         for p in model.parameters():
             h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
     else:
-        h.update(outer.numpy().tobytes())
+        h.update(diloco.outer_weights().numpy().tobytes())
     return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
 
 
@@ -116,6 +126,18 @@ def final_agreement_result(env, say, node, what: str, digest: str, differ, nodes
         say(f"final {what} identical on all {nodes} nodes: blake2b {digest}"
             + (f" (local rank {env.local_rank})" if env.local_world > 1 else ""))
     return {"weights_digest": digest}
+
+
+def host_identity() -> str:
+    """This machine, as the processes on it see it: host name and boot id (two machines with one name differ)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def signed_records(cfg: Config, store, secret: bytes):
@@ -169,7 +191,7 @@ class FixedNodes:
         d, g = self.cfg.diloco, self.env.local_rank
         store = dist.PrefixStore(f"ring/{g}/{tag}", self.env.store)
         kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}",
-                  "quant_error": d.compression_error and d.codec == "int8"}  # DiLoCo's compression_error
+                  "quant_error": d.compression_error and d.codec != "none"}  # DiLoCo's compression_error
         if d.streams:
             kwargs["streams"] = d.streams
         if d.max_rate_mbit:
@@ -181,6 +203,44 @@ class FixedNodes:
 
     def attach(self, diloco: DiLoCo) -> None:
         self.diloco = diloco
+
+    def host_processes(self) -> int:
+        """This job's processes on this host (the memory plan counts them): every process records its host in
+        the store (signed), then counts the records naming the same host. Without a store, this node's."""
+        env = self.env
+        if self.records is None:
+            return env.local_world
+        me = host_identity()
+        self.records.set(keys.host_of(env.node_rank, env.local_rank), me)
+        hosts = [self.records.get(keys.host_of(n, g)).decode() for n in range(env.num_nodes)
+                 for g in range(env.local_world)]
+        return sum(1 for h in hosts if h == me)
+
+    def launch_scope(self) -> str:
+        """A name for this launch that every process of every node agrees on and no earlier launch had: each
+        node's first process draws 48 random bits, shares them in the node, and every ring exchanges the nodes'
+        draws (authenticated and fresh, unlike a record in the store, which a stranger could replay). The resume
+        agreement's keys carry it. Empty on a single node."""
+        if self.sync is None:
+            return ""
+        import secrets
+
+        env = self.env
+        mine = [secrets.randbits(16) for _ in range(3)] if env.local_rank == 0 else [0, 0, 0]
+        node_draw = [int(v) for v in env.local_sum([float(v) for v in mine])]
+        table = self.sync.exchange(node_draw)
+        return hashlib.blake2b(repr(table).encode(), digest_size=8).hexdigest()
+
+    def nodes_that_do_not_fit(self, fits: bool) -> list:
+        """Every node tells (through the store) whether all its processes' memory plans fit; returns the nodes
+        whose plan does not (the same list on every process of every node)."""
+        env = self.env
+        node_fits = env.local_sum([0.0 if fits else 1.0])[0] == 0
+        if self.records is None:
+            return [] if node_fits else [env.node_rank]
+        if env.local_rank == 0:
+            self.records.set(keys.memory_plan(env.node_rank), "ok" if node_fits else "no")
+        return [n for n in range(env.num_nodes) if self.records.get(keys.memory_plan(n)).decode() != "ok"]
 
     def describe(self) -> Optional[str]:
         if not self.multi_node:
@@ -196,7 +256,7 @@ class FixedNodes:
         d = self.diloco
         if d.distributed and self.cfg.diloco.check_replicas:
             d.check_replicas()
-        if d.distributed and d.since_sync >= d.inner_steps:
+        if d.owes_outer_step():
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
 

@@ -122,6 +122,17 @@ def work_stats(work) -> dict:
     return out
 
 
+def _add_stats(totals: dict, stats: dict) -> None:
+    """Adds one piece's work_stats() to the totals of a pipelined average (sums; None stays None)."""
+    for k, v in stats.items():
+        if v is None:
+            totals.setdefault(k, None)
+        elif totals.get(k) is None and k in totals:
+            continue
+        else:
+            totals[k] = totals.get(k, 0) + v
+
+
 def is_comm_error(e: BaseException) -> bool:
     """True for a failed collective: prime.comm.CommError, or an exception of that name (test doubles)."""
     try:
@@ -220,6 +231,8 @@ class RingSync:
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
         self.codec, self.block_size = "int8", 256  # set by bind()
         self._caller_ring = ring
+        self.last_apply_s = 0.0
+        """average_pieces(): seconds the last piece's apply() took (the update left after the wire)."""
         self.ring = ring if ring is not None else ring_factory("start")
         self.rank, self.world_size = self.ring.rank, self.ring.world_size
 
@@ -299,19 +312,98 @@ class RingSync:
         return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
                                group=self.average_group)
 
+    def average_pieces(self, ranges: list, *, outer_step: int, inner_step: int, buffer: Callable[[int], torch.Tensor],
+                       prepare: Callable[[int], None], apply: Callable[[int], None], start: int = 0,
+                       window: int = 3) -> SyncResult:
+        """A pipelined average in pieces, from piece `start` on: prepare(j) writes piece j's pseudo-gradient into
+        buffer(j) (and may raise to stop: a pseudo-gradient that is not finite; it may agree with the node's
+        other processes); its all-reduce is queued on the ring at once, so the wire starts with the first piece
+        while the next ones are prepared. apply(j) runs once piece j's average is in buffer(j), in order, while
+        later pieces are on the wire. At most `window` pieces are prepared and not yet applied (buffer(j) may
+        reuse buffer(j - window)'s memory).
+
+        Every process of the node agrees on each piece before applying it (all rings of the node then fail and
+        are rebuilt together). A failed piece is retried, with every piece after it, on a fresh ring (tagged
+        with the outer step, the piece and the attempt); pieces already applied stay applied. OuterSyncError
+        when no attempt works: the outer weights then hold the pieces before the failed one (the caller's
+        Fragment records how many, so that a resumed run does only the rest)."""
+        t0 = time.perf_counter()
+        group = self.local_group
+        attempts = 1 + (self.retries if self.ring_factory is not None else 0)
+        totals: dict = {}
+        done, last = start, None
+        self.last_apply_s = 0.0
+        for attempt in range(attempts):
+            works: dict = {}
+            state = {"next": done, "err": None}
+
+            def launch_upto(limit: int) -> None:
+                # Every process prepares the same pieces (prepare may agree with the others), launched or not.
+                while state["next"] < min(len(ranges), limit):
+                    j = state["next"]
+                    prepare(j)
+                    state["next"] = j + 1
+                    if state["err"] is not None:
+                        continue
+                    buf = buffer(j)
+                    if buf.is_cuda:
+                        torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
+                    try:
+                        if self.ring is None:
+                            if self.ring_factory is None:
+                                raise OuterSyncError("the ring failed earlier and no ring_factory was given to "
+                                                     "rebuild it; restart the job")
+                            self.ring = self.ring_factory(f"o{outer_step - 1}p{done}a{attempt}")
+                        works[j] = self.ring.all_reduce(buf, op="avg", codec=self.codec, block_size=self.block_size)
+                    except Exception as e:
+                        if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
+                            raise  # a bug or a bad argument, not a network failure: no retry
+                        state["err"] = e
+
+            launch_upto(done + window)
+            failed = False
+            for j in range(done, len(ranges)):
+                piece_err = state["err"] if j not in works else None
+                if piece_err is None:
+                    try:
+                        works[j].wait()
+                        _add_stats(totals, work_stats(works[j]))
+                    except Exception as e:
+                        if not is_comm_error(e):
+                            raise
+                        piece_err = e
+                if not all_local(group, piece_err is None):
+                    last = piece_err or last or RuntimeError("the all-reduce failed on another process of this node")
+                    self._drop_ring()
+                    failed = True
+                    break
+                buf = buffer(j)
+                if buf.is_cuda:
+                    torch.cuda.synchronize(buf.device)  # the ring's decode is in the buffer
+                u0 = time.perf_counter()
+                apply(j)
+                self.last_apply_s = time.perf_counter() - u0
+                done = j + 1
+                launch_upto(done + window)  # piece j's buffer is free again
+            if not failed:
+                return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
+                                  attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=totals)
+        raise OuterSyncError(
+            f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) at piece {done + 1} of "
+            f"{len(ranges)} (last error: {last}). Pieces 1 to {done} were applied; the rest was not. Stopping so that "
+            "nodes do not diverge: restart every node from the last checkpoint."
+        )
+
     def committed(self, result: SyncResult) -> None:
         pass
 
     @torch.no_grad()
-    def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
-        """Each node puts 16-bit pieces of its fingerprint (weights hash, settings hash, element count) in
-        its own slots of a small vector; an exact sum all-reduce (zeros elsewhere) gathers them everywhere,
-        since sums of integers below 2^24 are exact in fp32."""
-        rank, size = self.rank, self.world_size
-        slots = 11
-        w, s, n = fingerprint
-        pieces = [(w >> (16 * i)) & 0xFFFF for i in range(4)] + [(s >> (16 * i)) & 0xFFFF for i in range(4)]
-        pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
+    def exchange(self, pieces: list, *, outer_step: int = 0) -> list:
+        """Every node's small integers (each < 2^24; the same count on every node) to every node, in node order:
+        each node puts its pieces in its own slots of a vector, and an exact sum all-reduce (zeros elsewhere)
+        gathers them everywhere, since sums of integers below 2^24 are exact in fp32. Over the ring, so what
+        arrives is authenticated and fresh."""
+        rank, size, slots = self.rank, self.world_size, len(pieces)
 
         def fill(v: torch.Tensor) -> None:
             v.zero_()
@@ -320,7 +412,17 @@ class RingSync:
         vec = torch.empty(size * slots, dtype=torch.float32)
         fill(vec)
         self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill, group=self.local_group)
-        table = vec.view(size, slots).to(torch.int64).tolist()
+        return vec.view(size, slots).to(torch.int64).tolist()
+
+    @torch.no_grad()
+    def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
+        """Each node puts 16-bit pieces of its fingerprint (weights hash, settings hash, element count) in
+        its own slots of a small vector; exchange() gathers them everywhere."""
+        rank, size = self.rank, self.world_size
+        w, s, n = fingerprint
+        pieces = [(w >> (16 * i)) & 0xFFFF for i in range(4)] + [(s >> (16 * i)) & 0xFFFF for i in range(4)]
+        pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
+        table = self.exchange(pieces, outer_step=outer_step)
         problems = []
         for what, lo, hi in (("shard sizes", 8, 11),
                              ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 4, 8),

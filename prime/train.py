@@ -68,7 +68,7 @@ def _end_process(status: int) -> None:
     two `pt_gloo_runloop` workers and its `gloo_tcp_loop` I/O thread run until the
     process ends. A plain-torch FSDP2 script with no PRIME code leaves the same three.
 
-    Issue 13 saw `terminate called without an active exception` on local rank 1 of a
+    We saw `terminate called without an active exception` on local rank 1 of a
     2-process launch about once in 15 runs. In a one-node launch no PRIME C++ thread
     exists at exit (there is no ring), so it came from one of these torch threads
     meeting the interpreter's finalization or the C++ static destructors (a std::thread

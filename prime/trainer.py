@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from prime import faults
-from prime.builders import (build_checkpoints, build_data, build_metrics, build_model_and_optimizer,
-                            build_outer_step)
+from prime.builders import (build_checkpoints, build_data, build_memory_plan, build_metrics,
+                            build_model_and_optimizer, build_outer_step)
 from prime.checkpoint import CheckpointError
 from prime.config import Config
 from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError
+from prime.memory import MemoryPlanError, peak_host_bytes
 from prime.nodes import AfterOuter
 from prime.runtime import build_environment
 
@@ -81,23 +82,30 @@ class Trainer:
         self.diloco, self.nodes = build_outer_step(cfg, env, self.parts, self.data, self.metrics)
         self.checkpoints = build_checkpoints(cfg, env, self.parts, self.data, self.diloco)
         self.step, self.resumed_from = 0, None
+        try:  # before anything is loaded or trained: a run that cannot fit stops here, on every node
+            self.memory = build_memory_plan(cfg, env, self.parts, self.diloco, self.nodes, self.checkpoints,
+                                            say=self.metrics.print)
+        except MemoryPlanError:
+            self.close(failed=True)
+            raise
         if self.checkpoints is not None and cfg.checkpoint.resume and self.nodes.resumes:
             try:  # verified against its manifest on every node first
                 self.resumed_from = self.checkpoints.resume(self.nodes.records, env.node_rank, env.num_nodes,
-                                                            publish=env.local_rank == 0, log=self.metrics.print)
+                                                            publish=env.local_rank == 0, log=self.metrics.print,
+                                                            scope=self.nodes.launch_scope())
             except CheckpointError:
                 self.close()  # every process of every node stops here alike: leave store, rings, groups in order
                 raise
             self.step = self.resumed_from or 0
         m = cfg.metrics  # opened last: a resumed run keeps the curve up to its checkpoint and appends to it
         self.metrics.open(tensorboard=m.tensorboard, wandb=m.wandb, wandb_project=m.wandb_project,
+                          wandb_mode=m.wandb_mode, run_id=cfg.nodes.run_id, progress=m.progress,
                           config=cfg.to_dict(), resume_step=self.resumed_from)
 
     def _describe(self) -> None:
         lines = [self.parts.describe(self.cfg, self.env, self.metrics.peak), self.data.describe(), self.nodes.describe()]
-        state = self.diloco.state
-        if state is not None and state.on_gpu:  # where the outer state went, and why (diloco.outer_state_device)
-            lines.append(state.device_reason)
+        if self.diloco.placement and self.env.device.type == "cuda":  # where the outer state went, and why
+            lines.append(self.diloco.placement)
         if self.resumed_from is not None:
             lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
         for line in filter(None, lines):
@@ -136,7 +144,9 @@ class Trainer:
         m.reset()
         t_start = time.perf_counter()
         try:
+            t0 = time.perf_counter()
             result = self.nodes.start()  # fixed: replicas checked; elastic: the state served, or joined
+            m.spend("start", time.perf_counter() - t0)
             if result is None:  # the job ended before this node got in
                 return m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
             if result.did_sync:
@@ -158,9 +168,16 @@ class Trainer:
                 gnorm = float(gnorm)
                 if not math.isfinite(gnorm):
                     self._diverged(float(loss), gnorm)
-                result = self.diloco.step()
+                d = self.diloco
+                if d.distributed and d.since_sync + 1 >= d.inner_steps:
+                    m.outer_running(d.outer_step + 1)
+                t0 = time.perf_counter()
+                result = d.step()
                 # The loop's one call into the nodes component: what this outer step changes for this node.
                 decision = self.nodes.after_outer(result) if result.did_sync else AfterOuter()
+                m.spend("outer", time.perf_counter() - t0)
+                if result.did_sync:  # the all-reduce (synchronous) or the wait for the previous average (overlap)
+                    m.spend("outer_wait", result.wait_s if result.overlapped else result.allreduce_s)
                 if decision.rejoined_at is not None:  # (re)joined the job: go on from the job's step and data
                     self._log_outer(result, decision)
                     continue
@@ -174,13 +191,16 @@ class Trainer:
                     self._save()
                 faults.hit("train.after_step", self.step, log=m.print,  # prime/faults.py
                            before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
-            self.diloco.finish()  # overlap: the last outer step's average is applied (nothing without overlap)
+            # overlap: the last averages are applied; fragments: those with inner steps not yet averaged sync
+            for result in self.diloco.finish():
+                self._log_outer(result, AfterOuter(note=" | final sync of this fragment"))
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:
             raise TrainingStopped(f"{e}{self._saved_after(e)}") from e
         self._save(block=True)
         summary = m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
+        m.print(self.memory.peaks(self.env.device))
         summary.update(self.nodes.finish(self.model))  # the final-weights agreement across nodes
         return summary
 
@@ -192,7 +212,12 @@ class Trainer:
 
     def _save(self, block: bool = False) -> None:
         """Checkpoints the current state (if checkpoint.dir is set); raises TrainingDiverged when it is not finite."""
-        if self.checkpoints is not None and not self.checkpoints.save(self.step, block=block):
+        if self.checkpoints is None:
+            return
+        t0 = time.perf_counter()
+        saved = self.checkpoints.save(self.step, block=block)
+        self.metrics.spend("checkpoint", time.perf_counter() - t0)
+        if not saved:
             raise TrainingDiverged(
                 f"step {self.step}: the weights or the optimizer state are not finite; they were not saved as a "
                 f"checkpoint. {self._restart_hint()}"

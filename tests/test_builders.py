@@ -338,6 +338,15 @@ class _RejoiningNodes:
     def finish(self, model):
         return {"finished": True}
 
+    def host_processes(self):
+        return 1
+
+    def nodes_that_do_not_fit(self, fits):
+        return [] if fits else [0]
+
+    def launch_scope(self):
+        return ""
+
     def close(self):
         pass
 

@@ -250,3 +250,76 @@ def test_nodes_all_stop_when_one_node_has_nothing_intact():
 def test_nodes_without_a_common_step_start_fresh_without_verifying():
     results, calls = _agree([[2], [4]], {})
     assert [r[0] for r in results] == [None, None] and calls == [[], []] and results[0][2] == []
+
+
+# -- signed manifests ----------------------------------------------------------------------
+
+
+def _forge(path, rng):
+    """Changes the largest shard and rewrites its manifest entry to match (size and SHA-256): what someone who
+    can write the checkpoint directory but does not hold the job secret can do."""
+    shard = _largest_distcp(path)
+    _overwrite_4k(shard, rng)
+    mpath = os.path.join(path, MANIFEST)
+    with open(mpath) as f:
+        doc = json.load(f)
+    with open(shard, "rb") as f:
+        doc["files"][os.path.basename(shard)] = {"size": os.path.getsize(shard),
+                                                  "sha256": hashlib.sha256(f.read()).hexdigest()}
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
+    return doc
+
+
+def test_a_forged_checkpoint_is_refused_under_the_job_secret(tmp_path, seed):
+    """With a secret the manifest is signed: a shard rewritten together with its manifest entry, a manifest
+    whose signature was stripped, and a manifest copied from another node's directory are all refused, with
+    the reason; the unsigned manifest of the same forgery passes (integrity alone cannot catch it)."""
+    from prime.checkpoint import manifest_key
+
+    rng = random.Random(seed)
+    key = manifest_key(("secret-%d" % seed).encode())
+    model, opt = _model_and_optim(seed)
+    ck = Checkpointer(str(tmp_path / "signed"), 0, 0, 1, keep=0, async_save=False, key=key)
+    for s in (2, 4):
+        ck.save(s, model, opt, {"step": s})
+    assert ck.verify(2) == [] and ck.verify(4) == []
+    doc = _forge(ck.step_dir(4), rng)
+    problems = ck.verify(4)
+    assert len(problems) == 1 and "has a signature that does not match" in problems[0], problems
+    assert ck.choose_resume_step(None, 0, 1, publish=True) == 2  # the forged step is skipped, the other kept
+    doc.pop("mac")
+    with open(os.path.join(ck.step_dir(4), MANIFEST), "w") as f:
+        json.dump(doc, f)
+    assert "is not signed" in ck.verify(4)[0]
+    other = Checkpointer(str(tmp_path / "signed"), 1, 0, 1, keep=0, async_save=False, key=key)
+    os.makedirs(other.step_dir(2))
+    for name in os.listdir(ck.step_dir(2)):  # node 0's intact step 2, copied whole into node 1's directory
+        with open(os.path.join(ck.step_dir(2), name), "rb") as src, open(os.path.join(other.step_dir(2), name), "wb") as dst:
+            dst.write(src.read())
+    assert "signed for 'node0', not for 'node1'" in other.verify(2)[0]
+    assert Checkpointer(str(tmp_path / "signed"), 0, 0, 1, key=manifest_key(b"another")).verify(2)[0].endswith(
+        "written by another job")
+    plain = Checkpointer(str(tmp_path / "plain"), 0, 0, 1, keep=0, async_save=False)
+    plain.save(4, model, opt, {"step": 4})
+    _forge(plain.step_dir(4), rng)
+    assert plain.verify(4) == []
+
+
+def test_resume_offers_of_another_launch_are_not_read():
+    """The resume agreement's keys carry the launch: signed offers recorded by an earlier launch (replayed into
+    the store) are under another name, so the agreement waits for this launch's own and times out instead of
+    resuming from the old offer."""
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from test_store_security import _trainer_kv
+
+    store = dist.HashStore()
+    old = _trainer_kv(store)
+    for rnd in range(3):
+        old.set(keys.resume_offer(rnd, 1, "launch-a"), json.dumps({"steps": [4], "damaged": []}))
+    kv = _trainer_kv(store, timeout_s=0.5)
+    assert agree_on_resume_step([4, 8], lambda s: [], _trainer_kv(store, timeout_s=0.5), 1, 1, True, "launch-b")[0] == 8
+    with pytest.raises(TimeoutError, match=r"ckpt/launch-b/r0/node1"):
+        agree_on_resume_step([4, 8, 12], lambda s: [], kv, 0, 2, publish=True, scope="launch-b")

@@ -1,4 +1,4 @@
-"""Golden vectors of the int8 block codec: every backend against committed hex.
+"""Golden vectors of the block codecs (int8 and fp4): every backend against committed hex.
 
 The other codec tests compare each backend with the torch reference in prime/ops.py;
 if the reference and a backend drifted together (an edit to both), they would still
@@ -28,9 +28,24 @@ A few entries, derived by hand from the format (block size B = 32):
   lo = 0 and hi = 1: k = fmix32(seed ^ fmix32(1 ^ 0x9e3779b9)); the vectors at
   first_index 2^32 - 64 cross that boundary after two blocks.
 
+fp4 (GOLDEN["fp4"], the same block size):
+
+- Block 0 has max |x| = 1.5 = 6 * 2^-2 (both signs), so scale = 0.25 (3e800000) and
+  inv = 4 exactly; x = t / 4 lands on v = t. The maxima give codes 7 and f (+-6). The
+  seven midpoints go to the even magnitude index: 0.25 -> 0, 0.75 -> 1.0 (2),
+  1.25 -> 1.0 (2), 1.75 -> 2 (4), 2.5 -> 2 (4), 3.5 -> 4 (6), 5 -> 4 (6), and the same
+  with the sign bit (-0.25 -> 0: no -0); one ulp below or above a midpoint goes to the
+  nearer neighbour; -0.1 / 4 and -0.0 give code 0. The packed bytes start f7 20 42 64:
+  the first value is the low nibble.
+- Block 2 (32 copies of -3.7): every code is f, so every byte ff.
+- Block 8 holds 7 values: the last byte's high nibble is 0.
+- "all_codes" decodes every byte value 00..ff (code 8, -0, included) under scales that
+  decode to zero, subnormals, infinities and NaN.
+
 Run `python tools/golden_vectors.py` to print the literal again; the last tests check
-that it still prints exactly GOLDEN, and that the ring's int8 payload is laid out as
-docs/wire-format.md says: ceil(len/B) little-endian fp32 scales, then len int8 values.
+that it still prints exactly GOLDEN, and that the ring's int8 and fp4 payloads are laid
+out as docs/wire-format.md says: ceil(len/B) little-endian fp32 scales, then the len
+int8 values or the ceil(len/2) bytes of fp4 codes.
 """
 
 from __future__ import annotations
@@ -71,14 +86,15 @@ def f16(text: str, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(signed, dtype=torch.int16).view(dtype)
 
 
-def q8(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(bytes.fromhex(text)), dtype=torch.int8).clone()
+def q8(text: str, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """Bytes from hex: int8 values, or (dtype uint8) packed fp4 codes."""
+    return torch.frombuffer(bytearray(bytes.fromhex(text)), dtype=dtype).clone()
 
 
 def hex_of(t: torch.Tensor) -> str:
     """The golden spelling of a tensor: fp32 / 16-bit words, or q bytes."""
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.int8:
+    if t.dtype in (torch.int8, torch.uint8):
         return t.numpy().tobytes().hex()
     if t.dtype == torch.float32:
         return " ".join(f"{v & 0xFFFFFFFF:08x}" for v in t.view(torch.int32).tolist())
@@ -114,35 +130,33 @@ def assert_floats_golden(got: torch.Tensor, want_hex: str, what: str) -> None:
 
 
 class Impl:
-    """One way to run the codec: a public backend on a device, or a named CPU instruction set."""
+    """One way to run a codec: a public backend on a device, or a named CPU instruction set."""
 
     def __init__(self, name: str, device: str, backend: str | None = None, isa: str | None = None):
         self.name, self.device, self.backend, self.isa = name, torch.device(device), backend, isa
 
-    def quantize(self, x, seed=None):
-        x = x.to(self.device)
+    def _op(self, verb: str, codec: str):
+        """The implementation of `verb` (quantize, dequantize, dequantize_add) for `codec` here."""
         if self.isa:
-            return torch.ops.prime._quantize_int8_isa(x, B, seed, self.isa)
+            op = getattr(torch.ops.prime, f"_{verb}_{codec}_isa{'_' if verb == 'dequantize_add' else ''}")
+            return lambda *args: op(*args, self.isa)
         if self.backend == "torch":
-            return ops.quantize_int8_reference(x, B, seed)
-        return ops.quantize_int8(x, B, seed=seed, backend=self.backend, check_finite=False)
+            return getattr(ops, f"{verb}_{codec}_reference{'_' if verb == 'dequantize_add' else ''}")
+        op = getattr(ops, f"{verb}_{codec}{'_' if verb == 'dequantize_add' else ''}")
+        if verb == "quantize":
+            return lambda x, block, seed: op(x, block, seed=seed, backend=self.backend, check_finite=False)
+        return lambda *args: op(*args, backend=self.backend)
 
-    def dequantize(self, q, s, dtype):
+    def quantize(self, x, seed=None, codec="int8"):
+        return self._op("quantize", codec)(x.to(self.device), B, seed)
+
+    def dequantize(self, q, s, n, dtype, codec="int8"):
         q, s = q.to(self.device), s.to(self.device)
-        if self.isa:
-            return torch.ops.prime._dequantize_int8_isa(q, s, B, dtype, self.isa)
-        if self.backend == "torch":
-            return ops.dequantize_int8_reference(q, s, B, dtype)
-        return ops.dequantize_int8(q, s, B, dtype, backend=self.backend)
+        return self._op("dequantize", codec)(*((q, s) if codec == "int8" else (q, s, n)), B, dtype)
 
-    def dequantize_add_(self, acc, q, s):
-        acc, q, s = acc.to(self.device), q.to(self.device), s.to(self.device)
-        if self.isa:
-            torch.ops.prime._dequantize_add_int8_isa_(acc, q, s, B, self.isa)
-        elif self.backend == "torch":
-            ops.dequantize_add_int8_reference_(acc, q, s, B)
-        else:
-            ops.dequantize_add_int8_(acc, q, s, B, backend=self.backend)
+    def dequantize_add_(self, acc, q, s, codec="int8"):
+        acc = acc.to(self.device)
+        self._op("dequantize_add", codec)(acc, q.to(self.device), s.to(self.device), B)
         return acc
 
     def __repr__(self):
@@ -178,45 +192,66 @@ B = 32  # GOLDEN["block_size"]; asserted in test_generator_prints_the_committed_
 # encoding and decoding
 
 
+CODECS = ["int8", "fp4"]
+
+
+def golden(codec: str) -> dict:
+    """The vectors of one codec (int8's are GOLDEN's top level, fp4's GOLDEN["fp4"])."""
+    return GOLDEN if codec == "int8" else GOLDEN["fp4"]
+
+
+def codes_of(text: str, codec: str) -> torch.Tensor:
+    return q8(text, torch.int8 if codec == "int8" else torch.uint8)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_quantize_matches_golden(impl):
-    g = GOLDEN["fp32"]
-    q, s = impl.quantize(f32(g["x"]))
-    assert_hex_equal(hex_of(s), g["scales"], f"{impl} scales")
-    assert_hex_equal(hex_of(q), g["q"], f"{impl} q")
+def test_quantize_matches_golden(impl, codec):
+    g = golden(codec)["fp32"]
+    q, s = impl.quantize(f32(g["x"]), codec=codec)
+    assert_hex_equal(hex_of(s), g["scales"], f"{impl} {codec} scales")
+    assert_hex_equal(hex_of(q), g["q"], f"{impl} {codec} q")
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_quantize_half_inputs_match_golden(impl, dtype):
-    g = GOLDEN[str(dtype).removeprefix("torch.")]
-    q, s = impl.quantize(f16(g["x"], dtype))
-    assert_hex_equal(hex_of(s), g["scales"], f"{impl} {dtype} scales")
-    assert_hex_equal(hex_of(q), g["q"], f"{impl} {dtype} q")
+def test_quantize_half_inputs_match_golden(impl, dtype, codec):
+    g = golden(codec)[str(dtype).removeprefix("torch.")]
+    q, s = impl.quantize(f16(g["x"], dtype), codec=codec)
+    assert_hex_equal(hex_of(s), g["scales"], f"{impl} {codec} {dtype} scales")
+    assert_hex_equal(hex_of(q), g["q"], f"{impl} {codec} {dtype} q")
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decode_matches_golden(impl):
-    g = GOLDEN["fp32"]
-    q, s = q8(g["q"]), f32(g["scales"])
-    for dtype, key in [(torch.float32, "decoded_fp32"), (torch.bfloat16, "decoded_bf16"),
-                       (torch.float16, "decoded_fp16")]:
-        assert_floats_golden(impl.dequantize(q, s, dtype), g[key], f"{impl} dequantize -> {dtype}")
-    acc = impl.dequantize_add_(f32(g["acc"]), q, s)
-    assert_floats_golden(acc, g["acc_plus_decoded"], f"{impl} dequantize_add")
+def test_decode_matches_golden(impl, codec):
+    for key in ("fp32", "all_codes"):  # (all_codes: fp4's every byte value)
+        g = golden(codec).get(key)
+        if g is None:
+            continue
+        q, s = codes_of(g["q"], codec), f32(g["scales"])
+        n = len(g["decoded_fp32"].split())
+        for dtype, name in [(torch.float32, "decoded_fp32"), (torch.bfloat16, "decoded_bf16"),
+                            (torch.float16, "decoded_fp16")]:
+            assert_floats_golden(impl.dequantize(q, s, n, dtype, codec), g[name], f"{impl} {codec} {key} -> {dtype}")
+    g = golden(codec)["fp32"]
+    acc = impl.dequantize_add_(f32(g["acc"]), codes_of(g["q"], codec), f32(g["scales"]), codec)
+    assert_floats_golden(acc, g["acc_plus_decoded"], f"{impl} {codec} dequantize_add")
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_stochastic_rounding_matches_golden(impl):
-    g = GOLDEN["stochastic"]
+def test_stochastic_rounding_matches_golden(impl, codec):
+    g = golden(codec)["stochastic"]
     x = f32(g["x"])
     for key, want in g["q"].items():
         seed, first = (int(v) for v in key.split("@"))
         if first:
             continue  # a tensor starts at element 0; offsets: the tests below
-        q, s = impl.quantize(x, seed)
-        assert_hex_equal(hex_of(s), g["scales"], f"{impl} seed {seed} scales")
-        assert_hex_equal(hex_of(q), want, f"{impl} seed {seed} q")
+        q, s = impl.quantize(x, seed, codec)
+        assert_hex_equal(hex_of(s), g["scales"], f"{impl} {codec} seed {seed} scales")
+        assert_hex_equal(hex_of(q), want, f"{impl} {codec} seed {seed} q")
 
 
 # ---------------------------------------------------------------------------
@@ -231,36 +266,41 @@ def test_hash_matches_golden():
         assert u.item() == (int(h, 16) >> 8) * 2.0**-24, f"seed {seed} index {index}: u {u.item()!r}, golden h {h}"
 
 
-def _offset_cases():
-    g = GOLDEN["stochastic"]
+def _offset_cases(codec: str = "int8"):
+    g = golden(codec)["stochastic"]
     for key, want in g["q"].items():
         seed, first = (int(v) for v in key.split("@"))
         yield seed, first, want
 
 
-def test_reference_at_high_indices_matches_golden():
-    x = f32(GOLDEN["stochastic"]["x"])
-    for seed, first, want in _offset_cases():
-        q, _ = ops.quantize_int8_reference(x, B, seed, first_index=first)
-        assert_hex_equal(hex_of(q), want, f"reference seed {seed} first_index {first}")
+@pytest.mark.parametrize("codec", CODECS)
+def test_reference_at_high_indices_matches_golden(codec):
+    x = f32(golden(codec)["stochastic"]["x"])
+    quantize = getattr(ops, f"quantize_{codec}_reference")
+    for seed, first, want in _offset_cases(codec):
+        q, _ = quantize(x, B, seed, first_index=first)
+        assert_hex_equal(hex_of(q), want, f"{codec} reference seed {seed} first_index {first}")
 
 
 @needs_ext
-def test_cpu_codec_at_high_indices_matches_golden():
+@pytest.mark.parametrize("codec", CODECS)
+def test_cpu_codec_at_high_indices_matches_golden(codec):
     """The C++ kernels with a global element offset (the ring's and the ops' code path)."""
-    x = f32(GOLDEN["stochastic"]["x"])
-    for seed, first, want in _offset_cases():
-        q, s = _extension.require()._codec_quantize_at(x, B, seed, first)
-        assert_hex_equal(hex_of(s), GOLDEN["stochastic"]["scales"], f"C++ seed {seed} first_index {first}")
-        assert_hex_equal(hex_of(q), want, f"C++ seed {seed} first_index {first}")
+    g = golden(codec)["stochastic"]
+    x = f32(g["x"])
+    for seed, first, want in _offset_cases(codec):
+        q, s = _extension.require()._codec_quantize_at(x, B, seed, first, codec)
+        assert_hex_equal(hex_of(s), g["scales"], f"C++ {codec} seed {seed} first_index {first}")
+        assert_hex_equal(hex_of(q), want, f"C++ {codec} seed {seed} first_index {first}")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
-def test_gpu_backends_beyond_2_to_the_32_match_golden():
+@pytest.mark.parametrize("codec", CODECS)
+def test_gpu_backends_beyond_2_to_the_32_match_golden(codec):
     """CUDA and Triton keep no offset argument: a tensor of 2^32 + 64 fp32 values holds the
     golden input at element 2^32 - 64, so its blocks straddle index 2^32."""
     first = 2**32 - 2 * B
-    g = GOLDEN["stochastic"]
+    g = golden(codec)["stochastic"]
     x_small = f32(g["x"])
     n = first + x_small.numel()
     need = n * 5 + (1 << 30)
@@ -268,13 +308,15 @@ def test_gpu_backends_beyond_2_to_the_32_match_golden():
         pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
     x = torch.zeros(n, device="cuda")
     x[first:] = x_small.cuda()
+    quantize = getattr(ops, f"quantize_{codec}")
+    code_start = first if codec == "int8" else first // 2
     for backend in ops.available_backends("cuda"):
         if backend == "torch":
             continue
-        for seed in (s for s, f, _ in _offset_cases() if f == first):
-            q, s = ops.quantize_int8(x, B, seed=seed, backend=backend, check_finite=False)
-            assert_hex_equal(hex_of(q[first:]), g["q"][f"{seed}@{first}"], f"{backend} seed {seed}")
-            assert_hex_equal(hex_of(s[first // B :]), g["scales"], f"{backend} seed {seed} scales")
+        for seed in (s for s, f, _ in _offset_cases(codec) if f == first):
+            q, s = quantize(x, B, seed=seed, backend=backend, check_finite=False)
+            assert_hex_equal(hex_of(q[code_start:]), g["q"][f"{seed}@{first}"], f"{backend} {codec} seed {seed}")
+            assert_hex_equal(hex_of(s[first // B :]), g["scales"], f"{backend} {codec} seed {seed} scales")
             del q, s
 
 
@@ -291,6 +333,40 @@ def test_triton_interpreted_in_subprocess():
     summary = out.strip().splitlines()[-1]
     assert "passed" in summary and "failed" not in summary, summary
     assert int(summary.split(" passed")[0].split()[-1]) >= 5, summary  # the four golden tests + bf16/fp16
+
+
+# ---------------------------------------------------------------------------
+# fp4
+
+
+def _fp4_words(text: str, n: int) -> str:
+    return " ".join(text.split()[:n])
+
+
+def test_fp4_hand_derived_entries():
+    """The fp4 entries derived by hand in this module's docstring."""
+    g = GOLDEN["fp4"]["fp32"]
+    scales = g["scales"].split()
+    q = bytes.fromhex(g["q"])
+    codes = [b >> (4 * k) & 15 for b in q for k in (0, 1)]
+    assert scales[0] == "3e800000" and f32(scales[0]).item() == 0.25
+    assert q[:4] == bytes.fromhex("f7204264")
+    x0 = f32(g["x"])[:B].tolist()
+    expected = {1.5: 7, -1.5: 15, 0.25 / 4: 0, 0.75 / 4: 2, 1.25 / 4: 2, 1.75 / 4: 4, 2.5 / 4: 4, 3.5 / 4: 6,
+                5.0 / 4: 6, -0.25 / 4: 0, -0.75 / 4: 10, -1.25 / 4: 10, -1.75 / 4: 12, -2.5 / 4: 12, -3.5 / 4: 14,
+                -5.0 / 4: 14}
+    seen = set()
+    for j, x in enumerate(x0):
+        if x in expected:
+            assert codes[j] == expected[x], (j, x, codes[j])
+            seen.add(x)
+    assert seen == set(expected)
+    assert 8 not in codes  # -0 is never written
+    assert q[2 * B // 2 : 3 * B // 2] == b"\xff" * (B // 2)  # all equal (-3.7): -6 everywhere
+    assert scales[3] == "00000000" and not any(codes[3 * B : 4 * B])  # zeros
+    assert scales[7] == "7fc00000" and not any(codes[7 * B : 8 * B])  # the flag
+    n = len(f32(g["x"]))
+    assert n == 8 * B + 7 and len(q) == (n + 1) // 2 and q[-1] >> 4 == 0  # odd count: high nibble 0
 
 
 # ---------------------------------------------------------------------------
@@ -384,6 +460,32 @@ def test_ring_exact_payload_layout():
         assert finite and payload == b"".join(struct.pack("<I", u) for u in _words(hex_of(h.float())))
         payload, finite = C._ring_encode_final(h.float(), str(dtype).removeprefix("torch."), "none", 256)
         assert finite and payload == b"".join(struct.pack("<H", u) for u in _words(hex_of(h)))
+
+
+def fp4_payload_by_hand(scales_hex: str, q_hex: str) -> bytes:
+    """ceil(len/B) fp32 scales, little-endian, then the ceil(len/2) bytes of fp4 codes."""
+    return int8_payload_by_hand(scales_hex, q_hex)
+
+
+@needs_ext
+def test_ring_fp4_payload_layout():
+    C = _extension.require()
+    g = GOLDEN["fp4"]["fp32"]
+    x = f32(g["x"])
+    payload, finite = C._ring_encode_input(x, "fp4", B)
+    assert not finite  # block 7 holds a NaN: the ring refuses to send this data
+    assert payload == fp4_payload_by_hand(g["scales"], g["q"])
+    assert len(payload) == ops.wire_bytes(x.numel(), B, "fp4") == (x.numel() + 1) // 2 + 4 * 9
+    m = 6 * B  # blocks 0-5 (block 6 holds FLT_MAX)
+    payload, finite = C._ring_encode_final(x[:m].contiguous(), "float32", "fp4", B)
+    assert finite and payload == fp4_payload_by_hand(_fp4_words(g["scales"], 6), g["q"][: m])
+    for dtype, key in ((torch.float32, "decoded_fp32"), (torch.bfloat16, "decoded_bf16")):
+        out = C._ring_decode_final(payload, torch.empty(m, dtype=dtype), "fp4", B)
+        assert_floats_golden(out, _fp4_words(g[key], m), f"ring fp4 decode {dtype}")
+    for dtype in (torch.bfloat16, torch.float16):
+        h = GOLDEN["fp4"][str(dtype).removeprefix("torch.")]
+        payload, finite = C._ring_encode_input(f16(h["x"], dtype), "fp4", B)
+        assert finite and payload == fp4_payload_by_hand(h["scales"], h["q"]), dtype
 
 
 # ---------------------------------------------------------------------------
@@ -671,5 +773,383 @@ GOLDEN = {
         '2147483648@4611686018427387907': '518d523e',
         '42@9223372036854775807': 'd8121684',
         '0@6822318947648335885': '98c1fd61',
+    },
+    'fp4': {
+        'fp32': {
+            'x': (
+                '3fc00000 bfc00000 3d800000 3e400000 3ea00000 3ee00000 3f200000 3f600000 3fa00000 bd800000 '
+                'be400000 bea00000 bee00000 bf200000 bf600000 bfa00000 3d7fffff 3d800001 3e3fffff 3e400001 '
+                '3e9fffff 3ea00001 3edfffff 3ee00001 3f1fffff 3f200001 3f5fffff 3f600001 3f9fffff 3fa00001 '
+                'bccccccd 80000000 be9bd096 bb3821a8 3f53175c 3ee3c3b8 beee416b 3f800000 3f59c226 bf214ad2 '
+                'becc027d bdc8ab8a beadd453 3f4e4e60 be689b38 bea5782e 3e77cbef 3bba0fca beb127ba bf800000 '
+                '3f7dc53d 3f626dd8 3e4eb466 3cb79fa8 bed3075c 3eb972ff 3d895042 3d0bef14 3f458a6e 3f6faafb '
+                'bf5f97af 3f1f4811 3f7025ee 3c71c4c7 c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd 80000000 00000000 00000000 80000000 '
+                '00000000 00000000 80000000 00000000 00000000 80000000 00000000 00000000 80000000 00000000 '
+                '00000000 80000000 00000000 00000000 80000000 00000000 00000000 80000000 00000000 00000000 '
+                '80000000 00000000 00000000 80000000 00000000 00000000 80000000 00000000 8000002f 00000020 '
+                '8000001b 00000002 00000035 8000000f 00000005 00000009 00000011 0000001b 00000035 80000007 '
+                '0000001a 00000002 80000017 80000010 80000002 0000003a 80000021 80000009 00000014 80000006 '
+                '00000017 00000021 80000005 80000003 0000000c 80000002 0000001a 80000016 00000030 00000039 '
+                '02f0df88 83846297 82fc71e7 03930999 81a98ffb 834c922a 03552326 0247f4cb 03a0a959 0376218a '
+                '83826666 02941c0f 807f0ebf 0396563f 82b47767 82af22d4 0373f604 8363336b 83337f17 835ac339 '
+                '836d8247 81eb2b71 82df66b0 831ccb7b 80e32fb5 832f583e 831d2a5d 02e7a851 83575cd1 83235f49 '
+                '8314fd7a 03aa2425 fe301713 7eee1f28 fee8f72e ff608faf 7dcc100d 7f4d7130 7ea034c4 ff3b14b4 '
+                'fe2bafa1 7f1a7e54 fe56f6f1 7f33adbe 7ef0250b 7eab1489 fec0456c 7f0610e6 7d2a4429 fe6d5405 '
+                'fd510b25 fe8105d7 7f1704c0 feee1b0f fe9ed1d1 7d658320 ff4b3b3d 7f405e84 7dc658b8 7f4eabbb '
+                'ff4386f0 7f4d5b94 ff21a764 ff7fffff be1dd5cb 3f436eef be5f3bdb 3d06e681 be818022 bf1338d1 '
+                '3d073dd5 3ea75119 bef25d00 3f64e8fa bf7a45f8 7fc00000 beb7d5f4 bf0a3434 bb9364d0 bf669708 '
+                'bf482cb1 bed3a72a 3f778d8e bf6d21d3 be5fa0fa bf6c124e 3efa6c3c 3e93376d 3d6de736 3e5e25b1 '
+                'bf49e1d6 3f22821d bf7f67e0 3ea056cb 3ce5b845 3c8c8a48 be005305 3ededeab 3e7f3adc 3f0cf7f2 '
+                '3ea4ab6f bf232a5e 3e861430'
+            ),
+            'scales': '3e800000 3e2aaaab 3f1dddde 00000000 0000000a 0262dadc 7e2aaaaa 7fc00000 3dd98dd3',
+            'q': (
+                'f720426406aaccee10213243546576000c567de79c6ccb03fc77024c01766f07ffffffffffffffffffffffffffffffff'
+                '0000000000000000000000000000000000000000000000000000000000000000e47ce926673e70bbe6ed9edcd04dde7d'
+                '5afd61e46a6b455cb0b9d61c6e616efe000000000000000000000000000000006a74f504'
+            ),
+            'decoded_fp32': (
+                '3fc00000 bfc00000 00000000 3e800000 3e800000 3f000000 3f000000 3f800000 3f800000 00000000 '
+                'be800000 be800000 bf000000 bf000000 bf800000 bf800000 00000000 3e000000 3e000000 3e800000 '
+                '3e800000 3ec00000 3ec00000 3f000000 3f000000 3f400000 3f400000 3f800000 3f800000 3fc00000 '
+                '00000000 00000000 beaaaaab 00000000 3f2aaaab 3f000000 bf000000 3f800000 3f800000 bf2aaaab '
+                'beaaaaab bdaaaaab beaaaaab 3f2aaaab be800000 beaaaaab 3e800000 00000000 beaaaaab bf800000 '
+                '3f800000 3f800000 3e2aaaab 00000000 beaaaaab 3eaaaaab 3daaaaab 00000000 3f2aaaab 3f800000 '
+                'bf800000 3f2aaaab 3f800000 00000000 c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '02e2dadc 8362dadc 82e2dadc 03aa2425 81e2dadc 8362dadc 0362dadc 0262dadc 03aa2425 0362dadc '
+                '8362dadc 02aa2425 00000000 03aa2425 82aa2425 82aa2425 0362dadc 8362dadc 832a2425 8362dadc '
+                '8362dadc 81e2dadc 82e2dadc 832a2425 00000000 832a2425 832a2425 02e2dadc 8362dadc 832a2425 '
+                '832a2425 03aa2425 fe2aaaaa 7effffff feffffff ff7fffff 7daaaaaa 7f2aaaaa 7eaaaaaa ff2aaaaa '
+                'fe2aaaaa 7f2aaaaa fe7fffff 7f2aaaaa 7effffff 7eaaaaaa feaaaaaa 7effffff 00000000 fe7fffff '
+                'fdaaaaaa fe7fffff 7f2aaaaa feffffff feaaaaaa 7daaaaaa ff2aaaaa 7f2aaaaa 7daaaaaa 7f2aaaaa '
+                'ff2aaaaa 7f2aaaaa ff2aaaaa ff7fffff 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 bdd98dd3 3ed98dd3 3e598dd3 3f232a5e '
+                '3ea32a5e bf232a5e 3e598dd3'
+            ),
+            'decoded_bf16': (
+                '3fc0 bfc0 0000 3e80 3e80 3f00 3f00 3f80 3f80 0000 be80 be80 bf00 bf00 bf80 bf80 0000 3e00 '
+                '3e00 3e80 3e80 3ec0 3ec0 3f00 3f00 3f40 3f40 3f80 3f80 3fc0 0000 0000 beab 0000 3f2b 3f00 '
+                'bf00 3f80 3f80 bf2b beab bdab beab 3f2b be80 beab 3e80 0000 beab bf80 3f80 3f80 3e2b 0000 '
+                'beab 3eab 3dab 0000 3f2b 3f80 bf80 3f2b 3f80 0000 c06d c06d c06d c06d c06d c06d c06d c06d '
+                'c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d '
+                'c06d c06d c06d c06d c06d c06d 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 02e3 8363 '
+                '82e3 03aa 81e3 8363 0363 0263 03aa 0363 8363 02aa 0000 03aa 82aa 82aa 0363 8363 832a 8363 '
+                '8363 81e3 82e3 832a 0000 832a 832a 02e3 8363 832a 832a 03aa fe2b 7f00 ff00 ff80 7dab 7f2b '
+                '7eab ff2b fe2b 7f2b fe80 7f2b 7f00 7eab feab 7f00 0000 fe80 fdab fe80 7f2b ff00 feab 7dab '
+                'ff2b 7f2b 7dab 7f2b ff2b 7f2b ff2b ff80 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
+                '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
+                '7fc0 7fc0 7fc0 7fc0 bdda 3eda 3e5a 3f23 3ea3 bf23 3e5a'
+            ),
+            'decoded_fp16': (
+                '3e00 be00 0000 3400 3400 3800 3800 3c00 3c00 0000 b400 b400 b800 b800 bc00 bc00 0000 3000 '
+                '3000 3400 3400 3600 3600 3800 3800 3a00 3a00 3c00 3c00 3e00 0000 0000 b555 0000 3955 3800 '
+                'b800 3c00 3c00 b955 b555 ad55 b555 3955 b400 b555 3400 0000 b555 bc00 3c00 3c00 3155 0000 '
+                'b555 3555 2d55 0000 3955 3c00 bc00 3955 3c00 0000 c366 c366 c366 c366 c366 c366 c366 c366 '
+                'c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 '
+                'c366 c366 c366 c366 c366 c366 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 '
+                '8000 0000 8000 8000 0000 0000 0000 0000 8000 0000 0000 0000 8000 8000 0000 8000 8000 8000 '
+                '8000 8000 8000 8000 0000 8000 8000 0000 8000 8000 8000 0000 fc00 7c00 fc00 fc00 7c00 7c00 '
+                '7c00 fc00 fc00 7c00 fc00 7c00 7c00 7c00 fc00 7c00 0000 fc00 fc00 fc00 7c00 fc00 fc00 7c00 '
+                'fc00 7c00 7c00 7c00 fc00 7c00 fc00 fc00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 '
+                '7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 '
+                '7e00 7e00 7e00 7e00 aecc 36cc 32cc 3919 3519 b919 32cc'
+            ),
+            'acc': (
+                'c015fe8d bf1071aa c07a0f42 c04f909e 4078c785 3fdca1cb beb0783a 407844e6 4028b4e6 c00078cc '
+                '3f6e54e0 c009ce9e c02fc276 c02c1573 be6958ee bfb28c08 404c54cd c018e8a6 403292e0 bf04bfa5 '
+                'bf870e07 3f9d91b6 4002c366 c00730a0 400a398b 4006738c bf948199 40789420 bf49a7a3 bedb4946 '
+                'bea53cba 400f8ca7 bf6064fc 40024747 406564c7 40186270 3f2554ea 3f22800a 3ed80419 400fcbcb '
+                'c047feec 3f413fd6 4005a4f3 bf78dd12 4024a478 c025e4cf c0427841 bf39c85c c014bf83 c0072ac5 '
+                'bfab5a7a bfb69830 4021ee89 c0047607 4005cb97 3f96ee34 3f2ee4e0 c0165a38 bf4117bb c069c210 '
+                'c02a3c91 c04f0177 402093a8 40693037 4047eea8 403c0245 bfd587b3 c015ee61 c038a7e1 4038ba8b '
+                'bf8d1279 c0602a27 bf44cc1f 3f734289 3da0996f 3ffd9a30 3fad7a67 404b08de bf95732a 3f6b6c76 '
+                'c045bd60 3f11d84e 3fc512ce c004a590 3fbc15e4 bfe36969 c0661561 3fc08d95 bfc338f8 c019b88e '
+                '40777972 40527208 4005dc9a 40530f38 c04a200f bfd2c753 3e7a6eb4 4064583d be409b03 3fa95c72 '
+                'c02caf97 be886e18 bf7e10e8 404a0207 3fe62263 bf15d5d6 bf72f64e 40444dcb bf1185c3 c02133e2 '
+                'bfea6e33 c0168c2a c053ab43 40435770 3fd39cdf 3f3b1186 3fad73c6 3fe1a019 bf65d58f c04085d1 '
+                '3d7326f4 c02cae01 40451137 be6707fa 3fb22615 c064c1a3 3f45434a 3fb52b50 c065772d 3e850721 '
+                '3f667984 c07141fd 4018848a c051d50e bfc753ec 3f791f3f c0226583 3f9b1bc4 c01e96c3 beaa372c '
+                '400fe53a 3facccc5 c01ccdbd 403b7efe 4049c68d bf67bc3f 3f988220 3f87e57a c01fbea0 402999ba '
+                '40439670 406a998b 4042634e 3f198255 4018c9f2 3faa604e 40490b0a bdb8e10c 401bd47e 4055de42 '
+                '403c487f 400bcc40 3f18d272 3dd035ba c0214e0f 403c7104 c05a3d6a c013e9d7 bf8cf36d 3f09c768 '
+                'c06f4df6 c052da94 404844c8 be7c357e c0436140 3fd4210e 407b6e5f bfe810ef 402e4700 c077a580 '
+                '406282ad 40323346 bdf664ae 3fe1604e bfc80459 c077303e 3f06a8c3 bfe6cee2 3ff9bc12 c02c7a63 '
+                'be3d27b9 3f88b274 c00e3767 c04495de c06810ed bfa205de bdd376a4 bf46b5c0 407db35c bfbbc649 '
+                'c06bb613 bffded93 3fcdb455 c02d688a bfb8ecf6 4037a234 4074d6e9 3fabf6c6 bf76b68f 3f9bfd00 '
+                '40100b1e c001a759 3e5fe2fc 407ac1a9 c0471598 c0258c35 c0102a4f 3ff68862 3d83f69c bf8458aa '
+                'c00645d7 c07976dc bf84b0ce 4061fe56 40687b72 bee3b103 3fa8850c c05b01d5 3f8e9896 bfa4beea '
+                'c05e8b13 bfd82566 40442d7c c00737a1 3f10cc48 bfa17b0e 3f420fe4 c00a4794 4005de4f bf98aba1 '
+                '3fc7a76a c00274dc 401eeccc 403f4370 bf2332a5 bfca827f 3fb2d65d bfd26bdd c029e43a c00432ae '
+                '4059199f 407cb6ed bf309fd0 3f6dcbaa 4005e873 4026aaec 40747a76 c01ab8ba c06cdb8e 3fe3ffdb '
+                '400c6ef2 406abcba 3edde423'
+            ),
+            'acc_plus_decoded': (
+                'bf57fa34 c0041c6a c07a0f42 c03f909e 408463c2 400e50e6 3e1f0f8c 409c2273 4068b4e6 c00078cc '
+                '3f2e54e0 c019ce9e c04fc276 c04c1573 bf9d2b1e c0194604 404c54cd c010e8a6 403a92e0 be897f4a '
+                'bf4e1c0e 3fcd91b6 401ac366 bfce6140 402a398b 4036738c bed20664 409c4a10 3e596174 3f892dae '
+                'bea53cba 400f8ca7 bf9add29 40024747 408807b9 40386270 3e1553a8 3fd14005 3fb60106 3fca4240 '
+                'c05d5441 3f2bea81 3fe09f3b be9c64ce 4014a478 c03b3a24 c0327841 bf39c85c c02a14d8 c0472ac5 '
+                'bead69e8 beda60c0 402c9934 c0047607 3fe0ec83 3fc198df 3f443a35 c0165a38 bdb36880 c029c210 '
+                'c06a3c91 c02456cc 406093a8 40693037 bf137894 bf432a20 c0abc853 c0c15d97 c0d2ba57 bf504908 '
+                'c099ab05 c0e67b7a c08effea c02ffc2b c067c802 bfdbff6a c0160f9a bf070fbc c09bc331 c031f1b0 '
+                'c0d94516 c04856ba c00a4366 c0b8b92e c00ec1db c0af40c1 c0e97117 c00c8602 c0a734a4 c0c342ae '
+                '3e2aca50 bed2d628 bfcde066 becdeca8 c0db766e c0ab183b 3e7a6eb4 4064583d be409b03 3fa95c72 '
+                'c02caf97 be886e18 bf7e10e8 404a0207 3fe62263 bf15d5d6 bf72f64e 40444dcb bf1185c3 c02133e2 '
+                'bfea6e33 c0168c2a c053ab43 40435770 3fd39cdf 3f3b1186 3fad73c6 3fe1a019 bf65d58f c04085d1 '
+                '3d7326f4 c02cae01 40451137 be6707fa 3fb22615 c064c1a3 3f45434a 3fb52b50 c065772d 3e850721 '
+                '3f667984 c07141fd 4018848a c051d50e bfc753ec 3f791f3f c0226583 3f9b1bc4 c01e96c3 beaa372c '
+                '400fe53a 3facccc5 c01ccdbd 403b7efe 4049c68d bf67bc3f 3f988220 3f87e57a c01fbea0 402999ba '
+                '40439670 406a998b 4042634e 3f198255 4018c9f2 3faa604e 40490b0a bdb8e10c 401bd47e 4055de42 '
+                '403c487f 400bcc40 3f18d272 3dd035ba c0214e0f 403c7104 c05a3d6a c013e9d7 bf8cf36d 3f09c768 '
+                'c06f4df6 c052da94 404844c8 be7c357e c0436140 3fd4210e 407b6e5f bfe810ef 402e4700 c077a580 '
+                '406282ad 40323346 bdf664ae 3fe1604e bfc80459 c077303e 3f06a8c3 bfe6cee2 3ff9bc12 c02c7a63 '
+                'be3d27b9 3f88b274 fe2aaaaa 7effffff feffffff ff7fffff 7daaaaaa 7f2aaaaa 7eaaaaaa ff2aaaaa '
+                'fe2aaaaa 7f2aaaaa fe7fffff 7f2aaaaa 7effffff 7eaaaaaa feaaaaaa 7effffff bf76b68f fe7fffff '
+                'fdaaaaaa fe7fffff 7f2aaaaa feffffff feaaaaaa 7daaaaaa ff2aaaaa 7f2aaaaa 7daaaaaa 7f2aaaaa '
+                'ff2aaaaa 7f2aaaaa ff2aaaaa ff7fffff 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 406dae07 bfff0dff c05f42b1 401aca85 '
+                '4020d43e 4041f222 3f255586'
+            ),
+        },
+        'bfloat16': {
+            'x': (
+                '43fe c3fe 438b 42d4 4218 4356 c3f9 c326 4278 c35e c3a3 439b c332 43e9 c2d4 4372 433a 4362 '
+                '43a9 4336 c33a 439f 428c 43ab 42bc c3b5 43a5 c3b5 433e c36e 438f 439d bfff 3d2e 3fea bfef '
+                'c03a 401f bfc2 bd8d 3fc4 bfd0 bff4 bf12 bf83 bf9c 3fc2 be7e 3f51 bf12 bf54 c024 3f21 3d86 '
+                'bff7 3f9a bc1a 3fec 3f99 c010 c02f 4001 bf2e c031 3bb6 bb9b bbac bb7c 3be0'
+            ),
+            'scales': '42a95555 3ef80000 3a955555',
+            'q': 'f73551cfd16e7c5b54466c62e2e6d4650ee67f0dd5aedc95a3fb034e60e46ffbe6de07',
+        },
+        'float16': {
+            'x': (
+                '5ff0 dff0 5eb8 5e78 5fd8 5db8 de48 5970 d620 de38 df58 dc28 da70 d950 cc80 d460 5eb8 df38 '
+                'def8 da70 dad0 57e0 5660 da90 53c0 d950 5dd8 5c98 5c68 5910 cd80 df28 2f78 bef7 382c 4150 '
+                '4163 41bb 346f 3dd3 bc5e b7bb 3881 3e66 bc7a 3c95 bdcc 3f7f ad21 afc0 3416 b844 3d94 41b8 '
+                'bdc6 3d2a b9d1 3aaf c06a 3f16 bc9b 3fdd be92 c1de 1869 9f65 9de3 9984 9e53'
+            ),
+            'scales': '42a95555 3efa5555 3a9dc000',
+            'q': 'f767674eeadfcca0f7cf3dc2c15645f9e0727751ac524c6d00a1755d3b6e6cfdf4ce0f',
+        },
+        'stochastic': {
+            'x': (
+                '3fc00000 bfc00000 3d800000 3e400000 3ea00000 3ee00000 3f200000 3f600000 3fa00000 bd800000 '
+                'be400000 bea00000 bee00000 bf200000 bf600000 bfa00000 3d7fffff 3d800001 3e3fffff 3e400001 '
+                '3e9fffff 3ea00001 3edfffff 3ee00001 3f1fffff 3f200001 3f5fffff 3f600001 3f9fffff 3fa00001 '
+                'bccccccd 80000000 be9bd096 bb3821a8 3f53175c 3ee3c3b8 beee416b 3f800000 3f59c226 bf214ad2 '
+                'becc027d bdc8ab8a beadd453 3f4e4e60 be689b38 bea5782e 3e77cbef 3bba0fca beb127ba bf800000 '
+                '3f7dc53d 3f626dd8 3e4eb466 3cb79fa8 bed3075c 3eb972ff 3d895042 3d0bef14 3f458a6e 3f6faafb '
+                'bf5f97af 3f1f4811 3f7025ee 3c71c4c7 c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
+                'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd 3fbadd93 3fca2a7a bf1f1038 bfc55d58 '
+                'be77b889 be450cc3 3f1c28f3 3f335b13 bf3f08a1 3f108dc1 3de38530 bea6f7c8 3dfd639f bdcbf708 '
+                'bf8584eb bf50c4cd be89ac65 3f4ee6f4 bf4c05be be411ece be60410a 3f448870 3f957aff bf979df1 '
+                'bfe09002 3d74f387 bfc10f11 bf976d3e 3f80c43e bfe7b6de 3f77879f bf886adc'
+            ),
+            'scales': '3e800000 3e2aaaab 3f1dddde 3e9a79e9',
+            'q': {
+                '0@0': (
+                    'f711335497badbfd10212343445666009c467de69c6ccb03fc77024d11766f17ffffffffffffffffffffffffffffffff'
+                    '66fc99443da191de4a9c59e50feff5e5'
+                ),
+                '0@4294967232': (
+                    'f710436497aadced01222343455666000c577de79c6cca03fd67025d01766e07ffffffffffffffffffffffffffffffff'
+                    '77ec9a544ca091de4aad5ae60feff6d5'
+                ),
+                '0@1103806595040': (
+                    'f721335497a9dbee11123344545676000c577de69d6ccb03fc77134c11766e06ffffffffffffffffffffffffffffffff'
+                    '66fc9a444ca091dd5aac59e50feff6d6'
+                ),
+                '0@9223372036854775680': (
+                    'f711426407aacbee00123333556576000b567de79d7cca03fc77034c10776e07ffffffffffffffffffffffffffffffff'
+                    '76fc9a444cb101de4aad4ae60fdef5e6'
+                ),
+                '2654435769@0': (
+                    'f711425497bacbfd00112243556566000c577ce69c6ccb02fc77024c00775f07ffffffffffffffffffffffffffffffff'
+                    '76ec99444ca191de59ac59e61feff5d5'
+                ),
+                '2654435769@4294967232': (
+                    'f720326507bacbee00112234445567000c477de69c6ccb03fc77024c11766f17ffffffffffffffffffffffffffffffff'
+                    '76fc9a443da191cd5a9d5ae60feff6e5'
+                ),
+                '2654435769@1103806595040': (
+                    'f720436406a9dcfe00112333446667000b477de79d7ccb03fc77024d01766f07ffffffffffffffffffffffffffffffff'
+                    '66ec9a444ca190ce599d5ae51feef6e5'
+                ),
+                '2654435769@9223372036854775680': (
+                    'f711325407b9ccfd00113343555566090c467de69c6ccb03fd77024c01765f07ffffffffffffffffffffffffffffffff'
+                    '76ec99444da191de4a9d59e60feff5d5'
+                ),
+                '4294967295@0': (
+                    'f720336597bacbee00212334446566000b577dd6ac7cca03fc77024d11766e07ffffffffffffffffffffffffffffffff'
+                    '67ec9a444ca191ce5a9d4ae60feff5e6'
+                ),
+                '4294967295@4294967232': (
+                    'f711335497aacbfe10112233456676000c577dd69c6ccb03fc67034c11776f17ffffffffffffffffffffffffffffffff'
+                    '77ec99544ca190ce5a9d59e60feff5e5'
+                ),
+                '4294967295@1103806595040': (
+                    'f711335406b9ccfd01122244445567000c467ce79d7cca03fc67135d11766f07ffffffffffffffffffffffffffffffff'
+                    '67fca9544da191dd5a9d59e60feff5d6'
+                ),
+                '4294967295@9223372036854775680': (
+                    'f721435496bacbfe00223334455666000c477de79c7ccb03fc77024c10665f16ffffffffffffffffffffffffffffffff'
+                    '77ec99444da001dd5a9c59d60feef5e5'
+                ),
+            },
+        },
+        'all_codes': {
+            'q': (
+                '000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f'
+                '303132333435363738393a3b3c3d3e3f404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f'
+                '606162636465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7f808182838485868788898a8b8c8d8e8f'
+                '909192939495969798999a9b9c9d9e9fa0a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebf'
+                'c0c1c2c3c4c5c6c7c8c9cacbcccdcecfd0d1d2d3d4d5d6d7d8d9dadbdcdddedfe0e1e2e3e4e5e6e7e8e9eaebecedeeef'
+                'f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff'
+            ),
+            'scales': (
+                '3f800000 3e800000 3eaaaaab 00000000 c0000000 00000002 0082ab1e 461c4000 7f61b1e6 7fc00000 '
+                '40f00000 33800000 322bcc77 462a9555 3a83126f 40a00000'
+            ),
+            'decoded_fp32': (
+                '00000000 00000000 3f000000 00000000 3f800000 00000000 3fc00000 00000000 40000000 00000000 '
+                '40400000 00000000 40800000 00000000 40c00000 00000000 80000000 00000000 bf000000 00000000 '
+                'bf800000 00000000 bfc00000 00000000 c0000000 00000000 c0400000 00000000 c0800000 00000000 '
+                'c0c00000 00000000 00000000 3e000000 3e000000 3e000000 3e800000 3e000000 3ec00000 3e000000 '
+                '3f000000 3e000000 3f400000 3e000000 3f800000 3e000000 3fc00000 3e000000 80000000 3e000000 '
+                'be000000 3e000000 be800000 3e000000 bec00000 3e000000 bf000000 3e000000 bf400000 3e000000 '
+                'bf800000 3e000000 bfc00000 3e000000 00000000 3eaaaaab 3e2aaaab 3eaaaaab 3eaaaaab 3eaaaaab '
+                '3f000000 3eaaaaab 3f2aaaab 3eaaaaab 3f800000 3eaaaaab 3faaaaab 3eaaaaab 40000000 3eaaaaab '
+                '80000000 3eaaaaab be2aaaab 3eaaaaab beaaaaab 3eaaaaab bf000000 3eaaaaab bf2aaaab 3eaaaaab '
+                'bf800000 3eaaaaab bfaaaaab 3eaaaaab c0000000 3eaaaaab 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
+                '00000000 00000000 80000000 00000000 80000000 00000000 80000000 00000000 80000000 00000000 '
+                '80000000 00000000 80000000 00000000 80000000 00000000 80000000 00000000 80000000 c0800000 '
+                'bf800000 c0800000 c0000000 c0800000 c0400000 c0800000 c0800000 c0800000 c0c00000 c0800000 '
+                'c1000000 c0800000 c1400000 c0800000 00000000 c0800000 3f800000 c0800000 40000000 c0800000 '
+                '40400000 c0800000 40800000 c0800000 40c00000 c0800000 41000000 c0800000 41400000 c0800000 '
+                '00000000 00000006 00000001 00000006 00000002 00000006 00000003 00000006 00000004 00000006 '
+                '00000006 00000006 00000008 00000006 0000000c 00000006 80000000 00000006 80000001 00000006 '
+                '80000002 00000006 80000003 00000006 80000004 00000006 80000006 00000006 80000008 00000006 '
+                '8000000c 00000006 00000000 0182ab1e 0041558f 0182ab1e 0082ab1e 0182ab1e 00c400ad 0182ab1e '
+                '0102ab1e 0182ab1e 014400ad 0182ab1e 0182ab1e 0182ab1e 01c400ad 0182ab1e 80000000 0182ab1e '
+                '8041558f 0182ab1e 8082ab1e 0182ab1e 80c400ad 0182ab1e 8102ab1e 0182ab1e 814400ad 0182ab1e '
+                '8182ab1e 0182ab1e 81c400ad 0182ab1e 00000000 476a6000 459c4000 476a6000 461c4000 476a6000 '
+                '466a6000 476a6000 469c4000 476a6000 46ea6000 476a6000 471c4000 476a6000 476a6000 476a6000 '
+                '80000000 476a6000 c59c4000 476a6000 c61c4000 476a6000 c66a6000 476a6000 c69c4000 476a6000 '
+                'c6ea6000 476a6000 c71c4000 476a6000 c76a6000 476a6000 00000000 80000000 7ee1b1e6 80000000 '
+                '7f61b1e6 80000000 7f800000 80000000 7f800000 80000000 7f800000 80000000 7f800000 80000000 '
+                '7f800000 80000000 80000000 80000000 fee1b1e6 80000000 ff61b1e6 80000000 ff800000 80000000 '
+                'ff800000 80000000 ff800000 80000000 ff800000 80000000 ff800000 80000000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+                '00000000 c0f00000 40700000 c0f00000 40f00000 c0f00000 41340000 c0f00000 41700000 c0f00000 '
+                '41b40000 c0f00000 41f00000 c0f00000 42340000 c0f00000 80000000 c0f00000 c0700000 c0f00000 '
+                'c0f00000 c0f00000 c1340000 c0f00000 c1700000 c0f00000 c1b40000 c0f00000 c1f00000 c0f00000 '
+                'c2340000 c0f00000 00000000 b3c00000 33000000 b3c00000 33800000 b3c00000 33c00000 b3c00000 '
+                '34000000 b3c00000 34400000 b3c00000 34800000 b3c00000 34c00000 b3c00000 80000000 b3c00000 '
+                'b3000000 b3c00000 b3800000 b3c00000 b3c00000 b3c00000 b4000000 b3c00000 b4400000 b3c00000 '
+                'b4800000 b3c00000 b4c00000 b3c00000 00000000 b2abcc77 31abcc77 b2abcc77 322bcc77 b2abcc77 '
+                '3280d959 b2abcc77 32abcc77 b2abcc77 3300d959 b2abcc77 332bcc77 b2abcc77 3380d959 b2abcc77 '
+                '80000000 b2abcc77 b1abcc77 b2abcc77 b22bcc77 b2abcc77 b280d959 b2abcc77 b2abcc77 b2abcc77 '
+                'b300d959 b2abcc77 b32bcc77 b2abcc77 b380d959 b2abcc77 00000000 c6ffe000 45aa9555 c6ffe000 '
+                '462a9555 c6ffe000 467fe000 c6ffe000 46aa9555 c6ffe000 46ffe000 c6ffe000 472a9555 c6ffe000 '
+                '477fe000 c6ffe000 80000000 c6ffe000 c5aa9555 c6ffe000 c62a9555 c6ffe000 c67fe000 c6ffe000 '
+                'c6aa9555 c6ffe000 c6ffe000 c6ffe000 c72a9555 c6ffe000 c77fe000 c6ffe000 00000000 bb83126f '
+                '3a03126f bb83126f 3a83126f bb83126f 3ac49ba6 bb83126f 3b03126f bb83126f 3b449ba6 bb83126f '
+                '3b83126f bb83126f 3bc49ba6 bb83126f 80000000 bb83126f ba03126f bb83126f ba83126f bb83126f '
+                'bac49ba6 bb83126f bb03126f bb83126f bb449ba6 bb83126f bb83126f bb83126f bbc49ba6 bb83126f '
+                '00000000 c1f00000 40200000 c1f00000 40a00000 c1f00000 40f00000 c1f00000 41200000 c1f00000 '
+                '41700000 c1f00000 41a00000 c1f00000 41f00000 c1f00000 80000000 c1f00000 c0200000 c1f00000 '
+                'c0a00000 c1f00000 c0f00000 c1f00000 c1200000 c1f00000 c1700000 c1f00000 c1a00000 c1f00000 '
+                'c1f00000 c1f00000'
+            ),
+            'decoded_bf16': (
+                '0000 0000 3f00 0000 3f80 0000 3fc0 0000 4000 0000 4040 0000 4080 0000 40c0 0000 8000 0000 '
+                'bf00 0000 bf80 0000 bfc0 0000 c000 0000 c040 0000 c080 0000 c0c0 0000 0000 3e00 3e00 3e00 '
+                '3e80 3e00 3ec0 3e00 3f00 3e00 3f40 3e00 3f80 3e00 3fc0 3e00 8000 3e00 be00 3e00 be80 3e00 '
+                'bec0 3e00 bf00 3e00 bf40 3e00 bf80 3e00 bfc0 3e00 0000 3eab 3e2b 3eab 3eab 3eab 3f00 3eab '
+                '3f2b 3eab 3f80 3eab 3fab 3eab 4000 3eab 8000 3eab be2b 3eab beab 3eab bf00 3eab bf2b 3eab '
+                'bf80 3eab bfab 3eab c000 3eab 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 '
+                '8000 0000 8000 c080 bf80 c080 c000 c080 c040 c080 c080 c080 c0c0 c080 c100 c080 c140 c080 '
+                '0000 c080 3f80 c080 4000 c080 4040 c080 4080 c080 40c0 c080 4100 c080 4140 c080 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 0000 8000 0000 '
+                '8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 0000 0183 0041 0183 0083 0183 '
+                '00c4 0183 0103 0183 0144 0183 0183 0183 01c4 0183 8000 0183 8041 0183 8083 0183 80c4 0183 '
+                '8103 0183 8144 0183 8183 0183 81c4 0183 0000 476a 459c 476a 461c 476a 466a 476a 469c 476a '
+                '46ea 476a 471c 476a 476a 476a 8000 476a c59c 476a c61c 476a c66a 476a c69c 476a c6ea 476a '
+                'c71c 476a c76a 476a 0000 8000 7ee2 8000 7f62 8000 7f80 8000 7f80 8000 7f80 8000 7f80 8000 '
+                '7f80 8000 8000 8000 fee2 8000 ff62 8000 ff80 8000 ff80 8000 ff80 8000 ff80 8000 ff80 8000 '
+                '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
+                '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 0000 c0f0 4070 c0f0 '
+                '40f0 c0f0 4134 c0f0 4170 c0f0 41b4 c0f0 41f0 c0f0 4234 c0f0 8000 c0f0 c070 c0f0 c0f0 c0f0 '
+                'c134 c0f0 c170 c0f0 c1b4 c0f0 c1f0 c0f0 c234 c0f0 0000 b3c0 3300 b3c0 3380 b3c0 33c0 b3c0 '
+                '3400 b3c0 3440 b3c0 3480 b3c0 34c0 b3c0 8000 b3c0 b300 b3c0 b380 b3c0 b3c0 b3c0 b400 b3c0 '
+                'b440 b3c0 b480 b3c0 b4c0 b3c0 0000 b2ac 31ac b2ac 322c b2ac 3281 b2ac 32ac b2ac 3301 b2ac '
+                '332c b2ac 3381 b2ac 8000 b2ac b1ac b2ac b22c b2ac b281 b2ac b2ac b2ac b301 b2ac b32c b2ac '
+                'b381 b2ac 0000 c700 45ab c700 462b c700 4680 c700 46ab c700 4700 c700 472b c700 4780 c700 '
+                '8000 c700 c5ab c700 c62b c700 c680 c700 c6ab c700 c700 c700 c72b c700 c780 c700 0000 bb83 '
+                '3a03 bb83 3a83 bb83 3ac5 bb83 3b03 bb83 3b45 bb83 3b83 bb83 3bc5 bb83 8000 bb83 ba03 bb83 '
+                'ba83 bb83 bac5 bb83 bb03 bb83 bb45 bb83 bb83 bb83 bbc5 bb83 0000 c1f0 4020 c1f0 40a0 c1f0 '
+                '40f0 c1f0 4120 c1f0 4170 c1f0 41a0 c1f0 41f0 c1f0 8000 c1f0 c020 c1f0 c0a0 c1f0 c0f0 c1f0 '
+                'c120 c1f0 c170 c1f0 c1a0 c1f0 c1f0 c1f0'
+            ),
+            'decoded_fp16': (
+                '0000 0000 3800 0000 3c00 0000 3e00 0000 4000 0000 4200 0000 4400 0000 4600 0000 8000 0000 '
+                'b800 0000 bc00 0000 be00 0000 c000 0000 c200 0000 c400 0000 c600 0000 0000 3000 3000 3000 '
+                '3400 3000 3600 3000 3800 3000 3a00 3000 3c00 3000 3e00 3000 8000 3000 b000 3000 b400 3000 '
+                'b600 3000 b800 3000 ba00 3000 bc00 3000 be00 3000 0000 3555 3155 3555 3555 3555 3800 3555 '
+                '3955 3555 3c00 3555 3d55 3555 4000 3555 8000 3555 b155 3555 b555 3555 b800 3555 b955 3555 '
+                'bc00 3555 bd55 3555 c000 3555 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 '
+                '8000 0000 8000 c400 bc00 c400 c000 c400 c200 c400 c400 c400 c600 c400 c800 c400 ca00 c400 '
+                '0000 c400 3c00 c400 4000 c400 4200 c400 4400 c400 4600 c400 4800 c400 4a00 c400 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 0000 8000 0000 '
+                '8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0000 0000 0000 0000 0000 0000 0000 '
+                '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 0000 8000 0000 8000 0000 8000 0000 '
+                '8000 0000 8000 0000 8000 0000 8000 0000 0000 7b53 6ce2 7b53 70e2 7b53 7353 7b53 74e2 7b53 '
+                '7753 7b53 78e2 7b53 7b53 7b53 8000 7b53 ece2 7b53 f0e2 7b53 f353 7b53 f4e2 7b53 f753 7b53 '
+                'f8e2 7b53 fb53 7b53 0000 8000 7c00 8000 7c00 8000 7c00 8000 7c00 8000 7c00 8000 7c00 8000 '
+                '7c00 8000 8000 8000 fc00 8000 fc00 8000 fc00 8000 fc00 8000 fc00 8000 fc00 8000 fc00 8000 '
+                '7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 '
+                '7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 7e00 0000 c780 4380 c780 '
+                '4780 c780 49a0 c780 4b80 c780 4da0 c780 4f80 c780 51a0 c780 8000 c780 c380 c780 c780 c780 '
+                'c9a0 c780 cb80 c780 cda0 c780 cf80 c780 d1a0 c780 0000 8002 0000 8002 0001 8002 0002 8002 '
+                '0002 8002 0003 8002 0004 8002 0006 8002 8000 8002 8000 8002 8001 8002 8002 8002 8002 8002 '
+                '8003 8002 8004 8002 8006 8002 0000 8000 0000 8000 0000 8000 0000 8000 0000 8000 0001 8000 '
+                '0001 8000 0001 8000 8000 8000 8000 8000 8000 8000 8000 8000 8000 8000 8001 8000 8001 8000 '
+                '8001 8000 0000 f7ff 6d55 f7ff 7155 f7ff 73ff f7ff 7555 f7ff 77ff f7ff 7955 f7ff 7bff f7ff '
+                '8000 f7ff ed55 f7ff f155 f7ff f3ff f7ff f555 f7ff f7ff f7ff f955 f7ff fbff f7ff 0000 9c19 '
+                '1019 9c19 1419 9c19 1625 9c19 1819 9c19 1a25 9c19 1c19 9c19 1e25 9c19 8000 9c19 9019 9c19 '
+                '9419 9c19 9625 9c19 9819 9c19 9a25 9c19 9c19 9c19 9e25 9c19 0000 cf80 4100 cf80 4500 cf80 '
+                '4780 cf80 4900 cf80 4b80 cf80 4d00 cf80 4f80 cf80 8000 cf80 c100 cf80 c500 cf80 c780 cf80 '
+                'c900 cf80 cb80 cf80 cd00 cf80 cf80 cf80'
+            ),
+        },
     },
 }

@@ -46,41 +46,48 @@ def ctx(**kw) -> str:
 
 
 class Impl:
-    """One kernel variant: the public API pinned to a backend, or a named CPU instruction set."""
+    """One kernel variant of a codec (int8, fp4): the public API pinned to a backend, or a named CPU
+    instruction set. The same calls for both codecs (dequantize takes the value count fp4 needs)."""
 
-    def __init__(self, name, device, backend=None, isa=None):
-        self.name, self.device, self.backend, self.isa = name, torch.device(device), backend, isa
+    def __init__(self, name, device, backend=None, isa=None, codec="int8"):
+        self.name, self.device, self.backend, self.isa, self.codec = name, torch.device(device), backend, isa, codec
 
     def quantize(self, x, block_size, seed=None):
         if self.isa:
-            return torch.ops.prime._quantize_int8_isa(x, block_size, seed, self.isa)
-        return ops.quantize_int8(x, block_size, seed=seed, backend=self.backend, check_finite=False)
+            return getattr(torch.ops.prime, f"_quantize_{self.codec}_isa")(x, block_size, seed, self.isa)
+        return getattr(ops, f"quantize_{self.codec}")(x, block_size, seed=seed, backend=self.backend,
+                                                      check_finite=False)
 
-    def dequantize(self, q, scales, block_size, dtype=torch.float32):
+    def dequantize(self, q, scales, block_size, dtype=torch.float32, numel=None):
+        """(numel: the values q encodes; int8 knows it from q.)"""
+        args = (q, scales, block_size, dtype) if self.codec == "int8" else (q, scales, numel, block_size, dtype)
         if self.isa:
-            return torch.ops.prime._dequantize_int8_isa(q, scales, block_size, dtype, self.isa)
-        return ops.dequantize_int8(q, scales, block_size, dtype, backend=self.backend)
+            return getattr(torch.ops.prime, f"_dequantize_{self.codec}_isa")(*args, self.isa)
+        return getattr(ops, f"dequantize_{self.codec}")(*args, backend=self.backend)
 
     def dequantize_add_(self, acc, q, scales, block_size):
         if self.isa:
-            torch.ops.prime._dequantize_add_int8_isa_(acc, q, scales, block_size, self.isa)
+            getattr(torch.ops.prime, f"_dequantize_add_{self.codec}_isa_")(acc, q, scales, block_size, self.isa)
             return acc
-        return ops.dequantize_add_int8_(acc, q, scales, block_size, backend=self.backend)
+        return getattr(ops, f"dequantize_add_{self.codec}_")(acc, q, scales, block_size, backend=self.backend)
 
     def __repr__(self):
         return self.name
 
 
-def _impls():
-    out = [pytest.param(Impl("cpu", "cpu", backend="cpu"), marks=needs_ext, id="cpu")]
+def impls(codec="int8"):
+    """The kernel variants of `codec` here, as pytest params (ids: cpu, cpu-avx2, ...; fp4-cpu, ... for fp4)."""
+    pre = "" if codec == "int8" else f"{codec}-"
+    out = [pytest.param(Impl(f"{pre}cpu", "cpu", backend="cpu", codec=codec), marks=needs_ext, id=f"{pre}cpu")]
     if _extension.available():
         for isa in torch.ops.prime._cpu_codec_isas():
-            out.append(pytest.param(Impl(f"cpu-{isa}", "cpu", isa=isa), id=f"cpu-{isa}"))
-    out.append(pytest.param(Impl("cuda", "cuda", backend="cuda"), marks=needs_cuda, id="cuda"))
+            out.append(pytest.param(Impl(f"{pre}cpu-{isa}", "cpu", isa=isa, codec=codec), id=f"{pre}cpu-{isa}"))
+    out.append(pytest.param(Impl(f"{pre}cuda", "cuda", backend="cuda", codec=codec), marks=needs_cuda, id=f"{pre}cuda"))
     return out
 
 
-IMPLS = _impls()
+IMPLS = impls()
+BOTH_CODECS = impls("int8") + impls("fp4")  # the tests that hold for either codec as written
 # the backends behind the public ops (the named instruction sets only exist on the CPU)
 BACKENDS = [
     pytest.param("cpu", marks=needs_ext, id="cpu"),
@@ -126,9 +133,10 @@ def make(kind, n, dtype, g):
 
 
 def assert_same_encoding(got, want, what):
+    """Bit-identical codes (int8 values or packed fp4 bytes, as the reference has them) and scales."""
     (q, s), (qr, sr) = got, want
     q, s = q.cpu(), s.cpu()
-    assert q.dtype == torch.int8 and s.dtype == torch.float32, what
+    assert q.dtype == qr.dtype and s.dtype == torch.float32, what
     assert q.shape == qr.shape and s.shape == sr.shape, f"{what}: shapes {q.shape}/{s.shape} vs {qr.shape}/{sr.shape}"
     bad = (s.view(torch.int32) != sr.view(torch.int32)).nonzero()
     assert bad.numel() == 0, (
@@ -159,42 +167,51 @@ def assert_same_floats(got, want, what):
     )
 
 
-def check_roundtrip(impl, x, block_size, seed=None, what="", expected=None):
+def check_roundtrip(impl, x, block_size, seed=None, what="", expected=None, codec="int8"):
     """quantize, dequantize (3 dtypes) and dequantize-add of x on impl vs the reference on the CPU.
 
     `expected` (from reference_case) saves recomputing the reference for every implementation."""
     x_cpu = x.cpu() if x.device.type != "cpu" else x
     if expected is None:
-        expected = reference_outputs(x_cpu, block_size, seed, ("roundtrip", what))
+        expected = reference_outputs(x_cpu, block_size, seed, ("roundtrip", what), codec)
     (qr, sr), deq, acc, want_acc = expected
     assert_same_encoding(impl.quantize(x, block_size, seed), (qr, sr), f"quantize {what}")
     qd, sd = qr.to(impl.device), sr.to(impl.device)
     for dtype in DTYPES:
-        assert_same_floats(impl.dequantize(qd, sd, block_size, dtype), deq[dtype], f"dequantize->{dtype} {what}")
+        assert_same_floats(impl.dequantize(qd, sd, block_size, dtype, x.numel()), deq[dtype],
+                           f"dequantize->{dtype} {what}")
     got_acc = acc.to(impl.device, copy=True)  # the cached accumulator stays untouched
     out = impl.dequantize_add_(got_acc, qd, sd, block_size)
     assert out is got_acc
     assert_same_floats(got_acc, want_acc, f"dequantize_add {what}")
 
 
-def reference_outputs(x, block_size, seed, key):
-    q, s = ops.quantize_int8_reference(x, block_size, seed)
-    deq = {dtype: ops.dequantize_int8_reference(q, s, block_size, dtype) for dtype in DTYPES}
-    acc = torch.randn(q.numel(), generator=gen_for("acc", key)) * 3
-    return (q, s), deq, acc, ops.dequantize_add_int8_reference_(acc.clone(), q, s, block_size)
+def reference_outputs(x, block_size, seed, key, codec="int8"):
+    """The reference's codes, decodes (3 dtypes), an accumulator and the reference's dequantize-add into it."""
+    n = x.numel()
+    if codec == "int8":
+        q, s = ops.quantize_int8_reference(x, block_size, seed)
+        deq = {dtype: ops.dequantize_int8_reference(q, s, block_size, dtype) for dtype in DTYPES}
+        add = ops.dequantize_add_int8_reference_
+    else:
+        q, s = ops.quantize_fp4_reference(x, block_size, seed)
+        deq = {dtype: ops.dequantize_fp4_reference(q, s, n, block_size, dtype) for dtype in DTYPES}
+        add = ops.dequantize_add_fp4_reference_
+    acc = torch.randn(n, generator=gen_for("acc", codec, key)) * 3
+    return (q, s), deq, acc, add(acc.clone(), q, s, block_size)
 
 
 @functools.lru_cache(maxsize=None)
-def reference_case(kind, n, dtype, block_size, seed):
+def reference_case(kind, n, dtype, block_size, seed, codec="int8"):
     """Input and reference outputs of one case, shared by every implementation in this run."""
-    x = make(kind, n, dtype, gen_for("case", kind, n, dtype, block_size, seed))
-    return x, reference_outputs(x, block_size, seed, (kind, n, dtype, block_size, seed))
+    x = make(kind, n, dtype, gen_for("case", codec, kind, n, dtype, block_size, seed))
+    return x, reference_outputs(x, block_size, seed, (kind, n, dtype, block_size, seed), codec)
 
 
-def run_case(impl, kind, n, dtype, block_size, seed):
-    x, expected = reference_case(kind, n, dtype, block_size, seed)
-    what = ctx(impl=impl, dtype=dtype, B=block_size, n=n, kind=kind, seed=seed)
-    check_roundtrip(impl, x.to(impl.device), block_size, seed, what, expected)
+def run_case(impl, kind, n, dtype, block_size, seed, codec="int8"):
+    x, expected = reference_case(kind, n, dtype, block_size, seed, codec)
+    what = ctx(impl=impl, codec=codec, dtype=dtype, B=block_size, n=n, kind=kind, seed=seed)
+    check_roundtrip(impl, x.to(impl.device), block_size, seed, what, expected, codec)
 
 
 # ---------------------------------------------------------------------------
@@ -203,34 +220,34 @@ def run_case(impl, kind, n, dtype, block_size, seed):
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_matches_reference(impl, dtype, block_size):
     B = block_size
-    for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):
+    for i, n in enumerate([0, 1, B - 1, B, B + 1, 123457]):  # (fp4: odd lengths end in half a byte)
         kind = list(KINDS)[i % len(KINDS)]
         seed = None if i % 2 == 0 else (SEED + i) & 0xFFFFFFFF  # both roundings at every size class
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, impl.codec)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_large_tensor(impl, dtype):
     """2^20 + 7 elements: many threads' worth of blocks and a short last block."""
     n = (1 << 20) + 7
     for kind, B, seed in [("student_t", 256, None), ("outliers", 4096, None), ("normal", 32, SEED & 0xFFFF)]:
-        run_case(impl, kind, n, dtype, B, seed)
+        run_case(impl, kind, n, dtype, B, seed, impl.codec)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", BOTH_CODECS)
 def test_stochastic_seeds(impl):
     """Several seeds, including ones above 2^31 and 2^32 - 1; every seed gives the reference's bits."""
     x = make("student_t", 50_001, torch.float32, gen_for("seeds", impl.name)).to(impl.device)
     for seed in [0, 1, 2**31 + 5, 2**32 - 1, SEED]:
-        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed))
+        check_roundtrip(impl, x, 128, seed, ctx(impl=impl, seed=seed), codec=impl.codec)
     if not impl.isa:  # the public API takes any Python int and keys on it mod 2^32
+        reference = getattr(ops, f"quantize_{impl.codec}_reference")
         for seed in [-1, 2**64 + 7]:
-            assert_same_encoding(impl.quantize(x, 128, seed), ops.quantize_int8_reference(x.cpu(), 128, seed),
-                                 ctx(impl=impl, seed=seed))
+            assert_same_encoding(impl.quantize(x, 128, seed), reference(x.cpu(), 128, seed), ctx(impl=impl, seed=seed))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -516,19 +533,20 @@ def test_opcheck(backend):
 # bad arguments: clear messages from the Python API and from the raw ops
 
 
+def both(py, raw, exc, match):
+    """The Python API raises exc and the raw op a RuntimeError, both with a message matching `match`."""
+    with pytest.raises(exc, match=match):
+        py()
+    with pytest.raises(RuntimeError, match=match):
+        raw()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments(backend):
     dev = "cuda" if backend == "cuda" else "cpu"
     x = torch.randn(1000, device=dev)
     q, s = ops.quantize_int8(x, 64, backend=backend)
     acc = torch.zeros(1000, device=dev)
-
-    def both(py, raw, exc, match):
-        with pytest.raises(exc, match=match):
-            py()
-        with pytest.raises(RuntimeError, match=match):
-            raw()
-
     P = torch.ops.prime
     both(lambda: ops.quantize_int8(x.int(), backend=backend), lambda: P.quantize_int8(x.int(), 256, None),
          TypeError, "expects a float32, bfloat16 or float16 tensor, got")

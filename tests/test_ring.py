@@ -3,8 +3,9 @@
 Ranks are processes on 127.0.0.1 (tests/conftest.py: one pool for the session).
 Results are checked against
   * a float64 sum of the ranks' inputs (with the error bounds of docs/ring.md),
-  * a pure-torch model of the ring algorithm built on the codec reference
-    (prime.ops.quantize_int8_reference): the C++ ring must match it bit for bit,
+  * a pure-torch model of the ring algorithm built on the codec references
+    (prime.ops.quantize_int8_reference, quantize_fp4_reference): the C++ ring must
+    match it bit for bit,
   * gloo's check: rank r contributes r, the sum is N(N-1)/2,
 and every rank's output bytes must be identical. Inputs are fresh random data
 each run; the seed is printed on failure.
@@ -45,10 +46,18 @@ BLOCK = 256
 #   gauss 0.85%  0.98%  1.10%  1.21%  1.48%
 #   t3    1.96%  2.25%  2.36%  2.62%  2.89%
 INT8_BOUND = {"gauss": lambda n: 0.0065 * n**0.5 + 0.002, "t3": lambda n: 0.012 * n**0.5 + 0.008}
+# The same for fp4 at B = 256, n = 2^18 (one fp4 round trip of Gaussian data is 11.1%;
+# every hop's requantization adds its own error, as with int8):
+#   N     2       3       4       5
+#   gauss 13.6%   15.8%   17.7%   19.3%
+#   t3    20.9%   23.3%   25.1%   26.9%
+FP4_BOUND = {"gauss": lambda n: 0.075 * n**0.5 + 0.04, "t3": lambda n: 0.08 * n**0.5 + 0.11}
+ERROR_BOUND = {"int8": INT8_BOUND, "fp4": FP4_BOUND}
 # The direct schedule quantizes each contribution once and the owner's sum once: the error
 # is e * sqrt(1 + (N-1)/N) for a single quantization's e (docs/ring.md), at most sqrt(2) e
-# whatever N. Measured (Gaussian): 0.85% (2), 0.92% (4), 0.95% (8), 0.97% (16).
-INT8_BOUND_DIRECT = {"gauss": lambda n: 0.0105, "t3": lambda n: 0.026}
+# whatever N. Measured (int8, Gaussian): 0.85% (2), 0.92% (4), 0.95% (8), 0.97% (16).
+DIRECT_BOUND = {"int8": {"gauss": lambda n: 0.0105, "t3": lambda n: 0.026},
+                "fp4": {"gauss": lambda n: 0.165, "t3": lambda n: 0.26}}
 
 
 @pytest.fixture(autouse=True)
@@ -85,15 +94,24 @@ def _span(n: int, unit: int, world: int, c: int):
     return min(n, units * c // world * unit), min(n, units * (c + 1) // world * unit)
 
 
-def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return q.float() * s.repeat_interleave(BLOCK)[: q.numel()]
+def codec_reference(codec: str):
+    """(quantize(x) -> (q, scales), dequantize(q, scales, n) -> fp32) of a block codec's
+    torch reference (prime.ops) at BLOCK."""
+    from prime import ops
+
+    if codec == "int8":
+        return (lambda x: ops.quantize_int8_reference(x, BLOCK),
+                lambda q, s, n: ops.dequantize_int8_reference(q, s, BLOCK))
+    assert codec == "fp4", codec
+    return (lambda x: ops.quantize_fp4_reference(x, BLOCK),
+            lambda q, s, n: ops.dequantize_fp4_reference(q, s, n, BLOCK))
 
 
-def _error_sums(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> list:
-    """[sum (dequantize - x)^2, sum x^2] in float64 over the blocks with a finite scale."""
+def _error_sums(x: torch.Tensor, decoded: torch.Tensor, s: torch.Tensor) -> list:
+    """[sum (decoded - x)^2, sum x^2] in float64 over the blocks with a finite scale."""
     ok = torch.isfinite(s).repeat_interleave(BLOCK)[: x.numel()]
     xd = x.double()[ok]
-    d = _dequant(q, s).double()[ok] - xd
+    d = decoded.double()[ok] - xd
     return [float((d * d).sum()), float((xd * xd).sum())]
 
 
@@ -101,28 +119,30 @@ def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False, sch
     """The schedules of docs/ring.md in plain torch.
 
     ring: chunk c starts at the rank in position c of `order` (default 0..N-1) and is summed
-    along the order, each hop sending (for int8) the quantized partial sum; the owner (position
-    c-1) averages and quantizes once; everyone decodes those bytes.
+    along the order, each hop sending (for int8 and fp4) the quantized partial sum; the owner
+    (position c-1) averages and quantizes once; everyone decodes those bytes.
     direct: rank c owns chunk c and adds, in fp32, its own values and every other rank's values
-    (ranks c+1, c+2, ...), each quantized once (int8) by its sender; it averages, quantizes once,
-    and everyone decodes those bytes.
+    (ranks c+1, c+2, ...), each quantized once by its sender; it averages, quantizes once, and
+    everyone decodes those bytes.
 
     quant_error: also return, per rank, the float64 sums [err, ref] over every block that
     rank quantized of (dequantize(quantize(x)) - x)^2 and x^2: what the ring reports as
     quant_err_sq / quant_in_sq (prime.sync.QUANT_ERROR_FIELDS). Returns (result, sums)."""
-    from prime.ops import quantize_int8_reference as quantize
-
     world, n, dtype = len(inputs), inputs[0].numel(), inputs[0].dtype
     order = list(range(world)) if order is None else list(order)
-    unit = BLOCK if codec == "int8" else 256
+    blocked = codec in ("int8", "fp4")
+    unit = BLOCK if blocked else 256
     out = torch.empty(n, dtype=dtype)
     sums = [[0.0, 0.0] for _ in range(world)]
+    if blocked:
+        quantize, dequantize = codec_reference(codec)
 
     def encode(rank, x):
-        q, s = quantize(x, BLOCK)
+        q, s = quantize(x)
+        decoded = dequantize(q, s, x.numel())
         if x.numel():
-            sums[rank] = [a + b for a, b in zip(sums[rank], _error_sums(x, q, s))]
-        return q, s
+            sums[rank] = [a + b for a, b in zip(sums[rank], _error_sums(x, decoded, s))]
+        return decoded
 
     def average(acc):
         return acc / torch.full_like(acc, world) if op == "avg" else acc  # a true division, like the C++
@@ -133,25 +153,19 @@ def model_all_reduce(inputs, op: str, codec: str, quant_error: bool = False, sch
             out[b:e] = inputs[c][b:e]
         elif schedule == "direct":
             parts = [(c + j) % world for j in range(1, world)]
-            if codec == "int8":
-                acc = inputs[c][b:e].float()
-                for r in parts:
-                    acc = acc + _dequant(*encode(r, inputs[r][b:e]))
-                out[b:e] = _dequant(*encode(c, average(acc))).to(dtype)
-            else:
-                acc = inputs[c][b:e].float()
-                for r in parts:
-                    acc = acc + inputs[r][b:e].float()
-                out[b:e] = average(acc).to(dtype)
-        elif codec == "int8":
-            q, s = encode(order[c], inputs[order[c]][b:e])
+            acc = inputs[c][b:e].float()
+            for r in parts:
+                acc = acc + (encode(r, inputs[r][b:e]) if blocked else inputs[r][b:e].float())
+            out[b:e] = (encode(c, average(acc)) if blocked else average(acc)).to(dtype)
+        elif blocked:
+            decoded = encode(order[c], inputs[order[c]][b:e])
             for j in range(1, world):
                 r = order[(c + j) % world]
-                acc = inputs[r][b:e].float() + _dequant(q, s)
+                acc = inputs[r][b:e].float() + decoded
                 if j == world - 1:
                     acc = average(acc)
-                q, s = encode(r, acc)
-            out[b:e] = _dequant(q, s).to(dtype)
+                decoded = encode(r, acc)
+            out[b:e] = decoded.to(dtype)
         else:
             acc = inputs[order[c]][b:e].float()
             for j in range(1, world):
@@ -200,13 +214,13 @@ def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: st
             f"{int(bad.nonzero()[0, 0])}: got {y64[bad][0].item()}, want {ref[bad][0].item()} {note}"
         )
     elif kind == "rank":
-        assert torch.allclose(y64, ref, rtol=2e-2, atol=0), f"int8 gloo check off: {y64[:4]} vs {ref[:4]} {note}"
+        assert torch.allclose(y64, ref, rtol=2e-2, atol=0), f"{codec} gloo check off: {y64[:4]} vs {ref[:4]} {note}"
     elif y.numel() >= 1000 and op == "avg":
         rel = float((y64 - ref).norm() / ref.norm())
-        bound = (INT8_BOUND_DIRECT if schedule == "direct" else INT8_BOUND)[kind](world)
+        bound = (DIRECT_BOUND[codec] if schedule == "direct" else ERROR_BOUND[codec])[kind](world)
         if y.dtype != torch.float32:  # the final rounding to 8 or 11 mantissa bits adds its own error
             bound += 0.003 if y.dtype == torch.bfloat16 else 0.0005
-        assert rel <= bound, f"int8 relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
+        assert rel <= bound, f"{codec} relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
 
 
 # ---------------------------------------------------------------------------
@@ -276,7 +290,7 @@ def _cases(world: int):
     cases = []
     for n in (0, 1, 7, 1000):
         for dtype in DTYPES:
-            for codec in ("none", "int8"):
+            for codec in ("none", "int8", "fp4"):
                 for op in ("sum", "avg"):
                     cases.append((n, dtype, codec, op, "gauss", False))
     for dtype in DTYPES:
@@ -284,8 +298,13 @@ def _cases(world: int):
         cases.append((BIG, dtype, "int8", "avg", "gauss", False))
         cases.append((4097, dtype, "none", "sum", "rank", False))
         cases.append((4097, dtype, "int8", "avg", "rank", False))
+        cases.append((4097, dtype, "fp4", "avg", "rank", False))
+    cases.append((BIG, torch.float32, "fp4", "avg", "gauss", False))
+    cases.append((100003, torch.bfloat16, "fp4", "sum", "gauss", False))
     cases.append((1 << 20, torch.float32, "int8", "avg", "t3", False))
+    cases.append((1 << 18, torch.float32, "fp4", "avg", "t3", False))
     cases.append((64 * 33, torch.float32, "int8", "avg", "gauss", True))  # non-contiguous
+    cases.append((64 * 33, torch.float16, "fp4", "avg", "gauss", True))
     cases.append((64 * 33, torch.bfloat16, "none", "sum", "gauss", True))
     return cases
 
@@ -457,7 +476,7 @@ def test_world_size_one_is_a_no_op(ranks):
 
 
 # ---------------------------------------------------------------------------
-# the int8 error the ring measures as it encodes (WorkStats.quant_err_sq / quant_in_sq)
+# the int8 / fp4 error the ring measures as it encodes (WorkStats.quant_err_sq / quant_in_sq)
 
 QERR_CASES = [  # n, dtype, op, kind: sizes that are no multiple of the block or the segment
     (1000, torch.float32, "avg", "gauss"),
@@ -469,12 +488,12 @@ QERR_CASES = [  # n, dtype, op, kind: sizes that are no multiple of the block or
 ]
 
 
-def _rank_quant_error(ctx, seed, schedule):
+def _rank_quant_error(ctx, seed, codec, schedule):
     out = []
     with ctx.ring(segment_bytes=1 << 16, quant_error=True, schedule=schedule) as ring:  # 16 Ki values: several segments per chunk
         for n, dtype, op, kind in QERR_CASES:
             x = make_input(seed, ctx.rank, n, dtype, kind)
-            w = ring.all_reduce(x, op=op, codec="int8")
+            w = ring.all_reduce(x, op=op, codec=codec)
             w.wait()
             st = w.stats()
             out.append((st.quant_err_sq, st.quant_in_sq, _digest(x)))
@@ -484,34 +503,35 @@ def _rank_quant_error(ctx, seed, schedule):
         out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error))
     with ctx.ring(schedule=schedule) as ring:  # off by default (DiLoCo's rings ask for it): nothing reported, the same bytes
         x = make_input(seed, ctx.rank, 1000, torch.float32)
-        w = ring.all_reduce(x, op="avg", codec="int8")
+        w = ring.all_reduce(x, op="avg", codec=codec)
         w.wait()
         out.append((w.stats().quant_err_sq, w.stats().quant_in_sq, ring.reports_quant_error, _digest(x)))
     return out
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_reports_its_own_int8_error(ranks, world_size, schedule):
+@pytest.mark.parametrize("codec,world_size", [("int8", 2), ("int8", 3), ("int8", 4), ("fp4", 3)])
+def test_ring_reports_its_own_quantization_error(ranks, codec, world_size, schedule):
     """Each rank's quant_err_sq / quant_in_sq are the float64 sums over the blocks it quantized,
     as the torch model of the algorithm computes them (independent of the C++ codec)."""
     if world_size > MAX_RANKS:
         pytest.skip(f"the rank pool has {MAX_RANKS} ranks")
-    results = ranks.run(_rank_quant_error, SEED, schedule, world_size=world_size)
+    results = ranks.run(_rank_quant_error, SEED, codec, schedule, world_size=world_size)
     for i, (n, dtype, op, kind) in enumerate(QERR_CASES):
-        note = f"[N={world_size} n={n} {dtype} op={op} data={kind} {schedule}] {_seed_note()}"
+        note = f"[N={world_size} n={n} {dtype} op={op} data={kind} codec={codec} {schedule}] {_seed_note()}"
         inputs = [make_input(SEED, r, n, dtype, kind) for r in range(world_size)]
-        model, sums = model_all_reduce(inputs, op, "int8", quant_error=True, schedule=schedule)
+        model, sums = model_all_reduce(inputs, op, codec, quant_error=True, schedule=schedule)
         for r in range(world_size):
             err, ref, digest = results[r][i]
             assert digest == _digest(model), f"rank {r}: result differs from the model {note}"
             assert err is not None and ref is not None, f"rank {r}: nothing reported {note}"
             assert ref == pytest.approx(sums[r][1], rel=1e-9, abs=1e-300), f"rank {r} quant_in_sq {note}"
             assert err == pytest.approx(sums[r][0], rel=1e-9, abs=1e-300), f"rank {r} quant_err_sq {note}"
-            if n >= 1000:
-                assert 0 < err < 1e-3 * ref, f"rank {r}: implausible int8 error {err} vs {ref} {note}"
+            if n >= 1000:  # squared relative error: int8 ~1e-4, fp4 ~1e-2 (docs/wire-format.md)
+                assert 0 < err < (1e-3 if codec == "int8" else 0.1) * ref, \
+                    f"rank {r}: implausible {codec} error {err} vs {ref} {note}"
     inputs = [make_input(SEED, r, 1000, torch.float32) for r in range(world_size)]
-    model = model_all_reduce(inputs, "avg", "int8", schedule=schedule)
+    model = model_all_reduce(inputs, "avg", codec, schedule=schedule)
     for r in range(world_size):
         err, ref, reports = results[r][-2]
         assert err is None and ref is None, "the exact codec quantizes nothing: nothing is reported"
@@ -589,7 +609,7 @@ def test_diloco_takes_compression_error_from_the_ring(ranks, overlap):
 
 def _frame_bytes(rank, world, n, dtype, codec, c, phase, segment_elems):
     """Bytes on the wire of chunk c's frames in `phase` ("rs" partial sums, "ag" final values)."""
-    unit = BLOCK if codec == "int8" else 256
+    unit = BLOCK if codec in ("int8", "fp4") else 256
     esize = 4 if dtype == torch.float32 else 2
     b, e = _span(n, unit, world, c)
     length = e - b
@@ -598,6 +618,8 @@ def _frame_bytes(rank, world, n, dtype, codec, c, phase, segment_elems):
     for m in [min(seg, length - k * seg) for k in range(max(1, -(-length // seg)))]:
         if codec == "int8":
             payload = m + 4 * (-(-m // BLOCK))
+        elif codec == "fp4":
+            payload = -(-m // 2) + 4 * (-(-m // BLOCK))  # two codes a byte
         else:
             payload = 4 * m if phase == "rs" else esize * m
         total += 64 + payload + 16  # header, payload, AES-GCM tag
@@ -624,7 +646,7 @@ def _expected_bytes(rank, world, n, dtype, codec, schedule, segment_elems=1 << 1
 def _rank_wire_stats(ctx, seed, schedule):
     with ctx.ring(schedule=schedule) as ring:
         out = {}
-        for codec in ("none", "int8"):
+        for codec in ("none", "int8", "fp4"):
             x = make_input(seed, ctx.rank, BIG, torch.float32)
             w = ring.all_reduce(x, op="avg", codec=codec)
             w.wait()
@@ -633,17 +655,19 @@ def _rank_wire_stats(ctx, seed, schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_int8_sends_a_quarter_of_the_bytes(ranks, schedule):
+def test_int8_and_fp4_send_a_quarter_and_an_eighth_of_the_bytes(ranks, schedule):
     world = 3
     results = ranks.run(_rank_wire_stats, SEED, schedule, world_size=world)
     for r in range(world):
-        for codec in ("none", "int8"):
+        for codec in ("none", "int8", "fp4"):
             st = results[r][codec]
             assert st.schedule == schedule
             assert (st.bytes_sent, st.bytes_received) == _expected_bytes(r, world, BIG, torch.float32, codec, schedule)
-        ratio = results[r]["int8"].bytes_sent / results[r]["none"].bytes_sent
-        # n + 4n/256 bytes against 4n, plus the same 80 bytes of header and tag per frame on both sides
-        assert abs(ratio - (1 + 4 / 256) / 4) < 0.001, f"int8/fp32 wire bytes {ratio:.4f}"
+        # n + 4n/256 (int8), n/2 + 4n/256 (fp4) bytes against 4n, plus the same 80 bytes of header
+        # and tag per frame on every side
+        for codec, values_bytes in (("int8", 1), ("fp4", 0.5)):
+            ratio = results[r][codec].bytes_sent / results[r]["none"].bytes_sent
+            assert abs(ratio - (values_bytes + 4 / 256) / 4) < 0.001, f"{codec}/fp32 wire bytes {ratio:.4f}"
 
 
 def test_both_schedules_send_the_same_bytes():
@@ -825,7 +849,7 @@ def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec, schedule):
     n, world = 100000, ctx.world_size
     # Payload bytes the bad rank sends in the reduce-scatter (world - 1 chunks in both
     # schedules), then half a chunk into the all-gather.
-    chunk_bytes = (n // world) * (1 if codec == "int8" else 4) * (1 + (4 / 256 if codec == "int8" else 0))
+    chunk_bytes = (n // world) * {"int8": 1 + 4 / 256, "fp4": 0.5 + 4 / 256, "none": 4}[codec]
     offset = int((world - 1 + 0.6) * chunk_bytes)
     from prime import faults
 
@@ -847,7 +871,7 @@ def _rank_corrupt_all_gather(ctx, seed, bad_rank, codec, schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("codec", ["int8", "none"])
+@pytest.mark.parametrize("codec", ["int8", "fp4", "none"])
 def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec, schedule):
     world, bad = 3, 1
     results = ranks.run(_rank_corrupt_all_gather, SEED, bad, codec, schedule, world_size=world)
@@ -868,13 +892,16 @@ def test_failure_in_the_all_gather_restores_early_written_segments(ranks, codec,
     assert any("all-gather" in m for m in messages), messages
 
 
+NONFINITE_CODECS = ("none", "int8", "fp4")
+
+
 def _rank_nonfinite(ctx, seed, schedule):
     from prime.comm import NonFiniteError
 
     out = []
     with ctx.ring(schedule=schedule) as ring:
         for dtype in DTYPES:
-            for codec in ("none", "int8"):
+            for codec in NONFINITE_CODECS:
                 x = make_input(seed, ctx.rank, 5000, dtype)
                 if ctx.rank == 1:
                     x[17] = float("nan")
@@ -888,7 +915,7 @@ def _rank_nonfinite(ctx, seed, schedule):
                     out.append((e.nonfinite_ranks, e.overflow, torch.equal(_bits(x), _bits(keep))))
         # Finite inputs whose sum overflows the dtype.
         for dtype, value in ((torch.float16, 40000.0), (torch.float32, 2e38)):
-            for codec in ("none", "int8"):
+            for codec in NONFINITE_CODECS:
                 x = torch.full((300,), value, dtype=dtype)
                 try:
                     ring.all_reduce(x, op="sum", codec=codec).wait()
@@ -905,13 +932,14 @@ def _rank_nonfinite(ctx, seed, schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_non_finite_input_fails_every_rank_and_touches_nothing(ranks, schedule):
     results = ranks.run(_rank_nonfinite, SEED, schedule, world_size=3)
+    k = len(NONFINITE_CODECS)
     for r in range(3):
         res = results[r]
-        for item in res[:6]:
+        for item in res[: 3 * k]:
             assert item == ([1, 2], False, True), f"rank {r}: {item}"
-        for item in res[6:10]:
+        for item in res[3 * k : 5 * k]:
             assert item == ([], True, True), f"rank {r}: overflow case {item}"
-        assert res[10] is True
+        assert res[5 * k] is True
 
 
 def _rank_mismatch(ctx):

@@ -1,4 +1,4 @@
-"""The Triton codec (kernels/codec.py) against the torch reference, bit for bit.
+"""The Triton codec (kernels/codec.py, int8 and fp4) against the torch reference, bit for bit.
 
 Every comparison is exact: q bytes, scale bits (through an int32 view, so the NaN
 flag must be exactly 0x7FC00000) and decoded bits (NaN-aware: a decoder must give
@@ -154,7 +154,7 @@ def make_input(kind: str, n: int, block: int, dtype: torch.dtype, gen: torch.Gen
 def assert_same_encoding(x, got, want, context):
     q, scales = got
     rq, rscales = want
-    assert q.dtype == torch.int8 and q.shape == rq.shape, f"{context}: q {q.dtype} {tuple(q.shape)}"
+    assert q.dtype == rq.dtype and q.shape == rq.shape, f"{context}: q {q.dtype} {tuple(q.shape)}"
     assert scales.dtype == torch.float32 and scales.shape == rscales.shape, f"{context}: scales {tuple(scales.shape)}"
     q, scales = q.cpu(), scales.cpu()
     bits, rbits = scales.view(torch.int32), rscales.view(torch.int32)
@@ -167,9 +167,10 @@ def assert_same_encoding(x, got, want, context):
         )
     if not torch.equal(q, rq):
         i = int((q != rq).nonzero()[0, 0])
+        j = 2 * i if q.dtype == torch.uint8 else i  # fp4: byte i holds values 2i and 2i + 1
         raise AssertionError(
             f"{context}: {int((q != rq).sum())} of {q.numel()} q differ; first at {i}: "
-            f"x={x.reshape(-1)[i].item()!r} got {int(q[i])} want {int(rq[i])}"
+            f"x={x.reshape(-1)[j : j + 2].tolist()!r} got {int(q[i])} want {int(rq[i])}"
         )
 
 
@@ -191,9 +192,11 @@ def assert_same_floats(got, want, context):
         )
 
 
-def check_quantize(x, block, seed, device, context):
-    got = codec.quantize_int8(x.to(device), block, seed)
-    want = ops.quantize_int8_reference(x, block, seed)
+def check_quantize(x, block, seed, device, context, fp4=False):
+    if fp4:
+        got, want = codec.quantize_fp4(x.to(device), block, seed), ops.quantize_fp4_reference(x, block, seed)
+    else:
+        got, want = codec.quantize_int8(x.to(device), block, seed), ops.quantize_int8_reference(x, block, seed)
     assert_same_encoding(x, got, want, context)
     return got
 
@@ -371,6 +374,100 @@ def test_dequantize_add_matches_reference(device, block, rng):
 
 
 # ---------------------------------------------------------------------------
+# fp4 (the same kernels with FP4 set: their own codes, packing and decode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [32, 64, 256, 4096])
+def test_fp4_quantize_matches_reference(device, block, dtype, rng):
+    """Every special pattern per block (fp4 ties sit elsewhere than int8's: "ties" blocks still
+    land many values on midpoints, as v = k / 2 * 6 / 127 * 2^j rarely but x = a * t / 6 often
+    does), odd lengths (a last half byte), both roundings."""
+    seed = int(torch.randint(2**32, (), generator=rng, dtype=torch.int64))
+    for i, n in enumerate([1, block - 1, block + 1, 3 * TILE + block + 5]):
+        x = make_input("special", n, block, dtype, rng)
+        for sr in (None, seed) if i % 2 else (None,):
+            check_quantize(x, block, sr, device, f"seed {rng.initial_seed()} fp4 B={block} {dtype} n={n} sr {sr}",
+                           fp4=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_midpoints_round_to_even(device, rng):
+    """a = 6 * 2^k: inv = 2^-k exactly, so x = t * 2^k lands on v = t for every midpoint t, and
+    one ulp either side; checked against the nearest-even rule spelled out here, not the reference."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    t = torch.cat([mids, -mids, torch.nextafter(mids, torch.zeros(7)), torch.nextafter(mids, torch.full((7,), 9.0))])
+    want_m = torch.tensor([0, 2, 2, 4, 4, 6, 6] * 2 + [0, 1, 2, 3, 4, 5, 6] + [1, 2, 3, 4, 5, 6, 7])
+    want = torch.where((want_m > 0) & (t < 0), want_m + 8, want_m)
+    k = int(torch.randint(-10, 10, (), generator=rng))
+    x = torch.cat([torch.tensor([6.0]), t, torch.zeros(3)]) * 2.0**k  # one block of 32
+    q, s = codec.quantize_fp4(x.to(device), 32, None)
+    q = q.cpu().to(torch.int64)
+    codes = torch.stack([q & 15, q >> 4], 1).reshape(-1)
+    assert s.item() == 2.0**k and codes[0] == 7
+    assert torch.equal(codes[1:29], want), f"k={k}: {codes[1:29].tolist()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_nonfinite_blocks_flagged(device, rng):
+    block, nb = 64, 20
+    x = torch.randn(nb * block, generator=rng)
+    bad_blocks = torch.randperm(nb, generator=rng)[:6]
+    for j, k in enumerate(bad_blocks.tolist()):
+        x[k * block + int(torch.randint(block, (), generator=rng))] = [float("nan"), float("inf"), float("-inf")][j % 3]
+    q, scales = codec.quantize_fp4(x.to(device), block, None)
+    q, bits = q.cpu().view(nb, block // 2), scales.cpu().view(torch.int32)
+    bad = torch.zeros(nb, dtype=torch.bool)
+    bad[bad_blocks] = True
+    assert (bits[bad] == NAN_BITS).all() and (q[bad] == 0).all(), f"seed {rng.initial_seed()}"
+    assert torch.isfinite(scales.cpu()[~bad]).all() and (q[~bad] != 0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [32, 256, 4096])
+def test_fp4_decode_matches_reference(device, block, dtype, rng):
+    """Every byte value (code 8, -0, included) under the scales make_encoded draws; decode and decode-add."""
+    for n in [1, block + 1, 3 * TILE + block + 5]:
+        _, scales = make_encoded(n, block, rng)
+        q = torch.randint(0, 256, ((n + 1) // 2,), generator=rng, dtype=torch.uint8)
+        got = codec.dequantize_fp4(q.to(device), scales.to(device), n, block, dtype)
+        want = ops.dequantize_fp4_reference(q, scales, n, block, dtype)
+        assert_same_floats(got, want, f"seed {rng.initial_seed()} fp4 B={block} {dtype} n={n}")
+        if dtype == torch.float32:
+            acc = torch.randn(n, generator=rng) * torch.pow(10.0, torch.randint(-30, 30, (n,), generator=rng))
+            want_acc = ops.dequantize_add_fp4_reference_(acc.clone(), q, scales, block)
+            acc_dev = acc.to(device)
+            assert codec.dequantize_add_fp4_(acc_dev, q.to(device), scales.to(device), block) is acc_dev
+            assert_same_floats(acc_dev, want_acc, f"seed {rng.initial_seed()} fp4 add B={block} n={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp4_empty(device):
+    q, scales = codec.quantize_fp4(torch.empty(0, device=device), 256, None)
+    assert q.shape == (0,) and q.dtype == torch.uint8 and scales.shape == (0,)
+    assert codec.dequantize_fp4(q, scales, 0, 256, torch.float16).shape == (0,)
+
+
+def test_fp4_bad_arguments_raise_clear_errors():
+    x = torch.randn(100)
+    q, scales = torch.zeros(50, dtype=torch.uint8), torch.ones(4)
+    with pytest.raises(ValueError, match="power of two"):
+        codec.quantize_fp4(x, 48)
+    with pytest.raises(TypeError, match="quantize_fp4 expects a float32"):
+        codec.quantize_fp4(x.double(), 256)
+    with pytest.raises(ValueError, match="q has 50 bytes, but 101 fp4 values take 51"):
+        codec.dequantize_fp4(q, scales, 101, 32)
+    with pytest.raises(TypeError, match="uint8"):
+        codec.dequantize_fp4(q.to(torch.int8), scales, 100, 32)
+    with pytest.raises(ValueError, match="needs 1 scales"):
+        codec.dequantize_fp4(q, scales, 100, 256)
+    with pytest.raises(ValueError, match="whose fp4 codes take 51 bytes, but q has 50"):
+        codec.dequantize_add_fp4_(torch.zeros(101), q, scales, 32)
+
+
+# ---------------------------------------------------------------------------
 # arguments and availability (no kernel runs)
 
 
@@ -432,16 +529,29 @@ def test_interpreter_in_subprocess():
 # reciprocal, flush-to-zero (libdevice's default on NVIDIA).
 _FORBIDDEN_PTX = re.compile(r"\bfma\.|\bmad\.[^ \t]*f32|div\.(full|approx)|rcp\.approx|\.ftz")
 
+_QUANTIZE_SIGNATURE = {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_bits_ptr": "*i32", "n": "i32", "seed": "i32"}
 SM90_CASES = {
-    "quantize": ("_quantize_kernel", {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_bits_ptr": "*i32", "n": "i32",
-                 "seed": "i32"}, {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False}),
-    "quantize-bf16-stochastic": ("_quantize_kernel", {"x_ptr": "*i16", "q_ptr": "*i8", "scale_bits_ptr": "*i32",
-                                 "n": "i32", "seed": "i32"},
-                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True}),
+    "quantize": ("_quantize_kernel", _QUANTIZE_SIGNATURE,
+                 {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": False}),
+    "quantize-bf16-stochastic": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, x_ptr="*i16"),
+                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True, "FP4": False}),
     "dequantize-bf16": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i32"},
-                        {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False, "OUT_IS_BF16_BITS": True}),
+                        {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False, "OUT_IS_BF16_BITS": True,
+                         "FP4": False}),
     "dequantize-add": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
-                       {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True, "OUT_IS_BF16_BITS": False}),
+                       {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True, "OUT_IS_BF16_BITS": False,
+                        "FP4": False}),
+    "quantize-fp4": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, q_ptr="*u8"),
+                     {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": True}),
+    "quantize-fp4-bf16-stochastic": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, x_ptr="*i16", q_ptr="*u8"),
+                                     {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True,
+                                      "FP4": True}),
+    "dequantize-fp4-bf16": ("_dequantize_kernel", {"q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16",
+                            "n": "i32"}, {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False,
+                                          "OUT_IS_BF16_BITS": True, "FP4": True}),
+    "dequantize-add-fp4": ("_dequantize_kernel", {"q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32",
+                           "n": "i32"}, {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True,
+                                         "OUT_IS_BF16_BITS": False, "FP4": True}),
 }
 
 
@@ -488,11 +598,15 @@ def test_ptx_has_true_divisions_and_no_fma():
     q = torch.empty(5000, dtype=torch.int8, device="cuda")
     scales = torch.empty(-(-5000 // 256), device="cuda")
     acc = torch.zeros(5000, device="cuda")
+    q4 = torch.empty(2500, dtype=torch.uint8, device="cuda")
     kernels = {
         "quantize": codec._launch_quantize(x, q, scales, 256, None),
         "quantize stochastic": codec._launch_quantize(x, q, scales, 256, 3),
         "dequantize bf16": codec._launch_dequantize(q, scales, torch.empty_like(x, dtype=torch.bfloat16), 256, False),
         "dequantize-add": codec._launch_dequantize(q, scales, acc, 256, True),
+        "quantize fp4": codec._launch_quantize(x, q4, scales, 256, None, fp4=True),
+        "quantize fp4 stochastic": codec._launch_quantize(x, q4, scales, 256, 3, fp4=True),
+        "dequantize-add fp4": codec._launch_dequantize(q4, scales, acc, 256, True, fp4=True),
     }
     for name, kernel in kernels.items():
         ptx = kernel.asm["ptx"]
@@ -513,6 +627,7 @@ def test_cuda_large_matches_reference(block, dtype, rng):
     n = 2**24 + 7
     x = make_input("special", n, block, dtype, rng)
     check_quantize(x, block, None, "cuda", f"seed {rng.initial_seed()} B={block} {dtype} n={n}")
+    check_quantize(x, block, None, "cuda", f"seed {rng.initial_seed()} fp4 B={block} {dtype} n={n}", fp4=True)
 
 
 @pytest.mark.skipif(not COMPILED_GPU, reason="needs a GPU and compiled kernels")

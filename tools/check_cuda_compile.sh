@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA codec where no GPU (and possibly only a CPU torch) is
 # installed, as on the CI machine:
-#   1. csrc/codec/codec_cuda.cu (the kernels; CUDA headers only) to an object
-#      file, failing on any register spill;
-#   2. its PTX: no fused multiply-add, no approximate division, no flush-to-zero
+#   1. csrc/codec/codec_cuda.cu and ring_cuda.cu (the kernels of both formats; CUDA
+#      headers only) to object files, failing on any register spill;
+#   2. their PTX: no fused multiply-add, no approximate division, no flush-to-zero
 #      (the wire format needs the exact IEEE operations);
-#   3. csrc/codec/ops_cuda.cu (the torch wrapper) against the installed torch's
+#   3. csrc/ring/wire_codec_cuda.cu (the ring's GPU wire codec; plain C++ headers);
+#   4. csrc/codec/ops_cuda.cu (the torch wrapper) against the installed torch's
 #      headers. CPU wheels ship the c10/cuda headers but not the generated
 #      c10/cuda/impl/cuda_cmake_macros.h; a stand-in is written for this check.
 #
@@ -26,22 +27,27 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 for arch in "${ARCHS[@]}"; do
-  echo "== codec_cuda.cu, $arch"
-  "$NVCC" "${FLAGS[@]}" -arch="$arch" -Xptxas -v -c csrc/codec/codec_cuda.cu -o "$work/codec_cuda.o" 2>"$work/ptxas.txt" \
-    || { cat "$work/ptxas.txt" >&2; exit 1; }
-  if grep -E "[1-9][0-9]* bytes spill" "$work/ptxas.txt" >&2; then
-    echo "check_cuda_compile: register spills in codec_cuda.cu ($arch)" >&2
-    exit 1
-  fi
-  grep -oE "Used [0-9]+ registers" "$work/ptxas.txt" | sort | uniq -c | sort -rn | sed 's/^/   /'
+  for src in codec_cuda ring_cuda; do
+    echo "== $src.cu, $arch"
+    "$NVCC" "${FLAGS[@]}" -arch="$arch" -Xptxas -v -c "csrc/codec/$src.cu" -o "$work/$src.o" 2>"$work/ptxas.txt" \
+      || { cat "$work/ptxas.txt" >&2; exit 1; }
+    if grep -E "[1-9][0-9]* bytes spill" "$work/ptxas.txt" >&2; then
+      echo "check_cuda_compile: register spills in $src.cu ($arch)" >&2
+      exit 1
+    fi
+    grep -oE "Used [0-9]+ registers" "$work/ptxas.txt" | sort | uniq -c | sort -rn | head -4 | sed 's/^/   /'
 
-  "$NVCC" "${FLAGS[@]}" -arch="$arch" -ptx csrc/codec/codec_cuda.cu -o "$work/codec_cuda.ptx"
-  if grep -nE "fma\.[a-z.]*f32|div\.(approx|full)|\.ftz|rcp\.approx" "$work/codec_cuda.ptx" | head -5 >&2; then
-    echo "check_cuda_compile: inexact float instructions in the PTX of codec_cuda.cu ($arch)" >&2
-    exit 1
-  fi
-  echo "   PTX: no fma / approximate division / flush-to-zero"
+    "$NVCC" "${FLAGS[@]}" -arch="$arch" -ptx "csrc/codec/$src.cu" -o "$work/$src.ptx"
+    if grep -nE "fma\.[a-z.]*f32|div\.(approx|full)|\.ftz|rcp\.approx" "$work/$src.ptx" | head -5 >&2; then
+      echo "check_cuda_compile: inexact float instructions in the PTX of $src.cu ($arch)" >&2
+      exit 1
+    fi
+    echo "   PTX: no fma / approximate division / flush-to-zero"
+  done
 done
+
+echo "== wire_codec_cuda.cu"
+"$NVCC" "${FLAGS[@]}" -arch="${ARCHS[-1]}" -DPRIME_WITH_CUDA=1 -c csrc/ring/wire_codec_cuda.cu -o "$work/wire_codec_cuda.o"
 
 echo "== ops_cuda.cu against torch's headers"
 PY=${PYTHON:-python3}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs N consecutive 2-process FSDP launches of prime-train on one node, as
 # tests/test_train.py starts them (torchrun, static master address), and reports
-# how many exited 0 and how many printed "terminate called" (the abort at exit
-# of issue 13).
+# how many exited 0 and how many printed "terminate called" (the rare abort at
+# exit that prime/train.py's _end_process avoids).
 #
 #   tools/launch_loop.sh [N] [-- extra prime-train args]
 #   nice tools/launch_loop.sh 30                      # what benchmarks/RESULTS.md records

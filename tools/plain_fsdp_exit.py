@@ -1,7 +1,7 @@
 """Plain torch, no PRIME: 2-process FSDP2 on CPU / gloo, a few steps, barrier, destroy, normal exit.
 
 Prints the threads still running after destroy_process_group(): torch keeps the gloo
-backend alive through FSDP2's DTensor caches (issue 13; prime/train.py, _end_process).
+backend alive through FSDP2's DTensor caches (prime/train.py, _end_process).
 
     for i in $(seq 40); do torchrun --nproc-per-node 2 tools/plain_fsdp_exit.py; done 2>&1 \\
         | grep -c "terminate called"

@@ -1,5 +1,6 @@
 // Argument checks shared by the CPU and CUDA op implementations, so both give
-// the same messages (and the same as prime/ops.py).
+// the same messages (and the same as prime/ops.py). Both codecs: int8 (q int8, one
+// value a byte) and fp4 (q uint8, two values a byte).
 #pragma once
 
 #include <torch/types.h>
@@ -21,7 +22,7 @@ inline void check_block_size(int64_t block_size) {
               num(kMaxBlock), ", got ", num(block_size));
 }
 
-inline InputType input_type(const at::Tensor& x) {
+inline InputType input_type(const at::Tensor& x, const char* op = "quantize_int8") {
   switch (x.scalar_type()) {
     case at::kFloat:
       return InputType::kFloat32;
@@ -30,32 +31,69 @@ inline InputType input_type(const at::Tensor& x) {
     case at::kHalf:
       return InputType::kFloat16;
     default:
-      TORCH_CHECK(false, "quantize_int8 expects a float32, bfloat16 or float16 tensor, got ", x.scalar_type(),
+      TORCH_CHECK(false, op, " expects a float32, bfloat16 or float16 tensor, got ", x.scalar_type(),
                   "; convert it first, e.g. x.float()");
   }
   return InputType::kFloat32;
 }
 
-inline void check_encoded(const at::Tensor& q, const at::Tensor& scales, int64_t block_size) {
-  check_block_size(block_size);
-  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be an int8 tensor (from quantize_int8), got ", q.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be a float32 tensor (from quantize_int8), got ",
+// The scales of n values (q holds their codes; `source` names the op that made them).
+inline void check_scales(const at::Tensor& scales, const at::Tensor& q, int64_t n, int64_t block_size,
+                         const char* source) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be a float32 tensor (from ", source, "), got ",
               scales.scalar_type());
   TORCH_CHECK(q.device() == scales.device(), "q is on ", q.device(), " but scales is on ", scales.device(),
               "; move both to one device");
-  const int64_t expected = num_blocks(q.numel(), block_size);
-  TORCH_CHECK(scales.numel() == expected, "q has ", num(q.numel()), " elements, which at block_size ",
+  const int64_t expected = num_blocks(n, block_size);
+  const bool int8 = q.scalar_type() == at::kChar;
+  TORCH_CHECK(scales.numel() == expected, int8 ? "q has " : "the tensor has ", num(n), " elements, which at block_size ",
               num(block_size), " needs ", num(expected), " scales, but scales has ", num(scales.numel()),
               "; were they made with another block_size?");
+}
+
+inline void check_encoded(const at::Tensor& q, const at::Tensor& scales, int64_t block_size) {
+  check_block_size(block_size);
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be an int8 tensor (from quantize_int8), got ", q.scalar_type());
+  check_scales(scales, q, q.numel(), block_size, "quantize_int8");
+}
+
+inline void check_fp4_codes(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kByte, "q must be a uint8 tensor (from quantize_fp4), got ", q.scalar_type());
+}
+
+// fp4: q holds the packed codes of numel values (two a byte).
+inline void check_encoded_fp4(const at::Tensor& q, const at::Tensor& scales, int64_t numel, int64_t block_size) {
+  check_block_size(block_size);
+  TORCH_CHECK(numel >= 0, "numel must be a non-negative int, got ", num(numel));
+  check_fp4_codes(q);
+  TORCH_CHECK(q.numel() == fp4_bytes(numel), "q has ", num(q.numel()), " bytes, but ", num(numel),
+              " fp4 values take ", num(fp4_bytes(numel)), " (two per byte); is numel the length of the tensor that "
+              "was quantized?");
+  check_scales(scales, q, numel, block_size, "quantize_fp4");
 }
 
 inline void check_accumulator(const at::Tensor& acc, const at::Tensor& q) {
   TORCH_CHECK(acc.scalar_type() == at::kFloat, "the accumulator must be float32, got ", acc.scalar_type());
   TORCH_CHECK(acc.device() == q.device(), "the accumulator is on ", acc.device(), " but q is on ", q.device(),
               "; move them to one device");
-  TORCH_CHECK(acc.numel() == q.numel(), "the accumulator has ", num(acc.numel()), " elements but q has ",
-              num(q.numel()), "; they must match");
+  if (q.scalar_type() == at::kByte) {  // fp4 codes
+    TORCH_CHECK(fp4_bytes(acc.numel()) == q.numel(), "the accumulator has ", num(acc.numel()),
+                " elements, whose fp4 codes take ", num(fp4_bytes(acc.numel())), " bytes, but q has ", num(q.numel()),
+                "; they must match");
+  } else {
+    TORCH_CHECK(acc.numel() == q.numel(), "the accumulator has ", num(acc.numel()), " elements but q has ",
+                num(q.numel()), "; they must match");
+  }
   TORCH_CHECK(acc.is_contiguous(), "the accumulator must be contiguous (it is updated in place)");
+}
+
+// The argument checks of dequantize_add_fp4_ (the accumulator gives the number of values).
+inline void check_fp4_accumulation(const at::Tensor& acc, const at::Tensor& q, const at::Tensor& scales,
+                                   int64_t block_size) {
+  check_block_size(block_size);
+  check_fp4_codes(q);
+  check_accumulator(acc, q);
+  check_encoded_fp4(q, scales, acc.numel(), block_size);
 }
 
 inline void check_output_dtype(at::ScalarType dtype) {

@@ -1,5 +1,5 @@
-// The int8 block codec on raw CPU memory (docs/wire-format.md). Used by the torch
-// ops (ops_cpu.cpp) and directly by the ring, which works on raw buffers.
+// The block codecs (int8 and fp4) on raw CPU memory (docs/wire-format.md). Used by the
+// torch ops (ops_cpu.cpp) and directly by the ring, which works on raw buffers.
 #pragma once
 
 #include <cstdint>
@@ -73,5 +73,30 @@ void dequantize_as(Isa isa, const int8_t* q, const float* scales, int64_t n, int
 void dequantize_add(Isa isa, float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
 void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                        int64_t block, double* err, double* ref);
+
+// ---------------------------------------------------------------------------
+// fp4 (docs/wire-format.md): 4-bit E2M1 codes, two a byte (value 2j in the low nibble of
+// byte j), one fp32 scale a / 6 per block. `q` holds fp4_bytes(n) bytes. Each function
+// is its int8 namesake above for this format.
+
+constexpr float kFp4Max = 6.0f;
+inline int64_t fp4_bytes(int64_t n) { return (n + 1) / 2; }
+
+int64_t quantize_fp4_range(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                           std::optional<uint32_t> seed = std::nullopt, int64_t first_index = 0);
+int64_t quantize_fp4(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                     std::optional<uint32_t> seed = std::nullopt);
+void dequantize_fp4_as(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
+void dequantize_add_fp4(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block);
+void quantize_error_sq_fp4(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                           int64_t block, double* err, double* ref);
+
+int64_t quantize_fp4(Isa isa, const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                     std::optional<uint32_t> seed);
+void dequantize_fp4_as(Isa isa, const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                       InputType out_type);
+void dequantize_add_fp4(Isa isa, float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block);
+void quantize_error_sq_fp4(Isa isa, const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                           int64_t block, double* err, double* ref);
 
 }  // namespace prime::codec

@@ -1,4 +1,4 @@
-// CPU implementation of the int8 block codec (docs/wire-format.md): picks the
+// CPU implementation of the block codecs (docs/wire-format.md): picks the
 // block kernels of the best instruction set the CPU has (cpu_scalar.cpp,
 // cpu_avx2.cpp, cpu_avx512.cpp; all give the same bits) and spreads whole
 // blocks over threads with at::parallel_for.
@@ -74,30 +74,77 @@ void for_block_ranges(int64_t n, int64_t block, const F& f) {
 
 int64_t element_size(InputType type) { return type == InputType::kFloat32 ? 4 : 2; }
 
-int64_t quantize_with(const cpu::Kernels& k, const void* x, InputType type, int64_t n, int64_t block, int8_t* q,
-                      float* scales, std::optional<uint32_t> seed) {
+// The codes of element `start` (a block boundary, so even): one byte a value for int8,
+// two values a byte for fp4.
+int8_t* codes_at(int8_t* q, int64_t start) { return q + start; }
+const int8_t* codes_at(const int8_t* q, int64_t start) { return q + start; }
+uint8_t* codes_at(uint8_t* q, int64_t start) { return q + start / 2; }
+const uint8_t* codes_at(const uint8_t* q, int64_t start) { return q + start / 2; }
+
+// Each runs a kernel of one format (Kernels::quantize or quantize_fp4, ...) over a whole buffer.
+template <class Code, class Kernel>
+int64_t quantize_with(Kernel kernel, const void* x, InputType type, int64_t n, int64_t block, Code* q, float* scales,
+                      std::optional<uint32_t> seed) {
   std::atomic<int64_t> bad{0};
   const int64_t esize = element_size(type);
   for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
     const void* xs = static_cast<const char*>(x) + start * esize;
-    bad += k.quantize(xs, type, len, block, q + start, scales + b0, seed.has_value(), seed.value_or(0), start);
+    bad += kernel(xs, type, len, block, codes_at(q, start), scales + b0, seed.has_value(), seed.value_or(0), start);
   });
   return bad.load();
 }
 
-void dequantize_with(const cpu::Kernels& k, const int8_t* q, const float* scales, int64_t n, int64_t block,
-                     void* y, InputType out_type) {
+template <class Code, class Kernel>
+void dequantize_with(Kernel kernel, const Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                     InputType out_type) {
   const int64_t esize = element_size(out_type);
   for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
-    k.dequantize(q + start, scales + b0, len, block, static_cast<char*>(y) + start * esize, out_type);
+    kernel(codes_at(q, start), scales + b0, len, block, static_cast<char*>(y) + start * esize, out_type);
   });
 }
 
-void dequantize_add_with(const cpu::Kernels& k, float* acc, const int8_t* q, const float* scales, int64_t n,
-                         int64_t block) {
+template <class Code, class Kernel>
+void dequantize_add_with(Kernel kernel, float* acc, const Code* q, const float* scales, int64_t n, int64_t block) {
   for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
-    k.dequantize_add(acc + start, q + start, scales + b0, len, block);
+    kernel(acc + start, codes_at(q, start), scales + b0, len, block);
   });
+}
+
+template <class Code, class Kernel>
+void error_with(Kernel kernel, const void* x, InputType type, const Code* q, const float* scales, int64_t n,
+                int64_t block, double* err, double* ref) {
+  const int64_t esize = element_size(type);
+  std::mutex mu;
+  for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
+    double e = 0, r = 0;
+    kernel(static_cast<const char*>(x) + start * esize, type, codes_at(q, start), scales + b0, len, block, &e, &r);
+    std::lock_guard<std::mutex> lock(mu);
+    *err += e;
+    *ref += r;
+  });
+}
+
+using ErrorKernel = void (*)(const void*, InputType, const int8_t*, const float*, int64_t, int64_t, double*, double*);
+using Fp4ErrorKernel = void (*)(const void*, InputType, const uint8_t*, const float*, int64_t, int64_t, double*,
+                                double*);
+
+// The float64 error pass is arithmetic-bound: the widest vectors win.
+ErrorKernel error_kernel(Isa isa) {
+  TORCH_CHECK(isa_supported(isa), "the CPU codec kernels for ", isa_name(isa), " do not run on this CPU");
+#if PRIME_CODEC_X86
+  if (isa == Isa::kAvx512) return &cpu::quantize_error_sq_avx512;
+  if (isa == Isa::kAvx2) return &cpu::quantize_error_sq_avx2;
+#endif
+  return &cpu::quantize_error_sq_scalar;
+}
+
+Fp4ErrorKernel fp4_error_kernel(Isa isa) {
+  TORCH_CHECK(isa_supported(isa), "the CPU codec kernels for ", isa_name(isa), " do not run on this CPU");
+#if PRIME_CODEC_X86
+  if (isa == Isa::kAvx512) return &cpu::quantize_error_sq_fp4_avx512;
+  if (isa == Isa::kAvx2) return &cpu::quantize_error_sq_fp4_avx2;
+#endif
+  return &cpu::quantize_error_sq_fp4_scalar;
 }
 
 }  // namespace
@@ -161,63 +208,91 @@ void dequantize_add_range(float* acc, const int8_t* q, const float* scales, int6
   best_kernels().dequantize_add(acc, q, scales, n, block);
 }
 
+int64_t quantize_fp4_range(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                           std::optional<uint32_t> seed, int64_t first_index) {
+  return best_kernels().quantize_fp4(x, type, n, block, q, scales, seed.has_value(), seed.value_or(0), first_index);
+}
+
 // ---- multithreaded whole buffers ----
 
 int64_t quantize(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                  std::optional<uint32_t> seed) {
-  return quantize_with(best_kernels(), x, type, n, block, q, scales, seed);
+  return quantize_with(best_kernels().quantize, x, type, n, block, q, scales, seed);
 }
 
 void dequantize(const int8_t* q, const float* scales, int64_t n, int64_t block, float* y) {
-  dequantize_with(best_kernels(), q, scales, n, block, y, InputType::kFloat32);
+  dequantize_with(best_kernels().dequantize, q, scales, n, block, y, InputType::kFloat32);
 }
 
 void dequantize_as(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
-  dequantize_with(best_kernels(), q, scales, n, block, y, out_type);
+  dequantize_with(best_kernels().dequantize, q, scales, n, block, y, out_type);
 }
 
 void dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
-  dequantize_add_with(best_kernels(), acc, q, scales, n, block);
+  dequantize_add_with(best_kernels().dequantize_add, acc, q, scales, n, block);
 }
 
 void quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
                        double* err, double* ref) {
-  quantize_error_sq(best_isa(), x, type, q, scales, n, block, err, ref);
+  error_with(error_kernel(best_isa()), x, type, q, scales, n, block, err, ref);
 }
 
-void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
-                       int64_t block, double* err, double* ref) {
-  TORCH_CHECK(isa_supported(isa), "the CPU codec kernels for ", isa_name(isa), " do not run on this CPU");
-  using ErrorKernel = void (*)(const void*, InputType, const int8_t*, const float*, int64_t, int64_t, double*, double*);
-  ErrorKernel kernel = &cpu::quantize_error_sq_scalar;
-#if PRIME_CODEC_X86
-  if (isa == Isa::kAvx512) kernel = &cpu::quantize_error_sq_avx512;
-  if (isa == Isa::kAvx2) kernel = &cpu::quantize_error_sq_avx2;
-#endif
-  const int64_t esize = element_size(type);
-  std::mutex mu;
-  for_block_ranges(n, block, [&](int64_t start, int64_t len, int64_t b0) {
-    double e = 0, r = 0;
-    kernel(static_cast<const char*>(x) + start * esize, type, q + start, scales + b0, len, block,
-                                 &e, &r);
-    std::lock_guard<std::mutex> lock(mu);
-    *err += e;
-    *ref += r;
-  });
+int64_t quantize_fp4(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                     std::optional<uint32_t> seed) {
+  return quantize_with(best_kernels().quantize_fp4, x, type, n, block, q, scales, seed);
 }
+
+void dequantize_fp4_as(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  dequantize_with(best_kernels().dequantize_fp4, q, scales, n, block, y, out_type);
+}
+
+void dequantize_add_fp4(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_with(best_kernels().dequantize_add_fp4, acc, q, scales, n, block);
+}
+
+void quantize_error_sq_fp4(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                           int64_t block, double* err, double* ref) {
+  error_with(fp4_error_kernel(best_isa()), x, type, q, scales, n, block, err, ref);
+}
+
+// ---- one named instruction set (tests, benchmarks) ----
 
 int64_t quantize(Isa isa, const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                  std::optional<uint32_t> seed) {
-  return quantize_with(kernels_for(isa), x, type, n, block, q, scales, seed);
+  return quantize_with(kernels_for(isa).quantize, x, type, n, block, q, scales, seed);
 }
 
 void dequantize_as(Isa isa, const int8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                    InputType out_type) {
-  dequantize_with(kernels_for(isa), q, scales, n, block, y, out_type);
+  dequantize_with(kernels_for(isa).dequantize, q, scales, n, block, y, out_type);
 }
 
 void dequantize_add(Isa isa, float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
-  dequantize_add_with(kernels_for(isa), acc, q, scales, n, block);
+  dequantize_add_with(kernels_for(isa).dequantize_add, acc, q, scales, n, block);
+}
+
+void quantize_error_sq(Isa isa, const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
+                       int64_t block, double* err, double* ref) {
+  error_with(error_kernel(isa), x, type, q, scales, n, block, err, ref);
+}
+
+int64_t quantize_fp4(Isa isa, const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                     std::optional<uint32_t> seed) {
+  return quantize_with(kernels_for(isa).quantize_fp4, x, type, n, block, q, scales, seed);
+}
+
+void dequantize_fp4_as(Isa isa, const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                       InputType out_type) {
+  dequantize_with(kernels_for(isa).dequantize_fp4, q, scales, n, block, y, out_type);
+}
+
+void dequantize_add_fp4(Isa isa, float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_with(kernels_for(isa).dequantize_add_fp4, acc, q, scales, n, block);
+}
+
+void quantize_error_sq_fp4(Isa isa, const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                           int64_t block, double* err, double* ref) {
+  error_with(fp4_error_kernel(isa), x, type, q, scales, n, block, err, ref);
 }
 
 }  // namespace prime::codec

@@ -1,5 +1,6 @@
-// CUDA kernels of the int8 block codec (docs/wire-format.md). Raw pointers and
-// the CUDA runtime only: the torch ops live in ops_cuda.cu.
+// CUDA kernels of the block codecs, int8 and fp4 (docs/wire-format.md). Raw pointers
+// and the CUDA runtime only: the torch ops live in ops_cuda.cu. One kernel template per
+// operation serves both formats; their element rules are formats_cuda.cuh's.
 //
 // Bit-exactness with the CPU and the reference: both divisions are __fdiv_rn,
 // products and sums use __fmul_rn / __fadd_rn / __fsub_rn (never contracted into
@@ -13,14 +14,17 @@
 // memory exactly once and every load instruction is coalesced within a group.
 // G = B / (4 * values per load): fp32 B=256 -> 16 threads, B=4096 -> 256.
 // With 64 bytes in flight per thread, quantize streams 256 MiB at 101% of a
-// device copy's GB/s on an H200 (B = 32: 90%; benchmarks/RESULTS.md).
+// device copy's GB/s on an H200 (B = 32: 90%; benchmarks/RESULTS.md). fp4 has the
+// same mapping; each load's values become half as many bytes (2 or 4 per store).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "codec_cuda.h"
+#include "formats_cuda.cuh"
 
 namespace prime::codec::cuda {
 namespace {
@@ -95,11 +99,11 @@ __device__ __forceinline__ uint32_t group_max(uint32_t m) {
   }
 }
 
-// In: element type; G: threads per block; kStochastic: stochastic rounding.
-// Block size B = G * kLoads * (16 / In::kSize).
-template <class In, int G, bool kStochastic>
+// In: element type; Codes: the format (Int8Codes, Fp4Codes); G: threads per block;
+// kStochastic: stochastic rounding. Block size B = G * kLoads * (16 / In::kSize).
+template <class In, class Codes, int G, bool kStochastic>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const void* __restrict__ x, int64_t n, bool aligned, int8_t* __restrict__ q,
+    quantize_kernel(const void* __restrict__ x, int64_t n, bool aligned, typename Codes::Code* __restrict__ q,
                     float* __restrict__ scales, uint32_t seed) {
   constexpr int kPerLoad = 16 / In::kSize;       // values per 16-byte load: 4 or 8
   constexpr int kPerThread = kLoads * kPerLoad;  // 16 or 32
@@ -150,8 +154,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool finite = m < kInfBits;
   if (finite) {
     const float a = __uint_as_float(m);
-    if (t == 0) scales[block] = __fdiv_rn(a, 127.0f);
-    inv = a > 0.f ? __fdiv_rn(127.0f, a) : 0.f;
+    if (t == 0) scales[block] = __fdiv_rn(a, Codes::kQMax);
+    inv = a > 0.f ? __fdiv_rn(Codes::kQMax, a) : 0.f;
     if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
   } else if (t == 0) {
     reinterpret_cast<uint32_t*>(scales)[block] = kCanonicalNaN;  // the flag, written bit-exact
@@ -174,75 +178,97 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t lo = static_cast<uint32_t>(start + (t + G * l) * kPerLoad + j);
         const uint32_t h = fmix32(fmix32(lo ^ key) + key);
         const float u = __fmul_rn(__uint2float_rn(h >> 8), 0x1p-24f);  // exact
-        const float f = floorf(p);
-        k = __float2int_rn(f) + (u < __fsub_rn(p, f) ? 1 : 0);
+        k = Codes::stochastic(p, u);
       } else {
-        k = __float2int_rn(p);
+        k = Codes::nearest(p);
       }
-      k = min(max(k, -127), 127);
       r[e] = finite ? k : 0;
     }
   }
 
-  // store: the same layout as the loads, kPerLoad bytes per chunk
-  if (vector) {
+  // store: the same layout as the loads, kPerLoad values per chunk (int8: kPerLoad
+  // bytes; fp4: kPerLoad / 2, value 2j in the low nibble)
+  if constexpr (std::is_same_v<Codes, Int8Codes>) {
+    if (vector) {
 #pragma unroll
-    for (int l = 0; l < kLoads; ++l) {
-      uint32_t words[kPerLoad / 4];
+      for (int l = 0; l < kLoads; ++l) {
+        uint32_t words[kPerLoad / 4];
 #pragma unroll
-      for (int w = 0; w < kPerLoad / 4; ++w) {
-        const int* rr = r + l * kPerLoad + w * 4;
-        words[w] = (rr[0] & 0xff) | ((rr[1] & 0xff) << 8) | ((rr[2] & 0xff) << 16) |
-                   (static_cast<uint32_t>(rr[3] & 0xff) << 24);
+        for (int w = 0; w < kPerLoad / 4; ++w) {
+          const int* rr = r + l * kPerLoad + w * 4;
+          words[w] = (rr[0] & 0xff) | ((rr[1] & 0xff) << 8) | ((rr[2] & 0xff) << 16) |
+                     (static_cast<uint32_t>(rr[3] & 0xff) << 24);
+        }
+        int8_t* dst = q + start + (t + G * l) * kPerLoad;
+        if constexpr (kPerLoad == 4) {
+          *reinterpret_cast<uint32_t*>(dst) = words[0];
+        } else {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+        }
       }
-      int8_t* dst = q + start + (t + G * l) * kPerLoad;
-      if constexpr (kPerLoad == 4) {
-        *reinterpret_cast<uint32_t*>(dst) = words[0];
-      } else {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+    } else {
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+#pragma unroll
+        for (int j = 0; j < kPerLoad; ++j) {
+          const int64_t i = start + (t + G * l) * kPerLoad + j;
+          if (i < n) q[i] = static_cast<int8_t>(r[l * kPerLoad + j]);
+        }
       }
     }
   } else {
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
+      uint32_t word = 0;  // kPerLoad codes: 16 or 32 bits
 #pragma unroll
-      for (int j = 0; j < kPerLoad; ++j) {
-        const int64_t i = start + (t + G * l) * kPerLoad + j;
-        if (i < n) q[i] = static_cast<int8_t>(r[l * kPerLoad + j]);
+      for (int j = 0; j < kPerLoad; ++j) word |= static_cast<uint32_t>(r[l * kPerLoad + j]) << (4 * j);
+      const int64_t first = start + (t + G * l) * kPerLoad;  // even: a run starts a byte
+      uint8_t* dst = q + first / 2;
+      if (vector) {
+        if constexpr (kPerLoad == 4) {
+          *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word);
+        } else {
+          *reinterpret_cast<uint32_t*>(dst) = word;
+        }
+      } else {
+#pragma unroll
+        for (int b = 0; b < kPerLoad / 2; ++b) {  // past n the values were 0: code 0
+          if (first + 2 * b < n) dst[b] = static_cast<uint8_t>(word >> (8 * b));
+        }
       }
     }
   }
 }
 
-template <class In, int G>
-void launch_quantize(const void* x, int64_t n, bool aligned, int8_t* q, float* scales, std::optional<uint32_t> seed,
-                     cudaStream_t stream) {
+template <class In, class Codes, int G>
+void launch_quantize(const void* x, int64_t n, bool aligned, typename Codes::Code* q, float* scales,
+                     std::optional<uint32_t> seed, cudaStream_t stream) {
   constexpr int64_t B = int64_t{G} * kLoads * (16 / In::kSize);
   constexpr int64_t kGroups = kThreads / G;
   const int64_t nblocks = (n + B - 1) / B;
   const dim3 grid(static_cast<unsigned>((nblocks + kGroups - 1) / kGroups));
   if (seed) {
-    quantize_kernel<In, G, true><<<grid, kThreads, 0, stream>>>(x, n, aligned, q, scales, *seed);
+    quantize_kernel<In, Codes, G, true><<<grid, kThreads, 0, stream>>>(x, n, aligned, q, scales, *seed);
   } else {
-    quantize_kernel<In, G, false><<<grid, kThreads, 0, stream>>>(x, n, aligned, q, scales, 0);
+    quantize_kernel<In, Codes, G, false><<<grid, kThreads, 0, stream>>>(x, n, aligned, q, scales, 0);
   }
 }
 
 // block size -> threads per block for one element type: B = G * 4 * (16 / size)
-template <class In>
-void dispatch_quantize(const void* x, int64_t n, int64_t block, bool aligned, int8_t* q, float* scales,
+template <class In, class Codes>
+void dispatch_quantize(const void* x, int64_t n, int64_t block, bool aligned, typename Codes::Code* q, float* scales,
                        std::optional<uint32_t> seed, cudaStream_t stream) {
   constexpr int64_t kPerThread = kLoads * (16 / In::kSize);
   switch (block / kPerThread) {
-    case 1: return launch_quantize<In, 1>(x, n, aligned, q, scales, seed, stream);
-    case 2: return launch_quantize<In, 2>(x, n, aligned, q, scales, seed, stream);
-    case 4: return launch_quantize<In, 4>(x, n, aligned, q, scales, seed, stream);
-    case 8: return launch_quantize<In, 8>(x, n, aligned, q, scales, seed, stream);
-    case 16: return launch_quantize<In, 16>(x, n, aligned, q, scales, seed, stream);
-    case 32: return launch_quantize<In, 32>(x, n, aligned, q, scales, seed, stream);
-    case 64: return launch_quantize<In, 64>(x, n, aligned, q, scales, seed, stream);
-    case 128: return launch_quantize<In, 128>(x, n, aligned, q, scales, seed, stream);
-    case 256: return launch_quantize<In, 256>(x, n, aligned, q, scales, seed, stream);
+    case 1: return launch_quantize<In, Codes, 1>(x, n, aligned, q, scales, seed, stream);
+    case 2: return launch_quantize<In, Codes, 2>(x, n, aligned, q, scales, seed, stream);
+    case 4: return launch_quantize<In, Codes, 4>(x, n, aligned, q, scales, seed, stream);
+    case 8: return launch_quantize<In, Codes, 8>(x, n, aligned, q, scales, seed, stream);
+    case 16: return launch_quantize<In, Codes, 16>(x, n, aligned, q, scales, seed, stream);
+    case 32: return launch_quantize<In, Codes, 32>(x, n, aligned, q, scales, seed, stream);
+    case 64: return launch_quantize<In, Codes, 64>(x, n, aligned, q, scales, seed, stream);
+    case 128: return launch_quantize<In, Codes, 128>(x, n, aligned, q, scales, seed, stream);
+    case 256: return launch_quantize<In, Codes, 256>(x, n, aligned, q, scales, seed, stream);
     default: return;  // not reached: the callers check valid_block_size
   }
 }
@@ -283,32 +309,28 @@ struct OutF16 {
   }
 };
 
-__device__ __forceinline__ void unpack4(uint32_t w, float* out) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) out[k] = static_cast<float>(static_cast<int8_t>((w >> (8 * k)) & 0xffu));
-}
-
 __device__ __forceinline__ int64_t decode_warp_base() {
   return (int64_t{blockIdx.x} * (kThreads / 32) + threadIdx.x / 32) * kDecodePerWarp;
 }
 
-template <class Out>
+// Codes: Int8Codes or Fp4Codes (a lane's 4 values are 4 bytes or 2).
+template <class Codes, class Out>
 __global__ void __launch_bounds__(kThreads)
-    dequantize_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t n, int log2_block,
-                      bool aligned, void* __restrict__ y) {
+    dequantize_kernel(const typename Codes::Code* __restrict__ q, const float* __restrict__ scales, int64_t n,
+                      int log2_block, bool aligned, void* __restrict__ y) {
   const int64_t base = decode_warp_base() + 4 * (threadIdx.x % 32);
   if (aligned && base + 128 * (kDecodeRuns - 1) + 4 <= n) {
     uint32_t w[kDecodeRuns];
     float s[kDecodeRuns];
 #pragma unroll
     for (int k = 0; k < kDecodeRuns; ++k) {  // all loads first: 4 requests in flight
-      w[k] = *reinterpret_cast<const uint32_t*>(q + base + 128 * k);
+      w[k] = Codes::load4(q, base + 128 * k);
       s[k] = scales[(base + 128 * k) >> log2_block];
     }
 #pragma unroll
     for (int k = 0; k < kDecodeRuns; ++k) {
       float v[4];
-      unpack4(w[k], v);
+      Codes::unpack4(w[k], v);
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = __fmul_rn(v[j], s[k]);
       Out::store4(y, base + 128 * k, v);
@@ -316,15 +338,16 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     for (int k = 0; k < kDecodeRuns; ++k) {
       for (int64_t i = base + 128 * k; i < base + 128 * k + 4 && i < n; ++i) {
-        Out::store1(y, i, __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+        Out::store1(y, i, __fmul_rn(Codes::value(q, i), scales[i >> log2_block]));
       }
     }
   }
 }
 
+template <class Codes>
 __global__ void __launch_bounds__(kThreads)
-    dequantize_add_kernel(float* __restrict__ acc, const int8_t* __restrict__ q, const float* __restrict__ scales,
-                          int64_t n, int log2_block, bool aligned) {
+    dequantize_add_kernel(float* __restrict__ acc, const typename Codes::Code* __restrict__ q,
+                          const float* __restrict__ scales, int64_t n, int log2_block, bool aligned) {
   const int64_t base = decode_warp_base() + 4 * (threadIdx.x % 32);
   if (aligned && base + 128 * (kDecodeRuns - 1) + 4 <= n) {
     uint32_t w[kDecodeRuns];
@@ -332,14 +355,14 @@ __global__ void __launch_bounds__(kThreads)
     float4 a[kDecodeRuns];
 #pragma unroll
     for (int k = 0; k < kDecodeRuns; ++k) {
-      w[k] = *reinterpret_cast<const uint32_t*>(q + base + 128 * k);
+      w[k] = Codes::load4(q, base + 128 * k);
       s[k] = scales[(base + 128 * k) >> log2_block];
       a[k] = *reinterpret_cast<const float4*>(acc + base + 128 * k);
     }
 #pragma unroll
     for (int k = 0; k < kDecodeRuns; ++k) {
       float v[4];
-      unpack4(w[k], v);
+      Codes::unpack4(w[k], v);
       // multiply, then add: two roundings, as the format says
       a[k].x = __fadd_rn(a[k].x, __fmul_rn(v[0], s[k]));
       a[k].y = __fadd_rn(a[k].y, __fmul_rn(v[1], s[k]));
@@ -350,7 +373,7 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     for (int k = 0; k < kDecodeRuns; ++k) {
       for (int64_t i = base + 128 * k; i < base + 128 * k + 4 && i < n; ++i) {
-        acc[i] = __fadd_rn(acc[i], __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+        acc[i] = __fadd_rn(acc[i], __fmul_rn(Codes::value(q, i), scales[i >> log2_block]));
       }
     }
   }
@@ -369,54 +392,87 @@ dim3 decode_grid(int64_t n) {
   return dim3(static_cast<unsigned>((n + per_cta - 1) / per_cta));
 }
 
-}  // namespace
-
-cudaError_t quantize(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
-                     std::optional<uint32_t> seed, cudaStream_t stream) {
+template <class Codes>
+cudaError_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Codes::Code* q,
+                        float* scales, std::optional<uint32_t> seed, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const bool aligned = aligned16(x) && aligned16(q);  // torch allocations are; views at odd offsets are not
   switch (type) {
     case InputType::kFloat32:
-      dispatch_quantize<F32>(x, n, block, aligned, q, scales, seed, stream);
+      dispatch_quantize<F32, Codes>(x, n, block, aligned, q, scales, seed, stream);
       break;
     case InputType::kBFloat16:
-      dispatch_quantize<BF16>(x, n, block, aligned, q, scales, seed, stream);
+      dispatch_quantize<BF16, Codes>(x, n, block, aligned, q, scales, seed, stream);
       break;
     case InputType::kFloat16:
-      dispatch_quantize<F16>(x, n, block, aligned, q, scales, seed, stream);
+      dispatch_quantize<F16, Codes>(x, n, block, aligned, q, scales, seed, stream);
       break;
   }
   return cudaGetLastError();
 }
 
-cudaError_t dequantize(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type,
-                       cudaStream_t stream) {
+template <class Codes>
+cudaError_t dequantize_as(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                          InputType out_type, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const bool aligned = aligned16(q) && aligned16(y);
   const int lb = log2_of(block);
   switch (out_type) {
     case InputType::kFloat32:
-      dequantize_kernel<OutF32><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
+      dequantize_kernel<Codes, OutF32><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
       break;
     case InputType::kBFloat16:
-      dequantize_kernel<OutBF16><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
+      dequantize_kernel<Codes, OutBF16><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
       break;
     case InputType::kFloat16:
-      dequantize_kernel<OutF16><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
+      dequantize_kernel<Codes, OutF16><<<decode_grid(n), kThreads, 0, stream>>>(q, scales, n, lb, aligned, y);
       break;
   }
   return cudaGetLastError();
 }
 
-cudaError_t dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block,
-                           cudaStream_t stream) {
+template <class Codes>
+cudaError_t dequantize_add_as(float* acc, const typename Codes::Code* q, const float* scales, int64_t n,
+                              int64_t block, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const bool aligned = aligned16(q) && aligned16(acc);
-  dequantize_add_kernel<<<decode_grid(n), kThreads, 0, stream>>>(acc, q, scales, n, log2_of(block), aligned);
+  dequantize_add_kernel<Codes><<<decode_grid(n), kThreads, 0, stream>>>(acc, q, scales, n, log2_of(block), aligned);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t quantize(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+                     std::optional<uint32_t> seed, cudaStream_t stream) {
+  return quantize_as<Int8Codes>(x, type, n, block, q, scales, seed, stream);
+}
+
+cudaError_t dequantize(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type,
+                       cudaStream_t stream) {
+  return dequantize_as<Int8Codes>(q, scales, n, block, y, out_type, stream);
+}
+
+cudaError_t dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block,
+                           cudaStream_t stream) {
+  return dequantize_add_as<Int8Codes>(acc, q, scales, n, block, stream);
+}
+
+cudaError_t quantize_fp4(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                         std::optional<uint32_t> seed, cudaStream_t stream) {
+  return quantize_as<Fp4Codes>(x, type, n, block, q, scales, seed, stream);
+}
+
+cudaError_t dequantize_fp4(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                           InputType out_type, cudaStream_t stream) {
+  return dequantize_as<Fp4Codes>(q, scales, n, block, y, out_type, stream);
+}
+
+cudaError_t dequantize_add_fp4(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block,
+                               cudaStream_t stream) {
+  return dequantize_add_as<Fp4Codes>(acc, q, scales, n, block, stream);
 }
 
 }  // namespace prime::codec::cuda

@@ -1,4 +1,4 @@
-// The int8 block codec on raw CUDA device memory (docs/wire-format.md). Depends
+// The block codecs (int8, fp4) on raw CUDA device memory (docs/wire-format.md). Depends
 // only on the CUDA runtime: the torch ops (ops_cuda.cu) wrap it, and it can be
 // compile-checked without torch (tools/check_cuda_compile.sh).
 //
@@ -31,5 +31,15 @@ cudaError_t dequantize(const int8_t* q, const float* scales, int64_t n, int64_t 
 // acc[i] = acc[i] + float(q[i]) * scale (multiply, then add: never fused).
 cudaError_t dequantize_add(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block,
                            cudaStream_t stream);
+
+// fp4 (q: fp4_bytes(n) bytes, two codes each, value 2j in the low nibble of byte j):
+// each is its int8 namesake above for this format. 16-byte aligned pointers take the
+// vector path.
+cudaError_t quantize_fp4(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                         std::optional<uint32_t> seed, cudaStream_t stream);
+cudaError_t dequantize_fp4(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                           InputType out_type, cudaStream_t stream);
+cudaError_t dequantize_add_fp4(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block,
+                               cudaStream_t stream);
 
 }  // namespace prime::codec::cuda

@@ -2,8 +2,9 @@
 // by codec_cpu.cpp when the CPU has AVX2 and F16C.
 //
 // Quantize reads each block twice, both times from L1: once for max |x|, once
-// to scale, round and pack 32 values into one 32-byte store. No FMA: the target
-// below does not enable it and the build has -ffp-contract=off.
+// to scale, round and pack 32 values (int8: one 32-byte store; fp4: 16 bytes).
+// The block loop is shared; Int8Out and Fp4Out encode and store 32 values. No
+// FMA: the target below does not enable it and the build has -ffp-contract=off.
 #include "cpu_kernels.h"
 
 #if PRIME_CODEC_X86
@@ -14,6 +15,8 @@
 // templates or inline functions from other headers (see cpu_kernels.h).
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
+
+#include "cpu_simd_shared.h"
 
 namespace prime::codec::cpu {
 namespace {
@@ -54,6 +57,21 @@ inline uint32_t horizontal_max(__m256i m) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
 }
 
+// Pass 1 of quantize: max |x| of a whole block as bits (finite values order like their
+// bits; Inf and NaN above all of them).
+template <class In>
+inline uint32_t block_amax(const typename In::Elem* xb, int64_t block) {
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0, m2 = m0, m3 = m0;
+  for (int64_t i = 0; i < block; i += 32) {
+    prefetch32<typename In::Elem>(xb + i);
+    m0 = _mm256_max_epi32(m0, abs_bits(In::load(xb + i)));
+    m1 = _mm256_max_epi32(m1, abs_bits(In::load(xb + i + 8)));
+    m2 = _mm256_max_epi32(m2, abs_bits(In::load(xb + i + 16)));
+    m3 = _mm256_max_epi32(m3, abs_bits(In::load(xb + i + 24)));
+  }
+  return horizontal_max(_mm256_max_epi32(_mm256_max_epi32(m0, m1), _mm256_max_epi32(m2, m3)));
+}
+
 inline __m256i fmix32x8(__m256i h) {
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
@@ -62,66 +80,131 @@ inline __m256i fmix32x8(__m256i h) {
   return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
 }
 
-// Round to nearest even (vcvtps2dq in the default MXCSR mode).
-inline __m256i round_nearest(__m256 v) { return _mm256_cvtps_epi32(v); }
-
-// floor(v) + (u < v - floor(v)), u from the counter hash of the low index bits.
-inline __m256i round_stochastic(__m256 v, __m256i lo, __m256i key) {
+// u in [0, 1) of the counter hash at the low index bits `lo` (exact).
+inline __m256 uniform8(__m256i lo, __m256i key) {
   const __m256i h = fmix32x8(_mm256_add_epi32(fmix32x8(_mm256_xor_si256(lo, key)), key));
-  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
-  const __m256 f = _mm256_floor_ps(v);
-  const __m256 up = _mm256_and_ps(_mm256_cmp_ps(u, _mm256_sub_ps(v, f), _CMP_LT_OQ), _mm256_set1_ps(1.0f));
-  return _mm256_cvtps_epi32(_mm256_add_ps(f, up));  // an integer already: exact
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
 }
 
-// 32 int32 (in [-2^31, 2^31)) -> 32 int8 clamped to [-127, 127], in order.
-inline void store32(int8_t* q, __m256i r0, __m256i r1, __m256i r2, __m256i r3) {
-  // packs work per 128-bit lane; the permute below puts the dwords back in order
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  // saturation clamped to [-128, 127]; -128 is not in the format
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_max_epi8(ordered, _mm256_set1_epi8(-127)));
-}
+// ---- int8: 32 values -> 32 bytes ----
+struct Int8Out {
+  using Code = int8_t;
+  static constexpr float kQMax = 127.0f;
+  static constexpr int64_t kBytesPer32 = 32;
+  static constexpr auto& scalar = quantize_scalar;
 
-template <class In, bool kStochastic>
-int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block, int8_t* q,
-                             float* scales, uint32_t seed, int64_t first_index) {
+  // 32 int32 (in [-2^31, 2^31)) -> 32 int8 clamped to [-127, 127], in order.
+  static void store32(int8_t* q, __m256i r0, __m256i r1, __m256i r2, __m256i r3) {
+    // packs work per 128-bit lane; the permute below puts the dwords back in order
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // saturation clamped to [-128, 127]; -128 is not in the format
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_max_epi8(ordered, _mm256_set1_epi8(-127)));
+  }
+  // Round to nearest even (vcvtps2dq in the default MXCSR mode).
+  static __m256i nearest(__m256 v) { return _mm256_cvtps_epi32(v); }
+  // floor(v) + (u < v - floor(v)).
+  static __m256i stochastic(__m256 v, __m256 u) {
+    const __m256 f = _mm256_floor_ps(v);
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(u, _mm256_sub_ps(v, f), _CMP_LT_OQ), _mm256_set1_ps(1.0f));
+    return _mm256_cvtps_epi32(_mm256_add_ps(f, up));  // an integer already: exact
+  }
+};
+
+// ---- fp4: 32 values -> 16 bytes ----
+inline __m256 abs_ps(__m256 v) { return _mm256_castsi256_ps(abs_bits(v)); }
+
+// +1 in every lane where a compare (all ones: -1) held.
+inline __m256i count_if(__m256i m, __m256 cmp) { return _mm256_sub_epi32(m, _mm256_castps_si256(cmp)); }
+
+struct Fp4Out {
+  using Code = uint8_t;
+  static constexpr float kQMax = kFp4Max;
+  static constexpr int64_t kBytesPer32 = 16;
+  static constexpr auto& scalar = quantize_fp4_scalar;
+
+  // 32 codes (int32 in [0, 16)) -> 16 bytes, value 2j in the low nibble of byte j.
+  static void store32(uint8_t* q, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // each 16-bit word holds codes 2j (low byte) and 2j + 1: fold them into its low byte
+    const __m256i pairs =
+        _mm256_and_si256(_mm256_or_si256(ordered, _mm256_srli_epi16(ordered, 4)), _mm256_set1_epi16(0xff));
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
+  }
+  // Adds the sign (8) to a nonzero magnitude m of a negative v.
+  static __m256i signed_code(__m256 v, __m256i m) {
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    const __m256i nonzero = _mm256_cmpgt_epi32(m, _mm256_setzero_si256());
+    return _mm256_or_si256(m, _mm256_and_si256(_mm256_and_si256(neg, nonzero), _mm256_set1_epi32(8)));
+  }
+  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
+  static __m256i signed_nearest(__m256 v, __m256i m) {
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ));
+    return _mm256_or_si256(m, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+  }
+  // The nearest magnitude (a midpoint to the even index), in fewer operations than counting
+  // midpoints (cpu_kernels.h fp4_nearest, the definition; the tests hold them equal):
+  // below 2 the levels are the multiples of 0.5, so m = round_half_even(2t) (2t exact); from 2
+  // on they are the floats with one mantissa bit, and rounding t's bits to one mantissa bit
+  // (add 2^21 - 1 plus the kept bit, a carry into the exponent included) gives
+  // m = (rounded bits >> 22) - 252 (2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7).
+  static __m256i nearest(__m256 v) {
+    const __m256i bits = abs_bits(v);
+    const __m256 t = _mm256_castsi256_ps(bits);
+    const __m256i low = _mm256_cvtps_epi32(_mm256_add_ps(t, t));
+    const __m256i kept = _mm256_and_si256(_mm256_srli_epi32(bits, 22), _mm256_set1_epi32(1));
+    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(kept, _mm256_set1_epi32(0x1fffff - (252 << 22))));
+    const __m256i high = _mm256_srli_epi32(rounded, 22);
+    const __m256 below2 = _mm256_cmp_ps(t, _mm256_set1_ps(2.0f), _CMP_LT_OQ);
+    return signed_nearest(v, _mm256_blendv_epi8(high, low, _mm256_castps_si256(below2)));
+  }
+  // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
+  // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
+  static __m256i stochastic(__m256 v, __m256 u) {
+    const __m256 t = abs_ps(v);
+    __m256i l = _mm256_setzero_si256();
+    for (int k = 1; k < 8; ++k) l = count_if(l, _mm256_cmp_ps(t, _mm256_set1_ps(kFp4Values[k]), _CMP_GE_OQ));
+    const __m256 low = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), l);
+    const __m256 inv_gap = _mm256_permutevar8x32_ps(_mm256_setr_ps(2.f, 2.f, 2.f, 2.f, 1.f, 1.f, .5f, 0.f), l);
+    const __m256 frac = _mm256_mul_ps(_mm256_sub_ps(t, low), inv_gap);
+    return signed_code(v, count_if(l, _mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
+  }
+};
+
+template <class In, class Out, bool kStochastic>
+int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
+                             typename Out::Code* q, float* scales, uint32_t seed, int64_t first_index) {
   int64_t bad_blocks = 0;
+  const int64_t block_bytes = block / 32 * Out::kBytesPer32;
   for (int64_t b = 0; b < nblocks; ++b) {
     const typename In::Elem* xb = x + b * block;
-    int8_t* qb = q + b * block;
-    // pass 1: max |x| as bits (finite values order like their bits; Inf/NaN above all)
-    __m256i m0 = _mm256_setzero_si256(), m1 = m0, m2 = m0, m3 = m0;
-    for (int64_t i = 0; i < block; i += 32) {
-      prefetch32<typename In::Elem>(xb + i);
-      m0 = _mm256_max_epi32(m0, abs_bits(In::load(xb + i)));
-      m1 = _mm256_max_epi32(m1, abs_bits(In::load(xb + i + 8)));
-      m2 = _mm256_max_epi32(m2, abs_bits(In::load(xb + i + 16)));
-      m3 = _mm256_max_epi32(m3, abs_bits(In::load(xb + i + 24)));
-    }
-    const uint32_t amax = horizontal_max(_mm256_max_epi32(_mm256_max_epi32(m0, m1), _mm256_max_epi32(m2, m3)));
+    typename Out::Code* qb = q + b * block_bytes;
+    const uint32_t amax = block_amax<In>(xb, block);
     if (amax >= kInfBits) {
       scales[b] = bits_float(kCanonicalNaN);
-      std::memset(qb, 0, block);
+      std::memset(qb, 0, static_cast<size_t>(block_bytes));
       ++bad_blocks;
       continue;
     }
     float inv;
-    block_scale(amax, scales + b, &inv);
+    block_scale(amax, Out::kQMax, scales + b, &inv);
     const __m256 vinv = _mm256_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     if constexpr (!kStochastic) {
       for (int64_t i = 0; i < block; i += 32) {
-        store32(qb + i, round_nearest(_mm256_mul_ps(In::load(xb + i), vinv)),
-                round_nearest(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
-                round_nearest(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
-                round_nearest(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
+        Out::store32(qb + i / 32 * Out::kBytesPer32, Out::nearest(_mm256_mul_ps(In::load(xb + i), vinv)),
+                     Out::nearest(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
+                     Out::nearest(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
+                     Out::nearest(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
       }
     } else {
       const int64_t first = first_index + b * block;
       if (!same_key_range(first, block)) {  // indices cross a multiple of 2^32: rare, plain code
         float scale_unused;
-        quantize_scalar(xb, type, block, block, qb, &scale_unused, true, seed, first);
+        Out::scalar(xb, type, block, block, qb, &scale_unused, true, seed, first);
         continue;
       }
       const __m256i key = _mm256_set1_epi32(static_cast<int>(
@@ -133,50 +216,74 @@ int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t
         const __m256i eight = _mm256_set1_epi32(8);
         const __m256i lo1 = _mm256_add_epi32(lo, eight), lo2 = _mm256_add_epi32(lo1, eight);
         const __m256i lo3 = _mm256_add_epi32(lo2, eight);
-        store32(qb + i, round_stochastic(_mm256_mul_ps(In::load(xb + i), vinv), lo, key),
-                round_stochastic(_mm256_mul_ps(In::load(xb + i + 8), vinv), lo1, key),
-                round_stochastic(_mm256_mul_ps(In::load(xb + i + 16), vinv), lo2, key),
-                round_stochastic(_mm256_mul_ps(In::load(xb + i + 24), vinv), lo3, key));
+        Out::store32(qb + i / 32 * Out::kBytesPer32,
+                     Out::stochastic(_mm256_mul_ps(In::load(xb + i), vinv), uniform8(lo, key)),
+                     Out::stochastic(_mm256_mul_ps(In::load(xb + i + 8), vinv), uniform8(lo1, key)),
+                     Out::stochastic(_mm256_mul_ps(In::load(xb + i + 16), vinv), uniform8(lo2, key)),
+                     Out::stochastic(_mm256_mul_ps(In::load(xb + i + 24), vinv), uniform8(lo3, key)));
       }
     }
   }
   return bad_blocks;
 }
 
-template <class In>
-int64_t quantize_typed(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+template <class In, class Out>
+int64_t quantize_typed(const void* x, InputType type, int64_t n, int64_t block, typename Out::Code* q, float* scales,
                        bool stochastic, uint32_t seed, int64_t first_index) {
   const auto* xt = static_cast<const typename In::Elem*>(x);
   const int64_t full = n / block;
-  int64_t bad = stochastic ? quantize_full_blocks<In, true>(xt, type, full, block, q, scales, seed, first_index)
-                           : quantize_full_blocks<In, false>(xt, type, full, block, q, scales, seed, first_index);
+  int64_t bad = stochastic ? quantize_full_blocks<In, Out, true>(xt, type, full, block, q, scales, seed, first_index)
+                           : quantize_full_blocks<In, Out, false>(xt, type, full, block, q, scales, seed, first_index);
   const int64_t done = full * block;
   if (done < n) {  // the short last block
-    bad += quantize_scalar(xt + done, type, n - done, block, q + done, scales + full, stochastic, seed,
-                           first_index + done);
+    bad += Out::scalar(xt + done, type, n - done, block, q + done / 32 * Out::kBytesPer32, scales + full, stochastic,
+                       seed, first_index + done);
   }
   return bad;
 }
 
+template <class Out>
+int64_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Out::Code* q, float* scales,
+                    bool stochastic, uint32_t seed, int64_t first_index) {
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    return quantize_typed<decltype(in), Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  });
+}
+
 int64_t quantize_avx2(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                       bool stochastic, uint32_t seed, int64_t first_index) {
-  switch (type) {
-    case InputType::kFloat32:
-      return quantize_typed<LoadF32>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kBFloat16:
-      return quantize_typed<LoadBF16>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kFloat16:
-      return quantize_typed<LoadF16>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  return quantize_as<Int8Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+}
+
+int64_t quantize_fp4_avx2(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                          bool stochastic, uint32_t seed, int64_t first_index) {
+  return quantize_as<Fp4Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+}
+
+// ---- decoding: 8 values at element i of a block's codes, times the scale ----
+
+struct Int8In : Int8Codes {
+  static __m256 decode8(const int8_t* q, int64_t i, __m256 scale) {
+    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
   }
-  return 0;
-}
+};
 
-// ---- decoding ----
-
-inline __m256 decode8(const int8_t* q, __m256 scale) {
-  const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
-}
+struct Fp4In : Fp4Codes {
+  // i: a multiple of 8. The 4 bytes widen to 4 qwords; each becomes its two codes as dwords
+  // (low nibble | high nibble << 32): 8 codes in order. The magnitude comes from a table of
+  // 8, the sign bit from bit 3 of the code.
+  static __m256 decode8(const uint8_t* q, int64_t i, __m256 scale) {
+    int32_t word;
+    std::memcpy(&word, q + i / 2, 4);
+    const __m256i b = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(word));
+    const __m256i codes = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi64x(0xf)),
+                                          _mm256_slli_epi64(_mm256_and_si256(b, _mm256_set1_epi64x(0xf0)), 28));
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), codes);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+    return _mm256_mul_ps(_mm256_or_ps(magnitude, _mm256_castsi256_ps(sign)), scale);
+  }
+};
 
 struct StoreF32 {
   using Elem = float;
@@ -202,53 +309,66 @@ struct StoreF16 {
   }
 };
 
-template <class Out>
-void dequantize_typed(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+template <class Codes, class Out>
+void dequantize_typed(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                      InputType out_type) {
   auto* yt = static_cast<typename Out::Elem*>(y);
   const int64_t full = n / block;
   for (int64_t b = 0; b < full; ++b) {
     const __m256 s = _mm256_set1_ps(scales[b]);
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 16) {
-      Out::store(yt + i, decode8(q + i, s));
-      Out::store(yt + i + 8, decode8(q + i + 8, s));
+      Out::store(yt + i, Codes::decode8(q, i, s));
+      Out::store(yt + i + 8, Codes::decode8(q, i + 8, s));
     }
   }
   const int64_t done = full * block;
-  if (done < n) dequantize_scalar(q + done, scales + full, n - done, block, yt + done, out_type);
+  if (done < n) Codes::dequantize_rest(q + Codes::bytes(done), scales + full, n - done, block, yt + done, out_type);
 }
 
-void dequantize_avx2(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
-  switch (out_type) {
-    case InputType::kFloat32:
-      return dequantize_typed<StoreF32>(q, scales, n, block, y, out_type);
-    case InputType::kBFloat16:
-      return dequantize_typed<StoreBF16>(q, scales, n, block, y, out_type);
-    case InputType::kFloat16:
-      return dequantize_typed<StoreF16>(q, scales, n, block, y, out_type);
-  }
+template <class Codes>
+void dequantize_as(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                   InputType out_type) {
+  with_type<StoreF32, StoreBF16, StoreF16>(out_type, [&](auto out) {
+    dequantize_typed<Codes, decltype(out)>(q, scales, n, block, y, out_type);
+  });
 }
 
-void dequantize_add_avx2(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
+template <class Codes>
+void dequantize_add_as(float* acc, const typename Codes::Code* q, const float* scales, int64_t n, int64_t block) {
   const int64_t full = n / block;
   for (int64_t b = 0; b < full; ++b) {
     const __m256 s = _mm256_set1_ps(scales[b]);
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 16) {
       // multiply, then add (never fused)
-      _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), decode8(q + i, s)));
-      _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), decode8(q + i + 8, s)));
+      _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), Codes::decode8(q, i, s)));
+      _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), Codes::decode8(q, i + 8, s)));
     }
   }
   const int64_t done = full * block;
-  if (done < n) dequantize_add_scalar(acc + done, q + done, scales + full, n - done, block);
+  if (done < n) Codes::dequantize_add_rest(acc + done, q + Codes::bytes(done), scales + full, n - done, block);
+}
+
+void dequantize_avx2(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  dequantize_as<Int8In>(q, scales, n, block, y, out_type);
+}
+void dequantize_add_avx2(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_as<Int8In>(acc, q, scales, n, block);
+}
+void dequantize_fp4_avx2(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                         InputType out_type) {
+  dequantize_as<Fp4In>(q, scales, n, block, y, out_type);
+}
+void dequantize_add_fp4_avx2(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_as<Fp4In>(acc, q, scales, n, block);
 }
 
 // codec.h's quantize_error_sq over whole blocks: 8 values at a time, widened to
 // float64 (exact) before the subtraction, two float64 accumulators per sum.
-template <class In>
-void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float* scales, int64_t nblocks,
-                       int64_t block, double* err, double* ref) {
+template <class In, class Codes>
+void error_full_blocks(const typename In::Elem* x, const typename Codes::Code* q, const float* scales,
+                       int64_t nblocks, int64_t block, double* err, double* ref) {
   __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd(), r0 = _mm256_setzero_pd(), r1 = _mm256_setzero_pd();
   for (int64_t b = 0; b < nblocks; ++b) {
     if ((float_bits(scales[b]) & kAbsMask) >= kInfBits) continue;  // the block held NaN or Inf
@@ -256,7 +376,7 @@ void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float*
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 8) {
       const __m256 v = In::load(x + i);
-      const __m256 dq = decode8(q + i, s);  // dequantized, as dequantize rounds it
+      const __m256 dq = Codes::decode8(q, i, s);  // dequantized, as dequantize rounds it
       const __m256d vl = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
       const __m256d vh = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
       const __m256d dl = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(dq)), vl);
@@ -274,28 +394,34 @@ void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float*
   *ref += (r[0] + r[1]) + (r[2] + r[3]);
 }
 
-template <class In>
-void error_typed(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
-                 double* err, double* ref) {
+template <class In, class Codes>
+void error_typed(const void* x, InputType type, const typename Codes::Code* q, const float* scales, int64_t n,
+                 int64_t block, double* err, double* ref) {
   const auto* xt = static_cast<const typename In::Elem*>(x);
   const int64_t full = n / block;
-  error_full_blocks<In>(xt, q, scales, full, block, err, ref);
+  error_full_blocks<In, Codes>(xt, q, scales, full, block, err, ref);
   const int64_t done = full * block;
-  if (done < n) quantize_error_sq_scalar(xt + done, type, q + done, scales + full, n - done, block, err, ref);
+  if (done < n) Codes::error_rest(xt + done, type, q + Codes::bytes(done), scales + full, n - done, block, err, ref);
+}
+
+template <class Codes>
+void error_as(const void* x, InputType type, const typename Codes::Code* q, const float* scales, int64_t n,
+              int64_t block, double* err, double* ref) {
+  with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    error_typed<decltype(in), Codes>(x, type, q, scales, n, block, err, ref);
+  });
 }
 
 }  // namespace
 
 void quantize_error_sq_avx2(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                             int64_t block, double* err, double* ref) {
-  switch (type) {
-    case InputType::kFloat32:
-      return error_typed<LoadF32>(x, type, q, scales, n, block, err, ref);
-    case InputType::kBFloat16:
-      return error_typed<LoadBF16>(x, type, q, scales, n, block, err, ref);
-    case InputType::kFloat16:
-      return error_typed<LoadF16>(x, type, q, scales, n, block, err, ref);
-  }
+  error_as<Int8In>(x, type, q, scales, n, block, err, ref);
+}
+
+void quantize_error_sq_fp4_avx2(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                                int64_t block, double* err, double* ref) {
+  error_as<Fp4In>(x, type, q, scales, n, block, err, ref);
 }
 
 }  // namespace prime::codec::cpu
@@ -303,7 +429,10 @@ void quantize_error_sq_avx2(const void* x, InputType type, const int8_t* q, cons
 #pragma GCC pop_options
 
 namespace prime::codec::cpu {
-Kernels avx2_kernels() { return {&quantize_avx2, &dequantize_avx2, &dequantize_add_avx2}; }
+Kernels avx2_kernels() {
+  return {&quantize_avx2,     &dequantize_avx2,     &dequantize_add_avx2,
+          &quantize_fp4_avx2, &dequantize_fp4_avx2, &dequantize_add_fp4_avx2};
+}
 }  // namespace prime::codec::cpu
 
 #endif  // PRIME_CODEC_X86

@@ -1,6 +1,7 @@
 // AVX-512F block kernels of the CPU codec, 16 fp32 lanes. Chosen at run time by
 // codec_cpu.cpp when the CPU has AVX-512F. Same structure as cpu_avx2.cpp: each
-// block is read twice, both times from L1 (max |x|, then scale-round-pack).
+// block is read twice, both times from L1 (max |x|, then scale-round-pack), and
+// one block loop serves both formats (Int8Out, Fp4Out encode and store 16 values).
 // No FMA: -ffp-contract=off and no fused intrinsics.
 #include "cpu_kernels.h"
 
@@ -16,6 +17,8 @@
 // _mm512_undefined_* helpers; nothing here reads an uninitialized value.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include "cpu_simd_shared.h"
 
 namespace prime::codec::cpu {
 namespace {
@@ -51,6 +54,19 @@ inline void prefetch32(const Elem* p) {
 
 inline __m512i abs_bits(__m512 v) { return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(kAbsMask)); }
 
+// Pass 1 of quantize: max |x| of a whole block as bits (finite values order like their
+// bits; Inf and NaN above all of them).
+template <class In>
+inline uint32_t block_amax(const typename In::Elem* xb, int64_t block) {
+  __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+  for (int64_t i = 0; i < block; i += 32) {
+    prefetch32<typename In::Elem>(xb + i);
+    m0 = _mm512_max_epu32(m0, abs_bits(In::load(xb + i)));
+    m1 = _mm512_max_epu32(m1, abs_bits(In::load(xb + i + 16)));
+  }
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+}
+
 inline __m512i fmix32x16(__m512i h) {
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
@@ -59,58 +75,117 @@ inline __m512i fmix32x16(__m512i h) {
   return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-inline __m512i round_nearest(__m512 v) { return _mm512_cvt_roundps_epi32(v, kNearest); }
-
-// floor(v) + (u < v - floor(v)), u from the counter hash of the low index bits.
-inline __m512i round_stochastic(__m512 v, __m512i lo, __m512i key) {
+// u in [0, 1) of the counter hash at the low index bits `lo` (exact).
+inline __m512 uniform16(__m512i lo, __m512i key) {
   const __m512i h = fmix32x16(_mm512_add_epi32(fmix32x16(_mm512_xor_si512(lo, key)), key));
-  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
-  const __m512 f = _mm512_floor_ps(v);
-  const __mmask16 up = _mm512_cmp_ps_mask(u, _mm512_sub_ps(v, f), _CMP_LT_OQ);
-  return _mm512_cvt_roundps_epi32(_mm512_mask_add_ps(f, up, f, _mm512_set1_ps(1.0f)), kNearest);  // exact
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
 }
 
-// 16 int32 -> 16 int8 clamped to [-127, 127] (vpmovsdb saturates to [-128, 127]).
-inline void store16(int8_t* q, __m512i r) {
-  const __m128i b = _mm_max_epi8(_mm512_cvtsepi32_epi8(r), _mm_set1_epi8(-127));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), b);
-}
+// ---- int8: 16 values -> 16 bytes ----
+struct Int8Out {
+  using Code = int8_t;
+  static constexpr float kQMax = 127.0f;
+  static constexpr int64_t kBytesPer16 = 16;
+  static constexpr auto& scalar = quantize_scalar;
 
-template <class In, bool kStochastic>
-int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block, int8_t* q,
-                             float* scales, uint32_t seed, int64_t first_index) {
+  // 16 int32 -> 16 int8 clamped to [-127, 127] (vpmovsdb saturates to [-128, 127]).
+  static void store16(int8_t* q, __m512i r) {
+    const __m128i b = _mm_max_epi8(_mm512_cvtsepi32_epi8(r), _mm_set1_epi8(-127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), b);
+  }
+  static __m512i nearest(__m512 v) { return _mm512_cvt_roundps_epi32(v, kNearest); }
+  // floor(v) + (u < v - floor(v)).
+  static __m512i stochastic(__m512 v, __m512 u) {
+    const __m512 f = _mm512_floor_ps(v);
+    const __mmask16 up = _mm512_cmp_ps_mask(u, _mm512_sub_ps(v, f), _CMP_LT_OQ);
+    return _mm512_cvt_roundps_epi32(_mm512_mask_add_ps(f, up, f, _mm512_set1_ps(1.0f)), kNearest);  // exact
+  }
+};
+
+// ---- fp4: 16 values -> 8 bytes ----
+inline __m512 abs_ps(__m512 v) { return _mm512_castsi512_ps(abs_bits(v)); }
+
+// +1 in every lane where `mask` is set.
+inline __m512i count_if(__m512i m, __mmask16 mask) { return _mm512_mask_add_epi32(m, mask, m, _mm512_set1_epi32(1)); }
+
+struct Fp4Out {
+  using Code = uint8_t;
+  static constexpr float kQMax = kFp4Max;
+  static constexpr int64_t kBytesPer16 = 8;
+  static constexpr auto& scalar = quantize_fp4_scalar;
+
+  // 16 codes (int32 in [0, 16)) -> 8 bytes, value 2j in the low nibble of byte j: as 8
+  // qwords (code 2j | code 2j+1 << 32), the low byte of q | q >> 28 is the pair's byte.
+  static void store16(uint8_t* q, __m512i c) {
+    const __m128i b = _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q), b);
+  }
+  // Adds the sign (8) to a nonzero magnitude m of a negative v.
+  static __m512i signed_code(__m512 v, __m512i m) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(m, m);
+    return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
+  }
+  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
+  static __m512i signed_nearest(__m512 v, __m512i m) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-0.25f), _CMP_LT_OQ);
+    return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
+  }
+  // The nearest magnitude (a midpoint to the even index) as cpu_avx2.cpp computes it: below 2,
+  // round_half_even(2t); from 2 on, t's bits rounded to one mantissa bit, (bits >> 22) - 252.
+  static __m512i nearest(__m512 v) {
+    const __m512i bits = abs_bits(v);
+    const __m512 t = _mm512_castsi512_ps(bits);
+    const __m512i low = _mm512_cvt_roundps_epi32(_mm512_add_ps(t, t), kNearest);
+    const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1));
+    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(kept, _mm512_set1_epi32(0x1fffff - (252 << 22))));
+    const __m512i high = _mm512_srli_epi32(rounded, 22);
+    return signed_nearest(v, _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(t, _mm512_set1_ps(2.0f), _CMP_LT_OQ), high, low));
+  }
+  // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
+  // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
+  static __m512i stochastic(__m512 v, __m512 u) {
+    const __m512 t = abs_ps(v);
+    __m512i l = _mm512_setzero_si512();
+    for (int k = 1; k < 8; ++k) l = count_if(l, _mm512_cmp_ps_mask(t, _mm512_set1_ps(kFp4Values[k]), _CMP_GE_OQ));
+    const __m512 low = _mm512_permutexvar_ps(l, _mm512_loadu_ps(kFp4Values));
+    const __m512 inv_gap = _mm512_permutexvar_ps(
+        l, _mm512_setr_ps(2.f, 2.f, 2.f, 2.f, 1.f, 1.f, .5f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
+    const __m512 frac = _mm512_mul_ps(_mm512_sub_ps(t, low), inv_gap);
+    return signed_code(v, count_if(l, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ)));
+  }
+};
+
+template <class In, class Out, bool kStochastic>
+int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
+                             typename Out::Code* q, float* scales, uint32_t seed, int64_t first_index) {
   int64_t bad_blocks = 0;
+  const int64_t block_bytes = block / 16 * Out::kBytesPer16;
   for (int64_t b = 0; b < nblocks; ++b) {
     const typename In::Elem* xb = x + b * block;
-    int8_t* qb = q + b * block;
-    // pass 1: max |x| as bits (finite values order like their bits; Inf/NaN above all)
-    __m512i m0 = _mm512_setzero_si512(), m1 = m0;
-    for (int64_t i = 0; i < block; i += 32) {
-      prefetch32<typename In::Elem>(xb + i);
-      m0 = _mm512_max_epu32(m0, abs_bits(In::load(xb + i)));
-      m1 = _mm512_max_epu32(m1, abs_bits(In::load(xb + i + 16)));
-    }
-    const uint32_t amax = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+    typename Out::Code* qb = q + b * block_bytes;
+    const uint32_t amax = block_amax<In>(xb, block);
     if (amax >= kInfBits) {
       scales[b] = bits_float(kCanonicalNaN);
-      std::memset(qb, 0, block);
+      std::memset(qb, 0, static_cast<size_t>(block_bytes));
       ++bad_blocks;
       continue;
     }
     float inv;
-    block_scale(amax, scales + b, &inv);
+    block_scale(amax, Out::kQMax, scales + b, &inv);
     const __m512 vinv = _mm512_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     if constexpr (!kStochastic) {
       for (int64_t i = 0; i < block; i += 32) {
-        store16(qb + i, round_nearest(_mm512_mul_ps(In::load(xb + i), vinv)));
-        store16(qb + i + 16, round_nearest(_mm512_mul_ps(In::load(xb + i + 16), vinv)));
+        typename Out::Code* qi = qb + i / 16 * Out::kBytesPer16;
+        Out::store16(qi, Out::nearest(_mm512_mul_ps(In::load(xb + i), vinv)));
+        Out::store16(qi + Out::kBytesPer16, Out::nearest(_mm512_mul_ps(In::load(xb + i + 16), vinv)));
       }
     } else {
       const int64_t first = first_index + b * block;
       if (!same_key_range(first, block)) {  // indices cross a multiple of 2^32: rare, plain code
         float scale_unused;
-        quantize_scalar(xb, type, block, block, qb, &scale_unused, true, seed, first);
+        Out::scalar(xb, type, block, block, qb, &scale_unused, true, seed, first);
         continue;
       }
       const __m512i key = _mm512_set1_epi32(static_cast<int>(
@@ -120,48 +195,68 @@ int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t
         // low 32 bits of the index; wraps like the uint32 arithmetic of the format
         const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first + i))), lane);
         const __m512i lo1 = _mm512_add_epi32(lo, _mm512_set1_epi32(16));
-        store16(qb + i, round_stochastic(_mm512_mul_ps(In::load(xb + i), vinv), lo, key));
-        store16(qb + i + 16, round_stochastic(_mm512_mul_ps(In::load(xb + i + 16), vinv), lo1, key));
+        typename Out::Code* qi = qb + i / 16 * Out::kBytesPer16;
+        Out::store16(qi, Out::stochastic(_mm512_mul_ps(In::load(xb + i), vinv), uniform16(lo, key)));
+        Out::store16(qi + Out::kBytesPer16,
+                     Out::stochastic(_mm512_mul_ps(In::load(xb + i + 16), vinv), uniform16(lo1, key)));
       }
     }
   }
   return bad_blocks;
 }
 
-template <class In>
-int64_t quantize_typed(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
+template <class In, class Out>
+int64_t quantize_typed(const void* x, InputType type, int64_t n, int64_t block, typename Out::Code* q, float* scales,
                        bool stochastic, uint32_t seed, int64_t first_index) {
   const auto* xt = static_cast<const typename In::Elem*>(x);
   const int64_t full = n / block;
-  int64_t bad = stochastic ? quantize_full_blocks<In, true>(xt, type, full, block, q, scales, seed, first_index)
-                           : quantize_full_blocks<In, false>(xt, type, full, block, q, scales, seed, first_index);
+  int64_t bad = stochastic ? quantize_full_blocks<In, Out, true>(xt, type, full, block, q, scales, seed, first_index)
+                           : quantize_full_blocks<In, Out, false>(xt, type, full, block, q, scales, seed, first_index);
   const int64_t done = full * block;
   if (done < n) {  // the short last block
-    bad += quantize_scalar(xt + done, type, n - done, block, q + done, scales + full, stochastic, seed,
-                           first_index + done);
+    bad += Out::scalar(xt + done, type, n - done, block, q + done / 16 * Out::kBytesPer16, scales + full, stochastic,
+                       seed, first_index + done);
   }
   return bad;
 }
 
+template <class Out>
+int64_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Out::Code* q, float* scales,
+                    bool stochastic, uint32_t seed, int64_t first_index) {
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    return quantize_typed<decltype(in), Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  });
+}
+
 int64_t quantize_avx512(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                         bool stochastic, uint32_t seed, int64_t first_index) {
-  switch (type) {
-    case InputType::kFloat32:
-      return quantize_typed<LoadF32>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kBFloat16:
-      return quantize_typed<LoadBF16>(x, type, n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kFloat16:
-      return quantize_typed<LoadF16>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  return quantize_as<Int8Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+}
+
+int64_t quantize_fp4_avx512(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                            bool stochastic, uint32_t seed, int64_t first_index) {
+  return quantize_as<Fp4Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+}
+
+// ---- decoding: 16 values at element i of a block's codes, times the scale ----
+
+struct Int8In : Int8Codes {
+  static __m512 decode16(const int8_t* q, int64_t i, __m512 scale) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(w), scale);
   }
-  return 0;
-}
+};
 
-// ---- decoding ----
-
-inline __m512 decode16(const int8_t* q, __m512 scale) {
-  const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(w), scale);
-}
+struct Fp4In : Fp4Codes {
+  // i: a multiple of 16. The 8 bytes widen to 8 qwords; each becomes its two codes as
+  // dwords (low nibble | high nibble << 32): 16 codes in order, looked up in the table of 16.
+  static __m512 decode16(const uint8_t* q, int64_t i, __m512 scale) {
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i / 2)));
+    const __m512i codes = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi64(0xf)),
+                                          _mm512_slli_epi64(_mm512_and_si512(b, _mm512_set1_epi64(0xf0)), 28));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kFp4Values)), scale);
+  }
+};
 
 struct StoreF32 {
   using Elem = float;
@@ -187,53 +282,66 @@ struct StoreF16 {
   }
 };
 
-template <class Out>
-void dequantize_typed(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+template <class Codes, class Out>
+void dequantize_typed(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                      InputType out_type) {
   auto* yt = static_cast<typename Out::Elem*>(y);
   const int64_t full = n / block;
   for (int64_t b = 0; b < full; ++b) {
     const __m512 s = _mm512_set1_ps(scales[b]);
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 32) {
-      Out::store(yt + i, decode16(q + i, s));
-      Out::store(yt + i + 16, decode16(q + i + 16, s));
+      Out::store(yt + i, Codes::decode16(q, i, s));
+      Out::store(yt + i + 16, Codes::decode16(q, i + 16, s));
     }
   }
   const int64_t done = full * block;
-  if (done < n) dequantize_scalar(q + done, scales + full, n - done, block, yt + done, out_type);
+  if (done < n) Codes::dequantize_rest(q + Codes::bytes(done), scales + full, n - done, block, yt + done, out_type);
 }
 
-void dequantize_avx512(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
-  switch (out_type) {
-    case InputType::kFloat32:
-      return dequantize_typed<StoreF32>(q, scales, n, block, y, out_type);
-    case InputType::kBFloat16:
-      return dequantize_typed<StoreBF16>(q, scales, n, block, y, out_type);
-    case InputType::kFloat16:
-      return dequantize_typed<StoreF16>(q, scales, n, block, y, out_type);
-  }
+template <class Codes>
+void dequantize_as(const typename Codes::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                   InputType out_type) {
+  with_type<StoreF32, StoreBF16, StoreF16>(out_type, [&](auto out) {
+    dequantize_typed<Codes, decltype(out)>(q, scales, n, block, y, out_type);
+  });
 }
 
-void dequantize_add_avx512(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
+template <class Codes>
+void dequantize_add_as(float* acc, const typename Codes::Code* q, const float* scales, int64_t n, int64_t block) {
   const int64_t full = n / block;
   for (int64_t b = 0; b < full; ++b) {
     const __m512 s = _mm512_set1_ps(scales[b]);
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 32) {
       // multiply, then add (never fused)
-      _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), decode16(q + i, s)));
-      _mm512_storeu_ps(acc + i + 16, _mm512_add_ps(_mm512_loadu_ps(acc + i + 16), decode16(q + i + 16, s)));
+      _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), Codes::decode16(q, i, s)));
+      _mm512_storeu_ps(acc + i + 16, _mm512_add_ps(_mm512_loadu_ps(acc + i + 16), Codes::decode16(q, i + 16, s)));
     }
   }
   const int64_t done = full * block;
-  if (done < n) dequantize_add_scalar(acc + done, q + done, scales + full, n - done, block);
+  if (done < n) Codes::dequantize_add_rest(acc + done, q + Codes::bytes(done), scales + full, n - done, block);
+}
+
+void dequantize_avx512(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  dequantize_as<Int8In>(q, scales, n, block, y, out_type);
+}
+void dequantize_add_avx512(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_as<Int8In>(acc, q, scales, n, block);
+}
+void dequantize_fp4_avx512(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                           InputType out_type) {
+  dequantize_as<Fp4In>(q, scales, n, block, y, out_type);
+}
+void dequantize_add_fp4_avx512(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_as<Fp4In>(acc, q, scales, n, block);
 }
 
 // codec.h's quantize_error_sq over whole blocks: 16 values at a time, widened to
 // float64 (exact) before the subtraction, two float64 accumulators per sum.
-template <class In>
-void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float* scales, int64_t nblocks,
-                       int64_t block, double* err, double* ref) {
+template <class In, class Codes>
+void error_full_blocks(const typename In::Elem* x, const typename Codes::Code* q, const float* scales,
+                       int64_t nblocks, int64_t block, double* err, double* ref) {
   __m512d e0 = _mm512_setzero_pd(), e1 = _mm512_setzero_pd(), r0 = _mm512_setzero_pd(), r1 = _mm512_setzero_pd();
   for (int64_t b = 0; b < nblocks; ++b) {
     if ((float_bits(scales[b]) & kAbsMask) >= kInfBits) continue;  // the block held NaN or Inf
@@ -241,7 +349,7 @@ void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float*
     const int64_t start = b * block;
     for (int64_t i = start; i < start + block; i += 16) {
       const __m512 v = In::load(x + i);
-      const __m512 dq = decode16(q + i, s);  // dequantized, as dequantize rounds it
+      const __m512 dq = Codes::decode16(q, i, s);  // dequantized, as dequantize rounds it
       const __m512d vl = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
       const __m512d vh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
       const __m512d dl = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(dq)), vl);
@@ -260,28 +368,34 @@ void error_full_blocks(const typename In::Elem* x, const int8_t* q, const float*
   *ref += ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
 }
 
-template <class In>
-void error_typed(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n, int64_t block,
-                 double* err, double* ref) {
+template <class In, class Codes>
+void error_typed(const void* x, InputType type, const typename Codes::Code* q, const float* scales, int64_t n,
+                 int64_t block, double* err, double* ref) {
   const auto* xt = static_cast<const typename In::Elem*>(x);
   const int64_t full = n / block;
-  error_full_blocks<In>(xt, q, scales, full, block, err, ref);
+  error_full_blocks<In, Codes>(xt, q, scales, full, block, err, ref);
   const int64_t done = full * block;
-  if (done < n) quantize_error_sq_scalar(xt + done, type, q + done, scales + full, n - done, block, err, ref);
+  if (done < n) Codes::error_rest(xt + done, type, q + Codes::bytes(done), scales + full, n - done, block, err, ref);
+}
+
+template <class Codes>
+void error_as(const void* x, InputType type, const typename Codes::Code* q, const float* scales, int64_t n,
+              int64_t block, double* err, double* ref) {
+  with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    error_typed<decltype(in), Codes>(x, type, q, scales, n, block, err, ref);
+  });
 }
 
 }  // namespace
 
 void quantize_error_sq_avx512(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                               int64_t block, double* err, double* ref) {
-  switch (type) {
-    case InputType::kFloat32:
-      return error_typed<LoadF32>(x, type, q, scales, n, block, err, ref);
-    case InputType::kBFloat16:
-      return error_typed<LoadBF16>(x, type, q, scales, n, block, err, ref);
-    case InputType::kFloat16:
-      return error_typed<LoadF16>(x, type, q, scales, n, block, err, ref);
-  }
+  error_as<Int8In>(x, type, q, scales, n, block, err, ref);
+}
+
+void quantize_error_sq_fp4_avx512(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                                  int64_t block, double* err, double* ref) {
+  error_as<Fp4In>(x, type, q, scales, n, block, err, ref);
 }
 
 }  // namespace prime::codec::cpu
@@ -290,7 +404,10 @@ void quantize_error_sq_avx512(const void* x, InputType type, const int8_t* q, co
 #pragma GCC pop_options
 
 namespace prime::codec::cpu {
-Kernels avx512_kernels() { return {&quantize_avx512, &dequantize_avx512, &dequantize_add_avx512}; }
+Kernels avx512_kernels() {
+  return {&quantize_avx512,     &dequantize_avx512,     &dequantize_add_avx512,
+          &quantize_fp4_avx512, &dequantize_fp4_avx512, &dequantize_add_fp4_avx512};
+}
 }  // namespace prime::codec::cpu
 
 #endif  // PRIME_CODEC_X86

@@ -24,11 +24,18 @@ namespace prime::codec::cpu {
 // All kernels work on [0, n) of the given pointers; the first element is the
 // start of a block. `first_index` is the flattened index of x[0] (keys the
 // stochastic rounding). Full blocks and a shorter last block are both allowed.
+// fp4 ranges: `q` points at the byte holding the range's first code (ranges start at a
+// block, so at an even element).
 struct Kernels {
   int64_t (*quantize)(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                       bool stochastic, uint32_t seed, int64_t first_index);
   void (*dequantize)(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
   void (*dequantize_add)(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+  int64_t (*quantize_fp4)(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                          bool stochastic, uint32_t seed, int64_t first_index);
+  void (*dequantize_fp4)(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                         InputType out_type);
+  void (*dequantize_add_fp4)(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block);
 };
 
 Kernels scalar_kernels();  // cpu_scalar.cpp: plain C++, any CPU
@@ -44,18 +51,30 @@ int64_t quantize_scalar(const void* x, InputType type, int64_t n, int64_t block,
                         bool stochastic, uint32_t seed, int64_t first_index);
 void dequantize_scalar(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type);
 void dequantize_add_scalar(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block);
+int64_t quantize_fp4_scalar(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                            bool stochastic, uint32_t seed, int64_t first_index);
+void dequantize_fp4_scalar(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                           InputType out_type);
+void dequantize_add_fp4_scalar(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block);
 
 // codec.h's quantize_error_sq on one range (adds to *err and *ref): plain C++
 // (cpu_error.cpp, also the SIMD versions' last partial block), AVX2 (cpu_avx2.cpp)
 // and AVX-512F (cpu_avx512.cpp). Not in the Kernels tables: the float64 pass is
 // arithmetic-bound, so the widest vectors win (codec_cpu.cpp picks them).
+// The _fp4 versions read packed fp4 codes (q: the bytes, as in Kernels).
 void quantize_error_sq_scalar(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                               int64_t block, double* err, double* ref);
+void quantize_error_sq_fp4_scalar(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                                  int64_t block, double* err, double* ref);
 #if PRIME_CODEC_X86
 void quantize_error_sq_avx2(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                             int64_t block, double* err, double* ref);
 void quantize_error_sq_avx512(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
                               int64_t block, double* err, double* ref);
+void quantize_error_sq_fp4_avx2(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                                int64_t block, double* err, double* ref);
+void quantize_error_sq_fp4_avx512(const void* x, InputType type, const uint8_t* q, const float* scales, int64_t n,
+                                  int64_t block, double* err, double* ref);
 #endif
 
 // ---- shared scalar pieces (static: a private copy per file, see above) ----
@@ -83,14 +102,54 @@ static inline float bits_float(uint32_t u) {
 }
 
 // scale and inverse of a finite block whose largest |x| has the bits `amax_bits`
-// (docs/wire-format.md): two IEEE divisions; inv is 0 for a == 0 and when 127/a
-// overflows (tiny subnormal blocks).
-static inline void block_scale(uint32_t amax_bits, float* scale, float* inv) {
+// (docs/wire-format.md), with qmax 127 (int8) or 6 (fp4): two IEEE divisions; inv is 0
+// for a == 0 and when qmax/a overflows (tiny subnormal blocks).
+static inline void block_scale(uint32_t amax_bits, float qmax, float* scale, float* inv) {
   const float a = bits_float(amax_bits);
-  *scale = a / 127.0f;
-  float r = a > 0.f ? 127.0f / a : 0.f;
+  *scale = a / qmax;
+  float r = a > 0.f ? qmax / a : 0.f;
   if (float_bits(r) == kInfBits) r = 0.f;
   *inv = r;
+}
+
+// f(T{}) with T the one of three element types (a file's loaders, storers or element types
+// for fp32, bf16, fp16) that `type` names: the dtype dispatch of every kernel.
+template <class F32, class BF16, class F16, class F>
+static inline auto with_type(InputType type, F&& f) {
+  switch (type) {
+    case InputType::kBFloat16:
+      return f(BF16{});
+    case InputType::kFloat16:
+      return f(F16{});
+    default:
+      return f(F32{});
+  }
+}
+
+// ---- fp4 (E2M1 codes: sign << 3 | magnitude index; docs/wire-format.md) ----
+
+// The decoded value of each code before the scale; code 8 (never written) is -0.
+constexpr float kFp4Values[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                                  -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// The nearest magnitude index of t = |v| (0 <= t, a little above 6 at most): one count
+// per midpoint below t; a t on a midpoint goes to the even index.
+static inline int fp4_nearest(float t) {
+  return (t > 0.25f) + (t >= 0.75f) + (t > 1.25f) + (t >= 1.75f) + (t > 2.5f) + (t >= 3.5f) + (t > 5.f);
+}
+
+// Stochastic: the magnitude l just below t, plus one when u < (t - M[l]) / gap (exact:
+// Sterbenz, and a power-of-two gap); 7 stays 7.
+static inline int fp4_stochastic(float t, float u) {
+  const int l = (t >= 0.5f) + (t >= 1.f) + (t >= 1.5f) + (t >= 2.f) + (t >= 3.f) + (t >= 4.f) + (t >= 6.f);
+  if (l == 7) return 7;
+  const float frac = (t - kFp4Values[l]) / (kFp4Values[l + 1] - kFp4Values[l]);
+  return l + (u < frac ? 1 : 0);
+}
+
+// The code of v with magnitude index m: a zero magnitude is code 0 whatever v's sign.
+static inline uint8_t fp4_code(float v, int m) {
+  return static_cast<uint8_t>(m == 0 ? 0 : (v < 0.f ? m | 8 : m));
 }
 
 static inline uint32_t fmix32(uint32_t h) {

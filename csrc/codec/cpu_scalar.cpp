@@ -1,6 +1,7 @@
 // Plain C++ block kernels of the CPU codec: the fallback for CPUs without AVX2
 // (and for non-x86 machines), and the code the SIMD kernels hand their odd
-// ends to. Written to the letter of docs/wire-format.md.
+// ends to. Written to the letter of docs/wire-format.md, for both formats: the
+// block loop is shared, the element rules are Int8Format's and Fp4Format's.
 // Compiled with -ffp-contract=off: no multiply-add may be fused.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -10,36 +11,24 @@
 #include <cstring>
 
 #include "cpu_kernels.h"
+#include "cpu_scalar_formats.h"
 
 namespace prime::codec::cpu {
 namespace {
-
-template <class T>
-float widen(T v) {
-  return static_cast<float>(v);  // bf16 and fp16 widen to fp32 exactly
-}
-
-// Round half to even for |v| < 2^22 in the FPU's default mode (nearest even):
-// adding and subtracting 1.5 * 2^23 leaves the rounded integer. Not folded away:
-// the build has no -ffast-math.
-inline float round_half_even(float v) {
-  constexpr float kMagic = 12582912.0f;
-  return (v + kMagic) - kMagic;
-}
 
 inline float stochastic_uniform(uint32_t key, int64_t index) {
   const uint32_t h = fmix32(fmix32(static_cast<uint32_t>(index) ^ key) + key);
   return static_cast<float>(h >> 8) * 0x1p-24f;  // exact: h >> 8 < 2^24
 }
 
-template <class T>
-int64_t quantize_typed(const T* x, int64_t n, int64_t block, int8_t* q, float* scales, bool stochastic,
-                       uint32_t seed, int64_t first_index) {
+template <class Format, class T>
+int64_t quantize_typed(const T* x, int64_t n, int64_t block, typename Format::Code* q, float* scales,
+                       bool stochastic, uint32_t seed, int64_t first_index) {
   int64_t bad_blocks = 0;
   for (int64_t start = 0; start < n; start += block) {
     const int64_t len = std::min(block, n - start);
     const T* xb = x + start;
-    int8_t* qb = q + start;
+    typename Format::Code* qb = Format::at(q, start);
     // max of |x| as bits: for non-negative floats the integer order is the float
     // order, and NaN/Inf sort above every finite value, so one max finds both.
     uint32_t amax = 0;
@@ -47,39 +36,62 @@ int64_t quantize_typed(const T* x, int64_t n, int64_t block, int8_t* q, float* s
     float* scale = scales + start / block;
     if (amax >= kInfBits) {
       *scale = bits_float(kCanonicalNaN);
-      std::memset(qb, 0, len);
+      std::memset(qb, 0, static_cast<size_t>(Format::bytes(len)));
       ++bad_blocks;
       continue;
     }
     float inv;
-    block_scale(amax, scale, &inv);
-    if (!stochastic) {
-      for (int64_t i = 0; i < len; ++i) {
-        float r = round_half_even(widen(xb[i]) * inv);
-        r = std::min(std::max(r, -127.f), 127.f);
-        qb[i] = static_cast<int8_t>(r);
-      }
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
+    block_scale(amax, Format::kQMax, scale, &inv);
+    for (int64_t i = 0; i < len; ++i) {
+      const float v = widen(xb[i]) * inv;
+      if (!stochastic) {
+        Format::put(qb, i, Format::nearest(v));
+      } else {
         const int64_t index = first_index + start + i;
         const uint32_t key = stochastic_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
-        const float v = widen(xb[i]) * inv;
-        const float f = std::floor(v);
-        float r = f + (stochastic_uniform(key, index) < (v - f) ? 1.f : 0.f);
-        r = std::min(std::max(r, -127.f), 127.f);
-        qb[i] = static_cast<int8_t>(r);
+        Format::put(qb, i, Format::stochastic(v, stochastic_uniform(key, index)));
       }
     }
   }
   return bad_blocks;
 }
 
-template <class T>
-void dequantize_typed(const int8_t* q, const float* scales, int64_t n, int64_t block, T* y) {
+template <class Format, class T>
+void dequantize_typed(const typename Format::Code* q, const float* scales, int64_t n, int64_t block, T* y) {
   for (int64_t start = 0; start < n; start += block) {
     const int64_t len = std::min(block, n - start);
     const float s = scales[start / block];
-    for (int64_t i = 0; i < len; ++i) y[start + i] = static_cast<T>(static_cast<float>(q[start + i]) * s);
+    for (int64_t i = start; i < start + len; ++i) y[i] = static_cast<T>(Format::value(q, i) * s);
+  }
+}
+
+template <class Format>
+int64_t quantize_as(const void* x, InputType type, int64_t n, int64_t block, typename Format::Code* q, float* scales,
+                    bool stochastic, uint32_t seed, int64_t first_index) {
+  return with_type<float, c10::BFloat16, c10::Half>(type, [&](auto element) {
+    using T = decltype(element);
+    return quantize_typed<Format>(static_cast<const T*>(x), n, block, q, scales, stochastic, seed, first_index);
+  });
+}
+
+// fp32 -> bf16 / fp16 through c10's conversions: round to nearest even, NaN stays NaN.
+template <class Format>
+void dequantize_as(const typename Format::Code* q, const float* scales, int64_t n, int64_t block, void* y,
+                   InputType out_type) {
+  with_type<float, c10::BFloat16, c10::Half>(out_type, [&](auto element) {
+    dequantize_typed<Format>(q, scales, n, block, static_cast<decltype(element)*>(y));
+  });
+}
+
+template <class Format>
+void dequantize_add_as(float* acc, const typename Format::Code* q, const float* scales, int64_t n, int64_t block) {
+  for (int64_t start = 0; start < n; start += block) {
+    const int64_t len = std::min(block, n - start);
+    const float s = scales[start / block];
+    for (int64_t i = start; i < start + len; ++i) {
+      const float p = Format::value(q, i) * s;
+      acc[i] = acc[i] + p;  // multiply, then add: -ffp-contract=off keeps them apart
+    }
   }
 }
 
@@ -87,42 +99,35 @@ void dequantize_typed(const int8_t* q, const float* scales, int64_t n, int64_t b
 
 int64_t quantize_scalar(const void* x, InputType type, int64_t n, int64_t block, int8_t* q, float* scales,
                         bool stochastic, uint32_t seed, int64_t first_index) {
-  switch (type) {
-    case InputType::kFloat32:
-      return quantize_typed(static_cast<const float*>(x), n, block, q, scales, stochastic, seed, first_index);
-    case InputType::kBFloat16:
-      return quantize_typed(static_cast<const c10::BFloat16*>(x), n, block, q, scales, stochastic, seed,
-                            first_index);
-    case InputType::kFloat16:
-      return quantize_typed(static_cast<const c10::Half*>(x), n, block, q, scales, stochastic, seed, first_index);
-  }
-  return 0;
+  return quantize_as<Int8Format>(x, type, n, block, q, scales, stochastic, seed, first_index);
 }
 
-// fp32 -> bf16 / fp16 through c10's conversions: round to nearest even, NaN stays NaN.
 void dequantize_scalar(const int8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                        InputType out_type) {
-  switch (out_type) {
-    case InputType::kFloat32:
-      return dequantize_typed(q, scales, n, block, static_cast<float*>(y));
-    case InputType::kBFloat16:
-      return dequantize_typed(q, scales, n, block, static_cast<c10::BFloat16*>(y));
-    case InputType::kFloat16:
-      return dequantize_typed(q, scales, n, block, static_cast<c10::Half*>(y));
-  }
+  dequantize_as<Int8Format>(q, scales, n, block, y, out_type);
 }
 
 void dequantize_add_scalar(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
-  for (int64_t start = 0; start < n; start += block) {
-    const int64_t len = std::min(block, n - start);
-    const float s = scales[start / block];
-    for (int64_t i = start; i < start + len; ++i) {
-      const float p = static_cast<float>(q[i]) * s;
-      acc[i] = acc[i] + p;  // multiply, then add: -ffp-contract=off keeps them apart
-    }
-  }
+  dequantize_add_as<Int8Format>(acc, q, scales, n, block);
 }
 
-Kernels scalar_kernels() { return {&quantize_scalar, &dequantize_scalar, &dequantize_add_scalar}; }
+int64_t quantize_fp4_scalar(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
+                            bool stochastic, uint32_t seed, int64_t first_index) {
+  return quantize_as<Fp4Format>(x, type, n, block, q, scales, stochastic, seed, first_index);
+}
+
+void dequantize_fp4_scalar(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
+                           InputType out_type) {
+  dequantize_as<Fp4Format>(q, scales, n, block, y, out_type);
+}
+
+void dequantize_add_fp4_scalar(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
+  dequantize_add_as<Fp4Format>(acc, q, scales, n, block);
+}
+
+Kernels scalar_kernels() {
+  return {&quantize_scalar,     &dequantize_scalar,     &dequantize_add_scalar,
+          &quantize_fp4_scalar, &dequantize_fp4_scalar, &dequantize_add_fp4_scalar};
+}
 
 }  // namespace prime::codec::cpu

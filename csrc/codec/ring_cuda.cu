@@ -1,13 +1,15 @@
 // Element-wise kernels of the ring's GPU path (ring_cuda.h). Grid-stride loops over
 // contiguous runs: a ring segment is 256 Ki values, a few microseconds of memory
 // traffic, so launch count matters more than the loop's shape. Arithmetic with the
-// _rn intrinsics (and --fmad=false), as in codec_cuda.cu.
+// _rn intrinsics (and --fmad=false), as in codec_cuda.cu. The kernels that read or
+// write codes are templates over the format (formats_cuda.cuh: Int8Codes, Fp4Codes).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "formats_cuda.cuh"
 #include "ring_cuda.h"
 
 namespace prime::codec::cuda {
@@ -64,15 +66,16 @@ __device__ __forceinline__ void raise_flag(bool bad, uint32_t* flag) {
 __device__ __forceinline__ int64_t first_index() { return int64_t{blockIdx.x} * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ int64_t stride() { return int64_t{gridDim.x} * blockDim.x; }
 
+template <class Codes>
 __global__ void __launch_bounds__(kThreads)
-    add_dequantized_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
+    add_dequantized_kernel(const void* __restrict__ own, InputType type, const typename Codes::Code* __restrict__ q,
                            const float* __restrict__ scales, int64_t n, int log2_block, float* __restrict__ acc,
                            uint32_t* own_bad) {
   bool bad = false;
   for (int64_t i = first_index(); i < n; i += stride()) {
     const float o = load_widened(own, type, i);
     bad |= nonfinite(o);
-    acc[i] = __fadd_rn(o, __fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]));
+    acc[i] = __fadd_rn(o, __fmul_rn(Codes::value(q, i), scales[i >> log2_block]));
   }
   raise_flag(bad, own_bad);
 }
@@ -120,12 +123,13 @@ __global__ void __launch_bounds__(kThreads)
   raise_flag(bad, flag);
 }
 
+template <class Codes>
 __global__ void __launch_bounds__(kThreads)
-    flag_decoded_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, int64_t n, int log2_block,
-                        InputType type, uint32_t* flag) {
+    flag_decoded_kernel(const typename Codes::Code* __restrict__ q, const float* __restrict__ scales, int64_t n,
+                        int log2_block, InputType type, uint32_t* flag) {
   bool bad = false;
   for (int64_t i = first_index(); i < n; i += stride()) {
-    bad |= nonfinite(rounded(__fmul_rn(static_cast<float>(q[i]), scales[i >> log2_block]), type));
+    bad |= nonfinite(rounded(__fmul_rn(Codes::value(q, i), scales[i >> log2_block]), type));
   }
   raise_flag(bad, flag);
 }
@@ -133,7 +137,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // One warp per codec block of B = 32 * V values: lane l holds values l + 32 j (every
 // load instruction of the warp reads one contiguous run), the block's max |v| comes
-// from shuffles, and the quantize is codec_cuda.cu's, operation for operation.
+// from shuffles, and the quantize is codec_cuda.cu's, operation for operation. fp4:
+// each even lane stores the byte of its value and its right neighbour's (a shuffle).
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kInfBits = 0x7f800000u;
 constexpr uint32_t kCanonicalNaN = 0x7fc00000u;
@@ -180,18 +185,20 @@ __device__ __forceinline__ void add_error_sums(double e, double r, double* sums)
   }
 }
 
-// The error terms of one value v quantized to k with `scale` (dequantized as the
-// decoders round it, then widened; the subtraction and squares in float64).
-__device__ __forceinline__ void error_terms(float v, int k, float scale, double& e, double& r) {
+// The error terms of one value v whose code decodes to `value` (before the scale; int8:
+// float(q)) with `scale` (dequantized as the decoders round it, then widened; the
+// subtraction and squares in float64).
+__device__ __forceinline__ void error_terms(float v, float value, float scale, double& e, double& r) {
   const double x = v;
-  const double d = __dsub_rn(static_cast<double>(__fmul_rn(static_cast<float>(k), scale)), x);
+  const double d = __dsub_rn(static_cast<double>(__fmul_rn(value, scale)), x);
   e = __dadd_rn(e, __dmul_rn(d, d));
   r = __dadd_rn(r, __dmul_rn(x, x));
 }
 
 // quantize_error_sq: one warp per block (lane l reads values l + 32 j of it).
+template <class Codes>
 __global__ void __launch_bounds__(kThreads)
-    quantize_error_kernel(const void* __restrict__ x, InputType type, const int8_t* __restrict__ q,
+    quantize_error_kernel(const void* __restrict__ x, InputType type, const typename Codes::Code* __restrict__ q,
                           const float* __restrict__ scales, int64_t n, int64_t block_size, double* sums) {
   const int lane = threadIdx.x % 32;
   const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
@@ -201,18 +208,35 @@ __global__ void __launch_bounds__(kThreads)
     const float s = scales[block];
     if ((__float_as_uint(s) & kAbsMask) < kInfBits) {  // a NaN scale: the block held NaN or Inf
       const int64_t end = min(n, start + block_size);
-      for (int64_t i = start + lane; i < end; i += 32) error_terms(load_widened(x, type, i), q[i], s, e, r);
+      for (int64_t i = start + lane; i < end; i += 32) {
+        error_terms(load_widened(x, type, i), Codes::value(q, i), s, e, r);
+      }
     }
   }
   add_error_sums(e, r, sums);
 }
 
+// The decoded value (before the scale) of a code the encoder just made.
+__device__ __forceinline__ float code_value(Int8Codes, int k) { return static_cast<float>(k); }
+__device__ __forceinline__ float code_value(Fp4Codes, int k) { return fp4_value(static_cast<uint32_t>(k)); }
+
+// Stores code k of value i (lane `lane` of the warp; every lane calls it): int8 one byte
+// a value; fp4 the even lane writes its code and its right neighbour's as one byte.
+__device__ __forceinline__ void store_code(int8_t* q, int64_t i, int64_t n, int k, int) {
+  if (i < n) q[i] = static_cast<int8_t>(k);
+}
+__device__ __forceinline__ void store_code(uint8_t* q, int64_t i, int64_t n, int k, int lane) {
+  const int next = __shfl_down_sync(0xffffffffu, k, 1);  // past n: a value of 0, code 0
+  if (lane % 2 == 0 && i < n) q[i >> 1] = static_cast<uint8_t>(k | (next << 4));
+}
+
 // One block of reduce_quantize_kernel (its warp). With `measure`, adds the block's
 // error terms to e, r.
-template <int V>
+template <class Codes, int V>
 __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ own, InputType type,
-                                                      const int8_t* __restrict__ q, const float* __restrict__ scales,
-                                                      int64_t n, float divisor, int8_t* __restrict__ q_out,
+                                                      const typename Codes::Code* __restrict__ q,
+                                                      const float* __restrict__ scales, int64_t n, float divisor,
+                                                      typename Codes::Code* __restrict__ q_out,
                                                       float* __restrict__ scales_out, uint32_t* own_bad,
                                                       uint32_t* result_bad, InputType result_type, int64_t block,
                                                       int lane, bool measure, double& e, double& r) {
@@ -229,7 +253,7 @@ __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ o
     if (i < n) {
       const float o = load_widened(own, type, i);
       bad |= nonfinite(o);
-      x = __fadd_rn(o, __fmul_rn(static_cast<float>(q[i]), s_in));
+      x = __fadd_rn(o, __fmul_rn(Codes::value(q, i), s_in));
       if (divisor != 0.f) x = __fdiv_rn(x, divisor);
     }
     v[j] = x;
@@ -242,8 +266,8 @@ __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ o
   float inv = 0.f;
   if (finite) {
     const float a = __uint_as_float(m);
-    scale = __fdiv_rn(a, 127.0f);
-    inv = a > 0.f ? __fdiv_rn(127.0f, a) : 0.f;
+    scale = __fdiv_rn(a, Codes::kQMax);
+    inv = a > 0.f ? __fdiv_rn(Codes::kQMax, a) : 0.f;
     if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
   }
   if (lane == 0) reinterpret_cast<uint32_t*>(scales_out)[block] = __float_as_uint(scale);
@@ -251,32 +275,32 @@ __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ o
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int64_t i = start + lane + 32 * j;
-    int k = min(max(__float2int_rn(__fmul_rn(v[j], inv)), -127), 127);
-    if (!finite) k = 0;
+    const int k = finite ? Codes::nearest(__fmul_rn(v[j], inv)) : 0;
+    store_code(q_out, i, n, k, lane);
     if (i < n) {
-      q_out[i] = static_cast<int8_t>(k);
-      if (result_bad) rbad |= nonfinite(rounded(__fmul_rn(static_cast<float>(k), scale), result_type));
-      if (measure && finite) error_terms(v[j], k, scale, e, r);
+      const float value = code_value(Codes{}, k);
+      if (result_bad) rbad |= nonfinite(rounded(__fmul_rn(value, scale), result_type));
+      if (measure && finite) error_terms(v[j], value, scale, e, r);
     }
   }
   raise_flag(bad, own_bad);
   if (result_bad) raise_flag(rbad, result_bad);
 }
 
-template <int V>
+template <class Codes, int V>
 __global__ void __launch_bounds__(kThreads)
-    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const int8_t* __restrict__ q,
-                           const float* __restrict__ scales, int64_t n, float divisor, int8_t* __restrict__ q_out,
-                           float* __restrict__ scales_out, uint32_t* own_bad, uint32_t* result_bad,
-                           InputType result_type, double* err_sums) {
+    reduce_quantize_kernel(const void* __restrict__ own, InputType type, const typename Codes::Code* __restrict__ q,
+                           const float* __restrict__ scales, int64_t n, float divisor,
+                           typename Codes::Code* __restrict__ q_out, float* __restrict__ scales_out,
+                           uint32_t* own_bad, uint32_t* result_bad, InputType result_type, double* err_sums) {
   const int lane = threadIdx.x % 32;
   const int64_t block = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
   double e = 0, r = 0;
   // Warps past the end skip the block (whole warps: the shuffles stay full) but, when
   // the error is measured, still reach the CTA's reduction (err_sums is the grid's).
   if (block * 32 * V < n) {
-    reduce_quantize_block<V>(own, type, q, scales, n, divisor, q_out, scales_out, own_bad, result_bad, result_type,
-                             block, lane, err_sums != nullptr, e, r);
+    reduce_quantize_block<Codes, V>(own, type, q, scales, n, divisor, q_out, scales_out, own_bad, result_bad,
+                                    result_type, block, lane, err_sums != nullptr, e, r);
   }
   if (err_sums) add_error_sums(e, r, err_sums);
 }
@@ -309,14 +333,26 @@ int log2_of(int64_t b) {
   return k;
 }
 
+// Runs f(Codes{}, q, q_out) with the code pointers of `format` (const void* -> its Code*).
+template <class F>
+cudaError_t with_codes(BlockFormat format, const void* q, void* q_out, const F& f) {
+  if (format == BlockFormat::kFp4) {
+    return f(Fp4Codes{}, static_cast<const uint8_t*>(q), static_cast<uint8_t*>(q_out));
+  }
+  return f(Int8Codes{}, static_cast<const int8_t*>(q), static_cast<int8_t*>(q_out));
+}
+
 }  // namespace
 
-cudaError_t add_dequantized(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
-                            int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream) {
+cudaError_t add_dequantized(BlockFormat format, const void* own, InputType type, const void* q, const float* scales,
+                            int64_t n, int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
-  add_dequantized_kernel<<<grid_for(n), kThreads, 0, stream>>>(own, type, q, scales, n, log2_of(block), acc, own_bad);
-  return cudaGetLastError();
+  return with_codes(format, q, nullptr, [&](auto codes, auto* qc, auto*) {
+    add_dequantized_kernel<decltype(codes)>
+        <<<grid_for(n), kThreads, 0, stream>>>(own, type, qc, scales, n, log2_of(block), acc, own_bad);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t add_widened(const void* own, InputType type, const float* add, int64_t n, float* acc, uint32_t* own_bad,
@@ -350,46 +386,54 @@ cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint3
   return cudaGetLastError();
 }
 
-cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t n, int64_t block, InputType type,
-                                   uint32_t* bad, cudaStream_t stream) {
+cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const float* scales, int64_t n, int64_t block,
+                                   InputType type, uint32_t* bad, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
-  flag_decoded_kernel<<<grid_for(n), kThreads, 0, stream>>>(q, scales, n, log2_of(block), type, bad);
-  return cudaGetLastError();
+  return with_codes(format, q, nullptr, [&](auto codes, auto* qc, auto*) {
+    flag_decoded_kernel<decltype(codes)><<<grid_for(n), kThreads, 0, stream>>>(qc, scales, n, log2_of(block), type, bad);
+    return cudaGetLastError();
+  });
 }
 
 bool reduce_quantize_supported(int64_t block) { return valid_block_size(block) && block <= 1024; }
 
-cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
-                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+cudaError_t reduce_quantize(BlockFormat format, const void* own, InputType type, const void* q, const float* scales,
+                            int64_t n, int64_t block, float divisor, void* q_out, float* scales_out, uint32_t* own_bad,
                             uint32_t* result_bad, InputType result_type, cudaStream_t stream, double* err_sums) {
   if (!reduce_quantize_supported(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const int64_t blocks = (n + block - 1) / block;
   const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
-#define PRIME_RQ(V)                                                                                                  \
-  reduce_quantize_kernel<V><<<grid, kThreads, 0, stream>>>(own, type, q, scales, n, divisor, q_out, scales_out, \
-                                                           own_bad, result_bad, result_type, err_sums)
-  switch (block / 32) {
-    case 1: PRIME_RQ(1); break;
-    case 2: PRIME_RQ(2); break;
-    case 4: PRIME_RQ(4); break;
-    case 8: PRIME_RQ(8); break;
-    case 16: PRIME_RQ(16); break;
-    default: PRIME_RQ(32); break;
-  }
+  return with_codes(format, q, q_out, [&](auto codes, auto* qc, auto* qo) {
+    using Codes = decltype(codes);
+#define PRIME_RQ(V)                                                                                              \
+  reduce_quantize_kernel<Codes, V><<<grid, kThreads, 0, stream>>>(own, type, qc, scales, n, divisor, qo,       \
+                                                                  scales_out, own_bad, result_bad, result_type, \
+                                                                  err_sums)
+    switch (block / 32) {
+      case 1: PRIME_RQ(1); break;
+      case 2: PRIME_RQ(2); break;
+      case 4: PRIME_RQ(4); break;
+      case 8: PRIME_RQ(8); break;
+      case 16: PRIME_RQ(16); break;
+      default: PRIME_RQ(32); break;
+    }
 #undef PRIME_RQ
-  return cudaGetLastError();
+    return cudaGetLastError();
+  });
 }
 
-cudaError_t quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
-                              int64_t block, double* sums, cudaStream_t stream) {
+cudaError_t quantize_error_sq(BlockFormat format, const void* x, InputType type, const void* q, const float* scales,
+                              int64_t n, int64_t block, double* sums, cudaStream_t stream) {
   if (!valid_block_size(block)) return cudaErrorInvalidValue;
   if (n <= 0) return cudaSuccess;
   const int64_t blocks = (n + block - 1) / block;
   const dim3 grid(static_cast<unsigned>((blocks + kWarpsPerCta - 1) / kWarpsPerCta));
-  quantize_error_kernel<<<grid, kThreads, 0, stream>>>(x, type, q, scales, n, block, sums);
-  return cudaGetLastError();
+  return with_codes(format, q, nullptr, [&](auto codes, auto* qc, auto*) {
+    quantize_error_kernel<decltype(codes)><<<grid, kThreads, 0, stream>>>(x, type, qc, scales, n, block, sums);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t reduce_exact(const void* own, InputType type, const float* add, int64_t n, float divisor, void* out,

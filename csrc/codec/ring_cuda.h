@@ -19,10 +19,14 @@
 
 namespace prime::codec::cuda {
 
-// acc[i] = widen(own[i]) + float(q[i]) * scales[i / block]  (multiply, then add).
-// *own_bad = 1 when own holds NaN or Inf.
-cudaError_t add_dequantized(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
-                            int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream);
+// The block format of the codes `q` points at (kernels below that read or write codes):
+// int8 (int8_t, one a value) or fp4 (uint8_t, two a byte; docs/wire-format.md).
+enum class BlockFormat : int { kInt8 = 0, kFp4 = 1 };
+
+// acc[i] = widen(own[i]) + value(q, i) * scales[i / block]  (multiply, then add; value:
+// float(q[i]) for int8, the E2M1 value of code i for fp4). *own_bad = 1 when own holds NaN or Inf.
+cudaError_t add_dequantized(BlockFormat format, const void* own, InputType type, const void* q, const float* scales,
+                            int64_t n, int64_t block, float* acc, uint32_t* own_bad, cudaStream_t stream);
 
 // acc[i] = widen(own[i]) + add[i]. *own_bad = 1 when own holds NaN or Inf.
 cudaError_t add_widened(const void* own, InputType type, const float* add, int64_t n, float* acc, uint32_t* own_bad,
@@ -41,10 +45,10 @@ cudaError_t divide(float* x, int64_t n, float d, cudaStream_t stream);
 // rounded value is NaN or Inf.
 cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint32_t* bad, cudaStream_t stream);
 
-// *bad = 1 when some float(q[i]) * scales[i / block], rounded to `type`, is NaN or Inf
+// *bad = 1 when some value(q, i) * scales[i / block], rounded to `type`, is NaN or Inf
 // (the owner's check that the result every rank will decode is finite).
-cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t n, int64_t block, InputType type,
-                                   uint32_t* bad, cudaStream_t stream);
+cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const float* scales, int64_t n, int64_t block,
+                                   InputType type, uint32_t* bad, cudaStream_t stream);
 
 // Fused passes of one ring segment (the hot path: one launch, one read of each input,
 // one write of each output, instead of add, divide, quantize and check launches with
@@ -54,25 +58,26 @@ cudaError_t flag_nonfinite_decoded(const int8_t* q, const float* scales, int64_t
 // True when reduce_quantize takes this block size (one warp per block: 32..1024).
 bool reduce_quantize_supported(int64_t block);
 
-// int8: v[i] = widen(own[i]) + float(q[i]) * scales[i / block], then v[i] / divisor when
-// divisor != 0, quantized into q_out / scales_out (nearest even; a block holding NaN or
-// Inf gets the NaN scale and zero q). *own_bad = 1 when own holds NaN or Inf; when
-// result_bad is set, *result_bad = 1 when a decoded value rounded to result_type is NaN
-// or Inf (flag_nonfinite_decoded of the output). When err_sums is set, the quantization
-// error of v is added to it as quantize_error_sq does (below), from the registers.
-cudaError_t reduce_quantize(const void* own, InputType type, const int8_t* q, const float* scales, int64_t n,
-                            int64_t block, float divisor, int8_t* q_out, float* scales_out, uint32_t* own_bad,
+// int8 / fp4: v[i] = widen(own[i]) + value(q, i) * scales[i / block], then v[i] / divisor
+// when divisor != 0, quantized into q_out / scales_out in the same format (nearest even; a
+// block holding NaN or Inf gets the NaN scale and zero codes). *own_bad = 1 when own holds
+// NaN or Inf; when result_bad is set, *result_bad = 1 when a decoded value rounded to
+// result_type is NaN or Inf (flag_nonfinite_decoded of the output). When err_sums is set,
+// the quantization error of v is added to it as quantize_error_sq does (below), from the
+// registers.
+cudaError_t reduce_quantize(BlockFormat format, const void* own, InputType type, const void* q, const float* scales,
+                            int64_t n, int64_t block, float divisor, void* q_out, float* scales_out, uint32_t* own_bad,
                             uint32_t* result_bad, InputType result_type, cudaStream_t stream,
                             double* err_sums = nullptr);
 
-// The int8 round-trip error of x[0, n) (of `type`) given what quantize wrote for it
-// (q, scales), as codec.h's quantize_error_sq computes it on the CPU: sums[0] += the sum
-// of (double(float(q[i]) * scale) - double(widen(x[i])))^2 and sums[1] += the sum of
+// The round-trip error of x[0, n) (of `type`) given what quantize wrote for it (q,
+// scales), as codec.h's quantize_error_sq(_fp4) computes it on the CPU: sums[0] += the
+// sum of (double(value(q, i) * scale) - double(widen(x[i])))^2 and sums[1] += the sum of
 // double(widen(x[i]))^2, over the blocks with a finite scale. sums: two device doubles,
 // added to with one float64 atomic per CTA (so the order of additions, and the last
 // bits, may vary from run to run). Any valid block size.
-cudaError_t quantize_error_sq(const void* x, InputType type, const int8_t* q, const float* scales, int64_t n,
-                              int64_t block, double* sums, cudaStream_t stream);
+cudaError_t quantize_error_sq(BlockFormat format, const void* x, InputType type, const void* q, const float* scales,
+                              int64_t n, int64_t block, double* sums, cudaStream_t stream);
 
 // exact: v[i] = widen(own[i]) + add[i], then v[i] / divisor when divisor != 0, stored
 // rounded to out_type (fp32: as it is). *own_bad = 1 when own holds NaN or Inf; when

@@ -102,13 +102,13 @@ ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, con
                             int64_t block_size, const std::string& schedule = "ring") {
   TORCH_CHECK(schedule == "ring" || schedule == "direct", "internal: schedule '", schedule,
               "' reached the ring unchecked (prime.comm.Ring.all_reduce chooses it)");
-  TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "none"), "internal: op '", op,
-              "' / codec '", codec, "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
+  TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "fp4" || codec == "none"), "internal: op '",
+              op, "' / codec '", codec, "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
   codec::check_block_size(block_size);
   ring::AllReduceSpec spec;
   spec.dtype = dtype_of(tensor);
   spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
-  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : ring::CodecKind::kNone;
+  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : codec == "fp4" ? ring::kCodecFp4 : ring::CodecKind::kNone;
   spec.block = block_size;
   spec.n = tensor.numel();
   spec.schedule = schedule == "direct" ? ring::Schedule::kDirect : ring::Schedule::kRing;
@@ -411,18 +411,29 @@ void init_ring_bindings(py::module_& m) {
 
   // The codec at a global element offset: `first_index` is the flattened index of x[0]
   // (keys stochastic rounding), so tests reach indices >= 2^32 without a 16 GiB tensor.
-  m.def("_codec_quantize_at", [](const at::Tensor& x, int64_t block_size, int64_t seed, int64_t first_index) {
-    codec::check_block_size(block_size);
-    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "a contiguous CPU tensor");
-    TORCH_CHECK_VALUE(first_index >= 0 && first_index % block_size == 0, "first_index must be a multiple of block_size");
-    const codec::InputType type = codec::input_type(x);
-    const int64_t n = x.numel();
-    at::Tensor q = at::empty({n}, x.options().dtype(at::kChar));
-    at::Tensor scales = at::empty({codec::num_blocks(n, block_size)}, x.options().dtype(at::kFloat));
-    codec::quantize_range(x.data_ptr(), type, n, block_size, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                          codec::seed_of(seed), first_index);
-    return py::make_tuple(q, scales);
-  });
+  m.def(
+      "_codec_quantize_at",
+      [](const at::Tensor& x, int64_t block_size, int64_t seed, int64_t first_index, const std::string& codec) {
+        codec::check_block_size(block_size);
+        TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "a contiguous CPU tensor");
+        TORCH_CHECK_VALUE(first_index >= 0 && first_index % block_size == 0,
+                          "first_index must be a multiple of block_size");
+        TORCH_CHECK_VALUE(codec == "int8" || codec == "fp4", "codec must be int8 or fp4, got ", codec);
+        const codec::InputType type = codec::input_type(x);
+        const int64_t n = x.numel();
+        const bool fp4 = codec == "fp4";
+        at::Tensor q = at::empty({fp4 ? codec::fp4_bytes(n) : n}, x.options().dtype(fp4 ? at::kByte : at::kChar));
+        at::Tensor scales = at::empty({codec::num_blocks(n, block_size)}, x.options().dtype(at::kFloat));
+        if (fp4) {
+          codec::quantize_fp4_range(x.data_ptr(), type, n, block_size, q.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                    codec::seed_of(seed), first_index);
+        } else {
+          codec::quantize_range(x.data_ptr(), type, n, block_size, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                codec::seed_of(seed), first_index);
+        }
+        return py::make_tuple(q, scales);
+      },
+      py::arg("x"), py::arg("block_size"), py::arg("seed"), py::arg("first_index"), py::arg("codec") = "int8");
 }
 
 }  // namespace prime

@@ -167,7 +167,7 @@ std::shared_ptr<Work> Ring::all_reduce(AllReduceJob job) {
   }
   auto work = std::make_shared<Work>(next_seq_++);
   job.order = order_;  // the order when it was issued (every rank issues in the same order)
-  job.spec.measure_error = opt_.measure_quant_error && job.spec.codec == CodecKind::kInt8;
+  job.spec.measure_error = opt_.measure_quant_error && job.spec.codec != CodecKind::kNone;
   queue_.push_back(Pending{std::move(job), work, Clock::now()});
   cv_.notify_all();
   return work;

@@ -433,7 +433,7 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
   buf[9] = static_cast<uint8_t>(spec.op);
   buf[10] = static_cast<uint8_t>(spec.codec);
   buf[11] = static_cast<uint8_t>(spec.schedule);  // 0 for the ring: its descriptors are unchanged
-  const uint64_t block = spec.codec == CodecKind::kInt8 ? static_cast<uint64_t>(spec.block) : 0;
+  const uint64_t block = spec.codec != CodecKind::kNone ? static_cast<uint64_t>(spec.block) : 0;
   std::memcpy(buf + 16, &block, 8);
   return crc32c(buf, sizeof(buf));
 }
@@ -441,8 +441,8 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
 std::string describe_spec(const AllReduceSpec& spec) {
   StrBuilder s;
   s << "n=" << spec.n << ", dtype=" << dtype_name(spec.dtype) << ", op=" << (spec.op == ReduceOp::kSum ? "sum" : "avg")
-    << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : "none");
-  if (spec.codec == CodecKind::kInt8) s << ", block_size=" << spec.block;
+    << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : spec.codec == CodecKind::kNone ? "none" : "fp4");
+  if (spec.codec != CodecKind::kNone) s << ", block_size=" << spec.block;
   s << ", schedule=" << (spec.schedule == Schedule::kDirect ? "direct" : "ring");
   return s.str();
 }

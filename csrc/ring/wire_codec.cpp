@@ -29,15 +29,56 @@ void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, s
 
 namespace {
 
-// docs/wire-format.md's block codec. Every hop quantizes its fp32 partial sum; the
-// owner quantizes the final value once and every rank decodes those same bytes.
-class Int8Codec final : public WireCodec {
+// The element codes of docs/wire-format.md's block formats, for BlockCodec.
+struct Int8Format {
+  using Code = int8_t;
+  static int64_t code_bytes(int64_t len) { return len; }
+  static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
+    return codec::quantize(x, type, len, block, q, scales);
+  }
+  static void dequantize(const Code* q, const float* scales, int64_t len, int64_t block, float* y) {
+    codec::dequantize(q, scales, len, block, y);
+  }
+  static void dequantize_add(float* acc, const Code* q, const float* scales, int64_t len, int64_t block) {
+    codec::dequantize_add(acc, q, scales, len, block);
+  }
+  static void error_sq(const void* x, codec::InputType type, const Code* q, const float* scales, int64_t len,
+                       int64_t block, double* err, double* ref) {
+    codec::quantize_error_sq(x, type, q, scales, len, block, err, ref);
+  }
+};
+
+struct Fp4Format {
+  using Code = uint8_t;
+  static int64_t code_bytes(int64_t len) { return codec::fp4_bytes(len); }
+  static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
+    return codec::quantize_fp4(x, type, len, block, q, scales);
+  }
+  static void dequantize(const Code* q, const float* scales, int64_t len, int64_t block, float* y) {
+    codec::dequantize_fp4_as(q, scales, len, block, y, codec::InputType::kFloat32);
+  }
+  static void dequantize_add(float* acc, const Code* q, const float* scales, int64_t len, int64_t block) {
+    codec::dequantize_add_fp4(acc, q, scales, len, block);
+  }
+  static void error_sq(const void* x, codec::InputType type, const Code* q, const float* scales, int64_t len,
+                       int64_t block, double* err, double* ref) {
+    codec::quantize_error_sq_fp4(x, type, q, scales, len, block, err, ref);
+  }
+};
+
+// docs/wire-format.md's block codecs (Format: int8 or fp4). Every hop quantizes its fp32
+// partial sum; the owner quantizes the final value once and every rank decodes those
+// same bytes.
+template <class Format>
+class BlockCodec final : public WireCodec {
  public:
-  Int8Codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
+  BlockCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
       : dtype_(spec.dtype), block_(spec.block), measure_(spec.measure_error), pool_(pool), times_(times) {}
 
   int64_t unit() const override { return block_; }
-  int64_t partial_bytes(int64_t len) const override { return 4 * codec::num_blocks(len, block_) + len; }
+  int64_t partial_bytes(int64_t len) const override {
+    return 4 * codec::num_blocks(len, block_) + Format::code_bytes(len);
+  }
   int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
@@ -49,12 +90,12 @@ class Int8Codec final : public WireCodec {
 
   bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
     const bool finite = widen(own, dtype_, len, acc);
-    codec::dequantize_add(acc, values(payload, len), scales(payload), len, block_);
+    Format::dequantize_add(acc, codes(payload, len), scales(payload), len, block_);
     return finite;
   }
 
   void add_partial(const char* payload, int64_t len, float* acc) override {
-    codec::dequantize_add(acc, values(payload, len), scales(payload), len, block_);
+    Format::dequantize_add(acc, codes(payload, len), scales(payload), len, block_);
   }
 
   Payload encode_partial(const Buffer& acc, int64_t len) override {
@@ -82,9 +123,9 @@ class Int8Codec final : public WireCodec {
   void decode_final(const char* payload, int64_t len, void* dst, float* scratch) const override {
     if (len == 0) return;
     if (dtype_ == DType::kFloat32) {
-      codec::dequantize(values(payload, len), scales(payload), len, block_, static_cast<float*>(dst));
+      Format::dequantize(codes(payload, len), scales(payload), len, block_, static_cast<float*>(dst));
     } else {
-      codec::dequantize(values(payload, len), scales(payload), len, block_, scratch);
+      Format::dequantize(codes(payload, len), scales(payload), len, block_, scratch);
       narrow(scratch, len, dtype_, dst);
     }
   }
@@ -92,23 +133,22 @@ class Int8Codec final : public WireCodec {
   int64_t scratch_floats(int64_t len) const override { return dtype_ == DType::kFloat32 ? 0 : len; }
 
  private:
-  // The payload layout: scales first, then the values.
+  using Code = typename Format::Code;
+
+  // The payload layout: scales first, then the codes.
   static const float* scales(const char* payload) { return reinterpret_cast<const float*>(payload); }
-  const int8_t* values(const char* payload, int64_t len) const {
-    return reinterpret_cast<const int8_t*>(payload + 4 * codec::num_blocks(len, block_));
+  const Code* codes(const char* payload, int64_t len) const {
+    return reinterpret_cast<const Code*>(payload + 4 * codec::num_blocks(len, block_));
   }
 
   Buffer quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
-    const int64_t nb = codec::num_blocks(len, block_);
-    int8_t* q = reinterpret_cast<int8_t*>(buf->data() + 4 * nb);
-    *bad_blocks = codec::quantize(x, type, len, block_, q, buf->as<float>());
+    Code* q = reinterpret_cast<Code*>(buf->data() + 4 * codec::num_blocks(len, block_));
+    *bad_blocks = Format::quantize(x, type, len, block_, q, buf->as<float>());
     // While x is still in cache: the error this encode makes (the ring reports it, so
     // DiLoCo needs no round-trip pass of its own).
-    if (measure_) {
-      codec::quantize_error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
-    }
+    if (measure_) Format::error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
     return buf;
   }
 
@@ -193,7 +233,8 @@ std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool
 #else
   if (spec.cuda) throw std::logic_error("internal: a collective on CUDA memory in a build without CUDA");
 #endif
-  if (spec.codec == CodecKind::kInt8) return std::make_unique<Int8Codec>(spec, pool, times);
+  if (spec.codec == CodecKind::kInt8) return std::make_unique<BlockCodec<Int8Format>>(spec, pool, times);
+  if (spec.codec == kCodecFp4) return std::make_unique<BlockCodec<Fp4Format>>(spec, pool, times);
   return std::make_unique<ExactCodec>(spec, pool, times);
 }
 

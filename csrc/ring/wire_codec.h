@@ -3,15 +3,17 @@
 // segments and asks a WireCodec for every byte it sends and every value it adds,
 // so it never branches on the codec (as gloo injects its reduction).
 //
-// Two implementations (make_wire_codec picks one from the spec):
-//   int8   docs/wire-format.md's block codec. Payload of `len` values:
+// Three implementations (make_wire_codec picks one from the spec):
+//   int8   docs/wire-format.md's int8 block codec. Payload of `len` values:
 //          [ceil(len/B) fp32 scales, little-endian][len int8 values], in both phases.
+//   fp4    its fp4 block codec: [ceil(len/B) fp32 scales][ceil(len/2) bytes, two E2M1
+//          codes each, value 2j in the low nibble], in both phases.
 //   exact  reduce-scatter: `len` fp32 partial sums; all-gather: `len` values of the
 //          tensor's dtype (the owner rounds the final sum once).
 //
 // Accumulation is always in fp32: the schedule hands the codec an fp32 buffer.
 //
-// CUDA builds add a third, for CUDA tensors (spec.cuda set; wire_codec_cuda.h): the
+// CUDA builds add one more, for CUDA tensors (spec.cuda set; wire_codec_cuda.h): the
 // same bytes, computed on the tensor's GPU. Its accumulator lives on the device (the
 // schedule's host `acc` buffers are then only placeholders), which is why dividing by
 // the world size and writing the result are the codec's too.
@@ -26,6 +28,11 @@
 #include "schedule.h"
 
 namespace prime::ring {
+
+// The fp4 codec's CodecKind (docs/wire-format.md). Its place is CodecKind itself
+// (schedule.h) as kFp4 = 2; until then this names the value, which the frame descriptor
+// (descriptor_of) already carries as the codec byte.
+inline constexpr CodecKind kCodecFp4 = static_cast<CodecKind>(2);
 
 // Adds the lifetime of the scope to a seconds counter of ScheduleTimes.
 class ScopedTimer {

@@ -191,8 +191,10 @@ class CudaWireCodec final : public WireCodec {
       : job_(spec.cuda),
         ctx_(*spec.cuda->context),
         stream_(ctx_.stream()),
-        int8_(spec.codec == CodecKind::kInt8),
-        measure_(int8_ && spec.measure_error),
+        blocked_(spec.codec == CodecKind::kInt8 || spec.codec == kCodecFp4),
+        fp4_(spec.codec == kCodecFp4),
+        format_(fp4_ ? codec::cuda::BlockFormat::kFp4 : codec::cuda::BlockFormat::kInt8),
+        measure_(blocked_ && spec.measure_error),
         dtype_(spec.dtype),
         type_(input_type_of(spec.dtype)),
         esize_(dtype_size(spec.dtype)),
@@ -204,16 +206,16 @@ class CudaWireCodec final : public WireCodec {
     if (job_->input_ready) cuda_check(cudaStreamWaitEvent(stream_, job_->input_ready, 0), "cudaStreamWaitEvent");
     flags_ = reinterpret_cast<uint32_t*>(ctx_.device_buffer(CudaContext::kFlags, 64));
     err_sums_ = reinterpret_cast<double*>(reinterpret_cast<char*>(flags_) + kErrSumsOffset);
-    // The flags and the int8 error sums (bytes [kErrSumsOffset, +16) of the same buffer).
+    // The flags and the error sums (bytes [kErrSumsOffset, +16) of the same buffer).
     cuda_check(cudaMemsetAsync(flags_, 0, kErrSumsOffset + 2 * sizeof(double), stream_), "cudaMemsetAsync (flags)");
     ctx_.host_flags()[0] = ctx_.host_flags()[1] = 0;
     // The final result gathers here (allocated now: growing later would wait for the stream).
-    if (int8_) {
-      image_q_ = reinterpret_cast<int8_t*>(ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(n_)));
+    if (blocked_) {
+      image_q_ = ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(code_bytes(n_)));
       image_s_ = reinterpret_cast<float*>(
           ctx_.device_buffer(CudaContext::kImageS, static_cast<size_t>(codec::num_blocks(n_, block_)) * 4));
     } else {
-      image_q_ = reinterpret_cast<int8_t*>(ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(n_) * esize_));
+      image_q_ = ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(n_) * esize_);
     }
     for (auto& s : slots_) s.read = ctx_.take_event();
   }
@@ -226,12 +228,12 @@ class CudaWireCodec final : public WireCodec {
     for (cudaEvent_t e : used_) ctx_.give_event(e);
   }
 
-  int64_t unit() const override { return int8_ ? block_ : kExactUnit; }
+  int64_t unit() const override { return blocked_ ? block_ : kExactUnit; }
   int64_t partial_bytes(int64_t len) const override {
-    return int8_ ? 4 * codec::num_blocks(len, block_) + len : 4 * len;
+    return blocked_ ? 4 * codec::num_blocks(len, block_) + code_bytes(len) : 4 * len;
   }
   int64_t final_bytes(int64_t len) const override {
-    return int8_ ? partial_bytes(len) : len * static_cast<int64_t>(esize_);
+    return blocked_ ? partial_bytes(len) : len * static_cast<int64_t>(esize_);
   }
 
   void prefetch_input(const void* own, int64_t len) override {
@@ -241,13 +243,12 @@ class CudaWireCodec final : public WireCodec {
     if (len > 0) {
       cudaEvent_t a = record();
       const char* src = nullptr;
-      if (int8_) {
+      if (blocked_) {
         char* out = out_buffer(bytes);
-        check(codec::cuda::quantize(own, type_, len, block_, q_of(out, len), scales_of(out), std::nullopt, stream_),
-              "quantize (own values)");
+        quantize_codes(own, type_, len, out, "quantize (own values)");
         if (measure_) {
-          check(codec::cuda::quantize_error_sq(own, type_, q_of(out, len), scales_of(out), len, block_, err_sums_,
-                                               stream_),
+          check(codec::cuda::quantize_error_sq(format_, own, type_, q_of(out, len), scales_of(out), len, block_,
+                                               err_sums_, stream_),
                 "quantization error (own values)");
         }
         src = out;
@@ -282,7 +283,7 @@ class CudaWireCodec final : public WireCodec {
     prefetched_.pop_front();
     if (p.done) wait_for(p.done);
     bool ok = true;
-    if (int8_) {
+    if (blocked_) {
       // Blocks holding NaN or Inf carry the NaN scale (the format's flag).
       const float* s = p.host->as<float>();
       for (int64_t b = 0, nb = codec::num_blocks(len, block_); b < nb; ++b) ok &= !std::isnan(s[b]);
@@ -311,8 +312,13 @@ class CudaWireCodec final : public WireCodec {
     if (len == 0) return;
     if (!summed_) sum_first(len);  // (before the upload below reuses the device buffer: same stream)
     upload(payload, static_cast<size_t>(partial_bytes(len)));
-    if (int8_) {
-      check(codec::cuda::dequantize_add(acc_, q_of(in_, len), scales_of(in_), len, block_, stream_),
+    if (fp4_) {
+      check(codec::cuda::dequantize_add_fp4(acc_, reinterpret_cast<const uint8_t*>(q_of(in_, len)), scales_of(in_), len,
+                                            block_, stream_),
+            "dequantize-add (contribution)");
+    } else if (blocked_) {
+      check(codec::cuda::dequantize_add(acc_, reinterpret_cast<const int8_t*>(q_of(in_, len)), scales_of(in_), len,
+                                        block_, stream_),
             "dequantize-add (contribution)");
     } else {
       check(codec::cuda::add_into(acc_, reinterpret_cast<const float*>(in_), len, stream_), "add (contribution)");
@@ -390,7 +396,7 @@ class CudaWireCodec final : public WireCodec {
   bool input_finite() const override { return !own_bad_; }
 
   void finish() override {
-    // The int8 error sums, read back once (every encode was enqueued before this).
+    // The error sums, read back once (every encode was enqueued before this).
     char* host_sums = reinterpret_cast<char*>(ctx_.host_flags()) + kErrSumsOffset;
     if (measure_) {
       cuda_check(cudaMemcpyAsync(host_sums, err_sums_, 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
@@ -426,8 +432,14 @@ class CudaWireCodec final : public WireCodec {
                              std::to_string(n_) + " final values");
     }
     if (n_ > 0) {
-      if (int8_) {
-        check(codec::cuda::dequantize(image_q_, image_s_, n_, block_, dst, type_, stream_), "dequantize (result)");
+      if (fp4_) {
+        check(codec::cuda::dequantize_fp4(reinterpret_cast<const uint8_t*>(image_q_), image_s_, n_, block_, dst, type_,
+                                          stream_),
+              "dequantize (result)");
+      } else if (blocked_) {
+        check(codec::cuda::dequantize(reinterpret_cast<const int8_t*>(image_q_), image_s_, n_, block_, dst, type_,
+                                      stream_),
+              "dequantize (result)");
       } else {
         cuda_check(cudaMemcpyAsync(dst, image_q_, static_cast<size_t>(n_) * esize_, cudaMemcpyDeviceToDevice, stream_),
                    "cudaMemcpyAsync (result)");
@@ -460,9 +472,24 @@ class CudaWireCodec final : public WireCodec {
 
   static void check(cudaError_t e, const char* what) { cuda_check(e, what); }
 
-  // The int8 payload layout, on the device as on the wire: scales, then values.
+  // The block codecs' payload layout, on the device as on the wire: scales, then codes
+  // (int8: a byte a value; fp4: two values a byte).
   float* scales_of(char* p) const { return reinterpret_cast<float*>(p); }
-  int8_t* q_of(char* p, int64_t len) const { return reinterpret_cast<int8_t*>(p + 4 * codec::num_blocks(len, block_)); }
+  char* q_of(char* p, int64_t len) const { return p + 4 * codec::num_blocks(len, block_); }
+  int64_t code_bytes(int64_t len) const { return fp4_ ? codec::fp4_bytes(len) : len; }
+
+  // Encodes len values of x (of `type`) into `out` (the payload layout) in the codec's format.
+  void quantize_codes(const void* x, codec::InputType type, int64_t len, char* out, const char* what) {
+    if (fp4_) {
+      check(codec::cuda::quantize_fp4(x, type, len, block_, reinterpret_cast<uint8_t*>(q_of(out, len)),
+                                      scales_of(out), std::nullopt, stream_),
+            what);
+    } else {
+      check(codec::cuda::quantize(x, type, len, block_, reinterpret_cast<int8_t*>(q_of(out, len)), scales_of(out),
+                                  std::nullopt, stream_),
+            what);
+    }
+  }
 
   char* out_buffer(size_t bytes) { return ctx_.device_buffer(CudaContext::kOut, bytes); }
 
@@ -485,7 +512,7 @@ class CudaWireCodec final : public WireCodec {
                "cudaMemcpyAsync (flags)");
   }
 
-  bool fused() const { return !int8_ || codec::cuda::reduce_quantize_supported(block_); }
+  bool fused() const { return !blocked_ || codec::cuda::reduce_quantize_supported(block_); }
 
   // Uploads a received payload into in_ (the device's copy of the current payload).
   void upload(const char* payload, size_t bytes) {
@@ -514,9 +541,9 @@ class CudaWireCodec final : public WireCodec {
   // schedule's owner before it adds more contributions).
   void sum_first(int64_t len) {
     acc_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kAcc, static_cast<size_t>(len) * 4));
-    if (int8_) {
-      check(codec::cuda::add_dequantized(own_, type_, q_of(in_, len), scales_of(in_), len, block_, acc_, &flags_[0],
-                                         stream_),
+    if (blocked_) {
+      check(codec::cuda::add_dequantized(format_, own_, type_, q_of(in_, len), scales_of(in_), len, block_, acc_,
+                                         &flags_[0], stream_),
             "dequantize-add");
     } else {
       check(codec::cuda::add_widened(own_, type_, reinterpret_cast<const float*>(in_), len, acc_, &flags_[0], stream_),
@@ -526,14 +553,14 @@ class CudaWireCodec final : public WireCodec {
   }
 
   // The segment's sum (own values + the uploaded payload, divided when divide() said so)
-  // encoded into `out`: one fused pass, or (large int8 blocks) a quantize of acc_.
+  // encoded into `out`: one fused pass, or (blocks above 1024) a quantize of acc_.
   void encode_sum(char* out, int64_t len, bool final) {
     uint32_t* result_bad = final ? &flags_[1] : nullptr;
     if (!summed_) {
-      if (int8_) {
-        check(codec::cuda::reduce_quantize(own_, type_, q_of(in_, len), scales_of(in_), len, block_, divisor_,
-                                           q_of(out, len), scales_of(out), &flags_[0], result_bad, type_, stream_,
-                                           measure_ ? err_sums_ : nullptr),
+      if (blocked_) {
+        check(codec::cuda::reduce_quantize(format_, own_, type_, q_of(in_, len), scales_of(in_), len, block_,
+                                           divisor_, q_of(out, len), scales_of(out), &flags_[0], result_bad, type_,
+                                           stream_, measure_ ? err_sums_ : nullptr),
               final ? "reduce-quantize (final value)" : "reduce-quantize (partial sum)");
       } else {
         // exact: the fp32 partial sums, or the final value rounded to the dtype
@@ -543,25 +570,24 @@ class CudaWireCodec final : public WireCodec {
       }
       return;
     }
-    if (!int8_) {
+    if (!blocked_) {
       // exact, summed (the direct schedule's owner): the fp32 sum, rounded to the dtype when final
       check(codec::cuda::narrow(acc_, len, final ? type_ : codec::InputType::kFloat32, out, &flags_[final ? 1 : 2],
                                 stream_),
             final ? "round (final value)" : "copy (partial sum)");
       return;
     }
-    check(codec::cuda::quantize(acc_, codec::InputType::kFloat32, len, block_, q_of(out, len), scales_of(out),
-                                std::nullopt, stream_),
-          final ? "quantize (final value)" : "quantize (partial sum)");
+    quantize_codes(acc_, codec::InputType::kFloat32, len, out,
+                   final ? "quantize (final value)" : "quantize (partial sum)");
     if (measure_) {
-      check(codec::cuda::quantize_error_sq(acc_, codec::InputType::kFloat32, q_of(out, len), scales_of(out), len,
-                                           block_, err_sums_, stream_),
+      check(codec::cuda::quantize_error_sq(format_, acc_, codec::InputType::kFloat32, q_of(out, len), scales_of(out),
+                                           len, block_, err_sums_, stream_),
             "quantization error");
     }
     if (final) {
       // Every rank writes decode(these bytes) in the dtype: it must be finite.
-      check(codec::cuda::flag_nonfinite_decoded(q_of(out, len), scales_of(out), len, block_, type_, &flags_[1],
-                                                stream_),
+      check(codec::cuda::flag_nonfinite_decoded(format_, q_of(out, len), scales_of(out), len, block_, type_,
+                                                &flags_[1], stream_),
             "finite check (final value)");
     }
   }
@@ -602,16 +628,16 @@ class CudaWireCodec final : public WireCodec {
 
   // Copies one final payload (of `len` values starting at value `begin`) into the image.
   void place_at(const char* payload, int64_t begin, int64_t len, cudaMemcpyKind kind) {
-    if (int8_) {
+    if (blocked_) {  // (begin: a multiple of the block, so even: fp4 codes start a byte)
       const int64_t nb = codec::num_blocks(len, block_);
       cuda_check(cudaMemcpyAsync(image_s_ + begin / block_, payload, static_cast<size_t>(nb) * 4, kind, stream_),
                  "cudaMemcpyAsync (final scales)");
-      cuda_check(cudaMemcpyAsync(image_q_ + begin, payload + 4 * nb, static_cast<size_t>(len), kind, stream_),
+      cuda_check(cudaMemcpyAsync(image_q_ + code_bytes(begin), payload + 4 * nb, static_cast<size_t>(code_bytes(len)),
+                                 kind, stream_),
                  "cudaMemcpyAsync (final values)");
     } else {
       const size_t bytes = static_cast<size_t>(len) * esize_;
-      cuda_check(cudaMemcpyAsync(reinterpret_cast<char*>(image_q_) + begin * static_cast<int64_t>(esize_), payload,
-                                 bytes, kind, stream_),
+      cuda_check(cudaMemcpyAsync(image_q_ + begin * static_cast<int64_t>(esize_), payload, bytes, kind, stream_),
                  "cudaMemcpyAsync (final values)");
     }
   }
@@ -619,8 +645,10 @@ class CudaWireCodec final : public WireCodec {
   std::shared_ptr<CudaJob> job_;  // keeps the context and the input event alive
   CudaContext& ctx_;
   const cudaStream_t stream_;
-  const bool int8_;
-  const bool measure_;  // int8: add the quantization error to err_sums_
+  const bool blocked_;  // a block codec (int8 or fp4), not exact values
+  const bool fp4_;
+  const codec::cuda::BlockFormat format_;
+  const bool measure_;  // block codecs: add the quantization error to err_sums_
   const DType dtype_;
   const codec::InputType type_;
   const size_t esize_;
@@ -628,14 +656,14 @@ class CudaWireCodec final : public WireCodec {
   const int64_t n_;
   ScheduleTimes* times_;
 
-  // Byte offset of the two int8 error sums (device doubles: error, input) in the flags
+  // Byte offset of the two error sums (device doubles: error, input) in the flags
   // buffer, and of their copy in the context's pinned host_flags (64 bytes each).
   static constexpr size_t kErrSumsOffset = 16;
 
   uint32_t* flags_ = nullptr;  // device: [own input bad, result bad, ignored], OR-accumulated
-  double* err_sums_ = nullptr; // device: the int8 error sums (ScheduleTimes::quant_err_sq, quant_in_sq)
-  int8_t* image_q_ = nullptr;  // int8: the result's values; exact: its bytes
-  float* image_s_ = nullptr;   // int8: the result's scales
+  double* err_sums_ = nullptr; // device: the error sums (ScheduleTimes::quant_err_sq, quant_in_sq)
+  char* image_q_ = nullptr;    // block codecs: the result's codes; exact: its bytes
+  float* image_s_ = nullptr;   // block codecs: the result's scales
   float* acc_ = nullptr;       // the current segment's fp32 sum (device; unfused path only)
   char* in_ = nullptr;         // the current segment's uploaded payload (device)
   const void* own_ = nullptr;  // the current segment's own values (device)
@@ -703,7 +731,16 @@ std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int
   auto qq = [&](char* p) { return reinterpret_cast<int8_t*>(p + 4 * nb); };
   cuda_check(codec::cuda::quantize(add, codec::InputType::kFloat32, n, block, qq(in), sc(in), std::nullopt, stream),
              "quantize");
+  // fp4 payloads beside the int8 ones (in4: an encoded input; out4: the output)
+  const double S4 = static_cast<double>(codec::fp4_bytes(n));
+  char* in4 = dev(payload);
+  char* out4 = dev(payload);
+  auto q4 = [&](char* p) { return reinterpret_cast<uint8_t*>(p + 4 * nb); };
+  cuda_check(codec::cuda::quantize_fp4(add, codec::InputType::kFloat32, n, block, q4(in4), sc(in4), std::nullopt,
+                                       stream),
+             "quantize fp4");
   using F = codec::InputType;
+  using codec::cuda::BlockFormat;
   const double N = static_cast<double>(n), S = 4.0 * static_cast<double>(nb);
   struct Op {
     const char* name;
@@ -715,26 +752,40 @@ std::vector<KernelTiming> time_kernels(int device, int64_t n, int64_t block, int
        [&] { return codec::cuda::quantize(own, F::kFloat32, n, block, qq(out), sc(out), std::nullopt, stream); }},
       {"reduce-quantize (fused: +deq, /2, quant, checks)", 4 * N + 2 * (N + S),
        [&] {
-         return codec::cuda::reduce_quantize(own, F::kFloat32, qq(in), sc(in), n, block, 2.f, qq(out), sc(out),
-                                             &flags[0], &flags[1], F::kFloat32, stream);
+         return codec::cuda::reduce_quantize(BlockFormat::kInt8, own, F::kFloat32, qq(in), sc(in), n, block, 2.f,
+                                             qq(out), sc(out), &flags[0], &flags[1], F::kFloat32, stream);
        }},
       {"reduce-quantize + error sums (what the ring runs)", 4 * N + 2 * (N + S),
        [&] {
-         return codec::cuda::reduce_quantize(own, F::kFloat32, qq(in), sc(in), n, block, 2.f, qq(out), sc(out),
-                                             &flags[0], &flags[1], F::kFloat32, stream, err_sums);
+         return codec::cuda::reduce_quantize(BlockFormat::kInt8, own, F::kFloat32, qq(in), sc(in), n, block, 2.f,
+                                             qq(out), sc(out), &flags[0], &flags[1], F::kFloat32, stream, err_sums);
        }},
       {"quantization error of the own values (after quantize own)", 4 * N + N + S,
-       [&] { return codec::cuda::quantize_error_sq(own, F::kFloat32, qq(out), sc(out), n, block, err_sums, stream); }},
+       [&] {
+         return codec::cuda::quantize_error_sq(BlockFormat::kInt8, own, F::kFloat32, qq(out), sc(out), n, block,
+                                               err_sums, stream);
+       }},
+      {"fp4: quantize own (fp32 -> fp4)", 4 * N + S4 + S,
+       [&] { return codec::cuda::quantize_fp4(own, F::kFloat32, n, block, q4(out4), sc(out4), std::nullopt, stream); }},
+      {"fp4: reduce-quantize + error sums (what the ring runs)", 4 * N + 2 * (S4 + S),
+       [&] {
+         return codec::cuda::reduce_quantize(BlockFormat::kFp4, own, F::kFloat32, q4(in4), sc(in4), n, block, 2.f,
+                                             q4(out4), sc(out4), &flags[0], &flags[1], F::kFloat32, stream, err_sums);
+       }},
+      {"fp4: dequantize result (fp4 -> fp32)", S4 + S + 4 * N,
+       [&] { return codec::cuda::dequantize_fp4(q4(out4), sc(out4), n, block, acc, F::kFloat32, stream); }},
       {"  unfused: add_dequantized", 4 * N + N + S + 4 * N,
        [&] {
-         return codec::cuda::add_dequantized(own, F::kFloat32, qq(in), sc(in), n, block, acc, &flags[0], stream);
+         return codec::cuda::add_dequantized(BlockFormat::kInt8, own, F::kFloat32, qq(in), sc(in), n, block, acc,
+                                             &flags[0], stream);
        }},
       {"  unfused: divide", 8 * N, [&] { return codec::cuda::divide(acc, n, 2.f, stream); }},
       {"  unfused: quantize (fp32 sum)", 4 * N + N + S,
        [&] { return codec::cuda::quantize(acc, F::kFloat32, n, block, qq(out), sc(out), std::nullopt, stream); }},
       {"  unfused: flag_nonfinite_decoded", N + S,
        [&] {
-         return codec::cuda::flag_nonfinite_decoded(qq(out), sc(out), n, block, F::kFloat32, &flags[1], stream);
+         return codec::cuda::flag_nonfinite_decoded(BlockFormat::kInt8, qq(out), sc(out), n, block, F::kFloat32,
+                                                    &flags[1], stream);
        }},
       {"dequantize result (int8 -> fp32)", N + S + 4 * N,
        [&] { return codec::cuda::dequantize(qq(out), sc(out), n, block, acc, F::kFloat32, stream); }},

@@ -1,4 +1,4 @@
-// The wire codec for CUDA tensors: the bytes of wire_codec.h's int8 and exact codecs,
+// The wire codec for CUDA tensors: the bytes of wire_codec.h's block (int8, fp4) and exact codecs,
 // computed on the tensor's GPU. Quantize, dequantize-add, the sums, the average and
 // the final rounding run as CUDA kernels (csrc/codec/codec_cuda.h, ring_cuda.h) on a
 // stream of the ring's own; only payload bytes cross PCIe, through pinned host
@@ -11,7 +11,7 @@
 // re-encoded, and downloaded into a pinned buffer that goes to the transport as it
 // is (no host copy). The own chunk's encodes are all queued at once (prefetch_input)
 // and handed out as each finishes. The final segments are gathered on the device
-// (int8: the q and scale arrays of the whole tensor; exact: its values) as they are
+// (block codecs: the code and scale arrays of the whole tensor; exact: its values) as they are
 // known, and written into the tensor with one pass once every check passed.
 #pragma once
 
@@ -84,7 +84,7 @@ class CudaContext {
   void give_event(cudaEvent_t e);
 
   // Pinned memory (64 bytes) the collective's flags are downloaded into (words 0, 1: own
-  // input bad, result bad; bytes 16-31: the int8 error sums, at the end of the collective).
+  // input bad, result bad; bytes 16-31: the block codec's error sums, at the end of the collective).
   uint32_t* host_flags() { return host_flags_; }
 
   // How received payloads reach the GPU in the collectives submitted from now on (each

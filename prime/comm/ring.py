@@ -25,7 +25,7 @@ from prime import _extension, faults
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
 from prime.comm.links import LinkTable, choose_schedule
-from prime.ops import check_block_size, wire_bytes
+from prime.ops import CODECS, check_block_size, wire_bytes
 
 __all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
@@ -53,7 +53,7 @@ ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
 ENV_QUANT_ERROR = "PRIME_RING_QUANT_ERROR"
 # Where the ring reduces CUDA tensors: "auto" (default: on their GPU when prime._C was
 # built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
-# without CUDA), "cpu" (always through pinned host memory: the path before issue 12).
+# without CUDA), "cpu" (always through pinned host memory: the path before GPU reduction).
 ENV_CUDA_REDUCE = "PRIME_RING_CUDA_REDUCE"
 # How received payloads reach the GPU when the ring reduces there: "pinned" (default: the
 # worker copies each into pinned memory, then one DMA) or "pageable" (cudaMemcpyAsync
@@ -377,11 +377,12 @@ class Ring:
                    schedule: Optional[str] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one fp32
-        scale per `block_size` values (0.254x the bytes of fp32); codec="none" sends
-        exact values. schedule: "auto", "ring" or "direct" (default: the ring's setting).
-        Every rank must call all_reduce in the same order with tensors of the same size
-        and dtype and the same op, codec, block_size and schedule. The tensor holds the
-        result once wait() returned; on failure it is left unchanged."""
+        scale per `block_size` values (0.254x the bytes of fp32); codec="fp4" 4-bit
+        E2M1 codes plus one fp32 scale per block (0.129x); codec="none" sends exact
+        values (docs/wire-format.md). schedule: "auto", "ring" or "direct" (default: the
+        ring's setting). Every rank must call all_reduce in the same order with tensors of
+        the same size and dtype and the same op, codec, block_size and schedule. The tensor
+        holds the result once wait() returned; on failure it is left unchanged."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
@@ -392,8 +393,8 @@ class Ring:
             )
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-        if codec not in ("int8", "none"):
-            raise ValueError(f"codec must be 'int8' or 'none', got {codec!r}")
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         check_block_size(block_size)
         schedule = self.schedule if schedule is None else schedule
         if schedule not in SCHEDULES:
@@ -409,7 +410,7 @@ class Ring:
             return schedule
         if self.world_size <= 2 or self.link_table is None:
             return "direct"  # (two ranks: the same two hops either way)
-        per_value = wire_bytes(n, block_size) / max(n, 1) if codec == "int8" else 4.0
+        per_value = wire_bytes(n, block_size, codec) / max(n, 1) if n else 4.0
         return choose_schedule(self.link_table, self.order, per_value * n, per_value * self._segment_elems)
 
     # -- links ----------------------------------------------------------------

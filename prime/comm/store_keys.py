@@ -38,9 +38,11 @@ The trainer (prime.trainer), under the job's prefix, signed under the job
 secret for the job ``trainer/<run_id>``:
 
     trainer/secret             the job secret when none is configured (one-host jobs only)
-    ckpt/r<n>/node<r>          signed: node r's offer in round n of the resume agreement
+    ckpt/<launch>/r<n>/node<r> signed: node r's offer in round n of the resume agreement of this launch
     final/<g>/<r>              signed: the digest of node r's final weights (local rank g)
     finished/<r>/<g>           signed: process g of node r is done with the store
+    host/<r>/<g>               signed: the host process g of node r runs on (the memory plan counts them)
+    plan/<r>                   signed: whether node r's memory plan fits ("ok" or why not)
 """
 
 from __future__ import annotations
@@ -161,8 +163,8 @@ TRAINER_NS = "trainer"
 """Namespace of the trainer's secret (rendezvous.shared_secret adds /secret)."""
 
 
-def resume_offer(rnd: int, node: int) -> str:
-    return f"ckpt/r{rnd}/node{node}"
+def resume_offer(rnd: int, node: int, scope: str = "") -> str:
+    return f"ckpt/{scope}/r{rnd}/node{node}" if scope else f"ckpt/r{rnd}/node{node}"
 
 
 def final_digest(local_rank: int, node: int) -> str:
@@ -171,3 +173,11 @@ def final_digest(local_rank: int, node: int) -> str:
 
 def finished(node: int, local_rank: int) -> str:
     return f"finished/{node}/{local_rank}"
+
+
+def host_of(node: int, local_rank: int) -> str:
+    return f"host/{node}/{local_rank}"
+
+
+def memory_plan(node: int) -> str:
+    return f"plan/{node}"

@@ -69,7 +69,7 @@ class ElasticNodes:
             transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
             join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
             digest=e.digest, slot_state_fn=data.state_dict,
-            quant_error=d.compression_error and d.codec == "int8",  # the ring measures DiLoCo's compression_error
+            quant_error=d.compression_error and d.codec != "none",  # the ring measures DiLoCo's compression_error
         )
         optimizer.register_step_pre_hook(lambda *_: self.sync.before_inner_step(self.diloco.inner_step + 1))
         self.records = signed_records(cfg, env.store, self.membership.secret)
@@ -103,6 +103,22 @@ class ElasticNodes:
         if d.since_sync >= d.inner_steps:  # the checkpoint was written after a failed outer step: do it first
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
+
+    def host_processes(self) -> int:
+        """Elastic nodes come and go: the memory plan counts this node's processes (memory.host_procs says more)."""
+        return self.env.local_world
+
+    def launch_scope(self) -> str:
+        """This launch's name for the resume agreement: the token node 0 drew when it claimed its initial slot
+        (only the initial nodes of a launch resume, and they all read the same claim)."""
+        from prime.comm import store_keys as keys
+
+        claim = self.membership.records.get_many([keys.genesis(0)])[0] if self.membership.records else None
+        return str(claim.get("token", "")) if isinstance(claim, dict) else ""
+
+    def nodes_that_do_not_fit(self, fits: bool) -> list:
+        """Elastic nodes decide alone: [this node] when one of its processes' plans does not fit."""
+        return [] if self.env.local_sum([0.0 if fits else 1.0])[0] == 0 else [self.env.node_rank]
 
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         """Reports the membership of the outer step; when this node (re)joined at it, takes the job's position:

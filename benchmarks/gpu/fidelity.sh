@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# fidelity: what the outer step's variants cost in loss (bench_fidelity.py) on the 150M model and the embedded
+# corpus, 2 nodes as threads on one GPU per run; runs on different GPUs at once. About 5 minutes for 400 steps,
+# 9 for 800.
+#   RUNS="0 1" benchmarks/gpu.sh fidelity OUT
+# RUNS: one run per entry SEED[:METHODS] (METHODS: bench_fidelity's --methods, default METHODS), on GPU i mod
+# count for the i-th entry.
+# env: RUNS ("0"), METHODS ("dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10"), STEPS (400), H (40),
+#      FIDELITY_TIMEOUT (540), EXTRA (more flags for bench_fidelity.py)
+cd "$(dirname "$0")/../.."
+source benchmarks/gpu/common.sh "$@"
+machine_info
+build_cuda
+gpus=(${CUDA_VISIBLE_DEVICES:-})
+gpus=(${gpus[@]//,/ })
+[ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))
+pids=() names=() logs=()
+i=0
+for entry in ${RUNS:-0}; do
+  seed=${entry%%:*}
+  methods=${METHODS:-dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10}
+  [[ $entry == *:* ]] && methods=${entry#*:}
+  gpu=${gpus[$(( i % ${#gpus[@]} ))]}
+  name="bench_fidelity 150M, ${STEPS:-400} steps, seed $seed, GPU $gpu: $methods"
+  log=fidelity_seed${seed}_gpu$gpu.log
+  cmd=(env CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_fidelity.py --config configs/150M.toml
+       --data.source embedded --train.steps ${STEPS:-400} --optim.warmup_steps 40 --optim.decay_steps 100
+       --diloco.inner_steps ${H:-40} --train.micro_batch_size 16 --data.seq_len 512 --eval-batches 16
+       --train.seed $seed --methods "$methods" --out "$out/fidelity_seed${seed}_gpu$gpu" ${EXTRA:-})
+  # in the background, one per GPU: each row is filled in when its run ends
+  ( run_step "$name" ${FIDELITY_TIMEOUT:-540} "$log" "${cmd[@]}" >/dev/null
+    echo "$?" >"$out/.rc_$i" ) &
+  pids+=($!) names+=("$name") logs+=("$log")
+  [ -n "${DRY_RUN:-}" ] && { wait $!; say "$name"; printf '  '; printf ' %q' "${cmd[@]}"; echo; }
+  i=$(( i + 1 ))
+done
+t0=$(date +%s)
+for j in "${!pids[@]}"; do
+  wait ${pids[$j]}
+  rc=$(cat "$out/.rc_$j" 2>/dev/null || echo 1); rm -f "$out/.rc_$j"
+  state=ok; [ "$rc" = 0 ] || { state="FAILED (exit $rc)"; status=1; }
+  [ -n "${DRY_RUN:-}" ] && state="dry run"
+  _row "${names[$j]}" "$state" $(( $(date +%s) - t0 ))
+  [ -z "${DRY_RUN:-}" ] && { say "${names[$j]}"; grep -v Warning "$out/${logs[$j]}" | tail -9; }
+  detail "$(grep -v Warning "$out/${logs[$j]}" 2>/dev/null | grep -iE "final|eval" | tail -1)"
+done
+finish

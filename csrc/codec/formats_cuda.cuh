@@ -1,0 +1,78 @@
+// Device-side element rules of the two block formats (docs/wire-format.md), shared by
+// the CUDA kernels of the codec (codec_cuda.cu) and of the ring (ring_cuda.cu), so
+// that one kernel template serves both. The arithmetic is the format's, operation for
+// operation: _rn intrinsics, integer bit building, comparisons against exact constants.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace prime::codec::cuda {
+
+// int8: one byte a value, q = clamp(round(v), -127, 127).
+struct Int8Codes {
+  using Code = int8_t;
+  static constexpr float kQMax = 127.0f;
+  __device__ __forceinline__ static int nearest(float v) { return min(max(__float2int_rn(v), -127), 127); }
+  // floor(v) + (u < v - floor(v)); both terms exact.
+  __device__ __forceinline__ static int stochastic(float v, float u) {
+    const float f = floorf(v);
+    return min(max(__float2int_rn(f) + (u < __fsub_rn(v, f) ? 1 : 0), -127), 127);
+  }
+  __device__ __forceinline__ static float value(const Code* q, int64_t i) { return static_cast<float>(q[i]); }
+  // The codes of the 4 values at element i (a multiple of 4): 4 bytes (4-byte aligned),
+  // loaded as they are (decoders load first, unpack later: fewer live registers) ...
+  __device__ __forceinline__ static uint32_t load4(const Code* q, int64_t i) {
+    return *reinterpret_cast<const uint32_t*>(q + i);
+  }
+  // ... and their values.
+  __device__ __forceinline__ static void unpack4(uint32_t w, float* out) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[k] = static_cast<float>(static_cast<int8_t>((w >> (8 * k)) & 0xffu));
+  }
+};
+
+// The fp32 value (+-M[m], before the scale) of an fp4 code: the E2M1 value built from its
+// bits (0, 0.5, then 2^((m >> 1) - 1) * (1 + (m & 1) / 2)), the sign from bit 3 (code 8: -0).
+__device__ __forceinline__ float fp4_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const uint32_t magnitude = m < 2 ? m * 0x3f000000u : (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
+  return __uint_as_float(magnitude | ((code & 8u) << 28));
+}
+
+// fp4: two E2M1 codes a byte, value 2j in the low nibble of byte j.
+struct Fp4Codes {
+  using Code = uint8_t;
+  static constexpr float kQMax = 6.0f;
+  // A zero magnitude is code 0, whatever the sign of v.
+  __device__ __forceinline__ static int signed_code(float v, int m) { return m > 0 && v < 0.f ? (m | 8) : m; }
+  // The nearest magnitude: one count per midpoint below |v|, a midpoint to the even index.
+  __device__ __forceinline__ static int nearest(float v) {
+    const float t = fabsf(v);
+    const int m = (t > 0.25f) + (t >= 0.75f) + (t > 1.25f) + (t >= 1.75f) + (t > 2.5f) + (t >= 3.5f) + (t > 5.f);
+    return signed_code(v, m);
+  }
+  // The magnitude l just below |v|, plus one when u < (|v| - M[l]) * (1 / gap): exact (Sterbenz,
+  // and a gap of 0.5, 1 or 2); index 7 stays.
+  __device__ __forceinline__ static int stochastic(float v, float u) {
+    const float t = fabsf(v);
+    const int l = (t >= 0.5f) + (t >= 1.f) + (t >= 1.5f) + (t >= 2.f) + (t >= 3.f) + (t >= 4.f) + (t >= 6.f);
+    const float inv_gap = l < 4 ? 2.f : l < 6 ? 1.f : l < 7 ? 0.5f : 0.f;
+    const float frac = __fmul_rn(__fsub_rn(t, fp4_value(static_cast<uint32_t>(l))), inv_gap);
+    return signed_code(v, l + (u < frac ? 1 : 0));
+  }
+  __device__ __forceinline__ static float value(const Code* q, int64_t i) {
+    return fp4_value((static_cast<uint32_t>(q[i >> 1]) >> (4 * (i & 1))) & 15u);
+  }
+  // The codes of the 4 values at element i (a multiple of 4): 2 bytes (2-byte aligned).
+  __device__ __forceinline__ static uint32_t load4(const Code* q, int64_t i) {
+    return *reinterpret_cast<const uint16_t*>(q + (i >> 1));
+  }
+  __device__ __forceinline__ static void unpack4(uint32_t w, float* out) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[k] = fp4_value((w >> (4 * k)) & 15u);
+  }
+};
+
+}  // namespace prime::codec::cuda

@@ -1,0 +1,630 @@
+"""Streaming fragments: the outer step of DiLoCo, one fragment of the model at a time.
+
+With `fragments = P` (prime.DiLoCo, `diloco.fragments`) the model's parameters
+are cut into P fragments of contiguous layers with balanced bytes
+(split_fragments). Each fragment is an outer step of its own (Fragment): its
+own outer weights and momentum, its own phase of H inner steps, offset in the
+phase so that fragment p syncs at inner steps (p + 1) H / P + k H
+(FragmentSchedule). One fragment's all-reduce is in flight at a time and
+carries 1/P of the bytes; with overlap its average is applied `overlap_steps`
+(at most H / P) inner steps later, and the buffers it needs on the GPU are 1/P
+of the model's. The algorithm per fragment is the whole-model one (docs/
+training.md, "Streaming fragments"); with P = 1 it is exactly DiLoCo's outer
+step as it always was.
+
+    Streaming DiLoCo (Douillard et al., 2025) syncs fragments the same way; torchft's
+    DiLoCo walks fragment objects with their own sync offset and delay.
+
+A synchronous outer step of a large fragment is pipelined: its flat range is cut
+into pieces (about SYNC_PIECE_VALUES values each), every piece's pseudo-gradient
+is computed and handed to the ring as soon as it is ready, and every piece's
+update is applied as soon as its average is back, while later pieces are still
+on the wire. Only the first piece's preparation and the last piece's update are
+left on the critical path beside the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from prime.outer import OuterState
+from prime.sync import OuterSyncError, RingSync, SyncResult
+
+__all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
+           "SYNC_PIECE_VALUES", "sync_pieces", "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
+
+SYNC_PIECE_VALUES = 1 << 27
+"""A synchronous outer step of a fragment larger than this (per process) is pipelined in pieces of about this
+many values (128M: 512 MiB of fp32, 128 MiB of int8, 0.2 s of a 5 Gbit/s link; PCIe moves it in ~10 ms), so
+that preparing and applying pieces overlaps the wire. Smaller fragments go in one all-reduce, as before."""
+
+PIPELINE_DEPTH = 3
+"""Pieces of a pipelined synchronous outer step prepared and not yet applied at once (each its own work buffer):
+the piece being applied, the one on the wire and the next, queued; 3 x 512 MiB at most on the GPU instead of
+the fragment's whole pseudo-gradient."""
+
+STAND_IN_OTHERS = 0.5
+"""eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
+other nodes' part of the average (stand_in_share()). Measured in benchmarks/RESULTS.md, "Overlap at longer
+phases: the stand-in share"."""
+
+MERGE_ALPHA = 0.5
+"""eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
+the average arrives. 1/2 is Streaming DiLoCo's mixing factor, and the value that keeps the node's offset
+from growing whatever fraction c in [0, 1] of it the inner steps undo (the offset of the next start is
+-lr (1 + mu) (c - 1/2) times this one, plus fresh noise: a gain below 1 while lr (1 + mu) < 2); measured in
+benchmarks/RESULTS.md, "Overlap: the eager-merge scheme"."""
+
+
+def sync_pieces(global_numel: int, local_world: int) -> int:
+    """How many pieces a synchronous outer step of a fragment of `global_numel` values is pipelined in: about
+    SYNC_PIECE_VALUES per process, from the global size, so that every process of a node cuts its shard into as
+    many (they agree on each piece)."""
+    return max(1, -(-global_numel // (max(1, local_world) * SYNC_PIECE_VALUES)))
+
+
+def stand_in_share(nodes: int) -> float:
+    """eager-merge with overlap_steps < inner_steps: the next start is the lookahead of this share of the local
+    pseudo-gradient: its own part of the average, 1/nodes, in full, and the other nodes' part, 1 - 1/nodes,
+    estimated by STAND_IN_OTHERS times it (a noisy local estimate, shrunk). The common lag this leaves is
+    corrected by the shift after overlap_steps. One node: 1, the synchronous outer step."""
+    return 1.0 / nodes + (1.0 - 1.0 / nodes) * STAND_IN_OTHERS
+
+
+# -- which parameters each fragment holds ---------------------------------------------------
+
+
+def layer_units(names: list) -> list:
+    """Groups consecutive parameter names into layers: a name's layer is its prefix up to the first numeric
+    part ("layers.3.attention.wq.weight" -> "layers.3"), else its first part ("tok_embeddings.weight" ->
+    "tok_embeddings"). Returns [(layer, [indices])] in parameter order; fragments are cut between layers only."""
+    units: list = []
+    for i, name in enumerate(names):
+        parts = name.split(".")
+        key = parts[0]
+        for j, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                key = ".".join(parts[: j + 1])
+                break
+        if units and units[-1][0] == key:
+            units[-1][1].append(i)
+        else:
+            units.append((key, [i]))
+    return units
+
+
+def split_fragments(names: list, sizes: list, fragments: int) -> list:
+    """Cuts parameters (in order, with their element counts) into `fragments` groups of consecutive whole layers
+    whose largest group is as small as possible (bytes on the wire and buffers are proportional to it). Returns
+    one list of parameter indices per fragment. Raises ValueError when the model has fewer layers than that."""
+    units = layer_units(names)
+    if fragments < 1:
+        raise ValueError(f"diloco.fragments must be >= 1, got {fragments}")
+    if fragments > len(units):
+        raise ValueError(f"diloco.fragments ({fragments}) is more than the model's {len(units)} layers "
+                         f"({', '.join(u for u, _ in units[:6])}{', ...' if len(units) > 6 else ''}); a fragment "
+                         "holds whole layers")
+    weights = [sum(sizes[i] for i in idx) for _, idx in units]
+    n = len(units)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the smallest possible largest group when units[:i] form k groups; cut[k][i]: where the last starts
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(fragments + 1)]
+    cut = [[0] * (n + 1) for _ in range(fragments + 1)]
+    best[0][0] = 0
+    for k in range(1, fragments + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(fragments, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    bounds.reverse()
+    return [[p for _, idx in units[a:b] for p in idx] for a, b in bounds]
+
+
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """When each of P fragments syncs in a phase of H inner steps: fragment p at inner steps offset(p) + k H,
+    offset(p) = round((p + 1) H / P), so the last one syncs where whole-model DiLoCo does. With overlap a
+    fragment's average is applied `delay` inner steps after its sync, at most the spacing of two syncs, so that
+    one average is in flight at a time."""
+
+    inner_steps: int
+    fragments: int
+
+    def __post_init__(self):
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ValueError(f"diloco.fragments must be in [1, diloco.inner_steps = {self.inner_steps}], "
+                             f"got {self.fragments}")
+
+    def offset(self, p: int) -> int:
+        """The inner step of the phase at which fragment p syncs (its first phase is this long)."""
+        return (2 * (p + 1) * self.inner_steps + self.fragments) // (2 * self.fragments)  # round half up
+
+    def spacing(self) -> int:
+        """The fewest inner steps between two syncs of the schedule (the longest delay that keeps one average in
+        flight at a time)."""
+        offs = [0] + [self.offset(p) for p in range(self.fragments)]
+        return min(b - a for a, b in zip(offs, offs[1:]))
+
+    def default_delay(self) -> int:
+        """overlap_steps when it is not set: the whole phase for one fragment, else the spacing."""
+        return self.inner_steps if self.fragments == 1 else self.spacing()
+
+
+# -- work buffers ---------------------------------------------------------------------------
+
+
+class BufferPool:
+    """Work buffers on the work device shared by the fragments: flat fp32 buffers of the largest fragment's
+    length, made on first need and handed back after use (a fragment uses a prefix of one)."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.numel, self.device = numel, device
+        self.free: list = []
+        self.made = 0
+        """Buffers made so far (the most ever in use at once)."""
+
+    def take(self) -> torch.Tensor:
+        if self.free:
+            return self.free.pop()
+        self.made += 1
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def give(self, buf: Optional[torch.Tensor]) -> None:
+        if buf is not None and not any(b is buf for b in self.free):
+            self.free.append(buf)
+
+
+# -- what one outer step did ----------------------------------------------------------------
+
+
+@dataclass
+class OuterStepResult:
+    """What `DiLoCo.step()` did."""
+
+    did_sync: bool
+    """True when this call ran an outer step."""
+    inner_step: int
+    """Inner steps taken so far (this call included)."""
+    outer_step: int
+    """Outer steps completed so far (with fragments: fragment outer steps, all fragments counted)."""
+    numel: int = 0
+    """Values all-reduced by this process (its shard of the fragment, padded to whole codec blocks)."""
+    allreduce_s: float = 0.0
+    """Wall time of the average across nodes (all attempts)."""
+    outer_s: float = 0.0
+    """Wall time of the whole outer step: copies, all-reduce, outer update."""
+    prepare_s: float = 0.0
+    """Part of outer_s: the pseudo-gradient pass, its norm and (when measured and the ring does not report it)
+    its int8 error; for a pipelined step, the first piece's (the rest overlaps the wire)."""
+    update_s: float = 0.0
+    """Part of outer_s: the outer update and the copy into the model; for a pipelined step, after the last
+    piece's average arrived (the rest overlaps the wire)."""
+    bytes_sent: Optional[int] = None
+    """Bytes this process sent on the ring, as the ring reports them (None: not reported)."""
+    bytes_received: Optional[int] = None
+    """Bytes this process received on the ring (None: not reported)."""
+    compression_error: Optional[float] = None
+    """int8 round-trip error of the local pseudo-gradient: ||deq(q(d)) - d|| / ||d|| (None: codec none, off,
+    or this process did not contribute)."""
+    pseudo_grad_norm: float = 0.0
+    """L2 norm of this process's local pseudo-gradient, before averaging (0: it did not contribute)."""
+    attempts: int = 0
+    """All-reduce attempts (1 when the first worked)."""
+    ring_stats: dict = field(default_factory=dict)
+    """Further timings the ring reports (quantize / wire / reduce seconds, ...)."""
+    members: list = field(default_factory=list)
+    """Nodes that took part in the outer step (ring order)."""
+    contributors: int = 0
+    """Nodes whose pseudo-gradient is in the average."""
+    details: Any = None
+    """What the sync reports beyond this (prime.elastic.ElasticReport for elastic nodes)."""
+    overlapped: bool = False
+    """True with overlap: the average of this outer step is still in flight (applied later), and
+    allreduce_s, bytes and attempts describe the average applied since the last one of this fragment."""
+    wait_s: float = 0.0
+    """Part of outer_s (overlap only): blocked waiting for the previous outer step's average."""
+    applied_outer_step: Optional[int] = None
+    """The outer step whose average this call applied to the outer weights (overlap: the previous one of this
+    fragment; None: none was in flight)."""
+    fragment: int = 0
+    """The fragment this outer step synced (0 without fragments)."""
+    fragments: int = 1
+    """How many fragments the model is cut into."""
+    share: float = 1.0
+    """The fragment's share of the model's values (what data parallelism would have sent scales with it)."""
+    pieces: int = 1
+    """All-reduces the outer step was pipelined in."""
+
+
+class _InFlight:
+    """One average running on a background thread (overlap): the buffer, the thread, and how it ended."""
+
+    def __init__(self, outer_step: int, inner_step: int, buf: torch.Tensor, base: torch.Tensor,
+                 saved: Optional[torch.Tensor]):
+        self.outer_step, self.inner_step, self.buf, self.base, self.saved = outer_step, inner_step, buf, base, saved
+        self.result: Optional[SyncResult] = None
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def run(self, sync, ready: Optional[Any], device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if ready is not None:
+                ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
+            recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
+            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                       recompute=recompute)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
+        except BaseException as e:  # handed to the main thread at the next outer step (or close)
+            self.error = e
+
+    def start(self, sync, ready, device) -> None:
+        self.thread = threading.Thread(target=self.run, args=(sync, ready, device), daemon=True,
+                                       name=f"prime-outer-allreduce-{self.outer_step}")
+        self.thread.start()
+
+    def join(self) -> SyncResult:
+        """Waits for the average; returns its SyncResult or raises what the background thread raised."""
+        self.thread.join()  # bounded: every wait of the ring has the ring's timeout
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+# -- one fragment's outer step ---------------------------------------------------------------
+
+
+@dataclass
+class FragmentSettings:
+    """What every fragment of one DiLoCo shares."""
+
+    sync: Any
+    inner_steps: int
+    codec: str
+    measure_compression_error: bool
+    overlap: bool
+    overlap_scheme: str
+    overlap_steps: int
+    fragments: int
+    grads: BufferPool
+    starts: BufferPool
+    keep_input: bool = False
+    nodes: Callable[[], int] = lambda: 1
+    check_finite: Optional[Callable[[bool, int], None]] = None
+
+
+class Fragment:
+    """One fragment's outer step: its OuterState, its phase, its average in flight (overlap) and the point its
+    inner steps started from (eager overlap schemes). DiLoCo walks its fragments after every inner step:
+    apply_due() (overlap: the average in flight, overlap_steps after the sync), then sync_due()."""
+
+    def __init__(self, index: int, state: OuterState, first_phase: int, settings: FragmentSettings,
+                 numel_share: float = 1.0, pieces: int = 1):
+        self.index, self.state, self.first_phase, self.s = index, state, first_phase, settings
+        self.share, self.pieces = numel_share, pieces
+        self.outer_step = 0
+        """Outer steps of this fragment completed."""
+        self.since_sync = 0
+        """Inner steps since this fragment's last outer step."""
+        self.pieces_done = 0
+        """Pieces of a pipelined synchronous outer step already applied when it failed part way (0 otherwise):
+        the next attempt (also after a resume) does the rest."""
+        self.start: Optional[torch.Tensor] = None
+        """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
+        weights)."""
+        self.alpha = 1.0
+        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
+        self._inflight: Optional[_InFlight] = None
+        self._last_sq: Optional[float] = None
+        self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
+        self._slots: Optional[torch.Tensor] = None  # the pipelined step's piece buffers
+
+    # -- the schedule -----------------------------------------------------------------
+
+    @property
+    def phase(self) -> int:
+        """Inner steps of this fragment's current phase (the first is its schedule offset)."""
+        return self.first_phase if self.outer_step == 0 else self.s.inner_steps
+
+    def tick(self) -> None:
+        self.since_sync += 1
+
+    def sync_due(self) -> bool:
+        return self.since_sync >= self.phase
+
+    def apply_due(self) -> bool:
+        """Overlap with overlap_steps shorter than the phase: the average in flight is applied now."""
+        s = self.s
+        return s.overlap and self.since_sync == s.overlap_steps and s.overlap_steps < s.inner_steps
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    # -- the synchronous outer step (pipelined in pieces) -----------------------------------
+
+    @torch.no_grad()
+    def sync(self, inner_step: int, outer_step: int) -> tuple:
+        """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several.
+        Returns (SyncResult, timings dict, norm, own error)."""
+        st, s = self.state, self.s
+        st.ensure_taken()
+        t0 = time.perf_counter()
+        ranges = st.ranges(self.pieces)
+        sq, first, own_sq = [0.0], [None], [0.0]
+        measure_own = s.measure_compression_error and s.codec == "int8" and not _ring_reports_error(s.sync)
+        pipelined = isinstance(s.sync, RingSync) and len(ranges) > 1
+        if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
+            width = max(hi - lo for lo, hi in ranges)
+            slots = self._piece_slots(width)
+            buffer = lambda j: slots[j % PIPELINE_DEPTH][: ranges[j][1] - ranges[j][0]]  # noqa: E731
+            base = None
+        else:
+            base = s.grads.take()
+            buffer = lambda j: base[ranges[j][0] : ranges[j][1]]  # noqa: E731
+
+        def prepare(j: int) -> None:
+            lo, hi = ranges[j]
+            q = st.pseudo_gradient(buffer(j), lo=lo, hi=hi, at=lo)
+            finite = math.isfinite(q)
+            if measure_own and finite and hi > lo:
+                own_sq[0] += st.int8_error_sq(buffer(j))
+            sq[0] += q
+            s.check_finite(finite, outer_step)
+            if first[0] is None:
+                first[0] = time.perf_counter() - t0
+
+        def apply(j: int) -> None:
+            lo, hi = ranges[j]
+            st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
+            self.pieces_done = j + 1
+
+        try:
+            if pipelined:
+                r = s.sync.average_pieces(ranges, outer_step=outer_step, inner_step=inner_step, buffer=buffer,
+                                          prepare=prepare, apply=apply, start=self.pieces_done,
+                                          window=PIPELINE_DEPTH)
+                u_last = s.sync.last_apply_s
+            else:  # one all-reduce (elastic membership, or a fragment small enough)
+                todo = range(self.pieces_done, len(ranges))
+                lo, hi = ranges[todo[0]][0], ranges[-1][1]
+                for j in todo:
+                    prepare(j)
+
+                def recompute(_):
+                    for j in todo:
+                        st.pseudo_gradient(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
+
+                r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
+                u0 = time.perf_counter()
+                st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
+                u_last = time.perf_counter() - u0
+            self.pieces_done = 0
+        finally:
+            s.grads.give(base)
+        timings = {"prepare_s": first[0] or 0.0, "update_s": u_last}
+        norm = math.sqrt(sq[0]) if sq[0] >= 0 else float("nan")
+        own = (math.sqrt(own_sq[0]) / norm if norm > 0 else 0.0) if measure_own else None
+        self.outer_step += 1
+        self.since_sync = 0
+        return r, timings, norm, own
+
+    def _piece_slots(self, width: int) -> list:
+        """PIPELINE_DEPTH work buffers of `width` values for a pipelined synchronous step (kept)."""
+        if self._slots is None or self._slots.numel() < PIPELINE_DEPTH * width:
+            self._slots = torch.zeros(PIPELINE_DEPTH * width, dtype=torch.float32, device=self.state.work_device)
+        return [self._slots[i * width : (i + 1) * width] for i in range(PIPELINE_DEPTH)]
+
+    # -- the overlapped outer step ---------------------------------------------------------
+
+    @torch.no_grad()
+    def sync_overlapped(self, inner_step: int, outer_step: int) -> tuple:
+        """One outer step with overlap (docs/training.md, "Overlapping the all-reduce"):
+
+            d_k    = start_k - local                    pseudo-gradient of the inner steps just done
+            wait for avg_{k-1}; outer, momentum = Nesterov(outer, momentum, avg_{k-1})   same on every node
+            start_{k+1} = eager: Nesterov lookahead(outer, momentum, d_k)   delayed: outer
+            average d_k in the background; local := start_{k+1}
+
+        Returns (SyncResult of the average applied here or None, timings, norm, own error, applied step)."""
+        t0 = time.perf_counter()
+        st, s = self.state, self.s
+        st.ensure_taken()
+        base = s.grads.take()  # a second one once: at the second outer step of a whole-phase overlap
+        g = base[: st.numel]
+        eager = s.overlap_scheme.startswith("eager")
+        fused = eager and self.start is None and self._inflight is None  # overlap_steps < the phase (fragments)
+        if fused:  # the pseudo-gradient and the next start in one pass over the outer state
+            self.start = s.starts.take()[: st.numel]
+            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=self._stand_in_scale())
+        else:
+            sq = st.pseudo_gradient(g, anchor=self.start)
+        norm = math.sqrt(sq)
+        finite = math.isfinite(norm)
+        own_err = self._own_error(g, norm) if finite else None  # before the ring overwrites g
+        prepare_s = time.perf_counter() - t0
+        try:
+            s.check_finite(finite, outer_step)
+        except BaseException:
+            s.grads.give(base)
+            raise
+        w0 = time.perf_counter()
+        prev, r = self._inflight, None
+        if prev is not None:
+            self._inflight = None
+            r = self._join(prev)
+        wait_s = time.perf_counter() - w0
+        applied = prev.outer_step if prev is not None else None
+        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
+            r, applied, wait_s = self._midway
+            self._midway = None
+        u0 = time.perf_counter()
+        if prev is not None:
+            a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            self._adapt(a_sq)
+            s.grads.give(prev.base)
+        elif not eager:
+            st.load_into_model()
+        if fused:
+            self._last_sq = sq
+        elif eager:
+            src = g
+            if self.start is None:
+                self.start = s.starts.take()[: st.numel]
+            elif s.overlap_scheme == "eager-merge":
+                # overlap_steps = inner_steps: the average arrived at this boundary. The local weights, merged,
+                # would be x + (1 - alpha)(w - s): their pseudo-gradient from w is d - alpha (s - w).
+                src = st.merge_stand_in(self.start, g, MERGE_ALPHA)
+            st.lookahead(src, self.start, load=True, scale=self._stand_in_scale())
+            self._last_sq = sq
+        else:
+            self._give_start()
+        update_s = time.perf_counter() - u0
+        self.outer_step += 1
+        self.since_sync = 0
+        flight = _InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None)
+        ready = None
+        if g.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(g.device))
+        flight.start(s.sync, ready, g.device)
+        self._inflight = flight
+        return r, {"prepare_s": prepare_s, "update_s": update_s, "wait_s": wait_s}, norm, own_err, applied
+
+    def _give_start(self) -> None:
+        if self.start is not None:
+            self.s.starts.give(self.start._base if self.start._base is not None else self.start)
+            self.start = None
+
+    def _stand_in_scale(self) -> Optional[float]:
+        """The factor of the stand-in in the next lookahead (None: 1): eager-adaptive's alpha; eager-merge with
+        overlap_steps < inner_steps, stand_in_share() of the ring's nodes (over the whole phase no shift follows
+        that would correct the lag of a shrunk stand-in: measured worse, so the stand-in stays whole)."""
+        s = self.s
+        if s.overlap_scheme == "eager-adaptive":
+            scale = self.alpha
+        elif s.overlap_scheme == "eager-merge" and s.overlap_steps < s.inner_steps:
+            scale = stand_in_share(s.nodes())
+        else:
+            return None
+        return None if scale == 1.0 else scale
+
+    @torch.no_grad()
+    def apply_midway(self) -> None:
+        """overlap_steps < inner_steps, after overlap_steps inner steps: apply the average in flight to the outer
+        weights, then shift the local weights by (outer weights - start point), so that the inner steps go on
+        from where they would be had they started from the outer weights; the outer weights become the anchor
+        of this fragment's next pseudo-gradient. (A checkpoint may have applied the average already.)"""
+        t0 = time.perf_counter()
+        flight, self._inflight = self._inflight, None
+        keep = (1.0 - MERGE_ALPHA) if self.s.overlap_scheme == "eager-merge" else None
+        if flight is not None:
+            r = self._join(flight)
+            if self.start is not None:  # the update and the shift in one pass over the outer state
+                self._adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
+                self._give_start()
+            else:
+                self._adapt(self.state.update(flight.buf, norm=True))
+            self.s.grads.give(flight.base)
+            self._midway = (r, flight.outer_step, time.perf_counter() - t0)
+        if self.start is not None:  # (a checkpoint applied the average already)
+            self.state.shift_to_outer(self.start, keep)  # keep alpha of the offset: the inner steps undid part
+            self._give_start()
+
+    def _join(self, flight: _InFlight) -> SyncResult:
+        """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on
+        any node."""
+        try:
+            r = flight.join()
+        except OuterSyncError as e:
+            raise OuterSyncError(f"{e} (overlap: the average of outer step {flight.outer_step} is dropped)") from e
+        self.s.sync.committed(r)
+        return r
+
+    def drain(self) -> Optional[int]:
+        """Waits for the average in flight and applies it to the outer weights (not to the model). Returns the
+        outer step it completed, or None when nothing was in flight. Bit for bit the same state as applying it
+        at its due time: nothing else touches this fragment's outer weights in between."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return None
+        self._join(flight)
+        self._adapt(self.state.update(flight.buf, norm=True))
+        self.s.grads.give(flight.base)
+        return flight.outer_step
+
+    def _adapt(self, a_sq: float) -> None:
+        """eager-adaptive: alpha = ||a||^2 / ||d||^2 (the average against this node's own pseudo-gradient of the
+        same outer step), clamped to [1/nodes, 1]. With nodes' pseudo-gradients d_r = mu + e_r (e_r independent,
+        of variance s^2), the least-squares weight of d_r as an estimate of their mean is
+        (|mu|^2 + s^2/n) / (|mu|^2 + s^2) = E||a||^2 / E||d_r||^2."""
+        if self.s.overlap_scheme != "eager-adaptive" or not self._last_sq or not math.isfinite(a_sq):
+            return
+        lo = 1.0 / self.s.nodes()
+        self.alpha = min(1.0, max(lo, a_sq / self._last_sq))
+
+    def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
+        """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
+        if not self.s.measure_compression_error or self.s.codec != "int8" or _ring_reports_error(self.s.sync):
+            return None
+        return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
+
+    def abandon(self) -> Optional[BaseException]:
+        """close(): waits for an average still in flight without applying it; returns its error, if any."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return None
+        flight.thread.join()
+        return flight.error
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Counters, outer weights and momentum (after draining the average in flight), and the overlap start."""
+        self.drain()
+        sd = {"outer_step": self.outer_step, "since_sync": self.since_sync}
+        sd.update(self.state.state_dict())
+        if self.start is not None:
+            sd["start"] = self.start.cpu()
+        if self.s.overlap_scheme == "eager-adaptive":
+            sd["alpha"] = self.alpha
+        if self.pieces_done:
+            sd["pieces_done"] = self.pieces_done
+        return sd
+
+    def load_state_dict(self, sd: dict, counters: bool = True) -> None:
+        if counters:
+            self.outer_step, self.since_sync = int(sd["outer_step"]), int(sd["since_sync"])
+        self.pieces_done = int(sd.get("pieces_done", 0))
+        if "outer" not in sd:
+            return
+        self.state.load_state_dict(sd)
+        if "start" in sd and self.s.overlap and self.s.overlap_scheme.startswith("eager"):
+            if self.start is None:
+                self.start = self.s.starts.take()[: self.state.numel]
+            self.start.copy_(sd["start"])
+        else:
+            self._give_start()
+        self.alpha = float(sd.get("alpha", 1.0))
+
+
+def _ring_reports_error(sync) -> bool:
+    ring = getattr(sync, "ring", None)
+    return bool(getattr(ring, "reports_quant_error", False))

@@ -1,0 +1,301 @@
+"""The memory plan: what each process of a run needs on its GPU and in host memory, checked before the first step.
+
+    plan = plan_memory(cfg, env, parts, diloco, host_procs=4)
+    print(plan.describe())          # one block: every item, per process and for the host
+    plan.check()                    # MemoryPlanError naming the settings to change when it cannot fit
+
+A run that does not fit is refused before training, with the settings that would
+make it fit (diloco.fragments, diloco.outer_state_device, diloco.overlap,
+train.activation_checkpointing, train.micro_batch_size, checkpoint.async_save),
+rather than ended by the kernel's OOM killer. Host memory is counted for every
+process that shares the host (several nodes simulated on one machine share it),
+and checkpoints are planned too: an asynchronous save stages a copy of the
+model, the optimizer and the outer state in host memory; when that copy does not
+fit, the plan saves synchronously (no staging copy; training waits for the
+write) and says so.
+
+The GPU figures are estimates from the shapes (weights, gradients and AdamW
+state of the local shard, FSDP2's gathered layers, activations of one
+micro-batch with or without activation checkpointing, the logits and their
+gradient) plus DiLoCo's exact buffers; the host figures are exact for the outer
+state and the staging, with a fixed allowance for the runtime. The run prints
+the measured peaks beside the plan at the end (RunMemory).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
+           "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
+
+GIB = 1 << 30
+RUNTIME_HOST_BYTES = 4 * GIB
+"""Host memory of one training process on a GPU before any state: the interpreter, torch, the CUDA libraries and
+context (~3 GiB measured on the GPU hosts), with room for the data loader."""
+RUNTIME_HOST_BYTES_CPU = GIB
+"""The same for a CPU-only process (about 0.5 GiB measured here)."""
+CUDA_CONTEXT_BYTES = GIB
+"""GPU memory the CUDA context, NCCL and the ring's device staging take before any tensor."""
+GPU_SLACK_FRACTION = 0.05
+"""Of the card, kept free for temporaries the estimate does not name."""
+ALLOCATOR_FRACTION = 0.10
+"""What torch's caching allocator reserves beyond the tensors it holds, as a share of them. Calibrated on H200s
+(benchmarks/RESULTS.md, "Streaming fragments and the 10B model"): peak reserved against the named tensors was
++7% for the 10B synchronous step, +9% for 1B on 2 x 2 GPUs, +10% for 10B with overlap (two streams allocate)."""
+
+
+class MemoryPlanError(ValueError):
+    """The run cannot fit its GPU or its host's memory (the message names the settings to change)."""
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per process on the GPU and in host memory, item by item, against the budgets."""
+
+    gpu: list = field(default_factory=list)
+    """[(what, bytes)] on this process's GPU (empty on a CPU run)."""
+    host: list = field(default_factory=list)
+    """[(what, bytes)] of this process in host memory."""
+    gpu_budget: Optional[int] = None
+    """Bytes usable on this process's GPU (None: no GPU)."""
+    host_budget: int = 0
+    """Bytes of host memory for all processes of this host."""
+    host_procs: int = 1
+    """Processes that share this host's memory (each needs about `host`)."""
+    checkpoint: str = ""
+    """How checkpoints are saved: "async", "blocking", or "" (no checkpoint.dir)."""
+    notes: list = field(default_factory=list)
+    """Lines printed under the plan (choices it made)."""
+    remedies: list = field(default_factory=list)
+    """Settings that would make a plan that does not fit fit, most effective first."""
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(b for _, b in self.gpu)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b for _, b in self.host)
+
+    def fits_gpu(self) -> bool:
+        return self.gpu_budget is None or self.gpu_bytes <= self.gpu_budget
+
+    def fits_host(self) -> bool:
+        return self.host_bytes * self.host_procs <= self.host_budget
+
+    def fits(self) -> bool:
+        return self.fits_gpu() and self.fits_host()
+
+    def describe(self) -> str:
+        """The plan as one block of lines."""
+        def items(xs):
+            return " + ".join(f"{what} {b / GIB:.1f}" for what, b in xs if b >= GIB / 20) or "nothing"
+
+        lines = ["memory plan (GiB, per process):"]
+        if self.gpu_budget is not None:
+            lines.append(f"  GPU: {items(self.gpu)} = {self.gpu_bytes / GIB:.1f} of {self.gpu_budget / GIB:.1f} usable"
+                         f" ({'fits' if self.fits_gpu() else 'DOES NOT FIT'})")
+        lines.append(f"  host: {items(self.host)} = {self.host_bytes / GIB:.1f}; x {self.host_procs} process(es) on "
+                     f"this host = {self.host_bytes * self.host_procs / GIB:.1f} of {self.host_budget / GIB:.1f}"
+                     f" ({'fits' if self.fits_host() else 'DOES NOT FIT'})")
+        lines += [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def peaks(self, device: torch.device) -> str:
+        """The measured peaks of this process beside the plan (one line)."""
+        line = f"memory: host peak {peak_host_bytes() / GIB:.1f} GiB of this process (plan {self.host_bytes / GIB:.1f})"
+        if device.type == "cuda":
+            line += (f", GPU peak {torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved (plan "
+                     f"{self.gpu_bytes / GIB:.1f})")
+        return line
+
+    def check(self) -> None:
+        """Raises MemoryPlanError naming what does not fit and the settings to change."""
+        if self.fits():
+            return
+        short = []
+        if not self.fits_gpu():
+            short.append(f"the GPU needs {self.gpu_bytes / GIB:.1f} GiB of {self.gpu_budget / GIB:.1f} usable")
+        if not self.fits_host():
+            short.append(f"host memory needs {self.host_bytes * self.host_procs / GIB:.1f} GiB "
+                         f"({self.host_procs} process(es) x {self.host_bytes / GIB:.1f}) of {self.host_budget / GIB:.1f}")
+        fix = "; ".join(self.remedies) or "a smaller model or more GPUs per node (train.fsdp shards over them)"
+        raise MemoryPlanError(f"this run does not fit: {' and '.join(short)}. Change: {fix}. "
+                              f"(memory.check = false starts anyway.)\n{self.describe()}")
+
+
+def host_memory_bytes() -> int:
+    """This host's memory for the job: the cgroup limit when one is set, else MemTotal."""
+    limit = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+            if v.isdigit() and int(v) < 1 << 60:
+                limit = int(v)
+                break
+        except OSError:
+            continue
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(total, limit) if limit else total
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident memory (pinned buffers included), from getrusage."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _activation_bytes(args, micro_batch: int, seq: int, checkpointing: bool, layers_sharded: bool) -> int:
+    """Activations of one micro-batch (bf16 on a GPU): with activation checkpointing the input of every block plus
+    one block's activations and their gradients while it is recomputed; without, every block's. Then the logits
+    (bf16), their fp32 copy for the loss and the fp32 gradient of that."""
+    tokens = micro_batch * seq
+    kv = args.dim * args.n_kv_heads // args.n_heads
+    # per token in one block: norms' outputs (2 x dim, fp32 inside), q, k, v, attention output, its projection,
+    # the residual, w1 and w3 outputs, their SwiGLU product, w2's output; bf16, plus the fp32 norm upcasts
+    per_token = 2 * (2 * args.dim + args.dim + 2 * kv + 3 * args.dim + 3 * args.ffn_dim) + 4 * 2 * args.dim
+    block = tokens * per_token
+    if checkpointing:
+        acts = args.n_layers * tokens * args.dim * 2 + 2 * block
+    else:
+        acts = args.n_layers * block
+    # bf16 logits, their fp32 copy for the loss, log-softmax's fp32 output, and the fp32 and bf16 gradients
+    logits = tokens * args.vocab_size * (2 + 4 + 4 + 4 + 2)
+    return acts + logits
+
+
+def training_gpu_items(cfg, env, parts) -> list:
+    """[(what, bytes)] of training itself on this process's GPU (no DiLoCo): the local shard's fp32 weights,
+    gradients and AdamW moments, FSDP2's gathered layers, its fp32 unsharded gradients under grad_accum, and the
+    activations with the logits."""
+    from prime.parallelize import local_shard
+
+    params = list(parts.model.parameters())
+    local = sum(local_shard(p.detach()).numel() for p in params)
+    full = sum(p.numel() for p in params)
+    args = parts.args
+    bf16 = cfg.train.mixed_precision in ("bf16", "auto")
+    embed = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    layer = (full - embed) / max(1, args.n_layers)
+    items = [("weights", 4 * local), ("gradients", 4 * local), ("AdamW", 8 * local)]
+    if env.fsdp:
+        items.append(("gathered layers", int((2 if bf16 else 4) * (2 * layer + embed))))
+        if cfg.train.grad_accum > 1:
+            # FSDP2 without gradient sync (every micro-batch but the last) keeps the unsharded gradients, upcast
+            # to the fp32 reduce dtype, of the whole model on every process
+            items.append(("unsharded gradients (grad_accum)", 4 * full))
+    items.append(("activations", _activation_bytes(args, cfg.train.micro_batch_size, cfg.data.seq_len,
+                                                   cfg.train.activation_checkpointing, env.fsdp)))
+    return items
+
+
+def auto_margin_bytes(cfg, env, parts) -> int:
+    """For diloco.outer_state_device = "auto": GPU memory to keep free beyond the gradients and optimizer state
+    still to come (which the rule counts itself): the gathered layers, FSDP2's unsharded gradients, the
+    activations, the allocator's share, the CUDA context and the slack of the plan."""
+    items = training_gpu_items(cfg, env, parts)
+    total = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
+    rest = sum(b for what, b in items if what not in ("weights", "gradients", "AdamW"))
+    return int(rest + ALLOCATOR_FRACTION * sum(b for _, b in items)) + CUDA_CONTEXT_BYTES + int(GPU_SLACK_FRACTION * total)
+
+
+def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
+                host_total: Optional[int] = None) -> MemoryPlan:
+    """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
+    `gpu_total`, `host_total`: the budgets (default: memory.gpu_gib / memory.host_gib, else detected)."""
+    from prime.outer import _CHUNK, _PIPE_CHUNK, _SLOTS
+    from prime.parallelize import local_shard
+
+    m = cfg.memory
+    plan = MemoryPlan(host_procs=max(1, host_procs))
+    params = list(parts.model.parameters())
+    local = sum(local_shard(p.detach()).numel() for p in params)  # this process's shard
+    on_gpu = env.device.type == "cuda"
+    # -- DiLoCo's buffers ------------------------------------------------------------
+    frags = getattr(diloco, "fragments", []) or []
+    outer_numel = sum(f.state.numel for f in frags)
+    largest = max((f.state.numel for f in frags), default=0)
+    home_gpu = bool(frags) and frags[0].state.device.type == "cuda"
+    home = 2 * 4 * outer_numel
+    work = diloco.work_bytes if frags else 0
+    streamed = bool(frags) and frags[0].state.streamed
+    staging = 4 * (_SLOTS * 2 + 3) * (_PIPE_CHUNK if on_gpu else _CHUNK) if frags else 0
+    # the ring's pinned host staging: the int8 payload of this rank's chunk of the largest all-reduce, sent and
+    # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
+    pieces = max((f.pieces for f in frags), default=1)
+    ring_values = (largest // pieces) if frags else 0
+    nodes = max(1, env.num_nodes)
+    ring_host = int(2 * ring_values / nodes * (1 + 4 / cfg.diloco.block_size)) if on_gpu and frags else 0
+    if on_gpu:
+        budget = gpu_total if gpu_total is not None else (
+            int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
+        plan.gpu_budget = int(budget * (1 - GPU_SLACK_FRACTION)) - CUDA_CONTEXT_BYTES
+        plan.gpu += training_gpu_items(cfg, env, parts)
+        if frags:
+            if home_gpu:
+                plan.gpu.append(("outer weights + momentum", home))
+            plan.gpu.append(("outer work buffers", work))
+            plan.gpu.append(("outer staging", staging if streamed else staging // 3))
+            # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
+            plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / cfg.diloco.block_size))))
+        plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
+    plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
+    if frags:
+        if not home_gpu:
+            plan.host.append(("outer weights + momentum" + (" (pinned)" if on_gpu else ""), home))
+        if ring_host:
+            plan.host.append(("ring staging (pinned)", ring_host))
+    # -- checkpoints -----------------------------------------------------------------
+    if cfg.checkpoint.dir:
+        state = 12 * local  # weights + AdamW, fp32
+        outer_copy = home  # state_dict's copy (GPU home) or the async clone (CPU home)
+        async_need = state + outer_copy + (home if home_gpu else 0)
+        blocking_need = (home if home_gpu else 0)  # the copy to the host of a GPU-resident outer state
+        base = plan.host_bytes
+        if cfg.checkpoint.async_save and (base + async_need) * plan.host_procs <= plan_host_budget(plan, m, host_total):
+            plan.checkpoint = "async"
+            plan.host.append(("checkpoint staging (async save)", async_need))
+        else:
+            plan.checkpoint = "blocking"
+            if blocking_need:
+                plan.host.append(("checkpoint copy of the outer state", blocking_need))
+            if cfg.checkpoint.async_save:
+                plan.notes.append(f"checkpoints: saved synchronously (training waits for each write): an async save "
+                                  f"would stage {async_need / GIB:.1f} GiB more per process, which this host cannot hold")
+    plan.host_budget = plan_host_budget(plan, m, host_total)
+    # -- what would help ---------------------------------------------------------------
+    P = len(frags) or 1
+    if not plan.fits_gpu():
+        if frags and work >= GIB and (P == 1 or largest > outer_numel // (2 * P)):
+            plan.remedies.append(f"diloco.fragments (now {P}: the outer work buffers shrink with it)")
+        if frags and home_gpu:
+            plan.remedies.append("diloco.outer_state_device = 'cpu' (the outer weights and momentum in host memory, "
+                                 "streamed through the GPU)")
+        if frags and diloco.overlap and work >= GIB:
+            plan.remedies.append("diloco.overlap = false (a synchronous outer step is pipelined in pieces, with "
+                                 "buffers of three pieces)")
+        if not cfg.train.activation_checkpointing:
+            plan.remedies.append("train.activation_checkpointing = true")
+        if cfg.train.micro_batch_size > 1:
+            plan.remedies.append(f"train.micro_batch_size (now {cfg.train.micro_batch_size}; raise train.grad_accum "
+                                 "to keep the batch)")
+    if not plan.fits_host():
+        if frags and not home_gpu:
+            plan.remedies.append("diloco.outer_state_device = 'gpu' or 'auto' (the outer state on the GPU, if it has "
+                                 "room)")
+        if plan.checkpoint == "async":
+            plan.remedies.append("checkpoint.async_save = false")
+        plan.remedies.append("fewer processes on this host")
+    return plan
+
+
+def plan_host_budget(plan: MemoryPlan, m, host_total: Optional[int]) -> int:
+    if host_total is not None:
+        return host_total
+    return int(m.host_gib * GIB) if m.host_gib else host_memory_bytes()

@@ -1,0 +1,85 @@
+"""benchmarks/gpu.sh and its suites, checked on the CPU: every suite parses, its dry run (DRY_RUN=1, every option
+on) ends with the summary table, every script it calls exists, and every flag it passes is one the script or the
+config knows. The GPU runs themselves are not made here."""
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from prime.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "benchmarks", "gpu", "*.sh"))
+                if not p.endswith("common.sh"))
+ALL_OPTIONS = {"QERR": "1", "RING_1B": "1", "ALLREDUCE": "1", "RUNS": "0:dp 1", "BEFORE": "/nonexistent/before",
+               "VARIANTS": "sync_1g sync_10g_compile overlap_1g overlap_10g_compile", "SCHEME": "eager", "PROCS": "2"}
+
+
+def _dry_run(suite: str, tmp_path, **env):
+    e = dict(os.environ, DRY_RUN="1", **dict(ALL_OPTIONS, **env))
+    return subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), suite, str(tmp_path / suite)], env=e,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_old_per_work_scripts_are_gone_and_every_suite_is_listed():
+    assert not glob.glob(os.path.join(ROOT, "benchmarks", "gpu_*.sh"))
+    for needed in ("build-tests", "codec", "ring", "diloco-1b", "fidelity"):
+        assert needed in SUITES
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), "--list"], capture_output=True, text=True)
+    assert p.returncode == 0 and all(s in p.stdout for s in SUITES)
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), "no-such-suite", "/tmp/x"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "no suite 'no-such-suite'" in p.stdout
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_dry_run(suite, tmp_path):
+    for path in (f"benchmarks/gpu/{suite}.sh", "benchmarks/gpu/common.sh", "benchmarks/gpu.sh"):
+        assert subprocess.run(["bash", "-n", os.path.join(ROOT, path)]).returncode == 0, path
+    p = _dry_run(suite, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"== summary of suite {suite}" in p.stdout and "dry run" in p.stdout, p.stdout
+    assert "unbound variable" not in p.stderr and "command not found" not in p.stderr, p.stderr
+    commands = [shlex.split(line.split(" > ")[0]) for line in p.stdout.splitlines() if line.startswith("   ")]
+    assert commands, p.stdout
+    for cmd in commands:
+        if "python3" not in cmd:
+            continue
+        args = cmd[cmd.index("python3") + 1:]
+        if args[0] == "-m" and args[1] in ("prime.simulate", "prime.train"):
+            fields = args[args.index("--") + 1:] if "--" in args else args[2:]
+            _check_config_flags(fields)
+        elif args[0].endswith(".py") and args[0] != "setup.py":
+            script = os.path.join(ROOT, args[0])
+            assert os.path.isfile(script), args[0]
+            source = open(script).read()
+            for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
+                if "." in flag or flag == "--config":  # the config passed through (bench_fidelity.py)
+                    _check_config_flags([flag, "x"])
+                else:
+                    assert f'"{flag}"' in source, f"{args[0]} has no option {flag}"
+        elif args[0] == "-m" and args[1] == "pytest":
+            for target in (a for a in args[2:] if a.startswith("tests/")):
+                path, _, name = target.partition("::")
+                assert os.path.isfile(os.path.join(ROOT, path)), target
+                if name:
+                    assert re.search(rf"^def {name}\(", open(os.path.join(ROOT, path)).read(), re.M), target
+
+
+def _check_config_flags(args):
+    """Every --section.field names a config field (values are not checked: they hold shell-made paths)."""
+    for flag in (a for a in args if a.startswith("--") and "." in a):
+        field = flag[2:]
+        try:
+            load_config(None, [(field, "1")])
+        except ValueError as e:
+            assert "unknown config field" not in str(e), f"{flag}: {e}"
+
+
+def test_an_unknown_diloco_variant_fails_the_suite(tmp_path):
+    p = _dry_run("diloco-1b", tmp_path, VARIANTS="sync_3g")
+    assert p.returncode == 1 and "unknown variant sync_3g" in p.stdout

@@ -1,0 +1,139 @@
+"""The memory plan (prime/memory.py): what it counts for a 10B shard against an H200's budget, which settings it
+names when a run cannot fit, the checkpoint mode it picks, and a run refused before its first step."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prime.config import Config
+from prime.memory import GIB, MemoryPlanError, plan_memory
+from prime.model import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Param:
+    """Stands for a parameter of the model: its size and its local shard's (FSDP2 over `shards`)."""
+
+    def __init__(self, numel, shards):
+        self._n, self._local = numel, -(-numel // shards)
+
+    def numel(self):
+        return self._n
+
+    def detach(self):
+        return torch.empty(1, device="meta").expand(self._local)
+
+
+def _fake_run(name="10B", *, fragments=1, overlap=False, home="cpu", procs=2, nodes=2, mb=1, accum=2,
+              ckpt=True, checkpoint_dir="ck", seq=4096):
+    """cfg, env, parts and a DiLoCo stand-in for `name` on `procs` GPUs per node: the numbers the plan reads."""
+    from prime.fragments import PIPELINE_DEPTH, sync_pieces
+
+    cfg = Config()
+    cfg.model.name, cfg.data.seq_len = name, seq
+    cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.activation_checkpointing = mb, accum, ckpt
+    cfg.checkpoint.dir = checkpoint_dir
+    cfg.diloco.fragments, cfg.diloco.overlap = fragments, overlap
+    args = preset(name)
+    sizes = [args.vocab_size * args.dim] + [(args.num_params() - 2 * args.vocab_size * args.dim) // args.n_layers] \
+        * args.n_layers + [args.vocab_size * args.dim]
+    params = [_Param(n, procs) for n in sizes]
+    local = [-(-n // procs) for n in sizes]
+    per = -(-len(sizes) // fragments)
+    frag_numel = [sum(local[i : i + per]) for i in range(0, len(sizes), per)]
+    pieces = [1 if overlap else sync_pieces(n * procs, procs) for n in frag_numel]
+    if overlap:
+        work = (2 if fragments == 1 else 1) * 4 * max(frag_numel) + 4 * max(frag_numel)
+    else:
+        work = max(4 * (n if k == 1 else PIPELINE_DEPTH * (-(-n // k) + (1 << 24))) for n, k in zip(frag_numel, pieces))
+    dev = torch.device("cuda" if home == "gpu" else "cpu")
+    frags = [SimpleNamespace(state=SimpleNamespace(numel=n, device=dev, streamed=home != "gpu"), pieces=k)
+             for n, k in zip(frag_numel, pieces)]
+    diloco = SimpleNamespace(fragments=frags, work_bytes=work, overlap=overlap)
+    env = SimpleNamespace(device=torch.device("cuda", 0), fsdp=procs > 1, num_nodes=nodes)
+    parts = SimpleNamespace(model=SimpleNamespace(parameters=lambda: params), args=args)
+    return cfg, env, parts, diloco
+
+
+H200 = int(140.4 * GIB)
+HOST4 = 503 * GIB
+
+
+def test_10b_shard_counts_what_the_seed_measured():
+    """10B on 2 GPUs per node: the local shard's weights, gradients, AdamW and FSDP2's fp32 accumulation of
+    unsharded gradients (grad_accum 2), the outer state in pinned host memory (exact size)."""
+    cfg, env, parts, d = _fake_run()
+    plan = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    gpu = dict(plan.gpu)
+    assert gpu["weights"] == pytest.approx(4 * 10.2e9 / 2, rel=0.02)
+    assert gpu["AdamW"] == 2 * gpu["weights"] and gpu["gradients"] == gpu["weights"]
+    assert gpu["unsharded gradients (grad_accum)"] == pytest.approx(4 * 10.2e9, rel=0.02)
+    host = dict(plan.host)
+    assert host["outer weights + momentum (pinned)"] == pytest.approx(8 * 10.2e9 / 2, rel=0.02)
+    assert plan.host_procs == 4 and "memory plan" in plan.describe()
+
+
+def test_overlap_of_the_whole_10b_model_is_refused_naming_fragments():
+    """Whole-model overlap keeps three work buffers of the shard (2 x 20 GB pseudo-gradients, a 20 GB start) on
+    a GPU that has no room: refused, naming diloco.fragments first; 8 fragments fit (with micro-batch 2 and no
+    gradient accumulation, which frees FSDP2's unsharded fp32 gradients)."""
+    cfg, env, parts, d = _fake_run(overlap=True)
+    plan = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    with pytest.raises(MemoryPlanError) as e:
+        plan.check()
+    msg = str(e.value)
+    assert "does not fit" in msg and msg.index("diloco.fragments") < msg.index("diloco.overlap = false")
+    assert "memory.check = false" in msg
+    cfg, env, parts, d = _fake_run(overlap=True, fragments=8, mb=2, accum=1)
+    plan = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    plan.check()
+
+
+def test_checkpoints_go_synchronous_when_async_staging_cannot_fit():
+    """Four 10B processes on a 503 GiB host: staging a copy of the model, AdamW and the outer state for an async
+    save (100 GB each) does not fit beside the outer state, so checkpoints are saved synchronously and the plan
+    says so; a host twice as large stages them."""
+    cfg, env, parts, d = _fake_run(mb=2, accum=1)
+    plan = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    assert plan.checkpoint == "blocking" and any("synchronously" in n for n in plan.notes)
+    plan.check()
+    plan = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=2 * HOST4)
+    assert plan.checkpoint == "async" and plan.fits()
+
+
+def test_a_host_too_small_names_the_host_settings():
+    cfg, env, parts, d = _fake_run(mb=2, accum=1)
+    plan = plan_memory(cfg, env, parts, d, host_procs=16, gpu_total=H200, host_total=HOST4)
+    with pytest.raises(MemoryPlanError, match=r"host memory needs .*\(16 process\(es\).*outer_state_device"):
+        plan.check()
+
+
+def test_a_run_that_cannot_fit_stops_before_its_first_step(tmp_path):
+    """Two simulated CPU nodes with a host budget far below their runtime: every node stops before training
+    with the plan and the setting to change, and no step line is printed."""
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--", "--config", "configs/demo.toml",
+           "--memory.host_gib", "0.5", "--metrics.out_dir", str(tmp_path / "run")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-2000:]
+    assert "this run does not fit: host memory needs" in text and "fewer processes on this host" in text, text[-3000:]
+    assert "step      1/" not in text and "| loss" not in text
+
+
+@pytest.mark.parametrize("what,kw,peak_gib", [
+    ("10B, 2 x 2, synchronous", dict(mb=2, accum=1), 103.3),
+    ("10B, 2 x 2, 4 fragments with overlap", dict(overlap=True, fragments=4, mb=2, accum=1), 122.6),
+    ("1B, 2 x 2, synchronous", dict(name="1B", mb=4, accum=1, seq=2048, ckpt=False), 42.9),
+    ("1B, 2 x 1, 4 fragments with overlap, state on the GPU", dict(name="1B", procs=1, mb=4, accum=1, seq=2048,
+                                                                  ckpt=False, overlap=True, fragments=4, home="gpu"),
+     56.3)])
+def test_the_plan_covers_the_peaks_measured_on_h200(what, kw, peak_gib):
+    """The GPU plan is at least the peak torch reserved in the runs of benchmarks/RESULTS.md ("Streaming fragments
+    and the 10B model", H200s) and not more than a quarter above it."""
+    plan = plan_memory(*_fake_run(**kw), host_procs=4, gpu_total=H200, host_total=HOST4)
+    assert peak_gib * GIB <= plan.gpu_bytes <= 1.25 * peak_gib * GIB, (what, plan.describe())
