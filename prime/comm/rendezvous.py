@@ -50,7 +50,8 @@ def namespace(job_id: str) -> str:
     return keys.ring_namespace(job_id)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8, ::1 (and names that resolve to them)."""
     if host in ("localhost", ""):
         return True
     try:
@@ -96,7 +97,7 @@ def resolve_addresses(
     advertise = advertise_addr or os.environ.get(ENV_ADVERTISE)
     if not advertise:
         endpoint = store_endpoint(store)
-        if endpoint is None or _is_loopback(endpoint[0]):
+        if endpoint is None or is_loopback(endpoint[0]):
             advertise = "127.0.0.1"
         else:
             advertise = local_address_towards(*endpoint)
@@ -128,9 +129,9 @@ def claim_job(store: dist.Store, ns: str, rank: int, world_size: int, job_id: st
 def one_host(store: dist.Store, advertise: Optional[str] = None) -> bool:
     """True when the job cannot span machines: the store is local or on loopback, and so is `advertise`."""
     endpoint = store_endpoint(store)
-    if endpoint is not None and not _is_loopback(endpoint[0]):
+    if endpoint is not None and not is_loopback(endpoint[0]):
         return False
-    return advertise is None or _is_loopback(advertise)
+    return advertise is None or is_loopback(advertise)
 
 
 def require_secret_or_one_host(store: dist.Store, advertise: Optional[str], what: str) -> None:
@@ -221,7 +222,7 @@ def store_exposure(store: dist.Store) -> Optional[str]:
     if endpoint is None:
         return None
     host, port = endpoint
-    if not _is_loopback(host):
+    if not is_loopback(host):
         return f"is at the non-loopback address {host}"
     addresses = _listening_addresses(port)
     if not addresses:

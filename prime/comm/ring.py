@@ -223,8 +223,9 @@ class Ring:
         each rank's values straight to the owner of their chunk, encoded once, and the
         owner's result straight back: two one-way delays instead of 2(N-1), and one
         quantization per contribution. "auto" picks, per collective, the one with the
-        smaller predicted time from the agreed link table and the size (links.choose_schedule):
-        the direct one unless measured link rates say the ring avoids a slow link.
+        smaller predicted time from the agreed link table and the size (links.choose_schedule;
+        the ring where delays hide behind long chunks or it avoids a slow link), and the
+        direct one when every rank is on this host.
       order: the ring schedule's order: "auto" (default: planned from the links, its
         slowest link as fast as possible, then the least delay; links.plan_order), "rank"
         (0, 1, ..., N-1) or a permutation of the ranks. Rank 0's setting decides.
@@ -308,6 +309,7 @@ class Ring:
         self.order: List[int] = list(range(world_size))  # the ring schedule's order (agreed while forming)
         self.link_table: Optional[LinkTable] = None  # what the ranks agreed about their links
         self._peer_hosts: List[str] = []
+        self._host_local = False  # every rank's address is on loopback
         self._history = dict(link_history or {})
         # Connections dropped during the rendezvous (bad secret, garbage, ...), also logged.
         self.rejected_connections: list = []
@@ -346,6 +348,7 @@ class Ring:
                 store, ns, rank, world_size, self.address, deadline, timeout_ms, secret=key
             )
             self._peer_hosts = [host for host, _ in addresses]
+            self._host_local = all(rendezvous.is_loopback(h) for h in self._peer_hosts)
             try:
                 self._ring.connect(addresses)
             finally:
@@ -408,8 +411,11 @@ class Ring:
         predicts faster from the agreed link table (the same choice on every rank)."""
         if schedule != "auto":
             return schedule
-        if self.world_size <= 2 or self.link_table is None:
-            return "direct"  # (two ranks: the same two hops either way)
+        if self.world_size <= 2 or self.link_table is None or self._host_local:
+            # Two ranks: the same two hops either way. Every rank on this host: no link is the
+            # bottleneck (the CPUs are), and the direct schedule was not slower there
+            # (benchmarks/RESULTS.md) while it quantizes each contribution once.
+            return "direct"
         per_value = wire_bytes(n, block_size, codec) / max(n, 1) if n else 4.0
         return choose_schedule(self.link_table, self.order, per_value * n, per_value * self._segment_elems)
 
