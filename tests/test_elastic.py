@@ -488,8 +488,12 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
 # -- scenario D: a download slower than a round converges (the joiner listens meanwhile) -------------
 
 
-STEPS_D = 120
-HOLD_D = 100  # the members wait here until the joiner is in: on a fast machine the job would end first
+STEPS_D = 220
+HOLD_D = 200  # the members wait here until the joiner is in: on a fast machine the job would end first. The joiner
+# must be admitted at an outer step before this one (the members wait before its inner steps): its second download
+# (~3.4 s) starts near step 60 and needs well under the ~140 steps left (with HOLD_D = 100 a fast, lightly loaded
+# machine ran the 40 steps before it in 3.5 s, the joiner came to be admitted exactly at the held outer step, and
+# the members were evicted after the barrier's 60 s)
 
 
 def test_a_join_whose_download_is_slower_than_a_round_converges(tmp_path):
