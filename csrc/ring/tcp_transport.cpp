@@ -36,6 +36,9 @@ constexpr Millis kRootCauseGrace{250};
 // A stream's pacing rate is taken to be at least this (bytes/s) when choosing where a
 // frame goes (a stream that never sent reports next to nothing).
 constexpr double kSlowestPacing = 64 << 10;
+// ... and at least this share of the fastest of its link's streams (they share one path;
+// an idle stream reports the rate it had last, next to nothing if it never sent).
+constexpr double kColdStreamShare = 0.25;
 // learn() reads a link's TCP counters once it carried this much since the last time: a
 // rate measured over less is mostly slow start and round trips.
 constexpr uint64_t kLearnMinBytes = 4 << 20;
@@ -222,15 +225,21 @@ TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_
   // The stream that would deliver this frame first: what it still has to deliver (its
   // queue, the frame it writes, what its socket holds unacknowledged) and the frame, at the
   // rate it paces at. A stream used for the first time, still in slow start, paces slowly
-  // and takes a frame only when the others are that far behind: the receiver takes a link's
-  // frames in order, so one frame held up holds up the link. Ties go round.
+  // and takes a frame only once the others hold a few frames more: the receiver takes a
+  // link's frames in order, so one frame held up holds up the link. Every stream counts as
+  // pacing at kColdStreamShare of the link's fastest at least, or one left idle (the
+  // direct schedule uses fewer streams per link than the ring) would never be given the
+  // frames that let it speed up. Ties go round.
+  double fastest = 0;
+  for (size_t j = 0; j < k; ++j) fastest = std::max(fastest, pacing_rate(link.streams[j]->socket));
+  const double floor = std::max(kSlowestPacing, fastest * kColdStreamShare);
   size_t best = link.next_pick % k;
   double soonest = -1;
   for (size_t i = 0; i < k; ++i) {
     const size_t j = (link.next_pick + i) % k;
     const SendStream& s = *link.streams[j];
     const double backlog = static_cast<double>(s.queued_bytes + frame_bytes) + static_cast<double>(unacked_bytes(s.socket));
-    const double eta = backlog / std::max(pacing_rate(s.socket), kSlowestPacing);
+    const double eta = backlog / std::max(pacing_rate(s.socket), floor);
     if (soonest < 0 || eta < soonest) {
       soonest = eta;
       best = j;
