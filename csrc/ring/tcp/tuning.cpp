@@ -6,9 +6,12 @@
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
-#include <fstream>
+#include <cstdlib>
 
 namespace prime::ring {
 namespace {
@@ -16,10 +19,28 @@ namespace {
 // What share of a send buffer a stream keeps in flight (measured, see tuning.h).
 constexpr double kInflightShare = 0.66;
 
+// The last number in a /proc file ("4096 16384 4194304" -> 4194304). Plain read(2) and
+// strtoll: a build with a newer compiler than the host's libstdc++ crashed inside
+// iostream's number parsing (its locale facets come from two library versions).
 int64_t read_last_number(const char* path, int64_t fallback) {
-  std::ifstream f(path);
-  int64_t v = 0, last = -1;
-  while (f >> v) last = v;
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return fallback;
+  char text[128];
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) return fallback;
+  text[n] = '\0';
+  int64_t last = -1;
+  for (char* p = text; *p != '\0';) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p) {
+      ++p;
+      continue;
+    }
+    last = v;
+    p = end;
+  }
   return last > 0 ? last : fallback;
 }
 
