@@ -1,4 +1,4 @@
-"""A process that uses rings exits cleanly, however it leaves them (issue 13, "a clean exit").
+"""A process that uses rings exits cleanly, however it leaves them.
 
 Each case runs in a fresh interpreter (subprocess) and must exit 0 without printing
 `terminate called` (std::terminate: a std::thread destroyed while joinable, or an
