@@ -108,7 +108,7 @@ ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, con
   ring::AllReduceSpec spec;
   spec.dtype = dtype_of(tensor);
   spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
-  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : codec == "fp4" ? ring::kCodecFp4 : ring::CodecKind::kNone;
+  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : codec == "fp4" ? ring::CodecKind::kFp4 : ring::CodecKind::kNone;
   spec.block = block_size;
   spec.n = tensor.numel();
   spec.schedule = schedule == "direct" ? ring::Schedule::kDirect : ring::Schedule::kRing;

@@ -441,7 +441,7 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
 std::string describe_spec(const AllReduceSpec& spec) {
   StrBuilder s;
   s << "n=" << spec.n << ", dtype=" << dtype_name(spec.dtype) << ", op=" << (spec.op == ReduceOp::kSum ? "sum" : "avg")
-    << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : spec.codec == CodecKind::kNone ? "none" : "fp4");
+    << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : spec.codec == CodecKind::kFp4 ? "fp4" : "none");
   if (spec.codec != CodecKind::kNone) s << ", block_size=" << spec.block;
   s << ", schedule=" << (spec.schedule == Schedule::kDirect ? "direct" : "ring");
   return s.str();

@@ -29,7 +29,7 @@
 namespace prime::ring {
 
 enum class ReduceOp : int { kSum = 0, kAvg = 1 };
-enum class CodecKind : int { kNone = 0, kInt8 = 1 };
+enum class CodecKind : int { kNone = 0, kInt8 = 1, kFp4 = 2 };  // the frame descriptor's codec byte
 enum class Schedule : int { kRing = 0, kDirect = 1 };
 
 constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact codec (values)

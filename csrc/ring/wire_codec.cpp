@@ -234,7 +234,7 @@ std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool
   if (spec.cuda) throw std::logic_error("internal: a collective on CUDA memory in a build without CUDA");
 #endif
   if (spec.codec == CodecKind::kInt8) return std::make_unique<BlockCodec<Int8Format>>(spec, pool, times);
-  if (spec.codec == kCodecFp4) return std::make_unique<BlockCodec<Fp4Format>>(spec, pool, times);
+  if (spec.codec == CodecKind::kFp4) return std::make_unique<BlockCodec<Fp4Format>>(spec, pool, times);
   return std::make_unique<ExactCodec>(spec, pool, times);
 }
 

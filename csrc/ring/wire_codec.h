@@ -29,11 +29,6 @@
 
 namespace prime::ring {
 
-// The fp4 codec's CodecKind (docs/wire-format.md). Its place is CodecKind itself
-// (schedule.h) as kFp4 = 2; until then this names the value, which the frame descriptor
-// (descriptor_of) already carries as the codec byte.
-inline constexpr CodecKind kCodecFp4 = static_cast<CodecKind>(2);
-
 // Adds the lifetime of the scope to a seconds counter of ScheduleTimes.
 class ScopedTimer {
  public:
