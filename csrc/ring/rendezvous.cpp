@@ -239,10 +239,12 @@ Stream Rendezvous::connect_stream(int peer, const Address& a, int stream, Link* 
       } else {
         link->plan = plan_link(connect_rtt, std::max(opt_.pool_rate, opt_.link_rate), limits_);
         const LinkPlan start = plan_link(connect_rtt, opt_.link_rate, limits_);
-        link->start_streams = std::min(start.streams, link->plan.streams);
-        // Every stream gets the largest buffer the host allows when one would not do: the
-        // link may use fewer streams than it opened.
-        if (link->plan.sndbuf > 0 || start.sndbuf > 0) link->plan.sndbuf = static_cast<int>(limits_.wmem_max);
+        link->start_streams = start_streams_for(start.needed_inflight, link->plan.streams, limits_);
+        // Each stream's buffer holds its share of the start's need (autotuning's when that
+        // covers it): larger buffers would put several bandwidth-delay products in flight
+        // and overflow the path's queues. A link shown to be held back grows its buffers
+        // and then its streams (TcpTransport::learn).
+        link->plan.sndbuf = sndbuf_for(start.needed_inflight / link->start_streams, limits_);
       }
     }
     try {

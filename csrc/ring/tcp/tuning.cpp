@@ -80,6 +80,12 @@ LinkPlan plan_link(double rtt_s, double rate, const SocketLimits& limits) {
   return p;
 }
 
+int start_streams_for(double inflight, int opened, const SocketLimits& limits) {
+  const double per_stream = std::max(1.0, limits.autotuned_inflight());
+  const double wanted = std::ceil(std::max(0.0, inflight) / per_stream);
+  return static_cast<int>(std::clamp(wanted, 1.0, static_cast<double>(std::max(1, opened))));
+}
+
 void set_send_buffer(const Socket& s, int bytes) {
   if (bytes > 0) ::setsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
 }
