@@ -30,6 +30,11 @@ reduces on the GPU and only int8 bytes cross PCIe.
             will still allocate and a margin for activations (AUTO_GPU_MARGIN_BYTES),
             else "cpu"; logged (prime.outer). prime.memory plans the whole run.
 
+With error feedback (prime/feedback.py) a third home buffer, the residual,
+lives beside the outer weights and momentum (the same home, streamed the same
+way): compensate() turns the pseudo-gradient into the node's contribution,
+commit_residual() writes what it lost once the average is back.
+
 The passes of an outer step: one over the parameters for the pseudo-gradient
 and its squared norm (pseudo_gradient), then after the average one update pass
 (update, with the copy into the model fused in). With overlap (prime/diloco.py)
