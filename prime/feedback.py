@@ -41,9 +41,9 @@ __all__ = ["resolve_error_feedback", "round_trip", "compensate"]
 
 LOSSY_CODECS = ("int8", "fp4")
 DEFAULT_ON = ("fp4",)
-"""Codecs with error feedback on when it is not set: fp4 (about 11% error per quantization) needs it to stay
-within 1% of exact DiLoCo's loss; int8 (about 0.7%) costs no measurable loss without it (benchmarks/RESULTS.md,
-"Error feedback")."""
+"""Codecs with error feedback on when it is not set: fp4, whose 11% error per quantization would otherwise add up
+over outer steps (one buffer and one more quantize pass keep it bounded); not int8 (0.7%), where it makes no
+measurable difference in loss (benchmarks/RESULTS.md, "Error feedback")."""
 
 
 def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str = "error_feedback") -> bool:
