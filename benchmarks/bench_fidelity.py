@@ -17,6 +17,11 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   overlap-int8-delayed DiLoCo with overlap (delayed), int8 ring
   overlap-int8-eager-merge  DiLoCo with overlap (eager-merge: the local weights keep half of their start's
                        offset when the average arrives), int8 ring; may end in @F as eager
+  diloco-fp4           synchronous DiLoCo, fp4 ring, with error feedback (fp4's default: each node adds what its
+                       last contribution lost to the codec to its next pseudo-gradient; prime/feedback.py)
+  diloco-fp4-noef      the same without error feedback
+  diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
+  overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
                        at its own offset in the phase; with overlap, overlap_steps defaults to H / P
 
@@ -59,6 +64,10 @@ METHODS = {
     "overlap-int8-eager-adaptive": dict(codec="int8", overlap=True, overlap_scheme="eager-adaptive"),
     "overlap-int8-delayed": dict(codec="int8", overlap=True, overlap_scheme="delayed"),
     "overlap-int8-eager-merge": dict(codec="int8", overlap=True, overlap_scheme="eager-merge"),
+    "diloco-fp4": dict(codec="fp4", overlap=False, error_feedback=True),
+    "diloco-fp4-noef": dict(codec="fp4", overlap=False, error_feedback=False),
+    "diloco-int8-ef": dict(codec="int8", overlap=False, error_feedback=True),
+    "overlap-fp4-eager-merge": dict(codec="fp4", overlap=True, overlap_scheme="eager-merge", error_feedback=True),
 }
 EVAL_FRACTION = 0.05
 
@@ -140,11 +149,10 @@ def run_dp(s: Setup, eval_batches):
 
 
 def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
-    from prime.comm import Ring
+    from prime.comm import Ring, host_store
 
     cfg, n = s.cfg, s.nodes
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=60))
+    master = host_store("127.0.0.1", 0, timeout=timedelta(seconds=60))  # loopback only: the ring then needs no secret
     port = master.port
     models = [s.model() for _ in range(n)]  # here, not in the threads: torch's global RNG seeds the init
     curves = [[] for _ in range(n)]
@@ -169,7 +177,8 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
                 dl.finish()
                 outer = dl.outer_weights().clone()
                 extra[r] = {"outer_steps": dl.outer_step, "since_sync": dl.since_sync,
-                            "mean_int8_error": sum(errs) / len(errs) if errs else None}
+                            "mean_int8_error": sum(errs) / len(errs) if errs else None,
+                            "error_feedback": dl.error_feedback}
                 finals[r] = (outer, [p.detach().clone() for p in model.parameters()])
             ring.close()
         except BaseException as e:  # reported by the main thread

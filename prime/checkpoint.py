@@ -5,6 +5,7 @@ Layout (one tree per node, as nodes usually do not share a file system):
     <dir>/node<r>/step_<000120>/
         .metadata, __*_*.distcp    model + inner AdamW (DCP: works with FSDP2 DTensors)
         rank<g>.pt                 this process's outer weights, outer momentum,
+                                   error-feedback residual (this node's own),
                                    DiLoCo counters, data position, step
         manifest.json              written last: size and SHA-256 of every other file
 

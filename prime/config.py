@@ -181,6 +181,8 @@ class DiLoCoConfig:
     """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
     block_size: int = 256
     """Codec block (int8, fp4): one fp32 scale per block_size values (power of two, 32..4096)."""
+    error_feedback: Optional[bool] = None
+    """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
     """How many times a failed all-reduce is retried, each on a freshly built ring, before the job stops."""
     timeout_s: float = 300.0
@@ -229,6 +231,9 @@ class DiLoCoConfig:
                  self.outer_lr)
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
         _require(self.codec in ("int8", "fp4", "none"), "diloco.codec", "'int8', 'fp4' or 'none'", self.codec)
+        from prime.feedback import resolve_error_feedback
+
+        resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
         check_block_size(self.block_size, "diloco.block_size")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)

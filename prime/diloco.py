@@ -36,6 +36,10 @@ outer weights and momentum only ever receive averages, in order, so they stay
 bit-identical on every node. docs/training.md, "Overlapping the all-reduce",
 has the math and a worked example.
 
+With a lossy codec, error feedback (on by default for fp4) keeps per node what
+its contribution lost to quantization and adds it to its next pseudo-gradient
+(prime/feedback.py); the average stays bit-identical on every node.
+
 With fragments=P the model is cut into P fragments of whole layers, each with
 its own outer step at its own offset in the phase (prime/fragments.py:
 streaming fragments): one fragment's all-reduce is in flight at a time, with
@@ -57,6 +61,7 @@ from torch import nn
 from prime.fragments import (MERGE_ALPHA, STAND_IN_OTHERS, BufferPool, Fragment, FragmentSchedule,
                              FragmentSettings, OuterStepResult, split_fragments, stand_in_share, sync_pieces)
 from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, pending_training_bytes
+from prime.feedback import resolve_error_feedback
 from prime.outer import staging_bytes
 from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
                         work_stats)
@@ -159,6 +164,11 @@ class DiLoCo:
     auto_margin_bytes: GPU memory outer_state_device="auto" keeps free for activations
                       and the like (None: max(8 GiB, 15% of the card); the trainer
                       passes its memory plan's estimate, prime.memory.auto_margin_bytes)
+    error_feedback:   keep what this node's contribution lost to the codec (a residual
+                      beside the outer weights, per node) and add it to its next
+                      pseudo-gradient (prime/feedback.py; docs/training.md, "Error
+                      feedback"). None (default): on for codec "fp4", off for "int8";
+                      True with codec "none" is refused (ValueError)
     """
 
 
@@ -186,6 +196,7 @@ class DiLoCo:
         overlap_steps: Optional[int] = None,
         fragments: int = 1,
         auto_margin_bytes: Optional[int] = None,
+        error_feedback: Optional[bool] = None,
     ):
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -199,6 +210,8 @@ class DiLoCo:
             raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        self.error_feedback = resolve_error_feedback(error_feedback, codec)
+        """True when this node feeds its quantization error back into its next pseudo-gradient."""
         if overlap_scheme not in OVERLAP_SCHEMES:
             raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
         if not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
@@ -313,13 +326,14 @@ class DiLoCo:
         pieces = [1 if self.overlap else sync_pieces(sum(params[i].numel() for i in idx), G) for idx in groups]
         self.work_bytes = self._work_bytes(frag_numel, pieces, on_gpu)
         """Bytes of the work buffers (pseudo-gradients, overlap start points) at most, on the work device."""
+        buffers = 2 + self.error_feedback  # outer weights, momentum (and the residual)
         if device == "auto":
             pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
             pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0
-            home, why = choose_device("auto", locals_, 2, pending, numel=total, margin=margin)
+            home, why = choose_device("auto", locals_, buffers, pending, numel=total, margin=margin)
             device = "gpu" if home.type == "cuda" else "cpu"
         else:
-            home, why = choose_device(device, locals_, 2, numel=total)
+            home, why = choose_device(device, locals_, buffers, numel=total)
         self.placement = why
         work = next((t.device for t in locals_ if t.device.type == "cuda"), torch.device("cpu"))
         settings = FragmentSettings(
@@ -332,7 +346,8 @@ class DiLoCo:
         model_numel = sum(p.numel() for p in params) or 1
         for p, idx in enumerate(groups):
             st = OuterState([params[i] for i in idx], block_size=bs, outer_lr=lr, outer_momentum=mu,
-                            nesterov=nesterov, optimizer_factory=outer_optimizer, device=device)
+                            nesterov=nesterov, optimizer_factory=outer_optimizer, device=device,
+                            error_feedback=self.codec if self.error_feedback else None)
             share = sum(params[i].numel() for i in idx) / model_numel
             self.fragments.append(Fragment(p, st, self.schedule.offset(p), settings, share, pieces[p]))
         self._groups = groups
@@ -412,6 +427,8 @@ class DiLoCo:
             s["overlap_steps"] = self.overlap_steps
         if self.schedule.fragments > 1:
             s["fragments"] = self.schedule.fragments
+        if self.error_feedback:
+            s["error_feedback"] = True
         if len(self.fragments) == 1:
             s.update(self.fragments[0].state.settings())
         elif self.fragments:
@@ -643,6 +660,8 @@ class DiLoCo:
         if len(self.fragments) > 1:  # likewise for fragments
             fields += (len(self.fragments), [len(g) for g in self._groups],
                        [(f.outer_step, f.since_sync) for f in self.fragments])
+        if self.error_feedback:  # and error feedback (the residuals themselves differ from node to node)
+            fields += ("error_feedback",)
         settings = repr(fields)
         h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
         return self.weights_hash(), int.from_bytes(h, "little"), numel

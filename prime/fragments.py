@@ -370,6 +370,7 @@ class Fragment:
         ranges = st.ranges(self.pieces)
         sq, first, own_sq = [0.0], [None], [0.0]
         measure_own = s.measure_compression_error and s.codec == "int8" and not _ring_reports_error(s.sync)
+        feedback = st.residual is not None
         pipelined = isinstance(s.sync, RingSync) and len(ranges) > 1
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
@@ -386,6 +387,8 @@ class Fragment:
             finite = math.isfinite(q)
             if measure_own and finite and hi > lo:
                 own_sq[0] += st.int8_error_sq(buffer(j))
+            if feedback:  # the residual is committed at apply(), once this piece's average is back
+                st.compensate(buffer(j), lo=lo, hi=hi, at=lo)
             sq[0] += q
             s.check_finite(finite, outer_step)
             if first[0] is None:
@@ -393,6 +396,8 @@ class Fragment:
 
         def apply(j: int) -> None:
             lo, hi = ranges[j]
+            if feedback:
+                st.commit_residual(lo, hi)
             st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
             self.pieces_done = j + 1
 
@@ -411,9 +416,13 @@ class Fragment:
                 def recompute(_):
                     for j in todo:
                         st.pseudo_gradient(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
+                        if feedback:
+                            st.compensate(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
 
                 r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
                 u0 = time.perf_counter()
+                if feedback:  # a node that joined (elastic) downloaded the state: no contribution of its own
+                    st.commit_residual(lo, hi) if r.contributed else st.reset_residual()
                 st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
                 u_last = time.perf_counter() - u0
             self.pieces_done = 0
@@ -496,6 +505,10 @@ class Fragment:
             self._last_sq = sq
         else:
             self._give_start()
+        if st.residual is not None:
+            # Error feedback: the contribution leaves now and may fail in the background, where a failed average
+            # stops training anyway; so the residual is committed here (d_k above, the stand-in, is unchanged).
+            st.compensate(g, commit=True)
         update_s = time.perf_counter() - u0
         self.outer_step += 1
         self.since_sync = 0

@@ -222,7 +222,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     outer_numel = sum(f.state.numel for f in frags)
     largest = max((f.state.numel for f in frags), default=0)
     home_gpu = bool(frags) and frags[0].state.device.type == "cuda"
-    home = 2 * 4 * outer_numel
+    feedback = bool(getattr(diloco, "error_feedback", False))  # a third home buffer: the residual
+    home = (3 if feedback else 2) * 4 * outer_numel
+    home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
     work = diloco.work_bytes if frags else 0
     streamed = bool(frags) and frags[0].state.streamed
     staging = 4 * (_SLOTS * 2 + 3) * (_PIPE_CHUNK if on_gpu else _CHUNK) if frags else 0
@@ -239,7 +241,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
         plan.gpu += training_gpu_items(cfg, env, parts)
         if frags:
             if home_gpu:
-                plan.gpu.append(("outer weights + momentum", home))
+                plan.gpu.append((home_name, home))
             plan.gpu.append(("outer work buffers", work))
             plan.gpu.append(("outer staging", staging if streamed else staging // 3))
             # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
@@ -248,7 +250,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     if frags:
         if not home_gpu:
-            plan.host.append(("outer weights + momentum" + (" (pinned)" if on_gpu else ""), home))
+            plan.host.append((home_name + (" (pinned)" if on_gpu else ""), home))
         if ring_host:
             plan.host.append(("ring staging (pinned)", ring_host))
     # -- checkpoints -----------------------------------------------------------------

@@ -30,6 +30,11 @@ reduces on the GPU and only int8 bytes cross PCIe.
             will still allocate and a margin for activations (AUTO_GPU_MARGIN_BYTES),
             else "cpu"; logged (prime.outer). prime.memory plans the whole run.
 
+With error feedback (prime/feedback.py) a third home buffer, the residual,
+lives beside the outer weights and momentum (the same home, streamed the same
+way): compensate() turns the pseudo-gradient into the node's contribution,
+commit_residual() writes what it lost once the average is back.
+
 The passes of an outer step: one over the parameters for the pseudo-gradient
 and its squared norm (pseudo_gradient), then after the average one update pass
 (update, with the copy into the model fused in). With overlap (prime/diloco.py)
@@ -70,6 +75,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from prime.feedback import compensate
 from prime.parallelize import local_shard
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
@@ -271,6 +277,8 @@ class OuterState:
     stream:            stream the home buffers through the work device in staged pieces (None: exactly when
                        they live on another device than the parameters; True on a CPU model runs the
                        streamed passes with CPU staging, for tests)
+    error_feedback:    the codec ("int8" or "fp4") whose error this node feeds back (prime.feedback): a third home
+                       buffer, the residual, beside the outer weights and momentum; None: no error feedback
     """
 
     def __init__(
@@ -287,8 +295,13 @@ class OuterState:
         inner_optimizer: Optional[torch.optim.Optimizer] = None,
         stream: Optional[bool] = None,
         pending_bytes: int = 0,
+        error_feedback: Optional[str] = None,
     ):
         self.params = list(params)
+        self.feedback_codec = error_feedback
+        """The codec whose quantization error this node feeds back (prime.feedback), or None."""
+        self.home_buffers = 2 + (error_feedback is not None)
+        """Flat fp32 buffers of the layout in the state's home: outer weights, momentum and the residual."""
         self.block_size = block_size
         self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
         locals_ = self._locals()
@@ -304,10 +317,11 @@ class OuterState:
         """True when the parameters are on a GPU (whatever the outer state's device)."""
         self.work_device = next((t.device for t in locals_ if t.device.type == "cuda"), torch.device("cpu"))
         """Where the arithmetic runs and work buffers live: the parameters' GPU, or the CPU."""
-        if device == "auto":  # the home buffers (2); the work buffers are on the GPU in any case
+        if device == "auto":  # the home buffers; the work buffers are on the GPU in any case
             pending_bytes += pending_training_bytes(self.params, locals_, inner_optimizer)
             pending_bytes += (1 + extra_buffers) * 4 * self.numel if self.on_gpu else 0
-        self.device, self.device_reason = choose_device(device, locals_, 2, pending_bytes, numel=self.numel)
+        self.device, self.device_reason = choose_device(device, locals_, self.home_buffers, pending_bytes,
+                                                        numel=self.numel)
         """Where the outer weights and momentum live (their home): the CPU, or the parameters' GPU; and why."""
         self.streamed = (self.device != self.work_device) if stream is None else bool(stream)
         """True when every pass streams the home buffers through the work device in staged pieces."""
@@ -320,6 +334,8 @@ class OuterState:
         self._grad: Optional[torch.Tensor] = None
         self.taken = False
         """True once the outer weights hold something (take(), load_state_dict() or a download)."""
+        self.residual: Optional[torch.Tensor] = self._home_buffer() if error_feedback is not None else None
+        """Error feedback: what this node's contributions lost to the codec so far (padding: 0; None: off)."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.momentum: Optional[torch.Tensor] = None
         if optimizer_factory is None:
@@ -720,6 +736,42 @@ class OuterState:
         """Local weights += delta (a work buffer of the layout), one fp32 rounding per value."""
         self._walk(lambda p, dc: p.write(dc, add=True), work=(delta,))
 
+    @torch.no_grad()
+    def compensate(self, g: torch.Tensor, *, lo: int = 0, hi: Optional[int] = None, at: int = 0,
+                   commit: bool = False) -> None:
+        """Error feedback on the pseudo-gradient g over [lo, hi) (a work buffer holding the values from flat value
+        `at` on): g := dequantize(quantize(g + residual)), the contribution the ring will send without further loss
+        (prime.feedback). `commit`: also residual := (g + residual) - that, in the same pass; without it the
+        residual is left as it is (commit_residual() does it once the average is back)."""
+        codec, bs = self.feedback_codec, self.block_size
+
+        def body(p, ec, gc):
+            compensate(gc, ec, codec, bs, commit)
+
+        self._walk(body, home=(self.residual,), work=(g,), write_home=commit, lo=lo, hi=hi, work_at=at)
+
+    @torch.no_grad()
+    def commit_residual(self, lo: int = 0, hi: Optional[int] = None) -> None:
+        """Error feedback, once the average of a synchronous outer step is back and before update() applies it:
+        residual := what this node's contribution lost, over [lo, hi), recomputed from the outer weights, the
+        local weights and the residual as they were when compensate() made the contribution (the same operations,
+        so the same bits). Until now the residual was untouched, so that a failed average leaves it as it was."""
+        codec, bs = self.feedback_codec, self.block_size
+        tmp = self._scratch(1)[0]
+
+        def body(p, wc, ec):
+            t = tmp[: wc.numel()]
+            torch.sub(wc[: p.n], p.values(), out=t[: p.n])  # pseudo_gradient()'s subtraction
+            t[p.n :].zero_()
+            compensate(t, ec, codec, bs, True)
+
+        self._walk(body, home=(self.outer, self.residual), write_home=True, lo=lo, hi=hi)
+
+    def reset_residual(self) -> None:
+        """Error feedback: residual := 0 (a node that joins holds no contribution's error)."""
+        if self.residual is not None:
+            self.residual.zero_()
+
     def load_into_model(self, src: Optional[torch.Tensor] = None, lo: int = 0, hi: Optional[int] = None) -> None:
         """Local weights := outer weights (or `src`, a buffer of the same layout), over [lo, hi)."""
         self.scatter(self.outer if src is None else src, lo, hi)
@@ -756,6 +808,8 @@ class OuterState:
             sd["momentum"] = self.momentum.cpu()
         else:
             sd["outer_optimizer"] = self.optimizer.state_dict()
+        if self.residual is not None:
+            sd["residual"] = self.residual.cpu()  # this node's own: it differs from node to node
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -774,4 +828,14 @@ class OuterState:
             self.momentum.copy_(sd["momentum"])
         else:
             self.optimizer.load_state_dict(sd["outer_optimizer"])
+        if self.residual is not None:
+            if "residual" in sd:
+                self.residual.copy_(sd["residual"])
+            else:
+                self.residual.zero_()
+                logger.info("error feedback: the checkpoint holds no residual (written without error feedback); "
+                            "starting from zero")
+        elif "residual" in sd:
+            logger.warning("the checkpoint holds an error-feedback residual but diloco.error_feedback is off here: "
+                           "the residual is dropped")
         self.taken = True

@@ -137,3 +137,17 @@ def test_the_plan_covers_the_peaks_measured_on_h200(what, kw, peak_gib):
     and the 10B model", H200s) and not more than a quarter above it."""
     plan = plan_memory(*_fake_run(**kw), host_procs=4, gpu_total=H200, host_total=HOST4)
     assert peak_gib * GIB <= plan.gpu_bytes <= 1.25 * peak_gib * GIB, (what, plan.describe())
+
+
+@pytest.mark.parametrize("home", ["cpu", "gpu"])
+def test_error_feedback_adds_its_residual_to_the_outer_state(home):
+    """The error-feedback residual is a third buffer of the outer state's size, where the outer state lives (and in
+    the asynchronous checkpoint's staging copy)."""
+    cfg, env, parts, d = _fake_run(home=home)
+    plain = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    d.error_feedback = True
+    ef = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    where, key = ("host", "outer weights + momentum (pinned)") if home == "cpu" else ("gpu", "outer weights + momentum")
+    before = dict(getattr(plain, where))[key]
+    after = dict(getattr(ef, where))[key.replace("momentum", "momentum + error-feedback residual")]
+    assert after * 2 == before * 3

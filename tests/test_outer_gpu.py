@@ -216,3 +216,20 @@ def test_fragments_on_nodes_with_state_on_different_devices_stay_identical(seed)
     for k in range(len(deltas)):
         assert torch.equal(o0[k], o1[k]), f"seed {seed} step {k + 1}"
     assert all(torch.equal(a, b) for a, b in zip(f0, f1)), f"seed {seed} final weights"
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+def test_error_feedback_residual_has_the_same_bits_on_every_device(seed, codec, monkeypatch):
+    """Error feedback's passes (contribution, residual, update) on a CPU model, a GPU model with its outer state on
+    the GPU, and one with it in CPU memory streamed through the GPU in pieces: the same bits."""
+    from test_feedback import residual_passes
+
+    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 1024)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(100, 37), (4097,), (3, 5, 7), (1,)]
+    init = [torch.randn(*s, generator=gen) for s in shapes]
+    params_list = [[nn.Parameter(t.clone().to(dev)) for t in init] for dev in ("cpu", "cuda", "cuda")]
+    states = [OuterState(params, block_size=256, error_feedback=codec, device=home)
+              for params, home in zip(params_list, ("cpu", "gpu", "cpu"))]
+    assert states[2].streamed and states[1].device.type == "cuda"
+    residual_passes(states, params_list, gen, codec)

@@ -6,11 +6,12 @@
 # RUNS: one run per entry SEED[:METHODS] (METHODS: bench_fidelity's --methods, default METHODS), on GPU i mod
 # count for the i-th entry.
 # env: RUNS ("0"), METHODS ("dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10"), STEPS (400), H (40),
-#      FIDELITY_TIMEOUT (540), EXTRA (more flags for bench_fidelity.py)
+#      FIDELITY_TIMEOUT (540), EXTRA (more flags for bench_fidelity.py), BUILD (cuda; ring: prime._C without the
+#      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
-build_cuda
+if [ "${BUILD:-cuda}" = ring ]; then build_ring; else build_cuda; fi
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))

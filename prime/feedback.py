@@ -1,0 +1,81 @@
+"""Error feedback for the compressed pseudo-gradient all-reduce.
+
+A lossy codec (int8, fp4) loses part of every node's pseudo-gradient; error
+feedback (1-bit Adam, DiLoCoX, SparseLoCo) keeps that part per node, as a
+residual, and adds it to the node's next pseudo-gradient, so that what one
+outer step loses the next one sends. Per node, for each outer step (of each
+fragment, at its own sync):
+
+    p  = pseudo_gradient + residual          one fp32 addition
+    y  = dequantize(quantize(p))             the codec's round trip (prime.ops), by the ring's blocks
+    residual = p - y                         one fp32 subtraction
+    the node's contribution to the all-reduce is y
+
+The ring then quantizes y again, and that second quantization is lossless:
+a round trip of the codec is a fixed point of it (every block's largest value
+a = |y| decodes from the code 127 or 6 and the scale s = a0 / c, and
+(c * s) / c rounds back to s, so the block gets the same codes and the same
+scale), checked bit for bit on every fp32 scale of several binades and on the
+real ring by tests/test_feedback.py. So each node's contribution enters the
+sum exactly as y, whichever schedule runs, and the residual is exactly what
+the node's contribution lost. What the residual does not hold: the errors of
+quantizing *sums* (the owner's final quantization in both schedules, and in
+the `ring` schedule the partial sums at each hop), which are not one node's
+(docs/training.md, "Error feedback").
+
+The residual is the node's own memory: it is not averaged, differs from node
+to node, lives beside the outer weights (prime.outer.OuterState.residual) and
+is saved in the node's checkpoints; a node that joins (elastic) starts from a
+zero residual.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from prime import ops
+
+__all__ = ["resolve_error_feedback", "round_trip", "compensate"]
+
+LOSSY_CODECS = ("int8", "fp4")
+DEFAULT_ON = ("fp4",)
+"""Codecs with error feedback on when it is not set: fp4, whose 11% error per quantization would otherwise add up
+over outer steps (one buffer and one more quantize pass keep it bounded); not int8 (0.7%), where it makes no
+measurable difference in loss (benchmarks/RESULTS.md, "Error feedback")."""
+
+
+def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str = "error_feedback") -> bool:
+    """Whether error feedback runs: `error_feedback` as given, or (None) on for fp4 and off for int8. True with
+    codec "none" raises ValueError (an exact average loses nothing to feed back)."""
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(f"{name} must be True, False or None (on for codec fp4, off for int8), got {error_feedback!r}")
+    if error_feedback is None:
+        return codec in DEFAULT_ON
+    if error_feedback and codec not in LOSSY_CODECS:
+        raise ValueError(f"{name} = true needs a lossy codec (int8 or fp4); codec {codec!r} averages exactly, so there "
+                         "is no quantization error to feed back: set it to false or leave it unset")
+    return error_feedback
+
+
+def round_trip(x: torch.Tensor, codec: str, block_size: int) -> torch.Tensor:
+    """dequantize(quantize(x)) with the codec's fastest backend for x's device (every backend gives the same
+    bits). Non-finite blocks come back as NaN (the caller checks finiteness)."""
+    if codec == "int8":
+        q, s = ops.quantize_int8(x, block_size, check_finite=False)
+        return ops.dequantize_int8(q, s, block_size)
+    assert codec == "fp4", codec
+    q, s = ops.quantize_fp4(x, block_size, check_finite=False)
+    return ops.dequantize_fp4(q, s, x.numel(), block_size)
+
+
+def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: int, commit: bool) -> None:
+    """g := dequantize(quantize(g + residual)) and, with `commit`, residual := (g + residual) - that: the step
+    of error feedback on one piece of whole codec blocks (g a work view, residual a view of the home buffer or
+    its staged copy)."""
+    g.add_(residual)
+    y = round_trip(g, codec, block_size)
+    if commit:
+        torch.sub(g, y, out=residual)
+    g.copy_(y)

@@ -1,0 +1,608 @@
+"""Error feedback (prime/feedback.py): the codec's round trip is lossless under the ring's own quantization, and
+DiLoCo with error feedback matches a plain-torch reference of the algorithm bit for bit.
+
+The DiLoCo tests run nodes as threads of the test process on `DirectFakeRing`, a test double of prime.comm.Ring's
+direct schedule written with the reference codecs of prime.ops (every contribution quantized once, summed in
+rank order in fp32, averaged by one division, the average quantized once). The reference runs the same inner
+steps in plain torch, then the algorithm of docs/training.md ("Error feedback") per node and the Nesterov update
+as separate fp32 operations. Fresh random data every run; the seed is printed.
+"""
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from prime import _extension, ops
+from prime.config import load_config
+from prime.diloco import DiLoCo, OuterSyncError
+from prime.fragments import FragmentSchedule, split_fragments
+from prime.sync import SyncResult
+
+CODECS = ("int8", "fp4")
+BS = 32
+LR, MU = 0.7, 0.9
+
+
+def rt_ref(x: torch.Tensor, codec: str, bs: int = BS) -> torch.Tensor:
+    """dequantize(quantize(x)) with the reference codec of prime.ops (flat fp32)."""
+    x = x.reshape(-1)
+    if codec == "int8":
+        return ops.dequantize_int8_reference(*ops.quantize_int8_reference(x, bs), bs)
+    q, s = ops.quantize_fp4_reference(x, bs)
+    return ops.dequantize_fp4_reference(q, s, x.numel(), bs)
+
+
+def fake_average(parts: list, codec: str, bs: int = BS) -> torch.Tensor:
+    """The direct schedule in plain torch: each contribution quantized once, summed in fp32 in rank order,
+    divided by N (one division), quantized once. (Per parameter or over the flat buffer: the same values, as every
+    parameter starts a codec block and its padding is zero.)"""
+    acc = rt_ref(parts[0], codec, bs)
+    for x in parts[1:]:
+        acc = acc + rt_ref(x, codec, bs)
+    avg = acc / torch.full_like(acc, len(parts))
+    return rt_ref(avg, codec, bs) if codec != "none" else avg
+
+
+class FakeWork:
+    def __init__(self, n: int):
+        self.n = n
+
+    def wait(self):
+        return None
+
+    def stats(self):
+        from prime.comm import WorkStats
+
+        return WorkStats(seq=0, numel=self.n, bytes_sent=self.n, bytes_received=self.n, frames_sent=1,
+                         frames_received=1, quantize_s=0.0, reduce_s=0.0, wait_s=0.0, commit_s=0.0, queue_s=0.0,
+                         total_s=0.0)
+
+
+class FakeGroup:
+    def __init__(self, n: int):
+        self.n, self.barrier = n, threading.Barrier(n, timeout=60)
+        self.inputs, self.result = [None] * n, None
+        self.seen = []  # every call's inputs (rank order), for the tests that look at the contributions
+
+
+class DirectFakeRing:
+    """prime.comm.Ring's surface for in-process nodes; all_reduce is fake_average over the nodes' inputs."""
+
+    def __init__(self, group: FakeGroup, rank: int):
+        self.group, self.rank, self.world_size = group, rank, group.n
+
+    def all_reduce(self, t, op="avg", codec="int8", block_size=256):
+        g = self.group
+        g.inputs[self.rank] = t.detach().clone()
+        g.barrier.wait()
+        if self.rank == 0:
+            g.seen.append([x.clone() for x in g.inputs])
+            g.result = fake_average(g.inputs, codec, block_size)
+        g.barrier.wait()
+        t.copy_(g.result.view_as(t))
+        g.barrier.wait()
+        return FakeWork(t.numel())
+
+    def close(self):
+        pass
+
+
+def run_nodes(n: int, fn) -> list:
+    results, errors = [None] * n, [None] * n
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # re-raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- the codec: a round trip is a fixed point ----------------------------------------------------------------
+
+
+def _round_trip(x, codec, bs, backend):
+    if codec == "int8":
+        q, s = ops.quantize_int8(x, bs, backend=backend, check_finite=False)
+        return ops.dequantize_int8(q, s, bs, backend=backend)
+    q, s = ops.quantize_fp4(x, bs, backend=backend, check_finite=False)
+    return ops.dequantize_fp4(q, s, x.numel(), bs, backend=backend)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_round_trip_is_a_fixed_point_of_the_codec(seed, codec):
+    """quantize(dequantize(quantize(x))) gives the same codes and scales, so the ring's quantization of a
+    contribution already round-tripped loses nothing: every backend of this machine, several block sizes, Gaussian,
+    heavy-tailed, tiny (subnormal scales), huge and per-block wildly scaled data; and, for every fp32 a of two whole
+    binades (normal and subnormal), the scale s = a / c satisfies (c * s) / c == s."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 50_000 + int(torch.randint(0, 1000, (), generator=gen))
+    backends = [b for b in ops.available_backends("cpu") if b != "triton"]
+    for bs in (32, 256, 4096):
+        z = torch.randn(n, generator=gen)
+        chi = torch.randn(3, n, generator=gen).pow(2).sum(0)
+        spread = torch.pow(10.0, torch.empty(-(-n // bs)).uniform_(-35, 35, generator=gen)).repeat_interleave(bs)[:n]
+        for kind, x in (("gauss", z), ("t3", z / (chi / 3).sqrt()), ("tiny", z * 1e-39), ("huge", z * 1e37),
+                        ("spread", z * spread)):
+            for backend in backends:
+                y = _round_trip(x, codec, bs, backend)
+                y2 = _round_trip(y, codec, bs, backend)
+                bad = y.view(torch.int32) != y2.view(torch.int32)
+                assert not bad.any(), (f"seed {seed}: {codec} {backend} B={bs} {kind}: the second round trip changed "
+                                       f"{int(bad.sum())} values, first at {int(bad.nonzero()[0, 0])}")
+    c = torch.tensor(127.0 if codec == "int8" else 6.0)
+    for exponent in (1, 127, 0):
+        a = (torch.arange(1 << 23, dtype=torch.int32) | (exponent << 23)).view(torch.float32)
+        s = a / c
+        assert torch.equal(((s * c) / c)[a > 0], s[a > 0]), f"{codec}: a scale of binade {exponent} moved"
+
+
+def _ring_model(ys: list, codec: str, schedule: str, bs: int) -> torch.Tensor:
+    """docs/ring.md's schedules, avg, with every contribution entering exactly (not quantized again)."""
+    world, n = len(ys), ys[0].numel()
+    out = torch.empty(n)
+    units = -(-n // bs)
+    for c in range(world):
+        b, e = min(n, units * c // world * bs), min(n, units * (c + 1) // world * bs)
+        if schedule == "direct":
+            acc = ys[c][b:e].clone()
+            for j in range(1, world):
+                acc = acc + ys[(c + j) % world][b:e]
+            out[b:e] = rt_ref(acc / torch.full_like(acc, world), codec, bs)
+        else:
+            decoded = ys[c][b:e]  # the first hop sends position c's own values
+            for j in range(1, world):
+                acc = ys[(c + j) % world][b:e] + decoded
+                if j == world - 1:
+                    acc = acc / torch.full_like(acc, world)
+                decoded = rt_ref(acc, codec, bs)  # a partial sum (or the final value), quantized
+            out[b:e] = decoded
+    return out
+
+
+@pytest.mark.skipif(not _extension.available(), reason="prime._C is not built")
+@pytest.mark.parametrize("schedule", ("ring", "direct"))
+def test_the_ring_sends_a_round_trip_without_loss(seed, schedule):
+    """3 ranks of the real ring (threads, loopback) all-reduce contributions that went through one round trip: the
+    result equals, bit for bit, the schedule with every contribution added exactly; only sums are quantized."""
+    from prime.comm import Ring, host_store
+
+    world, bs = 3, 256
+    gen = torch.Generator().manual_seed(seed)
+    n = 40_000 + int(torch.randint(0, 3000, (), generator=gen))
+    xs = [torch.randn(n, generator=gen) * (1 + r) for r in range(world)]
+    store = host_store("127.0.0.1", 0, timeout=timedelta(seconds=60))
+    out = {}
+
+    def node(r):
+        from torch.distributed import TCPStore
+
+        client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60))
+        kw = {"order": list(range(world))} if schedule == "ring" else {}
+        with Ring(client, r, world, timeout=timedelta(seconds=60), job_id=f"feedback-{schedule}-{seed}",
+                  schedule=schedule, **kw) as ring:
+            for codec in CODECS:
+                t = rt_ref(xs[r], codec, bs)
+                w = ring.all_reduce(t, op="avg", codec=codec, block_size=bs)
+                w.wait()
+                assert w.stats().schedule == schedule
+                out[(r, codec)] = t
+
+    run_nodes(world, node)
+    for codec in CODECS:
+        want = _ring_model([rt_ref(x, codec, bs) for x in xs], codec, schedule, bs)
+        for r in range(world):
+            assert torch.equal(out[(r, codec)].view(torch.int32), want.view(torch.int32)), \
+                f"seed {seed}: {codec} {schedule} rank {r} differs from the lossless model"
+
+
+# -- DiLoCo against the plain-torch reference -----------------------------------------------------------------
+
+
+def tiny_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # biases of 16 and 4: padded blocks
+
+
+def batch(seed: int, node: int, step: int):
+    g = torch.Generator().manual_seed(seed * 7919 + node * 104729 + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def inner_step(model, opt, seed, node, step):
+    x, y = batch(seed, node, step)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def nesterov_(w, m, a):
+    """outer.py's update as separate fp32 operations: m = mu m + a; w -= lr (a + mu m)."""
+    m.mul_(MU)
+    m.add_(a)
+    u = torch.mul(m, MU)
+    u.add_(a)
+    u.mul_(LR)
+    w.sub_(u)
+
+
+def lookahead(w, m, d):
+    """The outer weights nesterov_ would give from d, leaving w and m alone (eager overlap's start)."""
+    mm = torch.mul(m, MU)
+    mm.add_(d)
+    u = torch.mul(mm, MU)
+    u.add_(d)
+    u.mul_(LR)
+    return torch.sub(w, u)
+
+
+def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None):
+    """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter."""
+    models = [tiny_model(seed) for _ in range(nodes)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    params = [list(m.parameters()) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    groups = split_fragments(names, [p.numel() for p in params[0]], fragments) if fragments > 1 else [
+        list(range(len(names)))]
+    outer = [p.detach().clone() for p in params[0]]
+    mom = [torch.zeros_like(w) for w in outer]
+    res = [[torch.zeros_like(w) for w in outer] for _ in range(nodes)]
+    sched = FragmentSchedule(H, fragments)
+    since, done = [0] * fragments, [0] * fragments
+    starts, pending = [None] * nodes, None
+
+    def contribution(r, i, d):
+        if not feedback:
+            return d
+        p = d + res[r][i]
+        y = rt_ref(p, codec).view_as(p)
+        res[r][i] = p - y
+        return y
+
+    for t in range(1, H * outer_steps + 1):
+        for r in range(nodes):
+            inner_step(models[r], opts[r], seed, r, t)
+        for f in range(fragments):
+            since[f] += 1
+            if since[f] < (sched.offset(f) if done[f] == 0 else H):
+                continue
+            since[f], done[f] = 0, done[f] + 1
+            with torch.no_grad():
+                if overlap is None:
+                    for i in groups[f]:
+                        cs = [contribution(r, i, torch.sub(outer[i], params[r][i])) for r in range(nodes)]
+                        nesterov_(outer[i], mom[i], fake_average(cs, codec).view_as(outer[i]))
+                        for r in range(nodes):
+                            params[r][i].copy_(outer[i])
+                    continue
+                ds = [[torch.sub(starts[r][i] if starts[r] is not None else outer[i], params[r][i])
+                       for i in range(len(outer))] for r in range(nodes)]
+                if pending is not None:
+                    for i in range(len(outer)):
+                        nesterov_(outer[i], mom[i], pending[i])
+                for r in range(nodes):
+                    for i in range(len(outer)):
+                        start = lookahead(outer[i], mom[i], ds[r][i]) if overlap == "eager" else outer[i].clone()
+                        params[r][i].copy_(start)
+                        if overlap == "eager":
+                            starts[r] = starts[r] or [None] * len(outer)
+                            starts[r][i] = start
+                cs = [[contribution(r, i, ds[r][i]) for i in range(len(outer))] for r in range(nodes)]
+                pending = [fake_average([cs[r][i] for r in range(nodes)], codec).view_as(outer[i])
+                           for i in range(len(outer))]
+    if pending is not None:  # finish(): the last average
+        for i in range(len(outer)):
+            nesterov_(outer[i], mom[i], pending[i])
+    return outer, res, groups
+
+
+def unflatten(flat: torch.Tensor, state) -> list:
+    return [flat[o : o + n].view(s) for o, n, s in zip(state.offsets, state.sizes, state.shapes)]
+
+
+def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=True, overlap=None, stop_at=None,
+               resume=None):
+    """DiLoCo on DirectFakeRing; returns per node (outer weights per parameter, residuals per parameter, the
+    state_dicts at inner step stop_at when asked). `resume`: per node (model, optimizer, DiLoCo state) to start
+    from."""
+    group = FakeGroup(nodes)
+
+    def node(r):
+        model = tiny_model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kw = dict(overlap=True, overlap_scheme=overlap) if overlap else {}
+        d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU,
+                   codec=codec, block_size=BS, fragments=fragments, error_feedback=error_feedback,
+                   measure_compression_error=False, **kw)
+        first = 1
+        if resume is not None:
+            msd, osd, dsd = resume[r]
+            model.load_state_dict(msd)
+            opt.load_state_dict(osd)
+            d.load_state_dict(dsd)
+            first = dsd["inner_step"] + 1
+        saved = None
+        for t in range(first, H * outer_steps + 1):
+            inner_step(model, opt, seed, r, t)
+            d.step()
+            if t == stop_at:
+                saved = (_copy(model.state_dict()), _copy(opt.state_dict()), _copy(d.state_dict()))
+        if overlap:
+            d.finish()
+        out = []
+        for f in d.fragments:
+            st = f.state
+            out.append((unflatten(st.outer.clone(), st),
+                        unflatten(st.residual.clone(), st) if st.residual is not None else None))
+        d.close()
+        return out, saved
+
+    return run_nodes(nodes, node)
+
+
+def _copy(obj):
+    import copy
+
+    return copy.deepcopy(obj)
+
+
+def _assert_matches(got, ref, seed, what):
+    outer, res, groups = ref
+    for r, (frags, _) in enumerate(got):
+        for f, (w, e) in enumerate(frags):
+            for k, i in enumerate(groups[f]):
+                assert torch.equal(w[k], outer[i]), f"seed {seed} {what}: node {r} outer weights of parameter {i}"
+                assert torch.equal(e[k], res[r][i]), f"seed {seed} {what}: node {r} residual of parameter {i}"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("fragments,overlap", [(1, None), (2, None), (1, "eager"), (1, "delayed")])
+def test_diloco_matches_the_reference_bit_for_bit(seed, codec, fragments, overlap):
+    """2 nodes, a tiny model, 3 outer steps of H = 4 (with 2 fragments: each at its own offset; with overlap:
+    the contribution leaves in the background): outer weights and every node's residual equal the reference's."""
+    nodes, H, K = 2, 4, 3
+    got = run_diloco(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap)
+    ref = reference(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap)
+    _assert_matches(got, ref, seed, f"{codec} fragments={fragments} overlap={overlap}")
+    # the residuals differ between the nodes (each holds its own), the outer weights do not
+    assert any(not torch.equal(a[1][0], b[1][0]) for a, b in zip(got[0][0], got[1][0])), f"seed {seed}"
+
+
+def test_without_error_feedback_the_reference_differs(seed):
+    """The reference is sensitive to the feature: fp4 without error feedback gives other weights (and DiLoCo with
+    error_feedback=False matches the reference without it)."""
+    got = run_diloco(seed, 2, "fp4", 4, 2, error_feedback=False)
+    ref = reference(seed, 2, "fp4", 4, 2, feedback=False)
+    outer = ref[0]
+    assert all(torch.equal(w, outer[i]) for i, w in enumerate(got[0][0][0][0])), f"seed {seed}"
+    assert got[0][0][0][1] is None  # no residual kept
+    with_ef = reference(seed, 2, "fp4", 4, 2)[0]
+    assert any(not torch.equal(a, b) for a, b in zip(outer, with_ef)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, fragments):
+    """fp4 with error feedback: state_dicts written after 6 of 12 inner steps (through torch.save), loaded into
+    fresh models, optimizers and DiLoCos, give the uninterrupted run's outer weights and residuals."""
+    H, K, stop = 4, 3, 6
+    whole = run_diloco(seed, 2, "fp4", H, K, fragments=fragments, stop_at=stop)
+    resume = []
+    for r, (_, saved) in enumerate(whole):
+        path = tmp_path / f"node{r}.pt"
+        torch.save(saved, path)
+        resume.append(torch.load(path, weights_only=False))
+        dsd = saved[2]
+        held = dsd["residual"] if fragments == 1 else dsd["fragments"][0]["residual"]
+        assert held.abs().sum() > 0, "the checkpoint holds the node's residual"
+    resumed = run_diloco(seed, 2, "fp4", H, K, fragments=fragments, resume=resume)
+    for r in range(2):
+        for (w1, e1), (w2, e2) in zip(whole[r][0], resumed[r][0]):
+            for a, b in zip(w1 + e1, w2 + e2):
+                assert torch.equal(a, b), f"seed {seed}: node {r} differs after the resume"
+
+
+def test_error_feedback_bounds_the_accumulated_error(seed):
+    """lr 1 without momentum: the outer weights move by the sum of the averages. Over 30 outer steps of fixed
+    random pseudo-gradients, fp4 with error feedback ends nearer the exact sum than fp4 without: the nodes'
+    quantization errors no longer add up (only the owner's quantization of each average does)."""
+    gen = torch.Generator().manual_seed(seed)
+    nodes, K, n = 2, 30, 2048
+    w0 = torch.randn(n, generator=gen)
+    deltas = [[0.01 * torch.randn(n, generator=gen) for _ in range(nodes)] for _ in range(K)]
+
+    def run(feedback):
+        group = FakeGroup(nodes)
+
+        def node(r):
+            model = nn.Linear(n, 1, bias=False)
+            with torch.no_grad():
+                model.weight.copy_(w0.view(1, -1))
+            d = DiLoCo(model, None, DirectFakeRing(group, r), inner_steps=1, outer_lr=1.0, outer_momentum=0.0,
+                       nesterov=False, codec="fp4", block_size=256, error_feedback=feedback)
+            for k in range(K):
+                with torch.no_grad():
+                    model.weight -= deltas[k][r].view(1, -1)
+                d.step()
+            return model.weight.detach().view(-1).double().clone()
+
+        return run_nodes(nodes, node)
+
+    exact = w0.double() - sum(sum(d.double() for d in ds) / nodes for ds in deltas)
+    err = {}
+    for feedback in (False, True):
+        w = run(feedback)
+        assert torch.equal(w[0], w[1]), f"seed {seed}: nodes differ"
+        err[feedback] = float((w[0] - exact).norm() / (w0.double() - exact).norm())
+    print(f"seed {seed}: relative error of the summed update, fp4 without / with error feedback: "
+          f"{err[False]:.4f} / {err[True]:.4f}")
+    assert err[True] < 0.8 * err[False], f"seed {seed}: {err}"
+
+
+class _JoiningSync:
+    """A Sync whose first average reports that this node did not contribute (an elastic joiner's)."""
+
+    def __init__(self):
+        self.world_size, self.calls = 2, 0
+
+    def bind(self, state, settings):
+        pass
+
+    def agree(self, ok):
+        return ok
+
+    def verify(self, fingerprint, *, outer_step):
+        pass
+
+    def average(self, grad, *, outer_step, inner_step, recompute):
+        self.calls += 1
+        grad.mul_(0.5)
+        return SyncResult(members=[0, 1], contributors=2 - (self.calls == 1), contributed=self.calls > 1)
+
+    def committed(self, result):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_node_that_joins_starts_from_a_zero_residual(seed):
+    """Elastic: the residual is the node's own memory, not part of the state a joiner downloads; at the outer step
+    where a node joins (its pseudo-gradient is not in the average) its residual is zeroed, at the next one it is
+    what its own contribution lost."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Linear(64, 2, bias=False)
+    d = DiLoCo(model, None, _JoiningSync(), inner_steps=1, codec="fp4", block_size=BS)
+    st = d.state
+    st.residual.copy_(torch.randn(st.numel, generator=gen))  # left over from before: must not leak into the join
+    for k in range(2):
+        before = st.outer.clone()
+        with torch.no_grad():
+            model.weight -= 0.01 * torch.randn(2, 64, generator=gen)
+        p = torch.sub(before, st._locals()[0].reshape(-1)) + (st.residual.clone() if k else 0)
+        d.step()
+        if k == 0:
+            assert not st.residual.any(), f"seed {seed}: the joiner kept a residual"
+        else:
+            assert torch.equal(st.residual, p - rt_ref(p, "fp4")), f"seed {seed}"
+
+
+# -- settings -----------------------------------------------------------------------------------------------
+
+
+def test_error_feedback_defaults_and_errors():
+    model = nn.Linear(4, 4)
+    ring = DirectFakeRing(FakeGroup(1), 0)
+    assert DiLoCo(model, None, ring, codec="fp4").error_feedback is True
+    assert DiLoCo(model, None, ring, codec="int8").error_feedback is False
+    assert DiLoCo(model, None, ring, codec="int8", error_feedback=True).error_feedback is True
+    assert DiLoCo(model, None, ring, codec="none").error_feedback is False
+    assert DiLoCo(model, None, ring, codec="fp4", error_feedback=False).state.residual is None
+    with pytest.raises(ValueError, match="error_feedback = true needs a lossy codec"):
+        DiLoCo(model, None, ring, codec="none", error_feedback=True)
+    with pytest.raises(ValueError, match="error_feedback must be True, False or None"):
+        DiLoCo(model, None, ring, codec="fp4", error_feedback="yes")
+    # the setting is part of what every node must share
+    assert DiLoCo(model, None, ring, codec="fp4").settings()["error_feedback"] is True
+    assert "error_feedback" not in DiLoCo(model, None, ring, codec="int8").settings()
+
+
+def test_config_field():
+    cfg = load_config(None, [("diloco.codec", "fp4")], env={}).validate()
+    assert cfg.diloco.error_feedback is None
+    cfg = load_config(None, [("diloco.error_feedback", "false"), ("diloco.codec", "fp4")], env={}).validate()
+    assert cfg.diloco.error_feedback is False
+    with pytest.raises(ValueError, match=r"diloco\.error_feedback = true needs a lossy codec"):
+        load_config(None, [("diloco.error_feedback", "true"), ("diloco.codec", "none")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.error_feedback must be a bool"):
+        load_config(None, [("diloco.error_feedback", "maybe")], env={})
+
+
+def test_a_checkpoint_without_a_residual_starts_from_zero(seed):
+    """Turning error feedback on at a resume: the checkpoint has no residual, the node starts from zero."""
+    model = nn.Linear(8, 2)
+    ring = DirectFakeRing(FakeGroup(1), 0)
+    sd = DiLoCo(model, None, ring, codec="int8").state_dict()
+    d = DiLoCo(model, None, ring, codec="int8", error_feedback=True)
+    d.state.residual.fill_(1.0)
+    d.load_state_dict(sd)
+    assert not d.state.residual.any()
+
+
+# -- where the residual lives -------------------------------------------------------------------------------
+
+
+def residual_passes(states: list, params_list: list, gen, codec: str, steps: int = 3) -> None:
+    """Runs the error-feedback passes of 3 synchronous outer steps on every OuterState (each over its own copy of
+    the same parameters, params_list[i]) and asserts that contributions, residuals and outer weights agree bit for
+    bit between them."""
+    for st in states:
+        st.take()
+    for step in range(steps):
+        deltas = [0.01 * torch.randn(p.shape, generator=gen) for p in params_list[0]]
+        with torch.no_grad():
+            for params in params_list:
+                for p, d in zip(params, deltas):
+                    p.sub_(d.to(p.device))
+        gs = []
+        for st in states:
+            g = st.new_buffer()
+            st.pseudo_gradient(g)
+            st.compensate(g)
+            gs.append(g.cpu())
+        avg = fake_average([gs[0], 0.5 * gs[0]], codec, st.block_size)  # any average, the same for every state
+        for st in states:
+            st.commit_residual()
+            st.update(avg.to(st.work_device), load=True)
+        for i, st in enumerate(states[1:], 1):
+            what = f"step {step}, state {i} ({st.device}, streamed {st.streamed})"
+            assert torch.equal(gs[0], gs[i]), f"{what}: contribution"
+            assert torch.equal(states[0].residual.cpu(), st.residual.cpu()), f"{what}: residual"
+            assert torch.equal(states[0].outer.cpu(), st.outer.cpu()), f"{what}: outer weights"
+    assert states[0].residual.abs().sum() > 0
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_streamed_residual_passes_match_the_resident_ones(seed, codec, monkeypatch):
+    """The residual streamed through staging pieces (the path of a CPU home on a GPU model, here with CPU staging)
+    gets the same bits as resident, with parameters cut into several pieces."""
+    from prime.outer import OuterState
+
+    monkeypatch.setattr("prime.outer._CHUNK", 1024)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(100, 37), (4097,), (3, 5, 7), (1,)]
+    init = [torch.randn(*s, generator=gen) for s in shapes]
+    params_list = [[nn.Parameter(t.clone()) for t in init] for _ in range(2)]
+    states = [OuterState(params, block_size=256, error_feedback=codec, stream=streamed)
+              for params, streamed in zip(params_list, (False, True))]
+    assert states[1].streamed and not states[0].streamed
+    residual_passes(states, params_list, gen, codec)
+
+
+def test_fragments_with_overlap_keep_nodes_identical(seed):
+    """fp4 with error feedback, 2 fragments with overlap (eager-merge; not in the reference above): the nodes end
+    with the same outer weights after finish(), each with a residual of its own per fragment."""
+    got = run_diloco(seed, 2, "fp4", 4, 3, fragments=2, overlap="eager-merge")
+    for (w0, e0), (w1, e1) in zip(got[0][0], got[1][0]):
+        assert all(torch.equal(a, b) for a, b in zip(w0, w1)), f"seed {seed}: outer weights differ"
+        assert any(not torch.equal(a, b) for a, b in zip(e0, e1)), f"seed {seed}: residuals are the same"
