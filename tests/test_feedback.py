@@ -80,7 +80,13 @@ class DirectFakeRing:
         g.barrier.wait()
         if self.rank == 0:
             g.seen.append([x.clone() for x in g.inputs])
-            g.result = fake_average(g.inputs, codec, block_size)
+            if codec == "none":  # exact (the replica check's exchange: op="sum")
+                acc = g.inputs[0].clone()
+                for x in g.inputs[1:]:
+                    acc += x
+                g.result = acc / len(g.inputs) if op == "avg" else acc
+            else:
+                g.result = fake_average(g.inputs, codec, block_size)
         g.barrier.wait()
         t.copy_(g.result.view_as(t))
         g.barrier.wait()
@@ -219,9 +225,15 @@ def test_the_ring_sends_a_round_trip_without_loss(seed, schedule):
 # -- DiLoCo against the plain-torch reference -----------------------------------------------------------------
 
 
+_INIT = threading.Lock()
+
+
 def tiny_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # biases of 16 and 4: padded blocks
+    # The nodes are threads and torch's generator is global: two nodes drawing their initial weights at once
+    # interleave the draws and start from different weights (seen on a 16-core machine).
+    with _INIT:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # biases of 16 and 4: padded blocks
 
 
 def batch(seed: int, node: int, step: int):
