@@ -20,6 +20,7 @@ from prime.config import load_config
 from prime.diloco import DiLoCo, OuterSyncError
 from prime.fragments import FragmentSchedule, split_fragments
 from prime.sync import SyncResult
+from test_diloco import one_thread, run_nodes  # noqa: F401  (one_thread: an autouse fixture)
 
 CODECS = ("int8", "fp4")
 BS = 32
@@ -94,34 +95,6 @@ class DirectFakeRing:
 
     def close(self):
         pass
-
-
-def run_nodes(n: int, fn) -> list:
-    results, errors = [None] * n, [None] * n
-
-    def body(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # re-raised below
-            errors[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- the codec: a round trip is a fixed point ----------------------------------------------------------------
