@@ -20,6 +20,7 @@ from prime.config import load_config
 from prime.diloco import DiLoCo, OuterSyncError
 from prime.fragments import FragmentSchedule, split_fragments
 from prime.sync import SyncResult
+from test_builders import _AveragingAlone
 from test_diloco import one_thread, run_nodes  # noqa: F401  (one_thread: an autouse fixture)
 
 CODECS = ("int8", "fp4")
@@ -444,28 +445,17 @@ def test_error_feedback_bounds_the_accumulated_error(seed):
     assert err[True] < 0.8 * err[False], f"seed {seed}: {err}"
 
 
-class _JoiningSync:
-    """A Sync whose first average reports that this node did not contribute (an elastic joiner's)."""
+class _JoiningSync(_AveragingAlone):
+    """A Sync whose first average reports that this node did not contribute (an elastic joiner's); the rest of the
+    protocol (bind, agree, verify, committed) as a lone node's."""
 
     def __init__(self):
         self.world_size, self.calls = 2, 0
-
-    def bind(self, state, settings):
-        pass
-
-    def agree(self, ok):
-        return ok
-
-    def verify(self, fingerprint, *, outer_step):
-        pass
 
     def average(self, grad, *, outer_step, inner_step, recompute):
         self.calls += 1
         grad.mul_(0.5)
         return SyncResult(members=[0, 1], contributors=2 - (self.calls == 1), contributed=self.calls > 1)
-
-    def committed(self, result):
-        pass
 
     def close(self):
         pass
