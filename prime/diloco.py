@@ -60,9 +60,9 @@ from torch import nn
 
 from prime.fragments import (MERGE_ALPHA, STAND_IN_OTHERS, BufferPool, Fragment, FragmentSchedule,
                              FragmentSettings, OuterStepResult, split_fragments, stand_in_share, sync_pieces)
-from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, pending_training_bytes
 from prime.feedback import resolve_error_feedback
-from prime.outer import staging_bytes
+from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
+                         pending_training_bytes, staging_bytes)
 from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
                         work_stats)
 
@@ -326,7 +326,7 @@ class DiLoCo:
         pieces = [1 if self.overlap else sync_pieces(sum(params[i].numel() for i in idx), G) for idx in groups]
         self.work_bytes = self._work_bytes(frag_numel, pieces, on_gpu)
         """Bytes of the work buffers (pseudo-gradients, overlap start points) at most, on the work device."""
-        buffers = 2 + self.error_feedback  # outer weights, momentum (and the residual)
+        buffers = home_buffer_count(self.error_feedback)
         if device == "auto":
             pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
             pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0

@@ -209,7 +209,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
                 host_total: Optional[int] = None) -> MemoryPlan:
     """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
     `gpu_total`, `host_total`: the budgets (default: memory.gpu_gib / memory.host_gib, else detected)."""
-    from prime.outer import _CHUNK, _PIPE_CHUNK, _SLOTS
+    from prime.outer import _CHUNK, _PIPE_CHUNK, _SLOTS, home_buffer_count
     from prime.parallelize import local_shard
 
     m = cfg.memory
@@ -223,7 +223,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     largest = max((f.state.numel for f in frags), default=0)
     home_gpu = bool(frags) and frags[0].state.device.type == "cuda"
     feedback = bool(getattr(diloco, "error_feedback", False))  # a third home buffer: the residual
-    home = (3 if feedback else 2) * 4 * outer_numel
+    home = home_buffer_count(feedback) * 4 * outer_numel
     home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
     work = diloco.work_bytes if frags else 0
     streamed = bool(frags) and frags[0].state.streamed

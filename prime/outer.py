@@ -80,7 +80,7 @@ from prime.parallelize import local_shard
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
            "AUTO_GPU_MARGIN_FRACTION", "pending_training_bytes", "resolve_device", "choose_device",
-           "staging_bytes"]
+           "staging_bytes", "home_buffer_count"]
 
 # Piece of the passes over the flat buffers on the CPU: large enough to amortize the per-op
 # overhead, small enough that the temporaries stay in L2/L3 cache.
@@ -262,6 +262,13 @@ def _lookahead_piece(out, m, w, g, mu, lr, nesterov, scale, tmp, tmp2, tmp3) -> 
     torch.sub(w, t, out=out)
 
 
+
+def home_buffer_count(error_feedback: bool) -> int:
+    """Flat fp32 buffers of the layout an outer state keeps in its home: outer weights and momentum, and with
+    error feedback the residual."""
+    return 2 + bool(error_feedback)
+
+
 class OuterState:
     """Outer weights and momentum (or a torch outer optimizer), flat fp32.
 
@@ -300,7 +307,7 @@ class OuterState:
         self.params = list(params)
         self.feedback_codec = error_feedback
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
-        self.home_buffers = 2 + (error_feedback is not None)
+        self.home_buffers = home_buffer_count(error_feedback is not None)
         """Flat fp32 buffers of the layout in the state's home: outer weights, momentum and the residual."""
         self.block_size = block_size
         self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
