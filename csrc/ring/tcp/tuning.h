@@ -57,7 +57,8 @@ LinkPlan plan_link(double rtt_s, double rate, const SocketLimits& limits);
 // flight: as many as autotuning's window would need, not as few as the largest buffers
 // allow. A loss halves one stream's window, so the more streams carry a link the less
 // its rate drops (measured on the delay line, 4 ranks x 256 MiB int8 at RTT 100 ms and
-// 1 Gbit/s: 6 streams 1.15-1.16 s, 3 streams with twice the buffer 1.35-1.39 s).
+// 1 Gbit/s: 6 streams 1.09-1.11 s, 3 streams with twice the buffer 1.19-1.39 s;
+// docs/ring.md, "Links").
 int start_streams_for(double inflight, int opened, const SocketLimits& limits);
 
 // SO_SNDBUF (not FORCE: the host's limit holds); the kernel doubles it.
