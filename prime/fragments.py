@@ -421,8 +421,10 @@ class Fragment:
 
                 r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
                 u0 = time.perf_counter()
-                if feedback:  # a node that joined (elastic) downloaded the state: no contribution of its own
-                    st.commit_residual(lo, hi) if r.contributed else st.reset_residual()
+                if feedback and r.contributed:
+                    st.commit_residual(lo, hi)
+                elif feedback:  # a node that joined (elastic) downloaded the state: no contribution of its own
+                    st.reset_residual()
                 st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
                 u_last = time.perf_counter() - u0
             self.pieces_done = 0
