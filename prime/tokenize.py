@@ -215,7 +215,7 @@ def _text_pieces(text: str) -> Iterator[tuple[str, bool]]:
     yield text[start:], True
 
 
-def _jsonl_docs(path: str, start: int, end: int, field: str) -> Iterator[tuple[str, int]]:
+def _jsonl_docs(path: str, start: int, end: int, field: str) -> Iterator[tuple[Optional[str], float]]:
     """(document, bytes read) for the lines of path that start in [start, end)."""
     with _open(path) as f:
         if start > 0:  # the line that holds byte start-1 belongs to the piece before
@@ -244,11 +244,11 @@ def _jsonl_docs(path: str, start: int, end: int, field: str) -> Iterator[tuple[s
                     yield doc, nbytes
                     nbytes = 0
             if nbytes:
-                yield "", nbytes  # an empty line or a null document: progress only
+                yield None, nbytes  # an empty line or a null document: progress only
             pos += len(line)
 
 
-def _parquet_docs(path: str, first: int, last: int, field: str) -> Iterator[tuple[str, int]]:
+def _parquet_docs(path: str, first: int, last: int, field: str) -> Iterator[tuple[Optional[str], float]]:
     pf = _parquet().ParquetFile(path)
     if field not in pf.schema_arrow.names:
         raise TokenizeError(f"{path}: no column {field!r} (it has {pf.schema_arrow.names}); name the text "
@@ -261,7 +261,7 @@ def _parquet_docs(path: str, first: int, last: int, field: str) -> Iterator[tupl
         for doc in docs:
             if doc is not None and not isinstance(doc, str):
                 raise TokenizeError(f"{path}: column {field!r} holds {type(doc).__name__}, not text")
-            yield doc or "", per_doc
+            yield doc, per_doc  # (None: a null value, progress only)
 
 
 def _pieces(shard: list, field: str) -> Iterator[tuple[str, bool, float]]:
@@ -273,12 +273,12 @@ def _pieces(shard: list, field: str) -> Iterator[tuple[str, bool, float]]:
             text = raw.decode("utf-8", errors="replace")
             for piece, last in _text_pieces(text):
                 yield piece, last, len(raw) * len(piece) / max(1, len(text))
-        elif kind == "jsonl":
-            for doc, nbytes in _jsonl_docs(path, start, end, field):
-                yield doc, bool(doc), nbytes
         else:
-            for doc, nbytes in _parquet_docs(path, start, end, field):
-                yield doc, bool(doc), nbytes
+            # A record's text is a document even when empty (it ends with the end-of-text token, as an empty
+            # text file does); an empty line or a null value is none.
+            docs = _jsonl_docs(path, start, end, field) if kind == "jsonl" else _parquet_docs(path, start, end, field)
+            for doc, nbytes in docs:
+                yield doc or "", doc is not None, nbytes
 
 
 # -- the tokenizer --------------------------------------------------------------------------------

@@ -174,6 +174,23 @@ def test_a_large_vocabulary_gets_uint32_shards(tmp_path):
     assert all_tokens(str(tmp_path / "o")).tolist() == [69999, 3, 70_000, 65536, 70_001]
 
 
+
+def test_an_empty_text_is_a_document_and_an_empty_line_or_null_is_none(tmp_path):
+    """A JSONL record whose text is "" ends with the end-of-text token like an empty text file; an empty line and a
+    null text are no document (the random corpora above hit the first case now and then)."""
+    words = {"a": 0, "b": 1, "[UNK]": 2, "</s>": 3}
+    t = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    t.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tj = str(tmp_path / "wl.json")
+    t.save(tj)
+    (tmp_path / "c").mkdir()
+    lines = ['{"text": "a b"}', '{"text": ""}', "", '{"text": null}', '{"text": "b"}']
+    (tmp_path / "c" / "d.jsonl").write_text("\n".join(lines) + "\n")
+    meta = tk.tokenize(tk.Settings(inputs=[str(tmp_path / "c")], out=str(tmp_path / "o"), tokenizer=tj,
+                                   eos_token="</s>", progress=False), say=quiet)
+    assert meta["num_documents"] == 3
+    assert all_tokens(str(tmp_path / "o")).tolist() == [0, 1, 3, 3, 1, 3]
+
 def _cli(args, env_extra=None, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(env_extra or {})
