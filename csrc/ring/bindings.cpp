@@ -297,6 +297,7 @@ void init_ring_bindings(py::module_& m) {
               d["limited_share"] = l.limited_share;
               d["needed_inflight"] = l.needed_inflight;
               d["bytes_sent"] = l.bytes_sent;
+              d["stream_bytes"] = l.stream_bytes;
               d["changes"] = l.changes;
               out.append(d);
             }

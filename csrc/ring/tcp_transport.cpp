@@ -88,7 +88,7 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, st
       o.report.peer = p;
       o.report.streams = static_cast<int>(l.out.size());
       o.wanted = o.report.wanted = std::clamp(l.start_streams, 1, static_cast<int>(l.out.size()));
-      o.active = static_cast<size_t>(o.wanted);
+      o.active = o.span = static_cast<size_t>(o.wanted);
       o.report.handshake_rtt_s = l.rtt_s;
       o.report.needed_inflight = l.plan.needed_inflight;
       TcpStats st;
@@ -215,13 +215,21 @@ void TcpTransport::begin_collective(int concurrent) {
   for (auto& o : out_) {
     if (!o) continue;
     const int share = opt_.tune ? (o->wanted + std::max(1, concurrent) - 1) / std::max(1, concurrent) : o->wanted;
-    o->active = static_cast<size_t>(std::clamp(share, 1, static_cast<int>(o->streams.size())));
+    const size_t span = static_cast<size_t>(std::clamp(o->wanted, 1, static_cast<int>(o->streams.size())));
+    const size_t active = std::min(span, static_cast<size_t>(std::max(share, 1)));
+    // A collective that uses fewer streams than the link wants takes the ones after those
+    // the last one used, so every stream the link wants carries data in turn and none is
+    // cold (in slow start, a small window) when a collective needs them all.
+    o->first = active < span ? (o->first + o->active) % span : 0;
+    o->active = active;
+    o->span = span;
   }
 }
 
 TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {
-  const size_t k = std::min(link.active, link.streams.size());
-  if (k == 1) return *link.streams[0];
+  const size_t n = std::min(link.span, link.streams.size());
+  const size_t k = std::min(link.active, n);
+  if (k == 1) return *link.streams[link.first % n];
   // The stream that would deliver this frame first: what it still has to deliver (its
   // queue, the frame it writes, what its socket holds unacknowledged) and the frame, at the
   // rate it paces at. A stream used for the first time, still in slow start, paces slowly
@@ -231,13 +239,13 @@ TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_
   // direct schedule uses fewer streams per link than the ring) would never be given the
   // frames that let it speed up. Ties go round.
   double fastest = 0;
-  for (size_t j = 0; j < k; ++j) fastest = std::max(fastest, pacing_rate(link.streams[j]->socket));
+  for (size_t i = 0; i < k; ++i) fastest = std::max(fastest, pacing_rate(link.streams[(link.first + i) % n]->socket));
   const double floor = std::max(kSlowestPacing, fastest * kColdStreamShare);
   size_t best = link.next_pick % k;
   double soonest = -1;
   for (size_t i = 0; i < k; ++i) {
     const size_t j = (link.next_pick + i) % k;
-    const SendStream& s = *link.streams[j];
+    const SendStream& s = *link.streams[(link.first + j) % n];
     const double backlog = static_cast<double>(s.queued_bytes + frame_bytes) + static_cast<double>(unacked_bytes(s.socket));
     const double eta = backlog / std::max(pacing_rate(s.socket), floor);
     if (soonest < 0 || eta < soonest) {
@@ -246,7 +254,7 @@ TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_
     }
   }
   link.next_pick = best + 1;
-  return *link.streams[best];
+  return *link.streams[(link.first + best) % n];
 }
 
 void TcpTransport::send(int peer, OutFrame frame) {
@@ -363,6 +371,7 @@ void TcpTransport::sender_loop(int j) {
       return;
     }
     link.bytes += kFrameOverhead + f.size;
+    s.bytes += kFrameOverhead + f.size;
     if (f.counters) {
       f.counters->bytes_sent += kFrameOverhead + f.size;
       f.counters->frames_sent += 1;
@@ -693,6 +702,7 @@ std::vector<LinkReport> TcpTransport::link_reports() const {
     if (!o) continue;
     out.push_back(o->report);
     out.back().bytes_sent = o->bytes.load();
+    for (const SendStream* s : o->streams) out.back().stream_bytes.push_back(s->bytes.load());
   }
   return out;
 }

@@ -57,6 +57,7 @@ struct LinkReport {
   double limited_share = 0;     // share of that time the streams waited on a buffer or window
   double needed_inflight = 0;   // bytes the link must keep in flight (rate x rtt, with headroom)
   uint64_t bytes_sent = 0;      // payload and frame bytes, since the link formed
+  std::vector<uint64_t> stream_bytes;  // the same, per stream
   int64_t changes = 0;          // changes of buffers or streams used since the link formed
 };
 
@@ -116,6 +117,7 @@ class TcpTransport : public Transport {
     bool busy = false;       // a frame is being written
     bool mid_frame = false;  // stopped inside a frame: no control frame may follow
     TcpStats seen;           // learn(): the counters at the last call
+    std::atomic<uint64_t> bytes{0};  // payload and frame bytes sent on this stream
     std::thread thread;
   };
   struct RecvStream {
@@ -141,6 +143,8 @@ class TcpTransport : public Transport {
     uint32_t next_frame = 0;  // under send_mu_
     size_t next_pick = 0;     // where the search for the least-loaded stream starts
     size_t active = 1;        // streams this collective uses (under send_mu_)
+    size_t first = 0;         // the first of them: streams[(first + i) % span], i < active
+    size_t span = 1;          // the streams the link wants (those it cycles through)
     int wanted = 1;           // streams it would use alone (the worker's)
     std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
     std::atomic<uint64_t> bytes{0};   // sent, since the link formed
