@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=0,
                    help="TCP streams per ring link for the ring-* methods (default 0: the ring chooses per link)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="untimed pause before every iteration, as between the outer steps of training "
+                        "(links idle longer than TCP's retransmission timeout restart with a small window)")
     p.add_argument("--min-iters", type=int, default=3, help="timed iterations per case, at least")
     p.add_argument("--max-iters", type=int, default=20, help="timed iterations per case, at most")
     p.add_argument("--case-budget-s", type=float, default=4.0,
@@ -263,6 +266,7 @@ class Plan:
     plot: bool
     notes: list[str] = field(default_factory=list)
     gso: bool = True
+    idle_s: float = 0.0
 
 
 def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked") -> Plan:
@@ -327,11 +331,14 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
         raise ValueError(f"need 1 <= --min-iters({args.min_iters}) <= --max-iters({args.max_iters})")
     if args.warmup < 0:
         raise ValueError(f"--warmup({args.warmup}) must be >= 0")
+    if args.idle_s < 0:
+        raise ValueError(f"--idle-s({args.idle_s}) must be >= 0")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     out = args.out or os.path.join(HERE, "results", "allreduce_quick" if args.quick else "allreduce")
     return Plan(conditions, world_sizes, sizes, methods, args.streams, args.warmup, args.min_iters,
                 args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.device, args.shape, args.mtu,
-                args.burst, seed, args.timeout_s, out, not args.no_plot, notes, gso=not args.no_gso)
+                args.burst, seed, args.timeout_s, out, not args.no_plot, notes, gso=not args.no_gso,
+                idle_s=args.idle_s)
 
 
 # ---------------------------------------------------------------------------
@@ -637,6 +644,8 @@ def worker_main(spec: dict) -> None:
                     work_buf.copy_(x)
                     if spec["refill_s"]:
                         time.sleep(spec["refill_s"])  # every iteration starts with a full token bucket
+                    if spec["idle_s"]:
+                        time.sleep(spec["idle_s"])
                     dist.barrier()
                     t0 = time.perf_counter()
                     stats = {}
@@ -657,7 +666,8 @@ def worker_main(spec: dict) -> None:
                 # The number of timed iterations comes from the slowest rank's warm-up time,
                 # so every rank loops the same number of times.
                 est = slowest([first if first is not None else 0.0])[0]
-                iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / (est + spec["refill_s"]))
+                iters = spec["max_iters"] if est <= 0 else int(spec["case_budget_s"] / (est + spec["refill_s"]
+                                                                                        + spec["idle_s"]))
                 iters = max(spec["min_iters"], min(spec["max_iters"], iters))
                 times, sent = [], []
                 ring_stats.clear()
@@ -791,13 +801,14 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
     expected = len(plan.sizes_mib) * len(plan.methods)
     base = {
         "world_size": world, "sizes_mib": plan.sizes_mib, "methods": plan.methods, "streams": plan.streams,
-        "warmup": plan.warmup, "min_iters": plan.min_iters, "max_iters": plan.max_iters,
+        "warmup": plan.warmup, "idle_s": plan.idle_s, "min_iters": plan.min_iters, "max_iters": plan.max_iters,
         "case_budget_s": plan.case_budget_s, "threads": plan.threads, "device": plan.device, "seed": plan.seed,
         "timeout_s": plan.timeout_s, "skips": skips,
         "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
         "best_order": best_order(cond.topology) if cond.topology else None,
         # tbf lets a full bucket (the burst) through at once; waiting burst/rate before each
         # iteration refills it, so every iteration gets the same credit (link_util_burst_adj).
+        "idle_s": plan.idle_s,
         "refill_s": 1.1 * netns.size_to_bytes(plan.burst) * 8 / cond.rate_bits
         if cond.kind == "tc" and cond.rate_bits else 0.0,
     }
