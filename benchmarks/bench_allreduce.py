@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=0,
                    help="TCP streams per ring link for the ring-* methods (default 0: the ring chooses per link)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
+    p.add_argument("--netns-sysctl", action="append", default=[], metavar="net.KEY=VALUE",
+                   help="a sysctl set in every rank's namespace (tc and netem conditions), e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0; repeatable")
     p.add_argument("--idle-s", type=float, default=0.0,
                    help="untimed pause before every iteration, as between the outer steps of training "
                         "(links idle longer than TCP's retransmission timeout restart with a small window)")
@@ -267,6 +270,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     gso: bool = True
     idle_s: float = 0.0
+    netns_sysctl: list[str] = field(default_factory=list)
 
 
 def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked") -> Plan:
@@ -333,12 +337,15 @@ def make_plan(argv: list[str] | None = None, tc_reason: str | None = "unchecked"
         raise ValueError(f"--warmup({args.warmup}) must be >= 0")
     if args.idle_s < 0:
         raise ValueError(f"--idle-s({args.idle_s}) must be >= 0")
+    for kv in args.netns_sysctl:
+        if "=" not in kv or not kv.split("=", 1)[0].startswith("net."):
+            raise ValueError(f"--netns-sysctl({kv!r}) must be net.<key>=<value>")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     out = args.out or os.path.join(HERE, "results", "allreduce_quick" if args.quick else "allreduce")
     return Plan(conditions, world_sizes, sizes, methods, args.streams, args.warmup, args.min_iters,
                 args.max_iters, args.case_budget_s, args.max_case_s, args.threads, args.device, args.shape, args.mtu,
                 args.burst, seed, args.timeout_s, out, not args.no_plot, notes, gso=not args.no_gso,
-                idle_s=args.idle_s)
+                idle_s=args.idle_s, netns_sysctl=list(args.netns_sysctl))
 
 
 # ---------------------------------------------------------------------------
@@ -801,7 +808,8 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
     expected = len(plan.sizes_mib) * len(plan.methods)
     base = {
         "world_size": world, "sizes_mib": plan.sizes_mib, "methods": plan.methods, "streams": plan.streams,
-        "warmup": plan.warmup, "idle_s": plan.idle_s, "min_iters": plan.min_iters, "max_iters": plan.max_iters,
+        "warmup": plan.warmup, "idle_s": plan.idle_s, "netns_sysctl": plan.netns_sysctl,
+        "min_iters": plan.min_iters, "max_iters": plan.max_iters,
         "case_budget_s": plan.case_budget_s, "threads": plan.threads, "device": plan.device, "seed": plan.seed,
         "timeout_s": plan.timeout_s, "skips": skips,
         "max_rate_bytes": cond.rate_bits / 8 if cond.kind == "ratelimit" else None,
@@ -832,6 +840,9 @@ def run_group(plan: Plan, cond: Condition, world: int, on_row, logdir: str) -> N
         else:
             env["GLOO_SOCKET_IFNAME"] = "lo"
             store_host, store_port = "127.0.0.1", free_port()
+        for rank in range(world if net else 0):
+            for kv in plan.netns_sysctl:
+                subprocess.run(net.exec_argv(rank, ["sysctl", "-qw", kv]), check=True)
         for rank in range(world):
             addr = net.addr(rank) if net else "127.0.0.1"
             spec = dict(base, rank=rank, store_host=store_host, store_port=store_port, addr=addr)
