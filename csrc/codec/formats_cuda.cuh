@@ -33,12 +33,12 @@ struct Int8Codes {
   }
 };
 
-// The fp32 value (+-M[m], before the scale) of an fp4 code: the E2M1 value built from its
-// bits (0, 0.5, then 2^((m >> 1) - 1) * (1 + (m & 1) / 2)), the sign from bit 3 (code 8: -0).
+// The fp32 value (+-M[m], before the scale) of an fp4 code, the sign from bit 3 (code 8: -0).
+// The E2M1 bits m placed at fp32 bits 22..24 are the value times 2^-126 (exponent bias 1
+// instead of 127; m = 1, 0.5, is the subnormal 2^-127); times 2^126 is exact (no flush to zero).
 __device__ __forceinline__ float fp4_value(uint32_t code) {
-  const uint32_t m = code & 7u;
-  const uint32_t magnitude = m < 2 ? m * 0x3f000000u : (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
-  return __uint_as_float(magnitude | ((code & 8u) << 28));
+  const uint32_t bits = ((code & 7u) << 22) | ((code & 8u) << 28);
+  return __fmul_rn(__uint_as_float(bits), 0x1p126f);
 }
 
 // The index m of the E2M1 magnitude M[m] nearest to |v|, a midpoint to the even index: the
