@@ -49,7 +49,8 @@ __device__ __forceinline__ float fp4_value(uint32_t code) {
 // index), and subtracting M again is exact. Times 2^-126 (exact, no flush to zero), fp32's
 // exponent bias 127 becomes E2M1's 1 (0.5 the subnormal 2^-127), so bits 22..24 of the
 // product are the E2M1 exponent and mantissa: m. Holds for every |v| < 7 (checked on every
-// such fp32 against the comparisons); v = x * inv of a finite block is at most 6 + 2^-21.
+// such fp32 against the comparisons: tools/check_fp4_rounding.py); v = x * inv of a finite
+// block is at most 6 + 2^-21.
 __device__ __forceinline__ uint32_t fp4_nearest_magnitude(float v) {
   const uint32_t pow2 = max(__float_as_uint(v) & 0x7f800000u, 0x3f800000u);  // 2^max(e, 0), as bits
   const float magic = __uint_as_float(pow2 + (22u << 23));
