@@ -177,6 +177,8 @@ def test_decode_table():
     impls = [("torch", lambda *a: ops.dequantize_fp4_reference(*a))]
     if _extension.available():
         impls += [(isa, lambda *a, isa=isa: P._dequantize_fp4_isa(*a, isa)) for isa in P._cpu_codec_isas()]
+    if "cuda" in ops.available_backends("cuda"):
+        impls += [("cuda", lambda q, s, *a: ops.dequantize_fp4(q.cuda(), s.cuda(), *a, backend="cuda").cpu())]
     for name, decode in impls:
         got = decode(q, scales, 512, 32, torch.float32)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name  # -0.0 included
