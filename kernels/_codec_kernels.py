@@ -49,6 +49,7 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 _FP4_MAX = tl.constexpr(6.0)
 # 2^-126: moves fp32's exponent bias (127) to E2M1's (1); an E2M1 magnitude times it keeps its index in bits 22..24.
 _FP4_INDEX_SCALE = tl.constexpr(1.1754943508222875e-38)
+_FP4_VALUE_SCALE = tl.constexpr(8.507059173023462e37)  # 2^126, the way back
 
 
 @triton.jit
@@ -76,8 +77,10 @@ def _fp4_magnitude_bits(m):
 
 @triton.jit
 def _fp4_values(codes):
-    """The fp32 value (+-M[m], before the scale) of fp4 codes (int32, 0..15); code 8 is -0.0."""
-    return (_fp4_magnitude_bits(codes & 7) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    """The fp32 value (+-M[m], before the scale) of fp4 codes (int32, 0..15); code 8 is -0.0. The E2M1
+    bits m at fp32 bits 22..24 are the value times 2^-126 (exponent bias 1 for 127; 0.5 the subnormal
+    2^-127): times 2^126, exact, it is the value."""
+    return (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True) * _FP4_VALUE_SCALE
 
 
 @triton.jit
