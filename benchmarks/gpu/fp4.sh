@@ -16,14 +16,14 @@
 #      (RING=0 skips it: about 3 minutes).
 #   benchmarks/gpu.sh fp4 OUT
 # env: BENCH_ARGS (default "--sizes 64,256"), TEST_TIMEOUT (420), BENCH_TIMEOUT (300), KERNEL_MIB (128),
-#      SHAPES_MIB (256), RING (1)
+#      SHAPES_MIB (256), RING (1), TESTS (the test files of step 2)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
 build_cuda
 run_step "fp4 and codec tests, GPU cases enabled" ${TEST_TIMEOUT:-420} tests.log \
-  python3 -m pytest -q -rs --tb=short -p no:cacheprovider --junitxml="$out/tests.xml" tests/test_fp4.py \
-  tests/test_ops.py tests/test_golden.py tests/test_triton.py tests/test_ring_cuda.py
+  python3 -m pytest -q -rs --tb=short -p no:cacheprovider --junitxml="$out/tests.xml" \
+  ${TESTS:-tests/test_fp4.py tests/test_ops.py tests/test_golden.py tests/test_triton.py tests/test_ring_cuda.py}
 detail "$(pytest_counts tests.log)"
 run_step "bench_quantize.py --device cuda --codecs int8,fp4 ${BENCH_ARGS:---sizes 64,256}" ${BENCH_TIMEOUT:-300} \
   bench_quantize.log python3 benchmarks/bench_quantize.py --device cuda --codecs int8,fp4 --no-compile \
