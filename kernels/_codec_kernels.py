@@ -27,11 +27,14 @@ Bit-exactness, point by point (each was a trap):
   subnormals), and it is the same round-to-nearest-even as torch's conversion.
 - The NaN flag is written as the integer 0x7FC00000 into an int32 view of the
   scales, so no arithmetic NaN (whose bits differ between CPU and GPU) is stored.
-- fp4 magnitudes are counted with comparisons against exact constants (the format's
-  definition), and decoded by building the E2M1 value's fp32 bits with integer
-  operations: no table lookup, no conversion that could round.
-- fp4 packs value 2j into the low nibble of byte j: a row of codes is reshaped to
-  pairs and split (tl.split), decoding joins them back (tl.join) in the same order.
+- fp4 rounds to nearest by one IEEE add of a power of two that leaves fp32 the E2M1
+  grid's spacing (_fp4_nearest_magnitude; the same bits as the format's comparisons,
+  which stochastic rounding still counts), and decodes by building the E2M1 value's
+  fp32 bits with integer operations: no table lookup, no conversion that could round.
+- fp4 packs value 2j into the low nibble of byte j: full tiles read x as pairs of
+  values (one 64- or 32-bit word each) and make one byte of each; the last tile
+  reshapes a row of codes to pairs and splits them (tl.split); decoding joins them
+  back (tl.join) in the same order.
 """
 
 import triton
@@ -44,6 +47,9 @@ _QMAX = tl.constexpr(127.0)
 _NAN_BITS = tl.constexpr(0x7FC00000)
 # fp4: the largest E2M1 magnitude (a block's max |x| maps to it).
 _FP4_MAX = tl.constexpr(6.0)
+# 2^-126: moves fp32's exponent bias (127) to E2M1's (1); an E2M1 magnitude times it keeps its index in bits 22..24.
+_FP4_INDEX_SCALE = tl.constexpr(1.1754943508222875e-38)
+_FP4_VALUE_SCALE = tl.constexpr(8.507059173023462e37)  # 2^126, the way back
 
 
 @triton.jit
@@ -71,8 +77,21 @@ def _fp4_magnitude_bits(m):
 
 @triton.jit
 def _fp4_values(codes):
-    """The fp32 value (+-M[m], before the scale) of fp4 codes (int32, 0..15); code 8 is -0.0."""
-    return (_fp4_magnitude_bits(codes & 7) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    """The fp32 value (+-M[m], before the scale) of fp4 codes (int32, 0..15); code 8 is -0.0. The E2M1
+    bits m at fp32 bits 22..24 are the value times 2^-126 (exponent bias 1 for 127; 0.5 the subnormal
+    2^-127): times 2^126, exact, it is the value."""
+    return (((codes & 7) << 22) | ((codes & 8) << 28)).to(tl.float32, bitcast=True) * _FP4_VALUE_SCALE
+
+
+@triton.jit
+def _fp4_nearest_magnitude(v):
+    """The index (int32) of the E2M1 magnitude nearest to |v| (|v| < 7), a midpoint to the even index:
+    |v| + 2^(22 + max(e, 0)) for |v| in [2^e, 2^(e+1)) rounds |v| to the E2M1 grid (csrc/codec/formats_cuda.cuh
+    says why), and the grid value times 2^-126 holds the index in its bits 22..24."""
+    bits = v.to(tl.int32, bitcast=True)
+    magic = (tl.maximum(bits & 0x7F800000, 0x3F800000) + (22 << 23)).to(tl.float32, bitcast=True)
+    r = (tl.abs(v) + magic) - magic
+    return (r * _FP4_INDEX_SCALE).to(tl.int32, bitcast=True) >> 22
 
 
 @triton.jit
@@ -87,9 +106,35 @@ def _fp4_codes(v, u, STOCHASTIC: tl.constexpr):
         inv_gap = tl.where(m < 4, 2.0, tl.where(m < 6, 1.0, tl.where(m < 7, 0.5, 0.0)))  # 7: stays
         m += (u < (t - low) * inv_gap).to(tl.int32)  # exact: Sterbenz, and a power-of-two gap
     else:
-        m = ((t > 0.25).to(tl.int32) + (t >= 0.75).to(tl.int32) + (t > 1.25).to(tl.int32)
-             + (t >= 1.75).to(tl.int32) + (t > 2.5).to(tl.int32) + (t >= 3.5).to(tl.int32) + (t > 5.0).to(tl.int32))
-    return tl.where((m > 0) & (v < 0.0), m + 8, m)  # a zero magnitude is code 0 whatever the sign
+        m = _fp4_nearest_magnitude(v)
+    # v's sign bit as bit 3, kept only for m > 0 (m + 7 has bit 3 set exactly for m = 1..7): a zero
+    # magnitude is code 0 whatever the sign
+    return m | ((v.to(tl.int32, bitcast=True) >> 28) & (m + 7) & 8)
+
+
+@triton.jit
+def _scale_bits_and_inverse(a, QMAX: tl.constexpr, ROWS: tl.constexpr):
+    """Per block, from a = max |x| (inf where the block holds NaN or Inf): the scale's bits (a / QMAX, or the
+    NaN flag) and inv = QMAX / a (0 when a == 0, when QMAX / a overflows, for tiny subnormal blocks, and for
+    non-finite blocks, where QMAX / inf == 0)."""
+    qmax = tl.full([ROWS], QMAX, tl.float32)
+    scale = tl.math.div_rn(a, qmax)
+    positive = a > 0.0
+    inv = tl.math.div_rn(qmax, tl.where(positive, a, 1.0))
+    inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
+    return tl.where(a == float("inf"), _NAN_BITS, scale.to(tl.int32, bitcast=True)), inv
+
+
+@triton.jit
+def _uniform(seed, start, local):
+    """The stochastic-rounding uniform in [0, 1) of element start + local: a counter-based hash keyed by
+    (seed, flattened index i). A tile is a power of two <= 2^32 elements starting at a multiple of its
+    size, so i >> 32 is the same for the whole tile and i mod 2^32 never carries."""
+    hi = (start >> 32).to(tl.uint32)
+    key = _fmix32(seed.to(tl.uint32, bitcast=True) ^ _fmix32(hi ^ 0x9E3779B9))
+    lo = start.to(tl.uint32) + local.to(tl.uint32)
+    h = _fmix32(_fmix32(lo ^ key) + key)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
 
 
 @triton.jit
@@ -119,25 +164,12 @@ def _quantize_tile(
     a = tl.max(ax, axis=1)
     nonfinite = a == float("inf")
 
-    qmax = tl.full([ROWS], _FP4_MAX if FP4 else _QMAX, tl.float32)
-    scale = tl.math.div_rn(a, qmax)
-    positive = a > 0.0
-    inv = tl.math.div_rn(qmax, tl.where(positive, a, 1.0))
-    # 0 when a == 0, when qmax / a overflows (tiny subnormal blocks) and, since then
-    # a == inf and qmax / inf == 0, for non-finite blocks.
-    inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
+    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX if FP4 else _QMAX, ROWS)
 
     v = x * inv[:, None]
     u = 0.0
     if STOCHASTIC:
-        # Counter-based uniform keyed by (seed, flattened index i). A tile is a
-        # power of two <= 2^32 elements starting at a multiple of its size, so
-        # i >> 32 is the same for the whole tile and i mod 2^32 never carries.
-        hi = (start >> 32).to(tl.uint32)
-        key = _fmix32(seed.to(tl.uint32, bitcast=True) ^ _fmix32(hi ^ 0x9E3779B9))
-        lo = start.to(tl.uint32) + local.to(tl.uint32)
-        h = _fmix32(_fmix32(lo ^ key) + key)
-        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
+        u = _uniform(seed, start, local)
     if FP4:
         code = tl.where(nonfinite[:, None], 0, _fp4_codes(v, u, STOCHASTIC))
         # pairs (value 2j, 2j + 1) -> one byte, the first in the low nibble
@@ -161,7 +193,6 @@ def _quantize_tile(
         if MASKED:
             q_in_range = in_range
 
-    scale_bits = tl.where(nonfinite, _NAN_BITS, scale.to(tl.int32, bitcast=True))
     scale_ptrs = (scale_bits_ptr + start // BLOCK) + rows
     if MASKED:
         tl.store(q_ptrs, q, mask=q_in_range)
@@ -171,17 +202,64 @@ def _quantize_tile(
         tl.store(scale_ptrs, scale_bits)
 
 
+@triton.jit
+def _quantize_fp4_pairs_tile(
+    x_ptr, q_ptr, scale_bits_ptr, start, seed,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    """A full fp4 tile read as pairs of values (one 64-bit word of fp32, one 32-bit word of bf16 or fp16):
+    the pair (2j, 2j + 1) becomes byte j of the codes in the thread that loaded it. Loads and stores then
+    share one layout, where _quantize_tile's codes go through shared memory between the two (tl.split
+    leaves each thread 2 bytes, the store wants 16). x must be aligned to a pair."""
+    rows = tl.arange(0, ROWS)
+    local = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # pair index in the tile, < TILE / 2
+    if X_IS_BF16_BITS:  # bf16 bits: a value's fp32 bits are its 16 bits on top
+        w = tl.load((x_ptr.to(tl.pointer_type(tl.int32)) + start // 2) + local)
+        x_lo = (w << 16).to(tl.float32, bitcast=True)
+        x_hi = (w & -65536).to(tl.float32, bitcast=True)
+    elif x_ptr.dtype.element_ty == tl.float16:
+        w = tl.load((x_ptr.to(tl.pointer_type(tl.int32)) + start // 2) + local)
+        x_lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # little endian: value 2j in the low half of word j
+        w = tl.load((x_ptr.to(tl.pointer_type(tl.int64)) + start // 2) + local)
+        x_lo = w.to(tl.int32).to(tl.float32, bitcast=True)
+        x_hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+    ax_lo = tl.abs(x_lo)
+    ax_hi = tl.abs(x_hi)
+    # NaN counts as +inf, as in _quantize_tile
+    ax = tl.maximum(tl.where(ax_lo == ax_lo, ax_lo, float("inf")), tl.where(ax_hi == ax_hi, ax_hi, float("inf")))
+    a = tl.max(ax, axis=1)
+    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX, ROWS)
+
+    v_lo = x_lo * inv[:, None]
+    v_hi = x_hi * inv[:, None]
+    u_lo = 0.0
+    u_hi = 0.0
+    if STOCHASTIC:
+        u_lo = _uniform(seed, start, 2 * local)
+        u_hi = _uniform(seed, start, 2 * local + 1)
+    q = _fp4_codes(v_lo, u_lo, STOCHASTIC) | (_fp4_codes(v_hi, u_hi, STOCHASTIC) << 4)
+    q = tl.where((a == float("inf"))[:, None], 0, q)
+    tl.store((q_ptr + start // 2) + local, q.to(tl.uint8))
+    tl.store((scale_bits_ptr + start // BLOCK) + rows, scale_bits)
+
+
 # n is not specialized (on n % 16 or n == 1): full tiles take the unmasked path
 # whatever n is, so a specialization would only multiply compilations.
 @triton.jit(do_not_specialize=["n", "seed"])
 def _quantize_kernel(
     x_ptr, q_ptr, scale_bits_ptr, n, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, X_IS_BF16_BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
-    FP4: tl.constexpr,
+    FP4: tl.constexpr, FP4_PAIRS: tl.constexpr,
 ):
-    """One program encodes ROWS blocks of BLOCK elements: x -> (q int8 or packed fp4 codes, scale bits int32)."""
+    """One program encodes ROWS blocks of BLOCK elements: x -> (q int8 or packed fp4 codes, scale bits int32).
+    FP4_PAIRS: fp4 with x aligned to a pair of values; full tiles then read pairs (_quantize_fp4_pairs_tile)."""
     start = tl.program_id(0).to(tl.int64) * (ROWS * BLOCK)
-    if start + ROWS * BLOCK <= n:
+    if FP4 and FP4_PAIRS and start + ROWS * BLOCK <= n:
+        _quantize_fp4_pairs_tile(x_ptr, q_ptr, scale_bits_ptr, start, seed, BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC)
+    elif start + ROWS * BLOCK <= n:
         _quantize_tile(x_ptr, q_ptr, scale_bits_ptr, start, n, seed,
                        BLOCK, ROWS, X_IS_BF16_BITS, STOCHASTIC, False, FP4)
     else:

@@ -130,24 +130,41 @@ def test_midpoints_round_to_the_even_index(impl):
             assert torch.equal(codes[1:], want), ctx(impl=impl, k=k, dtype=dtype, codes=codes[1:].tolist())
 
 
-@needs_ext
-def test_nearest_near_every_level_matches_the_definition():
-    """The SIMD kernels compute the nearest magnitude from t's bits (round_half_even(2t) below 2,
-    rounding to one mantissa bit above) rather than counting midpoints: every fp32 within 4096
-    ulps of each midpoint and level, both signs, against the reference's count (a = 6: inv = 1,
-    v = x exactly)."""
+def near_every_level(block=32):
+    """Blocks of `block` values: 6 (so a = 6 and inv = 1: v = x exactly), then every fp32 within 4096
+    ulps of each E2M1 midpoint and level up to 6, positive and negative."""
     points = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0]
     bits = torch.tensor(points).view(torch.int32).to(torch.int64)
     near = (bits[:, None] + torch.arange(-4096, 4096)).reshape(-1).to(torch.int32).view(torch.float32)
     t = near[near <= 6.0]
-    t = t[: t.numel() // 31 * 31].view(-1, 31)
-    for sign in (1.0, -1.0):
-        x = torch.cat([torch.full((t.shape[0], 1), 6.0), sign * t], 1).reshape(-1).contiguous()
-        want, _ = ops.quantize_fp4_reference(x, 32)
-        for isa in P._cpu_codec_isas():
-            q, s = P._quantize_fp4_isa(x, 32, None, isa)
-            assert bool((s == 1.0).all())
-            assert torch.equal(q, want), ctx(isa=isa, sign=sign, bad=int((q != want).sum()))
+    t = torch.cat([t, -t])
+    t = t[: t.numel() // (block - 1) * (block - 1)].view(-1, block - 1)
+    return torch.cat([torch.full((t.shape[0], 1), 6.0), t], 1).reshape(-1).contiguous()
+
+
+@needs_ext
+def test_nearest_near_every_level_matches_the_definition():
+    """The SIMD kernels compute the nearest magnitude from t's bits (round_half_even(2t) below 2,
+    rounding to one mantissa bit above) rather than counting midpoints: every fp32 within 4096
+    ulps of each midpoint and level, both signs, against the reference's count."""
+    x = near_every_level()
+    want, _ = ops.quantize_fp4_reference(x, 32)
+    for isa in P._cpu_codec_isas():
+        q, s = P._quantize_fp4_isa(x, 32, None, isa)
+        assert bool((s == 1.0).all())
+        assert torch.equal(q, want), ctx(isa=isa, bad=int((q != want).sum()))
+
+
+@needs_cuda
+@pytest.mark.parametrize("block", [32, 256])
+def test_cuda_nearest_near_every_level_matches_the_definition(block):
+    """The CUDA kernels round with one IEEE add of a power of two (formats_cuda.cuh): the same values
+    as above against the reference's count."""
+    x = near_every_level(block)
+    want, _ = ops.quantize_fp4_reference(x, block)
+    q, s = ops.quantize_fp4(x.cuda(), block, backend="cuda")
+    assert bool((s == 1.0).all())
+    assert torch.equal(q.cpu(), want), ctx(block=block, bad=int((q.cpu() != want).sum()))
 
 
 def test_decode_table():
@@ -160,6 +177,8 @@ def test_decode_table():
     impls = [("torch", lambda *a: ops.dequantize_fp4_reference(*a))]
     if _extension.available():
         impls += [(isa, lambda *a, isa=isa: P._dequantize_fp4_isa(*a, isa)) for isa in P._cpu_codec_isas()]
+    if "cuda" in ops.available_backends("cuda"):
+        impls += [("cuda", lambda q, s, *a: ops.dequantize_fp4(q.cuda(), s.cuda(), *a, backend="cuda").cpu())]
     for name, decode in impls:
         got = decode(q, scales, 512, 32, torch.float32)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name  # -0.0 included

@@ -410,6 +410,22 @@ def test_fp4_midpoints_round_to_even(device, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [32, 256])
+def test_fp4_nearest_near_every_level(device, block):
+    """The kernels round with one IEEE add of a power of two (_fp4_nearest_magnitude): every fp32 within
+    4096 ulps of each E2M1 midpoint and level, both signs, in blocks whose a = 6 makes v = x exactly,
+    against the reference's count of midpoints; full tiles (pairs of values) and the masked last one."""
+    points = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
+    near = (points.view(torch.int32)[:, None] + torch.arange(-4096, 4096, dtype=torch.int32)).reshape(-1)
+    t = near.view(torch.float32)
+    t = torch.cat([t[t <= 6.0], -t[t <= 6.0]])
+    t = t[: t.numel() // (block - 1) * (block - 1)].view(-1, block - 1)
+    x = torch.cat([torch.full((t.shape[0], 1), 6.0), t], 1).reshape(-1)
+    x = x[: x.numel() - block // 2]  # a last, partial tile
+    check_quantize(x, block, None, device, f"fp4 near every level, B={block}", fp4=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp4_nonfinite_blocks_flagged(device, rng):
     block, nb = 64, 20
     x = torch.randn(nb * block, generator=rng)
@@ -532,9 +548,11 @@ _FORBIDDEN_PTX = re.compile(r"\bfma\.|\bmad\.[^ \t]*f32|div\.(full|approx)|rcp\.
 _QUANTIZE_SIGNATURE = {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_bits_ptr": "*i32", "n": "i32", "seed": "i32"}
 SM90_CASES = {
     "quantize": ("_quantize_kernel", _QUANTIZE_SIGNATURE,
-                 {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": False}),
+                 {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": False,
+                  "FP4_PAIRS": False}),
     "quantize-bf16-stochastic": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, x_ptr="*i16"),
-                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True, "FP4": False}),
+                                 {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True, "FP4": False,
+                                  "FP4_PAIRS": False}),
     "dequantize-bf16": ("_dequantize_kernel", {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*i16", "n": "i32"},
                         {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False, "OUT_IS_BF16_BITS": True,
                          "FP4": False}),
@@ -542,10 +560,18 @@ SM90_CASES = {
                        {"BLOCK": 256, "ROWS": 4, "COLS": 256, "ACCUMULATE": True, "OUT_IS_BF16_BITS": False,
                         "FP4": False}),
     "quantize-fp4": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, q_ptr="*u8"),
-                     {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": True}),
+                     {"BLOCK": 256, "ROWS": 16, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": True,
+                      "FP4_PAIRS": False}),
     "quantize-fp4-bf16-stochastic": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, x_ptr="*i16", q_ptr="*u8"),
                                      {"BLOCK": 32, "ROWS": 128, "X_IS_BF16_BITS": True, "STOCHASTIC": True,
-                                      "FP4": True}),
+                                      "FP4": True, "FP4_PAIRS": False}),
+    # full tiles read as pairs of values (64-bit words of fp32, 32-bit words of fp16)
+    "quantize-fp4-pairs": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, q_ptr="*u8"),
+                           {"BLOCK": 256, "ROWS": 8, "X_IS_BF16_BITS": False, "STOCHASTIC": False, "FP4": True,
+                            "FP4_PAIRS": True}),
+    "quantize-fp4-pairs-fp16-stochastic": ("_quantize_kernel", dict(_QUANTIZE_SIGNATURE, x_ptr="*fp16", q_ptr="*u8"),
+                                           {"BLOCK": 64, "ROWS": 32, "X_IS_BF16_BITS": False, "STOCHASTIC": True,
+                                            "FP4": True, "FP4_PAIRS": True}),
     "dequantize-fp4-bf16": ("_dequantize_kernel", {"q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*i16",
                             "n": "i32"}, {"BLOCK": 4096, "ROWS": 1, "COLS": 1024, "ACCUMULATE": False,
                                           "OUT_IS_BF16_BITS": True, "FP4": True}),

@@ -41,17 +41,34 @@ __device__ __forceinline__ float fp4_value(uint32_t code) {
   return __uint_as_float(magnitude | ((code & 8u) << 28));
 }
 
+// The index m of the E2M1 magnitude M[m] nearest to |v|, a midpoint to the even index: the
+// format's seven comparisons (docs/wire-format.md, "fp4") in six operations. For |v| in
+// [2^e, 2^(e+1)), the magic M = 2^(22 + max(e, 0)) leaves fp32 a spacing of 0.5 (|v| < 2),
+// 1 (|v| in [2, 4)) or 2 (|v| in [4, 8)) above M: the spacing of E2M1 there. So |v| + M, one
+// IEEE addition, rounds |v| to the E2M1 grid, ties to even (the grid value with the even
+// index), and subtracting M again is exact. Times 2^-126 (exact, no flush to zero), fp32's
+// exponent bias 127 becomes E2M1's 1 (0.5 the subnormal 2^-127), so bits 22..24 of the
+// product are the E2M1 exponent and mantissa: m. Holds for every |v| < 7 (checked on every
+// such fp32 against the comparisons: tools/check_fp4_rounding.py); v = x * inv of a finite
+// block is at most 6 + 2^-21.
+__device__ __forceinline__ uint32_t fp4_nearest_magnitude(float v) {
+  const uint32_t pow2 = max(__float_as_uint(v) & 0x7f800000u, 0x3f800000u);  // 2^max(e, 0), as bits
+  const float magic = __uint_as_float(pow2 + (22u << 23));
+  const float r = __fsub_rn(__fadd_rn(fabsf(v), magic), magic);
+  return __float_as_uint(__fmul_rn(r, 0x1p-126f)) >> 22;
+}
+
 // fp4: two E2M1 codes a byte, value 2j in the low nibble of byte j.
 struct Fp4Codes {
   using Code = uint8_t;
   static constexpr float kQMax = 6.0f;
   // A zero magnitude is code 0, whatever the sign of v.
   __device__ __forceinline__ static int signed_code(float v, int m) { return m > 0 && v < 0.f ? (m | 8) : m; }
-  // The nearest magnitude: one count per midpoint below |v|, a midpoint to the even index.
+  // The code of the nearest magnitude (fp4_nearest_magnitude; |v| < 7), the sign on m > 0 only:
+  // m + 7 has bit 3 set exactly when m is 1..7.
   __device__ __forceinline__ static int nearest(float v) {
-    const float t = fabsf(v);
-    const int m = (t > 0.25f) + (t >= 0.75f) + (t > 1.25f) + (t >= 1.75f) + (t > 2.5f) + (t >= 3.5f) + (t > 5.f);
-    return signed_code(v, m);
+    const uint32_t m = fp4_nearest_magnitude(v);
+    return static_cast<int>(m | ((__float_as_uint(v) >> 28) & (m + 7u) & 8u));
   }
   // The magnitude l just below |v|, plus one when u < (|v| - M[l]) * (1 / gap): exact (Sterbenz,
   // and a gap of 0.5, 1 or 2); index 7 stays.
@@ -69,9 +86,17 @@ struct Fp4Codes {
   __device__ __forceinline__ static uint32_t load4(const Code* q, int64_t i) {
     return *reinterpret_cast<const uint16_t*>(q + (i >> 1));
   }
+  // fp4_value of each code in fewer operations, for the decoders' inner loop: the E2M1 bits m
+  // placed at fp32 bits 22..24 are the value times 2^-126 (exponent bias 1 instead of 127;
+  // m = 1, 0.5, is the subnormal 2^-127), and times 2^126 is exact (no flush to zero). (The
+  // ring's kernels keep fp4_value: with this form ptxas spilled a few bytes around the division
+  // calls of three of them.)
   __device__ __forceinline__ static void unpack4(uint32_t w, float* out) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) out[k] = fp4_value((w >> (4 * k)) & 15u);
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t code = (w >> (4 * k)) & 15u;
+      out[k] = __fmul_rn(__uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)), 0x1p126f);
+    }
   }
 };
 
