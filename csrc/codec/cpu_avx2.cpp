@@ -139,28 +139,6 @@ struct Fp4Out {
     const __m256i nonzero = _mm256_cmpgt_epi32(m, _mm256_setzero_si256());
     return _mm256_or_si256(m, _mm256_and_si256(_mm256_and_si256(neg, nonzero), _mm256_set1_epi32(8)));
   }
-  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
-  static __m256i signed_nearest(__m256 v, __m256i m) {
-    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ));
-    return _mm256_or_si256(m, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
-  }
-  // The nearest magnitude (a midpoint to the even index), in fewer operations than counting
-  // midpoints (cpu_kernels.h fp4_nearest, the definition; the tests hold them equal):
-  // below 2 the levels are the multiples of 0.5, so m = round_half_even(2t) (2t exact); from 2
-  // on they are the floats with one mantissa bit, and rounding t's bits to one mantissa bit
-  // (add 2^21 - 1 plus the kept bit, a carry into the exponent included) gives
-  // m = (rounded bits >> 22) - 252 (2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7).
-  static __m256i nearest(__m256 v) {
-    const __m256i bits = abs_bits(v);
-    const __m256 t = _mm256_castsi256_ps(bits);
-    const __m256i low = _mm256_cvtps_epi32(_mm256_add_ps(t, t));
-    const __m256i kept = _mm256_and_si256(_mm256_srli_epi32(bits, 22), _mm256_set1_epi32(1));
-    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
-    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(kept, _mm256_set1_epi32(0x1fffff - (252 << 22))));
-    const __m256i high = _mm256_srli_epi32(rounded, 22);
-    const __m256 below2 = _mm256_cmp_ps(t, _mm256_set1_ps(2.0f), _CMP_LT_OQ);
-    return signed_nearest(v, _mm256_blendv_epi8(high, low, _mm256_castps_si256(below2)));
-  }
   // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
   // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
   static __m256i stochastic(__m256 v, __m256 u) {
@@ -173,6 +151,83 @@ struct Fp4Out {
     return signed_code(v, count_if(l, _mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
   }
 };
+
+// ---- fp4, round to nearest: 32 values -> 16 bytes ----
+//
+// E2M1 is a float format (1 mantissa bit, subnormal spacing 0.5), so the nearest level
+// is the scaled value rounded to that format by the FPU, in three operations: adding
+// M = 1.5 * 2^(max(e, 0) + 22), e the exponent of t = |v|, leaves t rounded to a
+// multiple of 2^(max(e, 0) - 1) (0.5 below 2, 1 in [2, 4), 2 from 4: the gaps of the
+// levels), ties to even, which is the format's nearest-even rule, and subtracting M again
+// is exact. The kernels scale by inv * 2^-14 instead of inv: the rounded value r * 2^-14
+// is then an fp16 whose bits are sign << 15 | m << 9 (fp16 with 2^-14 as its smallest
+// normal number is E2M1 with more mantissa bits), so one vcvtps2ph gives 8 codes as
+// 16-bit words. inv * 2^-14 and x * (inv * 2^-14) are exact where inv >= 2^-112 (the
+// others: blocks above 3e34, left to the plain code); values below 2^-112 after scaling
+// round to 0 either way. r is never -0 (M - M is +0), so a sign comes with m > 0.
+
+constexpr float kFp4HalfScale = 0x1p-14f;
+
+// v = x * inv * 2^-14 -> 8 fp16 of the rounded level times 2^-14: sign << 15 | m << 9.
+inline __m128i fp4_nearest_half(__m256 v) {
+  const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7f800000));
+  // 1.5 * 2^(e + 8) with e the exponent of |v| * 2^14, at least 0 (113: the exponent field of 2^-14)
+  const __m256 m = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_max_epi32(exponent, _mm256_set1_epi32(113 << 23)), _mm256_set1_epi32((22 << 23) | 0x400000)));
+  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(v, m), m);
+  return _mm256_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // exact
+}
+
+// The codes of 16 such fp16 words as bytes 0..15 in the low byte of each word (with
+// junk in bit 6): (h >> 9) | (h >> 12) = sign << 6 | sign << 3 | m.
+inline __m256i fp4_half_codes(__m256i h) { return _mm256_or_si256(_mm256_srli_epi16(h, 9), _mm256_srli_epi16(h, 12)); }
+
+// 32 values (fp16 words of values 0-7, 8-15, 16-23, 24-31) -> 16 bytes, value 2j in the
+// low nibble of byte j.
+inline void fp4_store32(uint8_t* q, __m128i h0, __m128i h1, __m128i h2, __m128i h3) {
+  const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h2, 1);
+  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(h1), h3, 1);
+  // packus works per 128-bit lane: values 0-15 | 16-31, in order
+  const __m256i codes = _mm256_and_si256(_mm256_packus_epi16(fp4_half_codes(a), fp4_half_codes(b)),
+                                         _mm256_set1_epi8(0x0f));
+  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));  // code 2j + 16 * code 2j+1
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
+}
+
+template <class In>
+int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
+                                    uint8_t* q, float* scales) {
+  int64_t bad_blocks = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const typename In::Elem* xb = x + b * block;
+    uint8_t* qb = q + b * (block / 2);
+    const uint32_t amax = block_amax<In>(xb, block);
+    if (amax >= kInfBits) {
+      scales[b] = bits_float(kCanonicalNaN);
+      std::memset(qb, 0, static_cast<size_t>(block / 2));
+      ++bad_blocks;
+      continue;
+    }
+    float inv;
+    block_scale(amax, kFp4Max, scales + b, &inv);
+    const float inv_half = inv * kFp4HalfScale;
+    if (inv_half / kFp4HalfScale != inv) {  // inv < 2^-112: not exact
+      float scale_unused;
+      quantize_fp4_scalar(xb, type, block, block, qb, &scale_unused, false, 0, 0);
+      continue;
+    }
+    const __m256 vinv = _mm256_set1_ps(inv_half);
+    // pass 2, from L1: scale, round, pack
+    for (int64_t i = 0; i < block; i += 32) {
+      fp4_store32(qb + i / 2, fp4_nearest_half(_mm256_mul_ps(In::load(xb + i), vinv)),
+                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
+                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
+                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
+    }
+  }
+  return bad_blocks;
+}
 
 template <class In, class Out, bool kStochastic>
 int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
@@ -257,7 +312,19 @@ int64_t quantize_avx2(const void* x, InputType type, int64_t n, int64_t block, i
 
 int64_t quantize_fp4_avx2(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
                           bool stochastic, uint32_t seed, int64_t first_index) {
-  return quantize_as<Fp4Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    using In = decltype(in);
+    const auto* xt = static_cast<const typename In::Elem*>(x);
+    const int64_t full = n / block;
+    int64_t bad = stochastic ? quantize_full_blocks<In, Fp4Out, true>(xt, type, full, block, q, scales, seed, first_index)
+                             : quantize_fp4_nearest_blocks<In>(xt, type, full, block, q, scales);
+    const int64_t done = full * block;
+    if (done < n) {  // the short last block
+      bad += quantize_fp4_scalar(xt + done, type, n - done, block, q + done / 2, scales + full, stochastic, seed,
+                                 first_index + done);
+    }
+    return bad;
+  });
 }
 
 // ---- decoding: 8 values at element i of a block's codes, times the scale ----
@@ -356,12 +423,76 @@ void dequantize_avx2(const int8_t* q, const float* scales, int64_t n, int64_t bl
 void dequantize_add_avx2(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
   dequantize_add_as<Int8In>(acc, q, scales, n, block);
 }
+// ---- fp4 decoding, 32 values (16 bytes) at a time ----
+//
+// Byte shuffles instead of Fp4In's 8 at a time: the fp32 bits of every E2M1 value (times
+// its sign) have only the high 16 bits set, so two 16-entry byte tables (vpshufb) give
+// them from the codes, and interleaving them above zero words makes the floats.
+
+// The floats of the 32 codes in q[0, 16), in order: f[k] holds values 8k .. 8k + 7.
+inline void fp4_decode32(const uint8_t* q, __m256 f[4]) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  // 16-bit words, zero-extended: lane 0 <- bytes 0, 1, 4, 5, 8, 9, 12, 13; lane 1 <- 2, 3, 6, 7, ...
+  // (so that the unpacks below leave 8 consecutive values in each result)
+  const __m256i w = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
+                                                            2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+  // each word 0x00ab becomes 0x0a0b: the byte's two codes, value 2j (low nibble) first
+  const __m256i codes = _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0f0f));
+  // bits 31..24 and 23..16 of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} (code 8: -0.0)
+  const __m256i high = _mm256_shuffle_epi8(
+      _mm256_setr_epi8(0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40,
+                       0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40),
+      codes);
+  const __m256i low = _mm256_shuffle_epi8(
+      _mm256_setr_epi8(0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40,
+                       0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40),
+      codes);
+  const __m256i w0 = _mm256_unpacklo_epi8(low, high);  // values 0-3, 8-11 | 4-7, 12-15
+  const __m256i w1 = _mm256_unpackhi_epi8(low, high);  // values 16-19, 24-27 | 20-23, 28-31
+  const __m256i zero = _mm256_setzero_si256();
+  f[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));
+  f[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));
+  f[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
+  f[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
+}
+
+template <class Out>
+void dequantize_fp4_typed(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  auto* yt = static_cast<typename Out::Elem*>(y);
+  const int64_t full = n / block;
+  for (int64_t b = 0; b < full; ++b) {
+    const __m256 s = _mm256_set1_ps(scales[b]);
+    for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
+      __m256 f[4];
+      fp4_decode32(q + i / 2, f);
+      for (int k = 0; k < 4; ++k) Out::store(yt + i + 8 * k, _mm256_mul_ps(f[k], s));
+    }
+  }
+  const int64_t done = full * block;
+  if (done < n) dequantize_fp4_scalar(q + done / 2, scales + full, n - done, block, yt + done, out_type);
+}
+
 void dequantize_fp4_avx2(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                          InputType out_type) {
-  dequantize_as<Fp4In>(q, scales, n, block, y, out_type);
+  with_type<StoreF32, StoreBF16, StoreF16>(out_type, [&](auto out) {
+    dequantize_fp4_typed<decltype(out)>(q, scales, n, block, y, out_type);
+  });
 }
+
 void dequantize_add_fp4_avx2(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
-  dequantize_add_as<Fp4In>(acc, q, scales, n, block);
+  const int64_t full = n / block;
+  for (int64_t b = 0; b < full; ++b) {
+    const __m256 s = _mm256_set1_ps(scales[b]);
+    for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
+      __m256 f[4];
+      fp4_decode32(q + i / 2, f);
+      for (int k = 0; k < 4; ++k) {  // multiply, then add (never fused)
+        _mm256_storeu_ps(acc + i + 8 * k, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8 * k), _mm256_mul_ps(f[k], s)));
+      }
+    }
+  }
+  const int64_t done = full * block;
+  if (done < n) dequantize_add_fp4_scalar(acc + done, q + done / 2, scales + full, n - done, block);
 }
 
 // codec.h's quantize_error_sq over whole blocks: 8 values at a time, widened to
