@@ -154,42 +154,40 @@ struct Fp4Out {
 
 // ---- fp4, round to nearest: 32 values -> 16 bytes ----
 //
-// E2M1 is a float format (1 mantissa bit, subnormal spacing 0.5), so the nearest level
-// is the scaled value rounded to that format by the FPU, in three operations: adding
-// M = 1.5 * 2^(max(e, 0) + 22), e the exponent of t = |v|, leaves t rounded to a
-// multiple of 2^(max(e, 0) - 1) (0.5 below 2, 1 in [2, 4), 2 from 4: the gaps of the
-// levels), ties to even, which is the format's nearest-even rule, and subtracting M again
-// is exact. The kernels scale by inv * 2^-14 instead of inv: the rounded value r * 2^-14
-// is then an fp16 whose bits are sign << 15 | m << 9 (fp16 with 2^-14 as its smallest
-// normal number is E2M1 with more mantissa bits), so one vcvtps2ph gives 8 codes as
-// 16-bit words. inv * 2^-14 and x * (inv * 2^-14) are exact where inv >= 2^-112 (the
-// others: blocks above 3e34, left to the plain code); values below 2^-112 after scaling
-// round to 0 either way. r is never -0 (M - M is +0), so a sign comes with m > 0.
+// E2M1 is a float format (1 mantissa bit, subnormal spacing 0.5), so the FPU rounds to it:
+// adding M = 1.5 * 2^(22 + e), e = 0 for |v| < 2, 1 below 4, 2 from 4, rounds v to a
+// multiple of the gap of the levels there (2^(e - 1): 0.5, 1, 2), ties to even, which is
+// the format's nearest-even rule (|v| = 2 and 4 are levels of both neighbours' grids). Then
+// s = M + v is M + r * gap, r the rounded v in gaps, and the magnitude index is m = |r| + 2e.
+// M comes from a table by trunc(v) (|v| stays below 7), one for each sign of v, and carries
+// 2e gaps for v >= 0 and 16 - 2e for v < 0 in its low mantissa bits (even numbers of gaps:
+// the ties stay on the even index), so that s's low byte is m or 16 - m; a table of 16 on
+// its low 4 bits (16 - m: 0 for m = 0) gives the code.
 
-constexpr float kFp4HalfScale = 0x1p-14f;
-
-// v = x * inv * 2^-14 -> 8 fp16 of the rounded level times 2^-14: sign << 15 | m << 9.
-inline __m128i fp4_nearest_half(__m256 v) {
-  const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7f800000));
-  // 1.5 * 2^(e + 8) with e the exponent of |v| * 2^14, at least 0 (113: the exponent field of 2^-14)
-  const __m256 m = _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_max_epi32(exponent, _mm256_set1_epi32(113 << 23)), _mm256_set1_epi32((22 << 23) | 0x400000)));
-  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(v, m), m);
-  return _mm256_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // exact
+// v = x * inv -> 8 dwords whose low byte is m for v >= 0, 16 - m for v < 0.
+inline __m256i fp4_nearest_bits(__m256 v) {
+  constexpr float p0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
+  constexpr float n0 = 0x1.8p22f + 8.f, n1 = 0x1.8p23f + 14.f, n2 = 0x1.8p24f + 24.f;
+  const __m256i key = _mm256_cvttps_epi32(v);  // by its low 3 bits:
+  //                                            0   1   2   3   4   5   6   7
+  const __m256 positive = _mm256_permutevar8x32_ps(_mm256_setr_ps(p0, p0, p1, p1, p2, p2, p2, p0), key);
+  //                                           0  -7  -6  -5  -4  -3  -2  -1
+  const __m256 negative = _mm256_permutevar8x32_ps(_mm256_setr_ps(n0, n2, n2, n2, n2, n1, n1, n0), key);
+  return _mm256_castps_si256(_mm256_add_ps(v, _mm256_blendv_ps(positive, negative, v)));
 }
 
-// The codes of 16 such fp16 words as bytes 0..15 in the low byte of each word (with
-// junk in bit 6): (h >> 9) | (h >> 12) = sign << 6 | sign << 3 | m.
-inline __m256i fp4_half_codes(__m256i h) { return _mm256_or_si256(_mm256_srli_epi16(h, 9), _mm256_srli_epi16(h, 12)); }
-
-// 32 values (fp16 words of values 0-7, 8-15, 16-23, 24-31) -> 16 bytes, value 2j in the
-// low nibble of byte j.
-inline void fp4_store32(uint8_t* q, __m128i h0, __m128i h1, __m128i h2, __m128i h3) {
-  const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h2, 1);
-  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(h1), h3, 1);
-  // packus works per 128-bit lane: values 0-15 | 16-31, in order
-  const __m256i codes = _mm256_and_si256(_mm256_packus_epi16(fp4_half_codes(a), fp4_half_codes(b)),
-                                         _mm256_set1_epi8(0x0f));
+// 32 such dwords (values 0-7, 8-15, 16-23, 24-31) -> 16 bytes of codes, value 2j in the low
+// nibble of byte j.
+inline void fp4_store32(uint8_t* q, __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  const __m256i low = _mm256_set1_epi32(0xff);
+  // packus works per 128-bit lane; the permute below puts the dwords back in order
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(_mm256_and_si256(s0, low), _mm256_and_si256(s1, low)),
+                                        _mm256_packus_epi32(_mm256_and_si256(s2, low), _mm256_and_si256(s3, low)));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  // by the low 4 bits: m -> m, 16 - m -> m | 8 (16: 0)
+  const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
+                                                             0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
+                                            ordered);
   const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));  // code 2j + 16 * code 2j+1
   const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
@@ -211,19 +209,13 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
     }
     float inv;
     block_scale(amax, kFp4Max, scales + b, &inv);
-    const float inv_half = inv * kFp4HalfScale;
-    if (inv_half / kFp4HalfScale != inv) {  // inv < 2^-112: not exact
-      float scale_unused;
-      quantize_fp4_scalar(xb, type, block, block, qb, &scale_unused, false, 0, 0);
-      continue;
-    }
-    const __m256 vinv = _mm256_set1_ps(inv_half);
+    const __m256 vinv = _mm256_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     for (int64_t i = 0; i < block; i += 32) {
-      fp4_store32(qb + i / 2, fp4_nearest_half(_mm256_mul_ps(In::load(xb + i), vinv)),
-                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
-                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
-                  fp4_nearest_half(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
+      fp4_store32(qb + i / 2, fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
     }
   }
   return bad_blocks;
