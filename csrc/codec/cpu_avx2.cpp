@@ -159,32 +159,28 @@ struct Fp4Out {
 // multiple of the gap of the levels there (2^(e - 1): 0.5, 1, 2), ties to even, which is
 // the format's nearest-even rule (|v| = 2 and 4 are levels of both neighbours' grids). Then
 // s = M + v is M + r * gap, r the rounded v in gaps, and the magnitude index is m = |r| + 2e.
-// M comes from a table by trunc(v) (|v| stays below 7), one for each sign of v, and carries
-// 2e gaps for v >= 0 and 16 - 2e for v < 0 in its low mantissa bits (even numbers of gaps:
-// the ties stay on the even index), so that s's low byte is m or 16 - m; a table of 16 on
-// its low 4 bits (16 - m: 0 for m = 0) gives the code.
+// M comes from a table of 8 by trunc(v / 2) (|v| stays below 7) and carries +-2e gaps (the
+// sign of v's) in its low mantissa bits (even numbers of gaps: the ties stay on the even
+// index), so that the low 4 bits of s are m for v >= 0 and 16 - m (0 for m = 0) for v < 0;
+// a table of 16 on them gives the code.
 
-// v = x * inv -> 8 dwords whose low byte is m for v >= 0, 16 - m for v < 0.
+// v = x * inv -> 8 dwords whose low 4 bits are m (v >= 0) or 16 - m (v < 0), and the rest 0.
 inline __m256i fp4_nearest_bits(__m256 v) {
-  constexpr float p0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
-  constexpr float n0 = 0x1.8p22f + 8.f, n1 = 0x1.8p23f + 14.f, n2 = 0x1.8p24f + 24.f;
-  const __m256i key = _mm256_cvttps_epi32(v);  // by its low 3 bits:
-  //                                            0   1   2   3   4   5   6   7
-  const __m256 positive = _mm256_permutevar8x32_ps(_mm256_setr_ps(p0, p0, p1, p1, p2, p2, p2, p0), key);
-  //                                           0  -7  -6  -5  -4  -3  -2  -1
-  const __m256 negative = _mm256_permutevar8x32_ps(_mm256_setr_ps(n0, n2, n2, n2, n2, n1, n1, n0), key);
-  return _mm256_castps_si256(_mm256_add_ps(v, _mm256_blendv_ps(positive, negative, v)));
+  constexpr float e0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
+  constexpr float n1 = 0x1.8p23f - 2.f, n2 = 0x1.8p24f - 8.f;
+  const __m256i key = _mm256_cvttps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(0.5f)));  // exact but below 2^-125
+  //                                                          trunc(v / 2): 0   1   2   3  -4  -3  -2  -1
+  const __m256 m = _mm256_permutevar8x32_ps(_mm256_setr_ps(e0, p1, p2, p2, e0, n2, n2, n1), key);
+  return _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(v, m)), _mm256_set1_epi32(0x0f));
 }
 
 // 32 such dwords (values 0-7, 8-15, 16-23, 24-31) -> 16 bytes of codes, value 2j in the low
 // nibble of byte j.
 inline void fp4_store32(uint8_t* q, __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-  const __m256i low = _mm256_set1_epi32(0xff);
   // packus works per 128-bit lane; the permute below puts the dwords back in order
-  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(_mm256_and_si256(s0, low), _mm256_and_si256(s1, low)),
-                                        _mm256_packus_epi32(_mm256_and_si256(s2, low), _mm256_and_si256(s3, low)));
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
   const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  // by the low 4 bits: m -> m, 16 - m -> m | 8 (16: 0)
+  // m -> m, 16 - m -> m | 8
   const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
                                                              0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
                                             ordered);
