@@ -307,12 +307,12 @@ struct Int8In : Int8Codes {
 };
 
 struct Fp4In : Fp4Codes {
-  // i: a multiple of 16. The 8 bytes widen to 8 qwords; each becomes its two codes as
-  // dwords (low nibble | high nibble << 32): 16 codes in order, looked up in the table of 16.
+  // i: a multiple of 16. The 8 bytes widen to 8 qwords b; in b | b << 28 the low 4 bits of
+  // dword 2k are byte k's low nibble and those of dword 2k + 1 its high one, and vpermps
+  // reads only those 4 bits of each index: 16 codes in order, looked up in the table of 16.
   static __m512 decode16(const uint8_t* q, int64_t i, __m512 scale) {
     const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i / 2)));
-    const __m512i codes = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi64(0xf)),
-                                          _mm512_slli_epi64(_mm512_and_si512(b, _mm512_set1_epi64(0xf0)), 28));
+    const __m512i codes = _mm512_or_si512(b, _mm512_slli_epi64(b, 28));
     return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kFp4Values)), scale);
   }
 };
