@@ -3,8 +3,9 @@
 //
 // Quantize reads each block twice, both times from L1: once for max |x|, once
 // to scale, round and pack 32 values (int8: one 32-byte store; fp4: 16 bytes).
-// The block loop is shared; Int8Out and Fp4Out encode and store 32 values. No
-// FMA: the target below does not enable it and the build has -ffp-contract=off.
+// The block loop is shared by int8 and stochastic fp4 (Int8Out and Fp4Out encode
+// and store 32 values); fp4 round to nearest has its own (quantize_fp4_nearest_blocks).
+// No FMA: the target below does not enable it and the build has -ffp-contract=off.
 #include "cpu_kernels.h"
 
 #if PRIME_CODEC_X86

@@ -1,7 +1,9 @@
 // AVX-512F block kernels of the CPU codec, 16 fp32 lanes. Chosen at run time by
 // codec_cpu.cpp when the CPU has AVX-512F. Same structure as cpu_avx2.cpp: each
 // block is read twice, both times from L1 (max |x|, then scale-round-pack), and
-// one block loop serves both formats (Int8Out, Fp4Out encode and store 16 values).
+// one block loop serves int8 and stochastic fp4 (Int8Out, Fp4Out encode and store 16
+// values); fp4 round to nearest has its own, which packs its bytes with 256-bit AVX2
+// instructions (AVX-512F has no byte shuffles; every AVX-512F CPU has AVX2).
 // No FMA: -ffp-contract=off and no fused intrinsics.
 #include "cpu_kernels.h"
 
