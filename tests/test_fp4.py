@@ -144,9 +144,10 @@ def near_every_level(block=32):
 
 @needs_ext
 def test_nearest_near_every_level_matches_the_definition():
-    """The SIMD kernels compute the nearest magnitude from t's bits (round_half_even(2t) below 2,
-    rounding to one mantissa bit above) rather than counting midpoints: every fp32 within 4096
-    ulps of each midpoint and level, both signs, against the reference's count."""
+    """The SIMD kernels let the FPU round (adding 1.5 * 2^(22 + e), e by a table on the integer
+    part of v) rather than counting midpoints: every fp32 within 4096 ulps of each midpoint and
+    level (the integers among them bound the table's classes), both signs, against the
+    reference's count (a = 6: inv = 1, v = x exactly)."""
     x = near_every_level()
     want, _ = ops.quantize_fp4_reference(x, 32)
     for isa in P._cpu_codec_isas():
@@ -165,6 +166,29 @@ def test_cuda_nearest_near_every_level_matches_the_definition(block):
     q, s = ops.quantize_fp4(x.cuda(), block, backend="cuda")
     assert bool((s == 1.0).all())
     assert torch.equal(q.cpu(), want), ctx(block=block, bad=int((q.cpu() != want).sum()))
+
+
+@needs_ext
+def test_nearest_in_every_binade_matches_the_definition():
+    """Values of every fp32 binade below 6, subnormals included, with random mantissas, both
+    signs, beside 6 (a = 6: v = x): the tiny ones round to code 0 on every instruction set
+    whatever their exponent bits (the kernels' tables are indexed by the value, not by its
+    exponent), against the reference."""
+    g = torch.Generator().manual_seed(SEED)
+    exponents = torch.arange(-149, 3).repeat_interleave(16)
+    mantissas = torch.randint(0, 1 << 23, (exponents.numel(),), generator=g)
+    normal = torch.ldexp(1.0 + mantissas.double() / 2.0**23, exponents.double())
+    subnormal = mantissas.double() * 2.0**-149
+    t = torch.where(exponents > -127, normal, subnormal).float()
+    t = torch.cat([t[t <= 6.0], torch.tensor([0.0, 6.0])])
+    t = t[: t.numel() // 31 * 31].view(-1, 31)
+    for sign in (1.0, -1.0):
+        x = torch.cat([torch.full((t.shape[0], 1), 6.0), sign * t], 1).reshape(-1).contiguous()
+        want, _ = ops.quantize_fp4_reference(x, 32)
+        for isa in P._cpu_codec_isas():
+            q, s = P._quantize_fp4_isa(x, 32, None, isa)
+            assert bool((s == 1.0).all())
+            assert torch.equal(q, want), ctx(isa=isa, sign=sign, bad=int((q != want).sum()))
 
 
 def test_decode_table():

@@ -3,8 +3,9 @@
 //
 // Quantize reads each block twice, both times from L1: once for max |x|, once
 // to scale, round and pack 32 values (int8: one 32-byte store; fp4: 16 bytes).
-// The block loop is shared; Int8Out and Fp4Out encode and store 32 values. No
-// FMA: the target below does not enable it and the build has -ffp-contract=off.
+// The block loop is shared by int8 and stochastic fp4 (Int8Out and Fp4Out encode
+// and store 32 values); fp4 round to nearest has its own (quantize_fp4_nearest_blocks).
+// No FMA: the target below does not enable it and the build has -ffp-contract=off.
 #include "cpu_kernels.h"
 
 #if PRIME_CODEC_X86
@@ -139,28 +140,6 @@ struct Fp4Out {
     const __m256i nonzero = _mm256_cmpgt_epi32(m, _mm256_setzero_si256());
     return _mm256_or_si256(m, _mm256_and_si256(_mm256_and_si256(neg, nonzero), _mm256_set1_epi32(8)));
   }
-  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
-  static __m256i signed_nearest(__m256 v, __m256i m) {
-    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_set1_ps(-0.25f), _CMP_LT_OQ));
-    return _mm256_or_si256(m, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
-  }
-  // The nearest magnitude (a midpoint to the even index), in fewer operations than counting
-  // midpoints (cpu_kernels.h fp4_nearest, the definition; the tests hold them equal):
-  // below 2 the levels are the multiples of 0.5, so m = round_half_even(2t) (2t exact); from 2
-  // on they are the floats with one mantissa bit, and rounding t's bits to one mantissa bit
-  // (add 2^21 - 1 plus the kept bit, a carry into the exponent included) gives
-  // m = (rounded bits >> 22) - 252 (2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7).
-  static __m256i nearest(__m256 v) {
-    const __m256i bits = abs_bits(v);
-    const __m256 t = _mm256_castsi256_ps(bits);
-    const __m256i low = _mm256_cvtps_epi32(_mm256_add_ps(t, t));
-    const __m256i kept = _mm256_and_si256(_mm256_srli_epi32(bits, 22), _mm256_set1_epi32(1));
-    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
-    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(kept, _mm256_set1_epi32(0x1fffff - (252 << 22))));
-    const __m256i high = _mm256_srli_epi32(rounded, 22);
-    const __m256 below2 = _mm256_cmp_ps(t, _mm256_set1_ps(2.0f), _CMP_LT_OQ);
-    return signed_nearest(v, _mm256_blendv_epi8(high, low, _mm256_castps_si256(below2)));
-  }
   // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
   // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
   static __m256i stochastic(__m256 v, __m256 u) {
@@ -173,6 +152,71 @@ struct Fp4Out {
     return signed_code(v, count_if(l, _mm256_cmp_ps(u, frac, _CMP_LT_OQ)));
   }
 };
+
+// ---- fp4, round to nearest: 32 values -> 16 bytes ----
+//
+// E2M1 is a float format (1 mantissa bit, subnormal spacing 0.5), so the FPU rounds to it:
+// adding M = 1.5 * 2^(22 + e), e = 0 for |v| < 2, 1 below 4, 2 from 4, rounds v to a
+// multiple of the gap of the levels there (2^(e - 1): 0.5, 1, 2), ties to even, which is
+// the format's nearest-even rule (|v| = 2 and 4 are levels of both neighbours' grids). Then
+// s = M + v is M + r * gap, r the rounded v in gaps, and the magnitude index is m = |r| + 2e.
+// M comes from a table of 8 by trunc(v / 2) (|v| stays below 7) and carries +-2e gaps (the
+// sign of v's) in its low mantissa bits (even numbers of gaps: the ties stay on the even
+// index), so that the low 4 bits of s are m for v >= 0 and 16 - m (0 for m = 0) for v < 0;
+// a table of 16 on them gives the code.
+
+// v = x * inv -> 8 dwords whose low 4 bits are m (v >= 0) or 16 - m (v < 0), and the rest 0.
+inline __m256i fp4_nearest_bits(__m256 v) {
+  constexpr float e0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
+  constexpr float n1 = 0x1.8p23f - 2.f, n2 = 0x1.8p24f - 8.f;
+  const __m256i key = _mm256_cvttps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(0.5f)));  // exact but below 2^-125
+  //                                                          trunc(v / 2): 0   1   2   3  -4  -3  -2  -1
+  const __m256 m = _mm256_permutevar8x32_ps(_mm256_setr_ps(e0, p1, p2, p2, e0, n2, n2, n1), key);
+  return _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(v, m)), _mm256_set1_epi32(0x0f));
+}
+
+// 32 such dwords (values 0-7, 8-15, 16-23, 24-31) -> 16 bytes of codes, value 2j in the low
+// nibble of byte j.
+inline void fp4_store32(uint8_t* q, __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  // packus works per 128-bit lane; the permute below puts the dwords back in order
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  // m -> m, 16 - m -> m | 8
+  const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
+                                                             0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
+                                            ordered);
+  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));  // code 2j + 16 * code 2j+1
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
+}
+
+template <class In>
+int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
+                                    uint8_t* q, float* scales) {
+  int64_t bad_blocks = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const typename In::Elem* xb = x + b * block;
+    uint8_t* qb = q + b * (block / 2);
+    const uint32_t amax = block_amax<In>(xb, block);
+    if (amax >= kInfBits) {
+      scales[b] = bits_float(kCanonicalNaN);
+      std::memset(qb, 0, static_cast<size_t>(block / 2));
+      ++bad_blocks;
+      continue;
+    }
+    float inv;
+    block_scale(amax, kFp4Max, scales + b, &inv);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    // pass 2, from L1: scale, round, pack
+    for (int64_t i = 0; i < block; i += 32) {
+      fp4_store32(qb + i / 2, fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
+                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
+    }
+  }
+  return bad_blocks;
+}
 
 template <class In, class Out, bool kStochastic>
 int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
@@ -257,7 +301,19 @@ int64_t quantize_avx2(const void* x, InputType type, int64_t n, int64_t block, i
 
 int64_t quantize_fp4_avx2(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
                           bool stochastic, uint32_t seed, int64_t first_index) {
-  return quantize_as<Fp4Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    using In = decltype(in);
+    const auto* xt = static_cast<const typename In::Elem*>(x);
+    const int64_t full = n / block;
+    int64_t bad = stochastic ? quantize_full_blocks<In, Fp4Out, true>(xt, type, full, block, q, scales, seed, first_index)
+                             : quantize_fp4_nearest_blocks<In>(xt, type, full, block, q, scales);
+    const int64_t done = full * block;
+    if (done < n) {  // the short last block
+      bad += quantize_fp4_scalar(xt + done, type, n - done, block, q + done / 2, scales + full, stochastic, seed,
+                                 first_index + done);
+    }
+    return bad;
+  });
 }
 
 // ---- decoding: 8 values at element i of a block's codes, times the scale ----
@@ -356,12 +412,76 @@ void dequantize_avx2(const int8_t* q, const float* scales, int64_t n, int64_t bl
 void dequantize_add_avx2(float* acc, const int8_t* q, const float* scales, int64_t n, int64_t block) {
   dequantize_add_as<Int8In>(acc, q, scales, n, block);
 }
+// ---- fp4 decoding, 32 values (16 bytes) at a time ----
+//
+// Byte shuffles instead of Fp4In's 8 at a time: the fp32 bits of every E2M1 value (times
+// its sign) have only the high 16 bits set, so two 16-entry byte tables (vpshufb) give
+// them from the codes, and interleaving them above zero words makes the floats.
+
+// The floats of the 32 codes in q[0, 16), in order: f[k] holds values 8k .. 8k + 7.
+inline void fp4_decode32(const uint8_t* q, __m256 f[4]) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  // 16-bit words, zero-extended: lane 0 <- bytes 0, 1, 4, 5, 8, 9, 12, 13; lane 1 <- 2, 3, 6, 7, ...
+  // (so that the unpacks below leave 8 consecutive values in each result)
+  const __m256i w = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
+                                                            2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
+  // each word 0x00ab becomes 0x0a0b: the byte's two codes, value 2j (low nibble) first
+  const __m256i codes = _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0f0f));
+  // bits 31..24 and 23..16 of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} (code 8: -0.0)
+  const __m256i high = _mm256_shuffle_epi8(
+      _mm256_setr_epi8(0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40,
+                       0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40),
+      codes);
+  const __m256i low = _mm256_shuffle_epi8(
+      _mm256_setr_epi8(0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40,
+                       0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40, 0, 0, -0x80, -0x40, 0, 0x40, -0x80, -0x40),
+      codes);
+  const __m256i w0 = _mm256_unpacklo_epi8(low, high);  // values 0-3, 8-11 | 4-7, 12-15
+  const __m256i w1 = _mm256_unpackhi_epi8(low, high);  // values 16-19, 24-27 | 20-23, 28-31
+  const __m256i zero = _mm256_setzero_si256();
+  f[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w0));
+  f[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w0));
+  f[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w1));
+  f[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
+}
+
+template <class Out>
+void dequantize_fp4_typed(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  auto* yt = static_cast<typename Out::Elem*>(y);
+  const int64_t full = n / block;
+  for (int64_t b = 0; b < full; ++b) {
+    const __m256 s = _mm256_set1_ps(scales[b]);
+    for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
+      __m256 f[4];
+      fp4_decode32(q + i / 2, f);
+      for (int k = 0; k < 4; ++k) Out::store(yt + i + 8 * k, _mm256_mul_ps(f[k], s));
+    }
+  }
+  const int64_t done = full * block;
+  if (done < n) dequantize_fp4_scalar(q + done / 2, scales + full, n - done, block, yt + done, out_type);
+}
+
 void dequantize_fp4_avx2(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y,
                          InputType out_type) {
-  dequantize_as<Fp4In>(q, scales, n, block, y, out_type);
+  with_type<StoreF32, StoreBF16, StoreF16>(out_type, [&](auto out) {
+    dequantize_fp4_typed<decltype(out)>(q, scales, n, block, y, out_type);
+  });
 }
+
 void dequantize_add_fp4_avx2(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
-  dequantize_add_as<Fp4In>(acc, q, scales, n, block);
+  const int64_t full = n / block;
+  for (int64_t b = 0; b < full; ++b) {
+    const __m256 s = _mm256_set1_ps(scales[b]);
+    for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
+      __m256 f[4];
+      fp4_decode32(q + i / 2, f);
+      for (int k = 0; k < 4; ++k) {  // multiply, then add (never fused)
+        _mm256_storeu_ps(acc + i + 8 * k, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8 * k), _mm256_mul_ps(f[k], s)));
+      }
+    }
+  }
+  const int64_t done = full * block;
+  if (done < n) dequantize_add_fp4_scalar(acc + done, q + done / 2, scales + full, n - done, block);
 }
 
 // codec.h's quantize_error_sq over whole blocks: 8 values at a time, widened to

@@ -1,7 +1,9 @@
 // AVX-512F block kernels of the CPU codec, 16 fp32 lanes. Chosen at run time by
 // codec_cpu.cpp when the CPU has AVX-512F. Same structure as cpu_avx2.cpp: each
 // block is read twice, both times from L1 (max |x|, then scale-round-pack), and
-// one block loop serves both formats (Int8Out, Fp4Out encode and store 16 values).
+// one block loop serves int8 and stochastic fp4 (Int8Out, Fp4Out encode and store 16
+// values); fp4 round to nearest has its own, which packs its bytes with 256-bit AVX2
+// instructions (AVX-512F has no byte shuffles; every AVX-512F CPU has AVX2).
 // No FMA: -ffp-contract=off and no fused intrinsics.
 #include "cpu_kernels.h"
 
@@ -125,23 +127,6 @@ struct Fp4Out {
     const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(m, m);
     return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
   }
-  // The same for the nearest magnitude, which is nonzero exactly when |v| > 0.25: v < -0.25.
-  static __m512i signed_nearest(__m512 v, __m512i m) {
-    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-0.25f), _CMP_LT_OQ);
-    return _mm512_mask_or_epi32(m, neg, m, _mm512_set1_epi32(8));
-  }
-  // The nearest magnitude (a midpoint to the even index) as cpu_avx2.cpp computes it: below 2,
-  // round_half_even(2t); from 2 on, t's bits rounded to one mantissa bit, (bits >> 22) - 252.
-  static __m512i nearest(__m512 v) {
-    const __m512i bits = abs_bits(v);
-    const __m512 t = _mm512_castsi512_ps(bits);
-    const __m512i low = _mm512_cvt_roundps_epi32(_mm512_add_ps(t, t), kNearest);
-    const __m512i kept = _mm512_and_si512(_mm512_srli_epi32(bits, 22), _mm512_set1_epi32(1));
-    // (- 252 folded in before the shift: for t >= 2, bits >= 252 << 22, so nothing borrows)
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(kept, _mm512_set1_epi32(0x1fffff - (252 << 22))));
-    const __m512i high = _mm512_srli_epi32(rounded, 22);
-    return signed_nearest(v, _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(t, _mm512_set1_ps(2.0f), _CMP_LT_OQ), high, low));
-  }
   // The magnitude l just below |v|, one up when u < (|v| - M[l]) * (1 / gap): exact, the
   // gap being 0.5, 1 or 2 (index 7: the inverse gap is 0, so it stays).
   static __m512i stochastic(__m512 v, __m512 u) {
@@ -155,6 +140,70 @@ struct Fp4Out {
     return signed_code(v, count_if(l, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ)));
   }
 };
+
+// ---- fp4, round to nearest: 32 values -> 16 bytes ----
+//
+// E2M1 is a float format (1 mantissa bit, subnormal spacing 0.5), so the FPU rounds to it:
+// adding M = 1.5 * 2^(22 + e), e = 0 for |v| < 2, 1 below 4, 2 from 4, rounds v to a
+// multiple of the gap of the levels there (2^(e - 1): 0.5, 1, 2), ties to even, which is
+// the format's nearest-even rule (|v| = 2 and 4 are levels of both neighbours' grids). Then
+// s = M + v is M + r * gap, r the rounded v in gaps, and the magnitude index is m = |r| + 2e.
+// M comes from a table by floor(v) (|v| stays below 7) and carries 2e gaps for v >= 0 and
+// 16 - 2e for v < 0 in its low mantissa bits (even numbers of gaps: the ties stay on the
+// even index), so that s's low byte is m or 16 - m; a table of 16 on its low 4 bits (16 -
+// m: 0 for m = 0) gives the code.
+
+// M plus the offset by the low 4 bits of floor(v).
+inline __m512 fp4_round_table() {
+  constexpr float p0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
+  constexpr float n0 = 0x1.8p22f + 8.f, n1 = 0x1.8p23f + 14.f, n2 = 0x1.8p24f + 24.f;
+  //    floor(v):       0   1   2   3   4   5   6   7   8  -7  -6  -5  -4  -3  -2  -1
+  return _mm512_setr_ps(p0, p0, p1, p1, p2, p2, p2, p0, p0, n2, n2, n2, n1, n1, n0, n0);
+}
+
+// v = x * inv -> 16 bytes: m for v >= 0, 16 - m for v < 0 (m: the nearest magnitude index).
+inline __m128i fp4_nearest_bytes(__m512 v, __m512 table) {
+  const __m512i key = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 m = _mm512_permutexvar_ps(key, table);
+  return _mm512_cvtepi32_epi8(_mm512_castps_si512(_mm512_add_ps(v, m)));  // the low bytes
+}
+
+// 32 such bytes (values 0-15, 16-31) -> 16 bytes of codes, value 2j in the low nibble of byte j.
+inline void fp4_store32(uint8_t* q, __m128i b0, __m128i b1) {
+  // by the low 4 bits: m -> m, 16 - m -> m | 8 (16: 0)
+  const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
+                                                             0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
+                                            _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1));
+  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));  // code 2j + 16 * code 2j+1
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(packed));
+}
+
+template <class In>
+int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
+                                    uint8_t* q, float* scales) {
+  int64_t bad_blocks = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const typename In::Elem* xb = x + b * block;
+    uint8_t* qb = q + b * (block / 2);
+    const uint32_t amax = block_amax<In>(xb, block);
+    if (amax >= kInfBits) {
+      scales[b] = bits_float(kCanonicalNaN);
+      std::memset(qb, 0, static_cast<size_t>(block / 2));
+      ++bad_blocks;
+      continue;
+    }
+    float inv;
+    block_scale(amax, kFp4Max, scales + b, &inv);
+    const __m512 vinv = _mm512_set1_ps(inv), table = fp4_round_table();
+    // pass 2, from L1: scale, round, pack
+    for (int64_t i = 0; i < block; i += 32) {
+      fp4_store32(qb + i / 2, fp4_nearest_bytes(_mm512_mul_ps(In::load(xb + i), vinv), table),
+                  fp4_nearest_bytes(_mm512_mul_ps(In::load(xb + i + 16), vinv), table));
+    }
+  }
+  return bad_blocks;
+}
 
 template <class In, class Out, bool kStochastic>
 int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
@@ -235,7 +284,19 @@ int64_t quantize_avx512(const void* x, InputType type, int64_t n, int64_t block,
 
 int64_t quantize_fp4_avx512(const void* x, InputType type, int64_t n, int64_t block, uint8_t* q, float* scales,
                             bool stochastic, uint32_t seed, int64_t first_index) {
-  return quantize_as<Fp4Out>(x, type, n, block, q, scales, stochastic, seed, first_index);
+  return with_type<LoadF32, LoadBF16, LoadF16>(type, [&](auto in) {
+    using In = decltype(in);
+    const auto* xt = static_cast<const typename In::Elem*>(x);
+    const int64_t full = n / block;
+    int64_t bad = stochastic ? quantize_full_blocks<In, Fp4Out, true>(xt, type, full, block, q, scales, seed, first_index)
+                             : quantize_fp4_nearest_blocks<In>(xt, type, full, block, q, scales);
+    const int64_t done = full * block;
+    if (done < n) {  // the short last block
+      bad += quantize_fp4_scalar(xt + done, type, n - done, block, q + done / 2, scales + full, stochastic, seed,
+                                 first_index + done);
+    }
+    return bad;
+  });
 }
 
 // ---- decoding: 16 values at element i of a block's codes, times the scale ----
@@ -248,12 +309,12 @@ struct Int8In : Int8Codes {
 };
 
 struct Fp4In : Fp4Codes {
-  // i: a multiple of 16. The 8 bytes widen to 8 qwords; each becomes its two codes as
-  // dwords (low nibble | high nibble << 32): 16 codes in order, looked up in the table of 16.
+  // i: a multiple of 16. The 8 bytes widen to 8 qwords b; in b | b << 28 the low 4 bits of
+  // dword 2k are byte k's low nibble and those of dword 2k + 1 its high one, and vpermps
+  // reads only those 4 bits of each index: 16 codes in order, looked up in the table of 16.
   static __m512 decode16(const uint8_t* q, int64_t i, __m512 scale) {
     const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i / 2)));
-    const __m512i codes = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi64(0xf)),
-                                          _mm512_slli_epi64(_mm512_and_si512(b, _mm512_set1_epi64(0xf0)), 28));
+    const __m512i codes = _mm512_or_si512(b, _mm512_slli_epi64(b, 28));
     return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kFp4Values)), scale);
   }
 };
