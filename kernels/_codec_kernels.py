@@ -121,10 +121,19 @@ def _quantize_tile(
 
     qmax = tl.full([ROWS], _FP4_MAX if FP4 else _QMAX, tl.float32)
     scale = tl.math.div_rn(a, qmax)
-    positive = a > 0.0
-    inv = tl.math.div_rn(qmax, tl.where(positive, a, 1.0))
-    # 0 when a == 0, when qmax / a overflows (tiny subnormal blocks) and, since then
-    # a == inf and qmax / inf == 0, for non-finite blocks.
+    if FP4:  # inv = 6 / a
+        num = qmax
+        den = a
+    else:
+        # int8: the scale rounded up to a bf16-exact value (+ 0xffff in the bits, the low
+        # half cleared; -65536 is 0xffff0000 as int32), inv = 1 / scale
+        scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+        num = tl.full([ROWS], 1.0, tl.float32)
+        den = scale
+    positive = den > 0.0
+    inv = tl.math.div_rn(num, tl.where(positive, den, 1.0))
+    # 0 when the divisor is 0, when the quotient overflows (tiny subnormal blocks) and,
+    # since then the divisor is inf and num / inf == 0, for non-finite blocks.
     inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
 
     v = x * inv[:, None]

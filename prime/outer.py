@@ -1,6 +1,6 @@
 """The outer state: flat fp32 outer weights and momentum of one process's share of a model (or of a fragment).
 
-    state = OuterState(model.parameters(), block_size=256)
+    state = OuterState(model.parameters(), block_size=64)
     state.take()                      # outer weights := the model's current weights
     ...                               # inner steps move the model away
     g = state.new_buffer()
@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from prime.feedback import compensate
+from prime.ops import DEFAULT_BLOCK_SIZE
 from prime.parallelize import local_shard
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
@@ -292,7 +293,7 @@ class OuterState:
         self,
         params: Iterable[torch.Tensor],
         *,
-        block_size: int = 256,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
