@@ -238,18 +238,17 @@ def stochastic_uniform_reference(seed: int, index: torch.Tensor) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def bf16_ceil_reference(s: torch.Tensor) -> torch.Tensor:
-    """Non-negative finite fp32 values rounded up to the nearest bf16-representable fp32 (low 16
-    bits zero); values already representable, 0 among them, stay. In the bits: + 0xffff, then
-    the low half cleared (subnormals included: the bit order is the value order)."""
-    bits = s.view(torch.int32).to(torch.int64)
-    return ((bits + 0xFFFF) & 0xFFFF0000).to(torch.int32).view(torch.float32)
+def bf16_round_reference(s: torch.Tensor) -> torch.Tensor:
+    """Finite fp32 values rounded to the nearest bf16-representable fp32 (low 16 bits zero),
+    ties to even: torch's fp32 -> bf16 conversion, widened back (exact). Values already
+    representable, 0 among them, stay; subnormals round the same way."""
+    return s.to(torch.bfloat16).to(torch.float32)
 
 
 def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, bf16_scale: bool = False):
     """The steps every block codec shares (docs/wire-format.md): blocks of B values, zero-padded;
     a = max |x| per block; scale = a / qmax (one IEEE division). fp4 (bf16_scale False):
-    inv = qmax / a; int8 (bf16_scale True): scale rounded up to a bf16-exact value, inv = 1 / scale.
+    inv = qmax / a; int8 (bf16_scale True): scale rounded to the nearest bf16 value, inv = 1 / scale.
     inv is 0 when the divisor is 0 or the quotient overflows; v = x * inv.
     Returns (n, blocks, nonfinite, scale, v)."""
     if not 0 <= first_index < 2**63:
@@ -263,7 +262,7 @@ def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: i
     c = torch.full_like(a, float(qmax))
     scale = a / c  # tensor / tensor: one IEEE division per element
     if bf16_scale:
-        scale = bf16_ceil_reference(scale)
+        scale = bf16_round_reference(scale)
         num, den = torch.ones_like(a), scale
     else:
         num, den = c, a

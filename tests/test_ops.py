@@ -494,7 +494,7 @@ def test_quantization_error_bound(backend):
         q, s = ops.quantize_int8(x, B, backend=backend)
         ours = relative_l2(ops.dequantize_int8(q, s, B, backend=backend), x)
         # the scale/2 per-element bound of the format, summed: a hard ceiling for any data
-        # (scale / 2 is a/254 rounded up with the scale to a bf16-exact value)
+        # (scale / 2 is a/254 rounded with the scale to a bf16 value: within 2^-8 of it)
         a = s.double() * 127
         counts = torch.full_like(a, B)
         ceiling = float(torch.sqrt((counts * a**2).sum()) / (254 * x.double().norm()))

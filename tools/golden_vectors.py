@@ -96,23 +96,12 @@ def stochastic_h(seed: int, i: int) -> int:
     return fmix32((fmix32(lo ^ k) + k) & MASK32)
 
 
-def bf16_ceil(s: float) -> float:
-    """A non-negative fp32 rounded up to the nearest fp32 whose low 16 bits are zero (a bf16
-    value); one already such, 0 among them, stays. The next such value above s is the one
-    whose high half is one more, subnormals included."""
-    u = bits32(s)
-    high = u >> 16
-    if u & 0xFFFF:
-        high += 1
-    return from_bits32(high << 16)
-
-
 def encode_block(xs: list[float], seed: int | None, first: int) -> tuple[int, list[int]]:
     """(scale bits, q) of one block whose first element has flattened index `first`."""
     if any(math.isnan(x) or math.isinf(x) for x in xs):
         return 0x7FC00000, [0] * len(xs)  # the non-finite flag: canonical quiet NaN, zero q
     a = max(abs(x) for x in xs)
-    scale = bf16_ceil(f32(a / 127.0))
+    scale = from_bits32(bf16_bits(f32(a / 127.0)) << 16)  # rounded to the nearest bf16, ties to even
     inv = 0.0 if scale == 0 else f32(1.0 / scale)
     if math.isinf(inv):
         inv = 0.0  # tiny (subnormal) scales: 1 / scale overflows
@@ -232,7 +221,7 @@ class Lcg:
 def common_blocks(rng: Lcg) -> list[list[float]]:
     """Blocks 1-7 of both codecs' fp32 input (qmax: 127 for int8, 6 for fp4)."""
     blocks = []
-    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded: for int8 up to bf16)
+    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded; for int8 then to bf16)
     b = [rng.uniform() for _ in range(B)]
     b[5], b[17] = 1.0, -1.0
     blocks.append(b)
@@ -240,8 +229,8 @@ def common_blocks(rng: Lcg) -> list[list[float]]:
     blocks.append([f32(-3.7)] * B)
     # 3: zeros of both signs: scale 0, inv 0
     blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: inv overflows, so every code is 0; scale = a / qmax (a subnormal or 0; int8:
-    # rounded up to a bf16 subnormal, whose inverse overflows too)
+    # 4: subnormals: every code is 0; scale = a / qmax (a subnormal or 0; int8: rounded to a bf16
+    # value, 0 or a subnormal whose inverse overflows)
     blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
     # 5: a ~ 1e-36: inv finite; the scale is subnormal for int8, normal for fp4 (1e-36 / 6 > 2^-126)
     blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])

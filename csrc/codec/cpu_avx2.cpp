@@ -90,7 +90,7 @@ inline __m256 uniform8(__m256i lo, __m256i key) {
 struct Int8Out {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  static constexpr bool kBf16Scale = true;  // scales rounded up to bf16-exact values
+  static constexpr bool kBf16Scale = true;  // scales rounded to bf16 values (2 bytes on the wire)
   static constexpr int64_t kBytesPer32 = 32;
   static constexpr auto& scalar = quantize_scalar;
 

@@ -85,7 +85,7 @@ inline __m512 uniform16(__m512i lo, __m512i key) {
 struct Int8Out {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  static constexpr bool kBf16Scale = true;  // scales rounded up to bf16-exact values
+  static constexpr bool kBf16Scale = true;  // scales rounded to bf16 values (2 bytes on the wire)
   static constexpr int64_t kBytesPer16 = 16;
   static constexpr auto& scalar = quantize_scalar;
 

@@ -14,11 +14,12 @@ namespace prime::codec::cuda {
 struct Int8Codes {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  // The scale and inverse of a finite block with max |x| = a: a / 127 rounded up to a
-  // bf16-exact fp32 (+ 0xffff in the bits, low half cleared: 2 bytes on the wire), then
-  // inv = 1 / scale (0 when scale is 0 or the quotient overflows).
+  // The scale and inverse of a finite block with max |x| = a: a / 127 rounded to the
+  // nearest bf16 value, ties to even, in the bits (2 bytes on the wire), then inv = 1 / scale
+  // (0 when scale is 0 or the quotient overflows).
   __device__ __forceinline__ static void block_scale(float a, float& scale, float& inv) {
-    scale = __uint_as_float((__float_as_uint(__fdiv_rn(a, kQMax)) + 0xffffu) & 0xffff0000u);
+    const uint32_t u = __float_as_uint(__fdiv_rn(a, kQMax));
+    scale = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
     inv = scale > 0.f ? __fdiv_rn(1.f, scale) : 0.f;
     if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
   }
