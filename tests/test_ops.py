@@ -488,7 +488,7 @@ def test_quantization_error_bound(backend):
     n, B = 1 << 20, ops.DEFAULT_BLOCK_SIZE
     assert B == 64
     results = {}
-    # measured (100 seeds, CPU backend): Gaussian 0.599-0.602%, Student-t(3) 1.07-1.17%
+    # measured (100 seeds, benchmarks/bench_int8_error.py): Gaussian 0.594-0.597%, Student-t(3) 1.06-1.16%
     for kind, bound in [("normal", 0.0065), ("student_t", 0.015)]:
         x = KINDS[kind](n, gen_for("error", kind)).to(dev)
         q, s = ops.quantize_int8(x, B, backend=backend)
