@@ -125,10 +125,15 @@ def _quantize_tile(
         num = qmax
         den = a
     else:
-        # int8: the scale rounded to the nearest bf16 value, ties to even, in the bits (the
-        # scale is >= 0, so >> is logical; -65536 is 0xffff0000 as int32), inv = 1 / scale
+        # int8: the scale rounded to a bf16 value in the bits (the scale is >= 0, so >> is
+        # logical; -65536 is 0xffff0000 as int32): upward for stochastic rounding, else to
+        # nearest, ties to even; inv = 1 / scale
         bits = scale.to(tl.int32, bitcast=True)
-        scale = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        if STOCHASTIC:
+            bits = bits + 0xFFFF
+        else:
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        scale = (bits & -65536).to(tl.float32, bitcast=True)
         num = tl.full([ROWS], 1.0, tl.float32)
         den = scale
     positive = den > 0.0

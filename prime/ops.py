@@ -238,17 +238,21 @@ def stochastic_uniform_reference(seed: int, index: torch.Tensor) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def bf16_round_reference(s: torch.Tensor) -> torch.Tensor:
-    """Finite fp32 values rounded to the nearest bf16-representable fp32 (low 16 bits zero),
-    ties to even: torch's fp32 -> bf16 conversion, widened back (exact). Values already
-    representable, 0 among them, stay; subnormals round the same way."""
-    return s.to(torch.bfloat16).to(torch.float32)
+def bf16_round_reference(s: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """Non-negative finite fp32 values rounded to a bf16-representable fp32 (low 16 bits zero):
+    to nearest, ties to even (torch's fp32 -> bf16 conversion, widened back), or, with `up`,
+    upward (+ 0xffff in the bits, the low half cleared: the bit order of non-negative floats is
+    their value order). Values already representable, 0 among them, stay; subnormals too."""
+    if not up:
+        return s.to(torch.bfloat16).to(torch.float32)
+    bits = s.view(torch.int32).to(torch.int64)
+    return ((bits + 0xFFFF) & 0xFFFF0000).to(torch.int32).view(torch.float32)
 
 
-def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, bf16_scale: bool = False):
+def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, bf16_scale: Optional[str] = None):
     """The steps every block codec shares (docs/wire-format.md): blocks of B values, zero-padded;
-    a = max |x| per block; scale = a / qmax (one IEEE division). fp4 (bf16_scale False):
-    inv = qmax / a; int8 (bf16_scale True): scale rounded to the nearest bf16 value, inv = 1 / scale.
+    a = max |x| per block; scale = a / qmax (one IEEE division). fp4 (bf16_scale None):
+    inv = qmax / a; int8: scale rounded to a bf16 value ("nearest" or "up"), inv = 1 / scale.
     inv is 0 when the divisor is 0 or the quotient overflows; v = x * inv.
     Returns (n, blocks, nonfinite, scale, v)."""
     if not 0 <= first_index < 2**63:
@@ -262,7 +266,7 @@ def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: i
     c = torch.full_like(a, float(qmax))
     scale = a / c  # tensor / tensor: one IEEE division per element
     if bf16_scale:
-        scale = bf16_round_reference(scale)
+        scale = bf16_round_reference(scale, up=bf16_scale == "up")
         num, den = torch.ones_like(a), scale
     else:
         num, den = c, a
@@ -289,7 +293,10 @@ def quantize_int8_reference(
     rounding keys its generator by (seed, first_index + i)."""
     _check_input(x)
     check_block_size(block_size)
-    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX, first_index, bf16_scale=True)
+    # the scale is rounded to the nearest bf16 value for round-to-nearest codes, upward for
+    # stochastic ones (so that |v| <= 127 and no value's rounding is cut by the clamp)
+    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX, first_index,
+                                               bf16_scale="nearest" if seed is None else "up")
     if seed is None:
         r = torch.round(v)  # round half to even
     else:
@@ -495,7 +502,8 @@ def quantize_int8(
     """Encodes x (fp32, bf16 or fp16, any shape) into int8 values and one scale per block.
 
     Returns (q: int8[n], scales: float32[ceil(n / block_size)]) on x's device. Each scale is
-    bf16-exact (its low 16 bits are zero: a ring sends 2 bytes of it); block 64 by default.
+    max|x| / 127 rounded to a bf16 value (its low 16 bits are zero: a ring sends 2 bytes of it):
+    to nearest, or up with stochastic rounding (docs/wire-format.md); block 64 by default.
     `seed` turns on stochastic rounding. Non-finite input raises NonFiniteError
     when `check_finite` (a host sync on CUDA); otherwise its blocks carry a NaN scale.
     """

@@ -990,7 +990,7 @@ def _rank_target(ctx, secret):
 
 def _hello(world, streams, flags, segment, job, rank, stream, nonce, link_streams=1):
     """The 72-byte handshake hello of docs/ring.md, written independently of the C++."""
-    return (b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 3, world, streams, flags, segment, job, rank, stream, link_streams)
+    return (b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 4, world, streams, flags, segment, job, rank, stream, link_streams)
             + nonce)
 
 

@@ -101,7 +101,11 @@ def encode_block(xs: list[float], seed: int | None, first: int) -> tuple[int, li
     if any(math.isnan(x) or math.isinf(x) for x in xs):
         return 0x7FC00000, [0] * len(xs)  # the non-finite flag: canonical quiet NaN, zero q
     a = max(abs(x) for x in xs)
-    scale = from_bits32(bf16_bits(f32(a / 127.0)) << 16)  # rounded to the nearest bf16, ties to even
+    s32 = f32(a / 127.0)
+    if seed is None:
+        scale = from_bits32(bf16_bits(s32) << 16)  # rounded to the nearest bf16, ties to even
+    else:
+        scale = from_bits32(-(-bits32(s32) // 0x10000) * 0x10000)  # rounded up to a bf16 value
     inv = 0.0 if scale == 0 else f32(1.0 / scale)
     if math.isinf(inv):
         inv = 0.0  # tiny (subnormal) scales: 1 / scale overflows
@@ -337,7 +341,8 @@ def codec_vectors(rng: Lcg, x: list[float], encode_q, decode_q) -> dict:
         out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in s), "q": hex_q(qh)}
     # stochastic rounding: the first three blocks of x and a fresh one
     xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
-    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, None, 0)[0]), "q": {}}
+    # (the scales of stochastic rounding, the same for every seed: int8 rounds them up to bf16)
+    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, SR_SEEDS[0], 0)[0]), "q": {}}
     for seed in SR_SEEDS:
         for first in SR_OFFSETS:
             sr["q"][f"{seed}@{first}"] = hex_q(encode_q(xs, seed, first)[1])

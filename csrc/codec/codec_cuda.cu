@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool finite = m < kInfBits;
   if (finite) {
     float scale;
-    Codes::block_scale(__uint_as_float(m), scale, inv);
+    Codes::block_scale(__uint_as_float(m), scale, inv, kStochastic);
     if (t == 0) scales[block] = scale;
   } else if (t == 0) {
     reinterpret_cast<uint32_t*>(scales)[block] = kCanonicalNaN;  // the flag, written bit-exact

@@ -174,7 +174,7 @@ int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t
       continue;
     }
     float inv;
-    block_scale(amax, Out::kQMax, Out::kBf16Scale, scales + b, &inv);
+    block_scale(amax, Out::kQMax, Out::kBf16Scale, kStochastic, scales + b, &inv);
     const __m512 vinv = _mm512_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     if constexpr (!kStochastic) {

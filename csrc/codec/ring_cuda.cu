@@ -275,7 +275,7 @@ __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ o
   float scale = __uint_as_float(kCanonicalNaN);
   float inv = 0.f;
   if (finite) {
-    Codes::block_scale(__uint_as_float(m), scale, inv);
+    Codes::block_scale(__uint_as_float(m), scale, inv, false);  // round to nearest
   }
   if (lane == 0) reinterpret_cast<uint32_t*>(scales_out)[block] = __float_as_uint(scale);
   bool rbad = false;
