@@ -44,7 +44,7 @@ __all__ = [
 
 # int8: block 64 with bf16-exact scales (2 bytes on the wire): 66 bytes per 64 values, and
 # a ring average of 16 ranks still errs below 0.9% on Gaussian data (benchmarks/RESULTS.md,
-# "int8 error against the number of ranks"). fp4 keeps block 256 and fp32 scales
+# "int8: bf16 scales and block 64"). fp4 keeps block 256 and fp32 scales
 # (docs/wire-format.md, "Block size 256").
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_FP4_BLOCK_SIZE = 256
