@@ -11,7 +11,7 @@ every rank ended with the same bits:
             whose sum is quantized once: e * sqrt(1 + (N-1)/N) for one quantization's e,
             at most sqrt(2) e whatever N (docs/ring.md, "Error bounds")
 
-    python benchmarks/bench_error_vs_n.py                         # N = 2..16, 1 Mi values, block 256
+    python benchmarks/bench_error_vs_n.py                         # N = 2..16, 1 Mi values, the default block
     python benchmarks/bench_error_vs_n.py --blocks 256,128,64 --world-sizes 2,4,8,16
     python benchmarks/bench_error_vs_n.py --codecs fp4 --world-sizes 2,8 # a 4-bit codec: N = 8 against N = 2
 
@@ -43,8 +43,9 @@ def inputs(seed: int, world: int, n: int) -> list:
     return [torch.randn(n, generator=torch.Generator().manual_seed(seed * 1009 + r)) for r in range(world)]
 
 
-def all_reduce_threads(xs: list, schedule: str, block: int, codec: str = "int8", timeout_s: float = 120.0) -> list:
-    """Averages xs[r] across len(xs) rings (threads of this process); returns every rank's result."""
+def all_reduce_threads(xs: list, schedule: str, block, codec: str = "int8", timeout_s: float = 120.0) -> list:
+    """Averages xs[r] across len(xs) rings (threads of this process); returns every rank's result.
+    block None: all_reduce's default for the codec."""
     import torch.distributed as dist
 
     from prime.comm import Ring
@@ -76,10 +77,14 @@ def all_reduce_threads(xs: list, schedule: str, block: int, codec: str = "int8",
     return out
 
 
-def measure(world: int, n: int, schedule: str, block: int, seed: int, codec: str = "int8") -> dict:
-    """The relative L2 error of one all-reduce against the float64 mean, and the ranks' agreement."""
+def measure(world: int, n: int, schedule: str, block, seed: int, codec: str = "int8") -> dict:
+    """The relative L2 error of one all-reduce against the float64 mean, and the ranks' agreement
+    (block None: all_reduce's default for the codec, which the row names)."""
+    from prime.ops import default_block_size
+
     xs = inputs(seed, world, n)
     ys = all_reduce_threads(xs, schedule, block, codec)
+    block = default_block_size(codec) if block is None else block
     ref = torch.stack([x.double() for x in xs]).mean(0)
     identical = all(torch.equal(ys[0].view(torch.int32), y.view(torch.int32)) for y in ys[1:])
     err = float((ys[0].double() - ref).norm() / ref.norm())
@@ -93,17 +98,23 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=1 << 20, help="values per rank (default 1 Mi)")
     p.add_argument("--schedules", default="direct,ring")
     p.add_argument("--codecs", default="int8", help="comma list of codecs (int8, fp4, ...)")
-    p.add_argument("--blocks", default="256", help="block sizes (default 256, the ring's default)")
+    p.add_argument("--blocks", default="default",
+                   help="comma list of block sizes; 'default': all_reduce's default for the codec (int8 64, fp4 256)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/error_vs_n.json)")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     worlds = [int(w) for w in args.world_sizes.split(",")]
     schedules = [s.strip() for s in args.schedules.split(",")]
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = [None if b.strip() == "default" else int(b) for b in args.blocks.split(",")]
     codecs = [c.strip() for c in args.codecs.split(",")]
     cases = [(c, s, b) for c in codecs for s in schedules for b in blocks]
-    name = (lambda c, s, b: f"{s} b{b}") if codecs == ["int8"] else (lambda c, s, b: f"{c} {s} b{b}")
+    from prime.ops import default_block_size
+
+    def name(c, s, b):
+        b = f"b{default_block_size(c)} (default)" if b is None else f"b{b}"
+        return f"{s} {b}" if codecs == ["int8"] else f"{c} {s} {b}"
+
     torch.set_num_threads(1)
     command = "python benchmarks/bench_error_vs_n.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     print(f"machine: {platform.node()} {os.cpu_count()} cpus; seed {seed}\ncommand: {command}")

@@ -73,7 +73,7 @@ def main() -> int:
     states, rows = {}, {}
     for dev in devices:
         t0 = time.perf_counter()
-        st = OuterState(params, block_size=256, device=dev)
+        st = OuterState(params, device=dev)  # the default block (int8's, 64)
         st.take()
         states[dev] = st
         print(f"  state on {dev} ({st.device}): allocated and taken in {time.perf_counter() - t0:.2f} s")

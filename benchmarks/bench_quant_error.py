@@ -38,18 +38,19 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="ring: MiB of fp32 per rank")
     ap.add_argument("--world", type=int, default=2, help="ring: ranks")
     ap.add_argument("--rounds", type=int, default=10, help="ring: timed all-reduces per setting")
+    ap.add_argument("--block", type=int, default=64, help="codec block size of the kernel table (default 64, int8's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ops = torch.ops.prime
-    print(f"torch {torch.__version__}, one thread, block 256; kernels of the public ops: {ops._cpu_codec_plan()}")
+    print(f"torch {torch.__version__}, one thread, block {args.block}; kernels of the public ops: {ops._cpu_codec_plan()}")
     print(f"{'values':>10} {'dtype':>9} {'isa':>7} {'quantize ms':>12} {'error pass ms':>14} {'ratio':>6}")
     for n in (1 << 18, 1 << 24):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(n).to(dtype)
             for isa in ops._cpu_codec_isas():
-                q, s = ops._quantize_int8_isa(x, 256, None, isa)
-                tq = median_s(lambda: ops._quantize_int8_isa(x, 256, None, isa), args.repeat)
-                te = median_s(lambda: ops._quantize_error_sq_isa(x, q, s, 256, isa), args.repeat)
+                q, s = ops._quantize_int8_isa(x, args.block, None, isa)
+                tq = median_s(lambda: ops._quantize_int8_isa(x, args.block, None, isa), args.repeat)
+                te = median_s(lambda: ops._quantize_error_sq_isa(x, q, s, args.block, isa), args.repeat)
                 print(f"{n:>10} {str(dtype)[6:]:>9} {isa:>7} {tq * 1e3:>12.3f} {te * 1e3:>14.3f} {te / tq:>6.2f}")
     ring_on_off(args)
 

@@ -5,6 +5,7 @@ the same bytes.
     python benchmarks/bench_quantize.py --quick                 # CPU here, or the GPU when present
     python benchmarks/bench_quantize.py --device cuda           # 1 MiB .. 1 GiB
     python benchmarks/bench_quantize.py --device cpu --sizes 64 --codecs int8,fp4
+    python benchmarks/bench_quantize.py --device cpu --sizes 64 --codecs int8,int8@256   # two block sizes
 
 Sizes are fp32 input bytes (n = size / 4 elements). GB/s counts bytes read plus
 bytes written, the way a memory-bound kernel is judged (C: the code bytes, n for
@@ -14,6 +15,10 @@ int8, ceil(n/2) for fp4):
     quantize        in_bytes*n read + C + 4n/B written
     dequantize      C + 4n/B read + 4n written (fp32 out)
     dequantize_add  C + 4n/B + 4n read + 4n written
+
+(the ops' scales are fp32 tensors, 4 bytes each, also int8's, which a ring payload
+carries in 2). B: the block a codec is named with (--codecs int8@256), else --block-size,
+else each codec's default (int8 64, fp4 256).
 
 fp4 moves fewer bytes than int8 for the same n, so its GB/s understate it next to
 int8's; "Gval/s" (values per second, n / time) compares the two codecs at the same
@@ -158,9 +163,16 @@ def quantize_reference_compilable(x, block_size, seed, c127):
     nonfinite = ~torch.isfinite(amax)
     a = torch.where(nonfinite, 0.0, amax)
     c = c127.expand_as(a)
-    scale = torch.where(nonfinite, float("nan"), a / c)
-    inv = torch.where(a > 0, c / torch.where(a > 0, a, 1.0), 0.0)
+    # a / 127 rounded to a bf16 value (to nearest: the conversion; stochastic rounding: upward),
+    # inv = 1 / scale (tensor / tensor)
+    if seed is None:
+        scale = (a / c).to(torch.bfloat16).to(torch.float32)
+    else:
+        scale = (((a / c).view(torch.int32) + 0xFFFF) & -65536).view(torch.float32)
+    one = c / c
+    inv = torch.where(scale > 0, one / torch.where(scale > 0, scale, 1.0), 0.0)
     inv = torch.where(torch.isinf(inv), 0.0, inv)
+    scale = torch.where(nonfinite, float("nan"), scale)
     v = blocks * inv[:, None]
     if seed is None:
         r = torch.round(v)
@@ -274,16 +286,28 @@ def same_encoding(got, want):
 # ---------------------------------------------------------------------------
 
 
+def codec_name(spec):
+    """The codec of a --codecs entry ("int8", or "int8@256": int8 at block 256)."""
+    return spec.partition("@")[0]
+
+
+def block_of(args, spec):
+    """The block size a --codecs entry is timed at: its own (int8@256), --block-size, else the codec's default."""
+    name, _, block = spec.partition("@")
+    if block:
+        return int(block)
+    return args.block_size if args.block_size is not None else ops.default_block_size(name)
+
+
 def bench_size(size_bytes, args, device, timer, impls, refs):
     """Times every op of one size for every codec; returns result rows. impls, refs: codec -> name -> ops."""
     n = size_bytes // 4
-    B = args.block_size
     dtype = DTYPES[args.dtype]
     in_bytes = torch.tensor([], dtype=dtype).element_size()
-    nb = math.ceil(n / B)
 
     def nbytes_of(codec):
-        code = CODECS[codec]["code_bytes"](n)
+        nb = math.ceil(n / block_of(args, codec))
+        code = CODECS[codec_name(codec)]["code_bytes"](n)
         return {"quantize": in_bytes * n + code + 4 * nb, "quantize_sr": in_bytes * n + code + 4 * nb,
                 "dequantize": code + 4 * nb + 4 * n, "dequantize_add": code + 4 * nb + 8 * n}
 
@@ -322,7 +346,8 @@ def bench_size(size_bytes, args, device, timer, impls, refs):
         inexact.append((codec, op, name))
 
     for codec in impls:
-        ref = CODECS[codec]
+        ref = CODECS[codec_name(codec)]
+        B = block_of(args, codec)
         qs = [ref["quantize"](x, B) for x in xs]
         # reference results of slot 0, for the bit checks
         x0, (q0, s0), acc0 = xs[0], qs[0], accs[0]
@@ -399,7 +424,7 @@ def bench_size(size_bytes, args, device, timer, impls, refs):
                     "impl": name,
                     "size_bytes": size_bytes,
                     "n": n,
-                    "block_size": B,
+                    "block_size": block_of(args, codec) if codec else None,
                     "input_dtype": args.dtype,
                     "bytes_moved": moved,
                     "time_s": t,
@@ -433,8 +458,10 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", type=str, default=None, help="comma-separated fp32 input sizes in MiB (default 1..1024)")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES_MIB} MiB, fewer repeats")
-    p.add_argument("--block-size", type=int, default=ops.DEFAULT_BLOCK_SIZE)
-    p.add_argument("--codecs", type=str, default="int8,fp4", help="comma-separated block codecs to time side by side")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="block size of every codec (default: each codec's, int8 64, fp4 256)")
+    p.add_argument("--codecs", type=str, default="int8,fp4",
+                   help="comma-separated block codecs to time side by side, each optionally at a block (int8@256)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="input dtype of quantize")
     p.add_argument("--repeats", type=int, default=None, help="timed batches per implementation (median)")
     p.add_argument("--target-ms", type=float, default=None, help="wall time of one timed batch")
@@ -457,7 +484,8 @@ def main(argv=None):
         device = torch.device("cuda", torch.cuda.current_device())
     if args.threads:
         torch.set_num_threads(args.threads)
-    ops.check_block_size(args.block_size)
+    if args.block_size is not None:
+        ops.check_block_size(args.block_size)
     is_cpu = device.type == "cpu"
     sizes = (
         [float(s) for s in args.sizes.split(",")]
@@ -479,15 +507,17 @@ def main(argv=None):
 
     codecs = [c for c in args.codecs.split(",") if c]
     for c in codecs:
-        if c not in CODECS:
-            raise SystemExit(f"--codecs: {c!r} is not one of {', '.join(CODECS)}")
+        if codec_name(c) not in CODECS:
+            raise SystemExit(f"--codecs: {c!r} is not one of {', '.join(CODECS)} (optionally @block)")
+        ops.check_block_size(block_of(args, c), f"the block of --codecs {c}")
     impls, refs, notes = {}, {}, []
     for c in codecs:
-        impls[c], codec_notes = backend_impls(device, args.block_size, args.all_isas, c)
+        impls[c], codec_notes = backend_impls(device, block_of(args, c), args.all_isas, codec_name(c))
         notes += [n for n in codec_notes if n not in notes]
-        refs[c] = reference_impls(args.block_size, not args.no_compile, args.compile_sr, c)
+        refs[c] = reference_impls(block_of(args, c), not args.no_compile, args.compile_sr, codec_name(c))
     desc = device_description(device)
-    print(f"# codec throughput on {desc}; torch {torch.__version__}; block {args.block_size}; input {args.dtype}")
+    blocks = ", ".join(f"{c} {block_of(args, c)}" for c in codecs)
+    print(f"# codec throughput on {desc}; torch {torch.__version__}; block {blocks}; input {args.dtype}")
     for note in notes:
         print(f"# {note}")
     print(f"# command: python {' '.join(sys.argv)}")
@@ -499,12 +529,12 @@ def main(argv=None):
         all_rows += rows
         all_skipped += [f"{mib:g} MiB: {s}" for s in skipped]
         print(f"\n## {mib:g} MiB fp32-equivalent (n = {size_bytes // 4}), rotating {rows[0]['rotating_sets']} set(s)")
-        print(f"{'op':<16}{'codec':<6}{'impl':<14}{'time':>12}{'GB/s':>10}{'% copy':>9}{'Gval/s':>9}")
+        print(f"{'op':<16}{'codec':<10}{'impl':<14}{'time':>12}{'GB/s':>10}{'% copy':>9}{'Gval/s':>9}")
         for r in rows:
             t = r["time_s"]
             ts = f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
             impl = r["impl"] + ("" if r["bit_exact"] else " *")
-            print(f"{r['op']:<16}{r['codec']:<6}{impl:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%"
+            print(f"{r['op']:<16}{r['codec']:<10}{impl:<14}{ts:>12}{r['gbps']:>10.1f}{r['pct_of_copy']:>8.0f}%"
                   f"{r['gvalues_per_s']:>9.2f}")
         sys.stdout.flush()
     for s in all_skipped:

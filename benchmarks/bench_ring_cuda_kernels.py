@@ -23,7 +23,7 @@ import torch
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=128, help="values per kernel, MiB of fp32")
-    p.add_argument("--block", type=int, default=256, help="int8 codec block size")
+    p.add_argument("--block", type=int, default=64, help="int8 codec block size (default 64, the codec's)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for bench_ring_cuda_kernels.json")

@@ -98,7 +98,7 @@ def launch_once(n: int, block: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mib", default="64,256", help="fp32 MiB per call (comma list)")
-    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64, help="int8 codec block size (default 64, the codec's)")
     p.add_argument("--launch-only", action="store_true", help="only launch the kernels (run under ncu)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

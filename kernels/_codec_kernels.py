@@ -113,14 +113,29 @@ def _fp4_codes(v, u, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _scale_bits_and_inverse(a, QMAX: tl.constexpr, ROWS: tl.constexpr):
-    """Per block, from a = max |x| (inf where the block holds NaN or Inf): the scale's bits (a / QMAX, or the
-    NaN flag) and inv = QMAX / a (0 when a == 0, when QMAX / a overflows, for tiny subnormal blocks, and for
-    non-finite blocks, where QMAX / inf == 0)."""
+def _scale_bits_and_inverse(a, QMAX: tl.constexpr, ROWS: tl.constexpr, FP4: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Per block, from a = max |x| (inf where the block holds NaN or Inf): the scale's bits (or the NaN flag)
+    and the inverse the values are multiplied by. fp4: scale = a / QMAX, inv = QMAX / a. int8: a / QMAX
+    rounded to a bf16 value in the bits (the scale is >= 0, so >> is logical; -65536 is 0xffff0000 as
+    int32): upward for stochastic rounding, else to nearest, ties to even; inv = 1 / scale. inv is 0 when
+    its divisor is 0, when the quotient overflows (tiny subnormal blocks) and for non-finite blocks
+    (num / inf == 0)."""
     qmax = tl.full([ROWS], QMAX, tl.float32)
     scale = tl.math.div_rn(a, qmax)
-    positive = a > 0.0
-    inv = tl.math.div_rn(qmax, tl.where(positive, a, 1.0))
+    if FP4:
+        num = qmax
+        den = a
+    else:
+        bits = scale.to(tl.int32, bitcast=True)
+        if STOCHASTIC:
+            bits = bits + 0xFFFF
+        else:
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        scale = (bits & -65536).to(tl.float32, bitcast=True)
+        num = tl.full([ROWS], 1.0, tl.float32)
+        den = scale
+    positive = den > 0.0
+    inv = tl.math.div_rn(num, tl.where(positive, den, 1.0))
     inv = tl.where(positive & (inv != float("inf")), inv, 0.0)
     return tl.where(a == float("inf"), _NAN_BITS, scale.to(tl.int32, bitcast=True)), inv
 
@@ -164,7 +179,7 @@ def _quantize_tile(
     a = tl.max(ax, axis=1)
     nonfinite = a == float("inf")
 
-    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX if FP4 else _QMAX, ROWS)
+    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX if FP4 else _QMAX, ROWS, FP4, STOCHASTIC)
 
     v = x * inv[:, None]
     u = 0.0
@@ -231,7 +246,7 @@ def _quantize_fp4_pairs_tile(
     # NaN counts as +inf, as in _quantize_tile
     ax = tl.maximum(tl.where(ax_lo == ax_lo, ax_lo, float("inf")), tl.where(ax_hi == ax_hi, ax_hi, float("inf")))
     a = tl.max(ax, axis=1)
-    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX, ROWS)
+    scale_bits, inv = _scale_bits_and_inverse(a, _FP4_MAX, ROWS, True, STOCHASTIC)
 
     v_lo = x_lo * inv[:, None]
     v_hi = x_hi * inv[:, None]

@@ -258,7 +258,7 @@ def _quantize(op: str, x: torch.Tensor, block_size: int, seed: Optional[int]) ->
 
 
 def quantize_int8(
-    x: torch.Tensor, block_size: int = 256, seed: Optional[int] = None
+    x: torch.Tensor, block_size: int = 64, seed: Optional[int] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Encodes x (fp32, bf16 or fp16, any shape) as (q int8[n], scales fp32[ceil(n/B)]).
 
@@ -271,7 +271,7 @@ def quantize_int8(
 
 
 def dequantize_int8(
-    q: torch.Tensor, scales: torch.Tensor, block_size: int = 256, dtype: torch.dtype = torch.float32
+    q: torch.Tensor, scales: torch.Tensor, block_size: int = 64, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Decodes (q, scales) into a 1-D tensor of `dtype` (fp32, bf16 or fp16).
 
@@ -288,7 +288,7 @@ def dequantize_int8(
 
 
 def dequantize_add_int8_(
-    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256
+    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 64
 ) -> torch.Tensor:
     """acc += dequantize(q, scales) in place: one fp32 multiply, then one fp32 add. Returns acc."""
     _check_encoded(q, scales, block_size)

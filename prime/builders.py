@@ -147,7 +147,7 @@ def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data:
         tokens_per_step=data.tokens_per_step,
         flops_per_token=parts.args.flops_per_token(cfg.data.seq_len),
         peak=peak_flops(env.device, cfg.metrics.peak_tflops), local_sum=env.local_sum,
-        codec=cfg.diloco.codec, block_size=cfg.diloco.block_size, inner_steps=cfg.diloco.inner_steps,
+        codec=cfg.diloco.codec, block_size=cfg.diloco.resolved_block_size(), inner_steps=cfg.diloco.inner_steps,
         model_numel=parts.numel(),
     )
 
@@ -168,7 +168,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
     diloco = DiLoCo(
         parts.model, parts.optimizer, nodes.sync,
         inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
-        codec=d.codec, block_size=d.block_size, measure_compression_error=d.compression_error,
+        codec=d.codec, block_size=d.resolved_block_size(), measure_compression_error=d.compression_error,
         # elastic joiners check a digest of the state they download instead
         check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
         overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from prime.ops import check_block_size
+from prime.ops import check_block_size, default_block_size
 
 try:  # Python 3.11+
     import tomllib as _toml
@@ -179,8 +179,8 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD (False: heavy ball)."""
     codec: str = "int8"
     """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
-    block_size: int = 256
-    """Codec block (int8, fp4): one fp32 scale per block_size values (power of two, 32..4096)."""
+    block_size: Optional[int] = None
+    """Codec block (int8, fp4): one scale per block_size values (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (2-byte scales), 256 for fp4 (fp32 scales)."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
@@ -205,6 +205,10 @@ class DiLoCoConfig:
     """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights. Not with elastic.enabled."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
+
+    def resolved_block_size(self) -> int:
+        """block_size, or the codec's default when it is unset."""
+        return default_block_size(self.codec) if self.block_size is None else self.block_size
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
@@ -234,7 +238,8 @@ class DiLoCoConfig:
         from prime.feedback import resolve_error_feedback
 
         resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
-        check_block_size(self.block_size, "diloco.block_size")
+        if self.block_size is not None:
+            check_block_size(self.block_size, "diloco.block_size")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)

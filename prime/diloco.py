@@ -61,6 +61,7 @@ from torch import nn
 from prime.fragments import (MERGE_ALPHA, STAND_IN_OTHERS, BufferPool, Fragment, FragmentSchedule,
                              FragmentSettings, OuterStepResult, split_fragments, stand_in_share, sync_pieces)
 from prime.feedback import resolve_error_feedback
+from prime.ops import default_block_size
 from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
                          pending_training_bytes, staging_bytes)
 from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
@@ -114,7 +115,8 @@ class DiLoCo:
                       (4-bit floats, docs/wire-format.md) sends half of int8's bytes at
                       about 11% error per quantization. codec="none" averages in exact
                       fp32 (4x the bytes)
-    block_size:       codec block size (int8, fp4); each parameter starts a new block
+    block_size:       codec block size (int8, fp4); each parameter starts a new block.
+                      None: the codec's default (int8 64, fp4 256; prime.ops.default_block_size)
     ring_factory:     ring_factory(tag) -> new Ring, used to retry after a failure
                       (with a ring or sync=None; None: no retries)
     retries:          retries per outer step when ring_factory is given
@@ -184,7 +186,7 @@ class DiLoCo:
         nesterov: bool = True,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
         codec: str = "int8",
-        block_size: int = 256,
+        block_size: Optional[int] = None,
         ring_factory: Optional[Callable[[str], object]] = None,
         retries: int = 2,
         local_group=None,
@@ -206,6 +208,8 @@ class DiLoCo:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         if codec not in ("int8", "fp4", "none"):
             raise ValueError(f"codec must be 'int8', 'fp4' or 'none', got {codec!r}")
+        if block_size is None:
+            block_size = default_block_size(codec)
         if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
         if retries < 0:

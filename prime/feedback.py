@@ -13,10 +13,13 @@ fragment, at its own sync):
 
 The ring then quantizes y again, and that second quantization is lossless:
 a round trip of the codec is a fixed point of it (every block's largest value
-a = |y| decodes from the code 127 or 6 and the scale s = a0 / c, and
-(c * s) / c rounds back to s, so the block gets the same codes and the same
-scale), checked bit for bit on every fp32 scale of several binades and on the
-real ring by tests/test_feedback.py. So each node's contribution enters the
+a = |y| decodes from the code 127 or 6 and the block's scale s, and (c * s) / c
+rounds back to s, so the block gets the same codes and the same scale). For
+int8 this needs the scale rounded to the *nearest* bf16 value: a / s is then at
+least 127 / (1 + 2^-8) > 126.5, so the largest value codes as 127 (a scale
+rounded up could leave it at 126, and the second round trip would pick a
+smaller scale). Checked bit for bit on every fp32 scale of several binades and
+on the real ring by tests/test_feedback.py. So each node's contribution enters the
 sum exactly as y, whichever schedule runs, and the residual is exactly what
 the node's contribution lost. What the residual does not hold: the errors of
 quantizing *sums* (the owner's final quantization in both schedules, and in

@@ -233,7 +233,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     pieces = max((f.pieces for f in frags), default=1)
     ring_values = (largest // pieces) if frags else 0
     nodes = max(1, env.num_nodes)
-    ring_host = int(2 * ring_values / nodes * (1 + 4 / cfg.diloco.block_size)) if on_gpu and frags else 0
+    block = cfg.diloco.resolved_block_size()
+    # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
+    ring_host = int(2 * ring_values / nodes * (1 + 2 / block)) if on_gpu and frags else 0
     if on_gpu:
         budget = gpu_total if gpu_total is not None else (
             int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
@@ -245,7 +247,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
             plan.gpu.append(("outer work buffers", work))
             plan.gpu.append(("outer staging", staging if streamed else staging // 3))
             # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
-            plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / cfg.diloco.block_size))))
+            plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / block))))
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     if frags:

@@ -23,6 +23,7 @@ from prime import _extension
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_FP4_BLOCK_SIZE",
     "NonFiniteError",
     "quantize_int8",
     "dequantize_int8",
@@ -41,7 +42,12 @@ __all__ = [
     "CODECS",
 ]
 
-DEFAULT_BLOCK_SIZE = 256
+# int8: block 64 with bf16-exact scales (2 bytes on the wire): 66 bytes per 64 values, and
+# a ring average of 16 ranks still errs below 0.9% on Gaussian data (benchmarks/RESULTS.md,
+# "int8: bf16 scales and block 64"). fp4 keeps block 256 and fp32 scales
+# (docs/wire-format.md, "Block size 256").
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_FP4_BLOCK_SIZE = 256
 MIN_BLOCK_SIZE = 32
 MAX_BLOCK_SIZE = 4096
 QMAX = 127
@@ -89,14 +95,27 @@ def fp4_bytes(n: int) -> int:
     return (n + 1) // 2
 
 
-def wire_bytes(n: int, block_size: int = DEFAULT_BLOCK_SIZE, codec: str = "int8") -> int:
-    """Bytes of a tensor of n elements encoded with `codec` ("int8": n int8 values, "fp4": ceil(n/2)
-    bytes of codes, each plus one fp32 scale per block; "none": 4n, fp32)."""
+# Bytes of one block's scale in a ring payload: int8 sends the high half of its bf16-exact
+# fp32 scale, fp4 the whole fp32 scale (docs/wire-format.md, "On the wire").
+SCALE_BYTES = {"int8": 2, "fp4": 4}
+
+
+def default_block_size(codec: str) -> int:
+    """The block size a codec uses when none is given: 64 for int8, 256 for fp4."""
+    return DEFAULT_FP4_BLOCK_SIZE if codec == "fp4" else DEFAULT_BLOCK_SIZE
+
+
+def wire_bytes(n: int, block_size: Optional[int] = None, codec: str = "int8") -> int:
+    """Bytes of a tensor of n elements encoded with `codec` in a ring payload ("int8": n int8 values
+    plus a 2-byte scale per block; "fp4": ceil(n/2) bytes of codes plus a 4-byte scale per block;
+    "none": 4n, fp32). `block_size` None: the codec's default."""
     if codec == "none":
         return 4 * n
     if codec not in ("int8", "fp4"):
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-    return (n if codec == "int8" else fp4_bytes(n)) + 4 * num_blocks(n, block_size)
+    if block_size is None:
+        block_size = default_block_size(codec)
+    return (n if codec == "int8" else fp4_bytes(n)) + SCALE_BYTES[codec] * num_blocks(n, block_size)
 
 
 def _check_input(x: torch.Tensor, op: str = "quantize_int8") -> None:
@@ -219,10 +238,23 @@ def stochastic_uniform_reference(seed: int, index: torch.Tensor) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int):
+def bf16_round_reference(s: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """Non-negative finite fp32 values rounded to a bf16-representable fp32 (low 16 bits zero):
+    to nearest, ties to even (torch's fp32 -> bf16 conversion, widened back), or, with `up`,
+    upward (+ 0xffff in the bits, the low half cleared: the bit order of non-negative floats is
+    their value order). Values already representable, 0 among them, stay; subnormals too."""
+    if not up:
+        return s.to(torch.bfloat16).to(torch.float32)
+    bits = s.view(torch.int32).to(torch.int64)
+    return ((bits + 0xFFFF) & 0xFFFF0000).to(torch.int32).view(torch.float32)
+
+
+def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, bf16_scale: Optional[str] = None):
     """The steps every block codec shares (docs/wire-format.md): blocks of B values, zero-padded;
-    a = max |x| per block; scale = a / qmax and inv = qmax / a (two IEEE divisions; inv 0 when a
-    is 0 or qmax / a overflows); v = x * inv. Returns (n, blocks, nonfinite, scale, v)."""
+    a = max |x| per block; scale = a / qmax (one IEEE division). fp4 (bf16_scale None):
+    inv = qmax / a; int8: scale rounded to a bf16 value ("nearest" or "up"), inv = 1 / scale.
+    inv is 0 when the divisor is 0 or the quotient overflows; v = x * inv.
+    Returns (n, blocks, nonfinite, scale, v)."""
     if not 0 <= first_index < 2**63:
         raise ValueError(f"first_index must be in [0, 2^63), got {first_index}")
     flat = x.reshape(-1).to(torch.float32)
@@ -233,7 +265,12 @@ def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: i
     a = torch.where(nonfinite, 0.0, blocks.abs().amax(dim=1))
     c = torch.full_like(a, float(qmax))
     scale = a / c  # tensor / tensor: one IEEE division per element
-    inv = torch.where(a > 0, c / torch.where(a > 0, a, 1.0), 0.0)
+    if bf16_scale:
+        scale = bf16_round_reference(scale, up=bf16_scale == "up")
+        num, den = torch.ones_like(a), scale
+    else:
+        num, den = c, a
+    inv = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
     inv = torch.where(torch.isinf(inv), 0.0, inv)
     scale = torch.where(nonfinite, float("nan"), scale)
     return n, blocks, nonfinite, scale.contiguous(), blocks * inv[:, None]
@@ -256,7 +293,10 @@ def quantize_int8_reference(
     rounding keys its generator by (seed, first_index + i)."""
     _check_input(x)
     check_block_size(block_size)
-    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX, first_index)
+    # the scale is rounded to the nearest bf16 value for round-to-nearest codes, upward for
+    # stochastic ones (so that |v| <= 127 and no value's rounding is cut by the clamp)
+    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX, first_index,
+                                               bf16_scale="nearest" if seed is None else "up")
     if seed is None:
         r = torch.round(v)  # round half to even
     else:
@@ -310,7 +350,7 @@ def _fp4_magnitude_index(t: torch.Tensor, seed: Optional[int], u: Optional[torch
 
 
 def quantize_fp4_reference(
-    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, seed: Optional[int] = None, *, first_index: int = 0
+    x: torch.Tensor, block_size: int = DEFAULT_FP4_BLOCK_SIZE, seed: Optional[int] = None, *, first_index: int = 0
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fp4 codec in plain torch ops. Returns (q uint8[ceil(n/2)], scales float32[ceil(n/B)]).
 
@@ -340,7 +380,7 @@ def dequantize_fp4_reference(
     q: torch.Tensor,
     scales: torch.Tensor,
     numel: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = DEFAULT_FP4_BLOCK_SIZE,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     _check_encoded_fp4(q, scales, numel, block_size)
@@ -349,7 +389,7 @@ def dequantize_fp4_reference(
 
 
 def dequantize_add_fp4_reference_(
-    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = DEFAULT_FP4_BLOCK_SIZE
 ) -> torch.Tensor:
     _check_fp4_accumulation(acc, q, scales, block_size)
     n = acc.numel()
@@ -459,9 +499,11 @@ def quantize_int8(
     backend: Optional[str] = None,
     check_finite: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Encodes x (fp32, bf16 or fp16, any shape) into int8 values and one fp32 scale per block.
+    """Encodes x (fp32, bf16 or fp16, any shape) into int8 values and one scale per block.
 
-    Returns (q: int8[n], scales: float32[ceil(n / block_size)]) on x's device.
+    Returns (q: int8[n], scales: float32[ceil(n / block_size)]) on x's device. Each scale is
+    max|x| / 127 rounded to a bf16 value (its low 16 bits are zero: a ring sends 2 bytes of it):
+    to nearest, or up with stochastic rounding (docs/wire-format.md); block 64 by default.
     `seed` turns on stochastic rounding. Non-finite input raises NonFiniteError
     when `check_finite` (a host sync on CUDA); otherwise its blocks carry a NaN scale.
     """
@@ -499,7 +541,7 @@ def dequantize_add_int8_(
 
 def quantize_fp4(
     x: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = DEFAULT_FP4_BLOCK_SIZE,
     *,
     seed: Optional[int] = None,
     backend: Optional[str] = None,
@@ -518,7 +560,7 @@ def dequantize_fp4(
     q: torch.Tensor,
     scales: torch.Tensor,
     numel: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = DEFAULT_FP4_BLOCK_SIZE,
     dtype: torch.dtype = torch.float32,
     *,
     backend: Optional[str] = None,
@@ -535,7 +577,7 @@ def dequantize_add_fp4_(
     acc: torch.Tensor,
     q: torch.Tensor,
     scales: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = DEFAULT_FP4_BLOCK_SIZE,
     *,
     backend: Optional[str] = None,
 ) -> torch.Tensor:

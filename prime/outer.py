@@ -1,6 +1,6 @@
 """The outer state: flat fp32 outer weights and momentum of one process's share of a model (or of a fragment).
 
-    state = OuterState(model.parameters(), block_size=256)
+    state = OuterState(model.parameters(), block_size=64)
     state.take()                      # outer weights := the model's current weights
     ...                               # inner steps move the model away
     g = state.new_buffer()
@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from prime.feedback import compensate
+from prime.ops import DEFAULT_BLOCK_SIZE
 from prime.parallelize import local_shard
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
@@ -292,7 +293,7 @@ class OuterState:
         self,
         params: Iterable[torch.Tensor],
         *,
-        block_size: int = 256,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
@@ -810,7 +811,7 @@ class OuterState:
         """Outer weights and momentum (or the outer optimizer's state): CPU tensors (copies when on a GPU; the
         buffers themselves when they live in CPU memory: they change only at this state's next outer step)."""
         self.ensure_taken()
-        sd = {"outer": self.outer.cpu(), "numel": self.numel}
+        sd = {"outer": self.outer.cpu(), "numel": self.numel, "block_size": self.block_size}
         if self.optimizer is None:
             sd["momentum"] = self.momentum.cpu()
         else:
@@ -821,10 +822,19 @@ class OuterState:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores state_dict(); a different layout raises ValueError."""
+        if "block_size" in sd and int(sd["block_size"]) != self.block_size:
+            # (every parameter starts a block: the layout depends on it)
+            raise ValueError(
+                f"the checkpoint's outer state was written with diloco.block_size = {int(sd['block_size'])}, this "
+                f"run has {self.block_size}: set diloco.block_size = {int(sd['block_size'])} to resume it (unset, "
+                "it is the codec's default: 64 for int8, 256 for fp4)"
+            )
         if int(sd["numel"]) != self.numel:
             raise ValueError(
                 f"the checkpoint's outer state has {sd['numel']} values but this process's shard needs "
-                f"{self.numel}: resume with the same model, processes per node and diloco.fragments"
+                f"{self.numel}: resume with the same model, processes per node, diloco.fragments and "
+                "diloco.block_size (unset, it is the codec's default: 64 for int8, 256 for fp4; a checkpoint that "
+                "does not record it was written at 256 unless diloco.block_size was set)"
             )
         if (self.optimizer is None) != ("momentum" in sd):
             raise ValueError("the checkpoint's outer state was written with "

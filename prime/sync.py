@@ -229,7 +229,7 @@ class RingSync:
         self.local_group = local_group
         self.average_group = local_group
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
-        self.codec, self.block_size = "int8", 256  # set by bind()
+        self.codec, self.block_size = "int8", 64  # set by bind()
         self._caller_ring = ring
         self.last_apply_s = 0.0
         """average_pieces(): seconds the last piece's apply() took (the update left after the wire)."""

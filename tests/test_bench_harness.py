@@ -149,8 +149,10 @@ def test_percentile_matches_numpy():
 def test_int8_bytes_agree_with_the_codec():
     from prime import ops
 
-    for n in (1, 255, 256, 257, 1 << 20):
-        assert bench.int8_bytes(n) == ops.wire_bytes(n, 256)
+    for n in (1, 63, 64, 65, 255, 256, 257, 1 << 20):
+        assert bench.int8_bytes(n) == ops.wire_bytes(n) == ops.wire_bytes(n, 64)
+        assert bench.int8_bytes(n, 128) == ops.wire_bytes(n, 128)
+    assert bench.method_block("ring-fp4") == ops.default_block_size("fp4")
 
 
 def test_row_metrics_by_hand():
@@ -227,11 +229,11 @@ def test_ring_adapter_reads_work_stats_by_field():
 
     class Ring:
         def all_reduce(self, tensor, op, codec, block_size):
-            assert (op, codec, block_size) == ("sum", "int8", 256)
+            assert (op, codec, block_size) == ("sum", "int8", 64)
             return Work()
 
     adapter = bench.RingAdapter.__new__(bench.RingAdapter)  # no store, no sockets
-    adapter.ring, adapter.codec, adapter.block = Ring(), "int8", 256
+    adapter.ring, adapter.codec, adapter.block = Ring(), "int8", 64
     sent, numeric = adapter.all_reduce(torch.zeros(4))
     assert sent == 123.0
     assert numeric["bytes_received"] == 7.0 and numeric["quantize_s"] == 0.25 and numeric["seq"] == 3.0

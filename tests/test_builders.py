@@ -153,13 +153,13 @@ def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
     parts = build_model_and_optimizer(cfg, env)
     m = build_metrics(cfg, env, parts, build_data(cfg, env, parts.args.vocab_size))
     assert m.tokens_per_step == 4 * 64 * 3 and m.flops_per_token == parts.args.flops_per_token(64)
-    assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 4 / 64
+    assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 2 / 64
     assert m.log is None  # opened by the trainer once the resume step is known
 
 
 def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):
     """Bytes of outer steps that report none are estimated as a ring all-reduce of the int8 wire format,
-    2 (N-1)/N x numel x (1 + 4/block) (recomputed here), against data parallel's fp32 ring every inner step."""
+    2 (N-1)/N x numel x (1 + 2/block) (recomputed here: a 2-byte scale per block), against data parallel's fp32 ring every inner step."""
     rng = random.Random(seed)
     numel, model_numel, block, inner = rng.randrange(1000, 100000), rng.randrange(1000, 100000), 128, 7
     m = RunMetrics(out_dir=str(tmp_path), node_rank=0, is_logger=True, local_world=1, num_nodes=3, total_steps=20,
@@ -177,7 +177,7 @@ def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):
         m.outer_step(inner, r, note=" | extra note", fields={"nodes": len(members)})
     out = capsys.readouterr().out
     assert out.count("| extra note") == 2 and "(est.)" in out
-    est = 2 * 2 / 3 * numel * (1 + 4 / block)
+    est = 2 * 2 / 3 * numel * (1 + 2 / block)
     dp = 2 * 2 / 3 * 4 * model_numel * inner + 2 * 1 / 2 * 4 * model_numel * inner
     assert m.total_sent == pytest.approx(est + measured, rel=1e-12) and not m.sent_measured
     assert m.total_dp == pytest.approx(dp, rel=1e-12)

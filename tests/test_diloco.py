@@ -37,9 +37,10 @@ class FakeThreadGroup:
 def int8_round_trip_f64(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """Quantize then dequantize as docs/wire-format.md writes it, without prime.ops.
 
-    Each fp32 operation of the format (a / 127, 127 / a, x * inv, q * scale) is
+    Each fp32 operation of the format (a / 127, 1 / scale, x * inv, q * scale) is
     computed in float64 and rounded once to fp32, which gives the correctly
-    rounded fp32 result for a division or a product of two fp32 values."""
+    rounded fp32 result for a division or a product of two fp32 values; the scale
+    is a / 127 rounded to the nearest bf16 value (the fp32 -> bf16 conversion)."""
     def f32(t):
         return torch.as_tensor(t, dtype=torch.float64).to(torch.float32).to(torch.float64)
 
@@ -48,8 +49,8 @@ def int8_round_trip_f64(x: torch.Tensor, block_size: int) -> torch.Tensor:
     for s in range(0, flat.numel(), block_size):
         b = flat[s : s + block_size]
         a = float(b.abs().max())
-        scale = f32(a / 127)
-        inv = f32(127 / a) if a > 0 else f32(0.0)
+        scale = f32(a / 127).to(torch.float32).to(torch.bfloat16).to(torch.float64)
+        inv = f32(1 / float(scale)) if float(scale) > 0 else f32(0.0)
         if torch.isinf(inv):
             inv = f32(0.0)
         q = torch.round(f32(b * inv)).clamp(-127, 127)  # torch.round: half to even

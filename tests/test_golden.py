@@ -11,19 +11,27 @@ bit for bit: the torch reference, the C++ CPU op and each CPU instruction set, T
 A few entries, derived by hand from the format (block size B = 32):
 
 - Block 0 has max |x| = 15.875 = 127 * 2^-3 (three times, both signs), so
-  scale = 15.875 / 127 = 0.125 (bits 3e000000) and inv = 127 / 15.875 = 8 exactly;
+  scale = 15.875 / 127 = 0.125 (bits 3e000000, bf16-exact: not rounded) and
+  inv = 1 / 0.125 = 8 exactly;
   x = (k + 0.5) / 8 gives v = k + 0.5, a tie, rounded to even:
   0.5 -> 0, -0.5 -> 0, 1.5 -> 2, -1.5 -> -2 (fe), 2.5 -> 2, -2.5 -> -2, 3.5 -> 4,
   125.5 -> 126 (7e), -126.5 -> -126 (82); the maxima give 127 (7f) and -127 (81),
   never -128; x = -0.0 gives 0.
+- Block 1 has max |x| = 1 (both signs): 1 / 127 is 3c010204 in fp32, rounded to the
+  nearest bf16 value 3c010000 (0.00787353515625, below 1 / 127); inv = 1 / that =
+  127.0077..., so the maxima give 127 (7f) and -127 (81): v is at most 127 / (1 - 2^-8)
+  < 127.5, so the clamp never cuts.
 - Block 2 holds 32 copies of fp32(-3.7): every q is -127 (81).
 - Block 3 holds only zeros (some -0.0): a = 0, scale = 0, inv = 0, q = 0.
-- Block 4 holds subnormals below 60 * 2^-149: 127 / a overflows, so inv = 0 and q = 0;
-  scale = a / 127 is below half the smallest subnormal and rounds to 0.
-- Block 6 holds -FLT_MAX: scale = FLT_MAX / 127 rounded up, so q = -127 decodes to
-  -127 * scale = -inf (the ring's owner flags exactly this as an overflow).
+- Block 4 holds subnormals below 60 * 2^-149: scale = a / 127 is below half the smallest
+  subnormal and rounds to 0, so inv = 0 and q = 0.
+- Block 6 holds -FLT_MAX: scale = FLT_MAX / 127 rounded to bf16, 7c010000, so
+  -FLT_MAX gives q = -127, which decodes to -127 * scale = ff7ffc00: finite in fp32,
+  but -inf in bf16 (ff80), which the ring's owner flags as an overflow.
 - Block 7 holds a NaN and block 8 (7 values, the short last block) an infinity:
   scale 7fc00000 (the canonical quiet NaN, the flag) and q all 0.
+- Stochastic rounding rounds the int8 scales up to bf16 instead (GOLDEN["stochastic"]
+  ["scales"]: block 1's is 3c020000, 0.0079345703125, so x = +-1 gives v = +-126.03).
 - Stochastic rounding at element index i = 2^32 keys its generator by
   lo = 0 and hi = 1: k = fmix32(seed ^ fmix32(1 ^ 0x9e3779b9)); the vectors at
   first_index 2^32 - 64 cross that boundary after two blocks.
@@ -44,8 +52,9 @@ fp4 (GOLDEN["fp4"], the same block size):
 
 Run `python tools/golden_vectors.py` to print the literal again; the last tests check
 that it still prints exactly GOLDEN, and that the ring's int8 and fp4 payloads are laid
-out as docs/wire-format.md says: ceil(len/B) little-endian fp32 scales, then the len
-int8 values or the ceil(len/2) bytes of fp4 codes.
+out as docs/wire-format.md says: int8 ceil(len/B) 2-byte scales (the high half of each
+bf16-exact fp32 scale, little-endian), then the len int8 values; fp4 ceil(len/B)
+little-endian fp32 scales, then the ceil(len/2) bytes of codes.
 """
 
 from __future__ import annotations
@@ -404,7 +413,11 @@ def test_hand_derived_entries():
     assert seen == set(expected)
     assert q[2 * B : 3 * B] == b"\x81" * B  # all equal: -127
     assert scales[3] == "00000000" and q[3 * B : 4 * B] == bytes(B)  # zeros
-    assert scales[4] == "00000000" and q[4 * B : 5 * B] == bytes(B)  # subnormals: 127 / a overflows
+    assert scales[1] == "3c010000"  # fp32(1 / 127) = 3c010204, rounded to the nearest bf16
+    assert GOLDEN["stochastic"]["scales"].split()[1] == "3c020000"  # stochastic rounding: rounded up
+    assert q[B + 5] == 127 and q[B + 17] == 256 - 127  # x = +-1: v = +-1 * 127.0077...
+    assert all(s.endswith("0000") for s in scales)  # every int8 scale is bf16-exact
+    assert scales[4] == "00000000" and q[4 * B : 5 * B] == bytes(B)  # subnormals: a / 127 rounds to 0
     assert scales[7] == scales[8] == "7fc00000" and q[7 * B :] == bytes(len(q) - 7 * B)  # the flag
     assert 0x81 in q and 0x80 not in q  # -127 occurs, -128 never
 
@@ -414,8 +427,11 @@ def test_hand_derived_entries():
 
 
 def int8_payload_by_hand(scales_hex: str, q_hex: str) -> bytes:
-    """ceil(len/B) fp32 scales, little-endian, then the len int8 values."""
-    return b"".join(struct.pack("<I", u) for u in _words(scales_hex)) + bytes.fromhex(q_hex)
+    """ceil(len/B) 2-byte scales (the high half of each fp32 scale, whose low half is 0),
+    little-endian, then the len int8 values."""
+    words = _words(scales_hex)
+    assert all(u & 0xFFFF == 0 for u in words), "int8 scales are bf16-exact"
+    return b"".join(struct.pack("<H", u >> 16) for u in words) + bytes.fromhex(q_hex)
 
 
 @needs_ext
@@ -426,9 +442,9 @@ def test_ring_int8_payload_layout():
     payload, finite = C._ring_encode_input(x, "int8", B)
     assert not finite  # blocks 7 and 8 hold NaN / Inf: the ring refuses to send this data
     assert payload == int8_payload_by_hand(g["scales"], g["q"])
-    assert len(payload) == ops.wire_bytes(x.numel(), B) == x.numel() + 4 * 9
+    assert len(payload) == ops.wire_bytes(x.numel(), B) == x.numel() + 2 * 9
     # the owner's final value: encoded the same way, and decoded as the format says
-    m = 6 * B  # blocks 0-5; block 6 (a = FLT_MAX) decodes to -inf: -127 * fp32(FLT_MAX / 127) overflows
+    m = 6 * B  # blocks 0-5
     scales6, q6 = " ".join(g["scales"].split()[:6]), g["q"][: 2 * m]
     payload, finite = C._ring_encode_final(x[:m].contiguous(), "float32", "int8", B)
     assert finite and payload == int8_payload_by_hand(scales6, q6)
@@ -436,10 +452,14 @@ def test_ring_int8_payload_layout():
     assert_floats_golden(out, " ".join(g["decoded_fp32"].split()[:m]), "ring decode fp32")
     out = C._ring_decode_final(payload, torch.empty(m, dtype=torch.bfloat16), "int8", B)
     assert_floats_golden(out, " ".join(g["decoded_bf16"].split()[:m]), "ring decode bf16")
-    assert "ff800000" in g["decoded_fp32"].split()[6 * B : 7 * B]
+    # block 6 (a = FLT_MAX): -FLT_MAX decodes to ff7ffc00, finite in fp32, -inf in bf16
+    assert g["decoded_fp32"].split()[7 * B - 1] == "ff7ffc00" and g["decoded_bf16"].split()[7 * B - 1] == "ff80"
+    payload7 = int8_payload_by_hand(" ".join(g["scales"].split()[:7]), g["q"][: 2 * 7 * B])
     payload, finite = C._ring_encode_final(x[: 7 * B].contiguous(), "float32", "int8", B)
+    assert finite and payload == payload7
+    payload, finite = C._ring_encode_final(x[: 7 * B].contiguous(), "bfloat16", "int8", B)
     assert not finite  # the owner flags the overflow before anyone writes
-    assert payload == int8_payload_by_hand(" ".join(g["scales"].split()[:7]), g["q"][: 2 * 7 * B])
+    assert payload == payload7
     # half inputs are quantized from their own dtype, as the codec does
     for dtype in (torch.bfloat16, torch.float16):
         h = GOLDEN[str(dtype).removeprefix("torch.")]
@@ -464,7 +484,7 @@ def test_ring_exact_payload_layout():
 
 def fp4_payload_by_hand(scales_hex: str, q_hex: str) -> bytes:
     """ceil(len/B) fp32 scales, little-endian, then the ceil(len/2) bytes of fp4 codes."""
-    return int8_payload_by_hand(scales_hex, q_hex)
+    return b"".join(struct.pack("<I", u) for u in _words(scales_hex)) + bytes.fromhex(q_hex)
 
 
 @needs_ext
@@ -523,12 +543,12 @@ GOLDEN = {
             '3f7501ce be0d7531 bf2ec1f9 3f17c2b6 bf23e5f3 3e922725 bedf31b9 bf3346a0 bd5b6f4a bec6e403 '
             'be4e1216 3ea37eeb 7f800000'
         ),
-        'scales': '3e000000 3c010204 3ceeaa21 00000000 00000000 0055bd8e 7c010204 7fc00000 7fc00000',
+        'scales': '3e000000 3c010000 3cef0000 00000000 00000000 00560000 7c010000 7fc00000 7fc00000',
         'q': (
             '7f817f000002fe02fe047e827e8240c0000000029c102c30a6e6080e66667c04cb72eba5167febc81dc021aff9d9ad06'
             '7981b2c0ee02faaedd0f7b2423e021c58181818181818181818181818181818181818181818181818181818181818181'
             '000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000'
-            '00000000000000000000000000000000759f4257e10ab00c7fa75d1b9f40bb19c059ca06428e77e556114f2eca17287f'
+            '00000000000000000000000000000000749f4256e10ab00c7ea85c1b9f40bb19c059ca06418e77e556114e2eca17287f'
             'bcdc3d98a9de4f5bf7179ad04ca7a1ba6fe4ddb555a359f09d529b07a4b0a58100000000000000000000000000000000'
             '0000000000000000000000000000000000000000000000'
         ),
@@ -536,26 +556,26 @@ GOLDEN = {
             '417e0000 c17e0000 417e0000 00000000 00000000 3e800000 be800000 3e800000 be800000 3f000000 '
             '417c0000 c17c0000 417c0000 c17c0000 41000000 c1000000 00000000 00000000 00000000 3e800000 '
             'c1480000 40000000 40b00000 40c00000 c1340000 c0500000 3f800000 3fe00000 414c0000 414c0000 '
-            '41780000 3f000000 bed5ab57 3f65cb97 be2952a5 bf376ede 3e3162c6 3f800000 be2952a5 bee1c387 '
-            '3e69d3a7 bf010204 3e850a14 bf23468d bd61c387 be9d3a75 bf274e9d 3d418306 3f73e7d0 bf800000 '
-            'bf1d3a75 bf010204 be112244 3c810204 bd418306 bf254a95 be8d1a34 3df1e3c8 3f77efe0 3e912244 '
-            '3e8d1a34 be810204 3e850a14 beeddbb7 c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
-            'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
-            'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd '
-            'c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd c06ccccd 00000000 00000000 00000000 00000000 '
+            '41780000 3f000000 bed5a800 3f65c800 be295000 bf376c00 3e316000 3f7ffc00 be295000 bee1c000 '
+            '3e69d000 bf010000 3e850800 bf234400 bd61c000 be9d3800 bf274c00 3d418000 3f73e400 bf7ffc00 '
+            'bf1d3800 bf010000 be112000 3c810000 bd418000 bf254800 be8d1800 3df1e000 3f77ec00 3e912000 '
+            '3e8d1800 be810000 3e850800 beedd800 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
+            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
+            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
+            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
-            '039cbe88 8381f34b 0330d6f5 03691b5a 82a61f43 01d659e3 835659e3 02009c55 03aa2426 836e7733 '
-            '03792ee5 0290afe0 8381f34b 032b7b1c 8338e0ba 0285f82e 832b7b1c 036e7733 8310afe0 01809c55 '
-            '0330d6f5 8398b9a5 039f6c74 8290afe0 03666d6e 023632ce 0353abf7 02f680f8 8310afe0 027680f8 '
-            '02d659e3 03aa2426 ff091224 fe912244 7ef5ebd8 ff51a346 ff2f5ebd fe891224 7f1f3e7d 7f376ede '
-            'fd912244 7e3972e6 ff4d9b36 fec18306 7f193265 ff3366ce ff3f7efe ff0d1a34 7f5fbf7f fe61c387 '
-            'fe8d1a34 ff172e5d 7f2b56ad ff3b76ee 7f3366ce fe010204 ff478f1e 7f254a95 ff4b972e 7d61c387 '
-            'ff3972e6 ff214285 ff376ede ff800000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+            '039be000 83825800 03316000 03672000 82a6a000 01d70000 83570000 02010000 03a95000 836c8000 '
+            '03774000 02912000 83825800 032c0000 83397000 02866000 832c0000 036f3000 83112000 01810000 '
+            '032eb000 83993000 039fe800 82912000 03672000 0236c000 0351a000 02f74000 83112000 02774000 '
+            '02d70000 03aaa800 ff091000 fe912000 7ef5e800 ff51a000 ff2f5c00 fe891000 7f1f3c00 7f376c00 '
+            'fd912000 7e397000 ff4d9800 fec18000 7f193000 ff336400 ff3f7c00 ff0d1800 7f5fbc00 fe61c000 '
+            'fe8d1800 ff172c00 7f2b5400 ff3b7400 7f336400 fe010000 ff478c00 7f254800 ff4b9400 7d61c000 '
+            'ff397000 ff214000 ff376c00 ff7ffc00 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
@@ -570,9 +590,9 @@ GOLDEN = {
             'c06d c06d c06d c06d c06d c06d 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
-            '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 039d 8382 '
-            '0331 0369 82a6 01d6 8356 0201 03aa 836e 0379 0291 8382 032b 8339 0286 832b 036e 8311 0181 '
-            '0331 8399 039f 8291 0366 0236 0354 02f7 8311 0277 02d6 03aa ff09 fe91 7ef6 ff52 ff2f fe89 '
+            '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 039c 8382 '
+            '0331 0367 82a7 01d7 8357 0201 03a9 836c 0377 0291 8382 032c 8339 0286 832c 036f 8311 0181 '
+            '032f 8399 03a0 8291 0367 0237 0352 02f7 8311 0277 02d7 03ab ff09 fe91 7ef6 ff52 ff2f fe89 '
             '7f1f 7f37 fd91 7e39 ff4e fec2 7f19 ff33 ff3f ff0d 7f60 fe62 fe8d ff17 7f2b ff3b 7f33 fe01 '
             'ff48 7f25 ff4c 7d62 ff39 ff21 ff37 ff80 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
             '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
@@ -580,11 +600,11 @@ GOLDEN = {
         ),
         'decoded_fp16': (
             '4bf0 cbf0 4bf0 0000 0000 3400 b400 3400 b400 3800 4be0 cbe0 4be0 cbe0 4800 c800 0000 0000 '
-            '0000 3400 ca40 4000 4580 4600 c9a0 c280 3c00 3f00 4a60 4a60 4bc0 3800 b6ad 3b2e b14b b9bb '
-            '318b 3c00 b14b b70e 334f b808 3428 b91a ab0e b4ea b93a 2a0c 3b9f bc00 b8ea b808 b089 2408 '
-            'aa0c b92a b469 2f8f 3bbf 3489 3469 b408 3428 b76f c366 c366 c366 c366 c366 c366 c366 c366 '
-            'c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 '
-            'c366 c366 c366 c366 c366 c366 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+            '0000 3400 ca40 4000 4580 4600 c9a0 c280 3c00 3f00 4a60 4a60 4bc0 3800 b6ad 3b2e b14a b9bb '
+            '318b 3c00 b14a b70e 334e b808 3428 b91a ab0e b4ea b93a 2a0c 3b9f bc00 b8ea b808 b089 2408 '
+            'aa0c b92a b469 2f8f 3bbf 3489 3469 b408 3428 b76f c369 c369 c369 c369 c369 c369 c369 c369 '
+            'c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 '
+            'c369 c369 c369 c369 c369 c369 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 '
@@ -628,13 +648,13 @@ GOLDEN = {
             '419a1b3e c187f8ea 4146dced 3ff0d340 c00b7ebd 3e2a31d0 3ec781e8 bfc0d00d 3f7f5978 c036edb4 '
             '4186171b c1412a6a 41525852 c1977e12 40f3cdfc c0c0c080 c00104ac 402423fe 3f802372 40877b9a '
             'c17da1c4 408f18d6 41024fa7 40ac665e c136cbe0 c022f13a bf9b180e bfcd04b6 416ef11f 41836c91 '
-            '4187e213 4000af27 beb43f63 bfb9ea32 be2f4e59 bfd69779 4082e0a9 c0037c62 c082c1de bfbcaf30 '
-            '3d915aea c06fa65d bf0493be c03a904c 3f003b20 bfbe6eab bebdae64 be7289b8 406d2fb1 403fd243 '
-            '400d1b84 c01835ea c0590c1c 401f2efd c0687d0a c0026561 3fd4a6d1 c00719ab 40105650 c03e046a '
-            '407769cc c0796f50 c04c1d0e bfed8bb9 c0422704 bfad9bbe be8f8638 c0d108dc be0c3b50 c0a1f46c '
-            'c0184acc c01f7f3c c08bb784 c0cabb64 be917f00 c059dbc0 c07af50d 3dd3b120 c0ce03f0 c01afcfd '
-            'c0531fb6 be896d60 c0b32ccd bf1345ec bf891a06 bff3c572 c0c513c5 c0d3be06 c08baaa3 bfaee038 '
-            'c0499744 c0b3704c bfdee470 c0877397 bf633b14 c08d6f90 c01f0fc7 c059c564 c03b11a5 bf6b3916 '
+            '4187e213 4000af27 beb43c0c bfb9ebfe be2f4bb4 bfd6960a 4082e092 c0037d62 c082c1c8 bfbcae4e '
+            '3d91539c c06fa5dc bf0494c8 c03a8fa9 3f003b58 bfbe6e0e bebda92a be728a7a 406d2ebd 403fd343 '
+            '400d1c21 c0183569 c0590bf8 401f2ef9 c0687cfe c00264bc 3fd4a75e c00719c9 40105558 c03e04b3 '
+            '40776986 c0796f10 c04c1d50 bfed8acb c0427c36 bfae4624 be922fd0 c0d13376 be118e80 c0a21f06 '
+            'c0189fff c01fd46f c08be21d c0cae5fe be942898 c05a30f3 c07b4a40 3dc90ac0 c0ce2e8a c01b5230 '
+            'c05374ea be8c16f8 c0b35766 bf149ab8 bf89c46c bff46fd8 c0c53e5e c0d3e8a0 c08bd53c bfaf8a9e '
+            'c049ec78 c0b39ae6 bfdf8ed6 c0879e30 bf648fe0 c08d9a29 c01f0fc7 c059c564 c03b11a5 bf6b3916 '
             'c0399a39 c07a4c27 3fb40e89 c0189e35 400a81b1 4066105b 40320c46 401afe86 401c4c57 40667795 '
             'bfd94404 400ccd16 404b6d40 3ec583c0 3f16fa5c 3ed9e40c bf1a68e0 40316a4b 3fb4985a bf9e425a '
             '3ff86742 bf7794d4 403974e3 c04d50ef bec72991 bf51018b 4009e056 c0085705 3f73a199 3e575375 '
@@ -644,10 +664,10 @@ GOLDEN = {
             '406f42ce 3f1c67f8 c046c245 407eb4ec c06c7875 c050994d c010b73f 3e188fde 40629be6 4043d66a '
             'bfd27b63 4073e4e3 405d0e56 bfbb3a14 3de57ec2 402ac100 3fe63ab7 bf8542e8 bf97e8c3 bfee7ed7 '
             '3f830825 bf435565 3ee2c336 c028cd04 406b5aff 40184199 400fab12 be5328f2 bf944ce8 bf3270d1 '
-            '3f0bce7b bff0f733 ff091224 fe912244 7ef5ebd8 ff51a346 ff2f5ebd fe891224 7f1f3e7d 7f376ede '
-            'fd912244 7e3972e6 ff4d9b36 fec18306 7f193265 ff3366ce ff3f7efe ff0d1a34 7f5fbf7f fe61c387 '
-            'fe8d1a34 ff172e5d 7f2b56ad ff3b76ee 7f3366ce fe010204 ff478f1e 7f254a95 ff4b972e 7d61c387 '
-            'ff3972e6 ff214285 ff376ede ff800000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+            '3f0bce7b bff0f733 ff091000 fe912000 7ef5e800 ff51a000 ff2f5c00 fe891000 7f1f3c00 7f376c00 '
+            'fd912000 7e397000 ff4d9800 fec18000 7f193000 ff336400 ff3f7c00 ff0d1800 7f5fbc00 fe61c000 '
+            'fe8d1800 ff172c00 7f2b5400 ff3b7400 7f336400 fe010000 ff478c00 7f254800 ff4b9400 7d61c000 '
+            'ff397000 ff214000 ff376c00 ff7ffc00 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
@@ -661,10 +681,10 @@ GOLDEN = {
             'bf54 403b bff3 3ff0 c03f c027 bfdd bfdc bec5 be4c 3f39 bfcf c020 bfb5 4005 4027 bf51 c019 '
             '3ed6 c02e c00f 3ee8 bfa0 3f40 bd3f 3f70 bf81 bfa1 bb87 bb0a babb 3c13 3b77'
         ),
-        'scales': '40800000 3cc08102 38942851',
+        'scales': '40800000 3cc10000 38940000',
         'q': (
-            '7f8154e2fcf60c02863cced6c02e72ce766222b8ceee346460845eb4326a842ca91bb970dd7caf508191b7b7f0f81fbb'
-            '96c4586fdd9a128ca113cb20fe28d5cac6e2ec7f35'
+            '7f8154e2fcf60c02863cced6c02e72ce766222b8ceee346460845eb4326a842ca91bb96fdd7caf508191b7b7f0f81fbb'
+            '96c4586fdd9b128da113cb20fe28d5cbc6e2ec7f35'
         ),
     },
     'float16': {
@@ -674,10 +694,10 @@ GOLDEN = {
             '41bc 3d55 bb0e 3e53 3dd9 3fbc c1ef bb0a b658 3803 bf77 409f 418f 418c 32f2 bd9c c04f bb99 '
             'b89b be8e 4132 bdc1 4105 344d c16c 4199 4128 41bf 9e50 1de3 9e5d 1fd6 1511'
         ),
-        'scales': '40800000 3cbf5ebd 387cb973',
+        'scales': '40800000 3cbf0000 387d0000',
         'q': (
-            '7f813eec0a4ce09ab63a8e44d6046ee8d2ec4e2e0294d008480e1e1e48441aba41ebd7317b39da443f5381daef15b063'
-            '777709c4a4d7e7ba6fc26b0c8c786e7b9a5f997f15'
+            '7f813eec0a4ce09ab63a8e44d6046ee8d2ec4e2e0294d008480e1e1e48441aba41ebd7317b39da443f5381daef16b063'
+            '777709c4a4d7e7ba6fc26c0c8c786f7b9a5f997f15'
         ),
     },
     'stochastic': {
@@ -696,67 +716,67 @@ GOLDEN = {
             '3fa9ca36 bf1b1dda 3eabd686 3d6ca1be 3f43a39e bfa40162 bdc19274 bf7d3867 3fe1546c bfde691c '
             'bf101935 bffef3fa bfafdac6 bf186629 bfdc3dd5 3eb77db6 bfa17190 bf7134e6'
         ),
-        'scales': '3e000000 3c010204 3ceeaa21 3c807af3',
+        'scales': '3e000000 3c020000 3cef0000 3c810000',
         'q': {
             '0@0': (
-                '7f817f000001fe02fe047e827e833fc00000ff039d102c31a5e6090e65667b04cb73eaa5167febc91dc022aff9d9ad06'
-                '7981b2c0ee01faaedd0f7b2423e121c68181818181818181818181818181818181818181818181818181818181818181'
-                'a78c1492ba4e14ccc87859aeb14455da160330affac17091dc81a8da9217afc4'
+                '7f817f000001fe02fe047e827e833fc00000ff039d102c31a5e6090e65667b04cc72eba5167eebc91cc021b0f9daae06'
+                '7882b3c1ef01faaedd0f7a2423e121c68281818181818181818181828282818181818181818181818181818181818181'
+                'a78d1493ba4d14cdc87759aeb24454da160330affac16f92dc81a9da9217b0c5'
             ),
             '0@4294967232': (
-                '7f817f000002fe03fe047e817f833fbf000000039d102c31a6e6090e65667b03cb72eba5167febc91dc021aff9daad06'
-                '7a81b2c0ee02faaedd0f7b2423e121c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1492bb4e15cdc87959aeb14455d9150331affac17091dd81a9da9217afc4'
+                '7f817f000002fe03fe047e817f833fbf000000039d102c31a6e6090e65667b03cb71eba6167eecc91dc021b0f9daae06'
+                '7982b3c0ee02faafdd0f7a2423e121c68181818282818181818181818182818181818181818281828181828181818181'
+                'a78d1492bb4d14cdc87858aeb14455d9150331affac27092dd81a9da9317afc4'
             ),
             '0@1103806595040': (
-                '7f817f010001fe02fe047d817e8340bf000000029d112d31a5e7090e65677c04cb72eba5167febc81dc021affad9ae06'
-                '7981b3c1ef02faaedd0f7b2423e021c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1592bb4e14cdc87959adb14454d9150430affac17091dc81a9db9317b0c4'
+                '7f817f010001fe02fe047d817e8340bf000000029d112d31a5e7090e65677c04cb72eba6167eebc91dc021b0fad9ae06'
+                '7882b3c1ef02faaedd0f7a2423e120c68182818281818182818281818181818181818181818181818282818181818181'
+                'a78d1593bb4e14cdc87858aeb14454da150430affac16f91dc81a9db9317b0c4'
             ),
             '0@9223372036854775680': (
-                '7f817f00ff02fe03fe037e817e8240bf000000029d112c30a6e7080f65677b03cb73eaa6167febc81dc021b0f9d9ad07'
-                '7a81b2c0ef02faaddc0f7c2423e121c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1492bb4e14cdc87859aeb14355d9150331affac17091dc81a8da9217b0c4'
+                '7f817f00ff02fe03fe037e817e8240bf000000029d112c30a6e7080f65677b03cb72eaa6167eecc81dc021b0f9d9ae07'
+                '7982b3c1ef02faaedc0f7b2422e121c68181818181818182818181818281828281818181818181818181818182818182'
+                'a78e1493bb4e14cdc87859afb14355d9150331affac17091dc81a9da9317b0c4'
             ),
             '2654435769@0': (
-                '7f817f00ff02fe02fe047e827e823fc00000ff029c102c31a6e7080f65667c04cb72eba6157febc81dc021aff9d9ad06'
-                '7981b2c1ef01faaedc0f7b2523e021c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1492ba4e14cdc87859aeb14455da150430affac17091dd81a9da9217afc4'
+                '7f817f00ff02fe02fe047e827e823fc00000ff029c102c31a6e7080f65667c04cb71eba6157eebc91dc121b0f9daad06'
+                '7882b3c1ef01faaedc0f7b2423e021c68181818182818181818181818181818281818182818181818181818182818181'
+                'a78e1492ba4e14cdc87859aeb14454da150430affac17091dd82a9da9317afc4'
             ),
             '2654435769@4294967232': (
-                '7f817f01ff01ff03fe037e827e8240bf0000ff029c102d30a5e6080e66667c03cb72eba5167febc81dc022aff9d9ad06'
-                '7981b3c0ee02faaddd0f7b2423e021c68181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1593bb4e14cdc87859adb14454d9150431aefac17092dd81a8da9317b0c4'
+                '7f817f01ff01ff03fe037e827e8240bf0000ff029c102d30a5e6080e66667c03cc72eba6167eebc91dc021b0f9daae06'
+                '7882b3c1ee02faaedd0f7a2423e120c68181818182828181818181818181818181818182818181818281818181818281'
+                'a78d1493bb4d14cdc87759aeb14454d9150431affac17092dd82a9da9317b0c5'
             ),
             '2654435769@1103806595040': (
-                '7f817f010002fe03fd037d817f8340c00000ff029d102c30a5e6090f66667c04ca72eba5167febc81dc021b0f9daad06'
-                '7981b3c1ee02faaedd0e7b2523e121c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1592bb4e14cdc87859aeb14455d9150431aefac17091dc81a8da9317b0c4'
+                '7f817f010002fe03fd037d817f8340c00000ff029d102c30a5e6090f66667c04cb71eba6167eecc91dc021b0f9daae06'
+                '7882b3c1ef02faaedd0e7a2423e121c68181818181818281818181818181818181818181818182818181818281818281'
+                'a78d1593bb4e14cdc87859aeb14354d9150431aefac16f92dc82a8da9317b0c4'
             ),
             '2654435769@9223372036854775680': (
-                '7f817f00ff01fe02fe037d827f823fc00000ff029d112c31a6e7080e65667c03cb72eaa5167febc81dc021aff9d9ad06'
-                '7a81b3c1ee01faaedd0f7b2523e021c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1592ba4e14ccc87959aeb14455da150331aefac17192dc81a9da9217afc4'
+                '7f817f00ff01fe02fe037d827f823fc00000ff029d112c31a6e7080e65667c03cc72eba6167eebc91dc021b0f9daae06'
+                '7982b3c1ef01faaedd0f7a2423e021c68181828281818181818182818182818281828281818281828181818181818181'
+                'a78d1492bb4e14cdc87859aeb14354da150331aefac17092dd81a9da9217b0c4'
             ),
             '4294967295@0': (
-                '7f817f010001ff03fe047e827e8240bf0000ff039d102d30a5e6080f65667b04cb73eba5167febc81dc121aff9daad06'
-                '7981b2c1ee01faaddd0f7b2423e121c68181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1592bb4e14cdc87859aeb14455d9150431aefac17191dc81a8da9217b0c4'
+                '7f817f010001ff03fe047e827e8240bf0000ff039d102d30a5e6080f65667b04cb72eba6167eebc81dc121b0f9daae06'
+                '7882b3c1ef01faaedd0f7a2422e121c68181818281828181828182818181818182818281818181818182818181818181'
+                'a78d1592bb4e14cdc87859aeb24454d9150431affac17092dc81a9da9217b0c4'
             ),
             '4294967295@4294967232': (
-                '7f817f000001fe02fe047e817e8240c00000ff029c102c30a6e6090f65677b03cb72eba5167febc81dc022aff9daad07'
-                '7a81b3c0ef02faaedd0f7c2423e021c68181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1492bb4e14cdc8795aaeb14455d9150431aefac17091dc81a9da9217afc4'
+                '7f817f000001fe02fe047e817e8240c00000ff029c102c30a6e6090f65677b03cb71eba6167eebc81cc121aff9daae07'
+                '7982b3c0ef02faaedd0f7b2423e120c68181818181818181818181828182818281818181818181818181818181818182'
+                'a78e1492bb4e14cdc87859aeb14455d9150431affac17092dd82a9da9217b0c4'
             ),
             '4294967295@1103806595040': (
-                '7f817f000001fe02fd037d827f823fc0000000029c102d31a5e6080e66667c04cb72eaa5157febc91ec021b0f9d9ad06'
-                '7981b3c0ef02faaedd0f7b2423e121c58181818181818181818181818181818181818181818181818181818181818181'
-                'a78c1493ba4e14cdc8785aaeb14454da160431aefac17092dc81a9da9217b0c3'
+                '7f817f000001fe02fd037d827f823fc0000000029c102d31a5e6080e66667c04cb71eba6157eebc91dc021b0f9d9ae06'
+                '7882b3c0ef02faafdd0f7a2423e121c68181828282818181818181818181818181818181818181818182818181828181'
+                'a78d1493bb4e14cdc87859aeb14354da160431aefac27092dc81a9da9317b0c4'
             ),
             '4294967295@9223372036854775680': (
-                '7f817f010002fe02fd047e827e8240c0000000039d112d30a6e6090e65667b03cb73eba5167fecc81dc022b0f9daae06'
-                '7981b3c1ee02faaedc0f7b2423e021c68181818181818181818181818181818181818181818181818181818181818181'
-                'a78d1492ba4e14ccc87859aeb14354d9160430aefac17191dc81a8da9217afc4'
+                '7f817f010002fe02fd047e827e8240c0000000039d112d30a6e6090e65667b03cc72eba5167eecc91cc121b0f9daae06'
+                '7882b3c1ee02faaedd0f7a2423e020c68181828181818281818181818181818181818181818182818181828281818282'
+                'a88d1492bb4e14cdc87858aeb24354da160430aefac27091dc81a8da9317b0c5'
             ),
         },
     },

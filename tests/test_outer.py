@@ -199,3 +199,20 @@ def test_copy_pipeline_pieces_tile_every_parameter(monkeypatch):
     assert covered[st.offsets[1]] == [(0, 100, st.offsets[2])]
     assert covered[st.offsets[2]] == [(0, 300, st.offsets[3])]
     assert covered[st.offsets[3]] == [(0, 0, st.numel)]
+
+
+def test_a_checkpoint_of_another_block_size_is_refused_by_name():
+    """Every parameter starts a codec block, so the flat layout depends on the block size: a state
+    saved at block 256 (int8's former default) does not load at 64, with a message naming the field."""
+    params = [nn.Parameter(torch.randn(100)), nn.Parameter(torch.randn(3, 7))]
+    saved = OuterState(params, block_size=256)
+    sd = saved.state_dict()
+    assert sd["block_size"] == 256
+    with pytest.raises(ValueError, match=r"diloco.block_size = 256, this run has 64"):
+        OuterState(params, block_size=64).load_state_dict(sd)
+    old = {k: v for k, v in sd.items() if k != "block_size"}  # a checkpoint that does not record it
+    with pytest.raises(ValueError, match="diloco.block_size"):
+        OuterState(params, block_size=64).load_state_dict(old)
+    fresh = OuterState(params, block_size=256)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.outer, saved.outer)

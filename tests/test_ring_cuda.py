@@ -48,10 +48,11 @@ def _device(i: int) -> torch.device:
 _jobs = iter(range(1 << 30))
 
 
-def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=256,
+def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=None,
              schedule=None):
     """One all_reduce with rank r's input on devices[r] ("cpu" or "cuda"); returns per rank
-    (result on the CPU, stats or the exception, the tensor after the call)."""
+    (result on the CPU, stats or the exception, the tensor after the call). block_size None:
+    the codec's default (int8 64: 2-byte scales on the wire, packed and widened by the GPU codec)."""
     import torch.distributed as dist
 
     from prime.comm import Ring
@@ -139,7 +140,7 @@ def test_mixed_ring_gives_the_all_cpu_bits(world, devices, n, dtype, op, codec, 
 
 @pytest.mark.parametrize("schedule", ["ring", "direct"])
 @pytest.mark.parametrize("codec", ["int8", "fp4"])
-@pytest.mark.parametrize("block_size", [32, 1024, 2048, 4096])
+@pytest.mark.parametrize("block_size", [32, 256, 1024, 2048, 4096])
 @pytest.mark.parametrize("world,devices", [(2, ("cuda", "cpu")), (3, ("cuda", "cpu", "cuda"))])
 def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size, codec, schedule):
     # One warp per block in the fused reduce-quantize up to 1024, the unfused kernels above;
@@ -160,6 +161,7 @@ def test_block_sizes_give_the_all_cpu_bits(world, devices, block_size, codec, sc
 @pytest.mark.parametrize("codec", ["int8", "fp4"])
 @pytest.mark.parametrize("world,devices,n,dtype,block_size", [
     (2, ("cuda", "cuda"), 100003, torch.float32, 256),  # fused reduce-quantize
+    (3, ("cuda", "cpu", "cuda"), 100003, torch.float32, 64),  # int8's default
     (3, ("cuda", "cpu", "cuda"), 77777, torch.bfloat16, 256),
     (3, ("cuda", "cuda", "cuda"), 50001, torch.float16, 32),
     (2, ("cuda", "cuda"), 70001, torch.float32, 2048),  # unfused: quantize, then the error kernel

@@ -101,10 +101,14 @@ def encode_block(xs: list[float], seed: int | None, first: int) -> tuple[int, li
     if any(math.isnan(x) or math.isinf(x) for x in xs):
         return 0x7FC00000, [0] * len(xs)  # the non-finite flag: canonical quiet NaN, zero q
     a = max(abs(x) for x in xs)
-    scale = f32(a / 127.0)
-    inv = 0.0 if a == 0 else f32(127.0 / a)
+    s32 = f32(a / 127.0)
+    if seed is None:
+        scale = from_bits32(bf16_bits(s32) << 16)  # rounded to the nearest bf16, ties to even
+    else:
+        scale = from_bits32(-(-bits32(s32) // 0x10000) * 0x10000)  # rounded up to a bf16 value
+    inv = 0.0 if scale == 0 else f32(1.0 / scale)
     if math.isinf(inv):
-        inv = 0.0  # tiny subnormal blocks: 127 / a overflows
+        inv = 0.0  # tiny (subnormal) scales: 1 / scale overflows
     q = []
     for j, x in enumerate(xs):
         v = f32(x * inv)
@@ -221,7 +225,7 @@ class Lcg:
 def common_blocks(rng: Lcg) -> list[list[float]]:
     """Blocks 1-7 of both codecs' fp32 input (qmax: 127 for int8, 6 for fp4)."""
     blocks = []
-    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded, inv qmax)
+    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded; for int8 then to bf16)
     b = [rng.uniform() for _ in range(B)]
     b[5], b[17] = 1.0, -1.0
     blocks.append(b)
@@ -229,7 +233,8 @@ def common_blocks(rng: Lcg) -> list[list[float]]:
     blocks.append([f32(-3.7)] * B)
     # 3: zeros of both signs: scale 0, inv 0
     blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: qmax / a overflows, so every code is 0 and scale = a / qmax (a subnormal or 0)
+    # 4: subnormals: every code is 0; scale = a / qmax (a subnormal or 0; int8: rounded to a bf16
+    # value, 0 or a subnormal whose inverse overflows)
     blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
     # 5: a ~ 1e-36: inv finite; the scale is subnormal for int8, normal for fp4 (1e-36 / 6 > 2^-126)
     blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])
@@ -336,7 +341,8 @@ def codec_vectors(rng: Lcg, x: list[float], encode_q, decode_q) -> dict:
         out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in s), "q": hex_q(qh)}
     # stochastic rounding: the first three blocks of x and a fresh one
     xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
-    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, None, 0)[0]), "q": {}}
+    # (the scales of stochastic rounding, the same for every seed: int8 rounds them up to bf16)
+    sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, SR_SEEDS[0], 0)[0]), "q": {}}
     for seed in SR_SEEDS:
         for first in SR_OFFSETS:
             sr["q"][f"{seed}@{first}"] = hex_q(encode_q(xs, seed, first)[1])

@@ -153,10 +153,9 @@ __global__ void __launch_bounds__(kThreads)
   float inv = 0.f;
   const bool finite = m < kInfBits;
   if (finite) {
-    const float a = __uint_as_float(m);
-    if (t == 0) scales[block] = __fdiv_rn(a, Codes::kQMax);
-    inv = a > 0.f ? __fdiv_rn(Codes::kQMax, a) : 0.f;
-    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
+    float scale;
+    Codes::block_scale(__uint_as_float(m), scale, inv, kStochastic);
+    if (t == 0) scales[block] = scale;
   } else if (t == 0) {
     reinterpret_cast<uint32_t*>(scales)[block] = kCanonicalNaN;  // the flag, written bit-exact
   }

@@ -101,13 +101,32 @@ static inline float bits_float(uint32_t u) {
   return f;
 }
 
+// A non-negative finite fp32 rounded to a bf16-representable fp32 (low 16 bits zero), in
+// the bits (subnormals too: for non-negative floats the bit order is the value order):
+// to nearest, ties to even (the fp32 -> bf16 conversion), or upward. One already
+// representable (0 among them) stays. Never reaches Inf: the largest scale is FLT_MAX / 127.
+static inline float bf16_round(float s, bool up) {
+  const uint32_t u = float_bits(s);
+  return bits_float((u + (up ? 0xffffu : 0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
+}
+
 // scale and inverse of a finite block whose largest |x| has the bits `amax_bits`
-// (docs/wire-format.md), with qmax 127 (int8) or 6 (fp4): two IEEE divisions; inv is 0
-// for a == 0 and when qmax/a overflows (tiny subnormal blocks).
-static inline void block_scale(uint32_t amax_bits, float qmax, float* scale, float* inv) {
+// (docs/wire-format.md). int8 (bf16_scale): scale = a / 127 rounded to a bf16 value, to
+// nearest for round-to-nearest codes, upward for stochastic ones (`stochastic`), and
+// inv = 1 / scale. fp4: scale = a / 6, inv = 6 / a. IEEE divisions; inv is 0 when the
+// divisor is 0 and when the quotient overflows (tiny subnormal blocks).
+static inline void block_scale(uint32_t amax_bits, float qmax, bool bf16_scale, bool stochastic, float* scale,
+                               float* inv) {
   const float a = bits_float(amax_bits);
-  *scale = a / qmax;
-  float r = a > 0.f ? qmax / a : 0.f;
+  float s = a / qmax;
+  const float num = bf16_scale ? 1.f : qmax;
+  float den = a;
+  if (bf16_scale) {
+    s = bf16_round(s, stochastic);
+    den = s;
+  }
+  *scale = s;
+  float r = den > 0.f ? num / den : 0.f;
   if (float_bits(r) == kInfBits) r = 0.f;
   *inv = r;
 }

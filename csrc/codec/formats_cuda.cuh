@@ -14,6 +14,16 @@ namespace prime::codec::cuda {
 struct Int8Codes {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
+  // The scale and inverse of a finite block with max |x| = a: a / 127 rounded to a bf16
+  // value in the bits (2 bytes on the wire), to nearest (ties to even) for round-to-nearest
+  // codes, upward for stochastic ones (`up`); then inv = 1 / scale (0 when scale is 0 or the
+  // quotient overflows).
+  __device__ __forceinline__ static void block_scale(float a, float& scale, float& inv, bool up) {
+    const uint32_t u = __float_as_uint(__fdiv_rn(a, kQMax));
+    scale = __uint_as_float((u + (up ? 0xffffu : 0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
+    inv = scale > 0.f ? __fdiv_rn(1.f, scale) : 0.f;
+    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
+  }
   __device__ __forceinline__ static int nearest(float v) { return min(max(__float2int_rn(v), -127), 127); }
   // floor(v) + (u < v - floor(v)); both terms exact.
   __device__ __forceinline__ static int stochastic(float v, float u) {
@@ -62,6 +72,12 @@ __device__ __forceinline__ uint32_t fp4_nearest_magnitude(float v) {
 struct Fp4Codes {
   using Code = uint8_t;
   static constexpr float kQMax = 6.0f;
+  // scale = a / 6 and inv = 6 / a (0 when a is 0 or the quotient overflows): fp32 scales.
+  __device__ __forceinline__ static void block_scale(float a, float& scale, float& inv, bool) {
+    scale = __fdiv_rn(a, kQMax);
+    inv = a > 0.f ? __fdiv_rn(kQMax, a) : 0.f;
+    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all codes are zero
+  }
   // A zero magnitude is code 0, whatever the sign of v.
   __device__ __forceinline__ static int signed_code(float v, int m) { return m > 0 && v < 0.f ? (m | 8) : m; }
   // The code of the nearest magnitude (fp4_nearest_magnitude; |v| < 7), the sign on m > 0 only:

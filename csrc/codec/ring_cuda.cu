@@ -123,6 +123,16 @@ __global__ void __launch_bounds__(kThreads)
   raise_flag(bad, flag);
 }
 
+__global__ void __launch_bounds__(kThreads)
+    pack_bf16_scales_kernel(const float* __restrict__ scales, int64_t nb, uint16_t* __restrict__ out) {
+  for (int64_t i = first_index(); i < nb; i += stride()) out[i] = static_cast<uint16_t>(__float_as_uint(scales[i]) >> 16);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    unpack_bf16_scales_kernel(const uint16_t* __restrict__ in, int64_t nb, float* __restrict__ scales) {
+  for (int64_t i = first_index(); i < nb; i += stride()) scales[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+}
+
 template <class Codes>
 __global__ void __launch_bounds__(kThreads)
     flag_decoded_kernel(const typename Codes::Code* __restrict__ q, const float* __restrict__ scales, int64_t n,
@@ -265,10 +275,7 @@ __device__ __forceinline__ void reduce_quantize_block(const void* __restrict__ o
   float scale = __uint_as_float(kCanonicalNaN);
   float inv = 0.f;
   if (finite) {
-    const float a = __uint_as_float(m);
-    scale = __fdiv_rn(a, Codes::kQMax);
-    inv = a > 0.f ? __fdiv_rn(Codes::kQMax, a) : 0.f;
-    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
+    Codes::block_scale(__uint_as_float(m), scale, inv, false);  // round to nearest
   }
   if (lane == 0) reinterpret_cast<uint32_t*>(scales_out)[block] = __float_as_uint(scale);
   bool rbad = false;
@@ -394,6 +401,18 @@ cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const floa
     flag_decoded_kernel<decltype(codes)><<<grid_for(n), kThreads, 0, stream>>>(qc, scales, n, log2_of(block), type, bad);
     return cudaGetLastError();
   });
+}
+
+cudaError_t pack_bf16_scales(const float* scales, int64_t nb, uint16_t* out, cudaStream_t stream) {
+  if (nb <= 0) return cudaSuccess;
+  pack_bf16_scales_kernel<<<grid_for(nb), kThreads, 0, stream>>>(scales, nb, out);
+  return cudaGetLastError();
+}
+
+cudaError_t unpack_bf16_scales(const uint16_t* in, int64_t nb, float* scales, cudaStream_t stream) {
+  if (nb <= 0) return cudaSuccess;
+  unpack_bf16_scales_kernel<<<grid_for(nb), kThreads, 0, stream>>>(in, nb, scales);
+  return cudaGetLastError();
 }
 
 bool reduce_quantize_supported(int64_t block) { return valid_block_size(block) && block <= 1024; }

@@ -50,6 +50,12 @@ cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint3
 cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const float* scales, int64_t n, int64_t block,
                                    InputType type, uint32_t* bad, cudaStream_t stream);
 
+// The int8 payload's 2-byte scales (docs/wire-format.md, "On the wire"): int8 scales are
+// bf16-exact, so a payload carries the high half of each. pack: out[b] = the high 16 bits
+// of scales[b]; unpack: scales[b] = in[b] << 16 (as bits). b < nb.
+cudaError_t pack_bf16_scales(const float* scales, int64_t nb, uint16_t* out, cudaStream_t stream);
+cudaError_t unpack_bf16_scales(const uint16_t* in, int64_t nb, float* scales, cudaStream_t stream);
+
 // Fused passes of one ring segment (the hot path: one launch, one read of each input,
 // one write of each output, instead of add, divide, quantize and check launches with
 // an fp32 sum in between). The arithmetic is that of the unfused kernels above and of

@@ -54,7 +54,7 @@ struct AllReduceSpec {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
-  int64_t block = 256;
+  int64_t block = 64;
   Schedule schedule = Schedule::kRing;
   // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
   bool measure_error = true;

@@ -27,11 +27,30 @@ void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, s
   }
 }
 
+void pack_bf16_scales(const float* scales, int64_t nb, char* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint32_t bits;
+    std::memcpy(&bits, scales + b, 4);
+    const uint16_t high = static_cast<uint16_t>(bits >> 16);  // the low half is 0 (the codec made it so)
+    std::memcpy(out + 2 * b, &high, 2);                        // little-endian hosts only, as the whole frame
+  }
+}
+
+void unpack_bf16_scales(const char* in, int64_t nb, float* scales) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint16_t high;
+    std::memcpy(&high, in + 2 * b, 2);
+    const uint32_t bits = static_cast<uint32_t>(high) << 16;
+    std::memcpy(scales + b, &bits, 4);
+  }
+}
+
 namespace {
 
 // The element codes of docs/wire-format.md's block formats, for BlockCodec.
 struct Int8Format {
   using Code = int8_t;
+  static constexpr int64_t kScaleBytes = kInt8ScaleBytes;  // bf16-exact scales: their high half
   static int64_t code_bytes(int64_t len) { return len; }
   static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
     return codec::quantize(x, type, len, block, q, scales);
@@ -50,6 +69,7 @@ struct Int8Format {
 
 struct Fp4Format {
   using Code = uint8_t;
+  static constexpr int64_t kScaleBytes = 4;  // fp32 scales
   static int64_t code_bytes(int64_t len) { return codec::fp4_bytes(len); }
   static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
     return codec::quantize_fp4(x, type, len, block, q, scales);
@@ -77,7 +97,7 @@ class BlockCodec final : public WireCodec {
 
   int64_t unit() const override { return block_; }
   int64_t partial_bytes(int64_t len) const override {
-    return 4 * codec::num_blocks(len, block_) + Format::code_bytes(len);
+    return Format::kScaleBytes * codec::num_blocks(len, block_) + Format::code_bytes(len);
   }
   int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
 
@@ -90,12 +110,14 @@ class BlockCodec final : public WireCodec {
 
   bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
     const bool finite = widen(own, dtype_, len, acc);
-    Format::dequantize_add(acc, codes(payload, len), scales(payload), len, block_);
+    Buffer hold;
+    Format::dequantize_add(acc, codes(payload, len), scales(payload, len, &hold), len, block_);
     return finite;
   }
 
   void add_partial(const char* payload, int64_t len, float* acc) override {
-    Format::dequantize_add(acc, codes(payload, len), scales(payload), len, block_);
+    Buffer hold;
+    Format::dequantize_add(acc, codes(payload, len), scales(payload, len, &hold), len, block_);
   }
 
   Payload encode_partial(const Buffer& acc, int64_t len) override {
@@ -122,10 +144,12 @@ class BlockCodec final : public WireCodec {
 
   void decode_final(const char* payload, int64_t len, void* dst, float* scratch) const override {
     if (len == 0) return;
+    Buffer hold;
+    const float* s = scales(payload, len, &hold);
     if (dtype_ == DType::kFloat32) {
-      Format::dequantize(codes(payload, len), scales(payload), len, block_, static_cast<float*>(dst));
+      Format::dequantize(codes(payload, len), s, len, block_, static_cast<float*>(dst));
     } else {
-      Format::dequantize(codes(payload, len), scales(payload), len, block_, scratch);
+      Format::dequantize(codes(payload, len), s, len, block_, scratch);
       narrow(scratch, len, dtype_, dst);
     }
   }
@@ -135,20 +159,40 @@ class BlockCodec final : public WireCodec {
  private:
   using Code = typename Format::Code;
 
-  // The payload layout: scales first, then the codes.
-  static const float* scales(const char* payload) { return reinterpret_cast<const float*>(payload); }
+  // The payload layout: scales first (kScaleBytes each), then the codes.
+  int64_t scales_bytes(int64_t len) const { return Format::kScaleBytes * codec::num_blocks(len, block_); }
+  // The payload's scales as fp32: in place (4-byte scales), or widened from their high
+  // halves into a pool buffer that *hold keeps (2-byte scales; n/B values, cheap).
+  const float* scales(const char* payload, int64_t len, Buffer* hold) const {
+    if constexpr (Format::kScaleBytes == 4) {
+      return reinterpret_cast<const float*>(payload);
+    } else {
+      const int64_t nb = codec::num_blocks(len, block_);
+      *hold = pool_.acquire(static_cast<size_t>(nb) * 4);
+      unpack_bf16_scales(payload, nb, (*hold)->as<float>());
+      return (*hold)->as<float>();
+    }
+  }
   const Code* codes(const char* payload, int64_t len) const {
-    return reinterpret_cast<const Code*>(payload + 4 * codec::num_blocks(len, block_));
+    return reinterpret_cast<const Code*>(payload + scales_bytes(len));
   }
 
   Buffer quantize(const void* x, codec::InputType type, int64_t len, int64_t* bad_blocks) {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
-    Code* q = reinterpret_cast<Code*>(buf->data() + 4 * codec::num_blocks(len, block_));
-    *bad_blocks = Format::quantize(x, type, len, block_, q, buf->as<float>());
+    Code* q = reinterpret_cast<Code*>(buf->data() + scales_bytes(len));
+    // fp32 scales go straight into the payload; 2-byte ones through a pool buffer
+    Buffer wide;
+    float* s = buf->as<float>();
+    if constexpr (Format::kScaleBytes != 4) {
+      wide = pool_.acquire(static_cast<size_t>(codec::num_blocks(len, block_)) * 4);
+      s = wide->as<float>();
+    }
+    *bad_blocks = Format::quantize(x, type, len, block_, q, s);
+    if constexpr (Format::kScaleBytes != 4) pack_bf16_scales(s, codec::num_blocks(len, block_), buf->data());
     // While x is still in cache: the error this encode makes (the ring reports it, so
     // DiLoCo needs no round-trip pass of its own).
-    if (measure_) Format::error_sq(x, type, q, buf->as<float>(), len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
+    if (measure_) Format::error_sq(x, type, q, s, len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
     return buf;
   }
 

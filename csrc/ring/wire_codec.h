@@ -5,7 +5,8 @@
 //
 // Three implementations (make_wire_codec picks one from the spec):
 //   int8   docs/wire-format.md's int8 block codec. Payload of `len` values:
-//          [ceil(len/B) fp32 scales, little-endian][len int8 values], in both phases.
+//          [ceil(len/B) 2-byte scales: the high half of each bf16-exact fp32 scale,
+//          little-endian][len int8 values], in both phases.
 //   fp4    its fp4 block codec: [ceil(len/B) fp32 scales][ceil(len/2) bytes, two E2M1
 //          codes each, value 2j in the low nibble], in both phases.
 //   exact  reduce-scatter: `len` fp32 partial sums; all-gather: `len` values of the
@@ -107,6 +108,14 @@ class WireCodec {
   // from every final piece. The default decodes each piece with decode_final.
   virtual void write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool);
 };
+
+// int8 payload scales (docs/wire-format.md, "On the wire"): each scale is bf16-exact (low 16
+// bits zero), so the payload carries its high half, 2 bytes little-endian.
+constexpr int64_t kInt8ScaleBytes = 2;
+// out[2b, 2b + 2) = the high half of scales[b], b < nb (the flag NaN 0x7fc00000 -> 0x7fc0).
+void pack_bf16_scales(const float* scales, int64_t nb, char* out);
+// scales[b] = the fp32 whose high half is in[2b, 2b + 2) and whose low half is 0.
+void unpack_bf16_scales(const char* in, int64_t nb, float* scales);
 
 // The codec of spec.codec for spec's dtype and block size (on the GPU when spec.cuda is
 // set). Encoding time is added to times.quantize_s, widening, narrowing and checks to

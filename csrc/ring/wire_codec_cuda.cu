@@ -193,6 +193,7 @@ class CudaWireCodec final : public WireCodec {
         stream_(ctx_.stream()),
         blocked_(spec.codec == CodecKind::kInt8 || spec.codec == CodecKind::kFp4),
         fp4_(spec.codec == CodecKind::kFp4),
+        packed_(spec.codec == CodecKind::kInt8),
         format_(fp4_ ? codec::cuda::BlockFormat::kFp4 : codec::cuda::BlockFormat::kInt8),
         measure_(blocked_ && spec.measure_error),
         dtype_(spec.dtype),
@@ -230,7 +231,7 @@ class CudaWireCodec final : public WireCodec {
 
   int64_t unit() const override { return blocked_ ? block_ : kExactUnit; }
   int64_t partial_bytes(int64_t len) const override {
-    return blocked_ ? 4 * codec::num_blocks(len, block_) + code_bytes(len) : 4 * len;
+    return blocked_ ? wire_scale_bytes() * codec::num_blocks(len, block_) + code_bytes(len) : 4 * len;
   }
   int64_t final_bytes(int64_t len) const override {
     return blocked_ ? partial_bytes(len) : len * static_cast<int64_t>(esize_);
@@ -244,13 +245,14 @@ class CudaWireCodec final : public WireCodec {
       cudaEvent_t a = record();
       const char* src = nullptr;
       if (blocked_) {
-        char* out = out_buffer(bytes);
+        char* out = out_buffer(static_cast<size_t>(device_bytes(len)));
         quantize_codes(own, type_, len, out, "quantize (own values)");
         if (measure_) {
           check(codec::cuda::quantize_error_sq(format_, own, type_, q_of(out, len), scales_of(out), len, block_,
                                                err_sums_, stream_),
                 "quantization error (own values)");
         }
+        pack_scales(out, len);
         src = out;
       } else if (dtype_ == DType::kFloat32) {
         check(codec::cuda::widen(own, type_, len, nullptr, &flags_[0], stream_), "finite check (own values)");
@@ -262,7 +264,7 @@ class CudaWireCodec final : public WireCodec {
         src = out;
       }
       cudaEvent_t b = record();
-      download(p.host->data(), src, bytes);
+      download(p.host->data(), src, len, bytes);
       p.done = record();
       span(&gpu_codec_, a, b);
       span(&d2h_, b, p.done);
@@ -285,8 +287,18 @@ class CudaWireCodec final : public WireCodec {
     bool ok = true;
     if (blocked_) {
       // Blocks holding NaN or Inf carry the NaN scale (the format's flag).
-      const float* s = p.host->as<float>();
-      for (int64_t b = 0, nb = codec::num_blocks(len, block_); b < nb; ++b) ok &= !std::isnan(s[b]);
+      const int64_t nb = codec::num_blocks(len, block_);
+      if (packed_) {  // the high halves of the scales: NaN when above the Inf pattern 0x7f80
+        const char* s = p.host->data();
+        for (int64_t b = 0; b < nb; ++b) {
+          uint16_t h;
+          std::memcpy(&h, s + 2 * b, 2);
+          ok &= (h & 0x7fffu) <= 0x7f80u;
+        }
+      } else {
+        const float* s = p.host->as<float>();
+        for (int64_t b = 0; b < nb; ++b) ok &= !std::isnan(s[b]);
+      }
     } else {
       ok = ctx_.host_flags()[0] == 0;  // (this segment's check or an earlier one: the schedule only ORs)
     }
@@ -298,7 +310,7 @@ class CudaWireCodec final : public WireCodec {
   bool accumulate(const void* own, const char* payload, int64_t len, float*) override {
     if (len == 0) return input_finite();
     kernels_from_ = nullptr;
-    upload(payload, static_cast<size_t>(partial_bytes(len)));
+    upload(payload, len);
     own_ = own;
     divisor_ = 0.f;
     summed_ = false;
@@ -311,7 +323,7 @@ class CudaWireCodec final : public WireCodec {
   void add_partial(const char* payload, int64_t len, float*) override {
     if (len == 0) return;
     if (!summed_) sum_first(len);  // (before the upload below reuses the device buffer: same stream)
-    upload(payload, static_cast<size_t>(partial_bytes(len)));
+    upload(payload, len);
     if (fp4_) {
       check(codec::cuda::dequantize_add_fp4(acc_, reinterpret_cast<const uint8_t*>(q_of(in_, len)), scales_of(in_), len,
                                             block_, stream_),
@@ -334,17 +346,15 @@ class CudaWireCodec final : public WireCodec {
   }
 
   Payload encode_partial(const Buffer&, int64_t len) override {
-    const size_t bytes = static_cast<size_t>(partial_bytes(len));
-    char* out = out_buffer(bytes);
+    char* out = out_buffer(static_cast<size_t>(device_bytes(len)));
     if (len > 0) encode_sum(out, len, false);
-    return send_from_device(out, bytes, len);
+    return send_from_device(out, static_cast<size_t>(partial_bytes(len)), len);
   }
 
   Payload encode_final(const Buffer&, int64_t len, bool* finite) override {
-    const size_t bytes = static_cast<size_t>(final_bytes(len));
-    char* out = out_buffer(bytes);
+    char* out = out_buffer(static_cast<size_t>(device_bytes(len, true)));
     if (len > 0) encode_sum(out, len, true);
-    Payload p = send_from_device(out, bytes, len);
+    Payload p = send_from_device(out, static_cast<size_t>(final_bytes(len)), len);
     *finite = true;  // known in ready()
     final_here_ = out;
     return p;
@@ -367,7 +377,7 @@ class CudaWireCodec final : public WireCodec {
     if (piece.len == 0) return;
     const int64_t len = piece.len;
     if (encoded_here) {
-      // Already on the device (encode_final's output): a device-to-device copy.
+      // Already on the device (encode_final's output, fp32 scales): a device-to-device copy.
       place_at(final_here_, piece.begin, len, cudaMemcpyDeviceToDevice);
       return;
     }
@@ -472,11 +482,32 @@ class CudaWireCodec final : public WireCodec {
 
   static void check(cudaError_t e, const char* what) { cuda_check(e, what); }
 
-  // The block codecs' payload layout, on the device as on the wire: scales, then codes
-  // (int8: a byte a value; fp4: two values a byte).
+  // The block codecs' payload layout on the device: fp32 scales, then codes (int8: a byte
+  // a value; fp4: two values a byte). On the wire fp4 has the same layout; int8 sends the
+  // high half of each (bf16-exact) scale, 2 bytes, and its codes right after them: the
+  // copies to and from the host pack and unpack the scales (pack_scales, download, upload,
+  // place_at), so every kernel reads and writes fp32 scales and 4-byte-aligned codes.
   float* scales_of(char* p) const { return reinterpret_cast<float*>(p); }
   char* q_of(char* p, int64_t len) const { return p + 4 * codec::num_blocks(len, block_); }
   int64_t code_bytes(int64_t len) const { return fp4_ ? codec::fp4_bytes(len) : len; }
+  int64_t wire_scale_bytes() const { return packed_ ? ring::kInt8ScaleBytes : 4; }
+  // Bytes of the device copy of a payload of len values (final: an all-gather payload).
+  int64_t device_bytes(int64_t len, bool final = false) const {
+    if (blocked_) return 4 * codec::num_blocks(len, block_) + code_bytes(len);
+    return final ? final_bytes(len) : partial_bytes(len);
+  }
+  uint16_t* scales16(int64_t len) {
+    return reinterpret_cast<uint16_t*>(
+        ctx_.device_buffer(CudaContext::kScales16, static_cast<size_t>(codec::num_blocks(len, block_)) * 2));
+  }
+
+  // int8: the 2-byte wire scales of the device payload `out` (len values) into kScales16,
+  // for download() to send.
+  void pack_scales(char* out, int64_t len) {
+    if (!packed_ || len == 0) return;
+    check(codec::cuda::pack_bf16_scales(scales_of(out), codec::num_blocks(len, block_), scales16(len), stream_),
+          "pack scales");
+  }
 
   // Encodes len values of x (of `type`) into `out` (the payload layout) in the codec's format.
   void quantize_codes(const void* x, codec::InputType type, int64_t len, char* out, const char* what) {
@@ -506,17 +537,30 @@ class CudaWireCodec final : public WireCodec {
     cuda_check(cudaEventSynchronize(e), "cudaEventSynchronize");
   }
 
-  void download(char* host, const char* device, size_t bytes) {
-    if (bytes) cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
+  // Copies the device payload of len values (the device layout) to `host` in the wire
+  // layout (`bytes`; int8: the scales pack_scales made, then the codes), and the flags.
+  void download(char* host, const char* device, int64_t len, size_t bytes) {
+    if (len > 0 && packed_) {
+      const int64_t nb = codec::num_blocks(len, block_);
+      cuda_check(cudaMemcpyAsync(host, scales16(len), static_cast<size_t>(nb) * 2, cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync (download scales)");
+      cuda_check(cudaMemcpyAsync(host + 2 * nb, device + 4 * nb, static_cast<size_t>(code_bytes(len)),
+                                 cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync (download)");
+    } else if (len > 0) {
+      cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
+    }
     cuda_check(cudaMemcpyAsync(ctx_.host_flags(), flags_, 2 * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
                "cudaMemcpyAsync (flags)");
   }
 
   bool fused() const { return !blocked_ || codec::cuda::reduce_quantize_supported(block_); }
 
-  // Uploads a received payload into in_ (the device's copy of the current payload).
-  void upload(const char* payload, size_t bytes) {
-    in_ = ctx_.device_buffer(CudaContext::kUploadIn, bytes);
+  // Uploads a received payload of len values (the wire layout) into in_ (the device's copy
+  // of the current payload, in the device layout).
+  void upload(const char* payload, int64_t len) {
+    const size_t bytes = static_cast<size_t>(partial_bytes(len));
+    in_ = ctx_.device_buffer(CudaContext::kUploadIn, static_cast<size_t>(device_bytes(len)));
     cudaEvent_t a;
     if (job_->pageable_upload) {
       // Straight from the transport's buffer: the call returns once the driver has copied
@@ -524,17 +568,36 @@ class CudaWireCodec final : public WireCodec {
       // go back to the pool at once.
       a = record();
       ScopedTimer timer(staging_);
-      cuda_check(cudaMemcpyAsync(in_, payload, bytes, cudaMemcpyHostToDevice, stream_),
-                 "cudaMemcpyAsync (upload, pageable)");
+      copy_payload_in(in_, payload, len, "cudaMemcpyAsync (upload, pageable)");
     } else {
       const char* staged = stage(payload, bytes);
       a = record();  // (after the host copy: the span is the GPU's)
-      cuda_check(cudaMemcpyAsync(in_, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+      copy_payload_in(in_, staged, len, "cudaMemcpyAsync (upload)");
       staged_done();
     }
     cudaEvent_t b = record();
     span(&h2d_, a, b);
     if (!kernels_from_) kernels_from_ = b;
+  }
+
+  // Copies a host payload of len values (the wire layout) to `device` in the device layout:
+  // int8 codes after the fp32 scales, which the 2-byte ones are widened into.
+  void copy_payload_in(char* device, const char* host, int64_t len, const char* what) {
+    if (!packed_) {
+      cuda_check(cudaMemcpyAsync(device, host, static_cast<size_t>(partial_bytes(len)), cudaMemcpyHostToDevice, stream_),
+                 what);
+      return;
+    }
+    place_int8(host, len, scales_of(device), q_of(device, len), what);
+  }
+
+  // int8: the wire payload of len values at `host` into fp32 scales (`scales`) and codes (`q`) on the device.
+  void place_int8(const char* host, int64_t len, float* scales, char* q, const char* what) {
+    const int64_t nb = codec::num_blocks(len, block_);
+    uint16_t* s16 = scales16(len);
+    cuda_check(cudaMemcpyAsync(s16, host, static_cast<size_t>(nb) * 2, cudaMemcpyHostToDevice, stream_), what);
+    cuda_check(cudaMemcpyAsync(q, host + 2 * nb, static_cast<size_t>(len), cudaMemcpyHostToDevice, stream_), what);
+    check(codec::cuda::unpack_bf16_scales(s16, nb, scales, stream_), "unpack scales");
   }
 
   // acc_ = own values + the uploaded payload, in fp32 (the unfused path, and the direct
@@ -562,6 +625,7 @@ class CudaWireCodec final : public WireCodec {
                                            divisor_, q_of(out, len), scales_of(out), &flags_[0], result_bad, type_,
                                            stream_, measure_ ? err_sums_ : nullptr),
               final ? "reduce-quantize (final value)" : "reduce-quantize (partial sum)");
+        pack_scales(out, len);
       } else {
         // exact: the fp32 partial sums, or the final value rounded to the dtype
         check(codec::cuda::reduce_exact(own_, type_, reinterpret_cast<const float*>(in_), len, divisor_, out,
@@ -590,6 +654,7 @@ class CudaWireCodec final : public WireCodec {
                                                 &flags_[1], stream_),
             "finite check (final value)");
     }
+    pack_scales(out, len);
   }
 
   // Downloads `bytes` from device memory (the kernels since kernels_from_ made them) into
@@ -599,7 +664,7 @@ class CudaWireCodec final : public WireCodec {
     cudaEvent_t b = record();
     if (kernels_from_) span(&gpu_codec_, kernels_from_, b);
     kernels_from_ = nullptr;
-    download(host->data(), src, len > 0 ? bytes : 0);
+    download(host->data(), src, len, bytes);
     cudaEvent_t c = record();
     span(&d2h_, b, c);
     inflight_.push_back(Inflight{host.get(), c});
@@ -626,9 +691,12 @@ class CudaWireCodec final : public WireCodec {
     next_slot_ = (next_slot_ + 1) % kUploadSlots;
   }
 
-  // Copies one final payload (of `len` values starting at value `begin`) into the image.
+  // Copies one final payload (of `len` values starting at value `begin`) into the image:
+  // from the host (the wire layout) or from the device (encode_final's, the device layout).
   void place_at(const char* payload, int64_t begin, int64_t len, cudaMemcpyKind kind) {
-    if (blocked_) {  // (begin: a multiple of the block, so even: fp4 codes start a byte)
+    if (packed_ && kind == cudaMemcpyHostToDevice) {
+      place_int8(payload, len, image_s_ + begin / block_, image_q_ + begin, "cudaMemcpyAsync (final values)");
+    } else if (blocked_) {  // (begin: a multiple of the block, so even: fp4 codes start a byte)
       const int64_t nb = codec::num_blocks(len, block_);
       cuda_check(cudaMemcpyAsync(image_s_ + begin / block_, payload, static_cast<size_t>(nb) * 4, kind, stream_),
                  "cudaMemcpyAsync (final scales)");
@@ -647,6 +715,7 @@ class CudaWireCodec final : public WireCodec {
   const cudaStream_t stream_;
   const bool blocked_;  // a block codec (int8 or fp4), not exact values
   const bool fp4_;
+  const bool packed_;  // int8: 2-byte scales on the wire, fp32 on the device
   const codec::cuda::BlockFormat format_;
   const bool measure_;  // block codecs: add the quantization error to err_sums_
   const DType dtype_;

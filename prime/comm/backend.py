@@ -62,11 +62,11 @@ class PrimeOptions:
     """
 
     codec: str = field(default_factory=lambda: os.environ.get(ENV_CODEC, "none"))
-    """all_reduce codec: "none" (exact, the default) or "int8" (0.254x the bytes;
+    """all_reduce codec: "none" (exact, the default) or "int8" (0.258x the bytes;
     docs/ring.md gives its error). Default $PRIME_BACKEND_CODEC, else "none".
     broadcast, all_gather and barrier are always exact."""
-    block_size: int = 256
-    """values per fp32 scale of the int8 codec."""
+    block_size: Optional[int] = None
+    """values per scale of the int8 codec (None: the codec's default, 64)."""
     timeout: Optional[Union[float, timedelta]] = None
     """Ring timeout (forming the ring; any wait without progress). Default: the group's
     timeout as torch passes it (init_process_group / new_group `timeout=`)."""

@@ -25,7 +25,7 @@ from prime import _extension, faults
 from prime.comm import rendezvous
 from prime.comm.errors import CommError, error_from_info
 from prime.comm.links import LinkTable, choose_schedule
-from prime.ops import CODECS, check_block_size, wire_bytes
+from prime.ops import CODECS, check_block_size, default_block_size, wire_bytes
 
 __all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
@@ -120,7 +120,7 @@ class RingProtocol(Protocol):
     world_size: int
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256
+        self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None
     ) -> WorkProtocol:
         """Sums or averages `tensor` in place across the ring, asynchronously."""
         ...
@@ -376,13 +376,13 @@ class Ring:
         of one rank quantizes nothing and reports nothing; quant_error=False turns the measurement off."""
         return self.world_size > 1 and self.quant_error
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: int = 256,
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None,
                    schedule: Optional[str] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
-        asynchronously; returns a Work. codec="int8" sends int8 values plus one fp32
-        scale per `block_size` values (0.254x the bytes of fp32); codec="fp4" 4-bit
-        E2M1 codes plus one fp32 scale per block (0.129x); codec="none" sends exact
-        values (docs/wire-format.md). schedule: "auto", "ring" or "direct" (default: the
+        asynchronously; returns a Work. codec="int8" sends int8 values plus one 2-byte
+        scale per `block_size` values (default 64: 0.258x the bytes of fp32); codec="fp4"
+        4-bit E2M1 codes plus one fp32 scale per block (default 256: 0.129x); codec="none"
+        sends exact values (docs/wire-format.md). block_size None: the codec's default. schedule: "auto", "ring" or "direct" (default: the
         ring's setting). Every rank must call all_reduce in the same order with tensors of
         the same size and dtype and the same op, codec, block_size and schedule. The tensor
         holds the result once wait() returned; on failure it is left unchanged."""
@@ -398,6 +398,8 @@ class Ring:
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        if block_size is None:
+            block_size = default_block_size(codec)
         check_block_size(block_size)
         schedule = self.schedule if schedule is None else schedule
         if schedule not in SCHEDULES:

@@ -183,7 +183,7 @@ class ElasticSync:
         self._link_history: dict = {}  # what the rings so far measured of the links (Ring.link_history)
         self._state = None  # the OuterState, from bind()
         self._settings: dict = {}
-        self.codec, self.block_size, self.inner_steps = "int8", 256, 1  # from bind()
+        self.codec, self.block_size, self.inner_steps = "int8", 64, 1  # from bind()
         self._ring_members: Optional[list] = None
         self._ring_k: Optional[int] = None  # the outer step last committed through self.ring
         self._committed: Optional[Plan] = None
