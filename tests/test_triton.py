@@ -680,16 +680,7 @@ def test_cuda_beyond_32_bit_indices(seed, rng):
     for start in [0, 2**31 - 2 * TILE, 2**32 - 2 * TILE, n - 3 * TILE - 5]:  # block-aligned windows
         stop = min(n, start + 4 * TILE)
         xs = x[start:stop].cpu()
-        want_q, want_scales = ops.quantize_int8_reference(xs, block, None)
-        if seed is not None:  # the reference keyed by the global element index
-            nb = -(-xs.numel() // block)
-            padded = torch.nn.functional.pad(xs.float(), (0, nb * block - xs.numel())).view(nb, block)
-            a = padded.abs().amax(1)  # the reference's steps (finite data)
-            inv = torch.where(a > 0, torch.full_like(a, 127.0) / torch.where(a > 0, a, 1.0), 0.0)
-            inv = torch.where(torch.isinf(inv), 0.0, inv)
-            v = padded * inv[:, None]
-            u = ops.stochastic_uniform_reference(seed, torch.arange(start, start + nb * block).view(nb, block))
-            f = torch.floor(v)
-            want_q = (f + (u < v - f).float()).clamp(-127, 127).to(torch.int8).reshape(-1)[: xs.numel()]
+        # the reference keyed by the global element index
+        want_q, want_scales = ops.quantize_int8_reference(xs, block, seed, first_index=start)
         got = (q[start:stop], scales[start // block : -(-stop // block)])
         assert_same_encoding(xs, got, (want_q, want_scales), f"seed {rng.initial_seed()} window at {start}")
