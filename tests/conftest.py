@@ -29,6 +29,17 @@ import pytest
 MAX_RANKS = 5
 
 
+def ring_built() -> bool:
+    """Whether prime.comm.Ring can run here: it needs the compiled extension prime._C (the class
+    itself always imports, so its presence says nothing)."""
+    from prime import _extension
+
+    return _extension.available()
+
+
+needs_ring = pytest.mark.skipif(not ring_built(), reason="prime._C is not built: prime.comm.Ring cannot run")
+
+
 @dataclass
 class RankContext:
     """What a rank function gets as its first argument."""

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from prime.simulate import free_port
+from conftest import needs_ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "test-job-secret"
@@ -49,16 +50,9 @@ QUICK = ["--model.name", "tiny", "--train.device", "cpu", "--data.seq_len", "64"
          "--diloco.max_rate_mbit", "100"]
 
 
-def _has_ring() -> bool:
-    try:
-        import prime.comm
-
-        return hasattr(prime.comm, "Ring")
-    except Exception:
-        return False
 
 
-pytestmark = pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+pytestmark = needs_ring
 
 
 class Job:

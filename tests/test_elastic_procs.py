@@ -22,6 +22,7 @@ import time
 import pytest
 
 from prime.elastic.simulate import _Node, chaos_victims
+from conftest import needs_ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INNER = 5
@@ -38,13 +39,6 @@ QUICK = ["--model.name", "tiny", "--train.device", "cpu", "--data.seq_len", "32"
          "--diloco.max_rate_mbit", "100"]
 
 
-def _has_ring() -> bool:
-    try:
-        import prime.comm
-
-        return hasattr(prime.comm, "Ring")
-    except Exception:
-        return False
 
 
 def _node(rank: int, member: bool, doomed: bool = False) -> _Node:
@@ -63,7 +57,7 @@ def test_chaos_never_kills_the_last_admitted_member():
     assert chaos_victims([a, b, joiner], 2) == [joiner]
 
 
-@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+@needs_ring
 def test_nodes_of_two_processes_survive_kills_and_a_join(tmp_path):
     release, trigger, out = tmp_path / "release", tmp_path / "trigger", tmp_path / "metrics"
     hold = f"train.before_step@{HOLD}=hold:{release}"

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from test_metrics import tensorboard_scalars, wandb_history
+from conftest import needs_ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,13 +22,6 @@ for _package in ("tokenizers", "tensorboard", "wandb"):
     pytest.importorskip(_package, reason=f"{_package} is not installed (make deps installs it)")
 
 
-def _has_ring() -> bool:
-    try:
-        import prime.comm
-
-        return hasattr(prime.comm, "Ring")
-    except Exception:
-        return False
 
 
 def _env(**extra):
@@ -43,7 +37,7 @@ def _jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+@needs_ring
 def test_real_data_example_end_to_end(tmp_path):
     work = str(tmp_path / "work")
     p = subprocess.run(["bash", os.path.join(ROOT, "examples", "real_data.sh"), "", work], cwd=ROOT, timeout=600,

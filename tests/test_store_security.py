@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from conftest import needs_ring
 
 SECRET = b"store-security-secret"
 HB_INTERVAL, HB_TIMEOUT = 0.1, 1.5
@@ -227,13 +228,6 @@ def test_a_signed_decision_replayed_under_another_outer_step_is_ignored():
 # -- ring addresses ------------------------------------------------------------------------------------
 
 
-def _has_ring() -> bool:
-    try:
-        import prime.comm
-
-        return hasattr(prime.comm, "Ring")
-    except Exception:
-        return False
 
 
 class _Trap:
@@ -279,7 +273,7 @@ def _ring_in_thread(store, rank, out, job_id, timeout_s, secret=SECRET):
     return t
 
 
-@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+@needs_ring
 def test_a_ring_address_rewritten_by_a_stranger_is_never_dialled():
     """Rank 1 published its address; a stranger rewrites it with the address of its own listener. Rank 0
     never connects there: it fails with an error naming the unsigned record."""
@@ -305,7 +299,7 @@ def test_a_ring_address_rewritten_by_a_stranger_is_never_dialled():
                 r.close()
 
 
-@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+@needs_ring
 def test_a_ring_forms_with_the_right_peer_when_a_stranger_wrote_its_address_first():
     """A stranger plants rank 1's address before rank 1 starts: the ring forms between the two real ranks
     and averages correctly; the stranger's listener sees no connection."""
@@ -340,7 +334,7 @@ def test_a_ring_forms_with_the_right_peer_when_a_stranger_wrote_its_address_firs
 # -- the secret ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
+@needs_ring
 def test_a_ring_across_hosts_without_a_secret_refuses_to_start(monkeypatch):
     """Advertising a non-loopback address without a secret is a ValueError saying how to set one (before
     anything listens); on loopback a drawn secret is still fine."""

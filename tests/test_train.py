@@ -18,6 +18,7 @@ import torch
 
 from prime.simulate import free_port
 from prime.train import main as train_main
+from conftest import needs_ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,16 +27,8 @@ QUICK = ["--model.name", "tiny", "--train.device", "cpu", "--data.seq_len", "64"
          "--optim.lr", "3e-3", "--optim.warmup_steps", "5", "--optim.decay_steps", "0", "--metrics.plot", "false"]
 
 
-def _has_ring() -> bool:
-    try:
-        import prime.comm
-
-        return hasattr(prime.comm, "Ring")
-    except Exception:
-        return False
 
 
-needs_ring = pytest.mark.skipif(not _has_ring(), reason="prime.comm.Ring is not built")
 
 
 def _env():
