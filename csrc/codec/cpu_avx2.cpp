@@ -447,18 +447,26 @@ inline void fp4_decode32(const uint8_t* q, __m256 f[4]) {
   f[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w1));
 }
 
-template <class Out>
-void dequantize_fp4_typed(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
-  auto* yt = static_cast<typename Out::Elem*>(y);
+// Decodes the whole blocks of q, 32 values at a time, and hands each 8 of them, times their
+// block's scale, to put(index of the first, values); returns the number of whole blocks.
+template <class Put>
+inline int64_t decode_fp4_blocks(const uint8_t* q, const float* scales, int64_t n, int64_t block, Put&& put) {
   const int64_t full = n / block;
   for (int64_t b = 0; b < full; ++b) {
     const __m256 s = _mm256_set1_ps(scales[b]);
     for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
       __m256 f[4];
       fp4_decode32(q + i / 2, f);
-      for (int k = 0; k < 4; ++k) Out::store(yt + i + 8 * k, _mm256_mul_ps(f[k], s));
+      for (int k = 0; k < 4; ++k) put(i + 8 * k, _mm256_mul_ps(f[k], s));
     }
   }
+  return full;
+}
+
+template <class Out>
+void dequantize_fp4_typed(const uint8_t* q, const float* scales, int64_t n, int64_t block, void* y, InputType out_type) {
+  auto* yt = static_cast<typename Out::Elem*>(y);
+  const int64_t full = decode_fp4_blocks(q, scales, n, block, [&](int64_t at, __m256 v) { Out::store(yt + at, v); });
   const int64_t done = full * block;
   if (done < n) dequantize_fp4_scalar(q + done / 2, scales + full, n - done, block, yt + done, out_type);
 }
@@ -471,17 +479,10 @@ void dequantize_fp4_avx2(const uint8_t* q, const float* scales, int64_t n, int64
 }
 
 void dequantize_add_fp4_avx2(float* acc, const uint8_t* q, const float* scales, int64_t n, int64_t block) {
-  const int64_t full = n / block;
-  for (int64_t b = 0; b < full; ++b) {
-    const __m256 s = _mm256_set1_ps(scales[b]);
-    for (int64_t i = b * block; i < (b + 1) * block; i += 32) {
-      __m256 f[4];
-      fp4_decode32(q + i / 2, f);
-      for (int k = 0; k < 4; ++k) {  // multiply, then add (never fused)
-        _mm256_storeu_ps(acc + i + 8 * k, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8 * k), _mm256_mul_ps(f[k], s)));
-      }
-    }
-  }
+  // multiply (in decode_fp4_blocks), then add: never fused
+  const int64_t full = decode_fp4_blocks(q, scales, n, block, [&](int64_t at, __m256 v) {
+    _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+  });
   const int64_t done = full * block;
   if (done < n) dequantize_add_fp4_scalar(acc + done, q + done / 2, scales + full, n - done, block);
 }
