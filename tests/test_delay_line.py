@@ -2,8 +2,9 @@
 the delay line of benchmarks/netem.py (1 Gbit/s, RTT 100 ms). The ring measures the round trip
 while forming, opens the streams that the path's bandwidth-delay product needs, and a
 collective that shares the uplink among its links (the direct schedule) takes its streams in
-turn, so none is cold when a collective needs them all. Needs root and /dev/net/tun (skipped
-elsewhere); about 15 s."""
+turn, so none is cold when a collective needs them all; a link that loses packets paces its
+streams' writes to the rate it measured (only when its round trip shows its own queue). Needs root and /dev/net/tun (skipped elsewhere); about
+25 s."""
 
 import json
 import os
@@ -31,12 +32,13 @@ RANK = """
     from prime.comm import Ring
 
     rank, world, store_host, addr, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+    schedules, numel = sys.argv[6].split(","), int(sys.argv[7])
     store = dist.TCPStore(store_host, {port}, world, is_master=rank == 0, timeout=timedelta(seconds=60))
-    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(seed * 101 + rank))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed * 101 + rank))
     out = {{}}
     with Ring(store, rank, world, secret=b"delay-line", job_id="delay-line", bind_addr=addr, advertise_addr=addr,
               timeout=60) as ring:
-        for schedule in ("direct", "direct", "direct", "ring"):
+        for schedule in schedules:
             y = x.clone()
             ring.all_reduce(y, op="avg", schedule=schedule).wait()
         out["links"] = ring.links()
@@ -46,16 +48,13 @@ RANK = """
 """
 
 
-def test_ring_on_a_100ms_path_measures_it_and_keeps_every_stream_warm():
-    seed = int.from_bytes(os.urandom(2), "little")
-    print("seed", seed)
-    world = 3
-    topo = netem.Topology.uniform(world, 1e9, RTT_S)
+def _run(topo, seed, schedules, numel=1 << 22):
+    world = topo.n
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     code = textwrap.dedent(RANK.format(port=STORE_PORT))
     with netem.Emulator(topo) as net:
         procs = [subprocess.Popen(net.exec_argv(r, [sys.executable, "-c", code, str(r), str(world), net.addr(0),
-                                                    net.addr(r), str(seed)]),
+                                                    net.addr(r), str(seed), ",".join(schedules), str(numel)]),
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world)]
         outs = []
@@ -63,6 +62,14 @@ def test_ring_on_a_100ms_path_measures_it_and_keeps_every_stream_warm():
             stdout, stderr = p.communicate(timeout=120)
             assert p.returncode == 0, stderr[-3000:]
             outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return outs
+
+
+def test_ring_on_a_100ms_path_measures_it_and_keeps_every_stream_warm():
+    seed = int.from_bytes(os.urandom(2), "little")
+    print("seed", seed)
+    world = 3
+    outs = _run(netem.Topology.uniform(world, 1e9, RTT_S), seed, ["direct", "direct", "direct", "ring"])
 
     import torch
 
@@ -83,3 +90,34 @@ def test_ring_on_a_100ms_path_measures_it_and_keeps_every_stream_warm():
             used = [b > 0 for b in link["stream_bytes"]]
             assert used[:link["wanted"]] == [True] * link["wanted"], (r, link)
             assert not any(used[link["wanted"]:]), (r, link)
+
+
+def test_random_loss_on_an_empty_path_does_not_pace_the_link():
+    """Random loss on every path, collectives far smaller than the path's queue: TCP
+    retransmits, but the round trip never shows a queue, so no link is paced (pacing would
+    only slow a link whose losses are not its own)."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    print("seed", seed)
+    world = 3
+    outs = _run(netem.Topology.uniform(world, 1e9, RTT_S, loss=0.002), seed, ["ring"] * 4)
+    for r, out in enumerate(outs):
+        assert out["result"] == outs[0]["result"], "ranks disagree"
+        # The ring schedule sends on one link: to the right neighbour.
+        link = next(link for link in out["links"] if link["bytes_sent"] > 0)
+        assert link["retransmits"] > 0, (r, link)
+        assert link["peak_srtt_s"] < 1.5 * link["rtt_s"], (r, link)
+        assert not link["paced"] and link["pacing_rate"] == 0, (r, link)
+
+
+def test_a_link_that_loses_nothing_is_not_paced():
+    """No loss at 100 ms (the delay line's queue holds a bandwidth-delay product): TCP sends as
+    it would, unpaced."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    outs = _run(netem.Topology.uniform(2, 1e9, RTT_S), seed, ["ring"] * 3, numel=1 << 24)
+    payload_rate = 1e9 / 8 * 0.95
+    for r, out in enumerate(outs):
+        for link in out["links"]:
+            # Measured all the same: the delay line's rate, within the estimate's bounds.
+            assert 0.4 * payload_rate < link["uplink_rate"] < 1.6 * payload_rate, (r, link)
+            if link["retransmits"] == 0:
+                assert not link["paced"] and link["pacing_rate"] == 0, (r, link)

@@ -235,6 +235,20 @@ def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: st
 # primitives (no processes)
 
 
+def test_a_link_is_paced_only_for_losses_its_own_queue_caused():
+    """The pacing rule (csrc/ring/tcp/tuning.h, lost_to_own_queue): retransmissions count only
+    while the smoothed round trip showed a queue (above 1.5x the minimum)."""
+    C = _extension.require()
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(200):
+        rtt = rng.uniform(0.001, 0.4)
+        srtt = rtt * rng.uniform(0.9, 3.0)
+        retransmits = rng.choice([0, 0, 1, rng.randrange(1, 10_000)])
+        expected = retransmits > 0 and srtt > 1.5 * rtt
+        assert C._ring_lost_to_own_queue(retransmits, srtt, rtt) == expected, (retransmits, srtt, rtt)
+    assert not C._ring_lost_to_own_queue(5, 0.3, 0.0)  # no round trip measured: nothing known
+
+
 def test_crc32c_matches_known_values_and_both_paths():
     C = _extension.require()
     assert C._ring_crc32c(b"123456789", False) == 0xE3069283  # the CRC32C check value

@@ -299,6 +299,12 @@ void init_ring_bindings(py::module_& m) {
               d["bytes_sent"] = l.bytes_sent;
               d["stream_bytes"] = l.stream_bytes;
               d["changes"] = l.changes;
+              d["uplink_rate"] = l.uplink_rate;
+              d["pacing_rate"] = l.pacing_rate;
+              d["retransmits"] = l.retransmits;
+              d["paced"] = l.paced;
+              d["peak_rate"] = l.peak_rate;
+              d["peak_srtt_s"] = l.peak_srtt_s;
               out.append(d);
             }
             return out;
@@ -366,6 +372,8 @@ void init_ring_bindings(py::module_& m) {
     return std::string(c.soname) + ": " + c.version_text(0);
   }, "Which libcrypto the ring loaded (raises if none can be loaded).");
   m.def("_ring_job_hash", &ring::job_hash);
+  m.def("_ring_lost_to_own_queue", &ring::lost_to_own_queue, py::arg("retransmits"), py::arg("peak_srtt_s"),
+        py::arg("min_rtt_s"));
 
   // Test hooks for the payload layout: the wire codec's bytes for one segment of a
   // contiguous CPU tensor (encode_input of reduce-scatter step 0, and encode_final of

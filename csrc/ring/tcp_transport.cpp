@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "tcp/connection.h"
@@ -47,6 +48,9 @@ constexpr uint64_t kLearnMinBytes = 4 << 20;
 // was held back by them: its buffers grow, then it uses more streams.
 constexpr double kLimitedShare = 0.1;
 constexpr double kHeldBackShare = 0.75;
+// sample_rate() reads the streams' delivery rates at most every half round trip, and at
+// most this often (ns).
+constexpr int64_t kRateSampleMin = 20'000'000;
 
 std::string frame_name(const FrameHeader& h) {
   StrBuilder s;
@@ -90,6 +94,7 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, st
       o.wanted = o.report.wanted = std::clamp(l.start_streams, 1, static_cast<int>(l.out.size()));
       o.active = o.span = static_cast<size_t>(o.wanted);
       o.report.handshake_rtt_s = l.rtt_s;
+      o.rtt_s = l.rtt_s;
       o.report.needed_inflight = l.plan.needed_inflight;
       TcpStats st;
       if (read_tcp_stats(o.streams[0]->socket, &st)) o.report.sndbuf = st.sndbuf;
@@ -223,7 +228,45 @@ void TcpTransport::begin_collective(int concurrent) {
     o->first = active < span ? (o->first + o->active) % span : 0;
     o->active = active;
     o->span = span;
+    o->concurrent = std::max(1, concurrent);
+    o->rate_ns = 0;
+    o->peak_rate = 0;
+    o->peak_srtt = 0;
+    pace(*o);
   }
+}
+
+void TcpTransport::sample_rate(OutLink& link) {
+  if (!opt_.tune) return;
+  const int64_t now = now_ns();
+  const int64_t every = std::max<int64_t>(kRateSampleMin, static_cast<int64_t>(link.rtt_s * 1e9 / 2));
+  if (now - link.rate_ns < every) return;
+  link.rate_ns = now;
+  double rate = 0;
+  for (SendStream* s : link.streams) {
+    TcpStats st;
+    if (!read_tcp_stats(s->socket, &st)) continue;
+    rate += st.delivery_rate;
+    link.peak_srtt = std::max(link.peak_srtt, st.rtt_s);
+  }
+  link.peak_rate = std::max(link.peak_rate, rate);
+}
+
+void TcpTransport::pace(OutLink& link) {
+  double uplink_rate;
+  bool lossy;
+  {
+    std::lock_guard<std::mutex> lock(report_mu_);
+    uplink_rate = link.report.uplink_rate;
+    lossy = link.report.paced;
+  }
+  if (!opt_.tune || !lossy || uplink_rate <= 0) return;
+  const double rate = kPacingHeadroom * uplink_rate / link.concurrent;  // the link's share of the uplink
+  if (link.paced_at > 0 && std::abs(rate - link.paced_at) < 0.05 * link.paced_at) return;
+  link.pacer.set_rate(rate);
+  link.paced_at = rate;
+  std::lock_guard<std::mutex> lock(report_mu_);
+  link.report.pacing_rate = rate;
 }
 
 TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {
@@ -261,6 +304,7 @@ void TcpTransport::send(int peer, OutFrame frame) {
   std::lock_guard<std::mutex> lock(send_mu_);
   OutLink& link = *out_.at(static_cast<size_t>(peer));
   frame.header.link_frame = link.next_frame++;
+  sample_rate(link);
   SendStream& s = pick_stream(link, frame.size);
   s.queued_bytes += frame.size;
   s.queue.push_back(std::move(frame));
@@ -274,11 +318,13 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   limits.stop = &stop_;
   limits.progress_ns = &send_progress_ns_;
 
+  RateLimiter& pacer = out_[static_cast<size_t>(s.peer)]->pacer;
   const bool coalesce = !limiter_.limited() && f.size <= kCoalesceBytes && opt_.corrupt_after_bytes < 0;
   if (!coalesce && !limiter_.acquire(kHeaderBytes, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
   // Nothing may throw between begin() and mid_frame: a begun frame is either sent
   // or ends the stream, so no later frame can reuse or skip its number.
   if (coalesce) {
+    if (!pacer.acquire(kFrameOverhead + f.size, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
     char joined[kFrameOverhead + kCoalesceBytes];
     auto* bytes = reinterpret_cast<uint8_t*>(joined);
     const int64_t a0 = now_ns();
@@ -306,7 +352,9 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   if (s.sealer.encrypts() && s.scratch.size() < std::min(piece, f.size)) s.scratch = ByteBuffer(piece);
   for (size_t off = 0; off < f.size; off += piece) {
     const size_t len = std::min(piece, f.size - off);
-    if (!limiter_.acquire(len, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+    if (!limiter_.acquire(len, &stop_) || !pacer.acquire(len, &stop_)) {
+      throw IoError(IoError::Reason::kStopped, "stopped");
+    }
     // The piece is sealed (tag updated, or encrypted) just before it leaves.
     a0 = now_ns();
     const char* sealed = s.sealer.payload(f.data + off, s.scratch.data(), len);
@@ -642,12 +690,14 @@ void TcpTransport::learn() {
     if (bytes - link.bytes_at_learn < kLearnMinBytes) continue;
     link.bytes_at_learn = bytes;
     double acked = 0, busy = 0, rwnd_limited = 0, min_rtt = -1;
+    uint64_t retransmits = 0;
     int sndbuf = 0;
     for (SendStream* s : link.streams) {
       TcpStats now;
       if (!read_tcp_stats(s->socket, &now)) continue;
       const TcpStats& before = s->seen;
       acked += static_cast<double>(now.bytes_acked - before.bytes_acked);
+      retransmits += now.retransmits - before.retransmits;
       busy = std::max(busy, now.busy_s - before.busy_s);  // the streams overlap: the link was busy this long
       rwnd_limited = std::max(rwnd_limited, now.rwnd_limited_s - before.rwnd_limited_s);
       if (now.min_rtt_s > 0) min_rtt = min_rtt < 0 ? now.min_rtt_s : std::min(min_rtt, now.min_rtt_s);
@@ -656,9 +706,14 @@ void TcpTransport::learn() {
     }
     if (busy <= 0 || acked <= 0) continue;
     size_t active;
+    int concurrent;
+    double peak, peak_srtt;
     {
       std::lock_guard<std::mutex> lock(send_mu_);
       active = link.active;
+      concurrent = link.concurrent;
+      peak = link.peak_rate;
+      peak_srtt = link.peak_srtt;
     }
     std::lock_guard<std::mutex> lock(report_mu_);
     LinkReport& r = link.report;
@@ -675,6 +730,20 @@ void TcpTransport::learn() {
     // (A path whose bandwidth-delay product autotuning covers needs nothing: there a full
     // receiver window is the receiver being slow, not too few buffers.)
     const bool long_path = 2 * inflight > limits_.autotuned_inflight();
+    r.peak_rate = peak;
+    r.peak_srtt_s = peak_srtt;
+    r.retransmits += retransmits;
+    // At the rate it reached, one autotuned stream could not fill the link's path.
+    const bool long_link = 2 * peak * rtt > limits_.autotuned_inflight();
+    // What the uplink carried, from collectives that sent on this link alone (the ring
+    // schedule): with N-1 links sharing the uplink (the direct schedule) each link's
+    // streams' samples summed read up to 3x the uplink's rate. Only ever raised: a
+    // collective held back by something else (the CPU, a peer) must not slow the next.
+    if (long_link && concurrent == 1) r.uplink_rate = std::max(r.uplink_rate, peak);
+    // A long link that lost packets to its own queue is paced from its next collective on
+    // (and stays so): a path whose queue holds a collective's bursts loses none, and one
+    // that loses packets at random runs as TCP sends.
+    if (long_link && lost_to_own_queue(retransmits, peak_srtt, rtt)) r.paced = true;
     const bool held_back = long_path && (inflight >= kHeldBackShare * room || r.limited_share > kLimitedShare);
     r.needed_inflight = held_back ? 2 * inflight : kInflightHeadroom * inflight;
     if (!opt_.tune || rtt <= 0 || !held_back) continue;

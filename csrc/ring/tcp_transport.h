@@ -59,6 +59,17 @@ struct LinkReport {
   uint64_t bytes_sent = 0;      // payload and frame bytes, since the link formed
   std::vector<uint64_t> stream_bytes;  // the same, per stream
   int64_t changes = 0;          // changes of buffers or streams used since the link formed
+  // A long link (one stream cannot fill it): the uplink rate the collectives that sent on
+  // it alone showed (peak_rate; the highest seen, bytes/s), and the rate the last
+  // collective paced the link's writes at (bytes/s; 0: not paced).
+  double uplink_rate = 0;
+  double pacing_rate = 0;
+  uint64_t retransmits = 0;  // segments its streams sent again, since the link formed
+  bool paced = false;        // it lost packets to its own queue on a long path: its writes are paced (pace())
+  double peak_srtt_s = 0;    // the last collective's highest smoothed round trip of a stream
+  // The last collective's highest delivery rate: its streams' latest TCP samples, summed
+  // (bytes/s; 10-30% above the path's rate on the delay line, never below it when busy).
+  double peak_rate = 0;
 };
 
 class TcpTransport : public Transport {
@@ -146,6 +157,15 @@ class TcpTransport : public Transport {
     size_t first = 0;         // the first of them: streams[(first + i) % span], i < active
     size_t span = 1;          // the streams the link wants (those it cycles through)
     int wanted = 1;           // streams it would use alone (the worker's)
+    int concurrent = 1;       // links the current collective sends on at once
+    double paced_at = 0;      // the rate the pacer was last set to (bytes/s; 0: none)
+    // What the link's streams may write into their sockets, together (pace()): a long
+    // link's share of its uplink rate with headroom; unlimited until measured.
+    RateLimiter pacer{0, kPacerBurst};
+    double rtt_s = 0;         // measured while the link formed
+    int64_t rate_ns = 0;      // sample_rate(): when it last read the streams' rates
+    double peak_rate = 0;     // this collective's highest sum of its streams' delivery rates (bytes/s)
+    double peak_srtt = 0;     // this collective's highest smoothed round trip of a stream (s)
     std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
     std::atomic<uint64_t> bytes{0};   // sent, since the link formed
     uint64_t bytes_at_learn = 0;
@@ -168,6 +188,15 @@ class TcpTransport : public Transport {
   void stop_and_join() noexcept;
   void write_frame(SendStream& s, OutFrame& f);
   SendStream& pick_stream(OutLink& link, size_t frame_bytes);  // send_mu_ held
+  // Paces what a long link's streams write, together, at kPacingHeadroom times the
+  // link's share of the uplink rate it measured; nothing before a measurement. send_mu_
+  // held.
+  void pace(OutLink& link);
+  // Reads the link's delivery rate (its streams' latest samples, summed) while a
+  // collective sends, keeping the highest: the rate the path carried while the link was
+  // busy, where bytes over the whole collective would count its waits on the ring's other
+  // links too. send_mu_ held.
+  void sample_rate(OutLink& link);
   InFrame read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits, uint32_t max_data_payload,
                      int expected_rank);
   void record(Failure f);

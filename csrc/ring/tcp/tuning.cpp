@@ -86,6 +86,10 @@ int start_streams_for(double inflight, int opened, const SocketLimits& limits) {
   return static_cast<int>(std::clamp(wanted, 1.0, static_cast<double>(std::max(1, opened))));
 }
 
+bool lost_to_own_queue(uint64_t retransmits, double peak_srtt_s, double min_rtt_s) {
+  return retransmits > 0 && min_rtt_s > 0 && peak_srtt_s > kQueuedRtt * min_rtt_s;
+}
+
 void set_send_buffer(const Socket& s, int bytes) {
   if (bytes > 0) ::setsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
 }
@@ -100,6 +104,8 @@ bool read_tcp_stats(const Socket& s, TcpStats* out) {
   out->sndbuf_limited_s = static_cast<double>(info.tcpi_sndbuf_limited) * 1e-6;
   out->rwnd_limited_s = static_cast<double>(info.tcpi_rwnd_limited) * 1e-6;
   out->bytes_acked = info.tcpi_bytes_acked;
+  out->delivery_rate = static_cast<double>(info.tcpi_delivery_rate);
+  out->retransmits = info.tcpi_total_retrans;
   int buf = 0;
   socklen_t blen = sizeof(buf);
   if (::getsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &buf, &blen) == 0) out->sndbuf = buf;

@@ -61,6 +61,27 @@ LinkPlan plan_link(double rtt_s, double rate, const SocketLimits& limits);
 // docs/ring.md, "Links").
 int start_streams_for(double inflight, int opened, const SocketLimits& limits);
 
+// A long link that lost packets to its own queue (lost_to_own_queue) writes into its
+// streams' sockets, together, at most at this multiple of its share of the uplink rate it
+// measured (TcpTransport::pace).
+// Congestion control alone (BBR) let each of six streams pace at 4-5x its share after
+// the gap between two collectives: a collective's first chunk left at over 3x the path's
+// rate, overflowed a drop-tail queue of one bandwidth-delay product, and its tail came a
+// round trip late (delay line, 4 ranks x 256 MiB int8, 1 Gbit/s, RTT 100 ms; docs/ring.md,
+// "Links"). The headroom leaves congestion control room to probe above the estimate, so
+// a link faster than it showed still raises its estimate collective by collective; 2.0
+// let the tails come late again.
+constexpr double kPacingHeadroom = 1.6;
+// The bytes a paced link may write at once (the pacer's bucket).
+constexpr double kPacerBurst = 1 << 20;
+// A link whose smoothed round trip rose above this multiple of its minimum filled a queue.
+constexpr double kQueuedRtt = 1.5;
+
+// Whether a link lost packets to its own queue: it retransmitted while its round trip
+// showed a queue (peak smoothed RTT over kQueuedRtt times the minimum). Random loss on an
+// empty path is not that, and pacing cannot prevent it.
+bool lost_to_own_queue(uint64_t retransmits, double peak_srtt_s, double min_rtt_s);
+
 // SO_SNDBUF (not FORCE: the host's limit holds); the kernel doubles it.
 void set_send_buffer(const Socket& s, int bytes);
 
@@ -72,6 +93,11 @@ struct TcpStats {
   double sndbuf_limited_s = 0;  // of that, limited by the send buffer
   double rwnd_limited_s = 0;    // limited by the receiver's window
   uint64_t bytes_acked = 0;
+  // The kernel's latest delivery-rate sample (bytes/s): delivered over the longer of the
+  // send and the acknowledgement intervals of about a round trip, so acknowledgements
+  // that arrive in a burst do not inflate it; 0 when unknown.
+  double delivery_rate = 0;
+  uint64_t retransmits = 0;  // segments sent again (lost, or presumed lost)
   int sndbuf = 0;  // the socket's current send buffer (SO_SNDBUF as read back)
 };
 bool read_tcp_stats(const Socket& s, TcpStats* out);
