@@ -253,20 +253,13 @@ void TcpTransport::sample_rate(OutLink& link) {
 }
 
 void TcpTransport::pace(OutLink& link) {
-  double uplink_rate;
-  bool lossy;
-  {
-    std::lock_guard<std::mutex> lock(report_mu_);
-    uplink_rate = link.report.uplink_rate;
-    lossy = link.report.paced;
-  }
-  if (!opt_.tune || !lossy || uplink_rate <= 0) return;
-  const double rate = kPacingHeadroom * uplink_rate / link.concurrent;  // the link's share of the uplink
-  if (link.paced_at > 0 && std::abs(rate - link.paced_at) < 0.05 * link.paced_at) return;
-  link.pacer.set_rate(rate);
-  link.paced_at = rate;
   std::lock_guard<std::mutex> lock(report_mu_);
-  link.report.pacing_rate = rate;
+  LinkReport& r = link.report;
+  if (!opt_.tune || !r.paced || r.uplink_rate <= 0) return;
+  const double rate = kPacingHeadroom * r.uplink_rate / link.concurrent;  // the link's share of the uplink
+  if (r.pacing_rate > 0 && std::abs(rate - r.pacing_rate) < 0.05 * r.pacing_rate) return;
+  link.pacer.set_rate(rate);
+  r.pacing_rate = rate;
 }
 
 TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {

@@ -158,7 +158,6 @@ class TcpTransport : public Transport {
     size_t span = 1;          // the streams the link wants (those it cycles through)
     int wanted = 1;           // streams it would use alone (the worker's)
     int concurrent = 1;       // links the current collective sends on at once
-    double paced_at = 0;      // the rate the pacer was last set to (bytes/s; 0: none)
     // What the link's streams may write into their sockets, together (pace()): a long
     // link's share of its uplink rate with headroom; unlimited until measured.
     RateLimiter pacer{0, kPacerBurst};
