@@ -25,14 +25,14 @@ RTT_S = 0.1
 STORE_PORT = 29641
 
 RANK = """
-    import json, sys
+    import json, sys, time
     from datetime import timedelta
     import torch
     import torch.distributed as dist
     from prime.comm import Ring
 
     rank, world, store_host, addr, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-    schedules, numel = sys.argv[6].split(","), int(sys.argv[7])
+    schedules, numel, for_s = sys.argv[6].split(","), int(sys.argv[7]), float(sys.argv[8])
     store = dist.TCPStore(store_host, {port}, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed * 101 + rank))
     out = {{}}
@@ -40,7 +40,17 @@ RANK = """
               timeout=60) as ring:
         for schedule in schedules:
             y = x.clone()
+            start = time.monotonic()
             ring.all_reduce(y, op="avg", schedule=schedule).wait()
+        # Then the last schedule back to back for about for_s seconds: rank 0 counts how many
+        # collectives that takes from the last one's time, every rank runs as many.
+        if rank == 0:
+            store.set("runs", str(int(for_s / (time.monotonic() - start)) + 1 if for_s > 0 else 0))
+        runs = int(store.get("runs"))
+        for _ in range(runs):
+            y = x.clone()
+            ring.all_reduce(y, op="avg", schedule=schedules[-1]).wait()
+        out["runs"] = runs
         out["links"] = ring.links()
         out["result"] = y.double().sum().item(), (y.double() ** 2).sum().item()
         out["y"] = y.tolist()[:4096]
@@ -48,13 +58,14 @@ RANK = """
 """
 
 
-def _run(topo, seed, schedules, numel=1 << 22):
+def _run(topo, seed, schedules, numel=1 << 22, for_s=0.0, **env_vars):
     world = topo.n
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env_vars)
     code = textwrap.dedent(RANK.format(port=STORE_PORT))
     with netem.Emulator(topo) as net:
         procs = [subprocess.Popen(net.exec_argv(r, [sys.executable, "-c", code, str(r), str(world), net.addr(0),
-                                                    net.addr(r), str(seed), ",".join(schedules), str(numel)]),
+                                                    net.addr(r), str(seed), ",".join(schedules), str(numel),
+                                                    str(for_s)]),
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world)]
         outs = []
@@ -121,3 +132,34 @@ def test_a_link_that_loses_nothing_is_not_paced():
             assert 0.4 * payload_rate < link["uplink_rate"] < 1.6 * payload_rate, (r, link)
             if link["retransmits"] == 0:
                 assert not link["paced"] and link["pacing_rate"] == 0, (r, link)
+
+
+def _bbr_is_the_default():
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip() == "bbr"
+
+
+@pytest.mark.skipif(not _bbr_is_the_default(), reason="the host's TCP congestion control is not BBR")
+def test_back_to_back_collectives_keep_bbr_out_of_probe_rtt():
+    """Collectives back to back for twice BBR's 10 s minimum-RTT window: left alone,
+    streams enter ProbeRTT inside collectives (their window falls to 4 packets); the ring
+    restarts BBR on each stream before a collective its window would expire in, and none
+    does."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    print("seed", seed)
+    topo = netem.Topology.uniform(2, 1e9, RTT_S)
+    for restart in (False, True):
+        outs = _run(topo, seed, ["ring"] * 2, numel=1 << 24, for_s=20.0, PRIME_RING_RESTART_BBR=str(int(restart)))
+        assert outs[0]["result"] == outs[1]["result"], "ranks disagree"
+        assert outs[0]["runs"] == outs[1]["runs"] > 0
+        links = [link for out in outs for link in out["links"]]
+        probes = sum(link["probe_rtts"] for link in links)
+        print("restart", restart, "runs", outs[0]["runs"], "probe_rtts", [link["probe_rtts"] for link in links],
+              "restarts", [link["bbr_restarts"] for link in links])
+        if restart:
+            assert probes == 0, links
+            # Every stream of every link at its first collective, and again before its window ran out.
+            assert all(link["bbr_restarts"] >= 2 * link["streams"] for link in links), links
+        else:
+            assert probes > 0, links  # what the restarts avoid, seen by the same count
+            assert all(link["bbr_restarts"] == 0 for link in links), links

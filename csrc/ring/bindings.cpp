@@ -246,7 +246,7 @@ void init_ring_bindings(py::module_& m) {
       .def(py::init([](int rank, int world_size, const std::string& job_id, py::bytes secret, double timeout_s, double rendezvous_timeout_s,
                        int streams, double max_rate, bool encrypt, int64_t segment_elems,
                        const std::string& bind_addr, int socket_buffer_bytes, int64_t corrupt_after_bytes,
-                       bool measure_quant_error) {
+                       bool measure_quant_error, bool restart_bbr) {
              RingOptions o;
              o.rank = rank;
              o.world_size = world_size;
@@ -262,13 +262,14 @@ void init_ring_bindings(py::module_& m) {
              o.socket_buffer_bytes = socket_buffer_bytes;
              o.corrupt_after_bytes = corrupt_after_bytes;
              o.measure_quant_error = measure_quant_error;
+             o.restart_bbr = restart_bbr;
              py::gil_scoped_release no_gil;
              return std::make_shared<Ring>(std::move(o));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("secret"), py::arg("timeout_s"),
            py::arg("rendezvous_timeout_s"), py::arg("streams"), py::arg("max_rate"), py::arg("encrypt"), py::arg("segment_elems"),
            py::arg("bind_addr"), py::arg("socket_buffer_bytes"), py::arg("corrupt_after_bytes"),
-           py::arg("measure_quant_error") = true)
+           py::arg("measure_quant_error") = true, py::arg("restart_bbr") = true)
       .def_property_readonly("port", &Ring::port)
       .def(
           "connect",
@@ -303,6 +304,8 @@ void init_ring_bindings(py::module_& m) {
               d["pacing_rate"] = l.pacing_rate;
               d["retransmits"] = l.retransmits;
               d["paced"] = l.paced;
+              d["probe_rtts"] = l.probe_rtts;
+              d["bbr_restarts"] = l.bbr_restarts;
               d["peak_rate"] = l.peak_rate;
               d["peak_srtt_s"] = l.peak_srtt_s;
               out.append(d);

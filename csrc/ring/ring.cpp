@@ -124,6 +124,7 @@ void Ring::connect(const std::vector<Address>& addresses) {
     t.job = job_;
     t.max_payload = static_cast<uint32_t>(opt_.segment_elems * 4);  // an fp32 segment, the largest payload
     t.corrupt_after_bytes = opt_.corrupt_after_bytes;
+    t.restart_bbr = opt_.restart_bbr;
     t.tune = opt_.streams == 0 && opt_.socket_buffer_bytes == 0;  // the user chose neither
     // Idle frame buffers kept for reuse: a few chunks' worth at the default segment size.
     pool_ = BufferPool::create(size_t{256} << 20);

@@ -43,6 +43,7 @@ struct RingOptions {
   std::string bind_addr = "127.0.0.1";
   int socket_buffer_bytes = 0;       // 0: kernel autotuning
   int64_t corrupt_after_bytes = -1;  // tests only (see TransportOptions)
+  bool restart_bbr = true;           // see TransportOptions
   // The block codecs (int8, fp4) measure their own quantization error as they encode (WorkStats
   // quant_err_sq, quant_in_sq). Off: the pass is skipped and nothing is reported.
   bool measure_quant_error = true;

@@ -51,6 +51,9 @@ constexpr double kHeldBackShare = 0.75;
 // sample_rate() reads the streams' delivery rates at most every half round trip, and at
 // most this often (ns).
 constexpr int64_t kRateSampleMin = 20'000'000;
+// begin_collective() expects a collective to take at most this multiple of the last one's
+// time (begin_collective() to learn()).
+constexpr double kCollectiveSpan = 1.5;
 
 std::string frame_name(const FrameHeader& h) {
   StrBuilder s;
@@ -87,6 +90,7 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, st
       for (size_t j = 0; j < l.out.size(); ++j) {
         send_.push_back(std::make_unique<SendStream>(p, static_cast<int>(j), std::move(l.out[j].socket),
                                                      l.out[j].keys, opt_.encrypt));
+        send_.back()->bbr = bbr_state(send_.back()->socket) != BbrState::kNotBbr;
         o.streams.push_back(send_.back().get());
       }
       o.report.peer = p;
@@ -217,6 +221,9 @@ std::optional<ErrorInfo> TcpTransport::failure(const Context& where) const {
 
 void TcpTransport::begin_collective(int concurrent) {
   std::lock_guard<std::mutex> lock(send_mu_);
+  const int64_t now = now_ns();
+  if (opt_.restart_bbr) restart_bbr_where_due(now);
+  collective_start_ns_ = now;
   for (auto& o : out_) {
     if (!o) continue;
     const int share = opt_.tune ? (o->wanted + std::max(1, concurrent) - 1) / std::max(1, concurrent) : o->wanted;
@@ -236,16 +243,51 @@ void TcpTransport::begin_collective(int concurrent) {
   }
 }
 
+void TcpTransport::restart_bbr_where_due(int64_t now) {
+  const int64_t last_start = collective_start_ns_, last_end = collective_end_ns_;
+  // A restart must keep the window open to the collective's end: one expected to last
+  // kBbrMinRttWindowNs or more cannot avoid ProbeRTT, and restarts nothing.
+  const int64_t expected = last_end > last_start ? static_cast<int64_t>(kCollectiveSpan * (last_end - last_start)) : 0;
+  if (expected >= kBbrMinRttWindowNs) return;
+  // After a rest of a whole window every stream's window ran out while it was idle: the
+  // first acknowledgement of its restart from idle starts a new one, without ProbeRTT.
+  const bool rested = last_end > 0 && now - last_end >= kBbrMinRttWindowNs;
+  for (auto& o : out_) {
+    if (!o) continue;
+    for (SendStream* s : o->streams) {
+      if (!s->bbr) continue;
+      // A window starts when BBR starts, and again at a lower round trip or at the end of
+      // a ProbeRTT: never before the epoch kept here.
+      if (rested) s->bbr_epoch_ns = now;
+      if (s->bbr_epoch_ns > 0 && s->bbr_epoch_ns + kBbrMinRttWindowNs > now + expected) continue;
+      // Those due restart together: BBR learns the path's rate again after a restart, and
+      // a link's streams restarted a few at a time, ahead of time, ran slower than all of
+      // them at once every ~8 s (benchmarks/RESULTS.md).
+      if (!restart_bbr(s->socket)) {
+        s->bbr = false;  // the host refused: leave the stream as it is
+        continue;
+      }
+      s->bbr_epoch_ns = now;
+      std::lock_guard<std::mutex> lock(report_mu_);
+      ++o->report.bbr_restarts;
+    }
+  }
+}
+
 void TcpTransport::sample_rate(OutLink& link) {
-  if (!opt_.tune) return;
   const int64_t now = now_ns();
   const int64_t every = std::max<int64_t>(kRateSampleMin, static_cast<int64_t>(link.rtt_s * 1e9 / 2));
   if (now - link.rate_ns < every) return;
   link.rate_ns = now;
   double rate = 0;
   for (SendStream* s : link.streams) {
+    if (s->bbr) {
+      const bool probing = bbr_state(s->socket) == BbrState::kProbeRtt;
+      if (probing && !s->in_probe_rtt) ++link.probe_rtts;
+      s->in_probe_rtt = probing;
+    }
     TcpStats st;
-    if (!read_tcp_stats(s->socket, &st)) continue;
+    if (!opt_.tune || !read_tcp_stats(s->socket, &st)) continue;
     rate += st.delivery_rate;
     link.peak_srtt = std::max(link.peak_srtt, st.rtt_s);
   }
@@ -676,6 +718,10 @@ void TcpTransport::watcher_loop(int) {
 }
 
 void TcpTransport::learn() {
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    collective_end_ns_ = now_ns();
+  }
   for (auto& o : out_) {
     if (!o) continue;
     OutLink& link = *o;
@@ -764,6 +810,7 @@ std::vector<LinkReport> TcpTransport::link_reports() const {
     if (!o) continue;
     out.push_back(o->report);
     out.back().bytes_sent = o->bytes.load();
+    out.back().probe_rtts = o->probe_rtts.load();
     for (const SendStream* s : o->streams) out.back().stream_bytes.push_back(s->bytes.load());
   }
   return out;

@@ -43,6 +43,9 @@ struct TransportOptions {
   uint32_t max_payload = 0;        // longest data payload a peer may announce
   int64_t corrupt_after_bytes = -1;  // tests only: flip one bit of the payload byte at this offset (after sealing)
   bool tune = true;  // the user chose neither streams nor buffers: learn() adapts them
+  // Restart BBR on a stream before a collective its minimum-RTT window would expire in
+  // (begin_collective()): no ProbeRTT inside collectives (tcp/tuning.h).
+  bool restart_bbr = true;
 };
 
 // What this rank knows of its link to one peer (the outgoing direction).
@@ -70,6 +73,10 @@ struct LinkReport {
   // The last collective's highest delivery rate: its streams' latest TCP samples, summed
   // (bytes/s; 10-30% above the path's rate on the delay line, never below it when busy).
   double peak_rate = 0;
+  // ProbeRTT episodes seen on its BBR streams while they sent (since the link formed), and
+  // how often it restarted BBR on one of them before a collective (begin_collective()).
+  uint64_t probe_rtts = 0;
+  uint64_t bbr_restarts = 0;
 };
 
 class TcpTransport : public Transport {
@@ -94,7 +101,9 @@ class TcpTransport : public Transport {
 
   // Before a collective (the worker): it sends on `concurrent` links at once (1 for the
   // ring, N-1 for the direct schedule), which share this rank's uplink: each link then
-  // uses its wanted streams divided among them.
+  // uses its wanted streams divided among them. BBR streams whose minimum-RTT window
+  // could run out within the collective (1.5x as long as the last one) are restarted
+  // first, while idle: their window then covers the collective (tcp/tuning.h).
   void begin_collective(int concurrent);
   // Between collectives (the worker): reads what TCP measured on every link that carried
   // enough since the last call (round trip, delivery rate, time limited by buffers); a
@@ -128,6 +137,9 @@ class TcpTransport : public Transport {
     bool busy = false;       // a frame is being written
     bool mid_frame = false;  // stopped inside a frame: no control frame may follow
     TcpStats seen;           // learn(): the counters at the last call
+    bool bbr = false;          // its congestion control is BBR (read once: the host's default)
+    int64_t bbr_epoch_ns = 0;  // when the ring last restarted BBR on it (0: never)
+    bool in_probe_rtt = false;  // at the last sample_rate()
     std::atomic<uint64_t> bytes{0};  // payload and frame bytes sent on this stream
     std::thread thread;
   };
@@ -163,6 +175,7 @@ class TcpTransport : public Transport {
     RateLimiter pacer{0, kPacerBurst};
     double rtt_s = 0;         // measured while the link formed
     int64_t rate_ns = 0;      // sample_rate(): when it last read the streams' rates
+    std::atomic<uint64_t> probe_rtts{0};  // sample_rate(): ProbeRTT episodes seen
     double peak_rate = 0;     // this collective's highest sum of its streams' delivery rates (bytes/s)
     double peak_srtt = 0;     // this collective's highest smoothed round trip of a stream (s)
     std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
@@ -194,8 +207,11 @@ class TcpTransport : public Transport {
   // Reads the link's delivery rate (its streams' latest samples, summed) while a
   // collective sends, keeping the highest: the rate the path carried while the link was
   // busy, where bytes over the whole collective would count its waits on the ring's other
-  // links too. send_mu_ held.
+  // links too. Counts the ProbeRTT episodes of its BBR streams. send_mu_ held.
   void sample_rate(OutLink& link);
+  // begin_collective(), send_mu_ held: restarts BBR on the streams whose minimum-RTT
+  // window could run out before a collective that begins at `now` ends.
+  void restart_bbr_where_due(int64_t now);
   InFrame read_frame(const Socket& socket, FrameOpener& opener, const IoLimits& limits, uint32_t max_data_payload,
                      int expected_rank);
   void record(Failure f);
@@ -228,6 +244,9 @@ class TcpTransport : public Transport {
   std::condition_variable sent_cv_;   // a frame left (flush waits on it)
   std::vector<std::unique_ptr<SendStream>> send_;
   std::atomic<int64_t> send_progress_ns_{0};
+  // The worker's (begin_collective(), learn()): when the last collective began and ended.
+  int64_t collective_start_ns_ = 0;
+  int64_t collective_end_ns_ = 0;
 
   std::mutex recv_mu_;
   std::condition_variable recv_cv_;

@@ -51,6 +51,9 @@ ENV_SOCKET_BUFFER = "PRIME_RING_SOCKET_BUFFER"
 ENV_ENCRYPT = "PRIME_RING_ENCRYPT"
 # "0" turns off the int8 codec's own error measurement (WorkStats.quant_err_sq / quant_in_sq).
 ENV_QUANT_ERROR = "PRIME_RING_QUANT_ERROR"
+# "0" leaves the streams' congestion control alone: by default the ring restarts BBR on a
+# stream before a collective that its minimum-RTT window would expire in (docs/ring.md, "Links").
+ENV_RESTART_BBR = "PRIME_RING_RESTART_BBR"
 # Where the ring reduces CUDA tensors: "auto" (default: on their GPU when prime._C was
 # built with CUDA, else through pinned host memory on the CPU), "gpu" (refuse a build
 # without CUDA), "cpu" (always through pinned host memory: the path before GPU reduction).
@@ -330,6 +333,7 @@ class Ring:
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
             corrupt_after_bytes=_corrupt_offset(),
             measure_quant_error=self.quant_error,
+            restart_bbr=os.environ.get(ENV_RESTART_BBR, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         if world_size == 1:
             self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)

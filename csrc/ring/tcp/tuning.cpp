@@ -1,6 +1,7 @@
 #include "tuning.h"
 
 #include <linux/sockios.h>
+#include <linux/inet_diag.h>
 #include <linux/tcp.h>
 #include <netinet/in.h>
 #include <sys/ioctl.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 namespace prime::ring {
 namespace {
@@ -117,6 +119,45 @@ double pacing_rate(const Socket& s) {
   socklen_t len = sizeof(info);
   if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
   return info.tcpi_pacing_rate == ~0ULL ? 0 : static_cast<double>(info.tcpi_pacing_rate);
+}
+
+namespace {
+
+constexpr char kBbr[] = "bbr";
+
+bool runs_bbr(const Socket& s) {
+  char name[16] = {};  // TCP_CA_NAME_MAX
+  socklen_t len = sizeof(name);
+  if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return false;
+  return std::strncmp(name, kBbr, sizeof(name)) == 0;
+}
+
+bool set_congestion_control(const Socket& s, const char* name) {
+  return ::setsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, name, static_cast<socklen_t>(std::strlen(name))) == 0;
+}
+
+}  // namespace
+
+bool restart_bbr(const Socket& s) {
+  if (!runs_bbr(s)) return false;
+  // Setting the algorithm a socket already runs does nothing: it goes through another
+  // (reno is always built in; cubic where the host does not allow reno), then back. The
+  // socket runs BBR because it is the host's default, which is always allowed.
+  for (const char* other : {"reno", "cubic"}) {
+    if (set_congestion_control(s, other)) return set_congestion_control(s, kBbr);
+  }
+  return false;
+}
+
+BbrState bbr_state(const Socket& s) {
+  if (!runs_bbr(s)) return BbrState::kNotBbr;
+  tcp_cc_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(s.fd(), IPPROTO_TCP, TCP_CC_INFO, &info, &len) != 0 || len < sizeof(info.bbr)) {
+    return BbrState::kOther;
+  }
+  constexpr uint32_t kUnitGain = 256;  // BBR_UNIT: gains are fixed point, 8 fractional bits
+  return info.bbr.bbr_cwnd_gain == kUnitGain ? BbrState::kProbeRtt : BbrState::kOther;
 }
 
 int64_t unacked_bytes(const Socket& s) {

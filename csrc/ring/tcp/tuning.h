@@ -102,6 +102,28 @@ struct TcpStats {
 };
 bool read_tcp_stats(const Socket& s, TcpStats* out);
 
+// BBR (Linux's tcp_bbr) keeps the lowest round trip it saw in a window of 10 s. When the
+// window expires while a stream sends, the stream enters ProbeRTT: its congestion window
+// falls to 4 packets until what it has in flight drains, for at least 200 ms and a round
+// trip, and the frames in its socket wait. The link's streams, which took their minimum
+// at the same moments, do it together. A stream that restarts from idle after the window
+// expired refreshes its minimum without ProbeRTT instead, so collectives minutes apart
+// never see one; back-to-back collectives, or one long one, do (measured on the delay
+// line, 4 ranks x 256 MiB int8, 1 Gbit/s, RTT 100-200 ms: 3-6 of a link's 8 streams at a
+// window of 4 for 0.4-0.9 s, each link every ~11 s; docs/ring.md, "Links").
+constexpr int64_t kBbrMinRttWindowNs = 10'000'000'000;
+
+// Restarts BBR on the stream (TCP_CONGESTION to another algorithm the host allows, then
+// back): its minimum-RTT window starts again now, and its bandwidth estimate is learned
+// again (startup). False when the stream does not run BBR, or the host refused (nothing
+// changed then).
+bool restart_bbr(const Socket& s);
+
+// Whether the stream runs BBR, and whether it is in ProbeRTT now (TCP_CC_INFO: a window
+// gain of 1, which no other BBR state has).
+enum class BbrState { kNotBbr, kProbeRtt, kOther };
+BbrState bbr_state(const Socket& s);
+
 // Bytes written to the stream that its peer has not acknowledged yet (SIOCOUTQ).
 int64_t unacked_bytes(const Socket& s);
 
