@@ -304,6 +304,7 @@ void init_ring_bindings(py::module_& m) {
               d["pacing_rate"] = l.pacing_rate;
               d["retransmits"] = l.retransmits;
               d["paced"] = l.paced;
+              d["inflight_cap"] = l.inflight_cap;
               d["probe_rtts"] = l.probe_rtts;
               d["bbr_restarts"] = l.bbr_restarts;
               d["peak_rate"] = l.peak_rate;

@@ -16,6 +16,7 @@ class RateLimiter {
   // debt, and the caller then sleeps the debt off, so streams share the rate fairly.
   RateLimiter(double bytes_per_second, double burst_bytes);
   bool limited() const { return rate_.load(std::memory_order_relaxed) > 0; }
+  double rate() const { return rate_.load(std::memory_order_relaxed); }  // bytes/s; <= 0: unlimited
   // A new rate (<= 0: unlimited) for what is acquired from now on.
   void set_rate(double bytes_per_second);
   // Blocks until `n` bytes may be sent; returns false when `stop` was set meanwhile.

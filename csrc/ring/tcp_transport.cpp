@@ -51,6 +51,10 @@ constexpr double kHeldBackShare = 0.75;
 // sample_rate() reads the streams' delivery rates at most every half round trip, and at
 // most this often (ns).
 constexpr int64_t kRateSampleMin = 20'000'000;
+// How long a paced link's writer sleeps, at least and at most, while its streams hold
+// their share in flight (wait_inflight()).
+constexpr int64_t kInflightPollMinUs = 200;
+constexpr int64_t kInflightPollMaxUs = 5000;
 // begin_collective() expects a collective to take at most this multiple of the last one's
 // time (begin_collective() to learn()).
 constexpr double kCollectiveSpan = 1.5;
@@ -302,6 +306,9 @@ void TcpTransport::pace(OutLink& link) {
   if (r.pacing_rate > 0 && std::abs(rate - r.pacing_rate) < 0.05 * r.pacing_rate) return;
   link.pacer.set_rate(rate);
   r.pacing_rate = rate;
+  const double rtt = r.rtt_s > 0 ? r.rtt_s : r.handshake_rtt_s;
+  r.inflight_cap = kPacedInflight * r.uplink_rate / link.concurrent * rtt;
+  link.inflight_cap = r.inflight_cap;
 }
 
 TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {
@@ -346,6 +353,23 @@ void TcpTransport::send(int peer, OutFrame frame) {
   send_cv_.notify_all();
 }
 
+void TcpTransport::wait_inflight(OutLink& link, size_t len) {
+  const double cap = link.inflight_cap.load();
+  if (cap <= 0) return;
+  const double rate = std::max(1.0, link.pacer.rate());
+  const auto until = Clock::now() + opt_.timeout;  // past it the write itself times out
+  for (;;) {
+    double held = 0;
+    for (SendStream* t : link.streams) held += static_cast<double>(unacked_bytes(t->socket));
+    const double excess = held + static_cast<double>(len) - cap;
+    if (held == 0 || excess <= 0 || Clock::now() > until) return;
+    if (stop_) throw IoError(IoError::Reason::kStopped, "stopped");
+    // about as long as the path takes to carry the excess away
+    std::this_thread::sleep_for(std::chrono::microseconds(std::clamp<int64_t>(static_cast<int64_t>(excess / rate * 1e6),
+                                                                              kInflightPollMinUs, kInflightPollMaxUs)));
+  }
+}
+
 void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   f.header.payload_len = static_cast<uint32_t>(f.size);
   IoLimits limits;
@@ -360,6 +384,7 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
   // or ends the stream, so no later frame can reuse or skip its number.
   if (coalesce) {
     if (!pacer.acquire(kFrameOverhead + f.size, &stop_)) throw IoError(IoError::Reason::kStopped, "stopped");
+    wait_inflight(*out_[static_cast<size_t>(s.peer)], kFrameOverhead + f.size);
     char joined[kFrameOverhead + kCoalesceBytes];
     auto* bytes = reinterpret_cast<uint8_t*>(joined);
     const int64_t a0 = now_ns();
@@ -390,6 +415,7 @@ void TcpTransport::write_frame(SendStream& s, OutFrame& f) {
     if (!limiter_.acquire(len, &stop_) || !pacer.acquire(len, &stop_)) {
       throw IoError(IoError::Reason::kStopped, "stopped");
     }
+    wait_inflight(*out_[static_cast<size_t>(s.peer)], len);
     // The piece is sealed (tag updated, or encrypted) just before it leaves.
     a0 = now_ns();
     const char* sealed = s.sealer.payload(f.data + off, s.scratch.data(), len);

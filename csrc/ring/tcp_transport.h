@@ -67,6 +67,7 @@ struct LinkReport {
   // collective paced the link's writes at (bytes/s; 0: not paced).
   double uplink_rate = 0;
   double pacing_rate = 0;
+  double inflight_cap = 0;   // bytes its streams may hold unacknowledged, together, when paced (0: any)
   uint64_t retransmits = 0;  // segments its streams sent again, since the link formed
   bool paced = false;        // it lost packets to its own queue on a long path: its writes are paced (pace())
   double peak_srtt_s = 0;    // the last collective's highest smoothed round trip of a stream
@@ -173,6 +174,7 @@ class TcpTransport : public Transport {
     // What the link's streams may write into their sockets, together (pace()): a long
     // link's share of its uplink rate with headroom; unlimited until measured.
     RateLimiter pacer{0, kPacerBurst};
+    std::atomic<double> inflight_cap{0};  // pace(): what its streams may hold unacknowledged, together (0: any)
     double rtt_s = 0;         // measured while the link formed
     int64_t rate_ns = 0;      // sample_rate(): when it last read the streams' rates
     std::atomic<uint64_t> probe_rtts{0};  // sample_rate(): ProbeRTT episodes seen
@@ -199,10 +201,14 @@ class TcpTransport : public Transport {
   // shutdown() that could not run). Safe to call twice.
   void stop_and_join() noexcept;
   void write_frame(SendStream& s, OutFrame& f);
+  // Before a paced link's streams write `len` more bytes: waits until what they hold
+  // unacknowledged (SIOCOUTQ, summed) leaves room for them under the link's inflight_cap.
+  void wait_inflight(OutLink& link, size_t len);
   SendStream& pick_stream(OutLink& link, size_t frame_bytes);  // send_mu_ held
   // Paces what a long link's streams write, together, at kPacingHeadroom times the
-  // link's share of the uplink rate it measured; nothing before a measurement. send_mu_
-  // held.
+  // link's share of the uplink rate it measured, and caps what they hold unacknowledged
+  // at kPacedInflight times that share's bandwidth-delay product; nothing before a
+  // measurement. send_mu_ held.
   void pace(OutLink& link);
   // Reads the link's delivery rate (its streams' latest samples, summed) while a
   // collective sends, keeping the highest: the rate the path carried while the link was

@@ -72,6 +72,14 @@ int start_streams_for(double inflight, int opened, const SocketLimits& limits);
 // a link faster than it showed still raises its estimate collective by collective; 2.0
 // let the tails come late again.
 constexpr double kPacingHeadroom = 1.6;
+// ... and its streams hold at most this multiple of that share times the link's minimum
+// round trip unacknowledged, together (TcpTransport::wait_inflight). Pacing alone spreads
+// the bursts, but eight BBR streams each keep twice their estimate of their share in
+// flight (estimates that read high), more than the path and a drop-tail queue of one
+// bandwidth-delay product hold: with the cap the same links ran 4-10% faster at RTT 50 and
+// 100 ms (delay line, 4 ranks x 256 MiB int8, 1 Gbit/s; 1.25x: slower than 1.5x, 2.0x: no
+// gain; benchmarks/RESULTS.md).
+constexpr double kPacedInflight = 1.5;
 // The bytes a paced link may write at once (the pacer's bucket).
 constexpr double kPacerBurst = 1 << 20;
 // A link whose smoothed round trip rose above this multiple of its minimum filled a queue.
