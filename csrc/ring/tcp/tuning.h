@@ -76,9 +76,9 @@ constexpr double kPacingHeadroom = 1.6;
 // round trip unacknowledged, together (TcpTransport::wait_inflight). Pacing alone spreads
 // the bursts, but eight BBR streams each keep twice their estimate of their share in
 // flight (estimates that read high), more than the path and a drop-tail queue of one
-// bandwidth-delay product hold: with the cap the same links ran 4-10% faster at RTT 50 and
-// 100 ms (delay line, 4 ranks x 256 MiB int8, 1 Gbit/s; 1.25x: slower than 1.5x, 2.0x: no
-// gain; benchmarks/RESULTS.md).
+// bandwidth-delay product hold: with the cap the same links ran 5-10% faster at RTT 50 and
+// 100 ms (delay line, 4 ranks x 256 MiB int8, 1 Gbit/s; 1.25x and 2.0x gained less;
+// benchmarks/RESULTS.md).
 constexpr double kPacedInflight = 1.5;
 // The bytes a paced link may write at once (the pacer's bucket).
 constexpr double kPacerBurst = 1 << 20;
