@@ -34,12 +34,6 @@ constexpr size_t kMaxQueuedBytes = size_t{512} << 20;
 // How long a bare EOF waits for a peer's abort frame (which names the root cause) to
 // arrive on another path before it is reported as the failure itself.
 constexpr Millis kRootCauseGrace{250};
-// A stream's pacing rate is taken to be at least this (bytes/s) when choosing where a
-// frame goes (a stream that never sent reports next to nothing).
-constexpr double kSlowestPacing = 64 << 10;
-// ... and at least this share of the fastest of its link's streams (they share one path;
-// an idle stream reports the rate it had last, next to nothing if it never sent).
-constexpr double kColdStreamShare = 0.25;
 // learn() reads a link's TCP counters once it carried this much since the last time: a
 // rate measured over less is mostly slow start and round trips.
 constexpr uint64_t kLearnMinBytes = 4 << 20;
@@ -311,30 +305,25 @@ void TcpTransport::pace(OutLink& link) {
   link.inflight_cap = r.inflight_cap;
 }
 
-TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link, size_t frame_bytes) {
+TcpTransport::SendStream& TcpTransport::pick_stream(OutLink& link) {
   const size_t n = std::min(link.span, link.streams.size());
   const size_t k = std::min(link.active, n);
   if (k == 1) return *link.streams[link.first % n];
-  // The stream that would deliver this frame first: what it still has to deliver (its
-  // queue, the frame it writes, what its socket holds unacknowledged) and the frame, at the
-  // rate it paces at. A stream used for the first time, still in slow start, paces slowly
-  // and takes a frame only once the others hold a few frames more: the receiver takes a
-  // link's frames in order, so one frame held up holds up the link. Every stream counts as
-  // pacing at kColdStreamShare of the link's fastest at least, or one left idle (the
-  // direct schedule uses fewer streams per link than the ring) would never be given the
-  // frames that let it speed up. Ties go round.
-  double fastest = 0;
-  for (size_t i = 0; i < k; ++i) fastest = std::max(fastest, pacing_rate(link.streams[(link.first + i) % n]->socket));
-  const double floor = std::max(kSlowestPacing, fastest * kColdStreamShare);
+  // The stream with the least still to deliver: its queue and what its socket holds
+  // unacknowledged (SIOCOUTQ). A stream that TCP slows down drains later and so takes
+  // fewer frames. Not weighted by the rate each stream paces at: the streams share one
+  // path, and BBR's pacing rates are estimates that restarts, startup and idle periods
+  // leave far apart (a stream the direct schedule left idle, or one just restarted, paces
+  // slowly until it gets frames; weighted, it got few, and a ring collective after direct
+  // ones ran 20% slower at RTT 200 ms; benchmarks/RESULTS.md). Ties go round.
   size_t best = link.next_pick % k;
-  double soonest = -1;
+  int64_t least = -1;
   for (size_t i = 0; i < k; ++i) {
     const size_t j = (link.next_pick + i) % k;
     const SendStream& s = *link.streams[(link.first + j) % n];
-    const double backlog = static_cast<double>(s.queued_bytes + frame_bytes) + static_cast<double>(unacked_bytes(s.socket));
-    const double eta = backlog / std::max(pacing_rate(s.socket), floor);
-    if (soonest < 0 || eta < soonest) {
-      soonest = eta;
+    const int64_t backlog = static_cast<int64_t>(s.queued_bytes) + unacked_bytes(s.socket);
+    if (least < 0 || backlog < least) {
+      least = backlog;
       best = j;
     }
   }
@@ -347,7 +336,7 @@ void TcpTransport::send(int peer, OutFrame frame) {
   OutLink& link = *out_.at(static_cast<size_t>(peer));
   frame.header.link_frame = link.next_frame++;
   sample_rate(link);
-  SendStream& s = pick_stream(link, frame.size);
+  SendStream& s = pick_stream(link);
   s.queued_bytes += frame.size;
   s.queue.push_back(std::move(frame));
   send_cv_.notify_all();

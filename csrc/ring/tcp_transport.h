@@ -2,10 +2,10 @@
 //
 // Threads: one sender per outgoing stream, one receiver per incoming stream, and a
 // watcher on the outgoing streams' reverse direction (where a peer reports its failure
-// or close). A frame for a peer goes on the link's stream that would deliver it first
-// (what it still has to deliver, at the rate TCP paces it), so a stream that TCP slows
-// down, or one still starting, takes fewer frames; frames carry their number on the
-// link, and the receiver takes them in that order from whichever stream brought them.
+// or close). A frame for a peer goes on the link's stream with the least still to
+// deliver (its queue and what its socket holds unacknowledged), so a stream that TCP
+// slows down takes fewer frames; frames carry their number on the link, and the receiver
+// takes them in that order from whichever stream brought them.
 //
 // Every frame is sealed (AES-256-GCM tag, tcp/frame.h) by the thread that writes it
 // and opened by the thread that reads it, under the stream's session keys: the
@@ -204,7 +204,7 @@ class TcpTransport : public Transport {
   // Before a paced link's streams write `len` more bytes: waits until what they hold
   // unacknowledged (SIOCOUTQ, summed) leaves room for them under the link's inflight_cap.
   void wait_inflight(OutLink& link, size_t len);
-  SendStream& pick_stream(OutLink& link, size_t frame_bytes);  // send_mu_ held
+  SendStream& pick_stream(OutLink& link);  // send_mu_ held
   // Paces what a long link's streams write, together, at kPacingHeadroom times the
   // link's share of the uplink rate it measured, and caps what they hold unacknowledged
   // at kPacedInflight times that share's bandwidth-delay product; nothing before a

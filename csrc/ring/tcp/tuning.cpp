@@ -114,13 +114,6 @@ bool read_tcp_stats(const Socket& s, TcpStats* out) {
   return true;
 }
 
-double pacing_rate(const Socket& s) {
-  tcp_info info{};
-  socklen_t len = sizeof(info);
-  if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
-  return info.tcpi_pacing_rate == ~0ULL ? 0 : static_cast<double>(info.tcpi_pacing_rate);
-}
-
 namespace {
 
 constexpr char kBbr[] = "bbr";

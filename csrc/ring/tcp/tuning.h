@@ -135,9 +135,4 @@ BbrState bbr_state(const Socket& s);
 // Bytes written to the stream that its peer has not acknowledged yet (SIOCOUTQ).
 int64_t unacked_bytes(const Socket& s);
 
-// The rate the stream paces its sending at now (TCP_INFO tcpi_pacing_rate, bytes/s): its
-// congestion control's estimate of its share of the path; low while it starts (slow
-// start from a few packets). 0 when unknown.
-double pacing_rate(const Socket& s);
-
 }  // namespace prime::ring
