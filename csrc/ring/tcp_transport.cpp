@@ -277,7 +277,7 @@ void TcpTransport::sample_rate(OutLink& link) {
   const int64_t every = std::max<int64_t>(kRateSampleMin, static_cast<int64_t>(link.rtt_s * 1e9 / 2));
   if (now - link.rate_ns < every) return;
   link.rate_ns = now;
-  double rate = 0;
+  double rate = 0, srtt = -1;
   for (SendStream* s : link.streams) {
     if (s->bbr) {
       const bool probing = bbr_state(s->socket) == BbrState::kProbeRtt;
@@ -287,9 +287,10 @@ void TcpTransport::sample_rate(OutLink& link) {
     TcpStats st;
     if (!opt_.tune || !read_tcp_stats(s->socket, &st)) continue;
     rate += st.delivery_rate;
-    link.peak_srtt = std::max(link.peak_srtt, st.rtt_s);
+    if (st.in_flight > 0) srtt = srtt < 0 ? st.rtt_s : std::min(srtt, st.rtt_s);
   }
   link.peak_rate = std::max(link.peak_rate, rate);
+  link.peak_srtt = std::max(link.peak_srtt, srtt);
 }
 
 void TcpTransport::pace(OutLink& link) {

@@ -70,7 +70,10 @@ struct LinkReport {
   double inflight_cap = 0;   // bytes its streams may hold unacknowledged, together, when paced (0: any)
   uint64_t retransmits = 0;  // segments its streams sent again, since the link formed
   bool paced = false;        // it lost packets to its own queue on a long path: its writes are paced (pace())
-  double peak_srtt_s = 0;    // the last collective's highest smoothed round trip of a stream
+  // The last collective's highest round trip of the link: at each sample, the lowest
+  // smoothed round trip of its streams with data in flight (a queue on the path delays
+  // them all; one stream's stall, a timeout, is not the path's).
+  double peak_srtt_s = 0;
   // The last collective's highest delivery rate: its streams' latest TCP samples, summed
   // (bytes/s; 10-30% above the path's rate on the delay line, never below it when busy).
   double peak_rate = 0;
@@ -179,7 +182,7 @@ class TcpTransport : public Transport {
     int64_t rate_ns = 0;      // sample_rate(): when it last read the streams' rates
     std::atomic<uint64_t> probe_rtts{0};  // sample_rate(): ProbeRTT episodes seen
     double peak_rate = 0;     // this collective's highest sum of its streams' delivery rates (bytes/s)
-    double peak_srtt = 0;     // this collective's highest smoothed round trip of a stream (s)
+    double peak_srtt = 0;     // this collective's highest round trip of the link (s; LinkReport::peak_srtt_s)
     std::atomic<bool> closed{false};  // the peer closed the ring (a clean close)
     std::atomic<uint64_t> bytes{0};   // sent, since the link formed
     uint64_t bytes_at_learn = 0;

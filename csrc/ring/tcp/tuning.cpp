@@ -108,6 +108,7 @@ bool read_tcp_stats(const Socket& s, TcpStats* out) {
   out->bytes_acked = info.tcpi_bytes_acked;
   out->delivery_rate = static_cast<double>(info.tcpi_delivery_rate);
   out->retransmits = info.tcpi_total_retrans;
+  out->in_flight = info.tcpi_unacked;
   int buf = 0;
   socklen_t blen = sizeof(buf);
   if (::getsockopt(s.fd(), SOL_SOCKET, SO_SNDBUF, &buf, &blen) == 0) out->sndbuf = buf;

@@ -106,6 +106,7 @@ struct TcpStats {
   // that arrive in a burst do not inflate it; 0 when unknown.
   double delivery_rate = 0;
   uint64_t retransmits = 0;  // segments sent again (lost, or presumed lost)
+  uint32_t in_flight = 0;    // segments sent and not acknowledged yet
   int sndbuf = 0;  // the socket's current send buffer (SO_SNDBUF as read back)
 };
 bool read_tcp_stats(const Socket& s, TcpStats* out);
