@@ -88,7 +88,7 @@ TcpTransport::TcpTransport(TransportOptions options, std::vector<Link> links, st
       for (size_t j = 0; j < l.out.size(); ++j) {
         send_.push_back(std::make_unique<SendStream>(p, static_cast<int>(j), std::move(l.out[j].socket),
                                                      l.out[j].keys, opt_.encrypt));
-        send_.back()->bbr = bbr_state(send_.back()->socket) != BbrState::kNotBbr;
+        send_.back()->bbr = runs_bbr(send_.back()->socket);
         o.streams.push_back(send_.back().get());
       }
       o.report.peer = p;
@@ -280,7 +280,7 @@ void TcpTransport::sample_rate(OutLink& link) {
   double rate = 0, srtt = -1;
   for (SendStream* s : link.streams) {
     if (s->bbr) {
-      const bool probing = bbr_state(s->socket) == BbrState::kProbeRtt;
+      const bool probing = in_probe_rtt(s->socket);  // s->bbr: read once, at the start
       if (probing && !s->in_probe_rtt) ++link.probe_rtts;
       s->in_probe_rtt = probing;
     }

@@ -119,18 +119,18 @@ namespace {
 
 constexpr char kBbr[] = "bbr";
 
+bool set_congestion_control(const Socket& s, const char* name) {
+  return ::setsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, name, static_cast<socklen_t>(std::strlen(name))) == 0;
+}
+
+}  // namespace
+
 bool runs_bbr(const Socket& s) {
   char name[16] = {};  // TCP_CA_NAME_MAX
   socklen_t len = sizeof(name);
   if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return false;
   return std::strncmp(name, kBbr, sizeof(name)) == 0;
 }
-
-bool set_congestion_control(const Socket& s, const char* name) {
-  return ::setsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, name, static_cast<socklen_t>(std::strlen(name))) == 0;
-}
-
-}  // namespace
 
 bool restart_bbr(const Socket& s) {
   if (!runs_bbr(s)) return false;
@@ -143,15 +143,14 @@ bool restart_bbr(const Socket& s) {
   return false;
 }
 
-BbrState bbr_state(const Socket& s) {
-  if (!runs_bbr(s)) return BbrState::kNotBbr;
+bool in_probe_rtt(const Socket& s) {
   tcp_cc_info info{};
   socklen_t len = sizeof(info);
-  if (::getsockopt(s.fd(), IPPROTO_TCP, TCP_CC_INFO, &info, &len) != 0 || len < sizeof(info.bbr)) {
-    return BbrState::kOther;
+  if (s.fd() < 0 || ::getsockopt(s.fd(), IPPROTO_TCP, TCP_CC_INFO, &info, &len) != 0 || len < sizeof(info.bbr)) {
+    return false;
   }
   constexpr uint32_t kUnitGain = 256;  // BBR_UNIT: gains are fixed point, 8 fractional bits
-  return info.bbr.bbr_cwnd_gain == kUnitGain ? BbrState::kProbeRtt : BbrState::kOther;
+  return info.bbr.bbr_cwnd_gain == kUnitGain;
 }
 
 int64_t unacked_bytes(const Socket& s) {

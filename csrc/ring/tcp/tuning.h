@@ -128,10 +128,12 @@ constexpr int64_t kBbrMinRttWindowNs = 10'000'000'000;
 // changed then).
 bool restart_bbr(const Socket& s);
 
-// Whether the stream runs BBR, and whether it is in ProbeRTT now (TCP_CC_INFO: a window
-// gain of 1, which no other BBR state has).
-enum class BbrState { kNotBbr, kProbeRtt, kOther };
-BbrState bbr_state(const Socket& s);
+// Whether the stream's congestion control is BBR (TCP_CONGESTION).
+bool runs_bbr(const Socket& s);
+
+// Whether a stream that runs BBR is in ProbeRTT now (TCP_CC_INFO: a window gain of 1,
+// which no other BBR state has).
+bool in_probe_rtt(const Socket& s);
 
 // Bytes written to the stream that its peer has not acknowledged yet (SIOCOUTQ).
 int64_t unacked_bytes(const Socket& s);
