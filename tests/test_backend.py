@@ -188,8 +188,11 @@ def test_data_parallel_training_matches_float64_reference(ranks, world_size, how
         for a, b in zip(results[0], results[r]):
             assert torch.equal(a, b), f"rank {r}'s weights differ from rank 0's {_note(how=how, N=world_size)}"
     start = [p.detach().double() for p in make_model(SEED).parameters()]
-    for got, want, p0 in zip(results[0], ref, start):
-        assert (want - p0).abs().max() > 1e-3, "the reference did not move: the test could not fail"
+    # The model as a whole must move far beyond the tolerance, or the comparison could not fail. One small
+    # parameter (a bias of one value) can move less than 1e-3 under some seeds; that is not a vacuous test.
+    moved = max((want - p0).abs().max().item() for want, p0 in zip(ref, start))
+    assert moved > 1e-2, f"the reference moved only {moved}: the test could not fail {_note(N=world_size)}"
+    for got, want in zip(results[0], ref):
         err = (got.double() - want).abs().max().item()
         assert err <= 1e-5 + 1e-4 * want.abs().max().item(), f"off the float64 reference by {err} {_note(how=how)}"
 
