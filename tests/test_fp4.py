@@ -191,6 +191,36 @@ def test_nearest_in_every_binade_matches_the_definition():
             assert torch.equal(q, want), ctx(isa=isa, sign=sign, bad=int((q != want).sum()))
 
 
+@needs_ext
+def test_blocks_near_the_top_of_the_range_match_the_definition():
+    """Blocks whose maximum lies from 2^124 up to the largest fp32, random mantissas, both signs:
+    the scale passes 2^125, where the AVX2 kernel's halved inverse scale would be subnormal and it
+    takes its other path; every instruction set against the reference, stochastic rounding too."""
+    g = torch.Generator().manual_seed(SEED + 11)
+    rows = []
+    for e in range(124, 128):
+        for top in (1.0 + torch.rand(1, generator=g).item(), 1.9999998807907104):  # the last: FLT_MAX at e = 127
+            body = torch.randn(63, generator=g).clamp(-3.5, 3.5) / 3.5 * top * 2.0**e
+            rows.append(torch.cat([torch.tensor([top * 2.0**e * (1 if e % 2 else -1)]), body]))
+    # and values within 12 ulps of every midpoint times scales just above 2^125 (inverse scales with
+    # odd last bits, which halving would drop): the rounding of x * inv decides these codes
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    for a in torch.empty(6).uniform_(6 * 2.0**125 * 1.01, 3.4e38, generator=g).float().tolist():
+        t = (mids * (a / 6)).float().view(torch.int32).to(torch.int64)
+        near = (t[:, None] + torch.arange(-12, 13)).reshape(-1).to(torch.int32).view(torch.float32)
+        for part in near.split(63):
+            rows.append(torch.cat([torch.tensor([a]), part, -part[: 63 - part.numel()] if part.numel() < 63 else part[:0]]))
+    x = torch.cat(rows).float()
+    assert torch.isfinite(x).all() and x.numel() % 64 == 0
+    for seed in (None, 9):
+        want, want_s = ops.quantize_fp4_reference(x, 64, seed)
+        assert (want_s > 2.0**125).any() and (want_s < 2.0**125).any()  # both paths are taken
+        for isa in P._cpu_codec_isas():
+            q, s = P._quantize_fp4_isa(x, 64, seed, isa)
+            assert torch.equal(s, want_s), ctx(isa=isa, seed=seed)
+            assert torch.equal(q, want), ctx(isa=isa, seed=seed, bad=int((q != want).sum()))
+
+
 def test_decode_table():
     """Each code decodes to +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} times the scale (code 8: -0.0)."""
     q = torch.arange(256, dtype=torch.uint8)

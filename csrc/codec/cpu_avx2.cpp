@@ -167,15 +167,22 @@ struct Fp4Out {
 // index), so that the low 4 bits of s are m for v >= 0 and 16 - m (0 for m = 0) for v < 0;
 // a table of 16 on them gives the code.
 
-// v = x * inv -> 8 dwords whose low 4 bits are m (v >= 0) or 16 - m (v < 0), and the rest 0.
-inline __m256i fp4_nearest_bits(__m256 v) {
-  constexpr float e0 = 0x1.8p22f, p1 = 0x1.8p23f + 2.f, p2 = 0x1.8p24f + 8.f;  // gaps 0.5, 1, 2
-  constexpr float n1 = 0x1.8p23f - 2.f, n2 = 0x1.8p24f - 8.f;
-  const __m256i key = _mm256_cvttps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(0.5f)));  // exact but below 2^-125
+// h = v / 2 (v = x * inv) -> 8 dwords whose low 4 bits are m (v >= 0) or 16 - m (v < 0), and
+// the rest 0. Everything is halved (M and the gaps too), which changes no mantissa bit, so
+// the table is indexed by trunc(h) directly: one multiply fewer per 8 values than taking v.
+// The caller computes h as x * (inv / 2), which is (x * inv) / 2 exactly while inv / 2 is a
+// normal number (see quantize_fp4_nearest_blocks); |h| below 2^-126 codes as 0 either way.
+inline __m256i fp4_nearest_bits_half(__m256 h) {
+  constexpr float e0 = 0x1.8p21f, p1 = 0x1.8p22f + 1.f, p2 = 0x1.8p23f + 4.f;  // gaps 0.25, 0.5, 1
+  constexpr float n1 = 0x1.8p22f - 1.f, n2 = 0x1.8p23f - 4.f;
+  const __m256i key = _mm256_cvttps_epi32(h);
   //                                                          trunc(v / 2): 0   1   2   3  -4  -3  -2  -1
   const __m256 m = _mm256_permutevar8x32_ps(_mm256_setr_ps(e0, p1, p2, p2, e0, n2, n2, n1), key);
-  return _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(v, m)), _mm256_set1_epi32(0x0f));
+  return _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(h, m)), _mm256_set1_epi32(0x0f));
 }
+
+// The same from v itself, for blocks whose inv / 2 would be subnormal (scales above 2^125).
+inline __m256i fp4_nearest_bits(__m256 v) { return fp4_nearest_bits_half(_mm256_mul_ps(v, _mm256_set1_ps(0.5f))); }
 
 // 32 such dwords (values 0-7, 8-15, 16-23, 24-31) -> 16 bytes of codes, value 2j in the low
 // nibble of byte j.
@@ -208,8 +215,18 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
     }
     float inv;
     block_scale(amax, kFp4Max, /*bf16_scale=*/false, /*stochastic=*/false, scales + b, &inv);
-    const __m256 vinv = _mm256_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
+    if (inv >= 0x1p-125f) {  // inv / 2 is normal: x * (inv / 2) == (x * inv) / 2 bit for bit
+      const __m256 vhalf = _mm256_set1_ps(inv * 0.5f);
+      for (int64_t i = 0; i < block; i += 32) {
+        fp4_store32(qb + i / 2, fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i), vhalf)),
+                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 8), vhalf)),
+                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 16), vhalf)),
+                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 24), vhalf)));
+      }
+      continue;
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
     for (int64_t i = 0; i < block; i += 32) {
       fp4_store32(qb + i / 2, fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i), vinv)),
                   fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
