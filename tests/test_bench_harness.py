@@ -378,3 +378,27 @@ def test_network_is_removed_on_sigterm_and_leftovers_of_dead_runs_are_swept(tmp_
             assert len(netns.namespaces_of(proc.pid)) == 3
             netns.remove_stale()
         assert netns.namespaces_of(proc.pid) == [], sig
+
+
+# ---------------------------------------------------------------------------
+# the ring order model (benchmarks/ring_order_model.py) against closed forms
+
+
+def test_ring_order_model_meets_the_closed_forms_of_a_uniform_ring():
+    """N ranks, every link rate R and one-way delay d. A tensor of many segments is bound by the
+    rate: 2(N-1) chunks one after another on each link, then the last one's delay. A tensor of one
+    segment per chunk is bound by the delays: each of the 2(N-1) steps waits for a segment's hop."""
+    import ring_order_model as model
+
+    n, rate, d = 4, 1e8, 0.03
+    rates = [[rate] * n for _ in range(n)]
+    delays = [[d] * n for _ in range(n)]
+    big = n * 64 * model.SEGMENT_VALUES  # 64 segments per chunk
+    seg_bytes = model.SEGMENT_VALUES * model.INT8_BYTES_PER_VALUE + model.FRAME_OVERHEAD
+    want_big = 2 * (n - 1) * 64 * seg_bytes / rate + d
+    assert model.ring_time(list(range(n)), rates, delays, big) == pytest.approx(want_big, rel=0.02)
+    small = n * model.SEGMENT_VALUES
+    want_small = 2 * (n - 1) * (seg_bytes / rate + d)
+    assert model.ring_time(list(range(n)), rates, delays, small) == pytest.approx(want_small, rel=1e-9)
+    # the order of a uniform ring does not matter
+    assert model.ring_time([0, 2, 1, 3], rates, delays, big) == pytest.approx(want_big, rel=0.02)
