@@ -211,7 +211,10 @@ def test_outer_update_matches_torch_sgd(seed, nesterov):
         # the two differ by a rounding of the subtraction, which the tolerance below is too tight to absorb.
         ref.grad = outer - (outer - delta)
         sgd.step()
-        torch.testing.assert_close(model.a.detach(), ref.detach(), rtol=1e-6, atol=1e-7, msg=f"seed {seed}")
+        # atol: torch's SGD may fuse a multiply and an add (one rounding) where DiLoCo rounds twice; they
+        # can differ by 1 ulp of the weight before the step (up to ~4 here: 4.8e-7), which a weight driven
+        # to near 0 keeps (atol 1e-7 failed ~1e-4 of seeds)
+        torch.testing.assert_close(model.a.detach(), ref.detach(), rtol=1e-6, atol=5e-7, msg=f"seed {seed}")
 
 
 def test_sync_cadence_and_counters(seed):

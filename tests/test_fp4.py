@@ -270,8 +270,8 @@ def test_stochastic_rounding_unbiased(backend):
     mean /= S
     step = 2 * scales.double().repeat_interleave(B)  # the widest gap (4 to 6) in x's units
     err = (mean - x.double()) / step
-    # per element a Bernoulli mean over S draws: std <= 0.5 / sqrt(S) gaps; allow 5 sigma
-    assert err.abs().max() < 5 * 0.5 / math.sqrt(S), ctx(backend=backend, worst=float(err.abs().max()))
+    # per element a Bernoulli mean over S draws: std <= 0.5 / sqrt(S) gaps; allow 6 sigma (as for int8)
+    assert err.abs().max() < 6 * 0.5 / math.sqrt(S), ctx(backend=backend, worst=float(err.abs().max()))
     assert abs(float(err.mean())) < 5 * 0.5 / math.sqrt(S * x.numel()), ctx(backend=backend, bias=float(err.mean()))
 
 

@@ -459,8 +459,9 @@ def test_stochastic_rounding_unbiased(backend):
     mean /= S
     step = scales.double().repeat_interleave(B)
     err = (mean - x.double()) / step  # in units of one quantization step
-    # per element: a Bernoulli mean over S draws, std <= 0.5/sqrt(S); allow 5 sigma
-    assert err.abs().max() < 5 * 0.5 / math.sqrt(S), ctx(backend=backend, worst=float(err.abs().max()))
+    # per element: a Bernoulli mean over S draws, std <= 0.5/sqrt(S); allow 6 sigma (the largest of
+    # 1024 such means passes 5 sigma in only ~1 - 1.3e-4 of runs: a fresh seed every CI run)
+    assert err.abs().max() < 6 * 0.5 / math.sqrt(S), ctx(backend=backend, worst=float(err.abs().max()))
     # overall bias over all elements: std <= 0.5/sqrt(S * n)
     assert abs(float(err.mean())) < 5 * 0.5 / math.sqrt(S * x.numel()), ctx(backend=backend, bias=float(err.mean()))
     # and round-to-nearest is deterministic but not unbiased per element: SR errors spread, RN errors don't

@@ -227,7 +227,7 @@ def check_against_float64(y: torch.Tensor, inputs, op: str, codec: str, kind: st
         if y.dtype != torch.float32:  # the final rounding to 8 or 11 mantissa bits adds its own error
             bound += 0.003 if y.dtype == torch.bfloat16 else 0.0005
         if y.numel() < 1 << 16:  # the bounds were fit on 2^18 values: a few thousand scatter more
-            bound *= 1.1
+            bound *= 1.2  # (1.1: one failure in 1e6 draws of 1000 values, int8 at N = 2)
         assert rel <= bound, f"{codec} relative L2 error {rel:.4%} > bound {bound:.4%} (N={world}, {kind}) {note}"
 
 
