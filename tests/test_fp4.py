@@ -143,15 +143,17 @@ def near_every_level(block=32):
 
 
 @needs_ext
-def test_nearest_near_every_level_matches_the_definition():
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_nearest_near_every_level_matches_the_definition(block):
     """The SIMD kernels let the FPU round (adding 1.5 * 2^(22 + e), e by a table on the integer
     part of v) rather than counting midpoints: every fp32 within 4096 ulps of each midpoint and
     level (the integers among them bound the table's classes), both signs, against the
-    reference's count (a = 6: inv = 1, v = x exactly)."""
-    x = near_every_level()
-    want, _ = ops.quantize_fp4_reference(x, 32)
+    reference's count (a = 6: inv = 1, v = x exactly). Blocks of 32 and of 64 and up are packed
+    by different code (AVX2: 32 values or 64 at a time)."""
+    x = near_every_level(block)
+    want, _ = ops.quantize_fp4_reference(x, block)
     for isa in P._cpu_codec_isas():
-        q, s = P._quantize_fp4_isa(x, 32, None, isa)
+        q, s = P._quantize_fp4_isa(x, block, None, isa)
         assert bool((s == 1.0).all())
         assert torch.equal(q, want), ctx(isa=isa, bad=int((q != want).sum()))
 

@@ -199,6 +199,29 @@ inline void fp4_store32(uint8_t* q, __m256i s0, __m256i s1, __m256i s2, __m256i 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
 }
 
+// 64 values at a time (blocks of 64 and up): the pairs of each 32 are made per 128-bit lane,
+// without putting the dwords back in order first (the values of a pair are neighbours in
+// their lane either way), and one fix-up permutes the pair bytes of all 64 for one 32-byte store.
+// 8 dwords of 32 values -> their 16 pair words, per lane: lane 0 pairs values 0-3, 8-11, 16-19,
+// 24-27 (in that order), lane 1 values 4-7, 12-15, 20-23, 28-31.
+inline __m256i fp4_lane_pairs32(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
+  const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
+                                                             0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
+                                            b);
+  return _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));
+}
+
+// Two such (values 0-31, 32-63) -> 32 bytes of codes in order.
+inline void fp4_store64(uint8_t* q, __m256i pairs_lo, __m256i pairs_hi) {
+  // bytes: qword 0 pairs 0,1,4,5,8,9,12,13 (of 2j, 2j+1), qword 1 the same + 16, qword 2 pairs
+  // 2,3,6,7,10,11,14,15, qword 3 those + 16; qwords 0, 2, 1, 3 then put each half in one lane
+  const __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs_lo, pairs_hi), 0xD8);
+  const __m256i ordered = _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                                                  0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+}
+
 template <class In>
 int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, int64_t nblocks, int64_t block,
                                     uint8_t* q, float* scales) {
@@ -218,6 +241,15 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
     // pass 2, from L1: scale, round, pack
     if (inv >= 0x1p-125f) {  // inv / 2 is normal: x * (inv / 2) == (x * inv) / 2 bit for bit
       const __m256 vhalf = _mm256_set1_ps(inv * 0.5f);
+      auto bits = [&](int64_t i) { return fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i), vhalf)); };
+      if (block % 64 == 0) {
+        for (int64_t i = 0; i < block; i += 64) {
+          const __m256i lo = fp4_lane_pairs32(bits(i), bits(i + 8), bits(i + 16), bits(i + 24));
+          const __m256i hi = fp4_lane_pairs32(bits(i + 32), bits(i + 40), bits(i + 48), bits(i + 56));
+          fp4_store64(qb + i / 2, lo, hi);
+        }
+        continue;
+      }
       for (int64_t i = 0; i < block; i += 32) {
         fp4_store32(qb + i / 2, fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i), vhalf)),
                     fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 8), vhalf)),
