@@ -184,42 +184,51 @@ inline __m256i fp4_nearest_bits_half(__m256 h) {
 // The same from v itself, for blocks whose inv / 2 would be subnormal (scales above 2^125).
 inline __m256i fp4_nearest_bits(__m256 v) { return fp4_nearest_bits_half(_mm256_mul_ps(v, _mm256_set1_ps(0.5f))); }
 
-// 32 such dwords (values 0-7, 8-15, 16-23, 24-31) -> 16 bytes of codes, value 2j in the low
-// nibble of byte j.
-inline void fp4_store32(uint8_t* q, __m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-  // packus works per 128-bit lane; the permute below puts the dwords back in order
-  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  // m -> m, 16 - m -> m | 8
-  const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
-                                                             0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
-                                            ordered);
-  const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));  // code 2j + 16 * code 2j+1
-  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);  // qwords 0, 2
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
-}
-
-// 64 values at a time (blocks of 64 and up): the pairs of each 32 are made per 128-bit lane,
-// without putting the dwords back in order first (the values of a pair are neighbours in
-// their lane either way), and one fix-up permutes the pair bytes of all 64 for one 32-byte store.
-// 8 dwords of 32 values -> their 16 pair words, per lane: lane 0 pairs values 0-3, 8-11, 16-19,
-// 24-27 (in that order), lane 1 values 4-7, 12-15, 20-23, 28-31.
+// Packing (value 2j in the low nibble of byte j). 8 dwords from fp4_nearest_bits of 32 values
+// (0-7, 8-15, 16-23, 24-31) -> their 16 pair words (code 2j + 16 * code 2j+1), per 128-bit lane
+// as the packs leave them: lane 0 pairs values 0-3, 8-11, 16-19, 24-27, lane 1 values 4-7,
+// 12-15, 20-23, 28-31 (the values of a pair are neighbours in their lane either way).
 inline __m256i fp4_lane_pairs32(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
   const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
+  // m -> m, 16 - m -> m | 8
   const __m256i codes = _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9,
                                                              0, 1, 2, 3, 4, 5, 6, 7, 0, 15, 14, 13, 12, 11, 10, 9),
                                             b);
   return _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));
 }
 
-// Two such (values 0-31, 32-63) -> 32 bytes of codes in order.
-inline void fp4_store64(uint8_t* q, __m256i pairs_lo, __m256i pairs_hi) {
-  // bytes: qword 0 pairs 0,1,4,5,8,9,12,13 (of 2j, 2j+1), qword 1 the same + 16, qword 2 pairs
-  // 2,3,6,7,10,11,14,15, qword 3 those + 16; qwords 0, 2, 1, 3 then put each half in one lane
+// The pair words of values 0-31 and 32-63 -> 32 bytes of codes in order. Packed, the qwords hold
+// pair bytes 0,1,4,5,8,9,12,13 (of 2j, 2j+1), the same + 16, then 2,3,6,7,10,11,14,15 and those
+// + 16; qwords 0, 2, 1, 3 put each half in one lane, and one shuffle orders it.
+inline __m256i fp4_in_order(__m256i pairs_lo, __m256i pairs_hi) {
   const __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs_lo, pairs_hi), 0xD8);
-  const __m256i ordered = _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
-                                                                  0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  return _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                                 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+}
+
+// 32 values (blocks of 32) -> 16 bytes; 64 (blocks of 64 and up) -> 32 bytes in one store.
+inline void fp4_store32(uint8_t* q, __m256i pairs) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(fp4_in_order(pairs, pairs)));
+}
+inline void fp4_store64(uint8_t* q, __m256i pairs_lo, __m256i pairs_hi) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), fp4_in_order(pairs_lo, pairs_hi));
+}
+
+// Pass 2 of one block: x * mul, rounded (kHalved: mul = inv / 2), packed.
+template <class In, bool kHalved>
+inline void fp4_nearest_block(const typename In::Elem* xb, int64_t block, float mul, uint8_t* qb) {
+  const __m256 vmul = _mm256_set1_ps(mul);
+  auto bits = [&](int64_t i) {
+    const __m256 t = _mm256_mul_ps(In::load(xb + i), vmul);
+    if constexpr (kHalved) return fp4_nearest_bits_half(t);
+    else return fp4_nearest_bits(t);
+  };
+  auto pairs = [&](int64_t i) { return fp4_lane_pairs32(bits(i), bits(i + 8), bits(i + 16), bits(i + 24)); };
+  if (block % 64 == 0) {
+    for (int64_t i = 0; i < block; i += 64) fp4_store64(qb + i / 2, pairs(i), pairs(i + 32));
+  } else {
+    for (int64_t i = 0; i < block; i += 32) fp4_store32(qb + i / 2, pairs(i));
+  }
 }
 
 template <class In>
@@ -238,32 +247,12 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
     }
     float inv;
     block_scale(amax, kFp4Max, /*bf16_scale=*/false, /*stochastic=*/false, scales + b, &inv);
-    // pass 2, from L1: scale, round, pack
-    if (inv >= 0x1p-125f) {  // inv / 2 is normal: x * (inv / 2) == (x * inv) / 2 bit for bit
-      const __m256 vhalf = _mm256_set1_ps(inv * 0.5f);
-      auto bits = [&](int64_t i) { return fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i), vhalf)); };
-      if (block % 64 == 0) {
-        for (int64_t i = 0; i < block; i += 64) {
-          const __m256i lo = fp4_lane_pairs32(bits(i), bits(i + 8), bits(i + 16), bits(i + 24));
-          const __m256i hi = fp4_lane_pairs32(bits(i + 32), bits(i + 40), bits(i + 48), bits(i + 56));
-          fp4_store64(qb + i / 2, lo, hi);
-        }
-        continue;
-      }
-      for (int64_t i = 0; i < block; i += 32) {
-        fp4_store32(qb + i / 2, fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i), vhalf)),
-                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 8), vhalf)),
-                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 16), vhalf)),
-                    fp4_nearest_bits_half(_mm256_mul_ps(In::load(xb + i + 24), vhalf)));
-      }
-      continue;
-    }
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (int64_t i = 0; i < block; i += 32) {
-      fp4_store32(qb + i / 2, fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i), vinv)),
-                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 8), vinv)),
-                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 16), vinv)),
-                  fp4_nearest_bits(_mm256_mul_ps(In::load(xb + i + 24), vinv)));
+    // pass 2, from L1: scale, round, pack. Normally on h = x * (inv / 2), which is (x * inv) / 2
+    // bit for bit while inv / 2 is normal; from v = x * inv in blocks whose scale is above 2^125.
+    if (inv >= 0x1p-125f) {
+      fp4_nearest_block<In, true>(xb, block, inv * 0.5f, qb);
+    } else {
+      fp4_nearest_block<In, false>(xb, block, inv, qb);
     }
   }
   return bad_blocks;
