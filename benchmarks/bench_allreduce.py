@@ -783,10 +783,7 @@ def best_order(topology: dict) -> list[int]:
     """The best ring order of a topology, by brute force over every ring (prime.comm.links)."""
     from prime.comm.links import LinkTable, brute_force_order
 
-    t = netem.Topology.from_json(topology)
-    rtt = [[t.rtt_s(i, j) for j in range(t.n)] for i in range(t.n)]
-    rate = [[t.path_rate_bits(i, j) / 8 if i != j else 0.0 for j in range(t.n)] for i in range(t.n)]
-    return brute_force_order(LinkTable.from_rows(rtt, rate))
+    return brute_force_order(LinkTable.from_rows(*netem.Topology.from_json(topology).link_rows()))
 
 
 def _die_with_parent() -> None:

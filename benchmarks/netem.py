@@ -161,6 +161,13 @@ class Topology:
         rates = [r for r in (self.up_bits[i], self.rate_bits[i][j], self.down_bits[j]) if r > 0]
         return min(rates) if rates else 0.0
 
+    def link_rows(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(round trips in s, path rates in bytes/s) between every pair: what the ring would measure
+        without queueing (prime.comm.links.LinkTable.from_rows takes them)."""
+        rtt = [[self.rtt_s(i, j) for j in range(self.n)] for i in range(self.n)]
+        rate = [[self.path_rate_bits(i, j) / 8 if i != j else 0.0 for j in range(self.n)] for i in range(self.n)]
+        return rtt, rate
+
     def to_json(self) -> dict:
         """The matrices, for the record."""
         return {"name": self.name, "n": self.n, "up_bits": self.up_bits, "down_bits": self.down_bits,

@@ -66,9 +66,9 @@ def main(argv=None) -> None:
     if not args.topology.startswith("two-regions"):
         raise SystemExit(f"--topology {args.topology!r}: only two-regions[:n] is modelled")
     topo = netem.two_regions(n)
-    rate = [[topo.path_rate_bits(i, j) / 8 * PAYLOAD_SHARE if i != j else 0.0 for j in range(n)] for i in range(n)]
-    table = LinkTable.from_rows([[topo.rtt_s(i, j) for j in range(n)] for i in range(n)],
-                                [[topo.path_rate_bits(i, j) / 8 if i != j else 0.0 for j in range(n)] for i in range(n)])
+    rtt_rows, rate_rows = topo.link_rows()
+    table = LinkTable.from_rows(rtt_rows, rate_rows)
+    rate = [[r * PAYLOAD_SHARE for r in row] for row in rate_rows]
     planned, best, rank = plan_order(table), brute_force_order(table), list(range(n))
     print(f"# {topo.name}: planned order {planned}, brute-force best {best}, rank order {rank}")
     print(f"{'MiB':>6} {'rank order':>11} {'planned':>9} {'best':>9} {'rank/planned':>13}")

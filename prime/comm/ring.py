@@ -182,6 +182,16 @@ class Work:
         return WorkStats(**self._handle.stats())
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off; unset or anything else: default."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
 def _corrupt_offset() -> int:
     """The byte offset of fault point ring.send in this process (-1: none armed)."""
     f = faults.standing("ring.send", "corrupt")
@@ -295,9 +305,9 @@ class Ring:
         if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
             raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
         if encrypt is None:
-            encrypt = os.environ.get(ENV_ENCRYPT, "0").strip().lower() in ("1", "true", "yes", "on")
+            encrypt = _env_flag(ENV_ENCRYPT, False)
         if quant_error is None:
-            quant_error = os.environ.get(ENV_QUANT_ERROR, "0").strip().lower() in ("1", "true", "yes", "on")
+            quant_error = _env_flag(ENV_QUANT_ERROR, False)
         self.quant_error = bool(quant_error)
         segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
         self._segment_elems = segment_elems
@@ -333,7 +343,7 @@ class Ring:
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
             corrupt_after_bytes=_corrupt_offset(),
             measure_quant_error=self.quant_error,
-            restart_bbr=os.environ.get(ENV_RESTART_BBR, "1").strip().lower() not in ("0", "false", "no", "off"),
+            restart_bbr=_env_flag(ENV_RESTART_BBR, True),
         )
         if world_size == 1:
             self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)
