@@ -113,27 +113,57 @@ def _fp4_codes(v, u, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _grid_round_up(t):
+    """The bits (int32) of the smallest int8 scale-grid value >= t (fp32 >= 0, finite; docs/wire-format.md):
+    2^e * G[j], G[j] = 2^(j / 18) in fp32, whose mantissa bits are below; 0 stays 0, t below 2^-126 gives
+    2^-126. The first G[j] >= t's mantissa, else 2^23: a carry into the next octave."""
+    bits = t.to(tl.int32, bitcast=True)
+    m = bits & 0x7FFFFF
+    up = tl.where(m <= 0x76544D, 0x76544D, 0x800000)
+    up = tl.where(m <= 0x6D0620, 0x6D0620, up)
+    up = tl.where(m <= 0x6411F0, 0x6411F0, up)
+    up = tl.where(m <= 0x5B7457, 0x5B7457, up)
+    up = tl.where(m <= 0x532A10, 0x532A10, up)
+    up = tl.where(m <= 0x4B2FF5, 0x4B2FF5, up)
+    up = tl.where(m <= 0x4382FF, 0x4382FF, up)
+    up = tl.where(m <= 0x3C2043, 0x3C2043, up)
+    up = tl.where(m <= 0x3504F3, 0x3504F3, up)
+    up = tl.where(m <= 0x2E2E5E, 0x2E2E5E, up)
+    up = tl.where(m <= 0x2799EA, 0x2799EA, up)
+    up = tl.where(m <= 0x214518, 0x214518, up)
+    up = tl.where(m <= 0x1B2D80, 0x1B2D80, up)
+    up = tl.where(m <= 0x1550D3, 0x1550D3, up)
+    up = tl.where(m <= 0x0FACD6, 0x0FACD6, up)
+    up = tl.where(m <= 0x0A3F66, 0x0A3F66, up)
+    up = tl.where(m <= 0x050672, 0x050672, up)
+    up = tl.where(m == 0, 0, up)
+    up = (bits & 0x7F800000) + up
+    return tl.where(bits < 0x800000, tl.where(bits == 0, 0, 0x800000), up)
+
+
+@triton.jit
 def _scale_bits_and_inverse(a, QMAX: tl.constexpr, ROWS: tl.constexpr, FP4: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Per block, from a = max |x| (inf where the block holds NaN or Inf): the scale's bits (or the NaN flag)
-    and the inverse the values are multiplied by. fp4: scale = a / QMAX, inv = QMAX / a. int8: a / QMAX
-    rounded to a bf16 value in the bits (the scale is >= 0, so >> is logical; -65536 is 0xffff0000 as
-    int32): upward for stochastic rounding, else to nearest, ties to even; inv = 1 / scale. inv is 0 when
-    its divisor is 0, when the quotient overflows (tiny subnormal blocks) and for non-finite blocks
-    (num / inf == 0)."""
-    qmax = tl.full([ROWS], QMAX, tl.float32)
-    scale = tl.math.div_rn(a, qmax)
+    and the inverse the values are multiplied by. fp4: scale = a / QMAX, inv = QMAX / a. int8: a / 127.5
+    (stochastic rounding: a / 127) rounded up to the scale grid; inv = 1 / scale. inv is 0 when its divisor
+    is 0, when the quotient overflows (fp4's tiny subnormal blocks) and for non-finite blocks (num / inf
+    == 0)."""
     if FP4:
+        qmax = tl.full([ROWS], QMAX, tl.float32)
+        scale = tl.math.div_rn(a, qmax)
         num = qmax
         den = a
     else:
-        bits = scale.to(tl.int32, bitcast=True)
         if STOCHASTIC:
-            bits = bits + 0xFFFF
+            divisor = tl.full([ROWS], QMAX, tl.float32)
         else:
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        scale = (bits & -65536).to(tl.float32, bitcast=True)
+            divisor = tl.full([ROWS], QMAX + 0.5, tl.float32)
+        t = tl.math.div_rn(a, divisor)
+        # a non-finite block's t is inf: its scale is replaced by the flag below, its inv made 0 here
+        finite = t != float("inf")
+        scale = _grid_round_up(tl.where(finite, t, 0.0)).to(tl.float32, bitcast=True)
         num = tl.full([ROWS], 1.0, tl.float32)
-        den = scale
+        den = tl.where(finite, scale, float("inf"))
     positive = den > 0.0
     inv = tl.math.div_rn(num, tl.where(positive, den, 1.0))
     inv = tl.where(positive & (inv != float("inf")), inv, 0.0)

@@ -42,10 +42,10 @@ __all__ = [
     "CODECS",
 ]
 
-# int8: block 64 with bf16-exact scales (2 bytes on the wire): 66 bytes per 64 values, and
-# a ring average of 16 ranks still errs below 0.9% on Gaussian data (benchmarks/RESULTS.md,
-# "int8: bf16 scales and block 64"). fp4 keeps block 256 and fp32 scales
-# (docs/wire-format.md, "Block size 256").
+# int8: block 64 with scales on a grid of 18 steps an octave (1 byte on the wire): 65 bytes per
+# 64 values, and a ring average of 16 ranks still errs below 0.9% on Gaussian data
+# (benchmarks/RESULTS.md, "int8: one-byte scales and block 64"). fp4 keeps block 256 and fp32
+# scales (docs/wire-format.md, "Block size 256").
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_FP4_BLOCK_SIZE = 256
 MIN_BLOCK_SIZE = 32
@@ -95,9 +95,21 @@ def fp4_bytes(n: int) -> int:
     return (n + 1) // 2
 
 
-# Bytes of one block's scale in a ring payload: int8 sends the high half of its bf16-exact
-# fp32 scale, fp4 the whole fp32 scale (docs/wire-format.md, "On the wire").
-SCALE_BYTES = {"int8": 2, "fp4": 4}
+# Bytes of one block's scale in a ring payload: int8 sends one byte (its step on the scale grid
+# below the payload's largest scale, which a 2-byte header carries), fp4 the whole fp32 scale
+# (docs/wire-format.md, "On the wire").
+SCALE_BYTES = {"int8": 1, "fp4": 4}
+INT8_HEADER_BYTES = 2
+
+# The int8 scale grid (docs/wire-format.md, "Encoding one block"): the fp32 values
+# 2^e * G[j], G[j] = 2^(j / 18) rounded to fp32, whose mantissa bits these are. A step is
+# 2^(1/18) = 1.0393: coarse enough for 14 octaves in the byte a ring payload gives a scale,
+# fine enough that a round trip of the codec stays a fixed point of it.
+SCALE_GRID_STEPS = 18
+SCALE_GRID_MANTISSAS = (
+    0x000000, 0x050672, 0x0A3F66, 0x0FACD6, 0x1550D3, 0x1B2D80, 0x214518, 0x2799EA, 0x2E2E5E,
+    0x3504F3, 0x3C2043, 0x4382FF, 0x4B2FF5, 0x532A10, 0x5B7457, 0x6411F0, 0x6D0620, 0x76544D,
+)
 
 
 def default_block_size(codec: str) -> int:
@@ -107,7 +119,8 @@ def default_block_size(codec: str) -> int:
 
 def wire_bytes(n: int, block_size: Optional[int] = None, codec: str = "int8") -> int:
     """Bytes of a tensor of n elements encoded with `codec` in a ring payload ("int8": n int8 values
-    plus a 2-byte scale per block; "fp4": ceil(n/2) bytes of codes plus a 4-byte scale per block;
+    plus a 1-byte scale per block and a 2-byte header; "fp4": ceil(n/2) bytes of codes plus a 4-byte
+    scale per block;
     "none": 4n, fp32). `block_size` None: the codec's default."""
     if codec == "none":
         return 4 * n
@@ -115,7 +128,9 @@ def wire_bytes(n: int, block_size: Optional[int] = None, codec: str = "int8") ->
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     if block_size is None:
         block_size = default_block_size(codec)
-    return (n if codec == "int8" else fp4_bytes(n)) + SCALE_BYTES[codec] * num_blocks(n, block_size)
+    if codec == "int8":
+        return n + num_blocks(n, block_size) + (INT8_HEADER_BYTES if n else 0)
+    return fp4_bytes(n) + SCALE_BYTES[codec] * num_blocks(n, block_size)
 
 
 def _check_input(x: torch.Tensor, op: str = "quantize_int8") -> None:
@@ -238,21 +253,23 @@ def stochastic_uniform_reference(seed: int, index: torch.Tensor) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
-def bf16_round_reference(s: torch.Tensor, up: bool = False) -> torch.Tensor:
-    """Non-negative finite fp32 values rounded to a bf16-representable fp32 (low 16 bits zero):
-    to nearest, ties to even (torch's fp32 -> bf16 conversion, widened back), or, with `up`,
-    upward (+ 0xffff in the bits, the low half cleared: the bit order of non-negative floats is
-    their value order). Values already representable, 0 among them, stay; subnormals too."""
-    if not up:
-        return s.to(torch.bfloat16).to(torch.float32)
-    bits = s.view(torch.int32).to(torch.int64)
-    return ((bits + 0xFFFF) & 0xFFFF0000).to(torch.int32).view(torch.float32)
+def grid_scale_reference(t: torch.Tensor) -> torch.Tensor:
+    """Non-negative finite fp32 values t rounded up to the int8 scale grid (SCALE_GRID_MANTISSAS):
+    the smallest 2^e * G[j] >= t. 0 stays 0; t below 2^-126 (the subnormals) gives 2^-126."""
+    bits = t.view(torch.int32).to(torch.int64)
+    mant = bits & 0x7FFFFF
+    grid = torch.tensor(SCALE_GRID_MANTISSAS, dtype=torch.int64, device=t.device)
+    j = (grid < mant.unsqueeze(-1)).sum(-1)  # 18: the next octave's 2^(e + 1)
+    up = (bits & 0x7F800000) + torch.cat([grid, grid.new_tensor([0x800000])])[j]
+    up = torch.where(bits < 0x800000, 0x800000, up)
+    return torch.where(bits == 0, 0, up).to(torch.int32).view(torch.float32)
 
 
-def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, bf16_scale: Optional[str] = None):
+def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: int, grid_scale: bool = False):
     """The steps every block codec shares (docs/wire-format.md): blocks of B values, zero-padded;
-    a = max |x| per block; scale = a / qmax (one IEEE division). fp4 (bf16_scale None):
-    inv = qmax / a; int8: scale rounded to a bf16 value ("nearest" or "up"), inv = 1 / scale.
+    a = max |x| per block; scale = a / qmax (one IEEE division). fp4: inv = qmax / a; int8
+    (grid_scale; qmax 127.5, or 127 for stochastic codes): scale rounded up to the scale grid,
+    inv = 1 / scale.
     inv is 0 when the divisor is 0 or the quotient overflows; v = x * inv.
     Returns (n, blocks, nonfinite, scale, v)."""
     if not 0 <= first_index < 2**63:
@@ -265,8 +282,8 @@ def _scaled_blocks(x: torch.Tensor, block_size: int, qmax: float, first_index: i
     a = torch.where(nonfinite, 0.0, blocks.abs().amax(dim=1))
     c = torch.full_like(a, float(qmax))
     scale = a / c  # tensor / tensor: one IEEE division per element
-    if bf16_scale:
-        scale = bf16_round_reference(scale, up=bf16_scale == "up")
+    if grid_scale:
+        scale = grid_scale_reference(scale)
         num, den = torch.ones_like(a), scale
     else:
         num, den = c, a
@@ -293,10 +310,11 @@ def quantize_int8_reference(
     rounding keys its generator by (seed, first_index + i)."""
     _check_input(x)
     check_block_size(block_size)
-    # the scale is rounded to the nearest bf16 value for round-to-nearest codes, upward for
-    # stochastic ones (so that |v| <= 127 and no value's rounding is cut by the clamp)
-    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX, first_index,
-                                               bf16_scale="nearest" if seed is None else "up")
+    # the scale: max |x| / 127.5 rounded up to the grid for round-to-nearest codes (|v| <= 127.5,
+    # the largest codes as 123..127), max |x| / 127 for stochastic ones (|v| <= 127: no value's
+    # rounding is cut by the clamp)
+    n, _, nonfinite, scale, v = _scaled_blocks(x, block_size, QMAX + 0.5 if seed is None else QMAX, first_index,
+                                               grid_scale=True)
     if seed is None:
         r = torch.round(v)  # round half to even
     else:
@@ -502,8 +520,8 @@ def quantize_int8(
     """Encodes x (fp32, bf16 or fp16, any shape) into int8 values and one scale per block.
 
     Returns (q: int8[n], scales: float32[ceil(n / block_size)]) on x's device. Each scale is
-    max|x| / 127 rounded to a bf16 value (its low 16 bits are zero: a ring sends 2 bytes of it):
-    to nearest, or up with stochastic rounding (docs/wire-format.md); block 64 by default.
+    max|x| / 127.5 (max|x| / 127 with stochastic rounding) rounded up to the scale grid, 2^(k/18)
+    for an integer k (a ring sends 1 byte of it; docs/wire-format.md); block 64 by default.
     `seed` turns on stochastic rounding. Non-finite input raises NonFiniteError
     when `check_finite` (a host sync on CUDA); otherwise its blocks carry a NaN scale.
     """

@@ -11,27 +11,30 @@ bit for bit: the torch reference, the C++ CPU op and each CPU instruction set, T
 A few entries, derived by hand from the format (block size B = 32):
 
 - Block 0 has max |x| = 15.875 = 127 * 2^-3 (three times, both signs), so
-  scale = 15.875 / 127 = 0.125 (bits 3e000000, bf16-exact: not rounded) and
+  15.875 / 127.5 = 0.1245 rounds up to the grid value 2^-3 (scale 0.125, bits 3e000000) and
   inv = 1 / 0.125 = 8 exactly;
   x = (k + 0.5) / 8 gives v = k + 0.5, a tie, rounded to even:
   0.5 -> 0, -0.5 -> 0, 1.5 -> 2, -1.5 -> -2 (fe), 2.5 -> 2, -2.5 -> -2, 3.5 -> 4,
   125.5 -> 126 (7e), -126.5 -> -126 (82); the maxima give 127 (7f) and -127 (81),
   never -128; x = -0.0 gives 0.
-- Block 1 has max |x| = 1 (both signs): 1 / 127 is 3c010204 in fp32, rounded to the
-  nearest bf16 value 3c010000 (0.00787353515625, below 1 / 127); inv = 1 / that =
-  127.0077..., so the maxima give 127 (7f) and -127 (81): v is at most 127 / (1 - 2^-8)
-  < 127.5, so the clamp never cuts.
-- Block 2 holds 32 copies of fp32(-3.7): every q is -127 (81).
+- Block 1 has max |x| = 1 (both signs): 1 / 127.5 = 1.0039 * 2^-7 rounds up to the
+  grid value G[1] * 2^-7 = 2^(1/18 - 7) (3c050672, 0.0081192); inv = 1 / that = 123.16,
+  so the maxima give 123 (7b) and -123 (85): a / scale lies in (122.68, 127.5], so the
+  clamp never cuts more than a tie at 127.5.
+- Block 2 holds 32 copies of fp32(-3.7): 3.7 / 127.5 = 1.857 * 2^-6 rounds up to
+  G[17] * 2^-6 (3cf6544d), and every q is -123 (85).
 - Block 3 holds only zeros (some -0.0): a = 0, scale = 0, inv = 0, q = 0.
-- Block 4 holds subnormals below 60 * 2^-149: scale = a / 127 is below half the smallest
-  subnormal and rounds to 0, so inv = 0 and q = 0.
-- Block 6 holds -FLT_MAX: scale = FLT_MAX / 127 rounded to bf16, 7c010000, so
-  -FLT_MAX gives q = -127, which decodes to -127 * scale = ff7ffc00: finite in fp32,
-  but -inf in bf16 (ff80), which the ring's owner flags as an overflow.
+- Block 4 holds subnormals below 60 * 2^-149: a / 127.5 is below half the smallest
+  subnormal and rounds to 0, so the scale is 0, inv = 0 and q = 0.
+- Block 5 (a ~ 1e-36): a / 127.5 is subnormal, so the scale is 2^-126 (00800000), the
+  grid's smallest.
+- Block 6 holds -FLT_MAX: FLT_MAX / 127.5 rounds up to 7c050672, and -FLT_MAX decodes
+  to ff7fa863: finite in fp32, but -inf in bf16 (ff80), which the ring's owner flags as
+  an overflow.
 - Block 7 holds a NaN and block 8 (7 values, the short last block) an infinity:
   scale 7fc00000 (the canonical quiet NaN, the flag) and q all 0.
-- Stochastic rounding rounds the int8 scales up to bf16 instead (GOLDEN["stochastic"]
-  ["scales"]: block 1's is 3c020000, 0.0079345703125, so x = +-1 gives v = +-126.03).
+- Stochastic rounding rounds a / 127 up to the grid instead (GOLDEN["stochastic"]
+  ["scales"]: block 1's is 3c050672 as well, so x = +-1 gives v = +-123.16).
 - Stochastic rounding at element index i = 2^32 keys its generator by
   lo = 0 and hi = 1: k = fmix32(seed ^ fmix32(1 ^ 0x9e3779b9)); the vectors at
   first_index 2^32 - 64 cross that boundary after two blocks.
@@ -52,9 +55,10 @@ fp4 (GOLDEN["fp4"], the same block size):
 
 Run `python tools/golden_vectors.py` to print the literal again; the last tests check
 that it still prints exactly GOLDEN, and that the ring's int8 and fp4 payloads are laid
-out as docs/wire-format.md says: int8 ceil(len/B) 2-byte scales (the high half of each
-bf16-exact fp32 scale, little-endian), then the len int8 values; fp4 ceil(len/B)
-little-endian fp32 scales, then the ceil(len/2) bytes of codes.
+out as docs/wire-format.md says: int8 a 2-byte header K (the largest grid index k = 18 e + j
+of its scales, little-endian), ceil(len/B) bytes K - k (254 for a zero scale or one more
+than 253 steps below K, which therefore decodes as zeros; 255 for the flag), then the len
+int8 values; fp4 ceil(len/B) little-endian fp32 scales, then the ceil(len/2) bytes of codes.
 """
 
 from __future__ import annotations
@@ -411,13 +415,18 @@ def test_hand_derived_entries():
             assert int.from_bytes(q[j : j + 1], "little", signed=True) == expected[v], (j, x)
             seen.add(v)
     assert seen == set(expected)
-    assert q[2 * B : 3 * B] == b"\x81" * B  # all equal: -127
+    # all equal (-3.7): 3.7 / 127.5 = 1.857 * 2^-6 rounds up to G[17] * 2^-6 (3cf6544d), v = -122.95
+    assert scales[2] == "3cf6544d" and q[2 * B : 3 * B] == b"\x85" * B
     assert scales[3] == "00000000" and q[3 * B : 4 * B] == bytes(B)  # zeros
-    assert scales[1] == "3c010000"  # fp32(1 / 127) = 3c010204, rounded to the nearest bf16
-    assert GOLDEN["stochastic"]["scales"].split()[1] == "3c020000"  # stochastic rounding: rounded up
-    assert q[B + 5] == 127 and q[B + 17] == 256 - 127  # x = +-1: v = +-1 * 127.0077...
-    assert all(s.endswith("0000") for s in scales)  # every int8 scale is bf16-exact
-    assert scales[4] == "00000000" and q[4 * B : 5 * B] == bytes(B)  # subnormals: a / 127 rounds to 0
+    # fp32(1 / 127.5) = 1.0039 * 2^-7 rounds up to G[1] * 2^-7 = 2^(1/18 - 7): 3f850672 - (7 << 23)
+    assert scales[1] == "3c050672"
+    assert GOLDEN["stochastic"]["scales"].split()[1] == "3c050672"  # 1 / 127 = 1.0079 * 2^-7: the same
+    assert q[B + 5] == 123 and q[B + 17] == 256 - 123  # x = +-1: v = +-1 / 0.0081192... = +-123.16
+    grid = {struct.unpack("<I", struct.pack("<f", 2.0 ** (j / 18)))[0] & 0x7FFFFF for j in range(18)}
+    for s in scales:  # every int8 scale is 0, the flag, or on the grid: 2^e * G[j]
+        assert int(s, 16) in (0, 0x7FC00000) or int(s, 16) & 0x7FFFFF in grid, s
+    assert scales[4] == "00000000" and q[4 * B : 5 * B] == bytes(B)  # subnormals: a / 127.5 rounds to 0
+    assert scales[5] == "00800000"  # a ~ 1e-36: a / 127.5 is subnormal, the scale 2^-126
     assert scales[7] == scales[8] == "7fc00000" and q[7 * B :] == bytes(len(q) - 7 * B)  # the flag
     assert 0x81 in q and 0x80 not in q  # -127 occurs, -128 never
 
@@ -426,12 +435,39 @@ def test_hand_derived_entries():
 # the ring's payload: docs/wire-format.md "On the wire", built by hand
 
 
+GRID_MANTISSAS = [struct.unpack("<I", struct.pack("<f", 2.0 ** (j / 18)))[0] & 0x7FFFFF for j in range(18)]
+
+
+def grid_index(u: int) -> int:
+    """k = 18 e + j of the int8 scale 2^e * G[j] (as fp32 bits)."""
+    return 18 * (u >> 23) + GRID_MANTISSAS.index(u & 0x7FFFFF)
+
+
 def int8_payload_by_hand(scales_hex: str, q_hex: str) -> bytes:
-    """ceil(len/B) 2-byte scales (the high half of each fp32 scale, whose low half is 0),
-    little-endian, then the len int8 values."""
+    """2 bytes: K, the largest grid index of the nonzero finite scales (little-endian); a byte a
+    block: K - k, 254 for a zero scale (or one more than 253 steps below K), 255 for the flag;
+    then the len int8 values."""
     words = _words(scales_hex)
-    assert all(u & 0xFFFF == 0 for u in words), "int8 scales are bf16-exact"
-    return b"".join(struct.pack("<H", u >> 16) for u in words) + bytes.fromhex(q_hex)
+    top = max((grid_index(u) for u in words if u not in (0, 0x7FC00000)), default=0)
+    out = struct.pack("<H", top)
+    for u in words:
+        if u == 0x7FC00000:
+            out += b"\xff"
+        elif u == 0 or top - grid_index(u) > 253:
+            out += b"\xfe"
+        else:
+            out += bytes([top - grid_index(u)])
+    return out + bytes.fromhex(q_hex)
+
+
+def flushed(decoded_hex: str, q: bytes, blocks: range, zero: str) -> str:
+    """decoded_hex with the values of `blocks` replaced by the zero of their code's sign
+    (a block the ring sends with the zero scale decodes as code * 0)."""
+    out = decoded_hex.split()
+    for blk in blocks:
+        for i in range(blk * B, min((blk + 1) * B, len(out))):
+            out[i] = ("8" if q[i] >= 128 else "0") + zero
+    return " ".join(out)
 
 
 @needs_ext
@@ -442,18 +478,24 @@ def test_ring_int8_payload_layout():
     payload, finite = C._ring_encode_input(x, "int8", B)
     assert not finite  # blocks 7 and 8 hold NaN / Inf: the ring refuses to send this data
     assert payload == int8_payload_by_hand(g["scales"], g["q"])
-    assert len(payload) == ops.wire_bytes(x.numel(), B) == x.numel() + 2 * 9
+    assert len(payload) == ops.wire_bytes(x.numel(), B) == 2 + 9 + x.numel()
+    # block 5 (a ~ 1e-36, scale 2^-126) lies 4447 grid steps below block 6 (a = FLT_MAX): it travels
+    # as a zero scale (254), and so it does 2214 steps below block 0 in the payload of blocks 0-5
+    assert payload[2 + 5] == 0xFE and payload[2 + 3] == 0xFE and payload[2 + 7] == payload[2 + 8] == 0xFF
     # the owner's final value: encoded the same way, and decoded as the format says
     m = 6 * B  # blocks 0-5
     scales6, q6 = " ".join(g["scales"].split()[:6]), g["q"][: 2 * m]
     payload, finite = C._ring_encode_final(x[:m].contiguous(), "float32", "int8", B)
     assert finite and payload == int8_payload_by_hand(scales6, q6)
+    q = bytes.fromhex(g["q"])
     out = C._ring_decode_final(payload, torch.empty(m), "int8", B)
-    assert_floats_golden(out, " ".join(g["decoded_fp32"].split()[:m]), "ring decode fp32")
+    want = " ".join(g["decoded_fp32"].split()[:m])
+    assert_floats_golden(out, flushed(want, q, range(5, 6), "0000000"), "ring decode fp32")
     out = C._ring_decode_final(payload, torch.empty(m, dtype=torch.bfloat16), "int8", B)
-    assert_floats_golden(out, " ".join(g["decoded_bf16"].split()[:m]), "ring decode bf16")
-    # block 6 (a = FLT_MAX): -FLT_MAX decodes to ff7ffc00, finite in fp32, -inf in bf16
-    assert g["decoded_fp32"].split()[7 * B - 1] == "ff7ffc00" and g["decoded_bf16"].split()[7 * B - 1] == "ff80"
+    want = " ".join(g["decoded_bf16"].split()[:m])
+    assert_floats_golden(out, flushed(want, q, range(5, 6), "000"), "ring decode bf16")
+    # block 6 (a = FLT_MAX): -FLT_MAX decodes to ff7fa863, finite in fp32, -inf in bf16
+    assert g["decoded_fp32"].split()[7 * B - 1] == "ff7fa863" and g["decoded_bf16"].split()[7 * B - 1] == "ff80"
     payload7 = int8_payload_by_hand(" ".join(g["scales"].split()[:7]), g["q"][: 2 * 7 * B])
     payload, finite = C._ring_encode_final(x[: 7 * B].contiguous(), "float32", "int8", B)
     assert finite and payload == payload7
@@ -543,39 +585,39 @@ GOLDEN = {
             '3f7501ce be0d7531 bf2ec1f9 3f17c2b6 bf23e5f3 3e922725 bedf31b9 bf3346a0 bd5b6f4a bec6e403 '
             'be4e1216 3ea37eeb 7f800000'
         ),
-        'scales': '3e000000 3c010000 3cef0000 00000000 00000000 00560000 7c010000 7fc00000 7fc00000',
+        'scales': '3e000000 3c050672 3cf6544d 00000000 00000000 00800000 7c050672 7fc00000 7fc00000',
         'q': (
-            '7f817f000002fe02fe047e827e8240c0000000029c102c30a6e6080e66667c04cb72eba5167febc81dc021aff9d9ad06'
-            '7981b2c0ee02faaedd0f7b2423e021c58181818181818181818181818181818181818181818181818181818181818181'
+            '7f817f000002fe02fe047e827e8240c0000000029c102c30a6e6080e66667c04cc6feba8157becca1cc220b2f9dbb006'
+            '7685b5c2ef02fab0de0e772322e120c78585858585858585858585858585858585858585858585858585858585858585'
             '000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000'
-            '00000000000000000000000000000000749f4256e10ab00c7ea85c1b9f40bb19c059ca06418e77e556114e2eca17287f'
-            'bcdc3d98a9de4f5bf7179ad04ca7a1ba6fe4ddb555a359f09d529b07a4b0a58100000000000000000000000000000000'
+            '000000000000000000000000000000004ebf2c3aeb06ca0855c53e12bf2bd211d53cdc042cb350ee390b351fdc101b55'
+            'bedd3c9babdf4c58f7169dd24aaaa3bc6be5deb852a656f0a04f9e06a7b3a78500000000000000000000000000000000'
             '0000000000000000000000000000000000000000000000'
         ),
         'decoded_fp32': (
             '417e0000 c17e0000 417e0000 00000000 00000000 3e800000 be800000 3e800000 be800000 3f000000 '
             '417c0000 c17c0000 417c0000 c17c0000 41000000 c1000000 00000000 00000000 00000000 3e800000 '
             'c1480000 40000000 40b00000 40c00000 c1340000 c0500000 3f800000 3fe00000 414c0000 414c0000 '
-            '41780000 3f000000 bed5a800 3f65c800 be295000 bf376c00 3e316000 3f7ffc00 be295000 bee1c000 '
-            '3e69d000 bf010000 3e850800 bf234400 bd61c000 be9d3800 bf274c00 3d418000 3f73e400 bf7ffc00 '
-            'bf1d3800 bf010000 be112000 3c810000 bd418000 bf254800 be8d1800 3df1e000 3f77ec00 3e912000 '
-            '3e8d1800 be810000 3e850800 beedd800 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
-            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
-            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 '
-            'c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 c06d2200 00000000 00000000 00000000 00000000 '
+            '41780000 3f000000 bed82a79 3f66b72e be2e9876 bf36e8dd 3e2e9876 3f7fa863 be26480e bee07ae0 '
+            '3e68cb48 bf00de3e 3e850672 bf221fdb bd68cb48 be99cf74 bf26480e 3d4789ab 3f7543e2 bf7fa863 '
+            'bf1be38e bf00de3e be0d56d9 3c850672 bd4789ab bf26480e be8d56d9 3de8cb48 3f7757fc 3e917f0d '
+            '3e8d56d9 be80de3e 3e850672 beecf37b c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 '
+            'c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 '
+            'c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 '
+            'c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 c06cb502 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
             '00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 '
-            '039be000 83825800 03316000 03672000 82a6a000 01d70000 83570000 02010000 03a95000 836c8000 '
-            '03774000 02912000 83825800 032c0000 83397000 02866000 832c0000 036f3000 83112000 01810000 '
-            '032eb000 83993000 039fe800 82912000 03672000 0236c000 0351a000 02f74000 83112000 02774000 '
-            '02d70000 03aaa800 ff091000 fe912000 7ef5e800 ff51a000 ff2f5c00 fe891000 7f1f3c00 7f376c00 '
-            'fd912000 7e397000 ff4d9800 fec18000 7f193000 ff336400 ff3f7c00 ff0d1800 7f5fbc00 fe61c000 '
-            'fe8d1800 ff172c00 7f2b5400 ff3b7400 7f336400 fe010000 ff478c00 7f254800 ff4b9400 7d61c000 '
-            'ff397000 ff214000 ff376c00 ff7ffc00 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+            '039c0000 83820000 03300000 03680000 82a80000 01c00000 83580000 02000000 03aa0000 836c0000 '
+            '03780000 02900000 83820000 032c0000 83380000 02880000 832c0000 03700000 83100000 01800000 '
+            '03300000 839a0000 03a00000 82900000 03640000 02300000 03540000 02f80000 83100000 02800000 '
+            '02d80000 03aa0000 ff092ea6 fe917f0d 7ef96c16 ff51ee2c ff30ac8f fe892ea6 7f1df7a7 7f36e8dd '
+            'fd95a740 7e36e8dd ff4dc5f8 febf3944 7f19cf74 ff32c0a9 ff414d5e ff0d56d9 7f5e66c7 fe607ae0 '
+            'fe8d56d9 ff15a740 7f2a7042 ff3b1110 7f32c0a9 fe050672 ff4789ab 7f2433f5 ff4bb1df 7d4789ab '
+            'ff38fcf7 ff200bc1 ff38fcf7 ff7fa863 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
@@ -583,28 +625,28 @@ GOLDEN = {
         ),
         'decoded_bf16': (
             '417e c17e 417e 0000 0000 3e80 be80 3e80 be80 3f00 417c c17c 417c c17c 4100 c100 0000 0000 '
-            '0000 3e80 c148 4000 40b0 40c0 c134 c050 3f80 3fe0 414c 414c 4178 3f00 bed6 3f66 be29 bf37 '
-            '3e31 3f80 be29 bee2 3e6a bf01 3e85 bf23 bd62 be9d bf27 3d42 3f74 bf80 bf1d bf01 be11 3c81 '
-            'bd42 bf25 be8d 3df2 3f78 3e91 3e8d be81 3e85 beee c06d c06d c06d c06d c06d c06d c06d c06d '
+            '0000 3e80 c148 4000 40b0 40c0 c134 c050 3f80 3fe0 414c 414c 4178 3f00 bed8 3f67 be2f bf37 '
+            '3e2f 3f80 be26 bee0 3e69 bf01 3e85 bf22 bd69 be9a bf26 3d48 3f75 bf80 bf1c bf01 be0d 3c85 '
+            'bd48 bf26 be8d 3de9 3f77 3e91 3e8d be81 3e85 beed c06d c06d c06d c06d c06d c06d c06d c06d '
             'c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d c06d '
             'c06d c06d c06d c06d c06d c06d 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 039c 8382 '
-            '0331 0367 82a7 01d7 8357 0201 03a9 836c 0377 0291 8382 032c 8339 0286 832c 036f 8311 0181 '
-            '032f 8399 03a0 8291 0367 0237 0352 02f7 8311 0277 02d7 03ab ff09 fe91 7ef6 ff52 ff2f fe89 '
-            '7f1f 7f37 fd91 7e39 ff4e fec2 7f19 ff33 ff3f ff0d 7f60 fe62 fe8d ff17 7f2b ff3b 7f33 fe01 '
-            'ff48 7f25 ff4c 7d62 ff39 ff21 ff37 ff80 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
+            '0330 0368 82a8 01c0 8358 0200 03aa 836c 0378 0290 8382 032c 8338 0288 832c 0370 8310 0180 '
+            '0330 839a 03a0 8290 0364 0230 0354 02f8 8310 0280 02d8 03aa ff09 fe91 7ef9 ff52 ff31 fe89 '
+            '7f1e 7f37 fd96 7e37 ff4e febf 7f1a ff33 ff41 ff0d 7f5e fe60 fe8d ff16 7f2a ff3b 7f33 fe05 '
+            'ff48 7f24 ff4c 7d48 ff39 ff20 ff39 ff80 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
             '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 '
             '7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0 7fc0'
         ),
         'decoded_fp16': (
             '4bf0 cbf0 4bf0 0000 0000 3400 b400 3400 b400 3800 4be0 cbe0 4be0 cbe0 4800 c800 0000 0000 '
-            '0000 3400 ca40 4000 4580 4600 c9a0 c280 3c00 3f00 4a60 4a60 4bc0 3800 b6ad 3b2e b14a b9bb '
-            '318b 3c00 b14a b70e 334e b808 3428 b91a ab0e b4ea b93a 2a0c 3b9f bc00 b8ea b808 b089 2408 '
-            'aa0c b92a b469 2f8f 3bbf 3489 3469 b408 3428 b76f c369 c369 c369 c369 c369 c369 c369 c369 '
-            'c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 c369 '
-            'c369 c369 c369 c369 c369 c369 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
+            '0000 3400 ca40 4000 4580 4600 c9a0 c280 3c00 3f00 4a60 4a60 4bc0 3800 b6c1 3b36 b175 b9b7 '
+            '3175 3bfd b132 b704 3346 b807 3428 b911 ab46 b4ce b932 2a3c 3baa bbfd b8df b807 b06b 2428 '
+            'aa3c b932 b46b 2f46 3bbb 348c 346b b407 3428 b768 c366 c366 c366 c366 c366 c366 c366 c366 '
+            'c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 c366 '
+            'c366 c366 c366 c366 c366 c366 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 '
             '0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 0000 8000 '
@@ -648,13 +690,13 @@ GOLDEN = {
             '419a1b3e c187f8ea 4146dced 3ff0d340 c00b7ebd 3e2a31d0 3ec781e8 bfc0d00d 3f7f5978 c036edb4 '
             '4186171b c1412a6a 41525852 c1977e12 40f3cdfc c0c0c080 c00104ac 402423fe 3f802372 40877b9a '
             'c17da1c4 408f18d6 41024fa7 40ac665e c136cbe0 c022f13a bf9b180e bfcd04b6 416ef11f 41836c91 '
-            '4187e213 4000af27 beb43c0c bfb9ebfe be2f4bb4 bfd6960a 4082e092 c0037d62 c082c1c8 bfbcae4e '
-            '3d91539c c06fa5dc bf0494c8 c03a8fa9 3f003b58 bfbe6e0e bebda92a be728a7a 406d2ebd 403fd343 '
-            '400d1c21 c0183569 c0590bf8 401f2ef9 c0687cfe c00264bc 3fd4a75e c00719c9 40105558 c03e04b3 '
-            '40776986 c0796f10 c04c1d50 bfed8acb c0427c36 bfae4624 be922fd0 c0d13376 be118e80 c0a21f06 '
-            'c0189fff c01fd46f c08be21d c0cae5fe be942898 c05a30f3 c07b4a40 3dc90ac0 c0ce2e8a c01b5230 '
-            'c05374ea be8c16f8 c0b35766 bf149ab8 bf89c46c bff46fd8 c0c53e5e c0d3e8a0 c08bd53c bfaf8a9e '
-            'c049ec78 c0b39ae6 bfdf8ed6 c0879e30 bf648fe0 c08d9a29 c01f0fc7 c059c564 c03b11a5 bf6b3916 '
+            '4187e213 4000af27 beb6be85 bfb97467 be34942a bfd65478 4082ca56 c0039249 c082a989 bfbc5d06 '
+            '3d8f4a2c c06f9d6c bf04958f c03a46a0 3eff9547 bfbd93eb bebba146 be71080f 406d86b6 403fe82a '
+            '400d713e c0182cf8 c058cf66 401f3706 c0689525 c002a4c0 3fd497a8 c007626f 40103058 c03df8d1 '
+            '40777161 c0796ad8 c04c1d82 bfed51aa c0420f38 bfad6c28 be8ec7e0 c0d0fcf7 be0abea0 c0a1e887 '
+            'c0183301 c01f6771 c08bab9e c0caaf7f be90c0a8 c059c3f5 c07add42 3dd6aa80 c0cdf80a c01ae532 '
+            'c05307ec be88af08 c0b320e8 bf12e6c0 bf88ea70 bff395dc c0c507e0 c0d3b220 c08b9ebd bfaeb0a2 '
+            'c0497f7a c0b36467 bfdeb4da c08767b1 bf62dbe8 c08d63aa c01f0fc7 c059c564 c03b11a5 bf6b3916 '
             'c0399a39 c07a4c27 3fb40e89 c0189e35 400a81b1 4066105b 40320c46 401afe86 401c4c57 40667795 '
             'bfd94404 400ccd16 404b6d40 3ec583c0 3f16fa5c 3ed9e40c bf1a68e0 40316a4b 3fb4985a bf9e425a '
             '3ff86742 bf7794d4 403974e3 c04d50ef bec72991 bf51018b 4009e056 c0085705 3f73a199 3e575375 '
@@ -664,10 +706,10 @@ GOLDEN = {
             '406f42ce 3f1c67f8 c046c245 407eb4ec c06c7875 c050994d c010b73f 3e188fde 40629be6 4043d66a '
             'bfd27b63 4073e4e3 405d0e56 bfbb3a14 3de57ec2 402ac100 3fe63ab7 bf8542e8 bf97e8c3 bfee7ed7 '
             '3f830825 bf435565 3ee2c336 c028cd04 406b5aff 40184199 400fab12 be5328f2 bf944ce8 bf3270d1 '
-            '3f0bce7b bff0f733 ff091000 fe912000 7ef5e800 ff51a000 ff2f5c00 fe891000 7f1f3c00 7f376c00 '
-            'fd912000 7e397000 ff4d9800 fec18000 7f193000 ff336400 ff3f7c00 ff0d1800 7f5fbc00 fe61c000 '
-            'fe8d1800 ff172c00 7f2b5400 ff3b7400 7f336400 fe010000 ff478c00 7f254800 ff4b9400 7d61c000 '
-            'ff397000 ff214000 ff376c00 ff7ffc00 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
+            '3f0bce7b bff0f733 ff092ea6 fe917f0d 7ef96c16 ff51ee2c ff30ac8f fe892ea6 7f1df7a7 7f36e8dd '
+            'fd95a740 7e36e8dd ff4dc5f8 febf3944 7f19cf74 ff32c0a9 ff414d5e ff0d56d9 7f5e66c7 fe607ae0 '
+            'fe8d56d9 ff15a740 7f2a7042 ff3b1110 7f32c0a9 fe050672 ff4789ab 7f2433f5 ff4bb1df 7d4789ab '
+            'ff38fcf7 ff200bc1 ff38fcf7 ff7fa863 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
             '7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 7fc00000 '
@@ -681,10 +723,10 @@ GOLDEN = {
             'bf54 403b bff3 3ff0 c03f c027 bfdd bfdc bec5 be4c 3f39 bfcf c020 bfb5 4005 4027 bf51 c019 '
             '3ed6 c02e c00f 3ee8 bfa0 3f40 bd3f 3f70 bf81 bfa1 bb87 bb0a babb 3c13 3b77'
         ),
-        'scales': '40800000 3cc10000 38940000',
+        'scales': '40800000 3cc382ff 389550d3',
         'q': (
-            '7f8154e2fcf60c02863cced6c02e72ce766222b8ceee346460845eb4326a842ca91bb96fdd7caf508191b7b7f0f81fbb'
-            '96c4586fdd9b128da113cb20fe28d5cbc6e2ec7f35'
+            '7f8154e2fcf60c02863cced6c02e72ce766222b8ceee346460845eb4326a842caa1bba6edd7ab04f8393b8b8f0f81ebc'
+            '97c5576dde9c128ea213cc1ffe27d6cbc6e2ec7e35'
         ),
     },
     'float16': {
@@ -694,10 +736,10 @@ GOLDEN = {
             '41bc 3d55 bb0e 3e53 3dd9 3fbc c1ef bb0a b658 3803 bf77 409f 418f 418c 32f2 bd9c c04f bb99 '
             'b89b be8e 4132 bdc1 4105 344d c16c 4199 4128 41bf 9e50 1de3 9e5d 1fd6 1511'
         ),
-        'scales': '40800000 3cbf0000 387d0000',
+        'scales': '40800000 3cc382ff 38800000',
         'q': (
-            '7f813eec0a4ce09ab63a8e44d6046ee8d2ec4e2e0294d008480e1e1e48441aba41ebd7317b39da443f5381daef16b063'
-            '777709c4a4d7e7ba6fc26c0c8c786f7b9a5f997f15'
+            '7f813eec0a4ce09ab63a8e44d6046ee8d2ec4e2e0294d008480e1e1e48441aba3febd8307838db423d5184dbef15b261'
+            '747409c5a6d8e8bb6dc4690b8e756c789b5e9a7d14'
         ),
     },
     'stochastic': {
@@ -716,67 +758,67 @@ GOLDEN = {
             '3fa9ca36 bf1b1dda 3eabd686 3d6ca1be 3f43a39e bfa40162 bdc19274 bf7d3867 3fe1546c bfde691c '
             'bf101935 bffef3fa bfafdac6 bf186629 bfdc3dd5 3eb77db6 bfa17190 bf7134e6'
         ),
-        'scales': '3e000000 3c020000 3cef0000 3c810000',
+        'scales': '3e000000 3c050672 3cf6544d 3c850672',
         'q': {
             '0@0': (
-                '7f817f000001fe02fe047e827e833fc00000ff039d102c31a5e6090e65667b04cc72eba5167eebc91cc021b0f9daae06'
-                '7882b3c1ef01faaedd0f7a2423e121c68281818181818181818181828282818181818181818181818181818181818181'
-                'a78d1493ba4d14cdc87759aeb24454da160330affac16f92dc81a9da9217b0c5'
+                '7f817f000001fe02fe047e827e833fc00000ff039d102c31a5e6090e65667b04cd6feba7157becca1cc221b2f9dbb006'
+                '7584b4c2ef01fbb0de0e782322e220c88585858585858585858585858585858585858585848585858585858585858585'
+                'aa901396bd4b14ceca7456b1b44252db15032fb1fac36c95dd85abdb9616b2c6'
             ),
             '0@4294967232': (
-                '7f817f000002fe03fe047e817f833fbf000000039d102c31a6e6090e65667b03cb71eba6167eecc91dc021b0f9daae06'
-                '7982b3c0ee02faafdd0f7a2423e121c68181818282818181818181818182818181818181818281828181828181818181'
-                'a78d1492bb4d14cdc87858aeb14455d9150331affac27092dd81a9da9317afc4'
+                '7f817f000002fe03fe047e817f833fbf000000039d102c31a6e6090e65667b03cd6feca8157becca1cc220b2f9dbb006'
+                '7685b5c2ef02fab0de0e772322e220c78585858585858584858585848585858585858485858585858585858585858585'
+                'aa911496bd4b14cfca7556b0b44252db150330b1fac36d95de85acdc9616b2c6'
             ),
             '0@1103806595040': (
-                '7f817f010001fe02fe047d817e8340bf000000029d112d31a5e7090e65677c04cb72eba6167eebc91dc021b0fad9ae06'
-                '7882b3c1ef02faaedd0f7a2423e120c68182818281818182818281818181818181818181818181818282818181818181'
-                'a78d1593bb4e14cdc87858aeb14454da150430affac16f91dc81a9db9317b0c4'
+                '7f817f010001fe02fe047d817e8340bf000000029d112d31a5e7090e65677c04cc6feba8157becca1dc220b1fadab006'
+                '7585b5c3ef02fab0de0e772322e120c78585858585858585858585858585858585858585858585858585858585858584'
+                'aa911496bd4c13cec97456b0b34251db15042fb2fac36c95dd85acdc9716b3c6'
             ),
             '0@9223372036854775680': (
-                '7f817f00ff02fe03fe037e817e8240bf000000029d112c30a6e7080f65677b03cb72eaa6167eecc81dc021b0f9d9ae07'
-                '7982b3c1ef02faaedc0f7b2422e121c68181818181818182818181818281828281818181818181818181818182818182'
-                'a78e1493bb4e14cdc87859afb14355d9150331affac17091dc81a9da9317b0c4'
+                '7f817f00ff02fe03fe037e817e8240bf000000029d112c30a6e7080f65677b03cc6feba8167becca1dc220b2f9dab006'
+                '7684b4c2ef02fab0dd0e782322e220c78585858585858585858585858585858584858585858485858585858585858585'
+                'aa911396bd4b13ceca7456b1b44152db14032fb2fac36c95dd85abdb9616b3c6'
             ),
             '2654435769@0': (
-                '7f817f00ff02fe02fe047e827e823fc00000ff029c102c31a6e7080f65667c04cb71eba6157eebc91dc121b0f9daad06'
-                '7882b3c1ef01faaedc0f7b2423e021c68181818182818181818181818181818281818182818181818181818182818181'
-                'a78e1492ba4e14cdc87859aeb14454da150430affac17091dd82a9da9317afc4'
+                '7f817f00ff02fe02fe047e827e823fc00000ff029c102c31a6e7080f65667c04cc6feba8157becca1cc220b2f9daaf06'
+                '7685b5c3ef01fab0dd0e782422e120c78585858585858585858585858585858585858585858585858585858585858585'
+                'aa911396bd4b13cfc97456b0b44252db14042fb1fac36d95de85acdb9616b2c6'
             ),
             '2654435769@4294967232': (
-                '7f817f01ff01ff03fe037e827e8240bf0000ff029c102d30a5e6080e66667c03cc72eba6167eebc91dc021b0f9daae06'
-                '7882b3c1ee02faaedd0f7a2423e120c68181818182828181818181818181818181818182818181818281818181818281'
-                'a78d1493bb4d14cdc87759aeb14454d9150431affac17092dd82a9da9317b0c5'
+                '7f817f01ff01ff03fe037e827e8240bf0000ff029c102d30a5e6080e66667c03cd6feca8167becca1cc221b2f9daaf06'
+                '7585b5c2ef02fab0de0e772322e120c78585858585858584858585858585858585858585858584858585858585858585'
+                'aa911496bd4b13cfca7456b0b44251da14032fb1fbc36c95de85abdb9616b2c6'
             ),
             '2654435769@1103806595040': (
-                '7f817f010002fe03fd037d817f8340c00000ff029d102c30a5e6090f66667c04cb71eba6167eecc91dc021b0f9daae06'
-                '7882b3c1ef02faaedd0e7a2423e121c68181818181818281818181818181818181818181818182818181818281818281'
-                'a78d1593bb4e14cdc87859aeb14354d9150431aefac16f92dc82a8da9317b0c4'
+                '7f817f010002fe03fd037d817f8340c00000ff029d102c30a5e6090f66667c04cc6feba8157becca1cc220b2f9dbb006'
+                '7685b5c3ef02fbb0de0e772322e220c78485858585858585858585858585858585858585858585858585858585858585'
+                'aa911496be4c13ceca7456b1b34152da14042fb1fbc36c95dd86abdc9616b2c6'
             ),
             '2654435769@9223372036854775680': (
-                '7f817f00ff01fe02fe037d827f823fc00000ff029d112c31a6e7080e65667c03cc72eba6167eebc91dc021b0f9daae06'
-                '7982b3c1ef01faaedd0f7a2423e021c68181828281818181818182818182818281828281818281828181818181818181'
-                'a78d1492bb4e14cdc87859aeb14354da150331aefac17092dd81a9da9217b0c4'
+                '7f817f00ff01fe02fe037d827f823fc00000ff029d112c31a6e7080e65667c03cd6feba8157becca1cc220b2fadbb006'
+                '7685b5c3ef01fab0de0e772322e120c78585858585858585858485858585858585858585858585858585858585858484'
+                'aa911496bd4c14ceca7556b1b44152db14032fb1fac36d95de85acdb9616b2c6'
             ),
             '4294967295@0': (
-                '7f817f010001ff03fe047e827e8240bf0000ff039d102d30a5e6080f65667b04cb72eba6167eebc81dc121b0f9daae06'
-                '7882b3c1ef01faaedd0f7a2422e121c68181818281828181828182818181818182818281818181818182818181818181'
-                'a78d1592bb4e14cdc87859aeb24454d9150431affac17092dc81a9da9217b0c4'
+                '7f817f010001ff03fe047e827e8240bf0000ff039d102d30a5e6080f65667b04cc6feca8157becca1cc320b2f9dbaf06'
+                '7585b4c3ef01fab0de0e772322e220c78585858585858585858585858585858585858585858584858585858585858585'
+                'aa911496bd4c13ceca7456b1b44252da140430b1fac36d95dd85abdb9616b3c6'
             ),
             '4294967295@4294967232': (
-                '7f817f000001fe02fe047e817e8240c00000ff029c102c30a6e6090f65677b03cb71eba6167eebc81cc121aff9daae07'
-                '7982b3c0ef02faaedd0f7b2423e120c68181818181818181818181828182818281818181818181818181818181818182'
-                'a78e1492bb4e14cdc87859aeb14455d9150431affac17092dd82a9da9217b0c4'
+                '7f817f000001fe02fe047e817e8240c00000ff029c102c30a6e6090f65677b03cc6feca8167becca1cc221b1fadbb006'
+                '7685b5c2ef02fab0de0f782322e120c88585858585858585858585858585858585858585858485858585858585848585'
+                'aa911396bd4b13cfca7557b1b34252da14032fb1fac36c95de85acdb9616b2c6'
             ),
             '4294967295@1103806595040': (
-                '7f817f000001fe02fd037d827f823fc0000000029c102d31a5e6080e66667c04cb71eba6157eebc91dc021b0f9d9ae06'
-                '7882b3c0ef02faafdd0f7a2423e121c68181828282818181818181818181818181818181818181818182818181828181'
-                'a78d1493bb4e14cdc87859aeb14354da160431aefac27092dc81a9da9317b0c4'
+                '7f817f000001fe02fd037d827f823fc0000000029c102d31a5e6080e66667c04cd6feba8157cecca1dc220b2f9dab006'
+                '7684b5c2ef02fab0de0f772322e220c78585858585858585858584858585858585858585858585858585858585858585'
+                'aa901396bd4c13cfca7456b0b44151db15042fb1fac36d95dd85acdb9616b3c6'
             ),
             '4294967295@9223372036854775680': (
-                '7f817f010002fe02fd047e827e8240c0000000039d112d30a6e6090e65667b03cc72eba5167eecc91cc121b0f9daae06'
-                '7882b3c1ee02faaedd0f7a2423e020c68181828181818281818181818181818181818181818182818181828281818282'
-                'a88d1492bb4e14cdc87858aeb24354da160430aefac27091dc81a8da9317b0c5'
+                '7f817f010002fe02fd047e827e8240c0000000039d112d30a6e6090e65667b03cd6feca8157becca1cc221b2f9dbb006'
+                '7585b5c3ef02fab0dd0e772322e120c88585858585858585858585858585858585858485848585858585858585858585'
+                'aa911396bd4c13ceca7456b1b44151db15042fb1fac36d95dd85abdb9616b2c6'
             ),
         },
     },

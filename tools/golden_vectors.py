@@ -96,16 +96,31 @@ def stochastic_h(seed: int, i: int) -> int:
     return fmix32((fmix32(lo ^ k) + k) & MASK32)
 
 
+# The int8 scale grid: 2^e * G[j], G[j] = 2^(j / 18) rounded to fp32 (j = 0..17), for every
+# fp32 exponent e of a normal number; and 0.
+GRID = [f32(2.0 ** (j / 18)) for j in range(18)]
+
+
+def grid_round_up(t: float) -> float:
+    """The smallest grid value >= t (t >= 0, finite fp32): 0 for 0, 2^-126 below 2^-126."""
+    if t == 0:
+        return 0.0
+    if t < 2.0**-126:
+        return 2.0**-126
+    m, ex = math.frexp(t)  # t = m * 2^ex, m in [0.5, 1): t's octave is [2^(ex - 1), 2^ex)
+    for g in GRID:
+        if math.ldexp(g, ex - 1) >= t:
+            return math.ldexp(g, ex - 1)
+    return math.ldexp(1.0, ex)
+
+
 def encode_block(xs: list[float], seed: int | None, first: int) -> tuple[int, list[int]]:
     """(scale bits, q) of one block whose first element has flattened index `first`."""
     if any(math.isnan(x) or math.isinf(x) for x in xs):
         return 0x7FC00000, [0] * len(xs)  # the non-finite flag: canonical quiet NaN, zero q
     a = max(abs(x) for x in xs)
-    s32 = f32(a / 127.0)
-    if seed is None:
-        scale = from_bits32(bf16_bits(s32) << 16)  # rounded to the nearest bf16, ties to even
-    else:
-        scale = from_bits32(-(-bits32(s32) // 0x10000) * 0x10000)  # rounded up to a bf16 value
+    # to nearest: the smallest grid scale s with a / s <= 127.5; stochastic: a / s <= 127
+    scale = grid_round_up(f32(a / (127.5 if seed is None else 127.0)))
     inv = 0.0 if scale == 0 else f32(1.0 / scale)
     if math.isinf(inv):
         inv = 0.0  # tiny (subnormal) scales: 1 / scale overflows
@@ -225,7 +240,7 @@ class Lcg:
 def common_blocks(rng: Lcg) -> list[list[float]]:
     """Blocks 1-7 of both codecs' fp32 input (qmax: 127 for int8, 6 for fp4)."""
     blocks = []
-    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax rounded; for int8 then to bf16)
+    # 1: ordinary values, largest |x| = 1 twice (scale 1/qmax; for int8 rounded up to the grid)
     b = [rng.uniform() for _ in range(B)]
     b[5], b[17] = 1.0, -1.0
     blocks.append(b)
@@ -233,10 +248,11 @@ def common_blocks(rng: Lcg) -> list[list[float]]:
     blocks.append([f32(-3.7)] * B)
     # 3: zeros of both signs: scale 0, inv 0
     blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: every code is 0; scale = a / qmax (a subnormal or 0; int8: rounded to a bf16
-    # value, 0 or a subnormal whose inverse overflows)
+    # 4: subnormals: scale = a / qmax (fp4: a subnormal or 0; int8: 2^-126, the smallest grid
+    # value, so the codes are small integers, or 0 when a is)
     blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
-    # 5: a ~ 1e-36: inv finite; the scale is subnormal for int8, normal for fp4 (1e-36 / 6 > 2^-126)
+    # 5: a ~ 1e-36: inv finite; int8's a / 127.5 is subnormal, so its scale is 2^-126; fp4's is
+    # normal (1e-36 / 6 > 2^-126)
     blocks.append([f32(rng.uniform() * 1e-36) for _ in range(B - 1)] + [f32(1e-36)])
     # 6: huge: a = FLT_MAX
     blocks.append([f32(rng.uniform() * 3e38) for _ in range(B - 1)] + [-FLT_MAX])
@@ -341,7 +357,7 @@ def codec_vectors(rng: Lcg, x: list[float], encode_q, decode_q) -> dict:
         out[kind] = {"x": hex16(bits), "scales": " ".join(f"{v:08x}" for v in s), "q": hex_q(qh)}
     # stochastic rounding: the first three blocks of x and a fresh one
     xs = x[: 3 * B] + [f32(rng.uniform() * 2.0) for _ in range(B)]
-    # (the scales of stochastic rounding, the same for every seed: int8 rounds them up to bf16)
+    # (the scales of stochastic rounding, the same for every seed: int8 rounds a / 127 up to the grid)
     sr = {"x": hex32(xs), "scales": " ".join(f"{s:08x}" for s in encode_q(xs, SR_SEEDS[0], 0)[0]), "q": {}}
     for seed in SR_SEEDS:
         for first in SR_OFFSETS:

@@ -91,7 +91,7 @@ inline __m256 uniform8(__m256i lo, __m256i key) {
 struct Int8Out {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  static constexpr bool kBf16Scale = true;  // scales rounded to bf16 values (2 bytes on the wire)
+  static constexpr bool kGridScale = true;  // scales on the scale grid (1 byte on the wire)
   static constexpr int64_t kBytesPer32 = 32;
   static constexpr auto& scalar = quantize_scalar;
 
@@ -122,7 +122,7 @@ inline __m256i count_if(__m256i m, __m256 cmp) { return _mm256_sub_epi32(m, _mm2
 struct Fp4Out {
   using Code = uint8_t;
   static constexpr float kQMax = kFp4Max;
-  static constexpr bool kBf16Scale = false;
+  static constexpr bool kGridScale = false;
   static constexpr int64_t kBytesPer32 = 16;
   static constexpr auto& scalar = quantize_fp4_scalar;
 
@@ -246,7 +246,7 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
       continue;
     }
     float inv;
-    block_scale(amax, kFp4Max, /*bf16_scale=*/false, /*stochastic=*/false, scales + b, &inv);
+    block_scale(amax, kFp4Max, /*grid_scale=*/false, /*stochastic=*/false, scales + b, &inv);
     // pass 2, from L1: scale, round, pack. Normally on h = x * (inv / 2), which is (x * inv) / 2
     // bit for bit while inv / 2 is normal; from v = x * inv in blocks whose scale is above 2^125.
     if (inv >= 0x1p-125f) {
@@ -274,7 +274,7 @@ int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t
       continue;
     }
     float inv;
-    block_scale(amax, Out::kQMax, Out::kBf16Scale, kStochastic, scales + b, &inv);
+    block_scale(amax, Out::kQMax, Out::kGridScale, kStochastic, scales + b, &inv);
     const __m256 vinv = _mm256_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     if constexpr (!kStochastic) {

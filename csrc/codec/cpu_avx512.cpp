@@ -87,7 +87,7 @@ inline __m512 uniform16(__m512i lo, __m512i key) {
 struct Int8Out {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  static constexpr bool kBf16Scale = true;  // scales rounded to bf16 values (2 bytes on the wire)
+  static constexpr bool kGridScale = true;  // scales on the scale grid (1 byte on the wire)
   static constexpr int64_t kBytesPer16 = 16;
   static constexpr auto& scalar = quantize_scalar;
 
@@ -114,7 +114,7 @@ inline __m512i count_if(__m512i m, __mmask16 mask) { return _mm512_mask_add_epi3
 struct Fp4Out {
   using Code = uint8_t;
   static constexpr float kQMax = kFp4Max;
-  static constexpr bool kBf16Scale = false;
+  static constexpr bool kGridScale = false;
   static constexpr int64_t kBytesPer16 = 8;
   static constexpr auto& scalar = quantize_fp4_scalar;
 
@@ -196,7 +196,7 @@ int64_t quantize_fp4_nearest_blocks(const typename In::Elem* x, InputType type, 
       continue;
     }
     float inv;
-    block_scale(amax, kFp4Max, /*bf16_scale=*/false, /*stochastic=*/false, scales + b, &inv);
+    block_scale(amax, kFp4Max, /*grid_scale=*/false, /*stochastic=*/false, scales + b, &inv);
     const __m512 vinv = _mm512_set1_ps(inv), table = fp4_round_table();
     // pass 2, from L1: scale, round, pack
     for (int64_t i = 0; i < block; i += 32) {
@@ -223,7 +223,7 @@ int64_t quantize_full_blocks(const typename In::Elem* x, InputType type, int64_t
       continue;
     }
     float inv;
-    block_scale(amax, Out::kQMax, Out::kBf16Scale, kStochastic, scales + b, &inv);
+    block_scale(amax, Out::kQMax, Out::kGridScale, kStochastic, scales + b, &inv);
     const __m512 vinv = _mm512_set1_ps(inv);
     // pass 2, from L1: scale, round, pack
     if constexpr (!kStochastic) {

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "codec.h"
+#include "scale_grid.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PRIME_CODEC_X86 1
@@ -101,29 +102,21 @@ static inline float bits_float(uint32_t u) {
   return f;
 }
 
-// A non-negative finite fp32 rounded to a bf16-representable fp32 (low 16 bits zero), in
-// the bits (subnormals too: for non-negative floats the bit order is the value order):
-// to nearest, ties to even (the fp32 -> bf16 conversion), or upward. One already
-// representable (0 among them) stays. Never reaches Inf: the largest scale is FLT_MAX / 127.
-static inline float bf16_round(float s, bool up) {
-  const uint32_t u = float_bits(s);
-  return bits_float((u + (up ? 0xffffu : 0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
-}
-
 // scale and inverse of a finite block whose largest |x| has the bits `amax_bits`
-// (docs/wire-format.md). int8 (bf16_scale): scale = a / 127 rounded to a bf16 value, to
-// nearest for round-to-nearest codes, upward for stochastic ones (`stochastic`), and
-// inv = 1 / scale. fp4: scale = a / 6, inv = 6 / a. IEEE divisions; inv is 0 when the
-// divisor is 0 and when the quotient overflows (tiny subnormal blocks).
-static inline void block_scale(uint32_t amax_bits, float qmax, bool bf16_scale, bool stochastic, float* scale,
+// (docs/wire-format.md). int8 (grid_scale): scale = a / 127.5 rounded up to the scale grid
+// (scale_grid.h) for round-to-nearest codes, a / 127 for stochastic ones (`stochastic`),
+// and inv = 1 / scale. fp4: scale = a / 6, inv = 6 / a. IEEE divisions; inv is 0 when the
+// divisor is 0 and when the quotient overflows (fp4's tiny subnormal blocks).
+static inline void block_scale(uint32_t amax_bits, float qmax, bool grid_scale, bool stochastic, float* scale,
                                float* inv) {
   const float a = bits_float(amax_bits);
-  float s = a / qmax;
-  const float num = bf16_scale ? 1.f : qmax;
-  float den = a;
-  if (bf16_scale) {
-    s = bf16_round(s, stochastic);
+  float num = qmax, den = a, s;
+  if (grid_scale) {
+    s = bits_float(grid_round_up(float_bits(a / (stochastic ? qmax : qmax + 0.5f))));
+    num = 1.f;
     den = s;
+  } else {
+    s = a / qmax;
   }
   *scale = s;
   float r = den > 0.f ? num / den : 0.f;

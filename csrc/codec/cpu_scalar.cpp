@@ -41,7 +41,7 @@ int64_t quantize_typed(const T* x, int64_t n, int64_t block, typename Format::Co
       continue;
     }
     float inv;
-    block_scale(amax, Format::kQMax, Format::kBf16Scale, stochastic, scale, &inv);
+    block_scale(amax, Format::kQMax, Format::kGridScale, stochastic, scale, &inv);
     for (int64_t i = 0; i < len; ++i) {
       const float v = widen(xb[i]) * inv;
       if (!stochastic) {

@@ -28,7 +28,7 @@ inline float round_half_even(float v) {
 struct Int8Format {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  static constexpr bool kBf16Scale = true;  // scales rounded to bf16 values (2 bytes on the wire)
+  static constexpr bool kGridScale = true;  // scales on the scale grid (1 byte on the wire)
   static int64_t bytes(int64_t values) { return values; }
   static Code* at(Code* q, int64_t i) { return q + i; }
   static int8_t nearest(float v) { return static_cast<int8_t>(std::min(std::max(round_half_even(v), -127.f), 127.f)); }
@@ -46,7 +46,7 @@ struct Int8Format {
 struct Fp4Format {
   using Code = uint8_t;
   static constexpr float kQMax = kFp4Max;
-  static constexpr bool kBf16Scale = false;
+  static constexpr bool kGridScale = false;
   static int64_t bytes(int64_t values) { return (values + 1) / 2; }
   static Code* at(Code* q, int64_t i) { return q + i / 2; }  // i even
   static uint8_t nearest(float v) { return fp4_code(v, fp4_nearest(std::fabs(v))); }

@@ -10,19 +10,54 @@
 
 namespace prime::codec::cuda {
 
+// The int8 scale grid (docs/wire-format.md; the host's scale_grid.h): 0 or 2^e * G[j],
+// G[j] = 2^(j / 18) in fp32, j < 18. Their mantissa bits, as immediates:
+#define PRIME_GRID_MANTISSAS(X)                                                                                  \
+  X(0, 0x000000u) X(1, 0x050672u) X(2, 0x0a3f66u) X(3, 0x0facd6u) X(4, 0x1550d3u) X(5, 0x1b2d80u) X(6, 0x214518u) \
+  X(7, 0x2799eau) X(8, 0x2e2e5eu) X(9, 0x3504f3u) X(10, 0x3c2043u) X(11, 0x4382ffu) X(12, 0x4b2ff5u)            \
+  X(13, 0x532a10u) X(14, 0x5b7457u) X(15, 0x6411f0u) X(16, 0x6d0620u) X(17, 0x76544du)
+
+// The bits of the smallest grid value >= t (bits of a non-negative finite fp32): 0 stays 0,
+// t below 2^-126 gives 2^-126.
+__device__ __forceinline__ uint32_t grid_round_up(uint32_t t) {
+  const uint32_t m = t & 0x7fffffu;
+  uint32_t up = 0x800000u;  // above G[17]: 2^(e + 1), a carry into the exponent
+#define PRIME_GRID_UP(j, g) up = (m <= (g) && up == 0x800000u) ? (g) : up;
+  PRIME_GRID_MANTISSAS(PRIME_GRID_UP)
+#undef PRIME_GRID_UP
+  if (t < 0x00800000u) return t == 0 ? 0u : 0x00800000u;
+  return (t & 0x7f800000u) + up;
+}
+
+// The grid index 18 e + j of a positive normal grid value's bits.
+__device__ __forceinline__ int grid_index(uint32_t s) {
+  const uint32_t m = s & 0x7fffffu;
+  int j = 0;
+#define PRIME_GRID_BELOW(k, g) j += (g) < m ? 1 : 0;
+  PRIME_GRID_MANTISSAS(PRIME_GRID_BELOW)
+#undef PRIME_GRID_BELOW
+  return static_cast<int>(s >> 23) * 18 + j;
+}
+
+// The bits of the grid value of index k (18 <= k < 18 * 255).
+__device__ __forceinline__ uint32_t grid_value(int k) {
+  uint32_t g = 0;
+#define PRIME_GRID_AT(j, v) g = (k % 18 == (j)) ? (v) : g;
+  PRIME_GRID_MANTISSAS(PRIME_GRID_AT)
+#undef PRIME_GRID_AT
+  return (static_cast<uint32_t>(k / 18) << 23) | g;
+}
+
 // int8: one byte a value, q = clamp(round(v), -127, 127).
 struct Int8Codes {
   using Code = int8_t;
   static constexpr float kQMax = 127.0f;
-  // The scale and inverse of a finite block with max |x| = a: a / 127 rounded to a bf16
-  // value in the bits (2 bytes on the wire), to nearest (ties to even) for round-to-nearest
-  // codes, upward for stochastic ones (`up`); then inv = 1 / scale (0 when scale is 0 or the
-  // quotient overflows).
+  // The scale and inverse of a finite block with max |x| = a: a / 127.5 rounded up to the
+  // scale grid (1 byte on the wire) for round-to-nearest codes, a / 127 for stochastic ones
+  // (`up`); then inv = 1 / scale (0 when scale is 0).
   __device__ __forceinline__ static void block_scale(float a, float& scale, float& inv, bool up) {
-    const uint32_t u = __float_as_uint(__fdiv_rn(a, kQMax));
-    scale = __uint_as_float((u + (up ? 0xffffu : 0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
+    scale = __uint_as_float(grid_round_up(__float_as_uint(__fdiv_rn(a, up ? kQMax : kQMax + 0.5f))));
     inv = scale > 0.f ? __fdiv_rn(1.f, scale) : 0.f;
-    if (isinf(inv)) inv = 0.f;  // tiny subnormal blocks: all q are zero
   }
   __device__ __forceinline__ static int nearest(float v) { return min(max(__float2int_rn(v), -127), 127); }
   // floor(v) + (u < v - floor(v)); both terms exact.

@@ -123,14 +123,54 @@ __global__ void __launch_bounds__(kThreads)
   raise_flag(bad, flag);
 }
 
+// One CTA: the largest grid index, then the bytes (a payload's scales: a few thousand).
 __global__ void __launch_bounds__(kThreads)
-    pack_bf16_scales_kernel(const float* __restrict__ scales, int64_t nb, uint16_t* __restrict__ out) {
-  for (int64_t i = first_index(); i < nb; i += stride()) out[i] = static_cast<uint16_t>(__float_as_uint(scales[i]) >> 16);
+    pack_int8_scales_kernel(float* __restrict__ scales, int64_t nb, uint8_t* __restrict__ out) {
+  __shared__ int warp_top[kThreads / 32];
+  int top = 0;
+  for (int64_t i = threadIdx.x; i < nb; i += kThreads) {
+    const float s = scales[i];
+    if (s > 0.f) top = max(top, grid_index(__float_as_uint(s)));  // NaN compares false
+  }
+  for (int off = 16; off > 0; off /= 2) top = max(top, __shfl_xor_sync(0xffffffffu, top, off));
+  if (threadIdx.x % 32 == 0) warp_top[threadIdx.x / 32] = top;
+  __syncthreads();
+  top = 0;
+  for (int w = 0; w < kThreads / 32; ++w) top = max(top, warp_top[w]);
+  if (threadIdx.x == 0) {
+    out[0] = static_cast<uint8_t>(top & 0xff);
+    out[1] = static_cast<uint8_t>(top >> 8);
+  }
+  for (int64_t i = threadIdx.x; i < nb; i += kThreads) {
+    const float s = scales[i];
+    uint8_t byte;
+    if (isnan(s)) {
+      byte = 255;
+    } else {
+      const int steps = s > 0.f ? top - grid_index(__float_as_uint(s)) : 254;
+      byte = steps > 253 ? 254 : static_cast<uint8_t>(steps);
+      if (steps > 253) scales[i] = 0.f;
+    }
+    out[2 + i] = byte;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads)
-    unpack_bf16_scales_kernel(const uint16_t* __restrict__ in, int64_t nb, float* __restrict__ scales) {
-  for (int64_t i = first_index(); i < nb; i += stride()) scales[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+    unpack_int8_scales_kernel(const uint8_t* __restrict__ in, int64_t nb, float* __restrict__ scales) {
+  const int top = static_cast<int>(in[0]) | (static_cast<int>(in[1]) << 8);
+  for (int64_t i = first_index(); i < nb; i += stride()) {
+    const int d = in[2 + i];
+    const int k = top - d;
+    uint32_t bits;
+    if (d == 254) {
+      bits = 0;
+    } else if (d == 255 || k < 18 || k >= 18 * 255) {
+      bits = 0x7fc00000u;
+    } else {
+      bits = grid_value(k);
+    }
+    scales[i] = __uint_as_float(bits);
+  }
 }
 
 template <class Codes>
@@ -403,15 +443,15 @@ cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const floa
   });
 }
 
-cudaError_t pack_bf16_scales(const float* scales, int64_t nb, uint16_t* out, cudaStream_t stream) {
+cudaError_t pack_int8_scales(float* scales, int64_t nb, uint8_t* out, cudaStream_t stream) {
   if (nb <= 0) return cudaSuccess;
-  pack_bf16_scales_kernel<<<grid_for(nb), kThreads, 0, stream>>>(scales, nb, out);
+  pack_int8_scales_kernel<<<1, kThreads, 0, stream>>>(scales, nb, out);
   return cudaGetLastError();
 }
 
-cudaError_t unpack_bf16_scales(const uint16_t* in, int64_t nb, float* scales, cudaStream_t stream) {
+cudaError_t unpack_int8_scales(const uint8_t* in, int64_t nb, float* scales, cudaStream_t stream) {
   if (nb <= 0) return cudaSuccess;
-  unpack_bf16_scales_kernel<<<grid_for(nb), kThreads, 0, stream>>>(in, nb, scales);
+  unpack_int8_scales_kernel<<<grid_for(nb), kThreads, 0, stream>>>(in, nb, scales);
   return cudaGetLastError();
 }
 

@@ -50,11 +50,13 @@ cudaError_t narrow(const float* src, int64_t n, InputType type, void* dst, uint3
 cudaError_t flag_nonfinite_decoded(BlockFormat format, const void* q, const float* scales, int64_t n, int64_t block,
                                    InputType type, uint32_t* bad, cudaStream_t stream);
 
-// The int8 payload's 2-byte scales (docs/wire-format.md, "On the wire"): int8 scales are
-// bf16-exact, so a payload carries the high half of each. pack: out[b] = the high 16 bits
-// of scales[b]; unpack: scales[b] = in[b] << 16 (as bits). b < nb.
-cudaError_t pack_bf16_scales(const float* scales, int64_t nb, uint16_t* out, cudaStream_t stream);
-cudaError_t unpack_bf16_scales(const uint16_t* in, int64_t nb, float* scales, cudaStream_t stream);
+// The int8 payload's packed scales (docs/wire-format.md, "On the wire"; the host's
+// ring::pack_int8_scales): out = [2 bytes: K, the largest grid index of the nonzero finite
+// scales, or 0][nb bytes: K - k (<= 253), 254 for 0, 255 for the NaN flag]. A scale more than
+// 253 steps below K is sent as 0 and set to 0 in `scales`. unpack: the fp32 scales of such
+// bytes (an index off the grid decodes as the NaN flag). nb > 0.
+cudaError_t pack_int8_scales(float* scales, int64_t nb, uint8_t* out, cudaStream_t stream);
+cudaError_t unpack_int8_scales(const uint8_t* in, int64_t nb, float* scales, cudaStream_t stream);
 
 // Fused passes of one ring segment (the hot path: one launch, one read of each input,
 // one write of each output, instead of add, divide, quantize and check launches with

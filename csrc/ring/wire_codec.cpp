@@ -1,10 +1,12 @@
 #include "wire_codec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 #include "../codec/codec.h"
+#include "../codec/scale_grid.h"
 #include "convert.h"
 #ifdef PRIME_WITH_CUDA
 #include "wire_codec_cuda.h"
@@ -27,20 +29,47 @@ void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, s
   }
 }
 
-void pack_bf16_scales(const float* scales, int64_t nb, char* out) {
+void pack_int8_scales(float* scales, int64_t nb, char* out) {
+  int32_t top = 0;
   for (int64_t b = 0; b < nb; ++b) {
-    uint32_t bits;
-    std::memcpy(&bits, scales + b, 4);
-    const uint16_t high = static_cast<uint16_t>(bits >> 16);  // the low half is 0 (the codec made it so)
-    std::memcpy(out + 2 * b, &high, 2);                        // little-endian hosts only, as the whole frame
+    const float s = scales[b];
+    if (s > 0.f) top = std::max(top, codec::grid_index(float_bits(s)));  // NaN compares false
+  }
+  const uint16_t header = static_cast<uint16_t>(top);
+  std::memcpy(out, &header, 2);  // little-endian hosts only, as the whole frame
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(out + kInt8HeaderBytes);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float s = scales[b];
+    if (std::isnan(s)) {
+      bytes[b] = kInt8ScaleNaN;
+      continue;
+    }
+    const int32_t steps = s > 0.f ? top - codec::grid_index(float_bits(s)) : kInt8ScaleZero;
+    if (steps > kInt8MaxScaleSteps) {
+      bytes[b] = kInt8ScaleZero;
+      scales[b] = 0.f;
+    } else {
+      bytes[b] = static_cast<uint8_t>(steps);
+    }
   }
 }
 
-void unpack_bf16_scales(const char* in, int64_t nb, float* scales) {
+void unpack_int8_scales(const char* in, int64_t nb, float* scales) {
+  uint16_t header;
+  std::memcpy(&header, in, 2);
+  const int32_t top = header;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(in + kInt8HeaderBytes);
   for (int64_t b = 0; b < nb; ++b) {
-    uint16_t high;
-    std::memcpy(&high, in + 2 * b, 2);
-    const uint32_t bits = static_cast<uint32_t>(high) << 16;
+    const int32_t d = bytes[b];
+    const int32_t k = top - d;
+    uint32_t bits;
+    if (d == kInt8ScaleZero) {
+      bits = 0;
+    } else if (d == kInt8ScaleNaN || k < codec::kGridSteps || k >= codec::kGridSteps * 255) {
+      bits = 0x7fc00000u;
+    } else {
+      bits = codec::grid_value(k);
+    }
     std::memcpy(scales + b, &bits, 4);
   }
 }
@@ -50,7 +79,8 @@ namespace {
 // The element codes of docs/wire-format.md's block formats, for BlockCodec.
 struct Int8Format {
   using Code = int8_t;
-  static constexpr int64_t kScaleBytes = kInt8ScaleBytes;  // bf16-exact scales: their high half
+  static constexpr bool kPackedScales = true;  // 1 byte a scale after a 2-byte header
+  static int64_t scale_bytes(int64_t nb) { return int8_scale_bytes(nb); }
   static int64_t code_bytes(int64_t len) { return len; }
   static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
     return codec::quantize(x, type, len, block, q, scales);
@@ -69,7 +99,8 @@ struct Int8Format {
 
 struct Fp4Format {
   using Code = uint8_t;
-  static constexpr int64_t kScaleBytes = 4;  // fp32 scales
+  static constexpr bool kPackedScales = false;  // fp32 scales, read in place
+  static int64_t scale_bytes(int64_t nb) { return 4 * nb; }
   static int64_t code_bytes(int64_t len) { return codec::fp4_bytes(len); }
   static int64_t quantize(const void* x, codec::InputType type, int64_t len, int64_t block, Code* q, float* scales) {
     return codec::quantize_fp4(x, type, len, block, q, scales);
@@ -97,7 +128,7 @@ class BlockCodec final : public WireCodec {
 
   int64_t unit() const override { return block_; }
   int64_t partial_bytes(int64_t len) const override {
-    return Format::kScaleBytes * codec::num_blocks(len, block_) + Format::code_bytes(len);
+    return scales_bytes(len) + Format::code_bytes(len);
   }
   int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
 
@@ -159,17 +190,17 @@ class BlockCodec final : public WireCodec {
  private:
   using Code = typename Format::Code;
 
-  // The payload layout: scales first (kScaleBytes each), then the codes.
-  int64_t scales_bytes(int64_t len) const { return Format::kScaleBytes * codec::num_blocks(len, block_); }
-  // The payload's scales as fp32: in place (4-byte scales), or widened from their high
-  // halves into a pool buffer that *hold keeps (2-byte scales; n/B values, cheap).
+  // The payload layout: scales first, then the codes.
+  int64_t scales_bytes(int64_t len) const { return Format::scale_bytes(codec::num_blocks(len, block_)); }
+  // The payload's scales as fp32: in place (fp4), or unpacked from their bytes into a pool
+  // buffer that *hold keeps (int8; n/B values, cheap).
   const float* scales(const char* payload, int64_t len, Buffer* hold) const {
-    if constexpr (Format::kScaleBytes == 4) {
+    if constexpr (!Format::kPackedScales) {
       return reinterpret_cast<const float*>(payload);
     } else {
       const int64_t nb = codec::num_blocks(len, block_);
       *hold = pool_.acquire(static_cast<size_t>(nb) * 4);
-      unpack_bf16_scales(payload, nb, (*hold)->as<float>());
+      unpack_int8_scales(payload, nb, (*hold)->as<float>());
       return (*hold)->as<float>();
     }
   }
@@ -181,15 +212,17 @@ class BlockCodec final : public WireCodec {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
     Code* q = reinterpret_cast<Code*>(buf->data() + scales_bytes(len));
-    // fp32 scales go straight into the payload; 2-byte ones through a pool buffer
+    // fp32 scales go straight into the payload; packed ones through a pool buffer
     Buffer wide;
     float* s = buf->as<float>();
-    if constexpr (Format::kScaleBytes != 4) {
+    if constexpr (Format::kPackedScales) {
       wide = pool_.acquire(static_cast<size_t>(codec::num_blocks(len, block_)) * 4);
       s = wide->as<float>();
     }
     *bad_blocks = Format::quantize(x, type, len, block_, q, s);
-    if constexpr (Format::kScaleBytes != 4) pack_bf16_scales(s, codec::num_blocks(len, block_), buf->data());
+    if constexpr (Format::kPackedScales) {
+      if (len > 0) pack_int8_scales(s, codec::num_blocks(len, block_), buf->data());
+    }
     // While x is still in cache: the error this encode makes (the ring reports it, so
     // DiLoCo needs no round-trip pass of its own).
     if (measure_) Format::error_sq(x, type, q, s, len, block_, &times_.quant_err_sq, &times_.quant_in_sq);

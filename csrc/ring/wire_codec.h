@@ -5,8 +5,8 @@
 //
 // Three implementations (make_wire_codec picks one from the spec):
 //   int8   docs/wire-format.md's int8 block codec. Payload of `len` values:
-//          [ceil(len/B) 2-byte scales: the high half of each bf16-exact fp32 scale,
-//          little-endian][len int8 values], in both phases.
+//          [2 bytes: the largest grid index K of its scales, little-endian][ceil(len/B)
+//          1-byte scales: K - k for a scale of grid index k][len int8 values], in both phases.
 //   fp4    its fp4 block codec: [ceil(len/B) fp32 scales][ceil(len/2) bytes, two E2M1
 //          codes each, value 2j in the low nibble], in both phases.
 //   exact  reduce-scatter: `len` fp32 partial sums; all-gather: `len` values of the
@@ -109,13 +109,22 @@ class WireCodec {
   virtual void write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool);
 };
 
-// int8 payload scales (docs/wire-format.md, "On the wire"): each scale is bf16-exact (low 16
-// bits zero), so the payload carries its high half, 2 bytes little-endian.
-constexpr int64_t kInt8ScaleBytes = 2;
-// out[2b, 2b + 2) = the high half of scales[b], b < nb (the flag NaN 0x7fc00000 -> 0x7fc0).
-void pack_bf16_scales(const float* scales, int64_t nb, char* out);
-// scales[b] = the fp32 whose high half is in[2b, 2b + 2) and whose low half is 0.
-void unpack_bf16_scales(const char* in, int64_t nb, float* scales);
+// int8 payload scales (docs/wire-format.md, "On the wire"): a 2-byte header, K = the largest
+// grid index (scale_grid.h) among the payload's nonzero finite scales (0 when none),
+// little-endian; then a byte a block: K - k for a scale of index k when that is at most 253,
+// 254 for a zero scale, 255 for the NaN flag.
+constexpr int64_t kInt8HeaderBytes = 2;
+constexpr int32_t kInt8MaxScaleSteps = 253;
+constexpr uint8_t kInt8ScaleZero = 254, kInt8ScaleNaN = 255;
+// Bytes of the scales of nb blocks (none for an empty payload).
+inline int64_t int8_scale_bytes(int64_t nb) { return nb > 0 ? kInt8HeaderBytes + nb : 0; }
+// out[0, int8_scale_bytes(nb)) = the scales, nb > 0. A scale more than 253 steps below K
+// (a block whose largest value is below about 2^-14 of the payload's largest) travels as 0
+// and is set to 0 in `scales` as well, so that the sender decodes what its peers decode.
+void pack_int8_scales(float* scales, int64_t nb, char* out);
+// scales[b] = the fp32 scale of block b of packed scales `in`; an index outside the grid
+// (a header no encoder writes) decodes as the NaN flag.
+void unpack_int8_scales(const char* in, int64_t nb, float* scales);
 
 // The codec of spec.codec for spec's dtype and block size (on the GPU when spec.cuda is
 // set). Encoding time is added to times.quantize_s, widening, narrowing and checks to

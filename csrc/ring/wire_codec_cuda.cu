@@ -231,7 +231,7 @@ class CudaWireCodec final : public WireCodec {
 
   int64_t unit() const override { return blocked_ ? block_ : kExactUnit; }
   int64_t partial_bytes(int64_t len) const override {
-    return blocked_ ? wire_scale_bytes() * codec::num_blocks(len, block_) + code_bytes(len) : 4 * len;
+    return blocked_ ? wire_scale_bytes(len) + code_bytes(len) : 4 * len;
   }
   int64_t final_bytes(int64_t len) const override {
     return blocked_ ? partial_bytes(len) : len * static_cast<int64_t>(esize_);
@@ -288,13 +288,9 @@ class CudaWireCodec final : public WireCodec {
     if (blocked_) {
       // Blocks holding NaN or Inf carry the NaN scale (the format's flag).
       const int64_t nb = codec::num_blocks(len, block_);
-      if (packed_) {  // the high halves of the scales: NaN when above the Inf pattern 0x7f80
-        const char* s = p.host->data();
-        for (int64_t b = 0; b < nb; ++b) {
-          uint16_t h;
-          std::memcpy(&h, s + 2 * b, 2);
-          ok &= (h & 0x7fffu) <= 0x7f80u;
-        }
+      if (packed_) {  // the packed scales: the byte 255 is the flag
+        const uint8_t* s = reinterpret_cast<const uint8_t*>(p.host->data()) + ring::kInt8HeaderBytes;
+        for (int64_t b = 0; b < nb; ++b) ok &= s[b] != ring::kInt8ScaleNaN;
       } else {
         const float* s = p.host->as<float>();
         for (int64_t b = 0; b < nb; ++b) ok &= !std::isnan(s[b]);
@@ -483,29 +479,32 @@ class CudaWireCodec final : public WireCodec {
   static void check(cudaError_t e, const char* what) { cuda_check(e, what); }
 
   // The block codecs' payload layout on the device: fp32 scales, then codes (int8: a byte
-  // a value; fp4: two values a byte). On the wire fp4 has the same layout; int8 sends the
-  // high half of each (bf16-exact) scale, 2 bytes, and its codes right after them: the
+  // a value; fp4: two values a byte). On the wire fp4 has the same layout; int8 sends its
+  // packed scales (a 2-byte header, a byte a block) and its codes right after them: the
   // copies to and from the host pack and unpack the scales (pack_scales, download, upload,
   // place_at), so every kernel reads and writes fp32 scales and 4-byte-aligned codes.
   float* scales_of(char* p) const { return reinterpret_cast<float*>(p); }
   char* q_of(char* p, int64_t len) const { return p + 4 * codec::num_blocks(len, block_); }
   int64_t code_bytes(int64_t len) const { return fp4_ ? codec::fp4_bytes(len) : len; }
-  int64_t wire_scale_bytes() const { return packed_ ? ring::kInt8ScaleBytes : 4; }
+  int64_t wire_scale_bytes(int64_t len) const {
+    const int64_t nb = codec::num_blocks(len, block_);
+    return packed_ ? ring::int8_scale_bytes(nb) : 4 * nb;
+  }
   // Bytes of the device copy of a payload of len values (final: an all-gather payload).
   int64_t device_bytes(int64_t len, bool final = false) const {
     if (blocked_) return 4 * codec::num_blocks(len, block_) + code_bytes(len);
     return final ? final_bytes(len) : partial_bytes(len);
   }
-  uint16_t* scales16(int64_t len) {
-    return reinterpret_cast<uint16_t*>(
-        ctx_.device_buffer(CudaContext::kScales16, static_cast<size_t>(codec::num_blocks(len, block_)) * 2));
+  uint8_t* packed_scales(int64_t len) {
+    return reinterpret_cast<uint8_t*>(
+        ctx_.device_buffer(CudaContext::kPackedScales, static_cast<size_t>(wire_scale_bytes(len))));
   }
 
-  // int8: the 2-byte wire scales of the device payload `out` (len values) into kScales16,
-  // for download() to send.
+  // int8: the packed wire scales of the device payload `out` (len values) into
+  // kPackedScales, for download() to send (scales too small for the byte become 0 in `out`).
   void pack_scales(char* out, int64_t len) {
     if (!packed_ || len == 0) return;
-    check(codec::cuda::pack_bf16_scales(scales_of(out), codec::num_blocks(len, block_), scales16(len), stream_),
+    check(codec::cuda::pack_int8_scales(scales_of(out), codec::num_blocks(len, block_), packed_scales(len), stream_),
           "pack scales");
   }
 
@@ -542,9 +541,10 @@ class CudaWireCodec final : public WireCodec {
   void download(char* host, const char* device, int64_t len, size_t bytes) {
     if (len > 0 && packed_) {
       const int64_t nb = codec::num_blocks(len, block_);
-      cuda_check(cudaMemcpyAsync(host, scales16(len), static_cast<size_t>(nb) * 2, cudaMemcpyDeviceToHost, stream_),
+      const int64_t sb = wire_scale_bytes(len);
+      cuda_check(cudaMemcpyAsync(host, packed_scales(len), static_cast<size_t>(sb), cudaMemcpyDeviceToHost, stream_),
                  "cudaMemcpyAsync (download scales)");
-      cuda_check(cudaMemcpyAsync(host + 2 * nb, device + 4 * nb, static_cast<size_t>(code_bytes(len)),
+      cuda_check(cudaMemcpyAsync(host + sb, device + 4 * nb, static_cast<size_t>(code_bytes(len)),
                                  cudaMemcpyDeviceToHost, stream_),
                  "cudaMemcpyAsync (download)");
     } else if (len > 0) {
@@ -594,10 +594,11 @@ class CudaWireCodec final : public WireCodec {
   // int8: the wire payload of len values at `host` into fp32 scales (`scales`) and codes (`q`) on the device.
   void place_int8(const char* host, int64_t len, float* scales, char* q, const char* what) {
     const int64_t nb = codec::num_blocks(len, block_);
-    uint16_t* s16 = scales16(len);
-    cuda_check(cudaMemcpyAsync(s16, host, static_cast<size_t>(nb) * 2, cudaMemcpyHostToDevice, stream_), what);
-    cuda_check(cudaMemcpyAsync(q, host + 2 * nb, static_cast<size_t>(len), cudaMemcpyHostToDevice, stream_), what);
-    check(codec::cuda::unpack_bf16_scales(s16, nb, scales, stream_), "unpack scales");
+    const int64_t sb = wire_scale_bytes(len);
+    uint8_t* packed = packed_scales(len);
+    cuda_check(cudaMemcpyAsync(packed, host, static_cast<size_t>(sb), cudaMemcpyHostToDevice, stream_), what);
+    cuda_check(cudaMemcpyAsync(q, host + sb, static_cast<size_t>(len), cudaMemcpyHostToDevice, stream_), what);
+    check(codec::cuda::unpack_int8_scales(packed, nb, scales, stream_), "unpack scales");
   }
 
   // acc_ = own values + the uploaded payload, in fp32 (the unfused path, and the direct
@@ -715,7 +716,7 @@ class CudaWireCodec final : public WireCodec {
   const cudaStream_t stream_;
   const bool blocked_;  // a block codec (int8 or fp4), not exact values
   const bool fp4_;
-  const bool packed_;  // int8: 2-byte scales on the wire, fp32 on the device
+  const bool packed_;  // int8: packed 1-byte scales on the wire, fp32 on the device
   const codec::cuda::BlockFormat format_;
   const bool measure_;  // block codecs: add the quantization error to err_sums_
   const DType dtype_;

@@ -75,8 +75,8 @@ class CudaContext {
   cudaStream_t stream() const { return stream_; }
   PinnedPool& pinned() { return *pinned_; }
 
-  // kScales16: an int8 payload's 2-byte scales on their way to or from the host.
-  enum Slot : int { kUploadIn = 0, kAcc, kOut, kImageQ, kImageS, kFlags, kScales16, kSlots };
+  // kPackedScales: an int8 payload's packed scales on their way to or from the host.
+  enum Slot : int { kUploadIn = 0, kAcc, kOut, kImageQ, kImageS, kFlags, kPackedScales, kSlots };
   // Device memory of slot `slot`, at least `bytes` long. Growing waits for the stream
   // first (work queued earlier may still use the old buffer).
   char* device_buffer(Slot slot, size_t bytes);

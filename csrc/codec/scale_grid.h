@@ -1,0 +1,58 @@
+// The int8 scale grid (docs/wire-format.md, "Encoding one block"): every int8 scale is 0
+// or 2^e * G[j] for an fp32 exponent e and G[j] = 2^(j / 18) rounded to fp32 (j < 18),
+// so a scale is one integer k = 18 e + j, its grid index, and a ring payload sends it as
+// one byte below the payload's largest k. Host code: the CPU codec rounds to the grid, the
+// ring packs and unpacks indices. (The CUDA kernels do the same with comparisons,
+// formats_cuda.cuh; tests/test_golden.py pins both.)
+#pragma once
+
+#include <cstdint>
+
+namespace prime::codec {
+
+constexpr int kGridSteps = 18;
+// The mantissa bits of G[0..17], and G[18] = 2^23: added to the exponent field, the
+// carry into the next octave.
+constexpr uint32_t kGridMantissa[kGridSteps + 1] = {
+    0x000000, 0x050672, 0x0a3f66, 0x0facd6, 0x1550d3, 0x1b2d80, 0x214518, 0x2799ea, 0x2e2e5e, 0x3504f3,
+    0x3c2043, 0x4382ff, 0x4b2ff5, 0x532a10, 0x5b7457, 0x6411f0, 0x6d0620, 0x76544d, 0x800000};
+constexpr uint32_t kMinNormalBits = 0x00800000u;  // 2^-126: the smallest scale but 0
+
+// kGridBelow[m >> 15] = how many G[j] lie below the first mantissa of that bucket of 2^15.
+// The grid's mantissas are at least 2^17 apart, so a bucket holds at most one of them.
+struct GridBuckets {
+  uint8_t below[256];
+  constexpr GridBuckets() : below() {
+    for (uint32_t b = 0; b < 256; ++b) {
+      uint8_t n = 0;
+      for (int j = 0; j < kGridSteps; ++j) n += kGridMantissa[j] < (b << 15) ? 1 : 0;
+      below[b] = n;
+    }
+  }
+};
+constexpr GridBuckets kGridBuckets{};
+
+// The bits of the smallest grid value >= t, for the bits of a non-negative finite fp32 t:
+// 0 stays 0, t below 2^-126 (subnormal) gives 2^-126. Never Inf for t <= FLT_MAX / 127.
+inline uint32_t grid_round_up(uint32_t t) {
+  if (t < kMinNormalBits) return t == 0 ? 0 : kMinNormalBits;
+  const uint32_t m = t & 0x7fffffu;
+  uint32_t j = kGridBuckets.below[m >> 15];
+  j += kGridMantissa[j] < m ? 1 : 0;  // the bucket's own grid point, if below m
+  return (t & 0x7f800000u) + kGridMantissa[j];
+}
+
+// The grid index k = 18 e + j of a grid value's bits (positive, normal), -1 off the grid.
+inline int32_t grid_index(uint32_t s) {
+  const uint32_t m = s & 0x7fffffu;
+  const uint32_t j = kGridBuckets.below[m >> 15];
+  if (s < kMinNormalBits || s >= 0x7f800000u || kGridMantissa[j] != m) return -1;
+  return static_cast<int32_t>((s >> 23) * kGridSteps + j);
+}
+
+// The bits of the grid value of index k (18 <= k < 18 * 255).
+inline uint32_t grid_value(int32_t k) {
+  return (static_cast<uint32_t>(k / kGridSteps) << 23) | kGridMantissa[k % kGridSteps];
+}
+
+}  // namespace prime::codec
