@@ -88,7 +88,7 @@ import netns  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
-INT8_BLOCK = 64  # elements per 2-byte scale in the int8 codec, its default (docs/wire-format.md)
+INT8_BLOCK = 64  # elements per 1-byte scale in the int8 codec, its default (docs/wire-format.md)
 FP4_BLOCK = 256  # elements per fp32 scale in the fp4 codec, its default
 GLOO_METHODS = ("gloo-fp32", "gloo-bf16")
 RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nocheck", "ring-int8-b128", "ring-fp4")
@@ -358,9 +358,10 @@ def ring_factor(world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size
 
 
-def int8_bytes(n: int, block: int = INT8_BLOCK) -> int:
-    """Bytes of n values in the int8 codec: one byte each plus one 2-byte scale per block."""
-    return n + 2 * ((n + block - 1) // block)
+def int8_bytes(n: int, block: int = INT8_BLOCK, payloads: int = 1) -> int:
+    """Bytes of n values in the int8 codec sent as `payloads` payloads: one byte each, one 1-byte
+    scale per block and a 2-byte header per payload."""
+    return n + (n + block - 1) // block + 2 * payloads
 
 
 def method_ring_options(method: str, spec: dict) -> dict:

@@ -11,10 +11,11 @@ the default block's).
     python benchmarks/bench_int8_error.py --blocks 64 --seeds 20 --scale-rules   # the scale's rounding
 
 --scale-rules also encodes the Gaussian data, in plain torch, with the scale rules the format
-could have had: fp32 a / 127 (inv = 127 / a, the former format), a / 127 rounded up to bf16,
-and rounded to the nearest bf16 (the format: the model is checked equal to prime.ops bit for
-bit), and counts the values a second round trip changes (a round trip is a fixed point when
-none change).
+could have had: fp32 a / 127 (inv = 127 / a, the format before block 64), a / 127 rounded up
+or to the nearest bf16 (2 bytes on the wire: the format before one-byte scales), and a / 127.5
+rounded up to a grid of 2^(k / steps) for 16 and 18 steps an octave (18: the format, the model
+checked equal to prime.ops bit for bit), and counts the values a second round trip changes (a
+round trip is a fixed point when none change).
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def round_trip_with_rule(x: torch.Tensor, block: int, rule: str) -> torch.Tensor
     s32 = a / torch.full_like(a, 127.0)
     if rule == "fp32":
         scale, num, den = s32, torch.full_like(a, 127.0), a
+    elif rule.startswith("grid"):
+        steps = int(rule.split("-")[1])
+        t = (a / torch.full_like(a, 127.5)).double()
+        # the smallest fp32(2^(k / steps)) >= t, k an integer: a float64 guess, then exact corrections
+        k = torch.ceil(steps * torch.log2(t.clamp_min(2.0**-126)))
+        for _ in range(2):
+            k = torch.where(torch.exp2((k - 1) / steps).float().double() >= t, k - 1, k)
+            k = torch.where(torch.exp2(k / steps).float().double() < t, k + 1, k)
+        scale = torch.where(a > 0, torch.exp2(k / steps).float(), 0.0)
+        num, den = torch.ones_like(a), scale
     else:
         bits = s32.view(torch.int32).to(torch.int64)
         bits = (bits + 0xFFFF) if rule == "bf16-up" else (bits + 0x7FFF + ((bits >> 16) & 1))
@@ -64,12 +75,12 @@ def round_trip_with_rule(x: torch.Tensor, block: int, rule: str) -> torch.Tensor
 
 def compare_rules(blocks, seeds, n) -> None:
     for block in blocks:
-        for rule in ("fp32", "bf16-up", "bf16-nearest"):
+        for rule in ("fp32", "bf16-up", "bf16-nearest", "grid-16", "grid-18"):
             errs, changed = [], 0
             for s in seeds:
                 x = draw("gaussian", n, torch.Generator().manual_seed(s))
                 y = round_trip_with_rule(x, block, rule)
-                if rule == "bf16-nearest":  # the model is the format
+                if rule == "grid-18":  # the model is the format
                     q, sc = ops.quantize_int8(x, block)
                     assert torch.equal(ops.dequantize_int8(q, sc, block).view(torch.int32), y.view(torch.int32))
                 errs.append(float((y.double() - x.double()).norm() / x.double().norm()))
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
         for block in blocks:
             errs = sorted(round_trip_error(draw(kind, args.n, torch.Generator().manual_seed(s)), block)
                           for s in range(args.first_seed, args.first_seed + args.seeds))
-            print(f"{kind:>11} block {block:4d} ({1 + 2 / block:.4f} bytes/value on the wire): "
+            print(f"{kind:>11} block {block:4d} ({1 + ops.SCALE_BYTES["int8"] / block:.4f} bytes/value on the wire): "
                   f"median {100 * errs[len(errs) // 2]:.3f}%, range {100 * errs[0]:.3f}-{100 * errs[-1]:.3f}%",
                   flush=True)
     return 0

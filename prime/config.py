@@ -180,7 +180,7 @@ class DiLoCoConfig:
     codec: str = "int8"
     """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
     block_size: Optional[int] = None
-    """Codec block (int8, fp4): one scale per block_size values (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (2-byte scales), 256 for fp4 (fp32 scales)."""
+    """Codec block (int8, fp4): one scale per block_size values (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales)."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2

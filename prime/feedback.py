@@ -12,19 +12,22 @@ fragment, at its own sync):
     the node's contribution to the all-reduce is y
 
 The ring then quantizes y again, and that second quantization is lossless:
-a round trip of the codec is a fixed point of it (every block's largest value
-a = |y| decodes from the code 127 or 6 and the block's scale s, and (c * s) / c
-rounds back to s, so the block gets the same codes and the same scale). For
-int8 this needs the scale rounded to the *nearest* bf16 value: a / s is then at
-least 127 / (1 + 2^-8) > 126.5, so the largest value codes as 127 (a scale
-rounded up could leave it at 126, and the second round trip would pick a
-smaller scale). Checked bit for bit on every fp32 scale of several binades and
-on the real ring by tests/test_feedback.py. So each node's contribution enters the
-sum exactly as y, whichever schedule runs, and the residual is exactly what
-the node's contribution lost. What the residual does not hold: the errors of
-quantizing *sums* (the owner's final quantization in both schedules, and in
-the `ring` schedule the partial sums at each hop), which are not one node's
-(docs/training.md, "Error feedback").
+a round trip of the codec is a fixed point of it (fp4: every block's largest
+value a = |y| decodes from the code 6 and the block's scale s, and (6 * s) / 6
+rounds back to s; int8: the scale is the smallest grid value 2^(k/18) with
+a / s <= 127.5, so the largest value codes as 123..127, and a' / 127.5 of the
+decoded block lies between s and the grid value below it, which rounds up to s
+again; docs/wire-format.md). So the block gets the same codes and the same
+scale. Checked bit for bit on every fp32 scale of several binades, on every
+int8 grid value of several octaves and on the real ring by
+tests/test_feedback.py. So each node's contribution enters the sum exactly as
+y, whichever schedule runs, and the residual is exactly what the node's
+contribution lost. What the residual does not hold: the errors of quantizing
+*sums* (the owner's final quantization in both schedules, and in the `ring`
+schedule the partial sums at each hop), which are not one node's, nor an int8
+block that a ring payload sends as zeros because its values are all below about
+2^-14 of the payload's largest (docs/wire-format.md, "On the wire"; docs/training.md,
+"Error feedback").
 
 The residual is the node's own memory: it is not averaged, differs from node
 to node, lives beside the outer weights (prime.outer.OuterState.residual) and

@@ -153,7 +153,7 @@ def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
     parts = build_model_and_optimizer(cfg, env)
     m = build_metrics(cfg, env, parts, build_data(cfg, env, parts.args.vocab_size))
     assert m.tokens_per_step == 4 * 64 * 3 and m.flops_per_token == parts.args.flops_per_token(64)
-    assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 2 / 64
+    assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 1 / 64
     assert m.log is None  # opened by the trainer once the resume step is known
 
 
@@ -177,7 +177,7 @@ def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):
         m.outer_step(inner, r, note=" | extra note", fields={"nodes": len(members)})
     out = capsys.readouterr().out
     assert out.count("| extra note") == 2 and "(est.)" in out
-    est = 2 * 2 / 3 * numel * (1 + 2 / block)
+    est = 2 * 2 / 3 * numel * (1 + 1 / block)
     dp = 2 * 2 / 3 * 4 * model_numel * inner + 2 * 1 / 2 * 4 * model_numel * inner
     assert m.total_sent == pytest.approx(est + measured, rel=1e-12) and not m.sent_measured
     assert m.total_dp == pytest.approx(dp, rel=1e-12)

@@ -7,6 +7,7 @@ float64 from docs/wire-format.md (independent of prime.ops), and can be told
 to fail. The real ring is exercised by tests/test_train.py.
 """
 
+import math
 import threading
 
 import pytest
@@ -40,16 +41,26 @@ def int8_round_trip_f64(x: torch.Tensor, block_size: int) -> torch.Tensor:
     Each fp32 operation of the format (a / 127, 1 / scale, x * inv, q * scale) is
     computed in float64 and rounded once to fp32, which gives the correctly
     rounded fp32 result for a division or a product of two fp32 values; the scale
-    is a / 127 rounded to the nearest bf16 value (the fp32 -> bf16 conversion)."""
+    is a / 127.5 rounded up to the grid 2^e * fp32(2^(j / 18))."""
     def f32(t):
         return torch.as_tensor(t, dtype=torch.float64).to(torch.float32).to(torch.float64)
+
+    def grid_up(t: float) -> float:
+        if t == 0 or t < 2.0**-126:
+            return 0.0 if t == 0 else 2.0**-126
+        _, ex = math.frexp(t)
+        for j in range(19):  # j = 18: the next octave's 2^ex
+            g = math.ldexp(float(f32(2.0 ** (j / 18))), ex - 1)
+            if g >= t:
+                return g
+        raise AssertionError(t)
 
     flat = x.detach().reshape(-1).to(torch.float64)
     out = torch.empty_like(flat)
     for s in range(0, flat.numel(), block_size):
         b = flat[s : s + block_size]
         a = float(b.abs().max())
-        scale = f32(a / 127).to(torch.float32).to(torch.bfloat16).to(torch.float64)
+        scale = torch.tensor(grid_up(float(f32(a / 127.5))), dtype=torch.float64)
         inv = f32(1 / float(scale)) if float(scale) > 0 else f32(0.0)
         if torch.isinf(inv):
             inv = f32(0.0)

@@ -113,8 +113,9 @@ def _round_trip(x, codec, bs, backend):
 def test_a_round_trip_is_a_fixed_point_of_the_codec(seed, codec):
     """quantize(dequantize(quantize(x))) gives the same codes and scales, so the ring's quantization of a
     contribution already round-tripped loses nothing: every backend of this machine, several block sizes, Gaussian,
-    heavy-tailed, tiny (subnormal scales), huge and per-block wildly scaled data; and, for every fp32 a of two whole
-    binades (normal and subnormal), the scale s = a / c satisfies (c * s) / c == s."""
+    heavy-tailed, tiny (subnormal scales), huge and per-block wildly scaled data; and, for every fp32 a of whole
+    binades (normal and subnormal), fp4's scale s = a / 6 satisfies (6 * s) / 6 == s, and int8's decoded maximum
+    c * s (c = 123..127) rounds up to s again."""
     gen = torch.Generator().manual_seed(seed)
     n = 50_000 + int(torch.randint(0, 1000, (), generator=gen))
     backends = [b for b in ops.available_backends("cpu") if b != "triton"]
@@ -130,11 +131,23 @@ def test_a_round_trip_is_a_fixed_point_of_the_codec(seed, codec):
                 bad = y.view(torch.int32) != y2.view(torch.int32)
                 assert not bad.any(), (f"seed {seed}: {codec} {backend} B={bs} {kind}: the second round trip changed "
                                        f"{int(bad.sum())} values, first at {int(bad.nonzero()[0, 0])}")
-    c = torch.tensor(127.0 if codec == "int8" else 6.0)
-    for exponent in (1, 127, 0):
-        a = (torch.arange(1 << 23, dtype=torch.int32) | (exponent << 23)).view(torch.float32)
-        s = a / c
-        assert torch.equal(((s * c) / c)[a > 0], s[a > 0]), f"{codec}: a scale of binade {exponent} moved"
+    if codec == "int8":
+        # every a of whole binades: its scale s (a / 127.5 up to the grid), the code c of a block's largest value,
+        # 123..127 where a / 127.5 is normal, and the scale of the decoded maximum c * s, which must be s again
+        for exponent in (1, 8, 127, 250):
+            a = (torch.arange(1 << 23, dtype=torch.int32) | (exponent << 23)).view(torch.float32)
+            s = ops.grid_scale_reference(a / torch.full_like(a, 127.5))
+            code = torch.round(a * (torch.ones_like(s) / s)).clamp(max=127)
+            if exponent > 8:
+                assert int(code.min()) == 123 and int(code.max()) == 127, f"binade {exponent}: codes {code.min()}.."
+            back = ops.grid_scale_reference((code * s) / torch.full_like(a, 127.5))
+            assert torch.equal(back, s), f"int8: a scale of binade {exponent} moved"
+    else:
+        c = torch.tensor(6.0)
+        for exponent in (1, 127, 0):
+            a = (torch.arange(1 << 23, dtype=torch.int32) | (exponent << 23)).view(torch.float32)
+            s = a / c
+            assert torch.equal(((s * c) / c)[a > 0], s[a > 0]), f"{codec}: a scale of binade {exponent} moved"
 
 
 def _ring_model(ys: list, codec: str, schedule: str, bs: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, 
              schedule=None):
     """One all_reduce with rank r's input on devices[r] ("cpu" or "cuda"); returns per rank
     (result on the CPU, stats or the exception, the tensor after the call). block_size None:
-    the codec's default (int8 64: 2-byte scales on the wire, packed and widened by the GPU codec)."""
+    the codec's default (int8 64: 1-byte scales on the wire, packed and unpacked by the GPU codec)."""
     import torch.distributed as dist
 
     from prime.comm import Ring

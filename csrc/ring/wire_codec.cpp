@@ -30,6 +30,7 @@ void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, s
 }
 
 void pack_int8_scales(float* scales, int64_t nb, char* out) {
+  if (nb <= 0) return;
   int32_t top = 0;
   for (int64_t b = 0; b < nb; ++b) {
     const float s = scales[b];
@@ -55,6 +56,7 @@ void pack_int8_scales(float* scales, int64_t nb, char* out) {
 }
 
 void unpack_int8_scales(const char* in, int64_t nb, float* scales) {
+  if (nb <= 0) return;  // an empty payload has no header
   uint16_t header;
   std::memcpy(&header, in, 2);
   const int32_t top = header;
@@ -220,9 +222,7 @@ class BlockCodec final : public WireCodec {
       s = wide->as<float>();
     }
     *bad_blocks = Format::quantize(x, type, len, block_, q, s);
-    if constexpr (Format::kPackedScales) {
-      if (len > 0) pack_int8_scales(s, codec::num_blocks(len, block_), buf->data());
-    }
+    if constexpr (Format::kPackedScales) pack_int8_scales(s, codec::num_blocks(len, block_), buf->data());
     // While x is still in cache: the error this encode makes (the ring reports it, so
     // DiLoCo needs no round-trip pass of its own).
     if (measure_) Format::error_sq(x, type, q, s, len, block_, &times_.quant_err_sq, &times_.quant_in_sq);

@@ -2,7 +2,7 @@
 //
 //   offset size field
 //    0     4   magic 0x474E5250 ("PRNG" as little-endian bytes P R N G)
-//    4     2   protocol version (4)
+//    4     2   protocol version (5)
 //    6     1   kind: 1 data, 2 abort, 3 close
 //    7     1   phase: 1 reduce-scatter, 2 all-gather
 //    8     2   flags: bit 1 sum overflowed, bit 2 payload encrypted
@@ -38,8 +38,9 @@
 namespace prime::ring {
 
 constexpr uint32_t kFrameMagic = 0x474E5250u;
-constexpr uint16_t kProtocolVersion = 4;  // 3: link frame numbers (a link's streams may differ in speed);
-                                          // 4: int8 payloads carry 2-byte (bf16-exact) scales
+constexpr uint16_t kProtocolVersion = 5;  // 3: link frame numbers (a link's streams may differ in speed);
+                                          // 4: int8 payloads carry 2-byte (bf16-exact) scales;
+                                          // 5: int8 scales on a grid, one byte each after a 2-byte header
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTagBytes = crypto::kGcmTagBytes;
 constexpr size_t kFrameOverhead = kHeaderBytes + kTagBytes;
