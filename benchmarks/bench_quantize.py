@@ -163,12 +163,8 @@ def quantize_reference_compilable(x, block_size, seed, c127):
     nonfinite = ~torch.isfinite(amax)
     a = torch.where(nonfinite, 0.0, amax)
     c = c127.expand_as(a)
-    # a / 127 rounded to a bf16 value (to nearest: the conversion; stochastic rounding: upward),
-    # inv = 1 / scale (tensor / tensor)
-    if seed is None:
-        scale = (a / c).to(torch.bfloat16).to(torch.float32)
-    else:
-        scale = (((a / c).view(torch.int32) + 0xFFFF) & -65536).view(torch.float32)
+    # a / 127.5 (stochastic rounding: a / 127) rounded up to the scale grid, inv = 1 / scale (tensor / tensor)
+    scale = ops.grid_scale_reference(a / (c + 0.5 if seed is None else c))
     one = c / c
     inv = torch.where(scale > 0, one / torch.where(scale > 0, scale, 1.0), 0.0)
     inv = torch.where(torch.isinf(inv), 0.0, inv)

@@ -344,6 +344,38 @@ def test_special_blocks(impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_every_step_of_the_scale_grid(impl):
+    """Blocks whose a / 127.5 is each of the 18 grid values of octaves from 2^-125 to 2^120, and one ulp above and
+    below it, the other values near code ties (k + 1/2 steps, where an inverse of the scale one ulp off rounds the
+    other way about half the time): every backend gives the reference's scales and codes, and each scale is the
+    grid value 2^e * fp32(2^(j / 18)) the rule names."""
+    B = 64
+    gen = torch.Generator().manual_seed(SEED)
+    grid = [float(torch.tensor(2.0 ** (j / 18), dtype=torch.float64).float()) for j in range(18)]
+    blocks, want = [], []
+    for e in (-125, -60, -1, 0, 1, 40, 100, 120):
+        for j in range(18):
+            g = grid[j] * 2.0**e  # a grid value (exact in fp32)
+            t = torch.tensor(g, dtype=torch.float32)
+            for a_t, s_want in ((t, g), (torch.nextafter(t, torch.tensor(float("inf"))),
+                                         grid[j + 1] * 2.0**e if j < 17 else 2.0 ** (e + 1)),
+                                (torch.nextafter(t, torch.tensor(0.0)), g)):
+                a = float(torch.tensor(float(a_t) * 127.5, dtype=torch.float64).float())
+                if float(torch.tensor(a, dtype=torch.float32) / torch.tensor(127.5)) != float(a_t):
+                    continue  # a * 127.5 / 127.5 does not come back to t in fp32: not the case this row is for
+                k = torch.randint(-126, 126, (B - 1,), generator=gen).double() + 0.5
+                blocks.append(torch.cat([torch.tensor([a], dtype=torch.float64), k * g]).float())
+                want.append(s_want)
+    x = torch.cat(blocks)
+    assert len(blocks) > 300  # most of the 8 * 18 * 3 rows
+    q, sc = impl.quantize(x.to(impl.device), B)
+    rq, rs = ops.quantize_int8_reference(x, B)
+    assert torch.equal(sc.cpu().view(torch.int32), rs.view(torch.int32)), ctx(impl=impl, seed=SEED)
+    assert torch.equal(q.cpu(), rq), ctx(impl=impl, seed=SEED)
+    assert sc.cpu().tolist() == want, ctx(impl=impl, seed=SEED)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_ties_round_half_even(impl):
     """Values whose x * inv is exactly k + 0.5: round-to-nearest-even, checked against Python's round()."""
     B = 32

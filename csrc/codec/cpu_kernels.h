@@ -110,16 +110,15 @@ static inline float bits_float(uint32_t u) {
 static inline void block_scale(uint32_t amax_bits, float qmax, bool grid_scale, bool stochastic, float* scale,
                                float* inv) {
   const float a = bits_float(amax_bits);
-  float num = qmax, den = a, s;
-  if (grid_scale) {
-    s = bits_float(grid_round_up(float_bits(a / (stochastic ? qmax : qmax + 0.5f))));
-    num = 1.f;
-    den = s;
-  } else {
-    s = a / qmax;
+  if (grid_scale) {  // 1 / scale from a table (scale_grid.h): the IEEE quotient, bit for bit
+    uint32_t s, r;
+    grid_round_up_and_inverse(float_bits(a / (stochastic ? qmax : qmax + 0.5f)), &s, &r);
+    *scale = bits_float(s);
+    *inv = bits_float(r);
+    return;
   }
-  *scale = s;
-  float r = den > 0.f ? num / den : 0.f;
+  *scale = a / qmax;
+  float r = a > 0.f ? qmax / a : 0.f;
   if (float_bits(r) == kInfBits) r = 0.f;
   *inv = r;
 }

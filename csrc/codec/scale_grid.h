@@ -18,7 +18,7 @@ constexpr uint32_t kGridMantissa[kGridSteps + 1] = {
     0x3c2043, 0x4382ff, 0x4b2ff5, 0x532a10, 0x5b7457, 0x6411f0, 0x6d0620, 0x76544d, 0x800000};
 constexpr uint32_t kMinNormalBits = 0x00800000u;  // 2^-126: the smallest scale but 0
 
-// kGridBelow[m >> 15] = how many G[j] lie below the first mantissa of that bucket of 2^15.
+// kGridBuckets.below[m >> 15] = how many G[j] lie below the first mantissa of that bucket of 2^15.
 // The grid's mantissas are at least 2^17 apart, so a bucket holds at most one of them.
 struct GridBuckets {
   uint8_t below[256];
@@ -32,14 +32,32 @@ struct GridBuckets {
 };
 constexpr GridBuckets kGridBuckets{};
 
-// The bits of the smallest grid value >= t, for the bits of a non-negative finite fp32 t:
-// 0 stays 0, t below 2^-126 (subnormal) gives 2^-126. Never Inf for t <= FLT_MAX / 127.
-inline uint32_t grid_round_up(uint32_t t) {
-  if (t < kMinNormalBits) return t == 0 ? 0 : kMinNormalBits;
+// The inverse of a grid value is a table lookup: for s = 2^(E - 127) * G[j], 1 / s is
+// 2^(127 - E) / G[j], and fp32(1 / G[j]) (in (1/2, 1] for j < 18) times a power of two is
+// exact, so its bits are ((254 - E) << 23) - kGridInverseSub[j] for the exponent field E of
+// t and the j below (j = 18: the next octave's 2^(E + 1 - 127), whose inverse is
+// one octave down). kGridInverseSub[j] = 2^23 - the mantissa bits of fp32(1 / G[j]) for
+// 0 < j < 18 (one exponent step down, then that mantissa). Equal, bit for bit, to the IEEE
+// division 1 / s of the other backends, for every grid value from 2^-126 to FLT_MAX.
+constexpr uint32_t kGridInverseSub[kGridSteps + 1] = {
+    0x000000, 0x09abb2, 0x12f9e0, 0x1bee10, 0x248ba9, 0x2cd5ef, 0x34d00b, 0x3c7d02, 0x43dfbe, 0x4afb0d,
+    0x51d1a3, 0x586616, 0x5ebae8, 0x64d280, 0x6aaf2d, 0x70532a, 0x75c09a, 0x7af98e, 0x800000};
+
+// The bits of the smallest grid value >= t, for the bits of a non-negative finite fp32 t
+// (0 stays 0, t below 2^-126, subnormal, gives 2^-126; never Inf for t <= FLT_MAX / 127),
+// and the bits of 1 / that (0 for 0): one division fewer than dividing.
+inline void grid_round_up_and_inverse(uint32_t t, uint32_t* scale, uint32_t* inverse) {
+  if (t < kMinNormalBits) {
+    *scale = t == 0 ? 0 : kMinNormalBits;
+    *inverse = t == 0 ? 0 : 253u << 23;  // 1 / 2^-126
+    return;
+  }
   const uint32_t m = t & 0x7fffffu;
   uint32_t j = kGridBuckets.below[m >> 15];
-  j += kGridMantissa[j] < m ? 1 : 0;  // the bucket's own grid point, if below m
-  return (t & 0x7f800000u) + kGridMantissa[j];
+  j += kGridMantissa[j] < m ? 1 : 0;
+  const uint32_t e = t & 0x7f800000u;
+  *scale = e + kGridMantissa[j];
+  *inverse = ((254u << 23) - e) - kGridInverseSub[j];
 }
 
 // The grid index k = 18 e + j of a grid value's bits (positive, normal), -1 off the grid.
