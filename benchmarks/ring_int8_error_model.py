@@ -7,7 +7,7 @@ partial sums of 1, 2, ..., N ranks. This script replays exactly that with the pu
 reference codec (prime.ops, docs/wire-format.md) on standard normal inputs and prints the
 relative L2 error against the float64 sum, next to a single quantization of the exact sum,
 for block sizes 256, 128 and 64 (the default) and the bytes per value each costs on the wire
-(one byte a value plus a 2-byte scale per block).
+(one byte a value plus a 1-byte scale per block).
 
     PYTHONPATH=$PWD python benchmarks/ring_int8_error_model.py [--seed S] [--n N]
 """
@@ -54,7 +54,7 @@ def main() -> None:
         xs = [torch.randn(args.n, generator=g) for _ in range(world)]
         for block in (256, 128, 64):
             ring, once = ring_error(xs, block)
-            print(f"N={world} block={block:3d} bytes/value={1 + 2 / block:.4f}  ring {100 * ring:.3f}%  "
+            print(f"N={world} block={block:3d} bytes/value={1 + ops.SCALE_BYTES["int8"] / block:.4f}  ring {100 * ring:.3f}%  "
                   f"one quantization of the exact sum {100 * once:.3f}%")
 
 

@@ -159,7 +159,7 @@ def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
 
 def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):
     """Bytes of outer steps that report none are estimated as a ring all-reduce of the int8 wire format,
-    2 (N-1)/N x numel x (1 + 2/block) (recomputed here: a 2-byte scale per block), against data parallel's fp32 ring every inner step."""
+    2 (N-1)/N x numel x (1 + 1/block) (recomputed here: a 1-byte scale per block), against data parallel's fp32 ring every inner step."""
     rng = random.Random(seed)
     numel, model_numel, block, inner = rng.randrange(1000, 100000), rng.randrange(1000, 100000), 128, 7
     m = RunMetrics(out_dir=str(tmp_path), node_rank=0, is_logger=True, local_world=1, num_nodes=3, total_steps=20,

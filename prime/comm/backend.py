@@ -62,7 +62,7 @@ class PrimeOptions:
     """
 
     codec: str = field(default_factory=lambda: os.environ.get(ENV_CODEC, "none"))
-    """all_reduce codec: "none" (exact, the default) or "int8" (0.258x the bytes;
+    """all_reduce codec: "none" (exact, the default) or "int8" (0.254x the bytes;
     docs/ring.md gives its error). Default $PRIME_BACKEND_CODEC, else "none".
     broadcast, all_gather and barrier are always exact."""
     block_size: Optional[int] = None

@@ -393,8 +393,8 @@ class Ring:
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None,
                    schedule: Optional[str] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
-        asynchronously; returns a Work. codec="int8" sends int8 values plus one 2-byte
-        scale per `block_size` values (default 64: 0.258x the bytes of fp32); codec="fp4"
+        asynchronously; returns a Work. codec="int8" sends int8 values plus one 1-byte
+        scale per `block_size` values (default 64: 0.254x the bytes of fp32); codec="fp4"
         4-bit E2M1 codes plus one fp32 scale per block (default 256: 0.129x); codec="none"
         sends exact values (docs/wire-format.md). block_size None: the codec's default. schedule: "auto", "ring" or "direct" (default: the
         ring's setting). Every rank must call all_reduce in the same order with tensors of
