@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         for block in blocks:
             errs = sorted(round_trip_error(draw(kind, args.n, torch.Generator().manual_seed(s)), block)
                           for s in range(args.first_seed, args.first_seed + args.seeds))
-            print(f"{kind:>11} block {block:4d} ({1 + ops.SCALE_BYTES["int8"] / block:.4f} bytes/value on the wire): "
+            print(f"{kind:>11} block {block:4d} ({1 + ops.SCALE_BYTES['int8'] / block:.4f} bytes/value on the wire): "
                   f"median {100 * errs[len(errs) // 2]:.3f}%, range {100 * errs[0]:.3f}-{100 * errs[-1]:.3f}%",
                   flush=True)
     return 0

@@ -54,7 +54,7 @@ def main() -> None:
         xs = [torch.randn(args.n, generator=g) for _ in range(world)]
         for block in (256, 128, 64):
             ring, once = ring_error(xs, block)
-            print(f"N={world} block={block:3d} bytes/value={1 + ops.SCALE_BYTES["int8"] / block:.4f}  ring {100 * ring:.3f}%  "
+            print(f"N={world} block={block:3d} bytes/value={1 + ops.SCALE_BYTES['int8'] / block:.4f}  ring {100 * ring:.3f}%  "
                   f"one quantization of the exact sum {100 * once:.3f}%")
 
 

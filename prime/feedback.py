@@ -18,7 +18,8 @@ rounds back to s; int8: the scale is the smallest grid value 2^(k/18) with
 a / s <= 127.5, so the largest value codes as 123..127, and a' / 127.5 of the
 decoded block lies between s and the grid value below it, which rounds up to s
 again; docs/wire-format.md). So the block gets the same codes and the same
-scale. Checked bit for bit on every fp32 scale of several binades, on every
+scale (an int8 block whose codes are all 0, values below 2^-127, may come back
+with the scale 0: the same decoded zeros). Checked bit for bit on every fp32 scale of several binades, on every
 int8 grid value of several octaves and on the real ring by
 tests/test_feedback.py. So each node's contribution enters the sum exactly as
 y, whichever schedule runs, and the residual is exactly what the node's

@@ -38,7 +38,7 @@ class FakeThreadGroup:
 def int8_round_trip_f64(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """Quantize then dequantize as docs/wire-format.md writes it, without prime.ops.
 
-    Each fp32 operation of the format (a / 127, 1 / scale, x * inv, q * scale) is
+    Each fp32 operation of the format (a / 127.5, 1 / scale, x * inv, q * scale) is
     computed in float64 and rounded once to fp32, which gives the correctly
     rounded fp32 result for a division or a product of two fp32 values; the scale
     is a / 127.5 rounded up to the grid 2^e * fp32(2^(j / 18))."""

@@ -188,6 +188,33 @@ def test_gpu_ranks_report_the_cpu_rings_quant_error(world, devices, n, dtype, bl
     assert all(s.quant_err_sq is None and s.quant_in_sq is None for _, s in exact)  # nothing quantized
 
 
+def wide_range_input(seed: int, rank: int, n: int) -> torch.Tensor:
+    """Gaussian values whose blocks of 64 alternate between scale 1 and scale 1e-6 (2^-20, below the 2^-14
+    that one byte reaches under a payload's largest scale): int8 payloads send every other block as zeros."""
+    g = torch.Generator().manual_seed(seed * 1019 + rank)
+    x = torch.randn(n, generator=g)
+    return x * torch.tensor([1.0, 1e-6]).repeat_interleave(64).repeat(-(-n // 128))[:n]
+
+
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
+@pytest.mark.parametrize("world,devices", [(2, ("cuda", "cpu")), (3, ("cuda", "cpu", "cuda"))])
+def test_blocks_far_below_the_largest_travel_as_zeros_on_every_device(world, devices, schedule):
+    # The GPU codec packs the scales on the device and zeroes its own copy of a block it sends as zeros;
+    # the result and the measured quantization error are the all-CPU ring's.
+    n = 70001
+    inputs = [wide_range_input(SEED, r, n) for r in range(world)]
+    reference = run_ring(inputs, ["cpu"] * world, "avg", "int8", schedule=schedule)
+    mixed = run_ring(inputs, list(devices), "avg", "int8", schedule=schedule)
+    tiny = torch.tensor([False, True]).repeat_interleave(64).repeat(-(-n // 128))[:n]
+    for r in range(world):
+        y, stats = mixed[r]
+        assert not isinstance(stats, Exception), f"rank {r}: {stats} (SEED={SEED})"
+        assert torch.equal(_bits(y), _bits(reference[r][0])), f"rank {r} ({devices[r]}) (SEED={SEED})"
+        assert not y[tiny].any(), f"rank {r}: the small blocks decode as zeros (SEED={SEED})"
+        assert bool((y[~tiny] != 0).float().mean() > 0.9), f"rank {r}: the large blocks went through"
+        assert stats.quant_err_sq == pytest.approx(reference[r][1].quant_err_sq, rel=1e-9), f"rank {r} (SEED={SEED})"
+
+
 def test_result_against_float64_sum():
     # Independent of the CPU ring: the exact codec's sum is within the fp32 bound of docs/ring.md.
     world, n = 3, 100003

@@ -109,10 +109,10 @@ def _blocks_of(kind: str, nb: int, block: int, gen: torch.Generator) -> torch.Te
             cur = x.gather(1, where[:, j : j + 1])
             x.scatter_(1, where[:, j : j + 1], keep[:, None] * 127.0 * sign[:, j : j + 1] + (1 - keep[:, None]) * cur)
         return x * torch.pow(2.0, torch.randint(-8, 9, (nb, 1), generator=gen).float())
-    if kind == "near_ties":  # any a: x = fp32((k + 0.5) * fp32(a / 127)) lands on or beside a tie
+    if kind == "near_ties":  # any a: x = fp32((k + 0.5) * scale), the block's own scale, lands on or beside a tie
         a = torch.pow(10.0, uniform(-3, 3, nb, 1))
-        step = a / torch.full_like(a, 127.0)
-        x = (torch.randint(-127, 127, (nb, block), generator=gen).float() + 0.5) * step
+        step = ops.grid_scale_reference(a / torch.full_like(a, 127.5))
+        x = (torch.randint(-123, 123, (nb, block), generator=gen).float() + 0.5) * step  # |k + 0.5| <= 122.5
         return x.scatter_(1, torch.randint(block, (nb, 1), generator=gen), a)
     if kind == "equal":  # every value the same: v = +-127 everywhere; or +-c with signed zeros
         c = torch.randn(nb, 1, generator=gen) * torch.pow(10.0, uniform(-3, 3, nb, 1))

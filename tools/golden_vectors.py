@@ -248,8 +248,8 @@ def common_blocks(rng: Lcg) -> list[list[float]]:
     blocks.append([f32(-3.7)] * B)
     # 3: zeros of both signs: scale 0, inv 0
     blocks.append([0.0 if j % 3 else -0.0 for j in range(B)])
-    # 4: subnormals: scale = a / qmax (fp4: a subnormal or 0; int8: 2^-126, the smallest grid
-    # value, so the codes are small integers, or 0 when a is)
+    # 4: subnormals: scale = a / qmax (fp4: a subnormal or 0; int8: a / 127.5 rounds to 0 here,
+    # so the scale is 0; a larger subnormal a would give 2^-126, the smallest grid value)
     blocks.append([rng.int(-60, 60) * 2.0**-149 for _ in range(B)])
     # 5: a ~ 1e-36: inv finite; int8's a / 127.5 is subnormal, so its scale is 2^-126; fp4's is
     # normal (1e-36 / 6 > 2^-126)

@@ -38,7 +38,8 @@ constexpr GridBuckets kGridBuckets{};
 // t and the j below (j = 18: the next octave's 2^(E + 1 - 127), whose inverse is
 // one octave down). kGridInverseSub[j] = 2^23 - the mantissa bits of fp32(1 / G[j]) for
 // 0 < j < 18 (one exponent step down, then that mantissa). Equal, bit for bit, to the IEEE
-// division 1 / s of the other backends, for every grid value from 2^-126 to FLT_MAX.
+// division 1 / s of the other backends for every grid value from 2^-126 to 2^125 (exponent
+// fields up to 252; the largest scale the rule makes, from FLT_MAX / 127, has 248).
 constexpr uint32_t kGridInverseSub[kGridSteps + 1] = {
     0x000000, 0x09abb2, 0x12f9e0, 0x1bee10, 0x248ba9, 0x2cd5ef, 0x34d00b, 0x3c7d02, 0x43dfbe, 0x4afb0d,
     0x51d1a3, 0x586616, 0x5ebae8, 0x64d280, 0x6aaf2d, 0x70532a, 0x75c09a, 0x7af98e, 0x800000};

@@ -29,7 +29,7 @@ void WireCodec::write_result(const std::vector<FinalPiece>& pieces, void* dst, s
   }
 }
 
-void pack_int8_scales(float* scales, int64_t nb, char* out) {
+void pack_int8_scales(const float* scales, int64_t nb, char* out) {
   if (nb <= 0) return;
   int32_t top = 0;
   for (int64_t b = 0; b < nb; ++b) {
@@ -46,12 +46,7 @@ void pack_int8_scales(float* scales, int64_t nb, char* out) {
       continue;
     }
     const int32_t steps = s > 0.f ? top - codec::grid_index(float_bits(s)) : kInt8ScaleZero;
-    if (steps > kInt8MaxScaleSteps) {
-      bytes[b] = kInt8ScaleZero;
-      scales[b] = 0.f;
-    } else {
-      bytes[b] = static_cast<uint8_t>(steps);
-    }
+    bytes[b] = steps > kInt8MaxScaleSteps ? kInt8ScaleZero : static_cast<uint8_t>(steps);
   }
 }
 
@@ -222,10 +217,11 @@ class BlockCodec final : public WireCodec {
       s = wide->as<float>();
     }
     *bad_blocks = Format::quantize(x, type, len, block_, q, s);
-    if constexpr (Format::kPackedScales) pack_int8_scales(s, codec::num_blocks(len, block_), buf->data());
     // While x is still in cache: the error this encode makes (the ring reports it, so
-    // DiLoCo needs no round-trip pass of its own).
+    // DiLoCo needs no round-trip pass of its own). The codec's error, before packing sends
+    // int8 blocks far below the payload's largest as zeros, as the GPU codec measures it.
     if (measure_) Format::error_sq(x, type, q, s, len, block_, &times_.quant_err_sq, &times_.quant_in_sq);
+    if constexpr (Format::kPackedScales) pack_int8_scales(s, codec::num_blocks(len, block_), buf->data());
     return buf;
   }
 

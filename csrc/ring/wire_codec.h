@@ -119,9 +119,9 @@ constexpr uint8_t kInt8ScaleZero = 254, kInt8ScaleNaN = 255;
 // Bytes of the scales of nb blocks (none for an empty payload).
 inline int64_t int8_scale_bytes(int64_t nb) { return nb > 0 ? kInt8HeaderBytes + nb : 0; }
 // out[0, int8_scale_bytes(nb)) = the scales (nothing for nb = 0). A scale more than 253 steps below K
-// (a block whose largest value is below about 2^-14 of the payload's largest) travels as 0
-// and is set to 0 in `scales` as well, so that the sender decodes what its peers decode.
-void pack_int8_scales(float* scales, int64_t nb, char* out);
+// (a block whose largest value is below about 2^-14 of the payload's largest) travels as 0;
+// the owner decodes its final value from these bytes too, so it sees what its peers see.
+void pack_int8_scales(const float* scales, int64_t nb, char* out);
 // scales[b] = the fp32 scale of block b of packed scales `in`, b < nb; an index outside the
 // grid (a header no encoder writes) decodes as the NaN flag.
 void unpack_int8_scales(const char* in, int64_t nb, float* scales);
