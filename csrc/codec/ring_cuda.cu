@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "formats_cuda.cuh"
+#include "scale_grid.h"
 #include "ring_cuda.h"
 
 namespace prime::codec::cuda {
@@ -143,15 +144,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t i = threadIdx.x; i < nb; i += kThreads) {
     const float s = scales[i];
-    uint8_t byte;
-    if (isnan(s)) {
-      byte = 255;
-    } else {
-      const int steps = s > 0.f ? top - grid_index(__float_as_uint(s)) : 254;
-      byte = steps > 253 ? 254 : static_cast<uint8_t>(steps);
-      if (steps > 253) scales[i] = 0.f;
-    }
-    out[2 + i] = byte;
+    const int steps = top - grid_index(__float_as_uint(s));
+    const bool sent = s > 0.f && steps <= kPackedMaxSteps;
+    out[kPackedHeaderBytes + i] = isnan(s) ? kPackedNaN : sent ? static_cast<uint8_t>(steps) : kPackedZero;
+    if (s > 0.f && !sent) scales[i] = 0.f;  // the sender's copy decodes as its peers' does
   }
 }
 
@@ -159,12 +155,12 @@ __global__ void __launch_bounds__(kThreads)
     unpack_int8_scales_kernel(const uint8_t* __restrict__ in, int64_t nb, float* __restrict__ scales) {
   const int top = static_cast<int>(in[0]) | (static_cast<int>(in[1]) << 8);
   for (int64_t i = first_index(); i < nb; i += stride()) {
-    const int d = in[2 + i];
+    const int d = in[kPackedHeaderBytes + i];
     const int k = top - d;
     uint32_t bits;
-    if (d == 254) {
+    if (d == kPackedZero) {
       bits = 0;
-    } else if (d == 255 || k < 18 || k >= 18 * 255) {
+    } else if (d == kPackedNaN || k < kGridSteps || k >= kGridIndexEnd) {
       bits = 0x7fc00000u;
     } else {
       bits = grid_value(k);

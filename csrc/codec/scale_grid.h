@@ -69,7 +69,18 @@ inline int32_t grid_index(uint32_t s) {
   return static_cast<int32_t>((s >> 23) * kGridSteps + j);
 }
 
-// The bits of the grid value of index k (18 <= k < 18 * 255).
+// A ring payload's packed int8 scales (docs/wire-format.md, "On the wire"), for the host and
+// the CUDA packers alike: a 2-byte header K (the largest grid index of the payload's nonzero
+// finite scales, 0 when none, little-endian), then a byte a block: K - k for a scale of
+// index k when that is at most kPackedMaxSteps, kPackedZero for a zero scale (or one further
+// below K), kPackedNaN for the NaN flag. Indices from kGridSteps to kGridIndexEnd - 1 are
+// grid values; a header and byte that name any other index decode as the NaN flag.
+constexpr int kPackedHeaderBytes = 2;
+constexpr int kPackedMaxSteps = 253;
+constexpr uint8_t kPackedZero = 254, kPackedNaN = 255;
+constexpr int kGridIndexEnd = kGridSteps * 255;
+
+// The bits of the grid value of index k (kGridSteps <= k < kGridIndexEnd).
 inline uint32_t grid_value(int32_t k) {
   return (static_cast<uint32_t>(k / kGridSteps) << 23) | kGridMantissa[k % kGridSteps];
 }

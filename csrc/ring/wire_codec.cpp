@@ -6,7 +6,6 @@
 #include <stdexcept>
 
 #include "../codec/codec.h"
-#include "../codec/scale_grid.h"
 #include "convert.h"
 #ifdef PRIME_WITH_CUDA
 #include "wire_codec_cuda.h"
@@ -38,15 +37,13 @@ void pack_int8_scales(const float* scales, int64_t nb, char* out) {
   }
   const uint16_t header = static_cast<uint16_t>(top);
   std::memcpy(out, &header, 2);  // little-endian hosts only, as the whole frame
-  uint8_t* bytes = reinterpret_cast<uint8_t*>(out + kInt8HeaderBytes);
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(out + codec::kPackedHeaderBytes);
   for (int64_t b = 0; b < nb; ++b) {
     const float s = scales[b];
-    if (std::isnan(s)) {
-      bytes[b] = kInt8ScaleNaN;
-      continue;
-    }
-    const int32_t steps = s > 0.f ? top - codec::grid_index(float_bits(s)) : kInt8ScaleZero;
-    bytes[b] = steps > kInt8MaxScaleSteps ? kInt8ScaleZero : static_cast<uint8_t>(steps);
+    const int32_t steps = top - codec::grid_index(float_bits(s));
+    bytes[b] = std::isnan(s)                                  ? codec::kPackedNaN
+               : s > 0.f && steps <= codec::kPackedMaxSteps ? static_cast<uint8_t>(steps)
+                                                             : codec::kPackedZero;
   }
 }
 
@@ -55,14 +52,14 @@ void unpack_int8_scales(const char* in, int64_t nb, float* scales) {
   uint16_t header;
   std::memcpy(&header, in, 2);
   const int32_t top = header;
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(in + kInt8HeaderBytes);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(in + codec::kPackedHeaderBytes);
   for (int64_t b = 0; b < nb; ++b) {
     const int32_t d = bytes[b];
     const int32_t k = top - d;
     uint32_t bits;
-    if (d == kInt8ScaleZero) {
+    if (d == codec::kPackedZero) {
       bits = 0;
-    } else if (d == kInt8ScaleNaN || k < codec::kGridSteps || k >= codec::kGridSteps * 255) {
+    } else if (d == codec::kPackedNaN || k < codec::kGridSteps || k >= codec::kGridIndexEnd) {
       bits = 0x7fc00000u;
     } else {
       bits = codec::grid_value(k);

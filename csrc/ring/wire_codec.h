@@ -24,6 +24,7 @@
 #include <memory>
 #include <vector>
 
+#include "../codec/scale_grid.h"
 #include "buffer_pool.h"
 #include "deadline.h"
 #include "schedule.h"
@@ -109,15 +110,9 @@ class WireCodec {
   virtual void write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool);
 };
 
-// int8 payload scales (docs/wire-format.md, "On the wire"): a 2-byte header, K = the largest
-// grid index (scale_grid.h) among the payload's nonzero finite scales (0 when none),
-// little-endian; then a byte a block: K - k for a scale of index k when that is at most 253,
-// 254 for a zero scale, 255 for the NaN flag.
-constexpr int64_t kInt8HeaderBytes = 2;
-constexpr int32_t kInt8MaxScaleSteps = 253;
-constexpr uint8_t kInt8ScaleZero = 254, kInt8ScaleNaN = 255;
-// Bytes of the scales of nb blocks (none for an empty payload).
-inline int64_t int8_scale_bytes(int64_t nb) { return nb > 0 ? kInt8HeaderBytes + nb : 0; }
+// int8 payload scales (docs/wire-format.md, "On the wire"; the byte codes in
+// ../codec/scale_grid.h): bytes of the scales of nb blocks (none for an empty payload).
+inline int64_t int8_scale_bytes(int64_t nb) { return nb > 0 ? codec::kPackedHeaderBytes + nb : 0; }
 // out[0, int8_scale_bytes(nb)) = the scales (nothing for nb = 0). A scale more than 253 steps below K
 // (a block whose largest value is below about 2^-14 of the payload's largest) travels as 0;
 // the owner decodes its final value from these bytes too, so it sees what its peers see.

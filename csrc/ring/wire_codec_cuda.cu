@@ -289,8 +289,8 @@ class CudaWireCodec final : public WireCodec {
       // Blocks holding NaN or Inf carry the NaN scale (the format's flag).
       const int64_t nb = codec::num_blocks(len, block_);
       if (packed_) {  // the packed scales: the byte 255 is the flag
-        const uint8_t* s = reinterpret_cast<const uint8_t*>(p.host->data()) + ring::kInt8HeaderBytes;
-        for (int64_t b = 0; b < nb; ++b) ok &= s[b] != ring::kInt8ScaleNaN;
+        const uint8_t* s = reinterpret_cast<const uint8_t*>(p.host->data()) + codec::kPackedHeaderBytes;
+        for (int64_t b = 0; b < nb; ++b) ok &= s[b] != codec::kPackedNaN;
       } else {
         const float* s = p.host->as<float>();
         for (int64_t b = 0; b < nb; ++b) ok &= !std::isnan(s[b]);
