@@ -73,6 +73,8 @@ _MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 1.0, 86400.0
 # 64 KiB frame every 5 s) and at most 1 Tbit/s.
 _MIN_RATE_MBIT, _MAX_RATE_MBIT = 0.1, 1e6
 _INT64_MAX = 2**63 - 1
+# A stop (SIGTERM, ...) waits at most an hour: enough for the largest checkpoint write to finish.
+_MAX_STOP_GRACE_S = 3600.0
 
 
 def _check_numbers(section: Any, section_name: str) -> None:
@@ -196,13 +198,13 @@ class DiLoCoConfig:
     check_replicas: bool = True
     """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
     overlap: bool = False
-    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce"); not with elastic.enabled."""
+    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce")."""
     overlap_scheme: str = "eager-merge"
     """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     overlap_steps: int = 0
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     fragments: int = 1
-    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights. Not with elastic.enabled."""
+    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
@@ -273,6 +275,8 @@ class TrainConfig:
     """torch.compile each transformer block."""
     threads: int = 0
     """torch CPU threads per process (0: torch's default)."""
+    stop_grace_s: float = 30.0
+    """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md). prime-simulate waits this long for its nodes, then kills them."""
 
     def validate(self) -> None:
         _require(self.steps >= 1, "train.steps", ">= 1", self.steps)
@@ -287,6 +291,9 @@ class TrainConfig:
         _require(self.threads >= 0, "train.threads", ">= 0", self.threads)
         _require_range(self.threads, "train.threads", 0, 4096)
         _require(0 <= self.seed <= _INT64_MAX, "train.seed", f"in [0, {_INT64_MAX}]", self.seed)
+        _require(self.stop_grace_s > 0, "train.stop_grace_s", "> 0 seconds", self.stop_grace_s)
+        _require_range(self.stop_grace_s, "train.stop_grace_s", 0, _MAX_STOP_GRACE_S, " seconds",
+                       "a stopped job holds its machines this long at most")
 
 
 @dataclass
@@ -485,17 +492,6 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
-        if self.elastic.enabled and self.diloco.overlap:
-            raise ValueError("diloco.overlap = true is not supported with elastic.enabled = true: elastic membership "
-                             "decides at each outer step who contributes, which an all-reduce already in flight "
-                             "cannot follow; set diloco.overlap = false")
-        if self.elastic.enabled and self.diloco.fragments > 1:
-            raise ValueError(f"diloco.fragments = {self.diloco.fragments} is not supported with elastic.enabled = true: "
-                             "elastic membership decides who contributes per whole outer step and hands joiners the "
-                             "whole state; set diloco.fragments = 1")
-        if self.elastic.enabled and self.diloco.outer_state_device == "gpu":
-            raise ValueError("diloco.outer_state_device = 'gpu' is not supported with elastic.enabled = true: the "
-                             "elastic state transfer reads the outer state from CPU memory; use 'cpu' or 'auto'")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

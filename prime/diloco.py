@@ -64,8 +64,9 @@ from prime.feedback import resolve_error_feedback
 from prime.ops import default_block_size
 from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
                          pending_training_bytes, staging_bytes)
-from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, node_local_group,
-                        work_stats)
+from prime.outer_states import OuterStates
+from prime.sync import (LeftBehind, OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult,
+                        node_local_group, work_stats)
 
 __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
            "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
@@ -262,21 +263,9 @@ class DiLoCo:
             self._owns_sync = True
         else:
             self._sync, self._owns_sync = None, False
-        if overlap and self._sync is not None and not isinstance(self._sync, RingSync):
-            raise ValueError(
-                f"overlap=True needs a ring (or a prime.sync.RingSync); {type(self._sync).__name__} cannot average "
-                "in the background (elastic membership decides who contributes at each outer step)")
-        if fragments > 1 and self._sync is not None and not isinstance(self._sync, RingSync):
-            raise ValueError(
-                f"fragments > 1 (diloco.fragments = {fragments}) needs a ring (or a prime.sync.RingSync); "
-                f"{type(self._sync).__name__} (elastic membership) decides who contributes per whole outer step and "
-                "hands joiners the whole state: set diloco.fragments = 1 with elastic.enabled")
-        if self._sync is not None and not isinstance(self._sync, RingSync):
-            # Another sync (elastic) reads and writes the outer state through the CPU (state transfer, digests).
-            if outer_state_device == "gpu":
-                raise ValueError(f"outer_state_device='gpu' needs a ring (or a prime.sync.RingSync); "
-                                 f"{type(self._sync).__name__} keeps the outer state in CPU memory")
-            outer_state_device = "cpu"
+        if overlap and self._sync is not None and not self._sync.background:
+            raise ValueError(f"overlap=True needs a sync that can average in the background; "
+                             f"{type(self._sync).__name__} declares background = False")
         self.overlap = overlap and self._sync is not None
         """True when the all-reduce of each outer step runs during the next inner steps."""
         self.overlap_scheme = overlap_scheme
@@ -290,6 +279,7 @@ class DiLoCo:
         """The result of the latest step() (also of the ones the optimizer hook runs)."""
         self.fragments: list = []
         """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
+        self.states: Optional[OuterStates] = None
         self.placement = ""
         """Where the outer state lives and why, in one line (empty on a single node)."""
         self.work_bytes = 0
@@ -297,15 +287,16 @@ class DiLoCo:
         if self.distributed:
             self._build_fragments(named, inner_optimizer, outer_state_device, outer_lr, outer_momentum, nesterov,
                                   outer_optimizer, auto_margin_bytes)
-            self._sync.bind(self.state if fragments == 1 else None, self.settings())
+            self.states = OuterStates([f.state for f in self.fragments], self.schedule)
+            """Every fragment's outer state, as the sync sees it (prime.outer_states)."""
+            self._sync.bind(self.states, self.settings())
             if inner_optimizer is None:
                 for f in self.fragments:
                     f.state.take()  # no first inner step to wait for
             if self.overlap:
                 self._sync.use_from_background()
-                # A retry on a multi-process node may need this process's input back after its own all-reduce worked.
-                self._settings.keep_input = (self._sync.average_group is not None
-                                             and self._sync.ring_factory is not None)
+                # A retry may need this process's input back after its own all-reduce worked.
+                self._settings.keep_input = self._sync.keeps_input
         # Hooks: the pre-hook runs before every inner step, the post-hook only inside `with`.
         self._unstepped = 0  # inner optimizer steps since the last step() call
         self._post_hook = None
@@ -365,7 +356,8 @@ class DiLoCo:
 
         if self.overlap:
             grads, starts = self.work_buffers()
-            return (grads + starts) * 4 * max(frag_numel)
+            keep = 1 if self._sync.keeps_input else 0  # the input kept for a retry (prime.sync keeps_input)
+            return (grads + starts + keep) * 4 * max(frag_numel)
         chunk = _PIPE_CHUNK if on_gpu else _CHUNK
         return max(4 * (n if k == 1 else PIPELINE_DEPTH * min(n, -(-n // k) + chunk)) for n, k in zip(frag_numel, pieces))
 
@@ -506,11 +498,15 @@ class DiLoCo:
             return self.result
         for f in self.fragments:
             f.tick()
-        for f in self.fragments:  # the schedule: first the averages due (freeing their buffers), then the syncs
-            if f.apply_due():
-                f.apply_midway()
-        due = [f for f in self.fragments if f.sync_due()]
-        self.result = self._sync_fragments(due) if due else OuterStepResult(False, self.inner_step, self.outer_step)
+        try:
+            for f in self.fragments:  # the schedule: first the averages due (freeing their buffers), then the syncs
+                if f.apply_due():
+                    f.apply_midway()
+            due = [f for f in self.fragments if f.sync_due()]
+            self.result = self._sync_fragments(due) if due else OuterStepResult(False, self.inner_step,
+                                                                                self.outer_step)
+        except LeftBehind as e:  # an average (maybe in the background) found this node out of the job
+            self.result = self._rejoin(e.reason)
         return self.result
 
     @torch.no_grad()
@@ -523,13 +519,35 @@ class DiLoCo:
         if not self.distributed:
             raise RuntimeError("DiLoCo.sync() needs a ring or a sync; this DiLoCo was built with sync=None")
         due = [f for f in self.fragments if f.sync_due()] or list(self.fragments)
-        return self._sync_fragments(due)
+        try:
+            return self._sync_fragments(due)
+        except LeftBehind as e:
+            return self._rejoin(e.reason)
 
     def _sync_fragments(self, due: list) -> OuterStepResult:
+        if self._sync.must_join:  # a node that joins a running job: its first outer step is the join
+            return self._rejoin("new node")
         result = None
         for f in due:
             result = self._sync_one(f)
         return result
+
+    def _rejoin(self, reason: str) -> OuterStepResult:
+        """This node is (back) in the job through the sync (prime.sync.LeftBehind, or a joiner's first outer
+        step): averages in flight and eager start points are dropped (the job's state replaces them), the sync
+        downloads the job's state and applies the admitting outer step (SyncResult.joined), and every counter
+        takes the job's position. On the caller's (main) thread: the model's weights change here."""
+        t0 = time.perf_counter()
+        for f in self.fragments:
+            f.abandon()  # (an average that raised LeftBehind has ended; its result is not applied)
+            f.forget_flight_state()
+        r = self._sync.rejoin(reason, outer_step=self.outer_step + 1)
+        self.inner_step, self.outer_step = r.inner_step, r.outer_step
+        for f in self.fragments:
+            f.outer_step, f.since_sync = self.schedule.position(f.index, self.inner_step)
+        self._sync.committed(r)
+        f = self.fragments[self.schedule.fragment_of(r.outer_step)]
+        return self._result(f, r, t0, {"prepare_s": 0.0, "update_s": 0.0}, 0.0, None)
 
     def _sync_one(self, f: Fragment) -> OuterStepResult:
         t0 = time.perf_counter()
@@ -548,10 +566,6 @@ class DiLoCo:
         self.outer_step = k if r.outer_step is None else r.outer_step
         if len(self.fragments) == 1:
             f.outer_step = self.outer_step
-        if r.inner_step is not None:
-            self.inner_step = r.inner_step  # elastic: a node that joined takes the job's step
-            for g in self.fragments:
-                g.since_sync = 0
         self._sync.committed(r)
         return self._result(f, r, t0, times, norm if r.contributed else 0.0,
                             self._ring_error(r, err) if r.contributed else None)
@@ -610,8 +624,11 @@ class DiLoCo:
         like any other). Raises OuterSyncError when an average failed."""
         if not self.distributed:
             return []
-        for f in self.fragments:
-            f.drain()
+        try:
+            for f in self.fragments:
+                f.drain()
+        except LeftBehind as e:
+            self._rejoin(e.reason)
         if len(self.fragments) == 1:
             f = self.fragments[0]
             if self.overlap and f.since_sync == 0 and f.state.taken:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from prime.outer import OuterState
-from prime.sync import OuterSyncError, RingSync, SyncResult
+from prime.sync import OuterSyncError, SyncResult
 
 __all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
            "SYNC_PIECE_VALUES", "sync_pieces", "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
@@ -163,6 +163,31 @@ class FragmentSchedule:
     def default_delay(self) -> int:
         """overlap_steps when it is not set: the whole phase for one fragment, else the spacing."""
         return self.inner_steps if self.fragments == 1 else self.spacing()
+
+    # The job's outer steps are numbered across fragments: k = 1, 2, ... in the order they run, fragment
+    # (k - 1) mod P at inner step offset(p) + (k - 1) // P * H (offsets are distinct and increasing).
+
+    def fragment_of(self, k: int) -> int:
+        """The fragment whose outer step is the job's outer step k (k >= 1)."""
+        return (k - 1) % self.fragments
+
+    def step_of(self, k: int) -> int:
+        """The inner step at which the job's outer step k runs (k >= 1)."""
+        return (k - 1) // self.fragments * self.inner_steps + self.offset(self.fragment_of(k))
+
+    def position(self, p: int, step: int) -> tuple:
+        """(outer steps of fragment p done, inner steps since its last one) after inner step `step`: what a
+        node that takes the job's step (an elastic joiner) sets its fragment's counters to."""
+        first = self.offset(p)
+        if step < first:
+            return 0, step
+        return (step - first) // self.inner_steps + 1, (step - first) % self.inner_steps
+
+    def last_step(self, total_steps: int) -> int:
+        """The inner step of the last scheduled outer step at or before `total_steps` (0: none)."""
+        H, P = self.inner_steps, self.fragments
+        k = total_steps // H * P + sum(1 for p in range(P) if self.offset(p) <= total_steps % H)
+        return self.step_of(k) if k else 0
 
 
 # -- work buffers ---------------------------------------------------------------------------
@@ -371,7 +396,7 @@ class Fragment:
         sq, first, own_sq = [0.0], [None], [0.0]
         measure_own = s.measure_compression_error and s.codec == "int8" and not _ring_reports_error(s.sync)
         feedback = st.residual is not None
-        pipelined = isinstance(s.sync, RingSync) and len(ranges) > 1
+        pipelined = s.sync.pipelined and len(ranges) > 1
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
             slots = self._piece_slots(width)
@@ -421,11 +446,11 @@ class Fragment:
 
                 r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
                 u0 = time.perf_counter()
-                if feedback and r.contributed:
-                    st.commit_residual(lo, hi)
-                elif feedback:  # a node that joined (elastic) downloaded the state: no contribution of its own
-                    st.reset_residual()
-                st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
+                if not r.joined:  # (a node that joined holds the job's state already: OuterStates.admit)
+                    s.sync.applying(r)
+                    if feedback:
+                        st.commit_residual(lo, hi)
+                    st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
                 u_last = time.perf_counter() - u0
             self.pieces_done = 0
         finally:
@@ -480,7 +505,12 @@ class Fragment:
         prev, r = self._inflight, None
         if prev is not None:
             self._inflight = None
-            r = self._join(prev)
+            try:
+                r = self._join(prev)
+            except BaseException:
+                s.grads.give(base)
+                s.grads.give(prev.base)
+                raise
         wait_s = time.perf_counter() - w0
         applied = prev.outer_step if prev is not None else None
         if self._midway is not None:  # applied after overlap_steps inner steps: report it here
@@ -488,7 +518,9 @@ class Fragment:
             self._midway = None
         u0 = time.perf_counter()
         if prev is not None:
+            s.sync.applying(r)
             a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            s.sync.committed(r)
             self._adapt(a_sq)
             s.grads.give(prev.base)
         elif not eager:
@@ -552,11 +584,13 @@ class Fragment:
         keep = (1.0 - MERGE_ALPHA) if self.s.overlap_scheme == "eager-merge" else None
         if flight is not None:
             r = self._join(flight)
+            self.s.sync.applying(r)
             if self.start is not None:  # the update and the shift in one pass over the outer state
                 self._adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
                 self._give_start()
             else:
                 self._adapt(self.state.update(flight.buf, norm=True))
+            self.s.sync.committed(r)
             self.s.grads.give(flight.base)
             self._midway = (r, flight.outer_step, time.perf_counter() - t0)
         if self.start is not None:  # (a checkpoint applied the average already)
@@ -567,11 +601,9 @@ class Fragment:
         """The average of `flight`, or OuterSyncError: an outer step whose average failed is never applied, on
         any node."""
         try:
-            r = flight.join()
+            return flight.join()
         except OuterSyncError as e:
             raise OuterSyncError(f"{e} (overlap: the average of outer step {flight.outer_step} is dropped)") from e
-        self.s.sync.committed(r)
-        return r
 
     def drain(self) -> Optional[int]:
         """Waits for the average in flight and applies it to the outer weights (not to the model). Returns the
@@ -580,8 +612,10 @@ class Fragment:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return None
-        self._join(flight)
+        r = self._join(flight)
+        self.s.sync.applying(r)
         self._adapt(self.state.update(flight.buf, norm=True))
+        self.s.sync.committed(r)
         self.s.grads.give(flight.base)
         return flight.outer_step
 
@@ -600,6 +634,12 @@ class Fragment:
         if not self.s.measure_compression_error or self.s.codec != "int8" or _ring_reports_error(self.s.sync):
             return None
         return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
+
+    def forget_flight_state(self) -> None:
+        """A node that (re)joins the job: no start point, no pieces done, no adaptive history of its own."""
+        self._give_start()
+        self.pieces_done = 0
+        self.alpha, self._last_sq, self._midway = 1.0, None, None
 
     def abandon(self) -> Optional[BaseException]:
         """close(): waits for an average still in flight without applying it; returns its error, if any."""
@@ -641,5 +681,4 @@ class Fragment:
 
 
 def _ring_reports_error(sync) -> bool:
-    ring = getattr(sync, "ring", None)
-    return bool(getattr(ring, "reports_quant_error", False))
+    return bool(getattr(sync, "reports_quant_error", False))

@@ -4,11 +4,23 @@ DiLoCo (prime/diloco.py) computes the pseudo-gradient and applies the outer
 update; everything about who takes part, retries and failures lives behind
 this interface, so the outer step has one form:
 
-    sync.bind(state, settings)              # once, by DiLoCo
+    sync.bind(states, settings)             # once, by DiLoCo (prime.outer.OuterStates: every fragment)
     ok = sync.agree(finite)                 # every process of this node agrees
     r = sync.average(g, outer_step=k, inner_step=i, recompute=state.pseudo_gradient)
+    sync.applying(r)                        # the outer state is about to change
     state.update(g); state.load_into_model()
-    sync.committed(r)
+    sync.committed(r)                       # ... and holds the outer step's result
+
+A sync declares what it can do (class attributes), so the outer step never
+asks which class it holds:
+
+    pipelined   average_pieces() exists: a large synchronous step goes in pieces
+    background  average() may run on a thread of its own once use_from_background()
+                was called (overlap)
+
+A node that fell out of the job (an elastic eviction seen by an average in the
+background) is reported by LeftBehind; the outer step then calls rejoin() on its
+main thread, which brings the node back with the job's state (SyncResult.joined).
 
 Two implementations: RingSync (here; a fixed set of nodes on prime.comm.Ring,
 rebuilt from a ring factory after a failure, every process of the node
@@ -25,7 +37,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "work_stats",
+__all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
            "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS"]
 
 
@@ -35,6 +47,15 @@ class OuterSyncError(RuntimeError):
 
 class ReplicaMismatchError(RuntimeError):
     """Nodes hold different outer weights or settings: they did not start from the same seed or checkpoint."""
+
+
+class LeftBehind(Exception):
+    """This node is not part of the outer step being decided (an elastic eviction seen by an average running in
+    the background): the outer step calls Sync.rejoin() on its main thread, which brings the job's state."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -59,15 +80,30 @@ class SyncResult:
     """The job's inner step at that outer step (None: this process's own count)."""
     details: Any = None
     """What the sync reports beyond this (ElasticSync: an ElasticReport)."""
+    joined: bool = False
+    """True when this node (re)joined the job at this outer step: the sync downloaded the job's state into
+    every fragment's outer state, applied this outer step's average and loaded the model (OuterStates.admit);
+    the outer step only takes the job's counters (inner_step, outer_step)."""
 
 
 @runtime_checkable
 class Sync(Protocol):
     """Averages pseudo-gradients across nodes for DiLoCo."""
 
-    def bind(self, state, settings: dict) -> None:
-        """Called once by DiLoCo: the OuterState it averages for and the settings every node must share
-        (inner_steps, codec, block_size, outer update, shapes, numel)."""
+    pipelined: bool
+    """True when average_pieces() exists (a pipelined synchronous outer step)."""
+    background: bool
+    """True when average() may run on a background thread after use_from_background() (overlap)."""
+    must_join: bool
+    """True while this node must join the job (rejoin()) before its first average."""
+
+    def bind(self, states, settings: dict) -> None:
+        """Called once by DiLoCo: the outer states it averages for (prime.outer.OuterStates: every fragment's)
+        and the settings every node must share (inner_steps, codec, block_size, outer update, shapes, numel)."""
+
+    def use_from_background(self) -> None:
+        """Prepares average() to run on a background thread while the main thread trains (every process of
+        the node calls it at the same point)."""
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every process of this node (the same answer on all of them)."""
@@ -83,8 +119,15 @@ class Sync(Protocol):
         `recompute(grad)` restores it before the next one. Raises OuterSyncError when no attempt works;
         the outer state is then untouched."""
 
+    def applying(self, result: SyncResult) -> None:
+        """Called right before the outer update of `result` changes the bound states."""
+
     def committed(self, result: SyncResult) -> None:
-        """Called after the outer update of `result` was applied (the bound state holds the new weights)."""
+        """Called after the outer update of `result` was applied (the bound states hold the new weights)."""
+
+    def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
+        """After LeftBehind: brings this node back into the job on the main thread (a result with joined=True),
+        or raises OuterSyncError when it cannot."""
 
     def close(self) -> None:
         """Releases what this sync created."""
@@ -219,6 +262,10 @@ class RingSync:
     caller's outer weights are left as they were.
     """
 
+    pipelined = True
+    background = True
+    must_join = False
+
     def __init__(self, ring=None, *, ring_factory: Optional[Callable[[str], object]] = None, retries: int = 2,
                  local_group=None):
         if retries < 0:
@@ -236,8 +283,19 @@ class RingSync:
         self.ring = ring if ring is not None else ring_factory("start")
         self.rank, self.world_size = self.ring.rank, self.ring.world_size
 
-    def bind(self, state, settings: dict) -> None:
+    def bind(self, states, settings: dict) -> None:
         self.codec, self.block_size = settings["codec"], settings["block_size"]
+
+    @property
+    def reports_quant_error(self) -> bool:
+        """True when the ring measures its own quantization error (prime.sync.QUANT_ERROR_FIELDS)."""
+        return bool(getattr(self.ring, "reports_quant_error", False))
+
+    @property
+    def keeps_input(self) -> bool:
+        """True when a retry after this process's own all-reduce worked needs its input back (a background
+        average on a node of several processes that can rebuild its ring)."""
+        return self.average_group is not None and self.ring_factory is not None
 
     def use_from_background(self) -> None:
         """Prepares average() to run on a background thread (DiLoCo's overlap) while the main thread keeps
@@ -394,8 +452,14 @@ class RingSync:
             "nodes do not diverge: restart every node from the last checkpoint."
         )
 
+    def applying(self, result: SyncResult) -> None:
+        pass
+
     def committed(self, result: SyncResult) -> None:
         pass
+
+    def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
+        raise OuterSyncError(f"outer step {outer_step}: {reason}; a fixed ring cannot take a node back")
 
     @torch.no_grad()
     def exchange(self, pieces: list, *, outer_step: int = 0) -> list:

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from prime.comm import store_keys as keys
 from prime.comm.signed_store import SignedStore
-from prime.diloco import OuterSyncError
+from prime.sync import LeftBehind, OuterSyncError
 
 __all__ = [
     "Membership",
@@ -74,12 +74,8 @@ class MembershipError(OuterSyncError):
     saves a checkpoint and stops (status 3)."""
 
 
-class Evicted(Exception):
+class Evicted(LeftBehind):
     """This node is not part of the outer step being decided; it must join again (download the state)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 class JobFinished(Exception):

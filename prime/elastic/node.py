@@ -19,10 +19,12 @@ averages its pseudo-gradient:
    the new state to joiners (committed()).
 
 A joiner (or an evicted node) downloads the newest committed state from a
-live member (transfer.py) into DiLoCo's outer state while the others train,
-says it is ready, and is admitted at the next outer step, which it takes part
-in without contributing: its first DiLoCo.sync() (or the outer step at which
-it was evicted) does all of this. See docs/elastic.md.
+live member (transfer.py) into DiLoCo's outer states (every fragment's: prime.
+outer_states.OuterStates) while the others train, says it is ready, and is
+admitted at the next outer step, which it takes part in without contributing:
+DiLoCo calls rejoin() for it, on its main thread, before its first inner step
+(a joiner) or when an average reports Evicted (a prime.sync.LeftBehind; also
+from an average running in the background with overlap). See docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from prime.elastic.membership import (Attempt, Evicted, JobFinished, JoinError, 
                                       reduce_op)
 from prime import faults
 from prime.elastic.transfer import StateServer, TransferError, fetch_state, state_digest
-from prime.sync import OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
+from prime.sync import LeftBehind, OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
 
@@ -145,6 +147,11 @@ class ElasticSync:
     was given: call close() to leave the job.
     """
 
+    pipelined = False
+    background = True
+    keeps_input = True
+    """A retry after this node's own all-reduce worked (another member failed) needs its input back."""
+
     def __init__(
         self,
         membership: Membership,
@@ -171,6 +178,7 @@ class ElasticSync:
         self.local_world = dist.get_world_size(group) if group is not None else 1
         self.local_rank = dist.get_rank(group) if group is not None else 0
         self.group = group if self.local_world > 1 else None
+        self.agree_group = self.group
         self._src = dist.get_global_rank(group, 0) if self.group is not None else 0
         self.membership = membership
         self.ring_timeout_s, self.streams, self.max_rate = ring_timeout_s, streams, max_rate
@@ -181,7 +189,8 @@ class ElasticSync:
         self._sources: list = []
         self.ring = None
         self._link_history: dict = {}  # what the rings so far measured of the links (Ring.link_history)
-        self._state = None  # the OuterState, from bind()
+        self._state = None  # the OuterStates of every fragment, from bind()
+        self.agree_group = None  # agree() on the main thread; self.group may become the background's own
         self._settings: dict = {}
         self.codec, self.block_size, self.inner_steps = "int8", 64, 1  # from bind()
         self._ring_members: Optional[list] = None
@@ -211,27 +220,60 @@ class ElasticSync:
         """True when this node must join before training (it was not one of the initial nodes)."""
         return not self.membership.genesis
 
+    @property
+    def must_join(self) -> bool:
+        """True until a joiner was admitted: DiLoCo then calls rejoin() before anything else."""
+        return self._committed is None and self.is_joiner
+
+    @property
+    def world_size(self) -> int:
+        """Nodes in the newest outer step this node committed (1 before the first)."""
+        return len(self._committed.members) if self._committed is not None else 1
+
+    @property
+    def reports_quant_error(self) -> bool:
+        """True when the rings measure their own quantization error (quant_error)."""
+        return self.quant_error
+
     def _last_outer_at(self) -> Optional[int]:
-        """The inner step of the job's last outer step (None: open-ended). Once the job committed it,
-        there is no outer step left to admit a joiner at: the nodes only finish their inner steps."""
+        """The inner step of the job's last scheduled outer step (None: open-ended). Once the job committed it,
+        there is no outer step left to admit a joiner at: the nodes only finish their inner steps (and, with
+        fragments, the final syncs of the fragments)."""
         if self.total_steps is None:
             return None
-        return self.total_steps // self.inner_steps * self.inner_steps
+        return self._state.schedule.last_step(self.total_steps)
 
     def _publish_state(self, outer_step: int, inner_step: int) -> None:
-        self.server.publish(outer_step, self._state.tensors(), {"inner_step": inner_step, "settings": self._settings})
+        self.server.publish(outer_step, self._state.published(), {"inner_step": inner_step, "settings": self._settings})
 
-    def bind(self, state, settings: dict) -> None:
-        """Called by DiLoCo: the outer state to serve and to download into, and the settings a joiner must share."""
-        state.tensors()  # refuses an outer state a joiner could not download (a custom outer optimizer)
-        self._state = state
+    def bind(self, states, settings: dict) -> None:
+        """Called by DiLoCo: the outer states to serve and to download into (prime.outer_states.OuterStates),
+        and the settings a joiner must share."""
+        states.tensors()  # refuses an outer state a joiner could not download (a custom outer optimizer)
+        self._state = states
         self._settings = {k: settings[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                                    "block_size", "shapes", "numel")}
+        if settings.get("fragments", 1) > 1:  # the layout of the state and the order of the outer steps
+            self._settings["fragments"] = settings["fragments"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
 
+    def use_from_background(self) -> None:
+        """Overlap: average() runs on a background thread while the main thread trains and agrees on
+        finiteness in the node's group; the average's own agreements (local rank 0's decisions, the node's
+        combined result) then go through a gloo group of their own, so that the two threads' collectives
+        never interleave on one group. Every process of the node calls this at the same point."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        if self.group is not dist.group.WORLD:
+            raise ValueError("overlap on an elastic node of several processes needs the node's group to be the "
+                             "default group (one torchrun per node), so that a group of its own can be made for the "
+                             "background average")
+        self.group = dist.new_group(backend="gloo")
     def start(self, outer_step: int, inner_step: int) -> None:
         """Initial nodes: serve the starting state (call after a checkpoint was loaded, with DiLoCo's counters).
-        Joiners: nothing (their first DiLoCo.sync() joins)."""
+        Joiners: nothing (DiLoCo joins them at their first sync(): must_join)."""
         if self.membership.genesis:
             self._state.ensure_taken()
             self._committed = self.membership.genesis_plan(outer_step, inner_step)
@@ -239,7 +281,7 @@ class ElasticSync:
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every process of this node."""
-        return all_local(self.group, ok)
+        return all_local(self.agree_group, ok)
 
     # -- the node's processes agree (local rank 0 decides for the node) ------------------------
 
@@ -347,14 +389,13 @@ class ElasticSync:
     @torch.no_grad()
     def average(self, g: torch.Tensor, *, outer_step: int, inner_step: int,
                 recompute: Callable[[torch.Tensor], None]) -> SyncResult:
-        """Averages with whoever is alive. A joiner (or a node that was evicted: too slow, or cut off)
-        downloads the job's newer state instead and takes part without contributing; details.rejoined
-        is then set."""
+        """Averages with whoever is alive. Raises Evicted (a prime.sync.LeftBehind) when this node is not part
+        of the outer step (too slow, or cut off): DiLoCo then calls rejoin() on its main thread."""
         k = outer_step
         if self._committed is None:
             if not self.is_joiner:
                 raise RuntimeError("call start() (initial nodes) before training")
-            return self._join("new node", g, k)
+            raise Evicted("new node")  # DiLoCo joins a joiner before its first average (must_join)
         arrived = time.monotonic()
         try:
             with _store_errors(k):
@@ -362,7 +403,13 @@ class ElasticSync:
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
                                 reason=e.reason)
-            return self._join(e.reason, g, k)
+            raise
+
+    def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
+        """Brings this node (a joiner, or one evicted) into the job on the caller's thread: downloads the
+        job's state into every fragment's outer state, takes part in the admitting outer step without
+        contributing, applies it and loads the model (OuterStates.admit). The result has joined=True."""
+        return self._join(reason, outer_step)
 
     def _boundary(self, k: int, g: torch.Tensor, inner_step: int, *, since: float,
                   recompute: Optional[Callable[[torch.Tensor], None]] = None,
@@ -418,7 +465,6 @@ class ElasticSync:
         _, divisor = reduce_op(plan)
         if divisor != 1:
             g.div_(divisor)  # the sum over the contributors -> their average
-        self.server.retract()  # the outer update follows: stop serving the state it overwrites
         self._pending = (plan, outcome, contributes)
         return SyncResult(
             members=list(outcome.members), contributors=len(plan.contributors), attempts=plan.attempt + 1,
@@ -426,6 +472,11 @@ class ElasticSync:
             details=ElasticReport(joined=list(plan.joined), evicted=[list(x) for x in lost], wait_s=wait_s,
                                   recovery_s=None if first_failure is None else time.monotonic() - first_failure),
         )
+
+    def applying(self, result: SyncResult) -> None:
+        """The outer update follows: stop serving the state it overwrites (sessions still reading go on from a
+        copy). With overlap this comes a while after the average: until then the state before it is served."""
+        self.server.retract()
 
     def committed(self, result: SyncResult) -> None:
         """After the outer update: serve the new state, publish the commit and the data position, tidy the store."""
@@ -550,18 +601,22 @@ class ElasticSync:
 
     # -- joining -------------------------------------------------------------------------
 
-    def _join(self, reason: str, g: torch.Tensor, k: int) -> SyncResult:
-        """Downloads the newest committed state from a live member into the outer state and takes part in
-        the next outer step without contributing (g receives the average).
+    def _join(self, reason: str, k: int) -> SyncResult:
+        """Downloads the newest committed state from a live member into the outer states and takes part in
+        the next outer step without contributing; applies it (OuterStates.admit).
 
         Blocks until admitted (the others keep training meanwhile). Raises
         JobFinished when the job ended first, JoinError when it cannot join (no
         peer, wrong secret, another configuration), MembershipError when the
         store is unreachable."""
         with _store_errors(k):
-            return self._download_and_admit(reason, g)
+            r, avg = self._download_and_admit(reason)
+        self._state.admit(r.outer_step, avg)
+        r.joined = True
+        return r
 
-    def _download_and_admit(self, reason: str, g: torch.Tensor) -> SyncResult:
+    def _download_and_admit(self, reason: str) -> tuple:
+        """(the admitting outer step's SyncResult, its average), the downloaded state in the outer states."""
         m = self.membership
         t0 = time.monotonic()
         downloads, dl_s, dl_bytes, sources = 0, 0.0, 0, []
@@ -599,7 +654,6 @@ class ElasticSync:
                     except (JoinError, JobFinished, MembershipError) as e:
                         err = e
                     else:
-                        self._state.taken = True  # the outer weights are the job's now, not the model's
                         downloads += 1
                         dl_s += got.seconds
                         dl_bytes += sum(b - a for _, a, b in got.segments)
@@ -615,6 +669,8 @@ class ElasticSync:
                 want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
             s = res.step
             inner_step = int(res.meta["inner_step"])
+            self._state.downloaded()  # the outer weights are the job's now, not the model's
+            g = self._state.buffer_for(s + 1)
             m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
                   f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
                       f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
@@ -633,7 +689,7 @@ class ElasticSync:
                       event="stale", outer_step=s)
                 self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
                                  "sources": sources, "reason": reason}
-                return self._listen(g)
+                return self._listen()
             if plan is None:
                 if time.monotonic() - t0 > self.join_timeout_s:
                     raise JoinError(
@@ -653,9 +709,9 @@ class ElasticSync:
                 continue
             self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
                              "sources": sources, "reason": reason}
-            return r
+            return r, g
 
-    def _listen(self, g: torch.Tensor) -> SyncResult:
+    def _listen(self) -> tuple:
         """Joins as a listener: admitted at the next outer step before holding the state, this node takes part
         in every round with zeros (a member, not a contributor) and keeps the averages it receives, while
         each local rank downloads the newest state (shard g) on a thread. Once every local rank holds its
@@ -665,11 +721,11 @@ class ElasticSync:
         size per outer step of download."""
         m = self.membership
         last = self._last_outer_at()
-        self._lead(lambda: m.set_ready(-1, listen=True), 0, g)
+        self._lead(lambda: m.set_ready(-1, listen=True), 0)
         while True:
-            latest = self._lead(lambda: m.latest_committed(), 0, g)
+            latest = self._lead(lambda: m.latest_committed(), 0)
             k_done = int(latest["k"]) if latest is not None else 0
-            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1, g)
+            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1)
             if plan is not None:
                 break
         self._sources = self._node_sources(last)
@@ -683,7 +739,7 @@ class ElasticSync:
         res = None
         k, step, first = plan.k, plan.step, plan
         while True:
-            g.zero_()
+            g = self._state.buffer_for(k)  # each outer step's average has its fragment's size
             try:
                 r = self._boundary(k, g, step, since=time.monotonic(), first_plan=first, listen=True)
             except Evicted as e:
@@ -699,23 +755,24 @@ class ElasticSync:
                 self._joining["download_bytes"] += sum(b - a for _, a, b in res.segments)
                 self._joining["sources"] += res.segments
             if res is not None:
-                if res.step < k:  # the outer step in progress (k) is applied by DiLoCo, as on the members
+                if res.step < k:  # the outer step in progress (k) is applied by admit(), as on the members
+                    self._state.downloaded()
                     missed = [j for j in sorted(kept) if j > res.step]
                     for j in missed:
-                        self._state.update(kept.pop(j))
-                    self._state.taken = True
+                        self._state.apply(j, kept.pop(j))
                     m.log(f"downloaded the state after outer step {res.step} in {res.seconds:.2f} s while listening; "
                           f"applied the averages of outer steps {missed} received meanwhile", event="downloaded",
                           outer_step=res.step, seconds=res.seconds, missed=missed)
                     if self.is_leader:
                         m.clear_ready()
-                    return r
+                    return r, g
                 # the state already holds outer step k: listen to one more round, then apply none
             if res is None:
-                kept[k] = g.clone()
+                kept[k] = g
             self._commit_listening(r)
             self._sources = self._node_sources(last) or self._sources  # JobFinished after the last outer step
-            k, step = k + 1, r.inner_step + self.inner_steps
+            k = k + 1
+            step = self._state.step_of(k)
 
     def _node_sources(self, last: Optional[int]) -> list:
         """This local rank's download sources; raises (on every process of the node alike) JobFinished after

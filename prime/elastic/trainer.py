@@ -100,7 +100,7 @@ class ElasticNodes:
                 self.metrics.print(f"elastic: {e}; nothing to do")
                 return None
         self.sync.start(d.outer_step, d.inner_step)
-        if d.since_sync >= d.inner_steps:  # the checkpoint was written after a failed outer step: do it first
+        if d.owes_outer_step():  # the checkpoint was written after a failed outer step: do it first
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
 

@@ -1,0 +1,297 @@
+"""Every feature of the outer step with every other: the composition matrix.
+
+Each combination of {overlap scheme (or none), fragments 1 / 4, elastic on / off,
+codec none / int8 / fp4, error feedback, outer state in CPU memory / streamed
+through staging} either is refused by config validation with the reason named,
+or runs: nodes as threads of this process on real rings over 127.0.0.1, each
+node moving its weights by its own random steps; after every outer step every
+node that has applied the same outer steps holds the same outer weights, bit for
+bit, and at the end every node holds the same model. Elastic combinations lose a
+node (it leaves while an average may be in flight) and take in a joiner mid-run.
+
+The refusals are the ones docs/training.md lists ("What composes with what").
+Two processes per node are covered by the process tests (tests/test_elastic_procs.py,
+the trainer tests of tests/test_overlap.py and tests/test_fragments.py).
+"""
+
+import functools
+import hashlib
+import itertools
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+import prime.diloco
+from prime.config import Config
+from prime.diloco import DiLoCo
+from prime.outer import OuterState
+from conftest import needs_ring
+
+SCHEMES = ("sync", "eager", "eager-merge", "eager-adaptive", "delayed")
+H = 4  # inner steps per outer step
+STEPS = 28  # inner steps of a run
+SECRET = "composition-secret"
+
+
+def refusal(scheme: str, fragments: int, codec: str, feedback: bool) -> str:
+    """The reason config validation gives for a combination, or "" when it must run."""
+    if feedback and codec == "none":
+        return "error_feedback"  # exact fp32 loses nothing to feed back
+    if scheme == "delayed" and fragments > 1:
+        return "overlap_steps"  # delayed starts from the outer weights: its average can only land at the boundary
+    return ""
+
+
+def _config(scheme, fragments, elastic, codec, feedback) -> Config:
+    cfg = Config()
+    cfg.model.name = "tiny"
+    cfg.train.device = "cpu"
+    cfg.diloco.inner_steps, cfg.diloco.fragments, cfg.diloco.codec = H, fragments, codec
+    cfg.diloco.error_feedback = feedback
+    cfg.diloco.overlap = scheme != "sync"
+    if scheme != "sync":
+        cfg.diloco.overlap_scheme = scheme
+    cfg.elastic.enabled = elastic
+    if elastic:
+        cfg.nodes.num_nodes, cfg.nodes.node_rank = 2, 0
+    return cfg
+
+
+MATRIX = list(itertools.product(SCHEMES, (1, 4), (False, True), ("none", "int8", "fp4"), (False, True),
+                                ("cpu", "streamed")))
+
+
+@pytest.mark.parametrize("scheme,fragments,elastic,codec,feedback,state", MATRIX)
+def test_config_accepts_or_names_the_reason(scheme, fragments, elastic, codec, feedback, state):
+    """Config validation over the whole matrix: what must run is accepted, a refusal names the field."""
+    cfg = _config(scheme, fragments, elastic, codec, feedback)
+    why = refusal(scheme, fragments, codec, feedback)
+    if why:
+        with pytest.raises(ValueError, match=why):
+            cfg.validate()
+    else:
+        cfg.validate()
+
+
+class Layers(nn.Module):
+    """Four layers of two parameters each: four fragments of whole layers."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(4))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _hash(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def _model_hash(model: nn.Module) -> str:
+    return _hash(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+class _Node:
+    """One node of a composition run: its model, DiLoCo, and what it saw after each outer step."""
+
+    def __init__(self, name, model, diloco, sync=None):
+        self.name, self.model, self.diloco, self.sync = name, model, diloco, sync
+        self.seen: dict = {}  # inner step -> hash of the outer weights right after that step's step() call
+        self.error = None
+
+    def run_until(self, last: int, seed: int, hold=None) -> None:
+        d = self.diloco
+        while d.inner_step < last:
+            if hold is not None:
+                hold(d.inner_step)
+            g = torch.Generator().manual_seed(seed * 1000 + d.inner_step * 7 + hash(self.name) % 97)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.sub_(0.02 * torch.randn(p.shape, generator=g))
+            r = d.step()
+            if r.did_sync:
+                self.seen[d.inner_step] = _hash(d.outer_weights())
+
+
+def _diloco_kwargs(scheme, fragments, codec, feedback):
+    kw = dict(inner_steps=H, codec=codec, fragments=fragments, error_feedback=feedback or None,
+              measure_compression_error=False, outer_state_device="cpu")
+    if not feedback and codec == "fp4":
+        kw["error_feedback"] = False
+    if scheme != "sync":
+        kw.update(overlap=True, overlap_scheme=scheme)
+    return kw
+
+
+def _threads(fns, timeout=150) -> list:
+    out, errs = [None] * len(fns), []
+
+    def call(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+
+    ts = [threading.Thread(target=call, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ts), "a node hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+def _check_identical(nodes) -> int:
+    """Every inner step at which two nodes recorded their outer weights: the same hash. Returns the count of
+    comparisons made."""
+    checks = 0
+    steps = set().union(*(n.seen for n in nodes))
+    for s in sorted(steps):
+        got = {n.name: n.seen[s] for n in nodes if s in n.seen}
+        assert len(set(got.values())) == 1, f"outer weights differ after inner step {s}: {got}"
+        checks += len(got) - 1
+    return checks
+
+
+@pytest.fixture
+def streamed(request, monkeypatch):
+    """Outer state streamed through staging pieces (the path a GPU model with a CPU home takes)."""
+    if request.param == "streamed":
+        monkeypatch.setattr(prime.diloco, "OuterState", functools.partial(OuterState, stream=True))
+    return request.param
+
+
+RUNS = [c for c in itertools.product(SCHEMES, (1, 4), (False, True)) if not refusal(c[0], c[1], "int8", False)]
+
+
+def _variant(i: int) -> tuple:
+    """Codec, error feedback and state placement, cycled across the runs so that every value meets every
+    scheme, fragment count and elastic setting."""
+    codec, feedback = [("int8", False), ("fp4", True), ("none", False), ("int8", True), ("fp4", False)][i % 5]
+    return codec, feedback, ("cpu", "streamed")[(i // 2) % 2]
+
+
+RUN_PARAMS = [(*c, *_variant(i)) for i, c in enumerate(RUNS)]
+
+
+@needs_ring
+@pytest.mark.parametrize("scheme,fragments,elastic,codec,feedback,streamed", RUN_PARAMS, indirect=["streamed"])
+def test_every_combination_runs_with_identical_nodes(scheme, fragments, elastic, codec, feedback, streamed):
+    seed = random.randrange(1 << 20)
+    print(f"seed {seed}")
+    os.environ["PRIME_RING_SECRET"] = SECRET
+    kw = _diloco_kwargs(scheme, fragments, codec, feedback)
+    if elastic:
+        nodes = _elastic_run(seed, kw)
+    else:
+        nodes = _ring_run(seed, kw)
+    assert _check_identical(nodes) >= 2
+    finals = {n.name: _model_hash(n.model) for n in nodes}
+    assert len(set(finals.values())) == 1, f"final weights differ: {finals}"
+
+
+def _ring_run(seed: int, kw: dict) -> list:
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def build(r):
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # a connection of its own per node
+        ring = Ring(dist.PrefixStore(f"c{seed}", client), r, 2, timeout=timedelta(seconds=30), secret=SECRET)
+        model = Layers(seed)
+        return _Node(f"n{r}", model, DiLoCo(model, None, ring, **kw)), ring
+
+    built = _threads([lambda r=r: build(r) for r in range(2)])
+    nodes = [n for n, _ in built]
+    try:
+        _threads([lambda n=n: (n.run_until(STEPS, seed), n.diloco.finish()) for n in nodes])
+    finally:
+        for n, ring in built:
+            n.diloco.close()
+            ring.close()
+    return nodes
+
+
+def _elastic_node(port: int, rank: int, seed: int, kw: dict) -> _Node:
+    import torch.distributed as dist
+
+    from prime.elastic import ElasticSync, Membership
+
+    def factory():
+        return dist.PrefixStore(f"c{seed}/elastic", dist.TCPStore("127.0.0.1", port, is_master=False))
+
+    m = Membership(factory, node_rank=rank, initial_nodes=3, run_id=f"c{seed}", secret=SECRET.encode(),
+                   heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, barrier_timeout_s=60, report_timeout_s=30)
+    sync = ElasticSync(m, ring_timeout_s=10, start_timeout_s=30, total_steps=STEPS)
+    model = Layers(seed if rank < 3 else seed + 1)  # a joiner starts from other weights: it must download
+    return _Node(f"n{rank}", model, DiLoCo(model, None, sync, **kw), sync)
+
+
+LEAVE_AT, HOLD_AT = 6, 14
+
+
+def _elastic_run(seed: int, kw: dict) -> list:
+    """3 nodes; node 2 leaves after LEAVE_AT inner steps (an average may be in flight); a joiner arrives and
+    the others wait at HOLD_AT until it is ready, then everyone runs to STEPS and finishes."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = _threads([lambda r=r: _elastic_node(store.port, r, seed, kw) for r in range(3)])
+    for n in nodes:
+        n.sync.start(n.diloco.outer_step, n.diloco.inner_step)
+    joiner_ready = threading.Event()
+
+    def hold(step):
+        if step == HOLD_AT:
+            assert joiner_ready.wait(120), "the joiner never became ready"
+
+    def member(n):
+        n.run_until(STEPS, seed, hold)
+        n.diloco.finish()
+
+    def leaver(n):
+        n.run_until(LEAVE_AT, seed)
+        n.diloco.close()
+        n.sync.close()
+
+    joiner = []
+
+    def join():
+        j = _elastic_node(store.port, 5, seed, kw)
+        joiner.append(j)
+        ready = dist.PrefixStore(f"c{seed}/elastic", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+
+        def watch():
+            deadline = time.monotonic() + 120
+            while not ready.check([f"ready/{j.sync.node_id}"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            joiner_ready.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        r = j.diloco.sync()  # downloads the job's state; admitted at an outer step
+        assert r.details.rejoined is not None and r.contributors >= 2
+        # (with overlap the members apply this outer step's average later: compared from the next one on)
+        j.run_until(STEPS, seed)
+        j.diloco.finish()
+
+    try:
+        _threads([lambda: member(nodes[0]), lambda: member(nodes[1]), lambda: leaver(nodes[2]), join])
+    finally:
+        for n in nodes[:2] + joiner:
+            n.diloco.close()
+            n.sync.close()
+    survivors = nodes[:2] + joiner
+    assert len(joiner) == 1 and joiner[0].seen, "the joiner never joined"
+    return survivors
