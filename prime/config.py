@@ -276,7 +276,7 @@ class TrainConfig:
     threads: int = 0
     """torch CPU threads per process (0: torch's default)."""
     stop_grace_s: float = 30.0
-    """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md). prime-simulate waits this long for its nodes, then kills them."""
+    """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md). prime-simulate waits this long and 5 s more for its nodes, then kills what is left."""
 
     def validate(self) -> None:
         _require(self.steps >= 1, "train.steps", ">= 1", self.steps)

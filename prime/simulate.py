@@ -2,11 +2,19 @@
 
     prime-simulate --nodes 2 --procs-per-node 1 -- --config configs/demo.toml
 
-Starts `python -m torch.distributed.run --nproc-per-node P --master-port <free>
--m prime.train <train args> --node-rank r --num-nodes N --store-addr
-127.0.0.1:<free>` for r = 0..N-1, prefixes each node's output lines with
+Checks the training arguments first (a bad setting: one line naming the
+field, status 2, no node started). Then starts `python -m prime.torchrun
+--nproc-per-node P --master-port <free> -m prime.train <train args>
+--node-rank r --num-nodes N --store-addr 127.0.0.1:<free>` (torchrun with
+prime's stop rules) for r = 0..N-1, prefixes each node's output lines with
 `[node r]`, and exits non-zero (after stopping the other nodes) as soon as one
 node fails. For demos, tests and benchmarks.
+
+SIGTERM, SIGINT or SIGHUP to this process stops every node: the signal goes to
+every process of every node, which stop within train.stop_grace_s; what is
+still running 5 s after that is SIGKILLed (a second signal: at once). The exit
+status is then 128 + the signal's number. Killed outright (SIGKILL), this
+process takes its nodes with it (prime.stop.die_with_parent). docs/stopping.md.
 
 With --elastic (docs/elastic.md) nodes may be killed and started during the
 run: `prime-simulate --nodes 3 --elastic --kill-node 1@step:30 --join-at
@@ -16,6 +24,7 @@ step:50 -- ...` (see prime/elastic/simulate.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -23,11 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
+from prime import stop
 from prime.faults import ENV as FAULTS_ENV
 from prime.faults import FaultSpecError, describe, parse_node_fault
 
-__all__ = ["main", "simulate", "free_port", "fault_env"]
+__all__ = ["main", "simulate", "free_port", "fault_env", "process_tree", "running", "signal_pids",
+           "LauncherSignals", "stop_nodes", "check_train_args", "node_env"]
 
 
 def fault_env(faults: dict, rank: int) -> str:
@@ -50,24 +62,114 @@ def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM to each node's process group, SIGKILL after grace_s."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, parents first (torchrun starts its workers in sessions of their own, so
+    a signal to a node's process group does not reach them: the stop walks the tree)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [pid], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def signal_pids(pids, sig: int) -> None:
+    """Sends `sig` to every pid that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class LauncherSignals:
+    """prime-simulate's own SIGTERM, SIGINT and SIGHUP: the first raises prime.stop.Stopped in the main thread
+    (the launcher then stops its nodes within the grace); another one during that stop kills them at once."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.again = False
+        self._before: dict = {}
+
+    def install(self) -> None:
+        for sig in stop.SIGNALS:
+            self._before[sig] = signal.signal(sig, self._on_signal)
+
+    def hold(self) -> None:
+        """From now on a signal only hurries the stop (the teardown must not be interrupted)."""
+        self.signum = self.signum or -1
+
+    def uninstall(self) -> None:
+        """Puts back the handlers that were there before install()."""
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise stop.Stopped(signum)
+        self.again = True
+
+
+def stop_nodes(procs: list[subprocess.Popen], sig: int, grace_s: float, hurry=lambda: False) -> list[int]:
+    """Sends `sig` to every process of each node's tree (launcher and workers), waits up to grace_s for all of
+    them to end (each training process stops within its own train.stop_grace_s), then SIGKILLs what is left.
+    hurry() true: kill at once. Returns the pids that had to be killed."""
+    tree = [pid for p in procs if p.poll() is None for pid in process_tree(p.pid)]
+    signal_pids(tree, sig)
     deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not hurry():
+        for p in procs:
+            p.poll()  # reaps the launchers (the workers are reaped by them, or by init)
+        if not any(running(pid) for pid in tree):
+            return []
+        time.sleep(0.05)
+    # Those left, and anything they started meanwhile.
+    left = [pid for pid in dict.fromkeys(tree + [c for pid in tree if running(pid) for c in process_tree(pid)])
+            if running(pid)]
+    signal_pids(left, signal.SIGKILL)
     for p in procs:
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            p.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            pass
+    return left
+
+
+def check_train_args(train_args: list[str], nodes: int, elastic: bool = False):
+    """The Config the nodes will build from `train_args` (as node 0 sees it); raises ValueError naming the field,
+    before any node starts."""
+    from prime.config import config_from_argv
+
+    extra = ["--elastic.enabled", "true", "--elastic.external_store", "true"] if elastic else []
+    return config_from_argv([*train_args, *extra, "--node-rank", "0", "--num-nodes", str(nodes),
+                             "--store-addr", "127.0.0.1:1"])
+
+
+def node_env(env: dict, grace_s: float) -> dict:
+    """What every node's launcher gets besides its own settings: it dies with this process (prime.stop), and
+    torchrun waits for its stopping workers a little longer than they may take."""
+    return dict(env, **{stop.ENV_PARENT: str(os.getpid()),
+                        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(math.ceil(grace_s)) + 5)})
 
 
 def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
@@ -88,39 +190,50 @@ def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
 
 
 def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dict | None = None,
-             out=None, threads_per_proc: int | None = None, faults: dict | None = None) -> int:
-    """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status.
+             out=None, threads_per_proc: int | None = None, faults: dict | None = None, grace_s: float = 30.0) -> int:
+    """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status, or 128 + N when
+    signal N stopped this process (its nodes were stopped with it, within grace_s; docs/stopping.md).
 
     faults: {node rank or None (every node): [fault specs]} armed through PRIME_FAULTS (prime/faults.py)."""
     out = out or sys.stdout
     store_port = free_port()
-    base_env = dict(os.environ if env is None else env)
+    base_env = node_env(dict(os.environ if env is None else env), grace_s)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if threads_per_proc:
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
     gpu_slices = _gpu_slices(nodes, procs_per_node, base_env)
     lock = threading.Lock()
+
+    def say(msg: str) -> None:
+        with lock:
+            out.write(f"[simulate] {msg}\n")
+            out.flush()
+
+    signals = LauncherSignals()
+    signals.install()
     procs, pumps = [], []
-    for r in range(nodes):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs_per_node),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *train_args,
-            "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
-        ]
-        node_env = dict(base_env, PRIME_NODE_RANK=str(r), PRIME_NUM_NODES=str(nodes))
-        armed = fault_env(faults or {}, r)
-        if armed:
-            node_env[FAULTS_ENV] = armed
-        if gpu_slices:
-            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices[r])
-        # Each node in its own process group, so that stopping it stops torchrun's workers too.
-        p = subprocess.Popen(cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[node {r}] ", out, lock), daemon=True)
-        t.start()
-        pumps.append(t)
     status = 0
     try:
+        for r in range(nodes):
+            cmd = [
+                sys.executable, "-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", str(procs_per_node),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *train_args,
+                "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
+            ]
+            env_r = dict(base_env, PRIME_NODE_RANK=str(r), PRIME_NUM_NODES=str(nodes))
+            armed = fault_env(faults or {}, r)
+            if armed:
+                env_r[FAULTS_ENV] = armed
+            if gpu_slices:
+                env_r["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices[r])
+            # Each node in its own session: a Ctrl-C in the terminal reaches this process only, which stops
+            # the nodes in order (stop_nodes).
+            p = subprocess.Popen(cmd, env=env_r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[node {r}] ", out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
         remaining = set(range(nodes))
         while remaining:
             for r in sorted(remaining):
@@ -130,18 +243,23 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
                 remaining.discard(r)
                 if rc != 0 and status == 0:
                     status = rc
-                    with lock:
-                        out.write(f"[simulate] node {r} exited with status {rc}; stopping the other nodes\n")
-                        out.flush()
-                    _stop(procs)
+                    say(f"node {r} exited with status {rc}; stopping the other nodes")
+                    stop_nodes(procs, signal.SIGTERM, grace_s + 5)
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop(procs)
-        status = 130
+    except stop.Stopped as e:
+        t0 = time.monotonic()
+        killed = stop_nodes(procs, e.signum, grace_s + 5, hurry=lambda: signals.again)
+        status = e.code
+        say(f"stopped by {stop.signal_name(e.signum)}: every node stopped "
+            + (f"within {time.monotonic() - t0:.1f} s" if not killed else
+               f"({len(killed)} process(es) still running after the grace were killed)")
+            + f"; exit status {status}")
     finally:
-        _stop(procs)
+        signals.hold()
+        stop_nodes(procs, signal.SIGTERM, grace_s + 5, hurry=lambda: signals.again)
         for t in pumps:
             t.join(timeout=5)
+        signals.uninstall()
     return status
 
 
@@ -190,7 +308,14 @@ def main(argv=None) -> int:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
-    if args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after:
+    elastic = bool(args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after)
+    try:  # every node would stop on a bad setting: say it once, before starting any
+        cfg = check_train_args(train_args, args.nodes, elastic)
+    except ValueError as e:
+        print(f"prime-simulate: error: {e}", file=sys.stderr)
+        return 2
+    grace_s = cfg.train.stop_grace_s
+    if elastic:
         from prime.elastic.simulate import parse_join, parse_kill, run_elastic
 
         try:
@@ -201,9 +326,10 @@ def main(argv=None) -> int:
         return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
                            chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
-                           threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node)
+                           threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node,
+                           grace_s=grace_s)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None,
-                    faults=faults)
+                    faults=faults, grace_s=grace_s)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,18 @@ from __future__ import annotations
 import os
 import sys
 
+from prime import stop
+
 
 def main(argv=None) -> int:
-    """Runs one process of a training job; returns the exit status (0 ok, 2 bad config, 3 stopped on an error).
+    """Runs one process of a training job; returns the exit status: 0 ok, 2 bad config, 3 stopped on an error,
+    128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP; docs/stopping.md).
 
-    Run as a program (argv None: `prime-train`, `python -m prime.train`), it ends the process
-    itself once everything is closed; see _end_process."""
+    Run as a program (argv None: `prime-train`, `python -m prime.train`), it dies with the launcher that started
+    it, stops cleanly on those signals, and ends the process itself once everything is closed (see _end_process).
+    In-process callers (argv given) keep their own signal handlers."""
+    if argv is None:
+        stop.die_with_parent()  # first: a launcher that ends (even by SIGKILL) takes this process with it
     status = _run(argv)
     if argv is None:
         _end_process(status)
@@ -35,25 +41,57 @@ def _run(argv) -> int:
     from prime.checkpoint import CheckpointError
     from prime.trainer import Trainer, TrainingStopped
 
+    trainer = None
+    signals = None
+    if argv is None:
+        signals = stop.StopSignals(cfg.train.stop_grace_s, lambda signum, late: _stop_line(cfg, trainer, signum, late))
+        signals.install()
     try:
-        trainer = Trainer(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"prime-train: error: {e}", file=sys.stderr)
-        _destroy_process_group()
-        return 2
-    except CheckpointError as e:  # the Trainer closed itself
-        print(f"prime-train: stopped: {e}", file=sys.stderr)
-        return 3
-    failed = True
+        try:
+            trainer = Trainer(cfg)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"prime-train: error: {e}", file=sys.stderr)
+            _destroy_process_group()
+            return 2
+        except CheckpointError as e:  # the Trainer closed itself
+            print(f"prime-train: stopped: {e}", file=sys.stderr)
+            return 3
+        failed = True
+        try:
+            trainer.train()
+            failed = False
+        except TrainingStopped as e:
+            print(f"prime-train: stopped: {e}", file=sys.stderr)
+            return 3
+        finally:
+            _close(trainer, failed, signals)
+        return 0
+    except stop.Stopped as s:  # a signal: wherever it came, the Trainer (if built) has closed
+        signals.report(s.signum)
+        return s.code
+
+
+def _close(trainer, failed: bool, signals) -> None:
+    """trainer.close(); while stopping on a signal, an error of the teardown is printed, not raised (the stop
+    line and status say what happened)."""
     try:
-        trainer.train()
-        failed = False
-    except TrainingStopped as e:
-        print(f"prime-train: stopped: {e}", file=sys.stderr)
-        return 3
-    finally:
         trainer.close(failed=failed)
-    return 0
+    except Exception as e:
+        if signals is None or signals.signum is None:
+            raise
+        print(f"prime-train: while stopping: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _stop_line(cfg, trainer, signum: int, late: bool) -> str:
+    """The one line a process prints when a signal stopped it: the signal, the inner step, how to resume."""
+    where = f"at inner step {trainer.step}" if trainer is not None else "before the first inner step"
+    if late:
+        where += f" (still stopping after train.stop_grace_s = {cfg.train.stop_grace_s:g} s: ended there)"
+    steps = None  # this node's complete checkpoints (on disk: a write in flight has finished or never will)
+    if trainer is not None and trainer.checkpoints is not None:
+        steps = trainer.checkpoints.checkpointer.complete_steps()
+    return f"prime-train: stopped by {stop.signal_name(signum)} {where}; " + stop.resume_hint(
+        cfg.checkpoint.dir, cfg.checkpoint.resume, steps)
 
 
 def _end_process(status: int) -> None:
@@ -80,8 +118,10 @@ def _end_process(status: int) -> None:
     """
     import logging
 
-    if not _backend_threads():
+    if not _backend_threads() and status < 128:
         return  # nothing of torch.distributed left running: a normal exit
+    # (Stopped by a signal: everything of ours is closed, and the interpreter's teardown of torch's modules
+    # costs seconds on a small CPU that the launcher's grace should not spend.)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -105,15 +105,20 @@ def resolve_addresses(
     return bind, advertise
 
 
+# How often a rendezvous wait asks the store: one round trip per poll.
+_POLL_S = 0.02
+
+
 def _wait(store: dist.Store, keys, deadline: float) -> bool:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return store.check(keys)
-    try:
-        store.wait(keys, timedelta(seconds=left))
-        return True
-    except Exception:  # the store raises its own timeout types (DistStoreError, RuntimeError)
-        return store.check(keys)
+    """Whether every key exists by the deadline. Polls with store.check rather than one store.wait to the
+    deadline: a store.wait holds the main thread inside C++, where a stop signal's handler cannot run until
+    it returns (prime/stop.py), up to the whole ring timeout."""
+    while True:
+        if store.check(keys):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def claim_job(store: dist.Store, ns: str, rank: int, world_size: int, job_id: str) -> None:

@@ -96,34 +96,11 @@ class _State:
     events: list = field(default_factory=list)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts its workers in sessions of their own, so a signal to the
-    node's process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def kill_node(pid: int, sig: int = signal.SIGKILL) -> None:
     """Sends `sig` to a node's process and every process below it (its workers first)."""
-    for p in _descendants(pid)[::-1] + [pid]:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
+    from prime.simulate import process_tree, signal_pids
+
+    signal_pids(process_tree(pid)[::-1], sig)
 
 
 def chaos_victims(nodes: list, min_members: int) -> list:
@@ -137,7 +114,7 @@ def chaos_victims(nodes: list, min_members: int) -> list:
 
 class _Launcher:
     def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None,
-                 procs_per_node: int = 1, chaos_dir: Optional[str] = None):
+                 procs_per_node: int = 1, chaos_dir: Optional[str] = None, grace_s: float = 30.0):
         from datetime import timedelta
 
         from prime.comm.rendezvous import host_store
@@ -146,7 +123,7 @@ class _Launcher:
         self.store = host_store("127.0.0.1", 0, timeout=timedelta(seconds=60))
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
         self.faults = faults or {}
-        self.procs_per_node, self.chaos_dir = procs_per_node, chaos_dir
+        self.procs_per_node, self.chaos_dir, self.grace_s = procs_per_node, chaos_dir, grace_s
         self.lock = threading.Lock()
         self.s = _State()
         self.pumps: list[threading.Thread] = []
@@ -164,8 +141,8 @@ class _Launcher:
         from prime.simulate import fault_env, free_port
 
         launch = [sys.executable]
-        if self.procs_per_node > 1:  # one torchrun per node, as on a real multi-GPU machine
-            launch += ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.procs_per_node),
+        if self.procs_per_node > 1:  # one torchrun per node, as on a real multi-GPU machine (prime's stop rules)
+            launch += ["-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", str(self.procs_per_node),
                        "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd = [*launch, "-m", "prime.train", *self.train_args, "--elastic.enabled", "true",
                "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", str(self.initial),
@@ -263,37 +240,37 @@ class _Launcher:
         with self.lock:
             return [r for r, n in self.s.nodes.items() if n.proc.poll() is None]
 
-    def stop_all(self) -> None:
-        for r in self.alive():
-            try:
-                os.killpg(self.s.nodes[r].proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        for n in list(self.s.nodes.values()):
-            try:
-                n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_node(n.proc.pid)
-                n.proc.wait()
+    def stop_all(self, sig: int = signal.SIGTERM, hurry=lambda: False) -> list[int]:
+        """Stops every node (a clean leave), within the grace; returns the pids that had to be killed."""
+        from prime.simulate import stop_nodes
+
+        with self.lock:
+            procs = [n.proc for n in self.s.nodes.values()]
+        return stop_nodes(procs, sig, self.grace_s + 5, hurry=hurry)
 
 
 def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chaos_s: float = 0.0,
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
                 stop_after_s: Optional[float] = None, faults: Optional[dict] = None, env: Optional[dict] = None,
-                out=None, threads_per_proc: Optional[int] = None, procs_per_node: int = 1) -> int:
-    """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0.
+                out=None, threads_per_proc: Optional[int] = None, procs_per_node: int = 1,
+                grace_s: float = 30.0) -> int:
+    """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0,
+    or 128 + N when signal N stopped this process (every node stopped with it, within grace_s).
 
     stop_after_s: stop every node (SIGTERM: they leave cleanly) this long after the start, if still running."""
+    from prime import stop
+    from prime.simulate import LauncherSignals, node_env
+
     out = out or sys.stdout
-    base_env = dict(os.environ if env is None else env)
+    base_env = node_env(dict(os.environ if env is None else env), grace_s)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if threads_per_proc:
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
     chaos_dir = tempfile.mkdtemp(prefix="prime-chaos-") if chaos_s else None
-    L = _Launcher(initial, train_args, base_env, out, faults, procs_per_node=procs_per_node, chaos_dir=chaos_dir)
-    for r in range(initial):
-        L.start(r)
+    L = _Launcher(initial, train_args, base_env, out, faults, procs_per_node=procs_per_node, chaos_dir=chaos_dir,
+                  grace_s=grace_s)
+    signals = LauncherSignals()
+    signals.install()
     kills = sorted(kills, key=lambda x: x[1])
     joins = sorted(joins)
     next_rank = initial
@@ -309,6 +286,8 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     chaos_kills = chaos_joins = 0
     status = 0
     try:
+        for r in range(initial):
+            L.start(r)
         while True:
             step = L.s.step
             while kills and step >= kills[0][1]:
@@ -366,12 +345,23 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 L.say("every node has exited; skipping the remaining --kill-node/--join-at")
                 break
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        status = 130
+    except stop.Stopped as e:
+        t0 = time.monotonic()
+        with L.lock:
+            for n in L.s.nodes.values():
+                n.killed_at = n.killed_at or time.monotonic()  # stopped on purpose: not a failure
+        killed = L.stop_all(e.signum, hurry=lambda: signals.again)
+        status = e.code
+        L.say(f"stopped by {stop.signal_name(e.signum)}: every node stopped "
+              + (f"within {time.monotonic() - t0:.1f} s" if not killed else
+                 f"({len(killed)} process(es) still running after the grace were killed)")
+              + f"; exit status {status}")
     finally:
-        L.stop_all()
+        signals.hold()
+        L.stop_all(hurry=lambda: signals.again)
         for t in L.pumps:
             t.join(timeout=5)
+        signals.uninstall()
         if chaos_dir is not None:
             shutil.rmtree(chaos_dir, ignore_errors=True)
     rec = [e for e in L.s.events if e[0] == "recovery"]

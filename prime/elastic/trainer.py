@@ -10,8 +10,6 @@ starting its inner optimizer's moments afresh.
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 from datetime import timedelta
 from typing import Optional
@@ -89,9 +87,6 @@ class ElasticNodes:
     def start(self) -> Optional[OuterStepResult]:
         """Initial nodes serve their (possibly resumed) state; a joiner joins, which is an outer step.
         Returns None when the job ended before this node got in."""
-        # SIGTERM (prime-simulate, schedulers) becomes SystemExit, so that close() tells the others at once.
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         d = self.diloco
         if self.sync.is_joiner:
             try:
