@@ -230,6 +230,12 @@ class DiLoCoConfig:
                      "the fragments' syncs, so that one average is in flight at a time; 0: that)", self.overlap_steps)
         _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
                  "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
+        if self.overlap and self.overlap_scheme == "delayed" and self.fragments > 1:
+            # delayed starts from the outer weights without the average in flight, so that average can only land
+            # at a boundary (overlap_steps = inner_steps); fragments land theirs within inner_steps / fragments.
+            raise ValueError(f"diloco.overlap_scheme = 'delayed' needs diloco.overlap_steps = inner_steps, which "
+                             f"diloco.fragments = {self.fragments} cannot have (at most inner_steps / fragments): use "
+                             "an eager overlap_scheme with fragments")
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
                  "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)

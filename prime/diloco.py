@@ -65,7 +65,7 @@ from prime.ops import default_block_size
 from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
                          pending_training_bytes, staging_bytes)
 from prime.outer_states import OuterStates
-from prime.sync import (LeftBehind, OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult,
+from prime.sync import (LeftBehind, OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, complete,
                         node_local_group, work_stats)
 
 __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
@@ -256,7 +256,7 @@ class DiLoCo:
             if ring_factory is not None or local_group is not None:
                 raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "
                                  "not to DiLoCo, when passing a Sync")
-            self._sync, self._owns_sync = sync, False
+            self._sync, self._owns_sync = complete(sync), False
         elif sync is not None or ring_factory is not None:
             self._sync = RingSync(sync, ring_factory=ring_factory, retries=retries,
                                   local_group=node_local_group(local_group))
@@ -264,8 +264,8 @@ class DiLoCo:
         else:
             self._sync, self._owns_sync = None, False
         if overlap and self._sync is not None and not self._sync.background:
-            raise ValueError(f"overlap=True needs a sync that can average in the background; "
-                             f"{type(self._sync).__name__} declares background = False")
+            raise ValueError(f"overlap=True needs a ring, or a sync that can average in the background "
+                             f"(prime.sync.SyncExtras.background); {type(sync).__name__} does not declare it")
         self.overlap = overlap and self._sync is not None
         """True when the all-reduce of each outer step runs during the next inner steps."""
         self.overlap_scheme = overlap_scheme
@@ -566,6 +566,10 @@ class DiLoCo:
         self.outer_step = k if r.outer_step is None else r.outer_step
         if len(self.fragments) == 1:
             f.outer_step = self.outer_step
+        if r.inner_step is not None and r.inner_step != self.inner_step:  # a sync that moved this node to the
+            self.inner_step = r.inner_step                                  # job's step: every counter follows
+            for g in self.fragments:
+                g.outer_step, g.since_sync = self.schedule.position(g.index, self.inner_step)
         self._sync.committed(r)
         return self._result(f, r, t0, times, norm if r.contributed else 0.0,
                             self._ring_error(r, err) if r.contributed else None)

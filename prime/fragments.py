@@ -448,8 +448,10 @@ class Fragment:
                 u0 = time.perf_counter()
                 if not r.joined:  # (a node that joined holds the job's state already: OuterStates.admit)
                     s.sync.applying(r)
-                    if feedback:
+                    if feedback and r.contributed:
                         st.commit_residual(lo, hi)
+                    elif feedback:  # this node's pseudo-gradient is not in the average: it lost nothing to the codec
+                        st.reset_residual()
                     st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
                 u_last = time.perf_counter() - u0
             self.pieces_done = 0

@@ -53,6 +53,14 @@ class OuterStates:
     def __getitem__(self, p: int) -> OuterState:
         return self.states[p]
 
+    def __getattr__(self, name):
+        """With one fragment, the OuterStates also answers as its OuterState (a Sync written for one state)."""
+        states = self.__dict__.get("states")
+        if states is not None and len(states) == 1:
+            return getattr(states[0], name)
+        raise AttributeError(f"OuterStates has no {name!r}" + (f" (with {len(states)} fragments, ask "
+                                                              "states[p] of one)" if states else ""))
+
     # -- the job's sequence of outer steps ------------------------------------------------
 
     def fragment_of(self, k: int) -> int:

@@ -11,12 +11,13 @@ this interface, so the outer step has one form:
     state.update(g); state.load_into_model()
     sync.committed(r)                       # ... and holds the outer step's result
 
-A sync declares what it can do (class attributes), so the outer step never
-asks which class it holds:
+A sync declares what it can do (SyncExtras: class attributes with defaults), so
+the outer step never asks which class it holds:
 
     pipelined   average_pieces() exists: a large synchronous step goes in pieces
     background  average() may run on a thread of its own once use_from_background()
                 was called (overlap)
+    must_join   this node must join the running job before its first average
 
 A node that fell out of the job (an elastic eviction seen by an average in the
 background) is reported by LeftBehind; the outer step then calls rejoin() on its
@@ -37,7 +38,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Sync", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
+__all__ = ["Sync", "SyncExtras", "complete", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
            "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS"]
 
 
@@ -90,20 +91,10 @@ class SyncResult:
 class Sync(Protocol):
     """Averages pseudo-gradients across nodes for DiLoCo."""
 
-    pipelined: bool
-    """True when average_pieces() exists (a pipelined synchronous outer step)."""
-    background: bool
-    """True when average() may run on a background thread after use_from_background() (overlap)."""
-    must_join: bool
-    """True while this node must join the job (rejoin()) before its first average."""
-
     def bind(self, states, settings: dict) -> None:
-        """Called once by DiLoCo: the outer states it averages for (prime.outer.OuterStates: every fragment's)
-        and the settings every node must share (inner_steps, codec, block_size, outer update, shapes, numel)."""
-
-    def use_from_background(self) -> None:
-        """Prepares average() to run on a background thread while the main thread trains (every process of
-        the node calls it at the same point)."""
+        """Called once by DiLoCo: the outer states it averages for (prime.outer_states.OuterStates: every
+        fragment's; with one fragment it also answers as that fragment's OuterState) and the settings every
+        node must share (inner_steps, codec, block_size, outer update, shapes, numel)."""
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every process of this node (the same answer on all of them)."""
@@ -119,18 +110,64 @@ class Sync(Protocol):
         `recompute(grad)` restores it before the next one. Raises OuterSyncError when no attempt works;
         the outer state is then untouched."""
 
-    def applying(self, result: SyncResult) -> None:
-        """Called right before the outer update of `result` changes the bound states."""
-
     def committed(self, result: SyncResult) -> None:
         """Called after the outer update of `result` was applied (the bound states hold the new weights)."""
+
+    def close(self) -> None:
+        """Releases what this sync created."""
+
+
+class SyncExtras:
+    """What a sync may declare beyond the six methods of Sync, with the defaults a sync that declares nothing
+    gets (prime.sync.complete). RingSync and prime.elastic.ElasticSync declare all of it."""
+
+    pipelined = False
+    """True when average_pieces() exists (a pipelined synchronous outer step)."""
+    background = False
+    """True when average() may run on a background thread after use_from_background() (overlap)."""
+    must_join = False
+    """True while this node must join the job (rejoin()) before its first average."""
+    keeps_input = False
+    """True when a background average may need its input back for a retry (DiLoCo keeps a copy)."""
+    reports_quant_error = False
+    """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
+
+    def use_from_background(self) -> None:
+        """Prepares average() to run on a background thread while the main thread trains (every process of
+        the node calls it at the same point)."""
+
+    def applying(self, result: SyncResult) -> None:
+        """Called right before the outer update of `result` changes the bound states."""
 
     def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
         """After LeftBehind: brings this node back into the job on the main thread (a result with joined=True),
         or raises OuterSyncError when it cannot."""
+        raise OuterSyncError(f"outer step {outer_step}: {reason}; {type(self).__name__} cannot take a node back")
 
-    def close(self) -> None:
-        """Releases what this sync created."""
+
+_EXTRAS = ("pipelined", "background", "must_join", "keeps_input", "reports_quant_error", "use_from_background",
+           "applying", "rejoin")
+
+
+class _Completed(SyncExtras):
+    """A Sync that declares only part of SyncExtras: what it declares is its own, the rest the defaults."""
+
+    def __init__(self, sync):
+        self._inner = sync
+        for name in _EXTRAS:
+            if hasattr(sync, name):
+                setattr(self, name, getattr(sync, name))
+
+    def __getattr__(self, name):  # bind, agree, verify, average, committed, close, and the sync's own
+        return getattr(self._inner, name)
+
+
+def complete(sync):
+    """`sync` itself when it declares everything of SyncExtras, else a view of it with the defaults filled in
+    (a Sync written to the six methods keeps working). must_join stays the sync's own when it has one."""
+    if all(hasattr(sync, name) for name in _EXTRAS):
+        return sync
+    return _Completed(sync)
 
 
 # -- what a ring reports and how it fails --------------------------------------------
@@ -246,7 +283,7 @@ def all_local(group, ok: bool) -> bool:
 # -- a fixed ring ------------------------------------------------------------------------
 
 
-class RingSync:
+class RingSync(SyncExtras):
     """The average over a fixed set of nodes on prime.comm.Ring, with retries on fresh rings.
 
     ring:          the ring of this process (local rank g of every node), or None to build one with

@@ -40,12 +40,14 @@ SECRET = "composition-secret"
 
 
 def refusal(scheme: str, fragments: int, codec: str, feedback: bool) -> str:
-    """The reason config validation gives for a combination, or "" when it must run."""
+    """The fields config validation may name for a combination (a regex: any one of them), or "" when it must
+    run."""
+    why = []
     if feedback and codec == "none":
-        return "error_feedback"  # exact fp32 loses nothing to feed back
+        why.append("error_feedback")  # exact fp32 loses nothing to feed back
     if scheme == "delayed" and fragments > 1:
-        return "overlap_steps"  # delayed starts from the outer weights: its average can only land at the boundary
-    return ""
+        why.append("overlap_steps")  # delayed starts from the outer weights: its average lands at a boundary only
+    return "|".join(why)
 
 
 def _config(scheme, fragments, elastic, codec, feedback) -> Config:
