@@ -255,6 +255,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
             plan.host.append((home_name + (" (pinned)" if on_gpu else ""), home))
         if ring_host:
             plan.host.append(("ring staging (pinned)", ring_host))
+        states = getattr(diloco, "states", None)
+        if cfg.elastic.enabled and home_gpu and states is not None:  # what joiners are served from
+            plan.host.append(("elastic state mirror (pinned)", states.mirror_bytes()))
     # -- checkpoints -----------------------------------------------------------------
     if cfg.checkpoint.dir:
         state = 12 * local  # weights + AdamW, fp32

@@ -121,6 +121,8 @@ class ElasticNodes:
         per node (each node's moments follow its own gradients), so there is none to copy: a joiner starts
         with empty moments, as the job's nodes did at step 0 (docs/elastic.md)."""
         e = result.details
+        if e is None:  # overlap: this outer step's average is in flight, and none was applied at this call
+            return AfterOuter()
         decision = AfterOuter(
             note=f" | nodes {len(result.members)}"
             + (f" | recovery {e.recovery_s:.2f} s" if e.recovery_s is not None else ""),
