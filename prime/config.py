@@ -214,8 +214,11 @@ class DiLoCoConfig:
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
-        _require(self.overlap_scheme in ("eager", "eager-adaptive", "delayed", "eager-merge"), "diloco.overlap_scheme",
-                 "'eager', 'eager-adaptive', 'delayed' or 'eager-merge'", self.overlap_scheme)
+        from prime.overlap import SCHEMES
+
+        _require(self.overlap_scheme in SCHEMES, "diloco.overlap_scheme",
+                 " or ".join(repr(name) for name in SCHEMES), self.overlap_scheme)
+        eager = SCHEMES[self.overlap_scheme].eager
         _require(1 <= self.fragments <= self.inner_steps, "diloco.fragments",
                  f"in [1, diloco.inner_steps = {self.inner_steps}]", self.fragments)
         _require_range(self.fragments, "diloco.fragments", 1, 1024)
@@ -228,12 +231,13 @@ class DiLoCoConfig:
             _require(self.overlap_steps <= spacing, "diloco.overlap_steps",
                      f"<= {spacing} with diloco.fragments = {self.fragments} (inner_steps / fragments: the spacing of "
                      "the fragments' syncs, so that one average is in flight at a time; 0: that)", self.overlap_steps)
-        _require(not (0 < self.overlap_steps < self.inner_steps and self.overlap_scheme == "delayed"),
-                 "diloco.overlap_steps", "0 or diloco.inner_steps with overlap_scheme = 'delayed'", self.overlap_steps)
-        if self.overlap and self.overlap_scheme == "delayed" and self.fragments > 1:
+        _require(not (0 < self.overlap_steps < self.inner_steps and not eager),
+                 "diloco.overlap_steps", f"0 or diloco.inner_steps with overlap_scheme = {self.overlap_scheme!r}",
+                 self.overlap_steps)
+        if self.overlap and not eager and self.fragments > 1:
             # delayed starts from the outer weights without the average in flight, so that average can only land
             # at a boundary (overlap_steps = inner_steps); fragments land theirs within inner_steps / fragments.
-            raise ValueError(f"diloco.overlap_scheme = 'delayed' needs diloco.overlap_steps = inner_steps, which "
+            raise ValueError(f"diloco.overlap_scheme = {self.overlap_scheme!r} needs diloco.overlap_steps = inner_steps, which "
                              f"diloco.fragments = {self.fragments} cannot have (at most inner_steps / fragments): use "
                              "an eager overlap_scheme with fragments")
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",

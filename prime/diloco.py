@@ -58,8 +58,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from prime.fragments import (MERGE_ALPHA, STAND_IN_OTHERS, BufferPool, Fragment, FragmentSchedule,
-                             FragmentSettings, OuterStepResult, split_fragments, stand_in_share, sync_pieces)
+from prime.fragments import BufferPool, Fragment, FragmentSchedule, FragmentSettings, OuterStepResult, split_fragments, \
+    sync_pieces
+from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
 from prime.feedback import resolve_error_feedback
 from prime.ops import default_block_size
 from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
@@ -73,16 +74,9 @@ __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError"
 
 logger = logging.getLogger("prime.diloco")
 
-OVERLAP_SCHEMES = ("eager", "eager-adaptive", "delayed", "eager-merge")
-"""How the next inner steps start while the average of the last outer step is in flight (docs/training.md,
-"Overlapping the all-reduce"): "eager" from the outer update the local pseudo-gradient would give (the local
-pseudo-gradient stands in for the average), "eager-adaptive" from the one alpha times it would give, alpha =
-||a||^2 / ||d||^2 of the previous outer step clamped to [1/nodes, 1] (the least-squares shrink of a noisy
-local estimate), "delayed" from the outer weights as they are (without the step in flight), "eager-merge" as
-eager, but when the average arrives the local weights keep MERGE_ALPHA of their start point's offset from the
-outer weights (Streaming DiLoCo's merge), so that the next start does not echo the part of the offset that
-the inner steps already undid; with overlap_steps < inner_steps its start is the lookahead of stand_in_share()
-of the local pseudo-gradient (the nodes' starts spread less; the shift after overlap_steps corrects the lag)."""
+OVERLAP_SCHEMES = tuple(SCHEMES)
+"""How the next inner steps start while the average of the last outer step is in flight: one class per scheme in
+prime/overlap.py (docs/overlap.md, "Overlapping the all-reduce")."""
 
 class DiLoCo:
     """Outer optimization across nodes for one process's share of a model.
@@ -217,8 +211,9 @@ class DiLoCo:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.error_feedback = resolve_error_feedback(error_feedback, codec)
         """True when this node feeds its quantization error back into its next pseudo-gradient."""
-        if overlap_scheme not in OVERLAP_SCHEMES:
-            raise ValueError(f"overlap_scheme must be one of {', '.join(OVERLAP_SCHEMES)}, got {overlap_scheme!r}")
+        if overlap_scheme not in SCHEMES:
+            raise ValueError(f"overlap_scheme must be one of {', '.join(SCHEMES)}, got {overlap_scheme!r}")
+        eager = SCHEMES[overlap_scheme].eager
         if not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
             raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got {fragments!r}")
         self.schedule = FragmentSchedule(inner_steps, fragments)
@@ -229,11 +224,11 @@ class DiLoCo:
             why = "" if fragments == 1 else (f" = inner_steps / fragments, the spacing of the fragments' syncs, so "
                                              "that one average is in flight at a time")
             raise ValueError(f"overlap_steps must be in [1, {limit}{why}], got {overlap_steps}")
-        if overlap and overlap_steps < inner_steps and not overlap_scheme.startswith("eager"):
+        if overlap and overlap_steps < inner_steps and not eager:
             raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
         if outer_state_device not in OUTER_STATE_DEVICES:
             raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
-        if overlap and overlap_scheme.startswith("eager") and outer_optimizer is not None:
+        if overlap and eager and outer_optimizer is not None:
             raise ValueError(f"overlap with overlap_scheme={overlap_scheme!r} needs the default outer update (its lookahead "
                              "is the Nesterov step without the momentum write); use outer_optimizer=None or "
                              "overlap_scheme='delayed'")
@@ -368,7 +363,7 @@ class DiLoCo:
         if not self.overlap:
             return 1, 0
         whole_phase = self.schedule.fragments == 1 and self.overlap_steps >= self.inner_steps
-        return (2 if whole_phase else 1), (1 if self.overlap_scheme.startswith("eager") else 0)
+        return (2 if whole_phase else 1), (1 if SCHEMES[self.overlap_scheme].eager else 0)
 
     @property
     def state(self) -> Optional[OuterState]:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from prime.outer import OuterState
+from prime.overlap import MERGE_ALPHA, STAND_IN_OTHERS, OverlapPolicy, make_policy, stand_in_share  # noqa: F401
 from prime.sync import OuterSyncError, SyncResult
 
 __all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
@@ -49,32 +50,11 @@ PIPELINE_DEPTH = 3
 the piece being applied, the one on the wire and the next, queued; 3 x 512 MiB at most on the GPU instead of
 the fragment's whole pseudo-gradient."""
 
-STAND_IN_OTHERS = 0.5
-"""eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
-other nodes' part of the average (stand_in_share()). Measured in benchmarks/RESULTS.md, "Overlap at longer
-phases: the stand-in share"."""
-
-MERGE_ALPHA = 0.5
-"""eager-merge: the share of the start point's offset (start - outer weights) that the local weights keep when
-the average arrives. 1/2 is Streaming DiLoCo's mixing factor, and the value that keeps the node's offset
-from growing whatever fraction c in [0, 1] of it the inner steps undo (the offset of the next start is
--lr (1 + mu) (c - 1/2) times this one, plus fresh noise: a gain below 1 while lr (1 + mu) < 2); measured in
-benchmarks/RESULTS.md, "Overlap: the eager-merge scheme"."""
-
-
 def sync_pieces(global_numel: int, local_world: int) -> int:
     """How many pieces a synchronous outer step of a fragment of `global_numel` values is pipelined in: about
     SYNC_PIECE_VALUES per process, from the global size, so that every process of a node cuts its shard into as
     many (they agree on each piece)."""
     return max(1, -(-global_numel // (max(1, local_world) * SYNC_PIECE_VALUES)))
-
-
-def stand_in_share(nodes: int) -> float:
-    """eager-merge with overlap_steps < inner_steps: the next start is the lookahead of this share of the local
-    pseudo-gradient: its own part of the average, 1/nodes, in full, and the other nodes' part, 1 - 1/nodes,
-    estimated by STAND_IN_OTHERS times it (a noisy local estimate, shrunk). The common lag this leaves is
-    corrected by the shift after overlap_steps. One node: 1, the synchronous outer step."""
-    return 1.0 / nodes + (1.0 - 1.0 / nodes) * STAND_IN_OTHERS
 
 
 # -- which parameters each fragment holds ---------------------------------------------------
@@ -354,10 +334,10 @@ class Fragment:
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
         weights)."""
-        self.alpha = 1.0
-        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead."""
+        self.policy: Optional[OverlapPolicy] = make_policy(settings.overlap_scheme, settings) if settings.overlap \
+            else None
+        """How the inner steps start while this fragment's average is in flight (prime.overlap; None: no overlap)."""
         self._inflight: Optional[_InFlight] = None
-        self._last_sq: Optional[float] = None
         self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
         self._slots: Optional[torch.Tensor] = None  # the pipelined step's piece buffers
 
@@ -487,11 +467,12 @@ class Fragment:
         st.ensure_taken()
         base = s.grads.take()  # a second one once: at the second outer step of a whole-phase overlap
         g = base[: st.numel]
-        eager = s.overlap_scheme.startswith("eager")
+        policy = self.policy
+        eager = policy.eager
         fused = eager and self.start is None and self._inflight is None  # overlap_steps < the phase (fragments)
         if fused:  # the pseudo-gradient and the next start in one pass over the outer state
             self.start = s.starts.take()[: st.numel]
-            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=self._stand_in_scale())
+            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=policy.scale())
         else:
             sq = st.pseudo_gradient(g, anchor=self.start)
         norm = math.sqrt(sq)
@@ -523,24 +504,14 @@ class Fragment:
             s.sync.applying(r)
             a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
             s.sync.committed(r)
-            self._adapt(a_sq)
+            policy.adapt(a_sq)
             s.grads.give(prev.base)
         elif not eager:
             st.load_into_model()
         if fused:
-            self._last_sq = sq
-        elif eager:
-            src = g
-            if self.start is None:
-                self.start = s.starts.take()[: st.numel]
-            elif s.overlap_scheme == "eager-merge":
-                # overlap_steps = inner_steps: the average arrived at this boundary. The local weights, merged,
-                # would be x + (1 - alpha)(w - s): their pseudo-gradient from w is d - alpha (s - w).
-                src = st.merge_stand_in(self.start, g, MERGE_ALPHA)
-            st.lookahead(src, self.start, load=True, scale=self._stand_in_scale())
-            self._last_sq = sq
+            policy.seen(sq)
         else:
-            self._give_start()
+            policy.next_start(self, g, sq)
         if st.residual is not None:
             # Error feedback: the contribution leaves now and may fail in the background, where a failed average
             # stops training anyway; so the residual is committed here (d_k above, the stand-in, is unchanged).
@@ -562,19 +533,6 @@ class Fragment:
             self.s.starts.give(self.start._base if self.start._base is not None else self.start)
             self.start = None
 
-    def _stand_in_scale(self) -> Optional[float]:
-        """The factor of the stand-in in the next lookahead (None: 1): eager-adaptive's alpha; eager-merge with
-        overlap_steps < inner_steps, stand_in_share() of the ring's nodes (over the whole phase no shift follows
-        that would correct the lag of a shrunk stand-in: measured worse, so the stand-in stays whole)."""
-        s = self.s
-        if s.overlap_scheme == "eager-adaptive":
-            scale = self.alpha
-        elif s.overlap_scheme == "eager-merge" and s.overlap_steps < s.inner_steps:
-            scale = stand_in_share(s.nodes())
-        else:
-            return None
-        return None if scale == 1.0 else scale
-
     @torch.no_grad()
     def apply_midway(self) -> None:
         """overlap_steps < inner_steps, after overlap_steps inner steps: apply the average in flight to the outer
@@ -583,15 +541,15 @@ class Fragment:
         of this fragment's next pseudo-gradient. (A checkpoint may have applied the average already.)"""
         t0 = time.perf_counter()
         flight, self._inflight = self._inflight, None
-        keep = (1.0 - MERGE_ALPHA) if self.s.overlap_scheme == "eager-merge" else None
+        keep = self.policy.keep
         if flight is not None:
             r = self._join(flight)
             self.s.sync.applying(r)
             if self.start is not None:  # the update and the shift in one pass over the outer state
-                self._adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
+                self.policy.adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
                 self._give_start()
             else:
-                self._adapt(self.state.update(flight.buf, norm=True))
+                self.policy.adapt(self.state.update(flight.buf, norm=True))
             self.s.sync.committed(r)
             self.s.grads.give(flight.base)
             self._midway = (r, flight.outer_step, time.perf_counter() - t0)
@@ -616,20 +574,10 @@ class Fragment:
             return None
         r = self._join(flight)
         self.s.sync.applying(r)
-        self._adapt(self.state.update(flight.buf, norm=True))
+        self.policy.adapt(self.state.update(flight.buf, norm=True))
         self.s.sync.committed(r)
         self.s.grads.give(flight.base)
         return flight.outer_step
-
-    def _adapt(self, a_sq: float) -> None:
-        """eager-adaptive: alpha = ||a||^2 / ||d||^2 (the average against this node's own pseudo-gradient of the
-        same outer step), clamped to [1/nodes, 1]. With nodes' pseudo-gradients d_r = mu + e_r (e_r independent,
-        of variance s^2), the least-squares weight of d_r as an estimate of their mean is
-        (|mu|^2 + s^2/n) / (|mu|^2 + s^2) = E||a||^2 / E||d_r||^2."""
-        if self.s.overlap_scheme != "eager-adaptive" or not self._last_sq or not math.isfinite(a_sq):
-            return
-        lo = 1.0 / self.s.nodes()
-        self.alpha = min(1.0, max(lo, a_sq / self._last_sq))
 
     def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
         """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
@@ -641,7 +589,9 @@ class Fragment:
         """A node that (re)joins the job: no start point, no pieces done, no adaptive history of its own."""
         self._give_start()
         self.pieces_done = 0
-        self.alpha, self._last_sq, self._midway = 1.0, None, None
+        self._midway = None
+        if self.policy is not None:
+            self.policy.reset()
 
     def abandon(self) -> Optional[BaseException]:
         """close(): waits for an average still in flight without applying it; returns its error, if any."""
@@ -660,8 +610,8 @@ class Fragment:
         sd.update(self.state.state_dict())
         if self.start is not None:
             sd["start"] = self.start.cpu()
-        if self.s.overlap_scheme == "eager-adaptive":
-            sd["alpha"] = self.alpha
+        if self.policy is not None:
+            sd.update(self.policy.state_dict())
         if self.pieces_done:
             sd["pieces_done"] = self.pieces_done
         return sd
@@ -673,13 +623,19 @@ class Fragment:
         if "outer" not in sd:
             return
         self.state.load_state_dict(sd)
-        if "start" in sd and self.s.overlap and self.s.overlap_scheme.startswith("eager"):
+        if "start" in sd and self.policy is not None and self.policy.eager:
             if self.start is None:
                 self.start = self.s.starts.take()[: self.state.numel]
             self.start.copy_(sd["start"])
         else:
             self._give_start()
-        self.alpha = float(sd.get("alpha", 1.0))
+        if self.policy is not None:
+            self.policy.load_state_dict(sd)
+
+    @property
+    def alpha(self) -> float:
+        """eager-adaptive: the weight of the local pseudo-gradient in the next lookahead (1 otherwise)."""
+        return self.policy.alpha if self.policy is not None else 1.0
 
 
 def _ring_reports_error(sync) -> bool:

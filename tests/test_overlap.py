@@ -10,6 +10,7 @@ from torch import nn
 from prime.config import Config
 import prime.diloco
 import prime.fragments
+import prime.overlap
 from prime.diloco import MERGE_ALPHA, DiLoCo, OuterSyncError, stand_in_share
 from test_diloco import (FakeThreadGroup, FakeThreadRing, TwoParams, int8_round_trip_f64,  # noqa: F401
                          one_thread, run_nodes)  # one_thread: autouse, one torch thread here too
@@ -516,7 +517,7 @@ def test_eager_merge_overlap_steps_match_plain_torch_reference_bit_for_bit(seed,
     got = run_midway(w0, deltas, tau, "eager-merge")
     ref = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32, scheme="eager-merge")
     eager = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32)
-    monkeypatch.setattr(prime.fragments, "STAND_IN_OTHERS", 1.0)
+    monkeypatch.setattr(prime.overlap, "STAND_IN_OTHERS", 1.0)  # (where the constant lives)
     whole = reference_midway(w0, deltas, tau, lr=0.7, mu=0.9, codec="int8", block_size=32, scheme="eager-merge")
     assert not torch.equal(ref, eager) and not torch.equal(ref, whole)
     for r in range(n):

@@ -128,7 +128,7 @@ class ElasticNodes:
             + (f" | recovery {e.recovery_s:.2f} s" if e.recovery_s is not None else ""),
             fields=dict(nodes=len(result.members), members=result.members, contributors=result.contributors,
                         joined=e.joined, evicted=e.evicted, wait_s=e.wait_s, recovery_s=e.recovery_s,
-                        digest=e.digest, time=time.time()),
+                        digest=e.digest, digest_step=_digest_step(result), time=time.time()),
         )
         info = e.rejoined
         if info is not None:
@@ -161,3 +161,11 @@ class ElasticNodes:
         """Node 0 hosts the store (unless it is external): it waits until every node has left."""
         if self.env.node_rank == 0 and not self.cfg.elastic.external_store:
             self.membership.wait_all_gone(self.cfg.diloco.timeout_s)
+
+
+def _digest_step(result: OuterStepResult) -> int:
+    """The outer step whose state the digest is of: the one this call applied (with overlap, the average that
+    arrived; a joiner's admitting step), which nodes compare."""
+    if result.overlapped:
+        return result.applied_outer_step if result.applied_outer_step is not None else result.outer_step - 1
+    return result.outer_step
