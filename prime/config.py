@@ -246,7 +246,9 @@ class DiLoCoConfig:
         _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
                  self.outer_lr)
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
-        _require(self.codec in ("int8", "fp4", "none"), "diloco.codec", "'int8', 'fp4' or 'none'", self.codec)
+        from prime.codecs import CODECS, names
+
+        _require(self.codec in CODECS, "diloco.codec", names(), self.codec)
         from prime.feedback import resolve_error_feedback
 
         resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")

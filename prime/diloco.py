@@ -65,6 +65,7 @@ from prime.feedback import resolve_error_feedback
 from prime.ops import default_block_size
 from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
                          pending_training_bytes, staging_bytes)
+from prime.codecs import codec as codec_named
 from prime.outer_states import OuterStates
 from prime.sync import (LeftBehind, OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, complete,
                         node_local_group, work_stats)
@@ -201,8 +202,7 @@ class DiLoCo:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-        if codec not in ("int8", "fp4", "none"):
-            raise ValueError(f"codec must be 'int8', 'fp4' or 'none', got {codec!r}")
+        lossy = codec_named(codec).lossy
         if block_size is None:
             block_size = default_block_size(codec)
         if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
@@ -246,7 +246,7 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.inner_steps, self.codec, self.block_size = inner_steps, codec, block_size
         # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
-        self.measure_compression_error = measure_compression_error and codec != "none"
+        self.measure_compression_error = measure_compression_error and lossy
         if isinstance(sync, Sync):
             if ring_factory is not None or local_group is not None:
                 raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "

@@ -43,14 +43,13 @@ from typing import Optional
 import torch
 
 from prime import ops
+from prime.codecs import CODECS
 
 __all__ = ["resolve_error_feedback", "round_trip", "compensate"]
 
-LOSSY_CODECS = ("int8", "fp4")
-DEFAULT_ON = ("fp4",)
-"""Codecs with error feedback on when it is not set: fp4, whose 11% error per quantization would otherwise add up
-over outer steps (one buffer and one more quantize pass keep it bounded); not int8 (0.7%), where it makes no
-measurable difference in loss (benchmarks/RESULTS.md, "Error feedback")."""
+LOSSY_CODECS = tuple(name for name, c in CODECS.items() if c.lossy)
+DEFAULT_ON = tuple(name for name, c in CODECS.items() if c.feedback_default)
+"""Codecs with error feedback on when it is not set (prime.codecs: Codec.feedback_default)."""
 
 
 def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str = "error_feedback") -> bool:

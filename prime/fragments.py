@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from prime.codecs import CODECS
 from prime.outer import OuterState
 from prime.overlap import MERGE_ALPHA, STAND_IN_OTHERS, OverlapPolicy, make_policy, stand_in_share  # noqa: F401
 from prime.sync import OuterSyncError, SyncResult
@@ -374,7 +375,7 @@ class Fragment:
         t0 = time.perf_counter()
         ranges = st.ranges(self.pieces)
         sq, first, own_sq = [0.0], [None], [0.0]
-        measure_own = s.measure_compression_error and s.codec == "int8" and not _ring_reports_error(s.sync)
+        measure_own = s.measure_compression_error and CODECS[s.codec].own_error_pass and not _ring_reports_error(s.sync)
         feedback = st.residual is not None
         pipelined = s.sync.pipelined and len(ranges) > 1
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
@@ -581,7 +582,8 @@ class Fragment:
 
     def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
         """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
-        if not self.s.measure_compression_error or self.s.codec != "int8" or _ring_reports_error(self.s.sync):
+        if not self.s.measure_compression_error or not CODECS[self.s.codec].own_error_pass \
+                or _ring_reports_error(self.s.sync):
             return None
         return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
 

@@ -343,10 +343,11 @@ class RunMetrics:
         self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.local_sum = local_sum
-        # int8: a byte a value plus a 1-byte scale per block; fp4: half a byte plus an fp32 scale; none: fp32
-        self.wire_bytes_per_value = {"int8": 1 + 1 / block_size, "fp4": 0.5 + 4 / block_size}.get(codec, 4)
+        from prime.codecs import CODECS
+
+        self.wire_bytes_per_value = CODECS[codec].bytes_per_value(block_size)
         self.inner_steps, self.model_numel = inner_steps, model_numel
-        self.codec = codec if codec != "none" else "codec"  # names the compression error in the outer step's line
+        self.codec = codec if CODECS[codec].lossy else "codec"  # names the compression error in the outer step's line
         self.log: Optional[MetricsLogger] = None
         self.reset()
 

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from prime.codecs import CODECS
 from prime.comm import store_keys as keys
 from prime.config import Config
 from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
@@ -163,6 +164,7 @@ class FixedNodes:
         self.diloco: Optional[DiLoCo] = None
         self.sync = self.records = None
         self._last_ring = None  # the newest ring: its link measurements seed the next one's order
+        self._closed = False
         if not self.multi_node:
             return
         # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
@@ -182,6 +184,8 @@ class FixedNodes:
 
     def make_ring(self, tag: str):
         """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
+        if self._closed:  # an all-reduce in flight failed because close() closed its ring: no retry
+            raise RuntimeError(f"ring {tag}: not built, the nodes component is closed (the process is stopping)")
         try:
             from prime.comm import Ring
         except ImportError as e:
@@ -191,7 +195,7 @@ class FixedNodes:
         d, g = self.cfg.diloco, self.env.local_rank
         store = dist.PrefixStore(f"ring/{g}/{tag}", self.env.store)
         kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}",
-                  "quant_error": d.compression_error and d.codec != "none"}  # DiLoCo's compression_error
+                  "quant_error": d.compression_error and CODECS[d.codec].lossy}  # DiLoCo's compression_error
         if d.streams:
             kwargs["streams"] = d.streams
         if d.max_rate_mbit:
@@ -276,6 +280,7 @@ class FixedNodes:
         return final_agreement_result(env, self.say, env.node_rank, what, digest, differ, env.num_nodes)
 
     def close(self) -> None:
+        self._closed = True
         if self.sync is not None:
             self.sync.close()
 

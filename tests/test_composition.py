@@ -98,7 +98,7 @@ def _hash(t: torch.Tensor) -> str:
 
 
 def _model_hash(model: nn.Module) -> str:
-    return _hash(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return _hash(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
 
 
 class _Node:
@@ -117,7 +117,7 @@ class _Node:
             g = torch.Generator().manual_seed(seed * 1000 + d.inner_step * 7 + hash(self.name) % 97)
             with torch.no_grad():
                 for p in self.model.parameters():
-                    p.sub_(0.02 * torch.randn(p.shape, generator=g))
+                    p.sub_(0.02 * torch.randn(p.shape, generator=g).to(p.device))
             r = d.step()
             if r.did_sync:
                 self.seen[d.inner_step] = _hash(d.outer_weights())
@@ -226,7 +226,7 @@ def _ring_run(seed: int, kw: dict) -> list:
     return nodes
 
 
-def _elastic_node(port: int, rank: int, seed: int, kw: dict) -> _Node:
+def _elastic_node(port: int, rank: int, seed: int, kw: dict, device: str = "cpu") -> _Node:
     import torch.distributed as dist
 
     from prime.elastic import ElasticSync, Membership
@@ -237,20 +237,20 @@ def _elastic_node(port: int, rank: int, seed: int, kw: dict) -> _Node:
     m = Membership(factory, node_rank=rank, initial_nodes=3, run_id=f"c{seed}", secret=SECRET.encode(),
                    heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, barrier_timeout_s=60, report_timeout_s=30)
     sync = ElasticSync(m, ring_timeout_s=10, start_timeout_s=30, total_steps=STEPS)
-    model = Layers(seed if rank < 3 else seed + 1)  # a joiner starts from other weights: it must download
+    model = Layers(seed if rank < 3 else seed + 1).to(device)  # a joiner starts elsewhere: it must download
     return _Node(f"n{rank}", model, DiLoCo(model, None, sync, **kw), sync)
 
 
 LEAVE_AT, HOLD_AT = 6, 14
 
 
-def _elastic_run(seed: int, kw: dict) -> list:
+def _elastic_run(seed: int, kw: dict, device: str = "cpu") -> list:
     """3 nodes; node 2 leaves after LEAVE_AT inner steps (an average may be in flight); a joiner arrives and
     the others wait at HOLD_AT until it is ready, then everyone runs to STEPS and finishes."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    nodes = _threads([lambda r=r: _elastic_node(store.port, r, seed, kw) for r in range(3)])
+    nodes = _threads([lambda r=r: _elastic_node(store.port, r, seed, kw, device) for r in range(3)])
     for n in nodes:
         n.sync.start(n.diloco.outer_step, n.diloco.inner_step)
     joiner_ready = threading.Event()
@@ -271,7 +271,7 @@ def _elastic_run(seed: int, kw: dict) -> list:
     joiner = []
 
     def join():
-        j = _elastic_node(store.port, 5, seed, kw)
+        j = _elastic_node(store.port, 5, seed, kw, device)
         joiner.append(j)
         ready = dist.PrefixStore(f"c{seed}/elastic", dist.TCPStore("127.0.0.1", store.port, is_master=False))
 
@@ -297,3 +297,24 @@ def _elastic_run(seed: int, kw: dict) -> list:
     survivors = nodes[:2] + joiner
     assert len(joiner) == 1 and joiner[0].seen, "the joiner never joined"
     return survivors
+
+
+@needs_ring
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("placement", ["gpu", "cpu"])
+@pytest.mark.parametrize("scheme,fragments,codec", [("eager-merge", 4, "fp4"), ("sync", 1, "int8"),
+                                                    ("eager", 1, "int8")])
+def test_elastic_with_the_outer_state_on_the_gpu(scheme, fragments, codec, placement):
+    """Models on the GPU, the outer state resident there (joiners are served from a host mirror) or streamed
+    from pinned CPU memory: a node leaves, one joins, every node agrees bit for bit."""
+    seed = random.randrange(1 << 20)
+    print(f"seed {seed}")
+    os.environ["PRIME_RING_SECRET"] = SECRET
+    kw = _diloco_kwargs(scheme, fragments, codec, codec == "fp4")
+    kw["outer_state_device"] = placement
+    nodes = _elastic_run(seed, kw, device="cuda")
+    assert all(st.device.type == ("cuda" if placement == "gpu" else "cpu")
+               for n in nodes for st in n.diloco.states)
+    assert _check_identical(nodes) >= 2
+    finals = {n.name: _model_hash(n.model) for n in nodes}
+    assert len(set(finals.values())) == 1, f"final weights differ: {finals}"

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from prime.codecs import CODECS
 from prime.comm import store_keys as keys
 from prime.config import Config
 from prime.diloco import DiLoCo, OuterStepResult
@@ -67,7 +68,7 @@ class ElasticNodes:
             transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
             join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
             digest=e.digest, slot_state_fn=data.state_dict,
-            quant_error=d.compression_error and d.codec != "none",  # the ring measures DiLoCo's compression_error
+            quant_error=d.compression_error and CODECS[d.codec].lossy,  # the ring measures DiLoCo's compression_error
         )
         optimizer.register_step_pre_hook(lambda *_: self.sync.before_inner_step(self.diloco.inner_step + 1))
         self.records = signed_records(cfg, env.store, self.membership.secret)
