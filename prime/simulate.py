@@ -265,7 +265,13 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
 
 def main(argv=None) -> int:
     """prime-simulate --nodes N --procs-per-node P [--threads T] -- <prime-train arguments>."""
-    argv = sys.argv[1:] if argv is None else argv
+    status = _main(sys.argv[1:] if argv is None else argv)
+    if argv is None and status >= 128:  # stopped by a signal, every node gone: skip the seconds of torch's teardown
+        stop.exit_now(status)
+    return status
+
+
+def _main(argv: list[str]) -> int:
     if "--" in argv:
         i = argv.index("--")
         own, train_args = argv[:i], argv[i + 1 :]

@@ -30,13 +30,20 @@ __all__ = ["main"]
 
 def main(argv=None) -> int:
     """Runs torchrun with `argv` (default sys.argv[1:]); returns the exit status (see the module docstring)."""
-    stop.die_with_parent()  # before torch is imported: seconds in which a dead launcher would go unnoticed
+    status = _run(sys.argv[1:] if argv is None else argv)
+    if argv is None and status >= 128:  # stopped by a signal, workers gone: skip the seconds of torch's teardown
+        stop.exit_now(status)
+    return status
+
+
+def _run(argv: list[str]) -> int:
+    stop.die_with_parent()  # first: a launcher that ends (even by SIGKILL) takes this process and its workers along
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun.main(sys.argv[1:] if argv is None else argv)
+        torchrun.main(argv)
     except SignalException as e:  # torchrun has stopped its workers already
         return stop.exit_status(e.sigval)
     except ChildFailedError as e:

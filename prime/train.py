@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 from prime import stop
 
@@ -41,14 +42,13 @@ def _run(argv) -> int:
     from prime.checkpoint import CheckpointError
     from prime.trainer import Trainer, TrainingStopped
 
-    trainer = None
-    signals = None
+    run = _Run(cfg)
     if argv is None:
-        signals = stop.StopSignals(cfg.train.stop_grace_s, lambda signum, late: _stop_line(cfg, trainer, signum, late))
-        signals.install()
+        run.signals = stop.StopSignals(cfg.train.stop_grace_s, run.stop_line)
+        run.signals.install()
     try:
         try:
-            trainer = Trainer(cfg)
+            run.trainer = Trainer(cfg)
         except (ValueError, FileNotFoundError) as e:
             print(f"prime-train: error: {e}", file=sys.stderr)
             _destroy_process_group()
@@ -58,40 +58,53 @@ def _run(argv) -> int:
             return 3
         failed = True
         try:
-            trainer.train()
+            run.trainer.train()
             failed = False
         except TrainingStopped as e:
             print(f"prime-train: stopped: {e}", file=sys.stderr)
             return 3
         finally:
-            _close(trainer, failed, signals)
+            run.close(failed)
         return 0
     except stop.Stopped as s:  # a signal: wherever it came, the Trainer (if built) has closed
-        signals.report(s.signum)
+        run.signals.report(s.signum)
         return s.code
 
 
-def _close(trainer, failed: bool, signals) -> None:
-    """trainer.close(); while stopping on a signal, an error of the teardown is printed, not raised (the stop
-    line and status say what happened)."""
-    try:
-        trainer.close(failed=failed)
-    except Exception as e:
-        if signals is None or signals.signum is None:
-            raise
-        print(f"prime-train: while stopping: {type(e).__name__}: {e}", file=sys.stderr)
+class _Run:
+    """What the stop line needs to know of this process's run: its config, its Trainer once built, and what the
+    stop abandoned."""
 
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.trainer = None
+        self.signals: Optional[stop.StopSignals] = None
+        self.abandoned: Optional[str] = None
 
-def _stop_line(cfg, trainer, signum: int, late: bool) -> str:
-    """The one line a process prints when a signal stopped it: the signal, the inner step, how to resume."""
-    where = f"at inner step {trainer.step}" if trainer is not None else "before the first inner step"
-    if late:
-        where += f" (still stopping after train.stop_grace_s = {cfg.train.stop_grace_s:g} s: ended there)"
-    steps = None  # this node's complete checkpoints (on disk: a write in flight has finished or never will)
-    if trainer is not None and trainer.checkpoints is not None:
-        steps = trainer.checkpoints.checkpointer.complete_steps()
-    return f"prime-train: stopped by {stop.signal_name(signum)} {where}; " + stop.resume_hint(
-        cfg.checkpoint.dir, cfg.checkpoint.resume, steps)
+    def close(self, failed: bool) -> None:
+        """trainer.close(); while stopping on a signal, an error of the teardown is printed, not raised (the stop
+        line and the status say what happened)."""
+        stopping = self.signals is not None and self.signals.signum is not None
+        try:
+            self.abandoned = self.trainer.close(failed=failed, stopping=stopping)
+        except Exception as e:
+            if not stopping:
+                raise
+            print(f"prime-train: while stopping: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def stop_line(self, signum: int, late: bool) -> str:
+        """The one line a process prints when a signal stopped it: the signal, the inner step, how to resume."""
+        cfg, trainer = self.cfg, self.trainer
+        where = f"at inner step {trainer.step}" if trainer is not None else "before the first inner step"
+        if self.abandoned:
+            where += f" ({self.abandoned})"
+        if late:
+            where += f" (still stopping after train.stop_grace_s = {cfg.train.stop_grace_s:g} s: ended there)"
+        steps = None  # this node's complete checkpoints (on disk: a write in flight has finished or never will)
+        if trainer is not None and trainer.checkpoints is not None:
+            steps = trainer.checkpoints.checkpointer.complete_steps()
+        return f"prime-train: stopped by {stop.signal_name(signum)} {where}; " + stop.resume_hint(
+            cfg.checkpoint.dir, cfg.checkpoint.resume, steps)
 
 
 def _end_process(status: int) -> None:
@@ -116,16 +129,11 @@ def _end_process(status: int) -> None:
     plain FSDP2 script), so its removal cannot be shown safe: skipping that teardown
     with os._exit, after flushing our output, leaves those threads nothing to meet.
     """
-    import logging
-
     if not _backend_threads() and status < 128:
         return  # nothing of torch.distributed left running: a normal exit
-    # (Stopped by a signal: everything of ours is closed, and the interpreter's teardown of torch's modules
-    # costs seconds on a small CPU that the launcher's grace should not spend.)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(status)
+    # (Stopped by a signal: everything of ours is closed too, and the launcher's grace need not wait for the
+    # interpreter's teardown: stop.exit_now.)
+    stop.exit_now(status)
 
 
 def _backend_threads() -> list[str]:

@@ -255,15 +255,19 @@ class Trainer:
             f"{likely}. Nothing of this state was saved. {self._restart_hint()}"
         )
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, stopping: bool = False) -> Optional[str]:
         """Finishes checkpoint writes, closes rings and logs, writes the plot (node 0), releases the store.
 
-        After a failure (`failed`) the store's host does not wait for the other nodes."""
+        After a failure (`failed`) the store's host does not wait for the other nodes. `stopping` (a signal,
+        docs/stopping.md): the rings close before the outer step, so that an average in flight behind overlap
+        is abandoned at once (the peers see a CommError) rather than waited for; its failure is then expected,
+        and returned as a note for the stop line instead of raised."""
         # Teardown order: checkpoint writer, outer step (an average in flight), rings (elastic: leave the
         # job), logs and plot, the store; then barrier and destroy_process_group, last. Every step runs even
         # when an earlier one raised; the first error is raised at the end, and after one the barrier is
         # skipped (the other local ranks may never reach it).
         error: Optional[BaseException] = None
+        note = None
 
         def run(step) -> None:
             nonlocal error
@@ -274,11 +278,21 @@ class Trainer:
 
         if self.checkpoints is not None:
             run(self.checkpoints.close)
-        run(self.diloco.close)
-        run(self.nodes.close)
+        if stopping:
+            run(self.nodes.close)  # an all-reduce in flight fails at once
+            try:
+                self.diloco.close()
+            except OuterSyncError:  # that average, abandoned
+                note = "an outer step's average in flight was abandoned"
+            except BaseException as e:  # noqa: BLE001 - raised below, after the process group is gone
+                error = error or e
+        else:
+            run(self.diloco.close)
+            run(self.nodes.close)
         run(lambda: self.metrics.close(plot=self.cfg.metrics.plot))
         if not failed and error is None:
             run(self.nodes.release)  # the store's host waits for the others only after a clean run
         self.env.close(failed or error is not None)
         if error is not None:
             raise error
+        return note
