@@ -347,13 +347,13 @@ class DiLoCo:
         synchronous step, the largest fragment's pseudo-gradient, or PIPELINE_DEPTH pieces of it when pipelined
         (a piece is cut at a pass piece, so it may be up to one pass piece longer than its share)."""
         from prime.fragments import PIPELINE_DEPTH
-        from prime.outer import _CHUNK, _PIPE_CHUNK
+        from prime.layout import pass_piece
 
         if self.overlap:
             grads, starts = self.work_buffers()
             keep = 1 if self._sync.keeps_input else 0  # the input kept for a retry (prime.sync keeps_input)
             return (grads + starts + keep) * 4 * max(frag_numel)
-        chunk = _PIPE_CHUNK if on_gpu else _CHUNK
+        chunk = pass_piece(on_gpu)
         return max(4 * (n if k == 1 else PIPELINE_DEPTH * min(n, -(-n // k) + chunk)) for n, k in zip(frag_numel, pieces))
 
     def work_buffers(self) -> tuple:

@@ -209,7 +209,8 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
                 host_total: Optional[int] = None) -> MemoryPlan:
     """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
     `gpu_total`, `host_total`: the budgets (default: memory.gpu_gib / memory.host_gib, else detected)."""
-    from prime.outer import _CHUNK, _PIPE_CHUNK, _SLOTS, home_buffer_count
+    from prime.layout import pass_buffer_bytes
+    from prime.outer import home_buffer_count
     from prime.parallelize import local_shard
 
     m = cfg.memory
@@ -227,7 +228,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
     work = diloco.work_bytes if frags else 0
     streamed = bool(frags) and frags[0].state.streamed
-    staging = 4 * (_SLOTS * 2 + 3) * (_PIPE_CHUNK if on_gpu else _CHUNK) if frags else 0
+    staging = pass_buffer_bytes(on_gpu, streamed) if frags else 0
     # the ring's pinned host staging: the int8 payload of this rank's chunk of the largest all-reduce, sent and
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
     pieces = max((f.pieces for f in frags), default=1)
@@ -245,7 +246,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
             if home_gpu:
                 plan.gpu.append((home_name, home))
             plan.gpu.append(("outer work buffers", work))
-            plan.gpu.append(("outer staging", staging if streamed else staging // 3))
+            plan.gpu.append(("outer staging", staging))
             # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
             plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / block))))
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))

@@ -576,7 +576,7 @@ def test_streamed_residual_passes_match_the_resident_ones(seed, codec, monkeypat
     gets the same bits as resident, with parameters cut into several pieces."""
     from prime.outer import OuterState
 
-    monkeypatch.setattr("prime.outer._CHUNK", 1024)
+    monkeypatch.setattr("prime.layout._CHUNK", 1024)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(100, 37), (4097,), (3, 5, 7), (1,)]
     init = [torch.randn(*s, generator=gen) for s in shapes]

@@ -397,7 +397,7 @@ def test_streamed_state_matches_the_resident_one_bit_for_bit(seed, chunk, monkey
     pseudo-gradient, update with load, lookahead (scaled), the overlap shift and the merge stand-in give the
     resident state's bits, also over sub-ranges."""
     if chunk:
-        monkeypatch.setattr("prime.outer._CHUNK", chunk)
+        monkeypatch.setattr("prime.layout._CHUNK", chunk)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(70,), (3, 50), (1,), (40, 9)]
     base = [torch.randn(*s, generator=gen) for s in shapes]

@@ -185,7 +185,7 @@ def test_compression_error_comes_from_the_ring_when_it_reports_it(seed, monkeypa
 def test_copy_pipeline_pieces_tile_every_parameter(monkeypatch):
     """The CPU state's GPU copies go in pieces: together they cover every parameter exactly once, the padding
     end comes with each parameter's last piece, and a non-contiguous parameter stays whole."""
-    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 100)
+    monkeypatch.setattr("prime.layout._PIPE_CHUNK", 100)
     m = nn.Module()
     m.a = nn.Parameter(torch.zeros(250))
     m.b = nn.Parameter(torch.zeros(100))

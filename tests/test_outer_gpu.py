@@ -27,7 +27,7 @@ def _gpu_model(gen, shapes):
 def test_cpu_and_gpu_outer_state_agree_bit_for_bit(seed, nesterov, pipe_chunk, monkeypatch):
     """pipe_chunk: cut the CPU state's copies into pieces of that many values (the 37000-value parameter into 37)."""
     if pipe_chunk is not None:
-        monkeypatch.setattr("prime.outer._PIPE_CHUNK", pipe_chunk)
+        monkeypatch.setattr("prime.layout._PIPE_CHUNK", pipe_chunk)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(1000, 37), (4097,), (3, 5, 7), (1,)]
     model = _gpu_model(gen, shapes)
@@ -134,8 +134,8 @@ def test_nodes_with_outer_state_on_different_devices_stay_identical(seed, scheme
 def test_streamed_passes_on_the_gpu_match_a_cpu_model(seed, monkeypatch):
     """The same parameters on the CPU (resident state) and on the GPU (state in pinned CPU memory, streamed in
     pieces of 1000 values on side streams): every pass, over sub-ranges too, gives the CPU's bits."""
-    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 1000)
-    monkeypatch.setattr("prime.outer._CHUNK", 1000)
+    monkeypatch.setattr("prime.layout._PIPE_CHUNK", 1000)
+    monkeypatch.setattr("prime.layout._CHUNK", 1000)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(1000, 37), (4097,), (3, 5, 7), (1,)]
     base = [torch.randn(*s, generator=gen) for s in shapes]
@@ -224,7 +224,7 @@ def test_error_feedback_residual_has_the_same_bits_on_every_device(seed, codec, 
     the GPU, and one with it in CPU memory streamed through the GPU in pieces: the same bits."""
     from test_feedback import residual_passes
 
-    monkeypatch.setattr("prime.outer._PIPE_CHUNK", 1024)
+    monkeypatch.setattr("prime.layout._PIPE_CHUNK", 1024)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(100, 37), (4097,), (3, 5, 7), (1,)]
     init = [torch.randn(*s, generator=gen) for s in shapes]

@@ -123,7 +123,7 @@ class ElasticNodes:
         with empty moments, as the job's nodes did at step 0 (docs/elastic.md)."""
         e = result.details
         if e is None:  # overlap: this outer step's average is in flight, and none was applied at this call
-            return AfterOuter()
+            return AfterOuter(fields=dict(time=time.time()))
         decision = AfterOuter(
             note=f" | nodes {len(result.members)}"
             + (f" | recovery {e.recovery_s:.2f} s" if e.recovery_s is not None else ""),
