@@ -926,7 +926,10 @@ def test_chaos(tmp_path):
                 losses.setdefault(r["step"], []).append(r["loss"])
     ks = sorted({k for k, _ in times})
     assert ks == list(range(1, ks[-1] + 1)), "an outer step is missing"
-    assert len(outer) >= len(ks) - 2, "outer steps without a digest"
+    # every outer step has a digest but the last few, in flight or not yet reported when the run was stopped
+    # (with overlap, one per fragment at most)
+    missing = [k for k in ks if k not in outer]
+    assert all(k > ks[-1] - 8 for k in missing), f"outer steps without a digest: {missing}"
     for k in sorted(outer):
         assert len(set(outer[k].values())) == 1, f"outer step {k}: nodes differ: {outer[k]}"
     first_commit = {}
