@@ -172,18 +172,22 @@ def node_env(env: dict, grace_s: float) -> dict:
                         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(math.ceil(grace_s)) + 5)})
 
 
-def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
-    """Disjoint GPUs for each node when the machine has enough (else [] and the nodes share what they see)."""
+def visible_gpus(env: dict) -> list[str]:
+    """The GPU ids the nodes may be given (CUDA_VISIBLE_DEVICES, else every GPU torch sees)."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = [d for d in visible.split(",") if d.strip()]
-    else:
-        try:
-            import torch
+        return [d for d in visible.split(",") if d.strip()]
+    try:
+        import torch
 
-            ids = [str(i) for i in range(torch.cuda.device_count())]
-        except ImportError:
-            ids = []
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
+    """Disjoint GPUs for each node when the machine has enough (else [] and the nodes share what they see)."""
+    ids = visible_gpus(env)
     if len(ids) < nodes * procs_per_node:
         return []
     return [ids[r * procs_per_node : (r + 1) * procs_per_node] for r in range(nodes)]

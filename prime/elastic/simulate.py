@@ -87,6 +87,8 @@ class _Node:
     """Chaos armed its allreduce.inside fault: it dies in its next all-reduce."""
     drained: bool = False
     """Its output was read to the end (a fault point's last words included)."""
+    gpu_slot: Optional[int] = None
+    """The GPUs it was given (ElasticSimulation.gpu_slots), if any."""
 
 
 @dataclass
@@ -124,6 +126,11 @@ class _Launcher:
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
         self.faults = faults or {}
         self.procs_per_node, self.chaos_dir, self.grace_s = procs_per_node, chaos_dir, grace_s
+        from prime.simulate import visible_gpus
+
+        # GPUs of their own for as many nodes as the machine has room for (a joiner takes a dead node's)
+        ids = visible_gpus(env)
+        self.gpu_slots = [ids[i * procs_per_node : (i + 1) * procs_per_node] for i in range(len(ids) // procs_per_node)]
         self.lock = threading.Lock()
         self.s = _State()
         self.pumps: list[threading.Thread] = []
@@ -148,6 +155,9 @@ class _Launcher:
                "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", str(self.initial),
                "--store-addr", f"127.0.0.1:{self.store.port}"]
         env = dict(self.env, PRIME_NODE_RANK=str(rank), PRIME_NUM_NODES=str(self.initial))
+        slot = self._gpu_slot(rank)
+        if slot is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_slots[slot])
         armed = fault_env(self.faults, rank)
         if self.chaos_dir is not None:  # chaos may make this node die inside its next all-reduce
             armed = ",".join(filter(None, [armed, f"allreduce.inside@file:{self.die_file(rank)}"]))
@@ -155,11 +165,22 @@ class _Launcher:
             env[FAULTS_ENV] = armed
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         node = _Node(rank, p, time.monotonic(), member=rank < self.initial)
+        node.gpu_slot = slot
         with self.lock:
             self.s.nodes[rank] = node
         t = threading.Thread(target=self._pump, args=(node,), daemon=True)
         t.start()
         self.pumps.append(t)
+
+    def _gpu_slot(self, rank: int) -> Optional[int]:
+        """The GPU slot of a node started now: the lowest no live node holds, else rank mod the slots (None:
+        no GPUs of their own to give)."""
+        if not self.gpu_slots:
+            return None
+        with self.lock:
+            held = {n.gpu_slot for n in self.s.nodes.values() if n.proc.poll() is None}
+        free = [s for s in range(len(self.gpu_slots)) if s not in held]
+        return free[0] if free else rank % len(self.gpu_slots)
 
     def _pump(self, node: _Node) -> None:
         prefix = f"[node {node.rank}] "
