@@ -121,12 +121,15 @@ class StopSignals:
             got = [b for b in data if b in {int(s) for s in SIGNALS}]
             if got:
                 break
-        first = got[0]
         # Woken by the C-level handler even when the main thread sits in C++ (its Python handler runs later).
+        signum = self.signum if self.signum is not None else got[0]
         threading.Event().wait(self.grace_s)
-        self.report(self.signum if self.signum is not None else first, late=True)
-        _flush()
-        os._exit(exit_status(self.signum if self.signum is not None else first))
+        # The line and the flush on a thread of their own: a write into a pipe that nobody reads any more
+        # must not keep the process alive.
+        last_words = threading.Thread(target=lambda: (self.report(signum, late=True), _flush()), daemon=True)
+        last_words.start()
+        last_words.join(timeout=2.0)
+        os._exit(exit_status(signum))
 
     def report(self, signum: int, late: bool = False) -> None:
         """Prints the stop line once (the main thread after a clean stop, or the watchdog after the grace)."""

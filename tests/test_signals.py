@@ -153,6 +153,17 @@ def test_a_worker_config_error_under_prime_torchrun_has_no_traceback():
     assert re.search(r"prime\.torchrun: worker local rank 0 \(pid \d+\) exited with status 2", out), out
 
 
+def test_the_stop_line_says_how_to_resume():
+    from prime.stop import resume_hint
+
+    assert resume_hint("", True).startswith("no checkpoint dir configured: the progress of this run is lost")
+    assert resume_hint("ck", True, []).startswith("no checkpoint was written yet in ck: running the same command "
+                                                  "again starts from step 0")
+    assert resume_hint("ck", True, [4, 8]) == ("resume: run the same command again (checkpoint.resume = true picks "
+                                               "up the newest checkpoint in ck (on this node: step 8))")
+    assert "with --checkpoint.resume true" in resume_hint("ck", False, [8])
+
+
 # -- one process: the handler, the watchdog, the parent's death ---------------------------------
 
 # prime/stop.py needs only the standard library: loaded from its file, these processes start in milliseconds
