@@ -43,6 +43,7 @@ class OuterStates:
         self.states: list[OuterState] = list(states)
         self.schedule = schedule
         self._mirrors: Optional[list] = None  # CPU copies of GPU homes, made on first use
+        self._stale = set(range(len(states)))  # fragments whose mirror is behind its home
 
     def __len__(self) -> int:
         return len(self.states)
@@ -96,15 +97,24 @@ class OuterStates:
         """Host memory the mirrors of GPU homes take (0 when every home is in CPU memory)."""
         return sum(2 * 4 * st.numel for st in self.states if st.device.type != "cpu")
 
+    def changed(self, k: int) -> None:
+        """The job's outer step k is about to be applied: its fragment's mirror falls behind."""
+        self._stale.add(self.fragment_of(k))
+
     @torch.no_grad()
     def published(self) -> list:
-        """tensors(), refreshed from the homes (after an outer update, before they are served)."""
+        """tensors(), refreshed from the homes (after an outer update, before they are served): only the
+        fragments that changed since the last refresh are copied (one fragment per outer step: 1/P of the
+        state crosses PCIe, not all of it)."""
         parts = self.tensors()
         if not self._on_cpu():
-            homes = [t for st in self.states for t in st.tensors()]
-            for m, h in zip(parts, homes):
-                if m is not h:
-                    m.copy_(h)
+            for p in sorted(self._stale):
+                homes = self.states[p].tensors()
+                first = 2 * p
+                for m, h in zip(parts[first : first + len(homes)], homes):
+                    if m is not h:
+                        m.copy_(h)
+        self._stale.clear()
         return parts
 
     @torch.no_grad()
@@ -118,6 +128,7 @@ class OuterStates:
                     h.copy_(m)
         for st in self.states:
             st.taken = True
+        self._stale.clear()  # mirrors and homes hold the same bytes
 
     def ensure_taken(self) -> None:
         for st in self.states:
@@ -128,6 +139,7 @@ class OuterStates:
     @torch.no_grad()
     def apply(self, k: int, avg: torch.Tensor, load: bool = False) -> None:
         """The outer update of the job's outer step k from its average (the same bits as on the members)."""
+        self.changed(k)
         self.states[self.fragment_of(k)].update(avg, load=load)
 
     @torch.no_grad()
@@ -136,6 +148,7 @@ class OuterStates:
         was called); applies outer step k's average, loads every fragment's outer weights into the model, and
         starts error feedback from zero."""
         p = self.fragment_of(k)
+        self.changed(k)
         for q, st in enumerate(self.states):
             if q == p:
                 st.update(avg, load=True)

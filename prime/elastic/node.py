@@ -477,6 +477,7 @@ class ElasticSync:
         """The outer update follows: stop serving the state it overwrites (sessions still reading go on from a
         copy). With overlap this comes a while after the average: until then the state before it is served."""
         self.server.retract()
+        self._state.changed(result.outer_step)
 
     def committed(self, result: SyncResult) -> None:
         """After the outer update: serve the new state, publish the commit and the data position, tidy the store."""
