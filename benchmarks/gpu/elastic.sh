@@ -5,7 +5,7 @@
 # node joins on its GPU (utilization over the outer steps whose membership did not change, the joiner's time to
 # join beside its state bytes / link rate, final weights identical).
 #   benchmarks/gpu.sh elastic OUT
-# env: NODES (2; 3 on a 4-GPU host, as the acceptance shape), H (100), ELASTIC_STEPS (1400), KILL (300), JOIN (400),
+# env: NODES (2; 3 on a 4-GPU host, as the acceptance shape), H (100), ELASTIC_STEPS (1500), KILL (200), JOIN (250), ELASTIC_TIMEOUT (320),
 #      FIXED (1: run the fixed-node run first), COMPILE (true). On fewer GPUs than nodes the nodes share them: a
 #      check that it works, not a measurement.
 cd "$(dirname "$0")/../.."
@@ -20,10 +20,10 @@ if [ -z "${DRY_RUN:-}" ] && [ "${FIXED:-1}" = 1 ]; then
   grep -E "utilization after" "$out/frag1b_summary.txt"
 fi
 h=${H:-100}
-run_step "elastic 1B: $nodes x 1 GPU, 4 fragments + overlap, 1 Gbit/s, kill node 1 at step ${KILL:-300}, join at ${JOIN:-400}" \
-  330 elastic1b.log \
-  python3 -m prime.simulate --nodes "$nodes" --elastic --kill-node "1@step:${KILL:-300}" --join-at "step:${JOIN:-400}" -- \
-  --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps "${ELASTIC_STEPS:-1400}" \
+run_step "elastic 1B: $nodes x 1 GPU, 4 fragments + overlap, 1 Gbit/s, kill node 1 at step ${KILL:-200}, join at ${JOIN:-250}" \
+  "${ELASTIC_TIMEOUT:-320}" elastic1b.log \
+  python3 -m prime.simulate --nodes "$nodes" --elastic --kill-node "1@step:${KILL:-200}" --join-at "step:${JOIN:-250}" -- \
+  --model.name 1B --data.seq_len 2048 --train.micro_batch_size 4 --train.steps "${ELASTIC_STEPS:-1500}" \
   --diloco.inner_steps "$h" --diloco.fragments 4 --diloco.overlap true --diloco.max_rate_mbit 1000 \
   --optim.warmup_steps 10 --metrics.log_every 50 --metrics.plot false --train.threads 8 --train.compile "${COMPILE:-true}" \
   --elastic.heartbeat_timeout_s 10 --elastic.barrier_timeout_s 120 --metrics.out_dir "$out/elastic1b"
