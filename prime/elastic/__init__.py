@@ -14,8 +14,8 @@
 
 membership.py: registration, heartbeats and the per-outer-step decisions in the
 TCPStore; transfer.py: the authenticated state download; node.py: the
-ElasticSync (the average with membership changes); store.py: a standalone
-store host.
+ElasticSync (the average with membership changes); join.py: its joins (the
+download and the admission); store.py: a standalone store host.
 """
 
 from prime.elastic.membership import Evicted, JobFinished, JoinError, Membership, MembershipError, Outcome, Plan

@@ -24,7 +24,8 @@ outer_states.OuterStates) while the others train, says it is ready, and is
 admitted at the next outer step, which it takes part in without contributing:
 DiLoCo calls rejoin() for it, on its main thread, before its first inner step
 (a joiner) or when an average reports Evicted (a prime.sync.LeftBehind; also
-from an average running in the background with overlap). See docs/elastic.md.
+from an average running in the background with overlap); prime/elastic/join.py
+holds that part. See docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -40,35 +41,11 @@ import torch
 from prime.elastic.membership import (Attempt, Evicted, JobFinished, JoinError, Membership, MembershipError, Plan,
                                       reduce_op)
 from prime import faults
-from prime.elastic.transfer import StateServer, TransferError, fetch_state, state_digest
-from prime.sync import LeftBehind, OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
+from prime.elastic.join import Joining, JoinInfo, store_errors
+from prime.elastic.transfer import StateServer, state_digest
+from prime.sync import OuterSyncError, SyncResult, all_local, is_comm_error, node_local_group, work_stats
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
-
-
-@dataclass
-class JoinInfo:
-    """What a node got when it was admitted (first join or a rejoin after an eviction)."""
-
-    outer_step: int
-    """The outer step at which it was admitted (its state is the committed state after it)."""
-    step: int
-    """Inner step count of the job at that outer step: continue from here."""
-    slot: int
-    """Data slot assigned to this node."""
-    slot_state: Optional[dict]
-    """Data position the slot's previous owner published (None: a new slot)."""
-    download_s: float
-    """Time of the state download (all attempts)."""
-    download_bytes: int
-    join_s: float
-    """From the start of the join to the commit of the admitting outer step."""
-    sources: list = field(default_factory=list)
-    """[node id, first byte, end byte] of every stretch downloaded."""
-    downloads: int = 1
-    """Downloads needed (more than 1 when the job moved on before this node was admitted)."""
-    reason: str = ""
-    """Why the node (re)joined: "new node" or the eviction reason."""
 
 
 @dataclass
@@ -121,7 +98,7 @@ class _RingBuilder(threading.Thread):
                 self.ring = None
 
 
-class ElasticSync:
+class ElasticSync(Joining):
     """The prime.sync.Sync of one single-process node of an elastic job (see the module docstring).
 
         sync = ElasticSync(membership, ring_timeout_s=60)
@@ -398,7 +375,7 @@ class ElasticSync:
             raise Evicted("new node")  # DiLoCo joins a joiner before its first average (must_join)
         arrived = time.monotonic()
         try:
-            with _store_errors(k):
+            with store_errors(k):
                 return self._boundary(k, g, inner_step, since=arrived, recompute=recompute)
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
@@ -600,230 +577,6 @@ class ElasticSync:
                 pass
         self.ring, self._ring_members, self._ring_k = None, None, None
 
-    # -- joining -------------------------------------------------------------------------
-
-    def _join(self, reason: str, k: int) -> SyncResult:
-        """Downloads the newest committed state from a live member into the outer states and takes part in
-        the next outer step without contributing; applies it (OuterStates.admit).
-
-        Blocks until admitted (the others keep training meanwhile). Raises
-        JobFinished when the job ended first, JoinError when it cannot join (no
-        peer, wrong secret, another configuration), MembershipError when the
-        store is unreachable."""
-        with _store_errors(k):
-            r, avg = self._download_and_admit(reason)
-        self._state.admit(r.outer_step, avg)
-        r.joined = True
-        return r
-
-    def _download_and_admit(self, reason: str) -> tuple:
-        """(the admitting outer step's SyncResult, its average), the downloaded state in the outer states."""
-        m = self.membership
-        t0 = time.monotonic()
-        downloads, dl_s, dl_bytes, sources = 0, 0.0, 0, []
-        settings = self._settings
-
-        def check_meta(meta: dict) -> Optional[str]:
-            theirs = meta.get("settings", {})
-            diff = sorted(k for k in set(settings) | set(theirs) if settings.get(k) != theirs.get(k))
-            if diff:
-                return ("the running job's settings differ from this node's in " + ", ".join(
-                    f"{k} (job {theirs.get(k)!r}, here {settings.get(k)!r})" for k in diff)
-                    + ": start this node with the job's config")
-            return None
-
-        def fetch(want: Optional[int]):
-            try:
-                return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
-                                   secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=check_meta,
-                                   timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
-                                   log=lambda msg: m.log(msg, event="download"), step=want)
-            except TransferError as e:
-                raise JoinError(f"node {self.node_id} could not download the job's state"
-                                + (f" (local rank {self.local_rank})" if self.group is not None else "")
-                                + f": {e}") from None
-
-        while True:
-            self._drop_ring()
-            self.server.retract()  # our buffers are about to be overwritten
-            res, want = None, None
-            while True:  # every local rank downloads its shard g; they must hold the same outer step
-                err = None
-                if res is None or res.step != want:
-                    try:
-                        got = fetch(want)
-                    except (JoinError, JobFinished, MembershipError) as e:
-                        err = e
-                    else:
-                        downloads += 1
-                        dl_s += got.seconds
-                        dl_bytes += sum(b - a for _, a, b in got.segments)
-                        sources += got.segments
-                        res = got
-                every = self._gather(("raise", err) if err is not None else ("ok", res.step))
-                errors = [v for kind, v in every if kind == "raise"]
-                if errors:
-                    raise errors[0]
-                steps = {v for _, v in every}
-                if len(steps) == 1:
-                    break
-                want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
-            s = res.step
-            inner_step = int(res.meta["inner_step"])
-            self._state.downloaded()  # the outer weights are the job's now, not the model's
-            g = self._state.buffer_for(s + 1)
-            m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
-                  f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
-                      f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
-                  seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
-
-            def admission():
-                m.set_ready(s)
-                return m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
-
-            plan = self._lead(admission, s + 1, g)
-            if plan is None and self.listen_when_stale:
-                # The download took longer than a round: take part in the rounds with zeros while the
-                # state downloads again, then apply the averages missed meanwhile (see _listen).
-                m.log(f"the job committed outer step {s + 1} before this node was admitted; joining as a "
-                      "listener: it takes part with zeros while it downloads the state again",
-                      event="stale", outer_step=s)
-                self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
-                                 "sources": sources, "reason": reason}
-                return self._listen()
-            if plan is None:
-                if time.monotonic() - t0 > self.join_timeout_s:
-                    raise JoinError(
-                        f"node {self.node_id} could not catch up with the job within {self.join_timeout_s:g} s "
-                        f"(elastic.join_timeout_s): {downloads} downloads of {res.total_bytes / 2**20:.0f} MiB took "
-                        f"{dl_s / downloads:.1f} s each, and every time the job had moved past the state by then. "
-                        "A join needs a download shorter than one outer step (H inner steps): use a faster link, "
-                        "a larger diloco.inner_steps, or an unthrottled source (elastic.transfer_max_rate_mbit)")
-                m.log(f"the job committed outer step {s + 1} before this node was admitted; downloading again",
-                      event="stale", outer_step=s)
-                continue
-            g.zero_()
-            try:
-                r = self._boundary(s + 1, g, inner_step, since=time.monotonic(), first_plan=plan)
-            except Evicted as e:
-                m.log(f"not admitted at outer step {s + 1}: {e.reason}; trying again", event="stale")
-                continue
-            self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
-                             "sources": sources, "reason": reason}
-            return r, g
-
-    def _listen(self) -> tuple:
-        """Joins as a listener: admitted at the next outer step before holding the state, this node takes part
-        in every round with zeros (a member, not a contributor) and keeps the averages it receives, while
-        each local rank downloads the newest state (shard g) on a thread. Once every local rank holds its
-        state after outer step s, it applies the averages of the outer steps after s that it kept (the same
-        fp32 updates as the members, so the same bits), and the outer step in progress completes as
-        any other. Converges whatever the download time, at the cost of one buffer of the outer weights'
-        size per outer step of download."""
-        m = self.membership
-        last = self._last_outer_at()
-        self._lead(lambda: m.set_ready(-1, listen=True), 0)
-        while True:
-            latest = self._lead(lambda: m.latest_committed(), 0)
-            k_done = int(latest["k"]) if latest is not None else 0
-            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1)
-            if plan is not None:
-                break
-        self._sources = self._node_sources(last)
-        notes: list = []
-        download = _Download(lambda: fetch_state(
-            self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
-            check_meta=lambda meta: None, timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
-            log=notes.append))
-        download.start()
-        kept: dict = {}
-        res = None
-        k, step, first = plan.k, plan.step, plan
-        while True:
-            g = self._state.buffer_for(k)  # each outer step's average has its fragment's size
-            try:
-                r = self._boundary(k, g, step, since=time.monotonic(), first_plan=first, listen=True)
-            except Evicted as e:
-                raise JoinError(f"node {self.node_id} was evicted while it downloaded the state: {e.reason}") from None
-            first = None
-            for msg in notes[:]:
-                m.log(msg, event="download")
-                notes.remove(msg)
-            if res is None and all_local(self.group, download.finished.is_set()):
-                res = download.take()
-                self._joining["downloads"] += 1
-                self._joining["download_s"] += res.seconds
-                self._joining["download_bytes"] += sum(b - a for _, a, b in res.segments)
-                self._joining["sources"] += res.segments
-            if res is not None:
-                if res.step < k:  # the outer step in progress (k) is applied by admit(), as on the members
-                    self._state.downloaded()
-                    missed = [j for j in sorted(kept) if j > res.step]
-                    for j in missed:
-                        self._state.apply(j, kept.pop(j))
-                    m.log(f"downloaded the state after outer step {res.step} in {res.seconds:.2f} s while listening; "
-                          f"applied the averages of outer steps {missed} received meanwhile", event="downloaded",
-                          outer_step=res.step, seconds=res.seconds, missed=missed)
-                    if self.is_leader:
-                        m.clear_ready()
-                    return r, g
-                # the state already holds outer step k: listen to one more round, then apply none
-            if res is None:
-                kept[k] = g
-            self._commit_listening(r)
-            self._sources = self._node_sources(last) or self._sources  # JobFinished after the last outer step
-            k = k + 1
-            step = self._state.step_of(k)
-
-    def _node_sources(self, last: Optional[int]) -> list:
-        """This local rank's download sources; raises (on every process of the node alike) JobFinished after
-        the job's last outer step, JoinError when every member is gone."""
-        err, out = None, []
-        try:
-            out = self.membership.live_sources(last)
-        except (JobFinished, JoinError) as e:
-            err = e
-        errors = [e for e in self._gather(err) if e is not None]
-        if errors:
-            raise errors[0]
-        return out
-
-    def _commit_listening(self, r: SyncResult) -> None:
-        """A listener's commit: records the outer step (for joiners) without serving a state it does not hold."""
-        m = self.membership
-        plan, outcome, _ = self._pending
-        self._pending = None
-        self._committed = Plan(k=r.outer_step, attempt=plan.attempt, members=list(outcome.members),
-                               contributors=list(outcome.members),
-                               slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
-        self.slot = plan.slot_of(self.node_id)
-        if self.is_leader:
-            m.commit(plan, outcome, None)
-        else:
-            m.tidy(r.outer_step)
-
-    def _joined(self, r: SyncResult) -> JoinInfo:
-        """Completes an admission once its outer step committed: the data slot, its position, a log line."""
-        m = self.membership
-        j, self._joining = self._joining, None
-        if self.is_leader:
-            m.clear_ready()
-        slot_state = m.read_slot(self.slot)
-        if isinstance(slot_state, dict) and "local" in slot_state:  # a node of several processes published it
-            every = slot_state["local"]
-            slot_state = every[self.local_rank] if self.local_rank < len(every) else None
-        info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
-                        slot_state=slot_state, download_s=j["download_s"],
-                        download_bytes=j["download_bytes"], join_s=time.monotonic() - j["t0"], sources=j["sources"],
-                        downloads=j["downloads"], reason=j["reason"])
-        digest = r.details.digest
-        m.log(f"joined at outer step {r.outer_step} (inner step {r.inner_step}, data slot {self.slot}) with "
-              f"nodes {r.members}: join took {info.join_s:.2f} s, download {info.download_s:.2f} s"
-              + (f", digest {digest[:16]}" if digest else ""),
-              event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
-              download_s=info.download_s, download_bytes=info.download_bytes, members=r.members, digest=digest)
-        return info
-
     # -- the end of the run -------------------------------------------------------------
 
     def final_agreement(self, publish: Callable[[str], None], read: Callable[[int], Optional[str]], digest: str,
@@ -876,53 +629,6 @@ class ElasticSync:
                 self.membership.leave()
             finally:
                 self.server.close()
-
-
-class _Download(threading.Thread):
-    """A state download on a thread of its own (a listener takes part in the rounds meanwhile)."""
-
-    def __init__(self, fetch: Callable[[], object]):
-        super().__init__(daemon=True, name="prime-elastic-download")
-        self._fetch = fetch
-        self.finished = threading.Event()
-        self.result = None
-        self.error: Optional[BaseException] = None
-
-    def run(self) -> None:
-        try:
-            self.result = self._fetch()
-        except BaseException as e:  # handed to the caller by take()
-            self.error = e
-        finally:
-            self.finished.set()
-
-    def take(self):
-        """The FetchResult; raises JoinError when the download failed."""
-        self.join()
-        if self.error is not None:
-            raise JoinError(f"the state download failed: {self.error}") from None
-        return self.result
-
-
-class _store_errors:
-    """Turns a failed store call into MembershipError: without the store no outer step can be agreed on."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, tp, e, tb):
-        import torch.distributed as dist
-
-        if e is not None and isinstance(e, dist.DistError):
-            raise MembershipError(
-                f"outer step {self.k}: the job's store is unreachable ({e}); no outer step can be agreed on "
-                "without it. Restart the store (python -m prime.elastic.store, or node 0), then every node: they "
-                "resume from the newest checkpoint they all have."
-            ) from e
-        return False
 
 
 def _portable(e: BaseException, k: int) -> BaseException:
