@@ -128,8 +128,9 @@ class DiLoCo:
     overlap:          run the average of outer step k on a background thread while
                       the inner steps of outer step k+1 proceed; it is applied at
                       outer step k+1 (docs/training.md, "Overlapping the all-reduce").
-                      Needs a ring (or RingSync), not an elastic sync. Call finish()
-                      at the end of training to apply the last one
+                      Needs a sync that declares background (a ring, RingSync,
+                      ElasticSync). Call finish() at the end of training to apply
+                      the last one
     overlap_scheme:   "eager-merge" (default: eager, but when the average arrives the
                       local weights keep half of their start point's offset from the
                       outer weights, and with overlap_steps < inner_steps the start
@@ -157,8 +158,7 @@ class DiLoCo:
                       at inner steps (p + 1) inner_steps / P + k inner_steps; with
                       overlap, overlap_steps is at most inner_steps / P (default: that).
                       finish() then syncs every fragment with inner steps not yet
-                      averaged, so that every node ends with the same weights. Not with
-                      an elastic sync
+                      averaged, so that every node ends with the same weights
     auto_margin_bytes: GPU memory outer_state_device="auto" keeps free for activations
                       and the like (None: max(8 GiB, 15% of the card); the trainer
                       passes its memory plan's estimate, prime.memory.auto_margin_bytes)
