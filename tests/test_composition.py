@@ -32,6 +32,7 @@ from prime.config import Config
 from prime.diloco import DiLoCo
 from prime.outer import OuterState
 from conftest import needs_ring
+from test_elastic import _run_threads as _threads  # nodes as threads; a hang or an error fails the test
 
 SCHEMES = ("sync", "eager", "eager-merge", "eager-adaptive", "delayed")
 H = 4  # inner steps per outer step
@@ -131,26 +132,6 @@ def _diloco_kwargs(scheme, fragments, codec, feedback):
     if scheme != "sync":
         kw.update(overlap=True, overlap_scheme=scheme)
     return kw
-
-
-def _threads(fns, timeout=150) -> list:
-    out, errs = [None] * len(fns), []
-
-    def call(i, fn):
-        try:
-            out[i] = fn()
-        except BaseException as e:  # surfaced below
-            errs.append(e)
-
-    ts = [threading.Thread(target=call, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ts), "a node hung"
-    if errs:
-        raise errs[0]
-    return out
 
 
 def _check_identical(nodes) -> int:
