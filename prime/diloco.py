@@ -561,10 +561,14 @@ class DiLoCo:
         self.outer_step = k if r.outer_step is None else r.outer_step
         if len(self.fragments) == 1:
             f.outer_step = self.outer_step
-        if r.inner_step is not None and r.inner_step != self.inner_step:  # a sync that moved this node to the
-            self.inner_step = r.inner_step                                  # job's step: every counter follows
+        if r.inner_step is not None and r.inner_step != self.inner_step:
+            # A sync that moved this node to the job's step, where fragment f just synced: every other fragment
+            # is as far from its own sync as the schedule puts it from f's (one fragment: since_sync 0).
+            self.inner_step = r.inner_step
+            H = self.inner_steps
             for g in self.fragments:
-                g.outer_step, g.since_sync = self.schedule.position(g.index, self.inner_step)
+                g.since_sync = (self.schedule.offset(f.index) - self.schedule.offset(g.index)) % H
+                g.outer_step = max(g.outer_step, 1)  # past its first, shorter phase
         self._sync.committed(r)
         return self._result(f, r, t0, times, norm if r.contributed else 0.0,
                             self._ring_error(r, err) if r.contributed else None)

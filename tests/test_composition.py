@@ -17,7 +17,6 @@ the trainer tests of tests/test_overlap.py and tests/test_fragments.py).
 import functools
 import hashlib
 import itertools
-import os
 import random
 import threading
 import time
@@ -169,10 +168,11 @@ RUN_PARAMS = [(*c, *_variant(i)) for i, c in enumerate(RUNS)]
 
 @needs_ring
 @pytest.mark.parametrize("scheme,fragments,elastic,codec,feedback,streamed", RUN_PARAMS, indirect=["streamed"])
-def test_every_combination_runs_with_identical_nodes(scheme, fragments, elastic, codec, feedback, streamed):
+def test_every_combination_runs_with_identical_nodes(scheme, fragments, elastic, codec, feedback, streamed,
+                                                    monkeypatch):
     seed = random.randrange(1 << 20)
     print(f"seed {seed}")
-    os.environ["PRIME_RING_SECRET"] = SECRET
+    monkeypatch.setenv("PRIME_RING_SECRET", SECRET)  # (this test only: later tests draw their own)
     kw = _diloco_kwargs(scheme, fragments, codec, feedback)
     if elastic:
         nodes = _elastic_run(seed, kw)
@@ -285,12 +285,12 @@ def _elastic_run(seed: int, kw: dict, device: str = "cpu") -> list:
 @pytest.mark.parametrize("placement", ["gpu", "cpu"])
 @pytest.mark.parametrize("scheme,fragments,codec", [("eager-merge", 4, "fp4"), ("sync", 1, "int8"),
                                                     ("eager", 1, "int8")])
-def test_elastic_with_the_outer_state_on_the_gpu(scheme, fragments, codec, placement):
+def test_elastic_with_the_outer_state_on_the_gpu(scheme, fragments, codec, placement, monkeypatch):
     """Models on the GPU, the outer state resident there (joiners are served from a host mirror) or streamed
     from pinned CPU memory: a node leaves, one joins, every node agrees bit for bit."""
     seed = random.randrange(1 << 20)
     print(f"seed {seed}")
-    os.environ["PRIME_RING_SECRET"] = SECRET
+    monkeypatch.setenv("PRIME_RING_SECRET", SECRET)  # (this test only: later tests draw their own)
     kw = _diloco_kwargs(scheme, fragments, codec, codec == "fp4")
     kw["outer_state_device"] = placement
     nodes = _elastic_run(seed, kw, device="cuda")
