@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from prime.fragments import FragmentSchedule
+from prime.layout import pinned_zeros
 from prime.outer import OuterState
 
 __all__ = ["OuterStates"]
@@ -89,8 +90,8 @@ class OuterStates:
         if self._on_cpu():
             return homes
         if self._mirrors is None:
-            self._mirrors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                             if t.device.type != "cpu" else t for t in homes]
+            # exactly the bytes, page-locked (not pin_memory=True, which rounds up to a power of two)
+            self._mirrors = [pinned_zeros(t.numel()).view(t.shape) if t.device.type != "cpu" else t for t in homes]
         return self._mirrors
 
     def mirror_bytes(self) -> int:
