@@ -58,15 +58,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from prime.fragments import BufferPool, Fragment, FragmentSchedule, FragmentSettings, OuterStepResult, split_fragments, \
-    sync_pieces
-from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
-from prime.feedback import resolve_error_feedback
-from prime.ops import default_block_size
-from prime.outer import (OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState, choose_device, home_buffer_count,
-                         pending_training_bytes, staging_bytes)
 from prime.codecs import codec as codec_named
+from prime.feedback import resolve_error_feedback
+from prime.fragment_plan import FragmentPlan, OuterUpdate, plan_fragments, work_buffers
+from prime.fragments import Fragment, FragmentSchedule, OuterStepResult
+from prime.hooks import InnerStepHooks
+from prime.ops import default_block_size
+from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
 from prime.outer_states import OuterStates
+from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
 from prime.sync import (LeftBehind, OuterSyncError, ReplicaMismatchError, RingSync, Sync, SyncResult, complete,
                         node_local_group, work_stats)
 
@@ -196,75 +196,27 @@ class DiLoCo:
         auto_margin_bytes: Optional[int] = None,
         error_feedback: Optional[bool] = None,
     ):
-        if inner_steps < 1:
-            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
-        if outer_lr <= 0:
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-        lossy = codec_named(codec).lossy
-        if block_size is None:
-            block_size = default_block_size(codec)
-        if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        self.error_feedback = resolve_error_feedback(error_feedback, codec)
-        """True when this node feeds its quantization error back into its next pseudo-gradient."""
-        if overlap_scheme not in SCHEMES:
-            raise ValueError(f"overlap_scheme must be one of {', '.join(SCHEMES)}, got {overlap_scheme!r}")
-        eager = SCHEMES[overlap_scheme].eager
-        if not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
-            raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got {fragments!r}")
+        block_size = default_block_size(codec) if block_size is None else block_size
+        overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
+                                         overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
         self.schedule = FragmentSchedule(inner_steps, fragments)
         """When each fragment syncs (prime.fragments.FragmentSchedule)."""
-        limit = self.schedule.default_delay()
-        overlap_steps = limit if overlap_steps is None else overlap_steps
-        if not 1 <= overlap_steps <= limit:
-            why = "" if fragments == 1 else (f" = inner_steps / fragments, the spacing of the fragments' syncs, so "
-                                             "that one average is in flight at a time")
-            raise ValueError(f"overlap_steps must be in [1, {limit}{why}], got {overlap_steps}")
-        if overlap and overlap_steps < inner_steps and not eager:
-            raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
-        if outer_state_device not in OUTER_STATE_DEVICES:
-            raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
-        if overlap and eager and outer_optimizer is not None:
-            raise ValueError(f"overlap with overlap_scheme={overlap_scheme!r} needs the default outer update (its lookahead "
-                             "is the Nesterov step without the momentum write); use outer_optimizer=None or "
-                             "overlap_scheme='delayed'")
+        self.error_feedback = resolve_error_feedback(error_feedback, codec)
+        """True when this node feeds its quantization error back into its next pseudo-gradient."""
         self.model = model
         named = list(model.named_parameters())
-        params = [p for _, p in named]
-        if inner_optimizer is not None:
-            ids = {id(p) for p in params}
-            stray = sum(1 for g in inner_optimizer.param_groups for p in g["params"] if id(p) not in ids)
-            if stray:
-                raise ValueError(
-                    f"the inner optimizer holds {stray} tensors that are not parameters of the model; "
-                    "build the optimizer after fully_shard(), which replaces the parameters"
-                )
+        _check_optimizer(inner_optimizer, [p for _, p in named])
         self.inner_optimizer = inner_optimizer
         self.inner_steps, self.codec, self.block_size = inner_steps, codec, block_size
         # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
-        self.measure_compression_error = measure_compression_error and lossy
-        if isinstance(sync, Sync):
-            if ring_factory is not None or local_group is not None:
-                raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "
-                                 "not to DiLoCo, when passing a Sync")
-            self._sync, self._owns_sync = complete(sync), False
-        elif sync is not None or ring_factory is not None:
-            self._sync = RingSync(sync, ring_factory=ring_factory, retries=retries,
-                                  local_group=node_local_group(local_group))
-            self._owns_sync = True
-        else:
-            self._sync, self._owns_sync = None, False
+        self.measure_compression_error = measure_compression_error and codec_named(codec).lossy
+        self._sync, self._owns_sync = _make_sync(sync, ring_factory, retries, local_group)
         if overlap and self._sync is not None and not self._sync.background:
             raise ValueError(f"overlap=True needs a ring, or a sync that can average in the background "
                              f"(prime.sync.SyncExtras.background); {type(sync).__name__} does not declare it")
         self.overlap = overlap and self._sync is not None
         """True when the all-reduce of each outer step runs during the next inner steps."""
-        self.overlap_scheme = overlap_scheme
-        self.overlap_steps = overlap_steps
+        self.overlap_scheme, self.overlap_steps = overlap_scheme, overlap_steps
         self.distributed = self._sync is not None
         """True when outer steps run (a ring or sync was given); False: step() only counts."""
         self._check_pending = check_replicas and self.distributed
@@ -272,109 +224,44 @@ class DiLoCo:
         self.outer_step = 0  # outer steps completed (every fragment's counted)
         self.result: Optional[OuterStepResult] = None
         """The result of the latest step() (also of the ones the optimizer hook runs)."""
-        self.fragments: list = []
-        """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
-        self.states: Optional[OuterStates] = None
-        self.placement = ""
-        """Where the outer state lives and why, in one line (empty on a single node)."""
-        self.work_bytes = 0
-        self._settings_fields: tuple = ()
+        self._plan = FragmentPlan()
         if self.distributed:
-            self._build_fragments(named, inner_optimizer, outer_state_device, outer_lr, outer_momentum, nesterov,
-                                  outer_optimizer, auto_margin_bytes)
-            self.states = OuterStates([f.state for f in self.fragments], self.schedule)
-            """Every fragment's outer state, as the sync sees it (prime.outer_states)."""
-            self._sync.bind(self.states, self.settings())
-            if inner_optimizer is None:
-                for f in self.fragments:
-                    f.state.take()  # no first inner step to wait for
             if self.overlap:
                 self._sync.use_from_background()
-                # A retry may need this process's input back after its own all-reduce worked.
-                self._settings.keep_input = self._sync.keeps_input
-        # Hooks: the pre-hook runs before every inner step, the post-hook only inside `with`.
-        self._unstepped = 0  # inner optimizer steps since the last step() call
-        self._post_hook = None
-        self._pre_hook = inner_optimizer.register_step_pre_hook(self._before_inner_step) if inner_optimizer else None
-
-    def _build_fragments(self, named, inner_optimizer, device, lr, mu, nesterov, outer_optimizer, margin) -> None:
-        """Cuts the parameters into fragments, decides where their outer state lives (one decision for all: the
-        outer weights and momentum of the whole model beside the work buffers of the largest fragment), and
-        builds each fragment's OuterState."""
-        P = self.schedule.fragments
-        names = [n for n, _ in named]
-        params = [p for _, p in named]
-        groups = split_fragments(names, [p.numel() for p in params], P) if P > 1 else [list(range(len(params)))]
-        from prime.parallelize import local_shard
-
-        locals_ = [local_shard(p.detach()) for p in params]
-        bs = self.block_size
-        frag_numel = [sum(-(-locals_[i].numel() // bs) * bs for i in idx) for idx in groups]
-        total, largest = sum(frag_numel), max(frag_numel)
-        on_gpu = any(t.device.type == "cuda" for t in locals_)
-        G = _local_world()
-        pieces = [1 if self.overlap else sync_pieces(sum(params[i].numel() for i in idx), G) for idx in groups]
-        self.work_bytes = self._work_bytes(frag_numel, pieces, on_gpu)
-        """Bytes of the work buffers (pseudo-gradients, overlap start points) at most, on the work device."""
-        buffers = home_buffer_count(self.error_feedback)
-        if device == "auto":
-            pending = pending_training_bytes(params, locals_, inner_optimizer) if on_gpu else 0
-            pending += self.work_bytes + staging_bytes(False, on_gpu) if on_gpu else 0
-            home, why = choose_device("auto", locals_, buffers, pending, numel=total, margin=margin)
-            device = "gpu" if home.type == "cuda" else "cpu"
-        else:
-            home, why = choose_device(device, locals_, buffers, numel=total)
-        self.placement = why
-        work = next((t.device for t in locals_ if t.device.type == "cuda"), torch.device("cpu"))
-        settings = FragmentSettings(
-            sync=self._sync, inner_steps=self.inner_steps, codec=self.codec,
-            measure_compression_error=self.measure_compression_error, overlap=self.overlap,
-            overlap_scheme=self.overlap_scheme, overlap_steps=self.overlap_steps, fragments=P,
-            grads=BufferPool(largest, work), starts=BufferPool(largest, work),
-            nodes=lambda: self._sync.world_size, check_finite=self._agree_finite)
-        self._settings = settings
-        model_numel = sum(p.numel() for p in params) or 1
-        for p, idx in enumerate(groups):
-            st = OuterState([params[i] for i in idx], block_size=bs, outer_lr=lr, outer_momentum=mu,
-                            nesterov=nesterov, optimizer_factory=outer_optimizer, device=device,
-                            error_feedback=self.codec if self.error_feedback else None)
-            share = sum(params[i].numel() for i in idx) / model_numel
-            self.fragments.append(Fragment(p, st, self.schedule.offset(p), settings, share, pieces[p]))
-        self._groups = groups
-
-    def _work_bytes(self, frag_numel: list, pieces: list, on_gpu: bool) -> int:
-        """The work buffers' bytes at most: with overlap, work_buffers() of the largest fragment's size; a
-        synchronous step, the largest fragment's pseudo-gradient, or PIPELINE_DEPTH pieces of it when pipelined
-        (a piece is cut at a pass piece, so it may be up to one pass piece longer than its share)."""
-        from prime.fragments import PIPELINE_DEPTH
-        from prime.layout import pass_piece
-
-        if self.overlap:
-            grads, starts = self.work_buffers()
-            keep = 1 if self._sync.keeps_input else 0  # the input kept for a retry (prime.sync keeps_input)
-            return (grads + starts + keep) * 4 * max(frag_numel)
-        chunk = pass_piece(on_gpu)
-        return max(4 * (n if k == 1 else PIPELINE_DEPTH * min(n, -(-n // k) + chunk)) for n, k in zip(frag_numel, pieces))
+            self._plan = plan_fragments(
+                named, inner_optimizer, schedule=self.schedule, sync=self._sync, device=outer_state_device,
+                update=OuterUpdate(outer_lr, outer_momentum, nesterov, outer_optimizer), codec=codec,
+                block_size=block_size, error_feedback=self.error_feedback,
+                measure_compression_error=self.measure_compression_error, overlap=self.overlap,
+                overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, margin=auto_margin_bytes,
+                check_finite=self._agree_finite)
+        self.fragments: list = self._plan.fragments
+        """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
+        self.states: Optional[OuterStates] = OuterStates([f.state for f in self.fragments], self.schedule) \
+            if self.distributed else None
+        """Every fragment's outer state, as the sync sees it (prime.outer_states)."""
+        self.placement, self.work_bytes = self._plan.placement, self._plan.work_bytes
+        """Where the outer state lives and why, in one line (empty on a single node); the work buffers' bytes."""
+        if self.distributed:
+            self._sync.bind(self.states, self.settings())
+            if inner_optimizer is None:
+                self.states.take()  # no first inner step to wait for
+        self._since_sync_single = 0  # a single node's count (it has no fragments)
+        self._hooks = InnerStepHooks(inner_optimizer, before=self._before_inner_step, count=self._count)
 
     def work_buffers(self) -> tuple:
         """(pseudo-gradient buffers, start buffers) of the largest fragment's size this DiLoCo keeps at most on
-        the work device: one pseudo-gradient synchronously; with overlap the one in flight and (over a whole
-        phase) the next, and the start point of eager schemes."""
-        if not self.overlap:
-            return 1, 0
-        whole_phase = self.schedule.fragments == 1 and self.overlap_steps >= self.inner_steps
-        return (2 if whole_phase else 1), (1 if SCHEMES[self.overlap_scheme].eager else 0)
+        the work device (prime.fragment_plan.work_buffers)."""
+        return work_buffers(self.schedule, self.overlap, self.overlap_scheme, self.overlap_steps)
 
     @property
     def state(self) -> Optional[OuterState]:
         """The outer state of a DiLoCo without fragments (None on a single node; with fragments, see
         `fragments`)."""
-        if not self.fragments:
-            return None
         if len(self.fragments) > 1:
             raise AttributeError("DiLoCo.state: with fragments > 1 every fragment has its own outer state "
                                  "(DiLoCo.fragments[p].state)")
-        return self.fragments[0].state
+        return self.fragments[0].state if self.fragments else None
 
     @property
     def since_sync(self) -> int:
@@ -386,8 +273,6 @@ class DiLoCo:
         for f in self.fragments:
             f.since_sync = value
         self._since_sync_single = value
-
-    _since_sync_single = 0
 
     @property
     def start(self) -> Optional[torch.Tensor]:
@@ -420,24 +305,15 @@ class DiLoCo:
             s["fragments"] = self.schedule.fragments
         if self.error_feedback:
             s["error_feedback"] = True
-        if len(self.fragments) == 1:
-            s.update(self.fragments[0].state.settings())
-        elif self.fragments:
-            per = [f.state.settings() for f in self.fragments]
-            s.update({k: v for k, v in per[0].items() if k not in ("shapes", "numel")})
-            s["shapes"] = [x for st in per for x in st["shapes"]]
-            s["numel"] = sum(st["numel"] for st in per)
+        if self.states is not None:
+            s.update(self.states.settings())
         return s
 
     # -- the hook form -------------------------------------------------------------
 
     def __enter__(self) -> "DiLoCo":
         """Inside `with diloco:`, every inner_optimizer.step() also runs step(); leaving closes (see close())."""
-        if self.inner_optimizer is None:
-            raise RuntimeError("`with DiLoCo(...)` needs the inner optimizer, whose step hook drives the outer "
-                               "steps; without one, call step() after every inner step")
-        if self._post_hook is None:
-            self._post_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        self._hooks.attach()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -448,45 +324,28 @@ class DiLoCo:
                 raise
             logger.error("while leaving `with diloco:` on %s: %s", exc_type.__name__, e)  # the first error wins
 
-    def _is_inner_step(self) -> bool:
-        # torch.distributed.checkpoint initializes optimizer state with a step at lr 0 in every group
-        # (torch's _init_optim_state): it changes nothing and is not an inner step.
-        return any(float(g.get("lr", 1.0)) != 0.0 for g in self.inner_optimizer.param_groups)
-
-    def _after_inner_step(self, *_) -> None:
-        if self._is_inner_step():
-            self._count()
-
-    def _before_inner_step(self, *_) -> None:
-        if not self._is_inner_step():
-            return
-        for f in self.fragments:
-            f.state.ensure_taken()  # the first inner step: weights loaded after construction are kept
-        if self._post_hook is None and self._unstepped >= 1:
-            raise RuntimeError(
-                "the inner optimizer stepped twice without DiLoCo.step() in between, so no outer step would ever "
-                "run: call diloco.step() after every inner_optimizer.step(), or use `with diloco:` to let the "
-                "optimizer's step hook do it")
-        self._unstepped += 1
+    def _before_inner_step(self) -> None:
+        if self.states is not None:
+            self.states.ensure_taken()  # the first inner step: weights loaded after construction are kept
 
     def reset_outer(self) -> None:
         """Outer weights := the model's current weights (momentum kept). Call after loading weights when
         no inner optimizer was given; with one, its first step does this."""
-        for f in self.fragments:
-            f.state.take()
+        if self.states is not None:
+            self.states.take()
 
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> OuterStepResult:
         """Call after every inner optimizer step (not inside `with diloco:`, where the optimizer's hook
         calls it). Runs an outer step when one is due; returns what it did."""
-        if self._post_hook is not None:
+        if self._hooks.attached:
             raise RuntimeError("inside `with diloco:` the inner optimizer's step hook runs DiLoCo.step(); "
                                "calling it as well would count every inner step twice")
         return self._count()
 
     def _count(self) -> OuterStepResult:
-        self._unstepped = 0
+        self._hooks.unstepped = 0
         self.inner_step += 1
         if not self.distributed:
             self.result = OuterStepResult(False, self.inner_step, self.outer_step)
@@ -574,12 +433,7 @@ class DiLoCo:
                             self._ring_error(r, err) if r.contributed else None)
 
     def _ring_error(self, r: SyncResult, own: Optional[float]) -> Optional[float]:
-        if not self.measure_compression_error:
-            return None
-        err, ref = r.stats.get("quant_err_sq"), r.stats.get("quant_in_sq")
-        if err is not None and ref is not None:
-            return math.sqrt(err / ref) if ref > 0 else 0.0
-        return own
+        return ring_error(r, own) if self.measure_compression_error else None
 
     def _agree_finite(self, finite: bool, outer_step: int) -> None:
         if not self._sync.agree(finite):
@@ -591,33 +445,9 @@ class DiLoCo:
 
     def _result(self, f: Fragment, r: Optional[SyncResult], t0: float, times: dict, norm: float,
                 comp_err: Optional[float], **extra) -> OuterStepResult:
-        stats = dict(r.stats) if r is not None else {}
-        for name in ("quant_err_sq", "quant_in_sq"):
-            stats.pop(name, None)
-        return OuterStepResult(
-            did_sync=True,
-            inner_step=self.inner_step,
-            outer_step=self.outer_step,
-            numel=f.state.numel,
-            allreduce_s=r.allreduce_s if r is not None else 0.0,
-            outer_s=time.perf_counter() - t0,
-            prepare_s=times["prepare_s"],
-            update_s=times["update_s"],
-            bytes_sent=stats.pop("bytes_sent", None),
-            bytes_received=stats.pop("bytes_received", None),
-            compression_error=comp_err,
-            pseudo_grad_norm=norm,
-            attempts=r.attempts if r is not None else 0,
-            ring_stats=stats,
-            members=list(r.members) if r is not None else [],
-            contributors=r.contributors if r is not None else 0,
-            details=r.details if r is not None else None,
-            fragment=f.index,
-            fragments=len(self.fragments),
-            share=f.share,
-            pieces=f.pieces,
-            **extra,
-        )
+        return outer_step_result(f, r, inner_step=self.inner_step, outer_step=self.outer_step,
+                                 fragments=len(self.fragments), outer_s=time.perf_counter() - t0, times=times,
+                                 norm=norm, compression_error=comp_err, **extra)
 
     def finish(self) -> list:
         """End of training. With overlap, waits for the averages in flight and applies them; when the inner
@@ -632,45 +462,32 @@ class DiLoCo:
                 f.drain()
         except LeftBehind as e:
             self._rejoin(e.reason)
-        if len(self.fragments) == 1:
-            f = self.fragments[0]
-            if self.overlap and f.since_sync == 0 and f.state.taken:
-                f._give_start()
-                f.state.load_into_model()
-            return []
         results = []
         overlap, self.overlap = self.overlap, False  # the last syncs are synchronous
-        self._settings.overlap = False
+        self._plan.settings.overlap = False
         try:
             for f in self.fragments:
-                if f.since_sync > 0:
+                if f.since_sync == 0:  # synced at the last step: its average is applied, the model gets it
+                    if f.state.taken:
+                        f._give_start()
+                        f.state.load_into_model()
+                elif len(self.fragments) > 1:  # (one fragment: the steps after its last outer step stay local)
                     if f.start is not None:  # ended before its average was due: the shift it would have made
                         f.apply_midway()
                     results.append(self._sync_one(f))
-                elif f.state.taken:  # synced at the last step: its average is applied, the model gets it
-                    f._give_start()
-                    f.state.load_into_model()
         finally:
-            self.overlap, self._settings.overlap = overlap, overlap
+            self.overlap, self._plan.settings.overlap = overlap, overlap
         return results
 
     # -- consistency across nodes ----------------------------------------------
 
     def weights_hash(self) -> int:
         """64-bit hash of the outer weights of every fragment."""
-        if len(self.fragments) == 1:
-            return self.fragments[0].state.weights_hash()
-        h = hashlib.blake2b(digest_size=8)
-        for f in self.fragments:
-            f.state.ensure_taken()
-            h.update(f.state.outer.cpu().numpy().data)
-        return int.from_bytes(h.digest(), "little")
+        return self.states.weights_hash()
 
     def outer_weights(self) -> torch.Tensor:
         """The outer weights of every fragment, flat, in fragment order (a CPU tensor)."""
-        if len(self.fragments) == 1:
-            return self.fragments[0].state.outer.cpu()
-        return torch.cat([f.state.outer.cpu() for f in self.fragments])
+        return self.states.outer_weights()
 
     def _fingerprint(self) -> tuple[int, int, int]:
         s = self.settings()
@@ -682,12 +499,11 @@ class DiLoCo:
         if self.overlap:  # appended only with overlap: the hash of a run without it is unchanged
             fields += (self.overlap_scheme, self.overlap_steps)
         if len(self.fragments) > 1:  # likewise for fragments
-            fields += (len(self.fragments), [len(g) for g in self._groups],
+            fields += (len(self.fragments), [len(g) for g in self._plan.groups],
                        [(f.outer_step, f.since_sync) for f in self.fragments])
         if self.error_feedback:  # and error feedback (the residuals themselves differ from node to node)
             fields += ("error_feedback",)
-        settings = repr(fields)
-        h = hashlib.blake2b(settings.encode(), digest_size=8).digest()
+        h = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
         return self.weights_hash(), int.from_bytes(h, "little"), numel
 
     @torch.no_grad()
@@ -703,50 +519,37 @@ class DiLoCo:
     # -- state ---------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Counters, outer weights and momentum (CPU tensors; the caller may save them with torch.save).
+        """Counters, and each fragment's outer weights and momentum under "fragments" (CPU tensors; the caller
+        may save them with torch.save).
 
         With overlap, first waits for the averages in flight and applies them to the outer weights (what their
         due step would do first, with the same bits): a checkpoint never holds anything in flight. The eager
         schemes add "start", the point the current inner steps started from (eager-adaptive also its weight
-        "alpha"). With fragments, each fragment's part is under "fragments"."""
-        sd = {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync}
-        if len(self.fragments) == 1:
-            fsd = self.fragments[0].state_dict()
-            fsd.pop("outer_step")
-            fsd.pop("since_sync")
-            sd.update(fsd)
-        elif self.fragments:
-            sd["fragments"] = [f.state_dict() for f in self.fragments]
-        return sd
+        "alpha")."""
+        return {"inner_step": self.inner_step, "outer_step": self.outer_step, "since_sync": self.since_sync,
+                "fragments": [f.state_dict() for f in self.fragments]}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restores state_dict(); the model's local weights must already be restored."""
+        """Restores state_dict(); the model's local weights must already be restored. Also loads the layout
+        one-fragment runs wrote before every run wrote "fragments" (the fragment's part at the top level)."""
         if any(f.in_flight for f in self.fragments):
             raise RuntimeError("load_state_dict while an average is in flight: load before training")
-        saved = len(sd.get("fragments", ())) or 1
-        if self.fragments and saved != len(self.fragments):
-            raise ValueError(f"the checkpoint was written with diloco.fragments = {saved}, this run has "
+        parts = sd["fragments"] if "fragments" in sd else [sd] if "outer" in sd else []
+        if self.fragments and (len(parts) or 1) != len(self.fragments):
+            raise ValueError(f"the checkpoint was written with diloco.fragments = {len(parts) or 1}, this run has "
                              f"{len(self.fragments)}: resume with the same diloco.fragments")
         self.inner_step, self.outer_step = int(sd["inner_step"]), int(sd["outer_step"])
         self.since_sync = int(sd["since_sync"])
-        if len(self.fragments) == 1:
-            f = self.fragments[0]
-            f.load_state_dict(sd, counters=False)
-            f.outer_step = self.outer_step  # one fragment: its count is the DiLoCo's
-        else:
-            for f, fsd in zip(self.fragments, sd.get("fragments", ())):
-                f.load_state_dict(fsd)
+        for f, part in zip(self.fragments, parts):
+            f.load_state_dict(part)
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
     def close(self) -> None:
         """Removes the optimizer hooks and closes what this DiLoCo created (a ring or sync passed in stays open)."""
-        for h in (self._pre_hook, self._post_hook):
-            if h is not None:
-                h.remove()
-        self._pre_hook = self._post_hook = None
+        self._hooks.remove()
         error, step = None, None
-        for f in getattr(self, "fragments", ()):
+        for f in self.fragments:
             # An average still in flight (overlap, finish() not called): wait for it rather than pull the ring
             # from under it (the peers would see a dead node); it ends within the ring's timeout. Its result is
             # not applied; a failure is raised below, after the sync is closed.
@@ -760,11 +563,88 @@ class DiLoCo:
             raise OuterSyncError(f"the average of outer step {step}, in flight at close(), failed: {error}") from error
 
 
-def _local_world() -> int:
-    """Processes of this node (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
-    import os
+def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,
+                     overlap_steps, outer_state_device, fragments, outer_optimizer) -> int:
+    """Refuses bad arguments with the argument named; returns overlap_steps (None: its default)."""
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+    if outer_lr <= 0:
+        raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+    if block_size < 32 or block_size > 4096 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two from 32 to 4096, got {block_size}")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    if overlap_scheme not in SCHEMES:
+        raise ValueError(f"overlap_scheme must be one of {', '.join(SCHEMES)}, got {overlap_scheme!r}")
+    eager = SCHEMES[overlap_scheme].eager
+    if not isinstance(fragments, int) or not 1 <= fragments <= inner_steps:
+        raise ValueError(f"fragments must be an int in [1, inner_steps={inner_steps}], got {fragments!r}")
+    limit = FragmentSchedule(inner_steps, fragments).default_delay()
+    overlap_steps = limit if overlap_steps is None else overlap_steps
+    if not 1 <= overlap_steps <= limit:
+        why = "" if fragments == 1 else (f" = inner_steps / fragments, the spacing of the fragments' syncs, so "
+                                         "that one average is in flight at a time")
+        raise ValueError(f"overlap_steps must be in [1, {limit}{why}], got {overlap_steps}")
+    if overlap and overlap_steps < inner_steps and not eager:
+        raise ValueError(f"overlap_steps < inner_steps needs an eager overlap_scheme, got {overlap_scheme!r}")
+    if outer_state_device not in OUTER_STATE_DEVICES:
+        raise ValueError(f"outer_state_device must be 'cpu', 'gpu' or 'auto', got {outer_state_device!r}")
+    if overlap and eager and outer_optimizer is not None:
+        raise ValueError(f"overlap with overlap_scheme={overlap_scheme!r} needs the default outer update (its lookahead "
+                         "is the Nesterov step without the momentum write); use outer_optimizer=None or "
+                         "overlap_scheme='delayed'")
+    return overlap_steps
 
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+
+def _check_optimizer(inner_optimizer, params: list) -> None:
+    if inner_optimizer is None:
+        return
+    ids = {id(p) for p in params}
+    stray = sum(1 for g in inner_optimizer.param_groups for p in g["params"] if id(p) not in ids)
+    if stray:
+        raise ValueError(f"the inner optimizer holds {stray} tensors that are not parameters of the model; "
+                         "build the optimizer after fully_shard(), which replaces the parameters")
+
+
+def _make_sync(sync, ring_factory, retries: int, local_group) -> tuple:
+    """(the Sync, whether DiLoCo owns it): a Sync passed in stays the caller's; a ring (or a ring_factory alone)
+    is wrapped in a RingSync that DiLoCo closes; None: a single node."""
+    if isinstance(sync, Sync):
+        if ring_factory is not None or local_group is not None:
+            raise ValueError("ring_factory and local_group belong to the ring: give them to the Sync, "
+                             "not to DiLoCo, when passing a Sync")
+        return complete(sync), False
+    if sync is not None or ring_factory is not None:
+        return RingSync(sync, ring_factory=ring_factory, retries=retries,
+                        local_group=node_local_group(local_group)), True
+    return None, False
+
+
+def ring_error(r: SyncResult, own: Optional[float]) -> Optional[float]:
+    """The relative L2 quantization error of an outer step: the ring's own measure when it reports one
+    (prime.sync.QUANT_ERROR_FIELDS), else `own` (a pass of this node's own)."""
+    err, ref = r.stats.get("quant_err_sq"), r.stats.get("quant_in_sq")
+    if err is not None and ref is not None:
+        return math.sqrt(err / ref) if ref > 0 else 0.0
+    return own
+
+
+def outer_step_result(f: Fragment, r: Optional[SyncResult], *, inner_step: int, outer_step: int, fragments: int,
+                      outer_s: float, times: dict, norm: float, compression_error: Optional[float],
+                      **extra) -> OuterStepResult:
+    """What fragment f's outer step did, from the sync's result r (None: nothing was averaged)."""
+    stats = dict(r.stats) if r is not None else {}
+    for name in ("quant_err_sq", "quant_in_sq"):
+        stats.pop(name, None)
+    return OuterStepResult(
+        did_sync=True, inner_step=inner_step, outer_step=outer_step, numel=f.state.numel,
+        allreduce_s=r.allreduce_s if r is not None else 0.0, outer_s=outer_s,
+        prepare_s=times["prepare_s"], update_s=times["update_s"],
+        bytes_sent=stats.pop("bytes_sent", None), bytes_received=stats.pop("bytes_received", None),
+        compression_error=compression_error, pseudo_grad_norm=norm,
+        attempts=r.attempts if r is not None else 0, ring_stats=stats,
+        members=list(r.members) if r is not None else [], contributors=r.contributors if r is not None else 0,
+        details=r.details if r is not None else None,
+        fragment=f.index, fragments=fragments, share=f.share, pieces=f.pieces, **extra)

@@ -24,6 +24,7 @@ error-feedback residual (it made no contribution yet) and no average in flight
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -134,6 +135,33 @@ class OuterStates:
     def ensure_taken(self) -> None:
         for st in self.states:
             st.ensure_taken()
+
+    def take(self) -> None:
+        """Outer weights := the model's current weights, in every fragment (momentum kept)."""
+        for st in self.states:
+            st.take()
+
+    # -- what every node must agree on ---------------------------------------------------------
+
+    def settings(self) -> dict:
+        """The outer update's settings (the same in every fragment) over every fragment's shapes, in order."""
+        per = [st.settings() for st in self.states]
+        s = {k: v for k, v in per[0].items() if k not in ("shapes", "numel")}
+        s["shapes"] = [x for st in per for x in st["shapes"]]
+        s["numel"] = sum(st["numel"] for st in per)
+        return s
+
+    def weights_hash(self) -> int:
+        """64-bit hash of every fragment's outer weights' bytes, in order (one fragment: OuterState.weights_hash)."""
+        h = hashlib.blake2b(digest_size=8)
+        for st in self.states:
+            st.ensure_taken()
+            h.update(st.outer.cpu().numpy().data)
+        return int.from_bytes(h.digest(), "little")
+
+    def outer_weights(self) -> torch.Tensor:
+        """Every fragment's outer weights, flat, in order (a CPU tensor)."""
+        return torch.cat([st.outer.cpu() for st in self.states])
 
     # -- applying outer steps ------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ float64 from docs/wire-format.md (independent of prime.ops), and can be told
 to fail. The real ring is exercised by tests/test_train.py.
 """
 
+import copy
 import math
 import threading
 
@@ -320,7 +321,7 @@ def test_persistent_failure_stops_without_changing_weights(seed):
         with pytest.raises(OuterSyncError, match="failed 2 time"):
             d.step()
         assert torch.equal(model.a.detach(), local)
-        assert torch.equal(d.state_dict()["outer"][:40], w0)
+        assert torch.equal(d.state_dict()["fragments"][0]["outer"][:40], w0)
         assert d.outer_step == 0 and d.since_sync == 1
         return True
 
@@ -433,13 +434,50 @@ def test_state_dict_round_trip(seed):
     m2, d2 = make()
     with torch.no_grad():
         m2.a.copy_(m1.a)
-    d2.load_state_dict({k: (v.clone() if torch.is_tensor(v) else v) for k, v in d1.state_dict().items()})
+    d2.load_state_dict(copy.deepcopy(d1.state_dict()))
     for m, d in ((m1, d1), (m2, d2)):
         with torch.no_grad():
             m.a -= deltas[2]
         d.step()
     assert torch.equal(m1.a, m2.a) and d2.outer_step == 3, f"seed {seed}"
 
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_checkpoint_of_the_older_one_fragment_layout_loads(seed, overlap):
+    """One-fragment runs once wrote the fragment's part at the top level of DiLoCo.state_dict() (counters beside
+    "outer", "momentum", "start"): such a checkpoint still restores the run exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(100, generator=gen)
+    deltas = [0.1 * torch.randn(100, generator=gen) for _ in range(4)]
+
+    def make():
+        model = TwoParams(w0, torch.zeros(1))
+        ring = FakeThreadRing(FakeThreadGroup(1), 0)
+        return model, DiLoCo(model, None, ring, inner_steps=1, codec="none", overlap=overlap)
+
+    m1, d1 = make()
+    for k in range(3):
+        with torch.no_grad():
+            m1.a -= deltas[k]
+        d1.step()
+    sd = d1.state_dict()
+    part = dict(sd["fragments"][0])
+    assert part["momentum"].abs().sum() > 0 and ("start" in part) == overlap
+    del part["outer_step"], part["since_sync"]
+    flat = {"inner_step": sd["inner_step"], "outer_step": sd["outer_step"], "since_sync": sd["since_sync"], **part}
+    m2, d2 = make()
+    with torch.no_grad():
+        m2.a.copy_(m1.a)
+    d2.load_state_dict(copy.deepcopy(flat))
+    assert d2.state_dict()["fragments"][0].keys() == sd["fragments"][0].keys()
+    for m, d in ((m1, d1), (m2, d2)):
+        with torch.no_grad():
+            m.a -= deltas[3]
+        d.step()
+        d.finish()
+    assert torch.equal(m1.a, m2.a) and torch.equal(d1.outer_weights(), d2.outer_weights()), f"seed {seed}"
+    assert d2.outer_step == d1.outer_step == 4
 
 # -- the API: hook form, outer weights taken late, local group, close, outer optimizer ---------------
 
@@ -528,7 +566,7 @@ def test_a_checkpoint_initializing_the_optimizer_is_not_an_inner_step(seed):
         model.load_state_dict({"weight": loaded})
         assert d.inner_step == 0
         _sgd_steps(model, opt, [torch.randn(6, 4, generator=gen)], after_step=None if hook_form else d.step)
-        assert d.inner_step == 1 and torch.equal(d.state_dict()["outer"][:12], loaded.reshape(-1))
+        assert d.inner_step == 1 and torch.equal(d.state_dict()["fragments"][0]["outer"][:12], loaded.reshape(-1))
         d.close()
 
 
@@ -538,11 +576,11 @@ def test_reset_outer_takes_the_weights_without_an_optimizer(seed):
     model = TwoParams(w0, torch.zeros(1))
     d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=1, codec="none", outer_lr=1.0,
                outer_momentum=0.0, nesterov=False)
-    assert torch.equal(d.state_dict()["outer"][:20], w0)  # no optimizer: taken at construction
+    assert torch.equal(d.state_dict()["fragments"][0]["outer"][:20], w0)  # no optimizer: taken at construction
     with torch.no_grad():
         model.a.copy_(loaded)
     d.reset_outer()
-    assert torch.equal(d.state_dict()["outer"][:20], loaded)
+    assert torch.equal(d.state_dict()["fragments"][0]["outer"][:20], loaded)
     with torch.no_grad():
         model.a -= delta
     d.step()  # lr 1, no momentum: the outer weights become the local ones
@@ -632,7 +670,7 @@ def test_a_custom_outer_optimizer_matches_plain_torch(seed, make):
     d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=1, codec="none", outer_optimizer=make)
     for k in range(4):
         if k == 2:  # a restart in the middle: a new DiLoCo from state_dict continues the same
-            sd = {key: (v.clone() if torch.is_tensor(v) else v) for key, v in d.state_dict().items()}
+            sd = copy.deepcopy(d.state_dict())
             d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=1, codec="none",
                        outer_optimizer=make)
             d.load_state_dict(sd)
@@ -647,7 +685,8 @@ def test_a_custom_outer_optimizer_matches_plain_torch(seed, make):
         ref_opt.step()
         for got, want in ((model.a, ref[0]), (model.b, ref[1])):
             torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7, msg=f"seed {seed} k {k}")
-    assert "momentum" not in d.state_dict() and "outer_optimizer" in d.state_dict()
+    part = d.state_dict()["fragments"][0]
+    assert "momentum" not in part and "outer_optimizer" in part
 
 
 def test_a_custom_outer_optimizer_must_be_a_torch_optimizer():

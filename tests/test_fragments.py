@@ -373,7 +373,7 @@ def test_a_persistent_failure_part_way_resumes_with_the_rest(seed, monkeypatch):
             except OuterSyncError as e:
                 assert "at piece 3 of" in str(e) and "Pieces 1 to 2 were applied" in str(e)
                 sd = _clone(d.state_dict())
-        assert sd["pieces_done"] == 2 and sd["since_sync"] == H
+        assert sd["fragments"][0]["pieces_done"] == 2 and sd["since_sync"] == H
         d.close()
         model = Layers(model.weights())
         d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
