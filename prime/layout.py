@@ -185,6 +185,12 @@ class _Piece:
         which is always one whole piece)."""
         return self.t.view(-1)[self.a : self.a + self.n] if self.t.is_contiguous() else self.t.reshape(-1)
 
+    def subtract_from(self, anchor: torch.Tensor, out: torch.Tensor) -> None:
+        """out := anchor - the parameter's values of this piece (one fp32 subtraction per value; padding 0), with
+        anchor and out this piece's slices of flat buffers: the pseudo-gradient."""
+        torch.sub(anchor[: self.n], self.values(), out=out[: self.n])
+        out[self.n :].zero_()
+
     def write(self, src: torch.Tensor, add: bool = False) -> None:
         """Parameter values of this piece := (or +=) the first n values of `src` (on the parameter's device)."""
         src = src[: self.n]

@@ -37,31 +37,17 @@ commit_residual() writes what it lost once the average is back.
 
 The passes of an outer step: one over the parameters for the pseudo-gradient
 and its squared norm (pseudo_gradient), then after the average one update pass
-(update, with the copy into the model fused in). With overlap (prime/diloco.py)
-a lookahead pass computes the next start point without touching the momentum.
-Each pass may cover a flat range [lo, hi) only (a piece of a pipelined outer
-step: prime.fragments), cut at `ranges()`.
+(update, with the copy into the model fused in). Each pass may cover a flat
+range [lo, hi) only (a piece of a pipelined outer step: prime.pipeline), cut at
+`ranges()`. With overlap (prime/diloco.py) a lookahead pass computes the next
+start point without touching the momentum: the passes only overlap runs are
+prime.overlap.OverlapPasses, mixed in here.
 
-The default update is Nesterov SGD written as separate elementwise multiplies
-and adds, each one IEEE fp32 rounding with no fused multiply-add, so every
-node computes the same bits from the same average on any CPU:
-
-    momentum = mu * momentum + g
-    update   = g + mu * momentum     (Nesterov) or momentum
-    outer   -= lr * update
-
-torch.optim.SGD gives the same values up to the last bit, but it may fuse
-`a + mu * b` where the CPU has FMA, and nodes with different CPUs would then
-drift apart. The same sequence of single-rounding torch kernels runs on the
-GPU (one kernel per operation, so nothing can be contracted into an FMA across
-them), and the CPU, the GPU and the streamed state give the same bits
-(tests/test_outer_gpu.py): nodes stay identical whichever device each keeps its
-outer state on.
-
-An `optimizer_factory` replaces this update by any torch optimizer over the
-outer parameters (one fp32 tensor per model parameter, viewing the flat buffer,
-on the home device, where it also runs); its bits then depend on torch's
-kernels, which are identical only on the same torch build and instruction set.
+The update's arithmetic is prime.update's: the default Nesterov SGD, each
+operation rounded once, so that every node, on any CPU or GPU and whether its
+state is resident or streamed, computes the same bits from the same average;
+or a custom torch optimizer (`optimizer_factory`) over views of the outer
+weights.
 """
 
 from __future__ import annotations
@@ -69,16 +55,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
-from torch import nn
 
 from prime.feedback import compensate
 from prime.ops import DEFAULT_BLOCK_SIZE
 from prime import layout
 from prime.layout import (AUTO_GPU_MARGIN_BYTES, AUTO_GPU_MARGIN_FRACTION, OUTER_STATE_DEVICES,  # noqa: F401
-                          FlatLayout, _Piece, choose_device, pending_training_bytes, resolve_device, staging_bytes)
+                          FlatLayout, choose_device, pending_training_bytes, resolve_device, staging_bytes)
+from prime.overlap import OverlapPasses
+from prime.update import NesterovUpdate, OuterOptimizerFactory, TorchOptimizerUpdate
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
            "AUTO_GPU_MARGIN_FRACTION", "pending_training_bytes", "resolve_device", "choose_device",
@@ -87,51 +74,19 @@ __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_G
 logger = logging.getLogger("prime.outer")
 
 
-OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
-"""outer_optimizer(params) -> a torch optimizer over `params`: one fp32 nn.Parameter per model
-parameter (the local shard's shape, on the outer state's home device), in model.parameters() order. Its .grad
-is the averaged pseudo-gradient."""
-
-
-def _pseudo_gradient_piece(p: _Piece, anchor: torch.Tensor, g: torch.Tensor, sq: torch.Tensor) -> None:
-    """g = anchor - the parameter's values of piece p (one fp32 subtraction; padding 0); sq += ||g||^2."""
-    torch.sub(anchor[: p.n], p.values(), out=g[: p.n])
-    g[p.n :].zero_()
-    sq.add_(torch.dot(g[: p.n], g[: p.n]).double())
-
-
-def _lookahead_piece(out, m, w, g, mu, lr, nesterov, scale, tmp, tmp2, tmp3) -> None:
-    """out = the outer weights update() would make of (w, m) from g (fp32(g * scale) with a scale), leaving w and
-    m as they are: update()'s operations in its order, each rounded once."""
-    if scale is not None:
-        g = torch.mul(g, scale, out=tmp3[: g.numel()])
-    mm = tmp[: g.numel()]
-    torch.mul(m, mu, out=mm)
-    mm.add_(g)  # the momentum update() would store
-    if nesterov:
-        t = tmp2[: g.numel()]
-        torch.mul(mm, mu, out=t)
-        t.add_(g)
-    else:
-        t = mm
-    t.mul_(lr)
-    torch.sub(w, t, out=out)
-
-
-
 def home_buffer_count(error_feedback: bool) -> int:
     """Flat fp32 buffers of the layout an outer state keeps in its home: outer weights and momentum, and with
     error feedback the residual."""
     return 2 + bool(error_feedback)
 
 
-class OuterState(FlatLayout):
+class OuterState(FlatLayout, OverlapPasses):
     """Outer weights and momentum (or a torch outer optimizer), flat fp32.
 
     params:            the model's parameters (FSDP2 DTensors or plain tensors), or a fragment's
     block_size:        codec block size; every parameter starts a new block
-    outer_lr, outer_momentum, nesterov: the default outer update
-    optimizer_factory: replaces the default update (see OuterOptimizerFactory)
+    outer_lr, outer_momentum, nesterov: the default outer update (prime.update.NesterovUpdate)
+    optimizer_factory: replaces the default update (see prime.update.OuterOptimizerFactory)
     device:            "cpu", "gpu" or "auto": the home of the outer weights and momentum (module docstring)
     extra_buffers:     work buffers beyond the pseudo-gradient that the caller will ask new_buffer() for;
                        counted by device="auto"
@@ -166,8 +121,6 @@ class OuterState(FlatLayout):
                          pending_bytes=pending_bytes)
         self.feedback_codec = error_feedback
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
-        self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
-        off = self.numel
         self.outer = self._home_buffer()
         """The outer weights (padding: 0)."""
         self._grad: Optional[torch.Tensor] = None
@@ -175,21 +128,17 @@ class OuterState(FlatLayout):
         """True once the outer weights hold something (take(), load_state_dict() or a download)."""
         self.residual: Optional[torch.Tensor] = self._home_buffer() if error_feedback is not None else None
         """Error feedback: what this node's contributions lost to the codec so far (padding: 0; None: off)."""
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.rule: Optional[NesterovUpdate] = None
+        """The default outer update (None: a custom outer optimizer)."""
+        self.optimizer: Optional[TorchOptimizerUpdate] = None
+        """A custom outer optimizer over views of the outer weights (None: the default update)."""
         self.momentum: Optional[torch.Tensor] = None
         if optimizer_factory is None:
+            self.rule = NesterovUpdate(outer_lr, outer_momentum, nesterov)
             self.momentum = self._home_buffer()
         else:
-            # nn.Parameters that alias the flat buffer: the optimizer's in-place updates land in self.outer.
-            self._opt_grad = torch.zeros(off, dtype=torch.float32, device=self.device)
-            self.outer_params = [nn.Parameter(self.outer[o : o + n].view(s))
-                                 for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
-            for p, o, n, s in zip(self.outer_params, self.offsets, self.sizes, self.shapes):
-                p.grad = self._opt_grad[o : o + n].view(s)
-            self.optimizer = optimizer_factory(self.outer_params)
-            if not isinstance(self.optimizer, torch.optim.Optimizer):
-                raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-
+            self.optimizer = TorchOptimizerUpdate(optimizer_factory, self.outer, self.offsets, self.sizes,
+                                                  self.shapes, self.device)
 
     # -- the outer step's parts --------------------------------------------------
 
@@ -214,7 +163,8 @@ class OuterState(FlatLayout):
         sq = torch.zeros((), dtype=torch.float64, device=g.device)
 
         def body(p, a, gv):
-            _pseudo_gradient_piece(p, a, gv, sq)
+            p.subtract_from(a, gv)
+            sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
 
         if anchor is None:
             self._walk(body, home=(self.outer,), work=(g,), lo=lo, hi=hi, work_at=at)
@@ -269,27 +219,17 @@ class OuterState(FlatLayout):
         if self.optimizer is not None:
             if lo != 0 or at != 0 or (hi is not None and hi != self.numel):
                 raise ValueError("a custom outer_optimizer updates the whole state at once (no pipelined pieces)")
-            self._opt_grad.copy_(g)
-            self.optimizer.step()
+            self.optimizer.step(g)
             if load:
                 self.scatter(self.outer)
             if norm:
                 self._walk(lambda p, gv: sq.add_(torch.dot(gv, gv).double()), work=(g,))
             return float(sq) if norm else None
-        mu, lr, nesterov = self.mu, self.lr, self.nesterov
+        rule = self.rule
         tmp = self._scratch(1)[0]
 
         def body(p, mc, wc, gc, *sc):
-            t = tmp[: gc.numel()]
-            mc.mul_(mu)
-            mc.add_(gc)  # momentum = mu * momentum + g  (two roundings, never one FMA)
-            if nesterov:
-                torch.mul(mc, mu, out=t)
-                t.add_(gc)  # update = g + mu * momentum
-            else:
-                t.copy_(mc)
-            t.mul_(lr)
-            wc.sub_(t)  # outer -= lr * update
+            rule.step(mc, wc, gc, tmp[: gc.numel()])
             if norm:
                 sq.add_(torch.dot(gc, gc).double())  # while gc is hot
             if load:
@@ -309,71 +249,6 @@ class OuterState(FlatLayout):
             self._walk(lambda p, mc, wc, gc, sc_: body(p, mc, wc, gc, sc_), home=(self.momentum, self.outer),
                        work=(g, shift), write_home=True, lo=lo, hi=hi)
         return float(sq) if norm else None
-
-    @torch.no_grad()
-    def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
-                  scale: Optional[float] = None) -> None:
-        """out = the outer weights update(g) would give, without changing the weights or the momentum (g and out
-        are work buffers; out may be g). `load`: also copy `out` into the model. `scale`: use fp32(g * scale) in
-        place of g.
-
-        The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
-        if self.optimizer is not None:
-            raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
-        mu, lr, nesterov = self.mu, self.lr, self.nesterov
-        tmp, tmp2, tmp3 = self._scratch(3)
-
-        def body(p, mc, wc, gc, oc):
-            _lookahead_piece(oc, mc, wc, gc, mu, lr, nesterov, scale, tmp, tmp2, tmp3)
-            if load:
-                p.write(oc)
-
-        self._walk(body, home=(self.momentum, self.outer), work=(g, out))
-
-    @torch.no_grad()
-    def pseudo_gradient_and_lookahead(self, g: torch.Tensor, out: torch.Tensor, *, scale: Optional[float] = None) -> float:
-        """pseudo_gradient(g) from the outer weights, then lookahead(g, out, load=True, scale=scale), in one
-        pass over the home buffers (the same operations, so the same bits as the two passes). Returns ||g||^2."""
-        if self.optimizer is not None:
-            raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
-        mu, lr, nesterov = self.mu, self.lr, self.nesterov
-        tmp, tmp2, tmp3 = self._scratch(3)
-        sq = torch.zeros((), dtype=torch.float64, device=g.device)
-
-        def body(p, mc, wc, gv, oc):
-            _pseudo_gradient_piece(p, wc, gv, sq)
-            _lookahead_piece(oc, mc, wc, gv, mu, lr, nesterov, scale, tmp, tmp2, tmp3)
-            p.write(oc)
-
-        self._walk(body, home=(self.momentum, self.outer), work=(g, out))
-        return float(sq)
-
-    @torch.no_grad()
-    def shift_to_outer(self, start: torch.Tensor, keep: Optional[float] = None) -> None:
-        """Overlap, once the average in flight is applied: start := (outer weights - start) [* keep], and the
-        local weights += start (each operation rounded once): the local weights move by what their start point
-        missed (eager-merge keeps only `keep` of it). `start` (a work buffer) then holds the shift."""
-
-        def body(p, wc, sc):
-            torch.sub(wc, sc, out=sc)  # what the start point missed
-            if keep is not None:
-                sc.mul_(keep)
-            p.write(sc, add=True)
-
-        self._walk(body, home=(self.outer,), work=(start,))
-
-    @torch.no_grad()
-    def merge_stand_in(self, s: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
-        """eager-merge at a boundary: s := g - alpha (s - outer weights), each operation rounded once (s, g: work
-        buffers). Returns s."""
-
-        def body(p, wc, sc, gc):
-            torch.sub(sc, wc, out=sc)  # the start point's offset from the new outer weights
-            sc.mul_(alpha)
-            torch.sub(gc, sc, out=sc)
-
-        self._walk(body, home=(self.outer,), work=(s, g))
-        return s
 
     @torch.no_grad()
     def add_to_model(self, delta: torch.Tensor) -> None:
@@ -405,8 +280,7 @@ class OuterState(FlatLayout):
 
         def body(p, wc, ec):
             t = tmp[: wc.numel()]
-            torch.sub(wc[: p.n], p.values(), out=t[: p.n])  # pseudo_gradient()'s subtraction
-            t[p.n :].zero_()
+            p.subtract_from(wc, t)  # pseudo_gradient()'s subtraction
             compensate(t, ec, codec, bs, True)
 
         self._walk(body, home=(self.outer, self.residual), write_home=True, lo=lo, hi=hi)
@@ -424,11 +298,7 @@ class OuterState(FlatLayout):
 
     def settings(self) -> dict:
         """What every node must agree on for the outer step to mean the same everywhere."""
-        if self.optimizer is None:
-            opt = {"outer_lr": self.lr, "outer_momentum": self.mu, "nesterov": self.nesterov}
-        else:
-            opt = {"outer_optimizer": type(self.optimizer).__name__,
-                   "outer_defaults": repr(sorted(self.optimizer.defaults.items()))}
+        opt = self.rule.settings() if self.optimizer is None else self.optimizer.settings()
         return {**opt, "block_size": self.block_size, "shapes": [list(s) for s in self.shapes], "numel": self.numel}
 
     def weights_hash(self) -> int:

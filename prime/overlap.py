@@ -17,6 +17,10 @@ averages, in order, whatever the policy, so every node holds the same bits:
 One class per scheme, registered in SCHEMES by name: a new scheme is a class here
 and one line in SCHEMES. Each Fragment holds its own policy (eager-adaptive keeps
 its alpha per fragment).
+
+The passes over the outer state that only overlap runs (the lookahead, the shift
+once an average lands mid-phase, eager-merge's stand-in) are OverlapPasses, mixed
+into prime.outer.OuterState.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from typing import Optional
 
 import torch
 
+from prime.update import NesterovUpdate
+
 __all__ = ["OverlapPolicy", "Delayed", "Eager", "EagerAdaptive", "EagerMerge", "SCHEMES", "make_policy",
-           "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
+           "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share", "OverlapPasses"]
 
 STAND_IN_OTHERS = 0.5
 """eager-merge with overlap_steps < inner_steps: the weight of the local pseudo-gradient as a stand-in for the
@@ -187,3 +193,79 @@ def make_policy(name: str, settings) -> OverlapPolicy:
     if name not in SCHEMES:
         raise ValueError(f"overlap_scheme must be one of {', '.join(SCHEMES)}, got {name!r}")
     return SCHEMES[name](settings)
+
+
+# -- the passes over the outer state that only overlap runs ------------------------------------
+
+
+class OverlapPasses:
+    """The passes of prime.outer.OuterState that only overlap runs, each one walk over its home buffers (the
+    outer weights `outer`, the momentum `momentum`) with its default update `rule` (prime.update): none of them
+    changes the outer weights or the momentum."""
+
+    def _lookahead_rule(self) -> NesterovUpdate:
+        if self.optimizer is not None:
+            raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
+        return self.rule
+
+    @torch.no_grad()
+    def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
+                  scale: Optional[float] = None) -> None:
+        """out = the outer weights update(g) would give, without changing the weights or the momentum (g and out
+        are work buffers; out may be g). `load`: also copy `out` into the model. `scale`: use fp32(g * scale) in
+        place of g.
+
+        The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
+        rule = self._lookahead_rule()
+        tmp, tmp2, tmp3 = self._scratch(3)
+
+        def body(p, mc, wc, gc, oc):
+            rule.lookahead(oc, mc, wc, gc, scale, tmp, tmp2, tmp3)
+            if load:
+                p.write(oc)
+
+        self._walk(body, home=(self.momentum, self.outer), work=(g, out))
+
+    @torch.no_grad()
+    def pseudo_gradient_and_lookahead(self, g: torch.Tensor, out: torch.Tensor, *, scale: Optional[float] = None) -> float:
+        """pseudo_gradient(g) from the outer weights, then lookahead(g, out, load=True, scale=scale), in one
+        pass over the home buffers (the same operations, so the same bits as the two passes). Returns ||g||^2."""
+        rule = self._lookahead_rule()
+        tmp, tmp2, tmp3 = self._scratch(3)
+        sq = torch.zeros((), dtype=torch.float64, device=g.device)
+
+        def body(p, mc, wc, gv, oc):
+            p.subtract_from(wc, gv)  # pseudo_gradient()'s operations
+            sq.add_(torch.dot(gv[: p.n], gv[: p.n]).double())
+            rule.lookahead(oc, mc, wc, gv, scale, tmp, tmp2, tmp3)
+            p.write(oc)
+
+        self._walk(body, home=(self.momentum, self.outer), work=(g, out))
+        return float(sq)
+
+    @torch.no_grad()
+    def shift_to_outer(self, start: torch.Tensor, keep: Optional[float] = None) -> None:
+        """Overlap, once the average in flight is applied: start := (outer weights - start) [* keep], and the
+        local weights += start (each operation rounded once): the local weights move by what their start point
+        missed (eager-merge keeps only `keep` of it). `start` (a work buffer) then holds the shift."""
+
+        def body(p, wc, sc):
+            torch.sub(wc, sc, out=sc)  # what the start point missed
+            if keep is not None:
+                sc.mul_(keep)
+            p.write(sc, add=True)
+
+        self._walk(body, home=(self.outer,), work=(start,))
+
+    @torch.no_grad()
+    def merge_stand_in(self, s: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
+        """eager-merge at a boundary: s := g - alpha (s - outer weights), each operation rounded once (s, g: work
+        buffers). Returns s."""
+
+        def body(p, wc, sc, gc):
+            torch.sub(sc, wc, out=sc)  # the start point's offset from the new outer weights
+            sc.mul_(alpha)
+            torch.sub(gc, sc, out=sc)
+
+        self._walk(body, home=(self.outer,), work=(s, g))
+        return s
