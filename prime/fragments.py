@@ -19,8 +19,8 @@ A synchronous outer step of a large fragment is pipelined: its flat range is cut
 into pieces (about SYNC_PIECE_VALUES values each), every piece's pseudo-gradient
 is computed and handed to the ring as soon as it is ready, and every piece's
 update is applied as soon as its average is back, while later pieces are still
-on the wire. Only the first piece's preparation and the last piece's update are
-left on the critical path beside the wire.
+on the wire (prime.pipeline). Only the first piece's preparation and the last
+piece's update are left on the critical path beside the wire.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from prime.codecs import CODECS
 from prime.outer import OuterState
 from prime.overlap import MERGE_ALPHA, STAND_IN_OTHERS, OverlapPolicy, make_policy, stand_in_share  # noqa: F401
+from prime.pipeline import PIPELINE_DEPTH, PipelinedStep  # noqa: F401
 from prime.sync import OuterSyncError, SyncResult
 
 __all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
@@ -46,10 +47,6 @@ SYNC_PIECE_VALUES = 1 << 27
 many values (128M: 512 MiB of fp32, 128 MiB of int8, 0.2 s of a 5 Gbit/s link; PCIe moves it in ~10 ms), so
 that preparing and applying pieces overlaps the wire. Smaller fragments go in one all-reduce, as before."""
 
-PIPELINE_DEPTH = 3
-"""Pieces of a pipelined synchronous outer step prepared and not yet applied at once (each its own work buffer):
-the piece being applied, the one on the wire and the next, queued; 3 x 512 MiB at most on the GPU instead of
-the fragment's whole pseudo-gradient."""
 
 def sync_pieces(global_numel: int, local_world: int) -> int:
     """How many pieces a synchronous outer step of a fragment of `global_numel` values is pipelined in: about
@@ -315,6 +312,12 @@ class FragmentSettings:
     nodes: Callable[[], int] = lambda: 1
     check_finite: Optional[Callable[[bool, int], None]] = None
 
+    def own_error_pass(self) -> bool:
+        """The int8 error is measured by a pass of our own: asked for, the codec needs one, and the ring cannot
+        report it."""
+        return self.measure_compression_error and CODECS[self.codec].own_error_pass and \
+            not _ring_reports_error(self.sync)
+
 
 class Fragment:
     """One fragment's outer step: its OuterState, its phase, its average in flight (overlap) and the point its
@@ -329,9 +332,7 @@ class Fragment:
         """Outer steps of this fragment completed."""
         self.since_sync = 0
         """Inner steps since this fragment's last outer step."""
-        self.pieces_done = 0
-        """Pieces of a pipelined synchronous outer step already applied when it failed part way (0 otherwise):
-        the next attempt (also after a resume) does the rest."""
+        self._pipeline = PipelinedStep(state, settings)  # the synchronous outer step, in pieces
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
         weights)."""
@@ -340,7 +341,6 @@ class Fragment:
         """How the inner steps start while this fragment's average is in flight (prime.overlap; None: no overlap)."""
         self._inflight: Optional[_InFlight] = None
         self._midway: Optional[tuple] = None  # (SyncResult, outer step, wait) of an average applied mid-phase
-        self._slots: Optional[torch.Tensor] = None  # the pipelined step's piece buffers
 
     # -- the schedule -----------------------------------------------------------------
 
@@ -368,88 +368,22 @@ class Fragment:
 
     @torch.no_grad()
     def sync(self, inner_step: int, outer_step: int) -> tuple:
-        """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several.
-        Returns (SyncResult, timings dict, norm, own error)."""
-        st, s = self.state, self.s
-        st.ensure_taken()
-        t0 = time.perf_counter()
-        ranges = st.ranges(self.pieces)
-        sq, first, own_sq = [0.0], [None], [0.0]
-        measure_own = s.measure_compression_error and CODECS[s.codec].own_error_pass and not _ring_reports_error(s.sync)
-        feedback = st.residual is not None
-        pipelined = s.sync.pipelined and len(ranges) > 1
-        if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
-            width = max(hi - lo for lo, hi in ranges)
-            slots = self._piece_slots(width)
-            buffer = lambda j: slots[j % PIPELINE_DEPTH][: ranges[j][1] - ranges[j][0]]  # noqa: E731
-            base = None
-        else:
-            base = s.grads.take()
-            buffer = lambda j: base[ranges[j][0] : ranges[j][1]]  # noqa: E731
-
-        def prepare(j: int) -> None:
-            lo, hi = ranges[j]
-            q = st.pseudo_gradient(buffer(j), lo=lo, hi=hi, at=lo)
-            finite = math.isfinite(q)
-            if measure_own and finite and hi > lo:
-                own_sq[0] += st.int8_error_sq(buffer(j))
-            if feedback:  # the residual is committed at apply(), once this piece's average is back
-                st.compensate(buffer(j), lo=lo, hi=hi, at=lo)
-            sq[0] += q
-            s.check_finite(finite, outer_step)
-            if first[0] is None:
-                first[0] = time.perf_counter() - t0
-
-        def apply(j: int) -> None:
-            lo, hi = ranges[j]
-            if feedback:
-                st.commit_residual(lo, hi)
-            st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
-            self.pieces_done = j + 1
-
-        try:
-            if pipelined:
-                r = s.sync.average_pieces(ranges, outer_step=outer_step, inner_step=inner_step, buffer=buffer,
-                                          prepare=prepare, apply=apply, start=self.pieces_done,
-                                          window=PIPELINE_DEPTH)
-                u_last = s.sync.last_apply_s
-            else:  # one all-reduce (elastic membership, or a fragment small enough)
-                todo = range(self.pieces_done, len(ranges))
-                lo, hi = ranges[todo[0]][0], ranges[-1][1]
-                for j in todo:
-                    prepare(j)
-
-                def recompute(_):
-                    for j in todo:
-                        st.pseudo_gradient(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
-                        if feedback:
-                            st.compensate(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
-
-                r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
-                u0 = time.perf_counter()
-                if not r.joined:  # (a node that joined holds the job's state already: OuterStates.admit)
-                    s.sync.applying(r)
-                    if feedback and r.contributed:
-                        st.commit_residual(lo, hi)
-                    elif feedback:  # this node's pseudo-gradient is not in the average: it lost nothing to the codec
-                        st.reset_residual()
-                    st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
-                u_last = time.perf_counter() - u0
-            self.pieces_done = 0
-        finally:
-            s.grads.give(base)
-        timings = {"prepare_s": first[0] or 0.0, "update_s": u_last}
-        norm = math.sqrt(sq[0]) if sq[0] >= 0 else float("nan")
-        own = (math.sqrt(own_sq[0]) / norm if norm > 0 else 0.0) if measure_own else None
+        """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several
+        (prime.pipeline). Returns (SyncResult, timings dict, norm, own error)."""
+        out = self._pipeline.run(self.pieces, inner_step, outer_step)
         self.outer_step += 1
         self.since_sync = 0
-        return r, timings, norm, own
+        return out
 
-    def _piece_slots(self, width: int) -> list:
-        """PIPELINE_DEPTH work buffers of `width` values for a pipelined synchronous step (kept)."""
-        if self._slots is None or self._slots.numel() < PIPELINE_DEPTH * width:
-            self._slots = torch.zeros(PIPELINE_DEPTH * width, dtype=torch.float32, device=self.state.work_device)
-        return [self._slots[i * width : (i + 1) * width] for i in range(PIPELINE_DEPTH)]
+    @property
+    def pieces_done(self) -> int:
+        """Pieces of a pipelined synchronous outer step already applied when it failed part way (0 otherwise):
+        the next attempt (also after a resume) does the rest."""
+        return self._pipeline.done
+
+    @pieces_done.setter
+    def pieces_done(self, value: int) -> None:
+        self._pipeline.done = value
 
     # -- the overlapped outer step ---------------------------------------------------------
 
@@ -582,8 +516,7 @@ class Fragment:
 
     def _own_error(self, g: torch.Tensor, norm: float) -> Optional[float]:
         """The int8 error by a pass of our own, only when it is asked for and the ring cannot report it."""
-        if not self.s.measure_compression_error or not CODECS[self.s.codec].own_error_pass \
-                or _ring_reports_error(self.s.sync):
+        if not self.s.own_error_pass():
             return None
         return math.sqrt(self.state.int8_error_sq(g)) / norm if norm > 0 else 0.0
 
