@@ -472,103 +472,140 @@ def fetch_state(
     wanted (None: the newest; when no source holds it any more, the newest). Raises
     TransferError(kind="auth") when every peer rejects the handshake.
     """
-    log = log or (lambda m: logger.info("%s", m))
-    views = [_bytes_view(p) for p in parts]
-    for v, p in zip(views, parts):
-        if not p.is_contiguous() or p.device.type != "cpu":
-            raise ValueError("fetch_state writes into contiguous CPU tensors")
-    sizes = [v.numel() for v in views]
-    cuts = list(_pieces(sizes))
-    total = sum(sizes)
-    t0 = time.monotonic()
-    meta: dict = {}
-    received = 0
-    segments: list = []
-    failures: list = []
-    auth_failed: dict[int, str] = {}
-    # source id -> (monotonic time before which it is not asked again, the delay that set it)
-    backoff: dict[int, tuple[float, float]] = {}
-    turn = my_id  # the first choice is id mod #sources: joiners spread over the members
+    fetch = _Fetch(parts, secret=secret, job=job.encode(), my_id=my_id, check_meta=check_meta,
+                   timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step)
     while True:
-        cands = [s for s in sources() if s[0] not in auth_failed]
-        if not cands:
-            if auth_failed:
-                raise TransferError("; ".join(auth_failed.values()), "auth")
-            if time.monotonic() - t0 > give_up_s:
-                raise TransferError(f"no live node to download the state from within {give_up_s:g} s", "unavailable")
-            time.sleep(0.2)
-            continue
-        # In turn from id mod #sources, skipping the ones that failed a moment ago: a source
-        # that died stays listed until its heartbeat times out, while another one answers.
-        now = time.monotonic()
-        rotation = [cands[(turn + j) % len(cands)] for j in range(len(cands))]
-        free = [c for c in rotation if backoff.get(c[0], (0.0, 0.0))[0] <= now]
-        if not free:
-            if now - t0 > give_up_s:
-                raise TransferError(f"could not download the state within {give_up_s:g} s: "
-                                    + "; ".join(failures[-3:]), "unavailable")
-            # then ask sources() again: a dead source drops out of it, a new one may appear
-            time.sleep(min(min(backoff[c[0]][0] for c in cands) - now, 0.2))
-            continue
-        sid, addr = free[0]
-        turn = cands.index(free[0]) + 1
-        start, moved_on = received, False
+        cands = [s for s in sources() if s[0] not in fetch.auth_failed]
+        source = fetch.choose(cands, give_up_s)
+        if source is None:
+            continue  # ask sources() again: a dead source drops out of it, a new one may appear
+        sid, addr = source
         try:
-            with _connect(addr, min(timeout_s, HANDSHAKE_TIMEOUT_S)) as sock:
-                sock.settimeout(HANDSHAKE_TIMEOUT_S)
-                ch = _handshake(sock, secret, job.encode(), my_id, sid)
-                sock.settimeout(timeout_s)
-                ch.send_json({"step": -1 if step is None else step, "offset": received if step is not None else 0})
-                hdr = ch.recv_json()
-                if not hdr.get("ok"):
-                    if step is not None and int(hdr.get("newest", -1)) > step:
-                        log(f"node {sid} moved on to outer step {hdr['newest']}: restarting the download there")
-                        step, received, moved_on = None, 0, True
-                    raise TransferError(hdr.get("error", "refused"), "unavailable")
-                if step is None or not meta:
-                    problem = check_meta(hdr["meta"])
-                    if problem:
-                        raise TransferError(problem, "mismatch")
-                    if int(hdr["total"]) != total:
-                        raise TransferError(f"node {sid} serves {hdr['total']} bytes of state, this node holds "
-                                            f"{total}: another model or block size", "mismatch")
-                    step, meta = int(hdr["step"]), hdr["meta"]
-                    start = received = 0
-                    log(f"downloading the state after outer step {step} ({total / 2**20:.1f} MiB) from node {sid}")
-                for off, i, s, e in cuts:
-                    if off < received:
-                        continue
-                    ch.recv_piece_into(memoryview(views[i][s:e].numpy()))
-                    received = off + (e - s)
-                trailer = ch.recv_json()
-                segments.append([sid, start, received])
-                digest = state_digest(parts)
-                if digest != trailer.get("digest"):
-                    # pieces from two sources that do not make one state: start over
-                    step, received = None, 0
-                    raise TransferError(f"the assembled state does not match node {sid}'s digest", "corrupt")
-                return FetchResult(step=step, meta=meta, total_bytes=total, seconds=time.monotonic() - t0,
-                                   digest=digest, segments=segments, failures=failures)
+            return fetch.download_from(sid, addr)
         except (TransferError, OSError) as e:
             if isinstance(e, TransferError) and e.kind == "mismatch":
                 raise
-            if isinstance(e, TransferError) and e.kind == "auth":
-                auth_failed[sid] = str(e)
-            if received > start:
-                segments.append([sid, start, received])
-            failures.append(f"node {sid}: {e}")
-            if moved_on:
-                backoff.pop(sid, None)  # it answered and serves a newer state: ask at once
-                then = ""
-            else:
-                # Wait before asking this source again: longer each time it fails in a row, short
-                # when it sent something (it was alive a moment ago).
-                last = backoff.get(sid, (0.0, 0.0))[1]
-                delay = RETRY_MIN_S if received > start or last == 0.0 else min(2 * last, RETRY_MAX_S)
-                backoff[sid] = (time.monotonic() + delay, delay)
-                then = ("" if sid in auth_failed else "; trying another node" if len(cands) > 1
-                        else f"; asking it again in {delay:.1f} s")
-            log(f"download from node {sid} failed at byte {received} of {total}: {e}{then}")
-        if time.monotonic() - t0 > give_up_s:
-            raise TransferError(f"could not download the state within {give_up_s:g} s: " + "; ".join(failures[-3:]),
-                                "unavailable")
+            fetch.failed(sid, e, several=len(cands) > 1)
+        if time.monotonic() - fetch.t0 > give_up_s:
+            raise TransferError(f"could not download the state within {give_up_s:g} s: "
+                                + "; ".join(fetch.failures[-3:]), "unavailable")
+
+
+class _Fetch:
+    """One download in progress (fetch_state): what was received so far, from whom, and which sources failed
+    (asked again only after a pause, or never when they failed the handshake)."""
+
+    def __init__(self, parts: list[torch.Tensor], *, secret: bytes, job: bytes, my_id: int,
+                 check_meta: Callable[[dict], Optional[str]], timeout_s: float, log: Callable[[str], None],
+                 step: Optional[int]):
+        self.parts = parts
+        self.views = [_bytes_view(p) for p in parts]
+        for v, p in zip(self.views, parts):
+            if not p.is_contiguous() or p.device.type != "cpu":
+                raise ValueError("fetch_state writes into contiguous CPU tensors")
+        sizes = [v.numel() for v in self.views]
+        self.cuts = list(_pieces(sizes))
+        self.total = sum(sizes)
+        self.secret, self.job, self.my_id = secret, job, my_id
+        self.check_meta, self.timeout_s, self.log = check_meta, timeout_s, log
+        self.step = step  # the outer step being downloaded (None: the newest, until a source names it)
+        self.t0 = time.monotonic()
+        self.meta: dict = {}
+        self.received = 0  # bytes verified so far (a resume continues from here)
+        self.segments: list = []
+        self.failures: list = []
+        self.auth_failed: dict[int, str] = {}
+        # source id -> (monotonic time before which it is not asked again, the delay that set it)
+        self.backoff: dict[int, tuple[float, float]] = {}
+        self.turn = my_id  # the first choice is id mod #sources: joiners spread over the members
+        self.start, self.moved_on = 0, False  # of the source being asked: where it started, it serves a newer step
+
+    def choose(self, cands: list, give_up_s: float) -> Optional[tuple]:
+        """The source to ask next, or None after a short wait (none is free now: ask sources() again). Raises
+        TransferError when every source failed the handshake, or when give_up_s passed without one."""
+        if not cands:
+            if self.auth_failed:
+                raise TransferError("; ".join(self.auth_failed.values()), "auth")
+            if time.monotonic() - self.t0 > give_up_s:
+                raise TransferError(f"no live node to download the state from within {give_up_s:g} s", "unavailable")
+            time.sleep(0.2)
+            return None
+        # In turn from id mod #sources, skipping the ones that failed a moment ago: a source
+        # that died stays listed until its heartbeat times out, while another one answers.
+        now = time.monotonic()
+        rotation = [cands[(self.turn + j) % len(cands)] for j in range(len(cands))]
+        free = [c for c in rotation if self.backoff.get(c[0], (0.0, 0.0))[0] <= now]
+        if not free:
+            if now - self.t0 > give_up_s:
+                raise TransferError(f"could not download the state within {give_up_s:g} s: "
+                                    + "; ".join(self.failures[-3:]), "unavailable")
+            time.sleep(min(min(self.backoff[c[0]][0] for c in cands) - now, 0.2))
+            return None
+        self.turn = cands.index(free[0]) + 1
+        return free[0]
+
+    def download_from(self, sid: int, addr: str) -> FetchResult:
+        """The rest of the state from source `sid` (from the last verified piece when it holds the same outer
+        step). Raises TransferError or OSError when the source fails."""
+        self.start, self.moved_on = self.received, False
+        with _connect(addr, min(self.timeout_s, HANDSHAKE_TIMEOUT_S)) as sock:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            ch = _handshake(sock, self.secret, self.job, self.my_id, sid)
+            sock.settimeout(self.timeout_s)
+            step = self.step
+            ch.send_json({"step": -1 if step is None else step, "offset": self.received if step is not None else 0})
+            self._accept_header(sid, ch.recv_json())
+            for off, i, s, e in self.cuts:
+                if off < self.received:
+                    continue
+                ch.recv_piece_into(memoryview(self.views[i][s:e].numpy()))
+                self.received = off + (e - s)
+            trailer = ch.recv_json()
+            self.segments.append([sid, self.start, self.received])
+            digest = state_digest(self.parts)
+            if digest != trailer.get("digest"):
+                # pieces from two sources that do not make one state: start over
+                self.step, self.received = None, 0
+                raise TransferError(f"the assembled state does not match node {sid}'s digest", "corrupt")
+            return FetchResult(step=self.step, meta=self.meta, total_bytes=self.total,
+                               seconds=time.monotonic() - self.t0, digest=digest, segments=self.segments,
+                               failures=self.failures)
+
+    def _accept_header(self, sid: int, hdr: dict) -> None:
+        """Checks a source's answer to the request: it serves the step asked for, of this node's job and size."""
+        if not hdr.get("ok"):
+            if self.step is not None and int(hdr.get("newest", -1)) > self.step:
+                self.log(f"node {sid} moved on to outer step {hdr['newest']}: restarting the download there")
+                self.step, self.received, self.moved_on = None, 0, True
+            raise TransferError(hdr.get("error", "refused"), "unavailable")
+        if self.step is None or not self.meta:
+            problem = self.check_meta(hdr["meta"])
+            if problem:
+                raise TransferError(problem, "mismatch")
+            if int(hdr["total"]) != self.total:
+                raise TransferError(f"node {sid} serves {hdr['total']} bytes of state, this node holds "
+                                    f"{self.total}: another model or block size", "mismatch")
+            self.step, self.meta = int(hdr["step"]), hdr["meta"]
+            self.start = self.received = 0
+            self.log(f"downloading the state after outer step {self.step} ({self.total / 2**20:.1f} MiB) "
+                     f"from node {sid}")
+
+    def failed(self, sid: int, e: BaseException, several: bool) -> None:
+        """Records a failed source (never asked again after a failed handshake) and when to ask it again."""
+        if isinstance(e, TransferError) and e.kind == "auth":
+            self.auth_failed[sid] = str(e)
+        if self.received > self.start:
+            self.segments.append([sid, self.start, self.received])
+        self.failures.append(f"node {sid}: {e}")
+        if self.moved_on:
+            self.backoff.pop(sid, None)  # it answered and serves a newer state: ask at once
+            then = ""
+        else:
+            # Wait before asking this source again: longer each time it fails in a row, short
+            # when it sent something (it was alive a moment ago).
+            last = self.backoff.get(sid, (0.0, 0.0))[1]
+            delay = RETRY_MIN_S if self.received > self.start or last == 0.0 else min(2 * last, RETRY_MAX_S)
+            self.backoff[sid] = (time.monotonic() + delay, delay)
+            then = ("" if sid in self.auth_failed else "; trying another node" if several
+                    else f"; asking it again in {delay:.1f} s")
+        self.log(f"download from node {sid} failed at byte {self.received} of {self.total}: {e}{then}")
