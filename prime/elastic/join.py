@@ -8,7 +8,8 @@ takes part with zeros while it downloads again, then applies the averages it
 received meanwhile). docs/elastic-protocol.md, "Joining (live recovery)".
 
 Joining is a mixin of ElasticSync (prime/elastic/node.py): its methods use the
-sync's membership, state server, rings and outer states.
+sync's membership, state server, rings (ElasticRings), local ranks (LocalRanks),
+attempts (OuterStepAttempts) and outer states.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from prime.elastic.membership import Evicted, JobFinished, JoinError, MembershipError, Plan
-from prime.elastic.transfer import TransferError, fetch_state
+from prime.elastic.transfer import FetchResult, TransferError, fetch_state
 from prime.sync import SyncResult, all_local
 
 __all__ = ["Joining", "JoinInfo", "store_errors"]
@@ -70,86 +73,25 @@ class Joining:
     def _download_and_admit(self, reason: str) -> tuple:
         """(the admitting outer step's SyncResult, its average), the downloaded state in the outer states."""
         m = self.membership
-        t0 = time.monotonic()
-        downloads, dl_s, dl_bytes, sources = 0, 0.0, 0, []
-        settings = self._settings
-
-        def check_meta(meta: dict) -> Optional[str]:
-            theirs = meta.get("settings", {})
-            diff = sorted(k for k in set(settings) | set(theirs) if settings.get(k) != theirs.get(k))
-            if diff:
-                return ("the running job's settings differ from this node's in " + ", ".join(
-                    f"{k} (job {theirs.get(k)!r}, here {settings.get(k)!r})" for k in diff)
-                    + ": start this node with the job's config")
-            return None
-
-        def fetch(want: Optional[int]):
-            try:
-                return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
-                                   secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=check_meta,
-                                   timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
-                                   log=lambda msg: m.log(msg, event="download"), step=want)
-            except TransferError as e:
-                raise JoinError(f"node {self.node_id} could not download the job's state"
-                                + (f" (local rank {self.local_rank})" if self.group is not None else "")
-                                + f": {e}") from None
-
+        progress = _JoinProgress(t0=time.monotonic(), reason=reason)
         while True:
-            self._drop_ring()
+            self.rings.drop()
             self.server.retract()  # our buffers are about to be overwritten
-            res, want = None, None
-            while True:  # every local rank downloads its shard g; they must hold the same outer step
-                err = None
-                if res is None or res.step != want:
-                    try:
-                        got = fetch(want)
-                    except (JoinError, JobFinished, MembershipError) as e:
-                        err = e
-                    else:
-                        downloads += 1
-                        dl_s += got.seconds
-                        dl_bytes += sum(b - a for _, a, b in got.segments)
-                        sources += got.segments
-                        res = got
-                every = self._gather(("raise", err) if err is not None else ("ok", res.step))
-                errors = [v for kind, v in every if kind == "raise"]
-                if errors:
-                    raise errors[0]
-                steps = {v for _, v in every}
-                if len(steps) == 1:
-                    break
-                want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
+            res = self._download_one_step(progress)
             s = res.step
             inner_step = int(res.meta["inner_step"])
-            self._state.downloaded()  # the outer weights are the job's now, not the model's
-            g = self._state.buffer_for(s + 1)
-            m.log(f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
-                  f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
-                      f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
-                  seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
-
-            def admission():
-                m.set_ready(s)
-                return m.await_admission(s, self._last_outer_at(), self.join_timeout_s)
-
-            plan = self._lead(admission, s + 1, g)
+            g = self._hold_download(res)
+            plan = self.attempts.lead(lambda: self._await_admission(s), s + 1, g)
             if plan is None and self.listen_when_stale:
                 # The download took longer than a round: take part in the rounds with zeros while the
                 # state downloads again, then apply the averages missed meanwhile (see _listen).
                 m.log(f"the job committed outer step {s + 1} before this node was admitted; joining as a "
                       "listener: it takes part with zeros while it downloads the state again",
                       event="stale", outer_step=s)
-                self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
-                                 "sources": sources, "reason": reason}
+                self._joining = progress
                 return self._listen()
             if plan is None:
-                if time.monotonic() - t0 > self.join_timeout_s:
-                    raise JoinError(
-                        f"node {self.node_id} could not catch up with the job within {self.join_timeout_s:g} s "
-                        f"(elastic.join_timeout_s): {downloads} downloads of {res.total_bytes / 2**20:.0f} MiB took "
-                        f"{dl_s / downloads:.1f} s each, and every time the job had moved past the state by then. "
-                        "A join needs a download shorter than one outer step (H inner steps): use a faster link, "
-                        "a larger diloco.inner_steps, or an unthrottled source (elastic.transfer_max_rate_mbit)")
+                self._check_catching_up(progress, res)
                 m.log(f"the job committed outer step {s + 1} before this node was admitted; downloading again",
                       event="stale", outer_step=s)
                 continue
@@ -159,9 +101,84 @@ class Joining:
             except Evicted as e:
                 m.log(f"not admitted at outer step {s + 1}: {e.reason}; trying again", event="stale")
                 continue
-            self._joining = {"t0": t0, "downloads": downloads, "download_s": dl_s, "download_bytes": dl_bytes,
-                             "sources": sources, "reason": reason}
+            self._joining = progress
             return r, g
+
+    def _download_one_step(self, progress: _JoinProgress):
+        """The newest committed state, downloaded by every local rank (its shard g) at the same outer step:
+        a shard downloaded before the job moved on is downloaded again at the step of the others."""
+        res, want = None, None
+        while True:
+            err = None
+            if res is None or res.step != want:
+                try:
+                    got = self._fetch(want)
+                except (JoinError, JobFinished, MembershipError) as e:
+                    err = e
+                else:
+                    progress.add(got)
+                    res = got
+            every = self.local.gather(("raise", err) if err is not None else ("ok", res.step))
+            errors = [v for kind, v in every if kind == "raise"]
+            if errors:
+                raise errors[0]
+            steps = {v for _, v in every}
+            if len(steps) == 1:
+                return res
+            want = max(steps)  # a shard downloaded before the job moved on: fetch that step's
+
+    def _fetch(self, want: Optional[int]):
+        """One download of the state after outer step `want` (None: the newest) from the live members."""
+        m = self.membership
+        try:
+            return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
+                               secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=self._check_settings,
+                               timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
+                               log=lambda msg: m.log(msg, event="download"), step=want)
+        except TransferError as e:
+            raise JoinError(f"node {self.node_id} could not download the job's state"
+                            + (f" (local rank {self.local_rank})" if self.group is not None else "")
+                            + f": {e}") from None
+
+    def _check_settings(self, meta: dict) -> Optional[str]:
+        """Why the job a source serves is not this node's (its settings differ), or None."""
+        settings = self._settings
+        theirs = meta.get("settings", {})
+        diff = sorted(k for k in set(settings) | set(theirs) if settings.get(k) != theirs.get(k))
+        if diff:
+            return ("the running job's settings differ from this node's in " + ", ".join(
+                f"{k} (job {theirs.get(k)!r}, here {settings.get(k)!r})" for k in diff)
+                + ": start this node with the job's config")
+        return None
+
+    def _hold_download(self, res) -> torch.Tensor:
+        """Takes the downloaded state as the outer weights; the buffer for the admitting outer step's average."""
+        s = res.step
+        self._state.downloaded()  # the outer weights are the job's now, not the model's
+        g = self._state.buffer_for(s + 1)
+        self.membership.log(
+            f"downloaded the state after outer step {s} ({res.total_bytes / 2**20:.1f} MiB, digest "
+            f"{res.digest[:16]}) in {res.seconds:.2f} s from " + ", ".join(
+                f"node {i} [{a}, {b})" for i, a, b in res.segments), event="downloaded", outer_step=s,
+            seconds=res.seconds, bytes=res.total_bytes, segments=res.segments, failures=res.failures)
+        return g
+
+    def _await_admission(self, s: int) -> Optional[Plan]:
+        """Local rank 0: says this node holds the state after outer step s and waits to be admitted at s + 1
+        (None: the job moved on first)."""
+        self.membership.set_ready(s)
+        return self.membership.await_admission(s, self._last_outer_at(), self.join_timeout_s)
+
+    def _check_catching_up(self, progress: _JoinProgress, res) -> None:
+        """Raises JoinError once the downloads kept falling behind the job for longer than join_timeout_s."""
+        if time.monotonic() - progress.t0 > self.join_timeout_s:
+            raise JoinError(
+                f"node {self.node_id} could not catch up with the job within {self.join_timeout_s:g} s "
+                f"(elastic.join_timeout_s): {progress.downloads} downloads of {res.total_bytes / 2**20:.0f} MiB "
+                f"took {progress.download_s / progress.downloads:.1f} s each, and every time the job had moved "
+                "past the state by then. A join needs a download shorter than one outer step (H inner steps): use "
+                "a faster link, a larger diloco.inner_steps, or an unthrottled source "
+                "(elastic.transfer_max_rate_mbit)")
 
     def _listen(self) -> tuple:
         """Joins as a listener: admitted at the next outer step before holding the state, this node takes part
@@ -173,11 +190,11 @@ class Joining:
         size per outer step of download."""
         m = self.membership
         last = self._last_outer_at()
-        self._lead(lambda: m.set_ready(-1, listen=True), 0)
+        self.attempts.lead(lambda: m.set_ready(-1, listen=True), 0)
         while True:
-            latest = self._lead(lambda: m.latest_committed(), 0)
+            latest = self.attempts.lead(lambda: m.latest_committed(), 0)
             k_done = int(latest["k"]) if latest is not None else 0
-            plan = self._lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1)
+            plan = self.attempts.lead(lambda: m.await_admission(k_done, last, self.join_timeout_s), k_done + 1)
             if plan is not None:
                 break
         self._sources = self._node_sources(last)
@@ -202,10 +219,7 @@ class Joining:
                 notes.remove(msg)
             if res is None and all_local(self.group, download.finished.is_set()):
                 res = download.take()
-                self._joining["downloads"] += 1
-                self._joining["download_s"] += res.seconds
-                self._joining["download_bytes"] += sum(b - a for _, a, b in res.segments)
-                self._joining["sources"] += res.segments
+                self._joining.add(res)
             if res is not None:
                 if res.step < k:  # the outer step in progress (k) is applied by admit(), as on the members
                     self._state.downloaded()
@@ -234,24 +248,15 @@ class Joining:
             out = self.membership.live_sources(last)
         except (JobFinished, JoinError) as e:
             err = e
-        errors = [e for e in self._gather(err) if e is not None]
+        errors = [e for e in self.local.gather(err) if e is not None]
         if errors:
             raise errors[0]
         return out
 
     def _commit_listening(self, r: SyncResult) -> None:
         """A listener's commit: records the outer step (for joiners) without serving a state it does not hold."""
-        m = self.membership
-        plan, outcome, _ = self._pending
-        self._pending = None
-        self._committed = Plan(k=r.outer_step, attempt=plan.attempt, members=list(outcome.members),
-                               contributors=list(outcome.members),
-                               slots={str(i): plan.slot_of(i) for i in outcome.members}, step=plan.step)
-        self.slot = plan.slot_of(self.node_id)
-        if self.is_leader:
-            m.commit(plan, outcome, None)
-        else:
-            m.tidy(r.outer_step)
+        plan, outcome, _ = self._take_commit(r.outer_step)
+        self._record_commit(r.outer_step, plan, outcome, None)
 
     def _joined(self, r: SyncResult) -> JoinInfo:
         """Completes an admission once its outer step committed: the data slot, its position, a log line."""
@@ -264,9 +269,9 @@ class Joining:
             every = slot_state["local"]
             slot_state = every[self.local_rank] if self.local_rank < len(every) else None
         info = JoinInfo(outer_step=r.outer_step, step=r.inner_step, slot=self.slot,
-                        slot_state=slot_state, download_s=j["download_s"],
-                        download_bytes=j["download_bytes"], join_s=time.monotonic() - j["t0"], sources=j["sources"],
-                        downloads=j["downloads"], reason=j["reason"])
+                        slot_state=slot_state, download_s=j.download_s,
+                        download_bytes=j.download_bytes, join_s=time.monotonic() - j.t0, sources=j.sources,
+                        downloads=j.downloads, reason=j.reason)
         digest = r.details.digest
         m.log(f"joined at outer step {r.outer_step} (inner step {r.inner_step}, data slot {self.slot}) with "
               f"nodes {r.members}: join took {info.join_s:.2f} s, download {info.download_s:.2f} s"
@@ -274,6 +279,26 @@ class Joining:
               event="joined", outer_step=r.outer_step, inner_step=r.inner_step, slot=self.slot, join_s=info.join_s,
               download_s=info.download_s, download_bytes=info.download_bytes, members=r.members, digest=digest)
         return info
+
+
+@dataclass
+class _JoinProgress:
+    """What a join did so far (every download), for its JoinInfo."""
+
+    t0: float
+    """When the join started (monotonic)."""
+    reason: str
+    downloads: int = 0
+    download_s: float = 0.0
+    download_bytes: int = 0
+    sources: list = field(default_factory=list)
+
+    def add(self, res: FetchResult) -> None:
+        """Counts one completed download."""
+        self.downloads += 1
+        self.download_s += res.seconds
+        self.download_bytes += sum(b - a for _, a, b in res.segments)
+        self.sources += res.segments
 
 
 class _Download(threading.Thread):
