@@ -15,7 +15,9 @@ The module has two halves:
   retry_plan_due / propose_retry, most_blamed, outcome_due / decide_outcome,
   reduce_op. They are unit-tested without processes (tests/test_membership.py);
 - Membership, the store I/O around them: registration, the heartbeat Monitor,
-  and attempt() (one call per attempt of an outer step) and commit().
+  and attempt() (one call per attempt of an outer step) and commit(). It holds
+  the attempt's store I/O (OuterStepAgreement, prime/elastic/agreement.py) and
+  the joins' (Admission, prime/elastic/admission.py).
 
 Clock: liveness is judged on each observer's own monotonic clock (a heartbeat
 whose sequence number stopped growing), so the nodes' clocks need not agree.
@@ -29,7 +31,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
@@ -585,10 +587,16 @@ class Membership:
         self.monitor: Optional[Monitor] = None
         self.records: Optional[SignedStore] = None
         self.registered_at = 0.0
-        self._warned: set[int] = set()
         self._own_keys: dict[int, list] = {}
         self._latest: Optional[dict] = None
         self.local_rank = 0  # attach() sets it in the other processes of a node
+        # The per-outer-step agreement and the joins, through this membership's store records (imported
+        # here: their modules import this one's Plan, Outcome and errors).
+        from prime.elastic.admission import Admission
+        from prime.elastic.agreement import OuterStepAgreement
+
+        self.agreement = OuterStepAgreement(self)
+        self.admission = Admission(self)
 
     # -- logging ---------------------------------------------------------------
 
@@ -687,7 +695,8 @@ class Membership:
     def gone(self, node: int) -> bool:
         return self.monitor.gone(node)
 
-    def _own(self, k: int, key: str) -> str:
+    def own_key(self, k: int, key: str) -> str:
+        """`key`, written by this process for outer step k: tidy() deletes it with the outer step's other keys."""
         self._own_keys.setdefault(k, []).append(key)
         return key
 
@@ -714,31 +723,10 @@ class Membership:
                 since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None,
                 listen: bool = False) -> Attempt:
         """One attempt of outer step k: arrive (attempt 0), agree on the plan, run `allreduce(plan)`, report
-        how it went, and agree on the outcome.
-
-        prev: the committed plan of outer step k-1 (attempt 0), else the plan of
-        the failed attempt; prev_outcome: that attempt's outcome (retries).
-        since: when this node started waiting (its arrival), for the barrier
-        timeout. plan: an already known plan (a joiner admitted by it).
-        allreduce(plan) returns (ok, error, blamed node id or -1, stats).
-        listen: this member is still downloading the state: it takes part with zeros.
+        how it went, and agree on the outcome (prime.elastic.agreement.OuterStepAgreement.attempt says more).
         Raises Evicted when the plan leaves this node out."""
-        t_wait = time.monotonic()
-        if plan is None:
-            if attempt == 0:
-                arrival = {"step": step, "time": time.time(), **({"listen": True} if listen else {})}
-                self.records.put(self._own(k, keys.arrival(k, self.node_id)), arrival)
-            plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
-        planned_at = time.monotonic()
-        if self.node_id not in plan.members:
-            raise Evicted(plan.reason_for(self.node_id))
-        ok, error, blame, stats = allreduce(plan)
-        allreduce_s = time.monotonic() - planned_at
-        self.records.put(self._own(k, keys.result(k, plan.attempt, self.node_id)),
-                         {"ok": bool(ok), "error": str(error)[:500], "blame": int(blame)})
-        outcome = self._await_outcome(k, plan)
-        return Attempt(plan=plan, outcome=outcome, ok=bool(ok), error=str(error), stats=stats or {},
-                       planned_at=planned_at, wait_s=planned_at - t_wait, allreduce_s=allreduce_s)
+        return self.agreement.attempt(k, attempt, prev=prev, prev_outcome=prev_outcome, step=step, since=since,
+                                      allreduce=allreduce, plan=plan, listen=listen)
 
     def commit(self, plan: Plan, outcome: Outcome, slot_state: Optional[dict] = None) -> None:
         """After this node applied the committed outer step plan.k: records it as the newest committed one
@@ -759,92 +747,6 @@ class Membership:
                     self.store.delete_key(key)
                 except Exception:  # only tidiness
                     pass
-
-    def _view(self, ids) -> View:
-        return self.monitor.view(ids)
-
-    def _await_plan(self, k: int, attempt: int, prev: Plan, since: float, step: int,
-                    prev_outcome: Optional[Outcome]) -> Plan:
-        """The plan of attempt `attempt` of outer step k; proposes it when it is this node's turn."""
-        key = keys.plan(k, attempt)
-        if attempt > 0 and prev_outcome is None:  # the plan of a retry follows an outcome that asked for it
-            raise MembershipError(f"internal: no outcome for attempt {attempt - 1} of outer step {k}")
-        while True:
-            got = self.records.first(key)
-            if got is not None:
-                return Plan.from_dict(got)
-            waited = time.monotonic() - since
-            proposal = None
-            if attempt == 0:
-                arrivals = self._read_all(keys.arrival, k, prev.members)
-                view = self._view(prev.members)
-                if first_plan_due(prev, arrivals, step, view, waited, self.barrier_timeout):
-                    joiners = self._ready_joiners(k - 1, exclude=set(prev.members))
-                    proposal = propose_first(k, prev, arrivals, step, view, waited, self.barrier_timeout,
-                                             joiners, now=time.time())
-            else:
-                view = self._view(prev_outcome.members)
-                if retry_plan_due(prev_outcome, view, waited):
-                    reports = []
-                    if attempt - 1 >= 1:  # the reports of the live members in the last two attempts
-                        live = [i for i in prev_outcome.members if not view.is_gone(i)]
-                        reports = [self._results(k, a, live) for a in (attempt - 2, attempt - 1)]
-                    late = self._ready_joiners(k - 1, exclude=set(prev.members) | set(prev_outcome.members))
-                    proposal = propose_retry(k, attempt, prev, prev_outcome, view, reports, late, now=time.time())
-            if proposal is not None:
-                self.records.set_first(key, asdict(proposal))
-                continue  # read back the winner
-            time.sleep(self.poll_s)
-
-    def _await_outcome(self, k: int, plan: Plan) -> Outcome:
-        """Waits for (or, in its turn, decides) whether the attempt commits (decide_outcome)."""
-        key = keys.outcome(k, plan.attempt)
-        t0 = time.monotonic()
-        while True:
-            got = self.records.first(key)
-            if got is not None:
-                return Outcome.from_dict(got)
-            results = self._results(k, plan.attempt, plan.members)
-            view = self._view(plan.members)
-            waited = time.monotonic() - t0
-            if outcome_due(plan, results, view, waited, self.report_timeout):
-                decision = decide_outcome(plan, results, view, waited, self.max_attempts, self.min_nodes,
-                                          now=time.time())
-                self.records.set_first(key, asdict(decision))
-                continue
-            time.sleep(self.poll_s)
-
-    def _read_all(self, key_of, k: int, ids) -> dict:
-        ids = list(ids)
-        values = self.records.get_many([key_of(k, i) for i in ids])
-        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
-
-    def _results(self, k: int, attempt: int, ids) -> dict:
-        ids = list(ids)
-        values = self.records.get_many([keys.result(k, attempt, i) for i in ids])
-        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
-
-    def _ready_joiners(self, outer_step: int, exclude: set) -> list[int]:
-        """Joiners that hold the state after `outer_step`, signed their offer with the job secret, and are alive."""
-        out = []
-        n = self.initial_nodes + min(int(self.store.add(keys.JOINERS, 0)), MAX_JOINERS)
-        for i in range(n):
-            if i in exclude:
-                continue
-            key = keys.join_offer(i)
-            raw = self.store.get(key) if self.store.check([key]) else None
-            if raw is None:
-                continue
-            d = self.records.open(key, raw)
-            if not isinstance(d, dict) or d.get("node") != i:
-                if i not in self._warned:
-                    self._warned.add(i)
-                    self.log(f"ignoring node {i}: its join request is not signed with the job secret",
-                             event="reject", node=i)
-                continue
-            if (int(d.get("outer_step", -1)) == outer_step or d.get("listen") is True) and not self.monitor.gone(i):
-                out.append(i)
-        return out
 
     def _publish_committed(self, plan: Plan, outcome: Outcome) -> None:
         """Records outer step k as the newest committed one (monotonic: an older write never wins)."""
@@ -873,85 +775,21 @@ class Membership:
     def set_ready(self, outer_step: int, listen: bool = False) -> None:
         """Tells the coordinator that this node holds the state after outer_step and may be admitted at the next;
         listen: admit it at any outer step (it downloads the state while it takes part with zeros)."""
-        self.records.put(keys.join_offer(self.node_id), {"node": self.node_id, "outer_step": outer_step,
-                                                        **({"listen": True} if listen else {})})
+        self.admission.set_ready(outer_step, listen)
 
     def clear_ready(self) -> None:
-        try:
-            self.store.delete_key(keys.join_offer(self.node_id))
-        except Exception:  # only tidiness: a stale ready entry is ignored anyway
-            pass
+        """Withdraws this node's join offer (it was admitted)."""
+        self.admission.clear_ready()
 
     def await_admission(self, outer_step: int, last_step: Optional[int], timeout_s: float) -> Optional[Plan]:
-        """Waits to be admitted at outer step outer_step + 1. Returns the plan, or None when the job moved on
-        without this node (download a newer state). last_step: the inner step of the job's last outer step
-        (None: open-ended). Raises JobFinished / JoinError."""
-        k = outer_step + 1
-        attempt = 0
-        deadline = time.monotonic() + timeout_s
-        while True:
-            got = self.records.first(keys.plan(k, attempt))
-            if got is not None:
-                plan = Plan.from_dict(got)
-                if self.node_id in plan.members:
-                    return plan
-                out = self.records.first(keys.outcome(k, attempt))
-                if out is not None:
-                    if Outcome.from_dict(out).commit:
-                        return None
-                    attempt += 1
-                    continue
-            latest = self.latest_committed()
-            if latest is not None and int(latest["k"]) >= k:
-                return None
-            if latest is not None and last_step is not None and int(latest["step"]) >= last_step:
-                raise JobFinished(f"the job committed its last outer step (at step {latest['step']}) before this "
-                                  "node was admitted")
-            members = latest["members"] if latest is not None else list(range(self.initial_nodes))
-            if all(self.monitor.gone(i) for i in members):
-                raise JoinError(f"every member of the job ({members}) is gone; nobody left to admit this node"
-                                + self._secret_hint())
-            if time.monotonic() > deadline:
-                raise JoinError(f"not admitted at outer step {k} within {timeout_s:g} s (elastic.join_timeout_s)")
-            time.sleep(self.poll_s * 5)
-
-    def _secret_hint(self) -> str:
-        if self.records is not None and self.records.rejected:
-            return (" (this node ignored store records not signed with its secret: if the job runs, this node's "
-                    "PRIME_RING_SECRET differs from the job's)")
-        return ""
+        """Waits to be admitted at outer step outer_step + 1 (prime.elastic.admission.Admission.await_admission):
+        the plan, or None when the job moved on without this node. Raises JobFinished / JoinError."""
+        return self.admission.await_admission(outer_step, last_step, timeout_s)
 
     def live_sources(self, last_step: Optional[int] = None) -> list[tuple[int, str]]:
-        """(id, address) of the live members of the newest committed outer step: where to download the state.
-
-        last_step: the inner step of the job's last outer step (None: open-ended). Raises
-        JobFinished once the job committed that outer step (none is left to be admitted at:
-        the members only finish their inner steps and exit), JoinError when they are all gone."""
-        latest = self.latest_committed()
-        if latest is not None and last_step is not None and int(latest["step"]) >= last_step:
-            raise JobFinished(f"the job already committed its last outer step (at step {latest['step']})")
-        members = latest["members"] if latest is not None else list(range(self.initial_nodes))
-        if all(i == self.node_id or self.monitor.gone(i) for i in members):
-            raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from"
-                            + self._secret_hint())
-        out, forged = [], 0
-        for i in members:
-            if i == self.node_id or self.monitor.gone(i):
-                continue
-            key = keys.state_addr(i, self.local_rank)  # local rank g downloads shard g from local rank g
-            raw = self.store.get(key) if self.store.check([key]) else None
-            addr = None if raw is None else self.records.open(key, raw)
-            if isinstance(addr, str):
-                out.append((i, addr))
-            elif raw is not None:
-                forged += 1
-                self.records.reject(key)
-        if forged and not out and latest is None:
-            raise JoinError(
-                f"node {self.node_id} could not download the job's state: the address records of its members "
-                f"{members} are not signed with this node's secret (and no committed outer step is): this node's "
-                "PRIME_RING_SECRET differs from the job's (or a stranger rewrote them)")
-        return out
+        """(id, address) of the live members of the newest committed outer step: where to download the state
+        (prime.elastic.admission.Admission.live_sources). Raises JobFinished / JoinError."""
+        return self.admission.live_sources(last_step)
 
     # -- leaving -----------------------------------------------------------------------
 

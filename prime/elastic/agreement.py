@@ -1,0 +1,124 @@
+"""One attempt of an elastic outer step through the job's store: arrive, plan, report, outcome.
+
+The decisions are the pure functions of prime/elastic/membership.py
+(first_plan_due / propose_first, retry_plan_due / propose_retry, outcome_due /
+decide_outcome); this is the store I/O around them. Every record is signed
+under the job secret, and the plan and the outcome are first-writer-wins keys:
+whoever writes them, every node reads back the same decision. Every wait reads
+the heartbeats again, so a dead node is left out (and a dead coordinator's turn
+passes to the next node) within the timeouts instead of waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Callable, Optional
+
+from prime.comm import store_keys as keys
+from prime.elastic.membership import (Attempt, Evicted, Membership, MembershipError, Outcome, Plan, decide_outcome,
+                                      first_plan_due, outcome_due, propose_first, propose_retry, retry_plan_due)
+
+__all__ = ["OuterStepAgreement"]
+
+
+class OuterStepAgreement:
+    """Membership.attempt (see the module docstring): reads the node's id, signed records, heartbeat monitor
+    and timeouts from `membership` at every call."""
+
+    def __init__(self, membership: Membership):
+        self.membership = membership
+
+    def attempt(self, k: int, attempt: int, *, prev: Plan, prev_outcome: Optional[Outcome], step: int,
+                since: float, allreduce: Callable[[Plan], tuple], plan: Optional[Plan] = None,
+                listen: bool = False) -> Attempt:
+        """One attempt of outer step k: arrive (attempt 0), agree on the plan, run `allreduce(plan)`, report
+        how it went, and agree on the outcome.
+
+        prev: the committed plan of outer step k-1 (attempt 0), else the plan of
+        the failed attempt; prev_outcome: that attempt's outcome (retries).
+        since: when this node started waiting (its arrival), for the barrier
+        timeout. plan: an already known plan (a joiner admitted by it).
+        allreduce(plan) returns (ok, error, blamed node id or -1, stats).
+        listen: this member is still downloading the state: it takes part with zeros.
+        Raises Evicted when the plan leaves this node out."""
+        m = self.membership
+        t_wait = time.monotonic()
+        if plan is None:
+            if attempt == 0:
+                arrival = {"step": step, "time": time.time(), **({"listen": True} if listen else {})}
+                m.records.put(m.own_key(k, keys.arrival(k, m.node_id)), arrival)
+            plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
+        planned_at = time.monotonic()
+        if m.node_id not in plan.members:
+            raise Evicted(plan.reason_for(m.node_id))
+        ok, error, blame, stats = allreduce(plan)
+        allreduce_s = time.monotonic() - planned_at
+        m.records.put(m.own_key(k, keys.result(k, plan.attempt, m.node_id)),
+                      {"ok": bool(ok), "error": str(error)[:500], "blame": int(blame)})
+        outcome = self._await_outcome(k, plan)
+        return Attempt(plan=plan, outcome=outcome, ok=bool(ok), error=str(error), stats=stats or {},
+                       planned_at=planned_at, wait_s=planned_at - t_wait, allreduce_s=allreduce_s)
+
+    def _await_plan(self, k: int, attempt: int, prev: Plan, since: float, step: int,
+                    prev_outcome: Optional[Outcome]) -> Plan:
+        """The plan of attempt `attempt` of outer step k; proposes it when it is this node's turn."""
+        m = self.membership
+        key = keys.plan(k, attempt)
+        if attempt > 0 and prev_outcome is None:  # the plan of a retry follows an outcome that asked for it
+            raise MembershipError(f"internal: no outcome for attempt {attempt - 1} of outer step {k}")
+        while True:
+            got = m.records.first(key)
+            if got is not None:
+                return Plan.from_dict(got)
+            waited = time.monotonic() - since
+            proposal = None
+            if attempt == 0:
+                arrivals = self._read_all(keys.arrival, k, prev.members)
+                view = m.monitor.view(prev.members)
+                if first_plan_due(prev, arrivals, step, view, waited, m.barrier_timeout):
+                    joiners = m.admission.ready_joiners(k - 1, exclude=set(prev.members))
+                    proposal = propose_first(k, prev, arrivals, step, view, waited, m.barrier_timeout,
+                                             joiners, now=time.time())
+            else:
+                view = m.monitor.view(prev_outcome.members)
+                if retry_plan_due(prev_outcome, view, waited):
+                    reports = []
+                    if attempt - 1 >= 1:  # the reports of the live members in the last two attempts
+                        live = [i for i in prev_outcome.members if not view.is_gone(i)]
+                        reports = [self._results(k, a, live) for a in (attempt - 2, attempt - 1)]
+                    late = m.admission.ready_joiners(k - 1, exclude=set(prev.members) | set(prev_outcome.members))
+                    proposal = propose_retry(k, attempt, prev, prev_outcome, view, reports, late, now=time.time())
+            if proposal is not None:
+                m.records.set_first(key, asdict(proposal))
+                continue  # read back the winner
+            time.sleep(m.poll_s)
+
+    def _await_outcome(self, k: int, plan: Plan) -> Outcome:
+        """Waits for (or, in its turn, decides) whether the attempt commits (decide_outcome)."""
+        m = self.membership
+        key = keys.outcome(k, plan.attempt)
+        t0 = time.monotonic()
+        while True:
+            got = m.records.first(key)
+            if got is not None:
+                return Outcome.from_dict(got)
+            results = self._results(k, plan.attempt, plan.members)
+            view = m.monitor.view(plan.members)
+            waited = time.monotonic() - t0
+            if outcome_due(plan, results, view, waited, m.report_timeout):
+                decision = decide_outcome(plan, results, view, waited, m.max_attempts, m.min_nodes,
+                                          now=time.time())
+                m.records.set_first(key, asdict(decision))
+                continue
+            time.sleep(m.poll_s)
+
+    def _read_all(self, key_of, k: int, ids) -> dict:
+        ids = list(ids)
+        values = self.membership.records.get_many([key_of(k, i) for i in ids])
+        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
+
+    def _results(self, k: int, attempt: int, ids) -> dict:
+        ids = list(ids)
+        values = self.membership.records.get_many([keys.result(k, attempt, i) for i in ids])
+        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
