@@ -368,39 +368,11 @@ class RingSync(SyncExtras):
 
     def _allreduce(self, buf: torch.Tensor, *, op: str, codec: str, outer_step: int,
                    recompute: Optional[Callable[[torch.Tensor], None]], group=None) -> SyncResult:
-        """ring.all_reduce(buf) with retries on fresh rings, for outer step `outer_step` (the next one)."""
-        t0 = time.perf_counter()
-        last = None
-        attempts = 1 + (self.retries if self.ring_factory is not None else 0)
-        for attempt in range(attempts):
-            err, stats = None, {}
-            try:
-                if self.ring is None:
-                    if self.ring_factory is None:
-                        raise OuterSyncError(
-                            "the ring failed earlier and no ring_factory was given to rebuild it; restart the job")
-                    self.ring = self.ring_factory(f"o{outer_step - 1}a{attempt}")
-                work = self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
-                work.wait()
-                stats = work_stats(work)
-            except Exception as e:
-                if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
-                    raise  # a bug or a bad argument, not a network failure: no retry
-                err = e
-            if all_local(group, err is None):
-                return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
-                                  attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=stats)
-            # Some process of this node failed. Everyone drops its ring, so that all
-            # rings of this node are rebuilt together under the next tag.
-            last = err or last or RuntimeError("the all-reduce failed on another process of this node")
-            self._drop_ring()
-            if err is None and recompute is not None:
-                recompute(buf)  # this process's all-reduce had worked: restore its own input
-        raise OuterSyncError(
-            f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) "
-            f"(last error: {last}). The outer weights were not changed; stopping so that nodes do not diverge. "
-            "Restart every node from the last checkpoint."
-        )
+        """ring.all_reduce(buf) with retries on fresh rings, for outer step `outer_step` (the next one): one piece
+        of _attempts(). When this process's all-reduce worked but another process of the node failed, buf holds
+        an average: recompute(buf) restores this process's input before the retry."""
+        return self._attempts([buf], op=op, codec=codec, outer_step=outer_step, group=group,
+                              restore=None if recompute is None else (lambda j: recompute(buf)))
 
     def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
                 recompute: Callable[[torch.Tensor], None]) -> SyncResult:
@@ -422,72 +394,99 @@ class RingSync(SyncExtras):
         with the outer step, the piece and the attempt); pieces already applied stay applied. OuterSyncError
         when no attempt works: the outer weights then hold the pieces before the failed one (the caller's
         Fragment records how many, so that a resumed run does only the rest)."""
-        t0 = time.perf_counter()
-        group = self.local_group
+        self.last_apply_s = 0.0
+        return self._attempts(ranges, op="avg", codec=self.codec, outer_step=outer_step, group=self.local_group,
+                              buffer=buffer, prepare=prepare, apply=apply, start=start, window=window)
+
+    def _attempts(self, pieces: list, *, op: str, codec: str, outer_step: int, group, buffer=None, prepare=None,
+                  apply=None, restore=None, start: int = 0, window: int = 1) -> SyncResult:
+        """The retry loop of every all-reduce of this sync, over pieces[start:] (one piece: a plain all-reduce
+        of pieces[0]; with buffer/prepare/apply, a pipelined one as average_pieces says). Each attempt builds a
+        ring when there is none (ring_factory), launches up to `window` pieces ahead of the last applied one,
+        and agrees with the node's other processes on each piece before applying it. A piece that failed
+        anywhere on the node drops the ring here (so that every ring of the node is rebuilt together under the
+        next tag) and the next attempt redoes it and every later one; restore(j) first gives back this
+        process's input of piece j when its own all-reduce had worked. Errors other than network failures are
+        raised at once (a bug or a bad argument: no retry)."""
+        t0, pipelined = time.perf_counter(), prepare is not None
+        buffer = buffer or (lambda j: pieces[j])
         attempts = 1 + (self.retries if self.ring_factory is not None else 0)
         totals: dict = {}
         done, last = start, None
-        self.last_apply_s = 0.0
         for attempt in range(attempts):
+            tag = f"o{outer_step - 1}p{done}a{attempt}" if pipelined else f"o{outer_step - 1}a{attempt}"
             works: dict = {}
-            state = {"next": done, "err": None}
+            launch = {"next": done, "err": None}
 
             def launch_upto(limit: int) -> None:
                 # Every process prepares the same pieces (prepare may agree with the others), launched or not.
-                while state["next"] < min(len(ranges), limit):
-                    j = state["next"]
-                    prepare(j)
-                    state["next"] = j + 1
-                    if state["err"] is not None:
-                        continue
-                    buf = buffer(j)
-                    if buf.is_cuda:
-                        torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
-                    try:
-                        if self.ring is None:
-                            if self.ring_factory is None:
-                                raise OuterSyncError("the ring failed earlier and no ring_factory was given to "
-                                                     "rebuild it; restart the job")
-                            self.ring = self.ring_factory(f"o{outer_step - 1}p{done}a{attempt}")
-                        works[j] = self.ring.all_reduce(buf, op="avg", codec=self.codec, block_size=self.block_size)
-                    except Exception as e:
-                        if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
-                            raise  # a bug or a bad argument, not a network failure: no retry
-                        state["err"] = e
+                while launch["next"] < min(len(pieces), limit):
+                    j = launch["next"]
+                    if prepare is not None:
+                        prepare(j)
+                    launch["next"] = j + 1
+                    if launch["err"] is None:
+                        try:
+                            works[j] = self._launch(buffer(j), tag, op, codec, pipelined)
+                        except Exception as e:
+                            if not (is_comm_error(e) or isinstance(e, OuterSyncError)):
+                                raise
+                            launch["err"] = e
 
             launch_upto(done + window)
-            failed = False
-            for j in range(done, len(ranges)):
-                piece_err = state["err"] if j not in works else None
-                if piece_err is None:
-                    try:
-                        works[j].wait()
-                        _add_stats(totals, work_stats(works[j]))
-                    except Exception as e:
-                        if not is_comm_error(e):
-                            raise
-                        piece_err = e
-                if not all_local(group, piece_err is None):
-                    last = piece_err or last or RuntimeError("the all-reduce failed on another process of this node")
+            for j in range(done, len(pieces)):
+                err, stats = (launch["err"], {}) if j not in works else self._wait(works[j])
+                if not all_local(group, err is None):
+                    last = err or last or RuntimeError("the all-reduce failed on another process of this node")
                     self._drop_ring()
-                    failed = True
+                    if err is None and restore is not None:
+                        restore(j)
                     break
-                buf = buffer(j)
-                if buf.is_cuda:
-                    torch.cuda.synchronize(buf.device)  # the ring's decode is in the buffer
-                u0 = time.perf_counter()
-                apply(j)
-                self.last_apply_s = time.perf_counter() - u0
+                _add_stats(totals, stats)
+                if apply is not None:
+                    buf = buffer(j)
+                    if buf.is_cuda:
+                        torch.cuda.synchronize(buf.device)  # the ring's decode is in the buffer
+                    u0 = time.perf_counter()
+                    apply(j)
+                    self.last_apply_s = time.perf_counter() - u0
                 done = j + 1
                 launch_upto(done + window)  # piece j's buffer is free again
-            if not failed:
+            else:
                 return SyncResult(members=list(range(self.world_size)), contributors=self.world_size,
                                   attempts=attempt + 1, allreduce_s=time.perf_counter() - t0, stats=totals)
+        if not pipelined:
+            raise OuterSyncError(
+                f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) "
+                f"(last error: {last}). The outer weights were not changed; stopping so that nodes do not diverge. "
+                "Restart every node from the last checkpoint.")
         raise OuterSyncError(
             f"outer step {outer_step}: the all-reduce across nodes failed {attempts} time(s) at piece {done + 1} of "
-            f"{len(ranges)} (last error: {last}). Pieces 1 to {done} were applied; the rest was not. Stopping so that "
+            f"{len(pieces)} (last error: {last}). Pieces 1 to {done} were applied; the rest was not. Stopping so that "
             "nodes do not diverge: restart every node from the last checkpoint."
         )
+
+    def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: str, pipelined: bool):
+        """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none."""
+        if self.ring is None:
+            if self.ring_factory is None:
+                raise OuterSyncError("the ring failed earlier and no ring_factory was given to rebuild it; "
+                                     "restart the job")
+            self.ring = self.ring_factory(tag)
+        if pipelined and buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
+        return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
+
+    @staticmethod
+    def _wait(work) -> tuple:
+        """(None, the work's statistics) once it completed, or (the network error, {})."""
+        try:
+            work.wait()
+            return None, work_stats(work)
+        except Exception as e:
+            if not is_comm_error(e):
+                raise
+            return e, {}
 
     def applying(self, result: SyncResult) -> None:
         pass
