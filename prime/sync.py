@@ -38,6 +38,8 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
+from prime.comm.ring import RING_TIMERS
+
 __all__ = ["Sync", "SyncExtras", "complete", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
            "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS"]
 
@@ -180,17 +182,28 @@ int8 error: sum over every int8 block this rank quantized in the all-reduce of |
 sqrt(quant_err_sq / quant_in_sq): the relative error of one quantization, averaged over the hops of this rank."""
 
 
-SPLIT_FIELDS = ("auth_s", "stage_s", "commit_s", "queue_s", "gpu_codec_s", "h2d_s", "d2h_s", "staging_s",
-                "gpu_wait_s")
-"""WorkStats times recorded beside the main ones when non-zero (prime.comm.WorkStats says what each counts):
-the split of a GPU all-reduce, and the time spent sealing and opening frames."""
+_RECORDED = {
+    "bytes_sent": "bytes_sent",
+    "bytes_received": "bytes_received",
+    "quantize_s": "quantize_s",
+    "wait_s": "wire_s",  # the time blocked on the wire
+    "reduce_s": "reduce_s",
+    "total_s": "total_s",
+    "copy_back_s": None,  # part of commit_s
+}
+"""WorkStats fields the trainer records for every all-reduce, in this order, each under the name given here (None:
+never recorded). Every other timer of the ring (RING_TIMERS, csrc/ring/timers.h) is a SPLIT_FIELDS entry."""
+
+
+SPLIT_FIELDS = tuple(name for name, _ in RING_TIMERS if name not in _RECORDED)
+"""WorkStats times recorded beside the main ones, under their own names, when non-zero (csrc/ring/timers.h says what
+each counts): the split of a GPU all-reduce, and the time spent sealing and opening frames."""
 
 
 def work_stats(work) -> dict:
     """A finished ring Work's statistics (prime.comm.WorkStats) under the names the trainer records."""
     s = work.stats()
-    out = {"bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "quantize_s": s.quantize_s,
-           "wire_s": s.wait_s, "reduce_s": s.reduce_s, "total_s": s.total_s}
+    out = {recorded: getattr(s, name) for name, recorded in _RECORDED.items() if recorded is not None}
     for name in SPLIT_FIELDS:  # where the rest of the time went, when the ring reports it
         v = getattr(s, name, None)
         if v:

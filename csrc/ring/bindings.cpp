@@ -14,6 +14,7 @@
 #include "crypto/libcrypto.h"
 #include "crypto/sha256.h"
 #include "ring.h"
+#include "timers.h"
 #include "wire_codec.h"
 #ifdef PRIME_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -62,22 +63,11 @@ py::dict stats_to_dict(const ring::WorkStats& s) {
   d["bytes_received"] = s.bytes_received;
   d["frames_sent"] = s.frames_sent;
   d["frames_received"] = s.frames_received;
-  d["quantize_s"] = s.quantize_s;
-  d["reduce_s"] = s.reduce_s;
-  d["wait_s"] = s.wait_s;
-  d["commit_s"] = s.commit_s;
-  d["queue_s"] = s.queue_s;
-  d["total_s"] = s.total_s;
-  d["stage_s"] = s.stage_s;
-  d["copy_back_s"] = s.copy_back_s;
-  d["auth_s"] = s.auth_s;
+#define PRIME_RING_TIMER_TO_DICT(name, description) d[#name] = s.name;
+  PRIME_RING_TIMERS(PRIME_RING_TIMER_TO_DICT)
+#undef PRIME_RING_TIMER_TO_DICT
   d["schedule"] = s.direct ? "direct" : "ring";
   d["gpu"] = s.gpu;
-  d["gpu_codec_s"] = s.gpu_codec_s;
-  d["h2d_s"] = s.h2d_s;
-  d["d2h_s"] = s.d2h_s;
-  d["staging_s"] = s.staging_s;
-  d["gpu_wait_s"] = s.gpu_wait_s;
   // None unless measured (codec int8, world size > 1, the ring's quant_error on): never a 0 nobody measured.
   d["quant_err_sq"] = s.quant_measured ? py::object(py::float_(s.quant_err_sq)) : py::object(py::none());
   d["quant_in_sq"] = s.quant_measured ? py::object(py::float_(s.quant_in_sq)) : py::object(py::none());
@@ -241,6 +231,16 @@ void init_ring_bindings(py::module_& m) {
           },
           "None, or a dict describing the failure.")
       .def("stats", [](const Work& w) { return stats_to_dict(w.stats()); });
+
+  m.def(
+      "_ring_timers",
+      []() {
+        py::list out;
+        for (const auto& t : ring::kTimers) out.append(py::make_tuple(t.name, t.description));
+        return out;
+      },
+      "[(name, description)] of every timer of a Work's stats(), in seconds, in their order "
+      "(csrc/ring/timers.h; prime.comm.WorkStats's timer fields).");
 
   py::class_<Ring, std::shared_ptr<Ring>>(m, "_Ring", "One rank's end of the TCP ring (see prime.comm.Ring).")
       .def(py::init([](int rank, int world_size, const std::string& job_id, py::bytes secret, double timeout_s, double rendezvous_timeout_s,

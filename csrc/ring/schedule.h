@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "timers.h"
 #include "transport.h"
 
 namespace prime::ring {
@@ -72,17 +73,11 @@ struct RingGeometry {
   std::vector<int> order;
 };
 
+// What the schedule and its wire codec measured: the PRIME_RING_SCHEDULE_TIMERS of timers.h (which
+// says what each counts), added to by ScopedTimer (wire_codec.h) and, for CUDA tensors, by the CUDA
+// codec's finish(); Ring::execute copies them into WorkStats.
 struct ScheduleTimes {
-  double quantize_s = 0;  // codec quantize
-  double reduce_s = 0;    // dequantize(-add), widening, sums, rounding, copies
-  double wait_s = 0;      // blocked on the wire (recv and final flush)
-  // CUDA tensors only (wire_codec_cuda.cu). GPU time from CUDA events:
-  double gpu_codec_s = 0;  // codec kernels (quantize, dequantize-add, sums, checks)
-  double h2d_s = 0;        // received payloads, pinned staging -> device
-  double d2h_s = 0;        // payloads to send, device -> pinned staging
-  // Host time of the worker:
-  double staging_s = 0;   // copying received payloads into pinned staging
-  double gpu_wait_s = 0;  // blocked until the GPU produced a payload to send
+  PRIME_RING_SCHEDULE_TIMERS(PRIME_RING_TIMER_FIELD)
   // Not times: the int8 codecs' own quantization error (codec.h quantize_error_sq), summed
   // over every block this rank quantized (its input, each partial sum it re-encoded, the
   // final value it encoded as owner), float64. The CUDA codec adds them in finish().

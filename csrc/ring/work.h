@@ -8,6 +8,7 @@
 
 #include "deadline.h"
 #include "errors.h"
+#include "timers.h"
 
 namespace prime::ring {
 
@@ -18,23 +19,11 @@ struct WorkStats {
   uint64_t bytes_received = 0;  // likewise
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;
-  double quantize_s = 0;  // codec quantize
-  double reduce_s = 0;    // dequantize(-add), sums, conversions, copies
-  double wait_s = 0;      // blocked on the wire
-  double commit_s = 0;    // writing the result, copy_back_s included
-  double stage_s = 0;     // before queueing: the device-to-host (or strided) copy into staging
-  double copy_back_s = 0; // the staged result copied into the caller's tensor (host-to-device for CUDA)
-  double queue_s = 0;     // from submission until the worker started it
-  double total_s = 0;     // from start to completion (queue time excluded)
-  double auth_s = 0;      // sealing and opening frames (AES-GCM) on the I/O threads; overlaps the rest
-  bool direct = false;    // the direct (two-hop) schedule ran, not the ring
-  // CUDA tensors reduced on their GPU (gpu true; ScheduleTimes says what each counts):
-  bool gpu = false;
-  double gpu_codec_s = 0;  // GPU time of the codec kernels
-  double h2d_s = 0;        // GPU time of the host-to-device payload copies
-  double d2h_s = 0;        // GPU time of the device-to-host payload copies
-  double staging_s = 0;    // host time copying received payloads into pinned staging
-  double gpu_wait_s = 0;   // host time blocked until the GPU produced a payload to send
+  // Every timer of timers.h (PRIME_RING_TIMERS, which says what each counts), in seconds: the
+  // schedule's copied from ScheduleTimes, the others measured around it (Ring::execute).
+  PRIME_RING_TIMERS(PRIME_RING_TIMER_FIELD)
+  bool direct = false;  // the direct (two-hop) schedule ran, not the ring
+  bool gpu = false;     // a CUDA tensor reduced on its GPU (the GPU timers count only then)
   // The int8 quantization error this rank measured while it encoded (ScheduleTimes; the
   // fields of prime.sync.QUANT_ERROR_FIELDS). Only when quant_measured: codec int8 with
   // world size > 1 (the exact codec quantizes nothing, nor does a ring of one) and

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import List, Optional, Protocol, Union, runtime_checkable
 
 import torch
@@ -27,7 +30,7 @@ from prime.comm.errors import CommError, error_from_info
 from prime.comm.links import LinkTable, choose_schedule
 from prime.ops import CODECS, check_block_size, default_block_size, wire_bytes
 
-__all__ = ["Ring", "Work", "WorkStats", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+__all__ = ["Ring", "Work", "WorkStats", "RING_TIMERS", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
 
 logger = logging.getLogger("prime.comm")
 
@@ -64,9 +67,50 @@ ENV_CUDA_REDUCE = "PRIME_RING_CUDA_REDUCE"
 ENV_CUDA_UPLOAD = "PRIME_RING_CUDA_UPLOAD"
 
 
+def _ring_timers() -> tuple:
+    """(name, description) of every timer of a ring's statistics, in order: prime._C's own list (csrc/ring/timers.h
+    as compiled, so that WorkStats takes exactly the keys its stats() gives), or without the extension that header
+    read from the source tree, so that stand-in rings (tests/fake_ring.py) still build a WorkStats."""
+    if _extension.available():
+        return tuple((str(name), str(description)) for name, description in _extension.require()._ring_timers())
+    header = Path(__file__).resolve().parents[2] / "csrc" / "ring" / "timers.h"
+    try:
+        return tuple(re.findall(r'^\s*X\((\w+), "([^"]*)"\)', header.read_text(), flags=re.MULTILINE))
+    except OSError as e:
+        warnings.warn(f"prime: neither prime._C nor {header} ({e}): WorkStats has no timer fields", RuntimeWarning)
+        return ()
+
+
+RING_TIMERS = _ring_timers()
+"""(name, description) of the timers of WorkStats, in seconds, in order. Defined once, in csrc/ring/timers.h: a timer
+added there is a field here (default 0.0), a key of stats() and of the trainer's metrics (prime.sync.work_stats)."""
+
+
+def _with_timers(after: str):
+    """Class decorator for WorkStats, before @dataclass reads its fields: adds a float field (default 0.0, its
+    description in the field's metadata) per RING_TIMERS entry, after the field `after`."""
+
+    def add(cls):
+        annotations = {}
+        for name, kind in cls.__annotations__.items():
+            annotations[name] = kind
+            if name == after:
+                for timer, description in RING_TIMERS:
+                    annotations[timer] = "float"
+                    setattr(cls, timer, field(default=0.0, metadata={"description": description}))
+        assert after in annotations, f"WorkStats has no field {after}"
+        cls.__annotations__ = annotations
+        return cls
+
+    return add
+
+
 @dataclass(frozen=True)
+@_with_timers(after="frames_received")
 class WorkStats:
-    """What one all-reduce cost, measured by this rank."""
+    """What one all-reduce cost, measured by this rank. After frames_received: one float field per timer of
+    RING_TIMERS, in seconds (quantize_s, reduce_s, wait_s, ..., total_s, gpu_codec_s, ...; the field's
+    metadata["description"] says what it counts); a ring that does not measure one reports 0.0."""
 
     seq: int
     numel: int
@@ -74,23 +118,8 @@ class WorkStats:
     bytes_received: int  # on the wire from the left neighbour
     frames_sent: int
     frames_received: int
-    quantize_s: float  # codec quantize
-    reduce_s: float  # dequantize(-add), sums, conversions, copies
-    wait_s: float  # blocked on the wire
-    commit_s: float  # writing what was left of the result after every check passed (copy_back_s included)
-    queue_s: float  # waiting behind earlier collectives
-    total_s: float  # start to completion, queue time excluded
-    stage_s: float = 0.0  # before queueing: copying a CUDA (or strided) tensor into staging
-    copy_back_s: float = 0.0  # copying the staged result back into a CUDA (or strided) tensor
-    auth_s: float = 0.0  # sealing + opening frames (AES-GCM) on the transport's threads; overlaps the rest
     schedule: str = "ring"  # "ring" or "direct" (two hops): what ran
-    # CUDA tensors reduced on their GPU (gpu=True; docs/ring.md, "CUDA tensors"):
-    gpu: bool = False
-    gpu_codec_s: float = 0.0  # GPU time of the codec kernels (CUDA events)
-    h2d_s: float = 0.0  # GPU time of the host-to-device payload copies (PCIe)
-    d2h_s: float = 0.0  # GPU time of the device-to-host payload copies (PCIe)
-    staging_s: float = 0.0  # host time copying received payloads into pinned staging
-    gpu_wait_s: float = 0.0  # host time blocked until the GPU produced a payload to send
+    gpu: bool = False  # a CUDA tensor reduced on its GPU: the GPU timers count (docs/ring.md, "CUDA tensors")
     # The int8 error this rank made while encoding (prime.sync.QUANT_ERROR_FIELDS): over every
     # block it quantized, the float64 sums of ||dequantize(quantize(x)) - x||^2 and of ||x||^2.
     # None when nothing was measured: codec "none", or a ring of one rank (it quantizes nothing).
