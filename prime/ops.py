@@ -259,7 +259,7 @@ def grid_scale_reference(t: torch.Tensor) -> torch.Tensor:
     bits = t.view(torch.int32).to(torch.int64)
     mant = bits & 0x7FFFFF
     grid = torch.tensor(SCALE_GRID_MANTISSAS, dtype=torch.int64, device=t.device)
-    j = (grid < mant.unsqueeze(-1)).sum(-1)  # 18: the next octave's 2^(e + 1)
+    j = torch.searchsorted(grid, mant)  # how many grid mantissas lie below mant; 18: the next octave's 2^(e + 1)
     up = (bits & 0x7F800000) + torch.cat([grid, grid.new_tensor([0x800000])])[j]
     up = torch.where(bits < 0x800000, 0x800000, up)
     return torch.where(bits == 0, 0, up).to(torch.int32).view(torch.float32)

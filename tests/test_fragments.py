@@ -453,16 +453,17 @@ def test_ranges_cut_at_block_boundaries_and_count(seed):
 
 
 def test_the_demo_with_fragments_and_overlap_ends_with_identical_weights(tmp_path):
-    """The README's demo, two simulated nodes on the int8 ring, with 4 fragments and overlap: every fragment
-    syncs in turn, the last ones once more at the end, and both nodes print the same final weights."""
+    """The README's demo, two simulated nodes on the int8 ring, with 4 fragments and overlap, for 25 of its 100
+    steps (two phases and a half of H = 10): every fragment syncs in turn, the ones with steps not yet averaged
+    once more at the end, and both nodes print the same final weights."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--", "--config", "configs/demo.toml",
-           "--diloco.fragments", "4", "--diloco.overlap", "true", "--metrics.out_dir", str(tmp_path / "run"),
-           "--metrics.plot", "false"]
+           "--diloco.fragments", "4", "--diloco.overlap", "true", "--train.steps", "25",
+           "--metrics.out_dir", str(tmp_path / "run"), "--metrics.plot", "false"]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
