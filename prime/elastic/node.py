@@ -111,7 +111,8 @@ class ElasticSync(Joining):
         self.quant_error = quant_error
         self._sources: list = []
         self._state = None  # the OuterStates of every fragment, from bind()
-        self.agree_group = None  # agree() on the main thread; self.group may become the background's own
+        self.agree_group = self.local.group  # agree() on the main thread: the node's group, kept when the background
+        # average gets a group of its own (use_from_background)
         self._settings: dict = {}
         self.codec, self.block_size, self.inner_steps = "int8", 64, 1  # from bind()
         self._committed: Optional[Plan] = None
