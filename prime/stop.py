@@ -126,7 +126,8 @@ class StopSignals:
         threading.Event().wait(self.grace_s)
         # The line and the flush on a thread of their own: a write into a pipe that nobody reads any more
         # must not keep the process alive.
-        last_words = threading.Thread(target=lambda: (self.report(signum, late=True), _flush()), daemon=True)
+        last_words = threading.Thread(target=lambda: (self.report(signum, late=True), _where(), _flush()),
+                                      daemon=True)
         last_words.start()
         last_words.join(timeout=2.0)
         os._exit(exit_status(signum))
@@ -141,6 +142,16 @@ class StopSignals:
             print(self.line(signum, late), file=self.out or sys.stderr, flush=True)
         except (OSError, ValueError):  # the launcher is gone (a broken pipe) or the stream is closed
             pass
+
+
+def _where() -> None:
+    """Every thread's Python stack on stderr: where a process still stopping after the grace was stuck."""
+    import faulthandler
+
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or not a real file: nothing to say it on
+        pass
 
 
 def _flush() -> None:

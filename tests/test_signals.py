@@ -121,7 +121,9 @@ def _losses(out_dir, node):
 
 
 def _stop_lines(text, sig):
-    return re.findall(rf"\[node (\d)\] prime-train: stopped by {sig} at inner step (\d+); (.*)$", text, re.M)
+    # (a note may follow the step in parentheses: an average in flight abandoned, the grace passed)
+    return re.findall(rf"\[node (\d)\] prime-train: stopped by {sig} at inner step (\d+)(?: \([^)]*\))?; (.*)$", text,
+                      re.M)
 
 
 # -- before anything starts ---------------------------------------------------------------------
@@ -313,6 +315,41 @@ def test_sigterm_in_inner_steps_then_sigint_in_an_all_reduce_and_the_resume_is_e
         assert same[0] == 9 and same[-1] >= 13, (same, sorted(first[node]))
         for s in same:
             assert again[s] == first[node][s], f"node {node} step {s}: {again[s]} vs {first[node][s]}"
+
+
+@needs_ring
+def test_sigterm_with_fragments_and_overlap_stops_and_the_resume_is_exact(tmp_path):
+    """4 fragments with overlap at H = 4: a fragment syncs at every inner step, so an average is always in
+    flight on a background thread. SIGTERM to prime-simulate: every process ends within the grace, a stop line
+    per node, status 143, no traceback. The same command again resumes from the checkpoint of step 8 (written
+    with its averages in flight applied), and its steps 9.. have the first run's losses, bit for bit."""
+    ck = str(tmp_path / "ck")
+    args = QUICK + ["--checkpoint.dir", ck, "--checkpoint.every", "8", "--diloco.fragments", "4",
+                    "--diloco.overlap", "true"]
+    runs = []
+    for out, until in (("a", 14), ("b", 14)):
+        job = Job(args + ["--metrics.out_dir", str(tmp_path / out)])
+        try:
+            job.wait_for(rf"\[node \d\] step +{until}/", count=2, timeout=180)
+            pids = job.tree(expect=5)
+            os.kill(job.p.pid, signal.SIGTERM)
+            took = job.gone_within(pids, GRACE)
+            rc = job.finish()
+        finally:
+            job.kill()
+        print(f"run {out}: every process gone {took:.2f} s after SIGTERM")
+        text = job.text
+        assert rc == 143, text[-3000:]
+        assert sorted(n for n, _, _ in _stop_lines(text, "SIGTERM")) == ["0", "1"], text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        runs.append((text, [_losses(tmp_path / out, n) for n in (0, 1)]))
+    (_, first), (text, again) = runs
+    assert text.count("resumed from the checkpoint of step 8") == 2, text[-3000:]
+    for node in (0, 1):
+        same = [s for s in sorted(again[node]) if s in first[node]]
+        assert same[0] == 9 and same[-1] >= 13, (same, sorted(first[node]))
+        for s in same:
+            assert again[node][s] == first[node][s], f"node {node} step {s}: {again[node][s]} vs {first[node][s]}"
 
 
 @needs_ring
