@@ -545,8 +545,10 @@ class DiLoCo:
         if self.distributed:
             self._check_pending = True  # verify all nodes resumed the same state before the next outer step
 
-    def close(self) -> None:
-        """Removes the optimizer hooks and closes what this DiLoCo created (a ring or sync passed in stays open)."""
+    def close(self, wait: bool = True) -> None:
+        """Removes the optimizer hooks and closes what this DiLoCo created (a ring or sync passed in stays open).
+        wait=False (a run stopping on a signal): an average in flight that does not end within 0.5 s is left to
+        its daemon thread, and reported as failed."""
         self._hooks.remove()
         error, step = None, None
         for f in self.fragments:
@@ -554,7 +556,7 @@ class DiLoCo:
             # from under it (the peers would see a dead node); it ends within the ring's timeout. Its result is
             # not applied; a failure is raised below, after the sync is closed.
             flight = f._inflight
-            e = f.abandon()
+            e = f.abandon(wait)
             if e is not None and error is None:
                 error, step = e, flight.outer_step
         if self._owns_sync and self._sync is not None:

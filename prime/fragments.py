@@ -528,12 +528,16 @@ class Fragment:
         if self.policy is not None:
             self.policy.reset()
 
-    def abandon(self) -> Optional[BaseException]:
-        """close(): waits for an average still in flight without applying it; returns its error, if any."""
+    def abandon(self, wait: bool = True) -> Optional[BaseException]:
+        """close(): waits for an average still in flight without applying it; returns its error, if any. With
+        wait=False (a run that stops on a signal) an average still running is left to its daemon thread and
+        reported as an error."""
         flight, self._inflight = self._inflight, None
         if flight is None:
             return None
-        flight.thread.join()
+        flight.thread.join(timeout=None if wait else 0.5)
+        if flight.thread.is_alive():
+            return RuntimeError("still running when the run stopped; left behind")
         return flight.error
 
     # -- state ----------------------------------------------------------------------------

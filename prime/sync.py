@@ -323,6 +323,7 @@ class RingSync(SyncExtras):
         if ring is None and ring_factory is None:
             raise ValueError("RingSync needs a ring or a ring_factory")
         self.ring_factory, self.retries = ring_factory, retries
+        self._closed = False  # close() was called: no new ring (an average still running fails instead)
         self.local_group = local_group
         self.average_group = local_group
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
@@ -482,6 +483,8 @@ class RingSync(SyncExtras):
     def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: str, pipelined: bool):
         """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none."""
         if self.ring is None:
+            if self._closed:
+                raise OuterSyncError("the sync was closed (the run is stopping): no ring is built again")
             if self.ring_factory is None:
                 raise OuterSyncError("the ring failed earlier and no ring_factory was given to rebuild it; "
                                      "restart the job")
@@ -552,5 +555,8 @@ class RingSync(SyncExtras):
             )
 
     def close(self) -> None:
-        """Closes the rings this sync built (not one passed to it)."""
+        """Closes the rings this sync built (not one passed to it). An average still running on a background
+        thread then fails at once: its retry builds no new ring (which would wait for peers up to the ring's
+        timeout)."""
+        self._closed = True
         self._drop_ring()

@@ -281,7 +281,7 @@ class Trainer:
         if stopping:
             run(self.nodes.close)  # an all-reduce in flight fails at once
             try:
-                self.diloco.close()
+                self.diloco.close(wait=False)  # (one that does not, e.g. waiting for a peer that left, is left)
             except OuterSyncError:  # that average, abandoned
                 note = "an outer step's average in flight was abandoned"
             except BaseException as e:  # noqa: BLE001 - raised below, after the process group is gone
