@@ -102,6 +102,13 @@ class Job:
             time.sleep(0.05)
         return time.monotonic() - t0
 
+    def stop(self, sig: int) -> tuple[float, int]:
+        """Sends `sig` to prime-simulate; (seconds until every process of the job ended, its exit status)."""
+        pids = self.tree(expect=5)  # prime-simulate, 2 torchruns, 2 workers
+        os.kill(self.p.pid, sig)
+        took = self.gone_within(pids, GRACE)
+        return took, self.finish()
+
     def finish(self, timeout: float = 30.0) -> int:
         rc = self.p.wait(timeout=timeout)
         self.pump.join(timeout=5)
@@ -271,10 +278,7 @@ def test_sigterm_in_inner_steps_then_sigint_in_an_all_reduce_and_the_resume_is_e
     try:
         # (a step's line is printed before its record is written: the signal may fall between the two)
         job.wait_for(r"\[node \d\] step +14/", count=2)
-        pids = job.tree(expect=5)  # prime-simulate, 2 torchruns, 2 workers
-        os.kill(job.p.pid, signal.SIGTERM)
-        took = job.gone_within(pids, GRACE)
-        rc = job.finish()
+        took, rc = job.stop(signal.SIGTERM)
     finally:
         job.kill()
     print(f"SIGTERM in inner steps: every process gone {took:.2f} s after the signal")
@@ -296,10 +300,7 @@ def test_sigterm_in_inner_steps_then_sigint_in_an_all_reduce_and_the_resume_is_e
         job.wait_for(r"\[node \d\] step +15/", count=2, timeout=180)
         time.sleep(1.5)  # inner step 16 (0.2 s), then its outer step's all-reduce on the wire
         assert "(step 16)" not in job.text
-        pids = job.tree(expect=5)
-        os.kill(job.p.pid, signal.SIGINT)
-        took = job.gone_within(pids, GRACE)
-        rc = job.finish()
+        took, rc = job.stop(signal.SIGINT)
     finally:
         job.kill()
     print(f"SIGINT in an all-reduce: every process gone {took:.2f} s after the signal")
@@ -331,10 +332,7 @@ def test_sigterm_with_fragments_and_overlap_stops_and_the_resume_is_exact(tmp_pa
         job = Job(args + ["--metrics.out_dir", str(tmp_path / out)])
         try:
             job.wait_for(rf"\[node \d\] step +{until}/", count=2, timeout=180)
-            pids = job.tree(expect=5)
-            os.kill(job.p.pid, signal.SIGTERM)
-            took = job.gone_within(pids, GRACE)
-            rc = job.finish()
+            took, rc = job.stop(signal.SIGTERM)
         finally:
             job.kill()
         print(f"run {out}: every process gone {took:.2f} s after SIGTERM")
