@@ -10,6 +10,9 @@
 #                                                  (H = 80, 3 phases; each fragment's 1.3 GB per ring needs ~21 s
 #                                                  of a 0.5 Gbit/s ring, hidden in its 20 inner steps); H = 100
 #                                                  would not leave room for start-up and the final syncs in 10 min
+#   PART=elastic benchmarks/gpu.sh scale-10b OUT   the overlap run with elastic membership on (heartbeats, the
+#                                                  membership agreement before each fragment's average, a state
+#                                                  server per node): utilization beside the fixed-node run's
 # Micro-batch 2 without gradient accumulation: FSDP2 accumulating unsharded gradients keeps them in fp32, 41 GB
 # per GPU for 10B, which leaves no room for the outer step's buffers (the memory plan says so).
 # env: PART (sync), SKIP_TESTS (set: no GPU tests), MEMORY_GIB (500: the host memory for the plan; some VMs
@@ -23,8 +26,8 @@ part=${PART:-sync}
 run10b() {  # run10b NAME TIMEOUT RATE_MBIT ARGS...: 2 nodes x 2 GPUs, 10B; log and metrics under OUT/NAME
   local name=$1 limit=$2 rate=$3; shift 3
   mkdir -p "$out/$name"
-  run_step "10B $name: 2 x 2 GPUs, $rate Mbit/s per ring, $*" "$limit" "$name/log.txt" \
-    python3 -m prime.simulate --nodes 2 --procs-per-node 2 -- --model.name 10B \
+  run_step "10B $name: 2 x 2 GPUs, $rate Mbit/s per ring, ${SIMULATE_ARGS:-}$*" "$limit" "$name/log.txt" \
+    python3 -m prime.simulate --nodes 2 --procs-per-node 2 ${SIMULATE_ARGS:-} -- --model.name 10B \
     --data.source embedded --data.seq_len 4096 --train.micro_batch_size 2 --train.grad_accum 1 \
     --train.activation_checkpointing true --train.compile true --optim.warmup_steps 5 --diloco.timeout_s 900 \
     --metrics.log_every 10 --metrics.plot false --train.threads 8 --memory.host_gib "${MEMORY_GIB:-500}" \
@@ -46,6 +49,11 @@ sync)
 overlap)
   run10b overlap 570 500 --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 --train.steps 240
   ;;
-*) echo "PART must be sync or overlap"; status=2 ;;
+elastic)
+  SIMULATE_ARGS="--elastic " run10b elastic 510 500 --diloco.fragments 4 --diloco.overlap true \
+    --diloco.inner_steps 80 --train.steps 240 --elastic.barrier_timeout_s 600
+  grep -E "identical|differ" "$out/elastic/log.txt" | tail -2
+  ;;
+*) echo "PART must be sync, overlap or elastic"; status=2 ;;
 esac
 finish
