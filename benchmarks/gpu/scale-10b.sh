@@ -15,7 +15,7 @@
 #                                                  server per node): utilization beside the fixed-node run's
 # Micro-batch 2 without gradient accumulation: FSDP2 accumulating unsharded gradients keeps them in fp32, 41 GB
 # per GPU for 10B, which leaves no room for the outer step's buffers (the memory plan says so).
-# env: PART (sync), SKIP_TESTS (set: no GPU tests), MEMORY_GIB (500: the host memory for the plan; some VMs
+# env: PART (sync), STEPS (240) and LIMIT (510 s) of the elastic run, SKIP_TESTS (set: no GPU tests), MEMORY_GIB (500: the host memory for the plan; some VMs
 #      report a MemTotal that grows as memory is used)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
@@ -50,8 +50,8 @@ overlap)
   run10b overlap 570 500 --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 --train.steps 240
   ;;
 elastic)
-  SIMULATE_ARGS="--elastic " run10b elastic 510 500 --diloco.fragments 4 --diloco.overlap true \
-    --diloco.inner_steps 80 --train.steps 240 --elastic.barrier_timeout_s 600
+  SIMULATE_ARGS="--elastic " run10b elastic "${LIMIT:-510}" 500 --diloco.fragments 4 --diloco.overlap true \
+    --diloco.inner_steps 80 --train.steps "${STEPS:-240}" --elastic.barrier_timeout_s 600
   grep -E "identical|differ" "$out/elastic/log.txt" | tail -2
   ;;
 *) echo "PART must be sync, overlap or elastic"; status=2 ;;
