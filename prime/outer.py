@@ -52,7 +52,6 @@ weights.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from typing import Iterable, Optional
@@ -300,11 +299,6 @@ class OuterState(FlatLayout, OverlapPasses):
         """What every node must agree on for the outer step to mean the same everywhere."""
         opt = self.rule.settings() if self.optimizer is None else self.optimizer.settings()
         return {**opt, "block_size": self.block_size, "shapes": [list(s) for s in self.shapes], "numel": self.numel}
-
-    def weights_hash(self) -> int:
-        """64-bit hash of the outer weights' bytes."""
-        self.ensure_taken()
-        return int.from_bytes(hashlib.blake2b(self.outer.cpu().numpy().data, digest_size=8).digest(), "little")
 
     def tensors(self) -> list:
         """The flat state a joining node must download (outer weights and momentum)."""

@@ -152,7 +152,7 @@ class OuterStates:
         return s
 
     def weights_hash(self) -> int:
-        """64-bit hash of every fragment's outer weights' bytes, in order (one fragment: OuterState.weights_hash)."""
+        """64-bit hash (blake2b) of every fragment's outer weights' bytes, in fragment order."""
         h = hashlib.blake2b(digest_size=8)
         for st in self.states:
             st.ensure_taken()
