@@ -440,7 +440,7 @@ class NodesConfig:
 @dataclass
 class ElasticConfig:
     enabled: bool = False
-    """Elastic membership: nodes may die, leave and join mid-training (docs/elastic.md). One process per node; a node started with node_rank >= num_nodes joins the running job."""
+    """Elastic membership: nodes may die, leave and join mid-training (docs/elastic.md). One or more processes per node; a node started with node_rank >= num_nodes joins the running job."""
     heartbeat_interval_s: float = 1.0
     """Each node bumps its heartbeat counter in the store this often (seconds)."""
     heartbeat_timeout_s: float = 10.0
