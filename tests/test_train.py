@@ -12,7 +12,6 @@ import random
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -60,15 +59,6 @@ def run_train(args, env_extra=None, timeout=300):
     p = subprocess.run([sys.executable, "-m", "prime.train", *args], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout + p.stderr
-
-
-def concurrently(*calls):
-    """Runs independent launches (functions of no argument) at the same time; their results in order.
-    Most of a launch is process start-up and teardown, which leave a core idle: two runs side by side
-    take far less than one after the other."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [f.result() for f in futures]
 
 
 def worker_tracebacks(out):
@@ -132,12 +122,11 @@ def test_fsdp_node_resume_matches_uninterrupted_run(tmp_path, seed):
     """2 FSDP2 processes on one node: kill after step 8, resume from the step-6 checkpoint, same losses as a run without the kill."""
     common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
-    (rc, out), (rc_killed, out_killed) = concurrently(  # the reference run and the killed one are independent
-        lambda: run_torchrun(2, common + ["--metrics.out_dir", full]),
-        lambda: run_torchrun(2, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"}))
+    rc, out = run_torchrun(2, common + ["--metrics.out_dir", full])
     assert rc == 0, out
-    assert rc_killed != 0 and "exiting as if killed" in out_killed, out_killed
+    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
+    rc, out = run_torchrun(2, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
+    assert rc != 0 and "exiting as if killed" in out, out
     rc, out = run_torchrun(2, common + ck)
     assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
     ref, got = losses(full), records(part)
@@ -180,23 +169,12 @@ def test_fsdp_node_falls_back_from_a_damaged_checkpoint(tmp_path, seed):
     assert rc != 0 and "exiting as if killed" in out, out
     ref = losses(str(tmp_path / "first"))
     assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004", "step_00000008"]
-    victims = {}
     for how in ("overwrite_4k", "truncate"):
         copy = str(tmp_path / f"ck_{how}")
         shutil.copytree(ck, copy)
-        victims[how] = _largest_distcp(os.path.join(copy, "node0", "step_00000008"))
-        _damage(victims[how], how, rng)
-    copy = str(tmp_path / "ck_none")
-    shutil.copytree(ck, copy)
-    for step in (4, 8):
-        _damage(_largest_distcp(os.path.join(copy, "node0", f"step_{step:08d}")), "overwrite_4k", rng)
-    # The three resumes, each from its own copy of the checkpoints, are independent: side by side.
-    runs = concurrently(*(
-        lambda how=how: run_torchrun(2, common + ["--checkpoint.dir", str(tmp_path / f"ck_{how}"),
-                                                  "--metrics.out_dir", str(tmp_path / how)])
-        for how in ("overwrite_4k", "truncate", "none")))
-    for how, (rc, out) in zip(("overwrite_4k", "truncate"), runs):
-        victim = victims[how]
+        victim = _largest_distcp(os.path.join(copy, "node0", "step_00000008"))
+        _damage(victim, how, rng)
+        rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / how)])
         assert rc == 0, out
         assert "checkpoint of step 8 on node 0 is damaged" in out and victim in out, out
         assert "resumed from the checkpoint of step 4" in out and worker_tracebacks(out) == 0, out
@@ -204,7 +182,11 @@ def test_fsdp_node_falls_back_from_a_damaged_checkpoint(tmp_path, seed):
         assert sorted(got) == list(range(5, 13))  # a fresh metrics dir: the steps after the checkpoint
         for step in range(5, 11):  # deterministic on CPU: bit-identical to the run that wrote the checkpoints
             assert got[step] == ref[step], f"{how} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
-    rc, out = runs[2]
+    copy = str(tmp_path / "ck_none")
+    shutil.copytree(ck, copy)
+    for step in (4, 8):
+        _damage(_largest_distcp(os.path.join(copy, "node0", f"step_{step:08d}")), "overwrite_4k", rng)
+    rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / "none")])
     assert rc != 0, out
     assert out.count(f"prime-train: stopped: no checkpoint under {copy} is intact on every node") == 2, out
     assert worker_tracebacks(out) == 0 and "terminate called" not in out, out
@@ -283,14 +265,11 @@ def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
 def test_int8_and_exact_reach_the_same_loss(tmp_path, seed):
     """The same seed with the int8 ring and with exact fp32: final losses within 2%."""
     final = {}
-    codecs = ("int8", "none")
-    runs = concurrently(*(  # two independent runs: side by side
-        lambda codec=codec: run_simulate(2, 1, QUICK + [
-            "--train.steps", "40", "--diloco.inner_steps", "10", "--diloco.codec", codec, "--train.seed", str(seed),
-            "--metrics.out_dir", str(tmp_path / codec), "--metrics.log_every", "1"])
-        for codec in codecs))
-    for codec, (rc, out) in zip(codecs, runs):
+    for codec in ("int8", "none"):
         out_dir = str(tmp_path / codec)
+        args = QUICK + ["--train.steps", "40", "--diloco.inner_steps", "10", "--diloco.codec", codec,
+                        "--train.seed", str(seed), "--metrics.out_dir", out_dir, "--metrics.log_every", "1"]
+        rc, out = run_simulate(2, 1, args)
         assert rc == 0, out
         per_node = [losses(out_dir, n) for n in (0, 1)]
         final[codec] = sum(ls[s] for ls in per_node for s in range(31, 41)) / 20  # last 10 steps, both nodes
@@ -306,12 +285,11 @@ def test_two_nodes_resume_matches_uninterrupted_run(tmp_path, seed):
     common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "4", "--train.seed", str(seed),
                       "--metrics.log_every", "1"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
-    (rc, out), (rc_killed, out_killed) = concurrently(  # the reference run and the killed one are independent
-        lambda: run_simulate(2, 1, common + ["--metrics.out_dir", full]),
-        lambda: run_simulate(2, 1, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"}))
+    rc, out = run_simulate(2, 1, common + ["--metrics.out_dir", full])
     assert rc == 0, out
-    assert rc_killed != 0 and "exiting as if killed" in out_killed, out_killed
+    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
+    rc, out = run_simulate(2, 1, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
+    assert rc != 0 and "exiting as if killed" in out, out
     rc, out = run_simulate(2, 1, common + ck)
     assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
     for node in (0, 1):
