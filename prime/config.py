@@ -290,6 +290,9 @@ class TrainConfig:
     stop_grace_s: float = 30.0
     """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md). prime-simulate waits this long and 5 s more for its nodes, then kills what is left."""
 
+    slowdown: float = 1.0
+    """Each inner step takes this many times its own time (a sleep after it, counted in the step): a slower node, emulated for tests and benchmarks (prime-simulate --slow-node R:F sets it for node R)."""
+
     def validate(self) -> None:
         _require(self.steps >= 1, "train.steps", ">= 1", self.steps)
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", self.micro_batch_size)
@@ -306,6 +309,7 @@ class TrainConfig:
         _require(self.stop_grace_s > 0, "train.stop_grace_s", "> 0 seconds", self.stop_grace_s)
         _require_range(self.stop_grace_s, "train.stop_grace_s", 0, _MAX_STOP_GRACE_S, " seconds",
                        "a stopped job holds its machines this long at most")
+        _require_range(self.slowdown, "train.slowdown", 1, 100, "", "1: the node's own speed")
 
 
 @dataclass

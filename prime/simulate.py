@@ -194,11 +194,13 @@ def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
 
 
 def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dict | None = None,
-             out=None, threads_per_proc: int | None = None, faults: dict | None = None, grace_s: float = 30.0) -> int:
+             out=None, threads_per_proc: int | None = None, faults: dict | None = None, grace_s: float = 30.0,
+             node_args: dict | None = None) -> int:
     """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status, or 128 + N when
     signal N stopped this process (its nodes were stopped with it, within grace_s; docs/stopping.md).
 
-    faults: {node rank or None (every node): [fault specs]} armed through PRIME_FAULTS (prime/faults.py)."""
+    faults: {node rank or None (every node): [fault specs]} armed through PRIME_FAULTS (prime/faults.py).
+    node_args: {node rank: [prime-train arguments]} for that node only, after train_args (--slow-node)."""
     out = out or sys.stdout
     store_port = free_port()
     base_env = node_env(dict(os.environ if env is None else env), grace_s)
@@ -223,6 +225,7 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
                 sys.executable, "-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", str(procs_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *train_args,
                 "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
+                *(node_args or {}).get(r, []),
             ]
             env_r = dict(base_env, PRIME_NODE_RANK=str(r), PRIME_NUM_NODES=str(nodes))
             armed = fault_env(faults or {}, r)
@@ -285,6 +288,9 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     parser.add_argument("--procs-per-node", type=int, default=1, help="processes (devices) per node (default 1)")
     parser.add_argument("--threads", type=int, default=0, help="OMP/torch threads per process (default: torch's)")
+    parser.add_argument("--slow-node", action="append", default=[], metavar="R:F",
+                        help="node R's inner steps take F times their time (train.slowdown; an emulated slower "
+                             "node; repeatable; fixed nodes)")
     el = parser.add_argument_group("elastic (docs/elastic.md)")
     el.add_argument("--elastic", action="store_true",
                     help="elastic job: this process hosts the store; nodes may be killed and started")
@@ -319,6 +325,16 @@ def _main(argv: list[str]) -> int:
     if args.procs_per_node < 1:
         parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
     elastic = bool(args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after)
+    node_args: dict = {}
+    for text in args.slow_node:
+        try:
+            rank, factor = parse_slow_node(text, args.nodes)
+        except ValueError as e:
+            parser.error(f"--slow-node {text}: {e}")
+        if elastic:
+            parser.error("--slow-node is for fixed nodes; with elastic nodes give --train.slowdown to a node "
+                         "started by hand")
+        node_args[rank] = ["--train.slowdown", repr(factor)]
     try:  # every node would stop on a bad setting: say it once, before starting any
         cfg = check_train_args(train_args, args.nodes, elastic)
     except ValueError as e:
@@ -339,7 +355,21 @@ def _main(argv: list[str]) -> int:
                            threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node,
                            grace_s=grace_s)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None,
-                    faults=faults, grace_s=grace_s)
+                    faults=faults, grace_s=grace_s, node_args=node_args)
+
+
+def parse_slow_node(text: str, nodes: int) -> tuple[int, float]:
+    """'R:F' -> (node rank R, slowdown F >= 1); ValueError naming what is wrong."""
+    rank, sep, factor = text.partition(":")
+    try:
+        r, f = int(rank), float(factor)
+    except ValueError:
+        raise ValueError("expected R:F, a node rank and a slowdown factor, e.g. 1:2.0") from None
+    if not sep or not 0 <= r < nodes:
+        raise ValueError(f"there is no node {rank} (--nodes {nodes})" if sep else "expected R:F, e.g. 1:2.0")
+    if not 1 <= f <= 100 or f != f:
+        raise ValueError(f"the slowdown must be in [1, 100], got {factor}")
+    return r, f
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ class Trainer:
             lines.append(self.diloco.placement)
         if self.resumed_from is not None:
             lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
+        if self.cfg.train.slowdown > 1:
+            lines.append(f"inner steps slowed {self.cfg.train.slowdown:g}x (train.slowdown): an emulated slower node")
         for line in filter(None, lines):
             self.metrics.print(line)
 
@@ -162,6 +164,9 @@ class Trainer:
                 if self.env.device.type == "cuda":
                     torch.cuda.synchronize()  # honest step times; the loss is read below anyway
                 step_s = time.perf_counter() - t0
+                if cfg.train.slowdown > 1:  # an emulated slower node: the step takes slowdown times its own time
+                    time.sleep(step_s * (cfg.train.slowdown - 1))
+                    step_s = time.perf_counter() - t0
                 m.compute(step_s)
                 # The norm is of the node's whole gradient (the same on every process): when it is
                 # not finite, every process stops here, before a poisoned state reaches the ring.

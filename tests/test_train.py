@@ -10,13 +10,14 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from prime.simulate import free_port
+from prime.simulate import free_port, parse_slow_node
 from prime.train import main as train_main
 from conftest import needs_ring
 
@@ -397,3 +398,36 @@ def test_gpu_two_nodes_diloco_agree(tmp_path, seed):
         ls = losses(out_dir, node)
         assert sum(ls[s] for s in range(28, 31)) / 3 < sum(ls[s] for s in range(1, 4)) / 3 - 1.0, (node, ls)
         assert [r["outer_step"] for r in records(out_dir, node, "outer")] == [1, 2, 3]
+
+
+@needs_ring
+def test_a_slowed_node_takes_longer_steps_the_other_waits_and_the_bits_stay(tmp_path):
+    """prime-simulate --slow-node 1:3 (train.slowdown on node 1): node 1's inner steps take about 3x their own time,
+    node 0 waits for it at every outer step, and the run ends with the bits of the same run without it (phases
+    counted in steps do not depend on time)."""
+    args = QUICK + ["--train.steps", "20", "--diloco.inner_steps", "10", "--train.seed", "3", "--metrics.log_every", "1"]
+    outs = {}
+    for name, own in (("slow", ["--slow-node", "1:3"]), ("even", [])):
+        cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", *own, "--", *args,
+               "--metrics.out_dir", str(tmp_path / name)]
+        p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        outs[name] = p.stdout + p.stderr
+        assert p.returncode == 0, outs[name]
+    out, run = outs["slow"], str(tmp_path / "slow")
+    assert "[node 1] inner steps slowed 3x (train.slowdown)" in out and "[node 0] inner steps slowed" not in out, out
+    median = {n: statistics.median(r["step_s"] for r in records(run, n)[2:]) for n in (0, 1)}
+    assert median[1] > 2 * median[0], median
+    util = {n: records(run, n, "summary")[0]["utilization"] for n in (0, 1)}
+    assert util[0] < util[1], util
+    digests = final_digests(out)
+    assert len(digests) == 2 and digests == final_digests(outs["even"]), (digests, final_digests(outs["even"]))
+    for n in (0, 1):
+        assert losses(run, n) == losses(str(tmp_path / "even"), n)
+
+
+def test_slow_node_specs_are_checked():
+    assert parse_slow_node("1:2.5", 2) == (1, 2.5)
+    for text, why in (("2:2", "there is no node 2"), ("1:0.5", r"in \[1, 100\]"), ("1", "expected R:F"),
+                      ("a:2", "expected R:F"), ("1:nan", r"in \[1, 100\]")):
+        with pytest.raises(ValueError, match=why):
+            parse_slow_node(text, 2)
