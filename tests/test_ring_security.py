@@ -138,6 +138,10 @@ class FrameProxy:
 
     def close(self):
         for s in self._sockets:
+            try:  # shutdown wakes a thread blocked in accept() or recv() on it; close() alone does not on Linux
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:
