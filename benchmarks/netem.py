@@ -317,6 +317,10 @@ class Emulator(netns.Namespaces):
 PROBE_PORT = 29700
 
 
+WARM_FIELD = 15
+"""Bytes of the stream probe's warm-up seconds, after its mode byte."""
+
+
 def _probe_server(port: int) -> None:
     """Accepts connections: mode 'e' echoes single bytes, mode 's' counts what arrives and
     reports (bytes, seconds) of the part after the first `warm` seconds."""
@@ -329,7 +333,10 @@ def _probe_server(port: int) -> None:
             while (b := conn.recv(1)):
                 conn.sendall(b)
         elif mode == b"s":
-            warm = float(conn.recv(16).decode().strip())
+            field = b""  # the client's 15-byte warm-up field, exactly: the data stream follows it at once
+            while len(field) < WARM_FIELD and (part := conn.recv(WARM_FIELD - len(field))):
+                field += part
+            warm = float(field.decode().strip())
             start = time.monotonic()
             counted = 0
             t0 = None
@@ -366,7 +373,7 @@ def _probe_client(host: str, port: int, mode: str, seconds: float, warm: float) 
             rtts.append(time.monotonic() - t0)
         print(json.dumps({"rtt_s": rtts}), flush=True)
     elif mode == "s":
-        conn.sendall(b"s" + f"{warm:<15}".encode())
+        conn.sendall(b"s" + f"{warm:<{WARM_FIELD}}".encode())
         block = b"\0" * (1 << 20)
         end = time.monotonic() + warm + seconds
         while time.monotonic() < end:
