@@ -360,14 +360,14 @@ def _main(argv: list[str]) -> int:
 
 def parse_slow_node(text: str, nodes: int) -> tuple[int, float]:
     """'R:F' -> (node rank R, slowdown F >= 1); ValueError naming what is wrong."""
-    rank, sep, factor = text.partition(":")
-    try:
+    rank, _, factor = text.partition(":")
+    try:  # (without ':' the factor is '', which float() refuses)
         r, f = int(rank), float(factor)
     except ValueError:
         raise ValueError("expected R:F, a node rank and a slowdown factor, e.g. 1:2.0") from None
-    if not sep or not 0 <= r < nodes:
-        raise ValueError(f"there is no node {rank} (--nodes {nodes})" if sep else "expected R:F, e.g. 1:2.0")
-    if not 1 <= f <= 100 or f != f:
+    if not 0 <= r < nodes:
+        raise ValueError(f"there is no node {rank} (--nodes {nodes})")
+    if not 1 <= f <= 100:  # (also false for nan)
         raise ValueError(f"the slowdown must be in [1, 100], got {factor}")
     return r, f
 
