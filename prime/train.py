@@ -8,7 +8,6 @@ One torchrun per node; `prime-train --help` lists every config field.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 
@@ -108,50 +107,26 @@ class _Run:
 
 
 def _end_process(status: int) -> None:
-    """Ends the process with `status` without the interpreter's teardown, when torch's gloo / NCCL threads remain.
+    """Ends the process with `status` without the interpreter's teardown (stop.exit_now), output flushed.
 
     By now the Trainer has closed everything of ours in order (checkpoint writer joined,
     rings closed: their C++ threads joined, tests/test_ring_exit.py; store released; a
-    barrier; process groups destroyed; see Trainer.close). What still runs are torch's
-    threads: the gloo backend of the node's group stays referenced past
-    destroy_process_group() (FSDP2's DTensor specs sit in torch's sharding-propagation
-    caches, one of them in C++, and hold the DeviceMesh, which holds the group), so its
-    two `pt_gloo_runloop` workers and its `gloo_tcp_loop` I/O thread run until the
-    process ends. A plain-torch FSDP2 script with no PRIME code leaves the same three.
+    barrier; process groups destroyed; metric sinks closed; see Trainer.close). Two
+    reasons to skip the teardown that would follow:
 
-    We saw `terminate called without an active exception` on local rank 1 of a
-    2-process launch about once in 15 runs. In a one-node launch no PRIME C++ thread
-    exists at exit (there is no ring), so it came from one of these torch threads
-    meeting the interpreter's finalization or the C++ static destructors (a std::thread
-    destroyed while joinable, or a thread unwound through a noexcept frame: Python 3.11
-    ends a foreign thread that takes the GIL during finalization with pthread_exit). It
-    was not reproduced since (45 launches of prime-train without this exit, 40 of the
-    plain FSDP2 script), so its removal cannot be shown safe: skipping that teardown
-    with os._exit, after flushing our output, leaves those threads nothing to meet.
+    - It costs about 1 s of a small CPU (0.8-1.4 s measured on 2 cores: torch's modules),
+      paid by every launch and, stopped by a signal, out of the launcher's grace.
+    - torch's threads may still run: the gloo backend of the node's group stays
+      referenced past destroy_process_group() (FSDP2's DTensor specs sit in torch's
+      sharding-propagation caches, one of them in C++, and hold the DeviceMesh, which
+      holds the group), so its two `pt_gloo_runloop` workers and its `gloo_tcp_loop` I/O
+      thread run until the process ends. A plain-torch FSDP2 script with no PRIME code
+      leaves the same three. We saw `terminate called without an active exception` on
+      local rank 1 of a 2-process launch about once in 15 runs: one of these threads
+      meeting the interpreter's finalization or the C++ static destructors. os._exit
+      leaves them nothing to meet.
     """
-    if not _backend_threads() and status < 128:
-        return  # nothing of torch.distributed left running: a normal exit
-    # (Stopped by a signal: everything of ours is closed too, and the launcher's grace need not wait for the
-    # interpreter's teardown: stop.exit_now.)
     stop.exit_now(status)
-
-
-def _backend_threads() -> list[str]:
-    """Names of this process's gloo / NCCL threads (Linux; [] elsewhere)."""
-    names = []
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return names
-    for t in tasks:
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
-        if name.startswith(("gloo", "pt_gloo", "pt_nccl")):
-            names.append(name)
-    return names
 
 
 def _destroy_process_group() -> None:
