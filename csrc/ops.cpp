@@ -1,7 +1,7 @@
 // Op schemas of the prime library and the entry point of the module prime._C.
 // Implementations register themselves per dispatch key: codec/ops_cpu.cpp (CPU),
 // codec/ops_cuda.cu (CUDA); fake kernels live in prime/_fake.py.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 namespace prime {
