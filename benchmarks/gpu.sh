@@ -5,7 +5,7 @@
 # NVSHMEM settings, the build, the step runner, the table).
 #   benchmarks/gpu.sh SUITE OUT
 #   benchmarks/gpu.sh --list                 # the suites and what each runs
-#   DRY_RUN=1 benchmarks/gpu.sh SUITE OUT    # print the commands instead of running them
+#   DRY_RUN=1 benchmarks/gpu.sh SUITE OUT    # print the commands instead of running them (as on DRY_RUN_GPUS GPUs, default 0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 list() {

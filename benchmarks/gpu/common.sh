@@ -22,7 +22,12 @@ _names=() _states=() _secs=() _details=()
 _t_suite=$(date +%s)
 
 # ngpu: GPUs this job may use, as torch numbers them (CUDA_VISIBLE_DEVICES respected); first_gpu: the first.
-ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+# A dry run runs nothing on them and counts ${DRY_RUN_GPUS:-0} (asking torch costs seconds on a small CPU).
+if [ -n "${DRY_RUN:-}" ]; then
+  ngpu=${DRY_RUN_GPUS:-0}
+else
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+fi
 first_gpu=${CUDA_VISIBLE_DEVICES:-0}; first_gpu=${first_gpu%%,*}
 
 say() { echo "== $*"; }
