@@ -15,15 +15,21 @@ chunk, `lo` and `hi`, the means of the smaller and the larger half of the kept m
 
 With C = 4096 and k = 64 (density 1.56%) a value of the tensor costs (4 + 96 + 16) / 4096 = 0.0283 bytes:
 1/36 of int8's 1.016. What the format drops is the residual that error feedback keeps (prime/feedback.py).
+
+`owner_average` is the arithmetic of the collective that will carry it, every rank in one process: each shard's
+owner sums the ranks' payloads of it, selects again from the sum and sends that to every rank (bytes per rank
+flat in N, one selection of the sum whatever N; docs/wire-format-sparse.md "The collective").
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHUNK", "chunk_keep", "payload_bytes", "encode", "decode", "density", "bytes_per_value", "keep_for_density"]
+__all__ = ["CHUNK", "chunk_keep", "payload_bytes", "encode", "decode", "density", "bytes_per_value", "keep_for_density",
+           "shards", "sparse_pays", "OwnerAverage", "owner_average"]
 
 CHUNK = 4096
 """Values per chunk by default: a position is 12 bits."""
@@ -143,3 +149,72 @@ def keep_for_density(d: float, chunk: int = CHUNK) -> int:
     if not 0 < d <= 1 or not math.isfinite(d):
         raise ValueError(f"sparse density must be in (0, 1], got {d}")
     return max(1, round(d * chunk))
+
+
+# -- the collective (reference: every rank in one process) ---------------------------------------------------
+
+
+def shards(n: int, world: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """[start, end) of the shard each rank owns: whole chunks, as even in count as they go (the last shard
+    holds the short chunk); a rank may own nothing when there are fewer chunks than ranks."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    chunks = (n + chunk - 1) // chunk
+    bounds = [min(n, (r * chunks // world) * chunk) for r in range(world + 1)]
+    return [(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+def sparse_pays(n: int, chunk: int = CHUNK, k: int = 64) -> bool:
+    """Whether a collective of n values takes the sparse format rather than int8: at least one full chunk,
+    and fewer bytes. The rule reads only n and the settings, so every rank decides the same."""
+    from prime.ops import wire_bytes
+
+    return n >= chunk and payload_bytes(n, chunk, k) < wire_bytes(n, codec="int8")
+
+
+@dataclass
+class OwnerAverage:
+    average: torch.Tensor
+    """What every rank applies: the decoded shards' sums over the world size (fp32, the same bits everywhere)."""
+    residuals: list
+    """Per rank, what the round left out of its contribution (fp32): the selection of its own payloads, and for
+    the shard it owns the re-selection of their sum. Error feedback adds it to the rank's next contribution."""
+    sent: list
+    """Per rank, payload bytes it sends: its payload of every other rank's shard, then its shard's sum to each."""
+
+
+def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64) -> OwnerAverage:
+    """The sparse all-reduce (average) over len(contributions) ranks, computed in one process: the arithmetic
+    the wire carries (docs/wire-format-sparse.md, "The collective").
+
+    1. Each rank encodes each shard of its contribution (fp32, n values) and sends it to the shard's owner.
+    2. The owner decodes the world's payloads of its shard and sums them in rank order (fp32), encodes the
+       sum, and keeps what that encoding left out as its own residual.
+    3. It sends the sum's payload to every rank; each decodes it and divides by the world size.
+    Bytes per rank: 2 (N - 1) / N of a payload of n values (one shard of each kind to each peer), as int8's
+    ring and direct schedules, so flat in N; the sum is selected once, by its owner, whatever N."""
+    world = len(contributions)
+    n = contributions[0].numel()
+    for c in contributions:
+        if c.dtype != torch.float32 or c.dim() != 1 or c.numel() != n:
+            raise ValueError("owner_average: every contribution must be a flat float32 tensor of the same size")
+    average = torch.zeros(n, dtype=torch.float32)
+    residuals = [torch.zeros(n, dtype=torch.float32) for _ in range(world)]
+    sent = [0] * world
+    for owner, (lo, hi) in enumerate(shards(n, world, chunk)):
+        if hi == lo:
+            continue
+        total = torch.zeros(hi - lo, dtype=torch.float32)
+        for r, c in enumerate(contributions):
+            payload = encode(c[lo:hi], chunk, k)
+            if r != owner:
+                sent[r] += payload.numel()
+            got = decode(payload, hi - lo, chunk, k)
+            residuals[r][lo:hi] += c[lo:hi] - got
+            total += got
+        payload = encode(total, chunk, k)
+        sent[owner] += (world - 1) * payload.numel()
+        got = decode(payload, hi - lo, chunk, k)
+        residuals[owner][lo:hi] += total - got
+        average[lo:hi] = got / world
+    return OwnerAverage(average, residuals, sent)

@@ -114,3 +114,70 @@ def test_bad_input_is_refused_with_what_is_wrong():
         sparse.decode(bad, 100, chunk=16, k=4)
     with pytest.raises(ValueError, match="density"):
         sparse.keep_for_density(0.0)
+
+
+# -- the collective (reference: owners sum and select again, then every rank gets every shard) ---------------
+
+
+def test_shards_are_whole_chunks_covering_the_tensor_once():
+    for n, world, chunk in ((50000, 4, 4096), (4096, 3, 4096), (100, 2, 16), (0, 2, 16), (16 * 7, 7, 16)):
+        parts = sparse.shards(n, world, chunk)
+        assert len(parts) == world and parts[0][0] == 0 and parts[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert all(lo % chunk == 0 and lo <= hi for lo, hi in parts)
+        counts = [-(-(hi - lo) // chunk) for lo, hi in parts]
+        assert max(counts) - min(counts) <= 1 or n < chunk * world
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_owner_average_matches_a_plain_reference_and_conserves_every_contribution(world):
+    n, chunk, k = 3000 + world * 77, 256, 8
+    gen = torch.Generator().manual_seed(world)
+    contributions = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen)) for _ in range(world)]
+    got = sparse.owner_average(contributions, chunk, k)
+    # the reference: each rank's shard through the format (plain float64 Python), summed in rank order in fp32,
+    # that sum through the format again, over the world size
+    want = torch.zeros(n)
+    for lo, hi in sparse.shards(n, world, chunk):
+        total = torch.zeros(hi - lo)
+        for c in contributions:
+            total += _reference(c[lo:hi], chunk, k)
+        want[lo:hi] = _reference(total, chunk, k) / world
+    assert torch.equal(got.average, want)
+    # nothing is lost for good: what every rank put in = world x what it applies + the residuals they keep
+    put = sum(c.double() for c in contributions)
+    kept = world * got.average.double() + sum(r.double() for r in got.residuals)
+    assert torch.allclose(kept, put, rtol=0, atol=1e-5 * float(put.abs().max())), float((kept - put).abs().max())
+    # each rank sends its payload of every other shard, and its own shard's sum to every other rank
+    parts = sparse.shards(n, world, chunk)
+    for r in range(world):
+        others = sum(sparse.payload_bytes(hi - lo, chunk, k) for q, (lo, hi) in enumerate(parts) if q != r)
+        own = (world - 1) * sparse.payload_bytes(parts[r][1] - parts[r][0], chunk, k)
+        assert got.sent[r] == others + own
+
+
+def test_identical_contributions_that_the_format_holds_come_back_exact():
+    # one kept magnitude per half, bf16-exact, on the same positions on every rank: the sum of 4 is held exactly
+    chunk, k, world = 64, 4, 4
+    x = torch.zeros(4 * chunk)
+    for s in range(0, x.numel(), chunk):
+        x[s + 3], x[s + 10], x[s + 20], x[s + 41] = 1.5, -1.5, 0.25, -0.25
+    got = sparse.owner_average([x.clone() for _ in range(world)], chunk, k)
+    assert torch.equal(got.average, x) and all(not bool(r.any()) for r in got.residuals)
+
+
+def test_bytes_per_rank_stay_a_thirtieth_of_int8_at_every_world_size():
+    n = 64 * 4096
+    for world in (2, 4, 8, 16):
+        parts = sparse.shards(n, world)
+        per_rank = max(sum(sparse.payload_bytes(hi - lo) for q, (lo, hi) in enumerate(parts) if q != r)
+                       + (world - 1) * sparse.payload_bytes(parts[r][1] - parts[r][0]) for r in range(world))
+        int8 = 2 * (world - 1) / world * ops.wire_bytes(n, codec="int8")
+        assert per_rank * 30 <= int8, (world, per_rank, int8)
+
+
+def test_the_dense_codec_takes_what_the_sparse_one_would_not_shrink():
+    assert not sparse.sparse_pays(4095)  # less than a chunk
+    assert sparse.sparse_pays(4096) and sparse.sparse_pays(10 ** 6)
+    assert not sparse.sparse_pays(1 << 16, 4096, 4096)  # everything kept: 12-bit positions cost more than int8
+    assert sparse.sparse_pays(1 << 16, 4096, 2048)
