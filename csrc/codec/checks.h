@@ -3,7 +3,8 @@
 // value a byte) and fp4 (q uint8, two values a byte).
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 

@@ -3,7 +3,7 @@
 // variant this CPU runs against the reference. One body per op serves both
 // formats: the overloads below pick the int8 (int8_t codes) or fp4 (uint8_t) kernels.
 #include <torch/library.h>
-#include <torch/types.h>
+#include <ATen/ops/empty.h>
 
 #include <string>
 #include <type_traits>

@@ -10,6 +10,7 @@
 // ATen and torch's pybind11 casters of tensors, not <torch/extension.h> (the C++ frontend too), which
 // more than doubles this file's compile time.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "../codec/checks.h"
