@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prime.ops import wire_bytes
+
 __all__ = ["CHUNK", "chunk_keep", "payload_bytes", "encode", "decode", "density", "bytes_per_value", "keep_for_density",
            "shards", "sparse_pays", "OwnerAverage", "owner_average"]
 
@@ -167,8 +169,6 @@ def shards(n: int, world: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
 def sparse_pays(n: int, chunk: int = CHUNK, k: int = 64) -> bool:
     """Whether a collective of n values takes the sparse format rather than int8: at least one full chunk,
     and fewer bytes. The rule reads only n and the settings, so every rank decides the same."""
-    from prime.ops import wire_bytes
-
     return n >= chunk and payload_bytes(n, chunk, k) < wire_bytes(n, codec="int8")
 
 
