@@ -119,22 +119,50 @@ def test_unknown_field_exits_2(capsys):
 # -- one node ---------------------------------------------------------------------
 
 
-def test_fsdp_node_resume_matches_uninterrupted_run(tmp_path, seed):
-    """2 FSDP2 processes on one node: kill after step 8, resume from the step-6 checkpoint, same losses as a run without the kill."""
-    common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1"]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    rc, out = run_torchrun(2, common + ["--metrics.out_dir", full])
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """One node of 2 FSDP2 processes, 12 steps, run twice on one seed: uninterrupted, and killed after step 10
+    with the checkpoints of steps 4 and 8. The resume tests start from copies of those checkpoints."""
+    seed = random.randrange(1000)
+    tmp = tmp_path_factory.mktemp("fsdp")
+    common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1",
+                      "--checkpoint.every", "4"]
+    rc, out = run_torchrun(2, common + ["--metrics.out_dir", str(tmp / "full")])
     assert rc == 0, out
-    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
-    rc, out = run_torchrun(2, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
+    ck = str(tmp / "ck")
+    rc, out = run_torchrun(2, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp / "killed")],
+                           env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "10"})
     assert rc != 0 and "exiting as if killed" in out, out
-    rc, out = run_torchrun(2, common + ck)
-    assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
-    ref, got = losses(full), records(part)
-    assert [r["step"] for r in got] == list(range(1, 13))  # the resumed run replaced the records after step 6
-    for r in got:  # FSDP on CPU and the data order are deterministic: bit-identical
-        assert r["loss"] == ref[r["step"]], f"step {r['step']}: {r['loss']} vs {ref[r['step']]} (seed {seed})"
+    assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004", "step_00000008"]
+    ref = losses(str(tmp / "full"))
     assert ref[12] < ref[1] - 1.0
+    return dict(seed=seed, common=common, ck=ck, ref=ref, killed=str(tmp / "killed"))
+
+
+def _resume_fsdp(runs, tmp_path, name, damage=None):
+    """Resumes the killed run from a copy of its checkpoints, `damage(copy)` applied first: (exit status,
+    output, the copy, the metrics dir, what damage returned)."""
+    copy = str(tmp_path / f"ck_{name}")
+    shutil.copytree(runs["ck"], copy)
+    damaged = damage(copy) if damage else None
+    out_dir = str(tmp_path / name)
+    rc, out = run_torchrun(2, runs["common"] + ["--checkpoint.dir", copy, "--metrics.out_dir", out_dir])
+    return rc, out, copy, out_dir, damaged
+
+
+def test_fsdp_node_resume_matches_uninterrupted_run(fsdp_runs, tmp_path):
+    """2 FSDP2 processes on one node killed after step 10: the resume from the step-8 checkpoint trains the
+    same losses as the run without the kill, bit for bit."""
+    ref, seed = fsdp_runs["ref"], fsdp_runs["seed"]
+    rc, out, _, out_dir, _ = _resume_fsdp(fsdp_runs, tmp_path, "intact")
+    assert rc == 0 and "resumed from the checkpoint of step 8" in out, out
+    got = {r["step"]: r["loss"] for r in records(out_dir)}
+    assert sorted(got) == list(range(9, 13))  # a fresh metrics dir: the steps after the checkpoint
+    killed = losses(fsdp_runs["killed"])
+    assert sorted(killed) == list(range(1, 11))
+    for step in range(1, 13):  # FSDP on CPU and the data order are deterministic: bit-identical
+        loss = got[step] if step > 8 else killed[step]
+        assert loss == ref[step], f"step {step}: {loss} vs {ref[step]} (seed {seed})"
 
 
 def _largest_distcp(step_dir):
@@ -157,37 +185,35 @@ def _damage(path, how, rng):
     assert os.path.getsize(path) == size
 
 
-def test_fsdp_node_falls_back_from_a_damaged_checkpoint(tmp_path, seed):
-    """2 FSDP2 processes, killed after step 10 (checkpoints of steps 4 and 8). A file of step 8 overwritten
-    (4 KiB, same size) or truncated: the resume names it, falls back to step 4 and trains the same losses.
-    Both checkpoints damaged: every process stops with a clear message. No traceback from any process."""
+def test_fsdp_node_falls_back_from_a_damaged_checkpoint(fsdp_runs, tmp_path):
+    """A file of the step-8 checkpoint overwritten (4 KiB, same size) or truncated, one of the two chosen by the
+    seed (tests/test_checkpoint.py damages every way without processes): the resume names the file, falls
+    back to step 4 and trains the same losses as the run without the kill. Both checkpoints damaged: every
+    process stops with a clear message. No traceback from any process."""
+    ref, seed = fsdp_runs["ref"], fsdp_runs["seed"]
     rng = random.Random(seed)
-    common = QUICK + ["--train.steps", "12", "--train.seed", str(seed), "--metrics.log_every", "1",
-                      "--checkpoint.every", "4"]
-    ck = str(tmp_path / "ck")
-    rc, out = run_torchrun(2, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "first")],
-                           env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "10"})
-    assert rc != 0 and "exiting as if killed" in out, out
-    ref = losses(str(tmp_path / "first"))
-    assert sorted(os.listdir(os.path.join(ck, "node0"))) == ["step_00000004", "step_00000008"]
-    for how in ("overwrite_4k", "truncate"):
-        copy = str(tmp_path / f"ck_{how}")
-        shutil.copytree(ck, copy)
+    how = rng.choice(("overwrite_4k", "truncate"))
+    print("damage", how)
+
+    def damage_newest(copy):
         victim = _largest_distcp(os.path.join(copy, "node0", "step_00000008"))
         _damage(victim, how, rng)
-        rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / how)])
-        assert rc == 0, out
-        assert "checkpoint of step 8 on node 0 is damaged" in out and victim in out, out
-        assert "resumed from the checkpoint of step 4" in out and worker_tracebacks(out) == 0, out
-        got = {r["step"]: r["loss"] for r in records(str(tmp_path / how))}
-        assert sorted(got) == list(range(5, 13))  # a fresh metrics dir: the steps after the checkpoint
-        for step in range(5, 11):  # deterministic on CPU: bit-identical to the run that wrote the checkpoints
-            assert got[step] == ref[step], f"{how} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
-    copy = str(tmp_path / "ck_none")
-    shutil.copytree(ck, copy)
-    for step in (4, 8):
-        _damage(_largest_distcp(os.path.join(copy, "node0", f"step_{step:08d}")), "overwrite_4k", rng)
-    rc, out = run_torchrun(2, common + ["--checkpoint.dir", copy, "--metrics.out_dir", str(tmp_path / "none")])
+        return victim
+
+    rc, out, _, out_dir, victim = _resume_fsdp(fsdp_runs, tmp_path, how, damage_newest)
+    assert rc == 0, out
+    assert "checkpoint of step 8 on node 0 is damaged" in out and victim in out, out
+    assert "resumed from the checkpoint of step 4" in out and worker_tracebacks(out) == 0, out
+    got = {r["step"]: r["loss"] for r in records(out_dir)}
+    assert sorted(got) == list(range(5, 13))
+    for step in range(5, 13):  # deterministic on CPU: bit-identical to the run without the kill
+        assert got[step] == ref[step], f"{how} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
+
+    def damage_both(copy):
+        for step in (4, 8):
+            _damage(_largest_distcp(os.path.join(copy, "node0", f"step_{step:08d}")), "overwrite_4k", rng)
+
+    rc, out, copy, _, _ = _resume_fsdp(fsdp_runs, tmp_path, "none", damage_both)
     assert rc != 0, out
     assert out.count(f"prime-train: stopped: no checkpoint under {copy} is intact on every node") == 2, out
     assert worker_tracebacks(out) == 0 and "terminate called" not in out, out
@@ -280,53 +306,67 @@ def test_int8_and_exact_reach_the_same_loss(tmp_path, seed):
     assert abs(final["int8"] - final["none"]) / final["none"] < 0.02, final
 
 
-@needs_ring
-def test_two_nodes_resume_matches_uninterrupted_run(tmp_path, seed):
-    """Kill both nodes after step 8, resume from the step-6 checkpoint (mid outer phase): same losses on both nodes."""
-    common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "4", "--train.seed", str(seed),
-                      "--metrics.log_every", "1"]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    rc, out = run_simulate(2, 1, common + ["--metrics.out_dir", full])
-    assert rc == 0, out
-    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "6", "--metrics.out_dir", part]
-    rc, out = run_simulate(2, 1, common + ck, env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "8"})
-    assert rc != 0 and "exiting as if killed" in out, out
-    rc, out = run_simulate(2, 1, common + ck)
-    assert rc == 0 and "resumed from the checkpoint of step 6" in out, out
-    for node in (0, 1):
-        ref = losses(full, node)
-        got = {r["step"]: r["loss"] for r in records(part, node) if r["step"] > 6}
-        assert sorted(got) == list(range(7, 13))
-        for s, l in got.items():
-            assert l == ref[s], f"node {node} step {s}: {l} vs {ref[s]} (seed {seed})"  # bit-identical
-
-
-@needs_ring
-def test_two_nodes_agree_to_fall_back_when_one_has_a_damaged_checkpoint(tmp_path, seed):
-    """Node 1's newest checkpoint is truncated, node 0's is intact: both resume from the older one
-    (the same step, the same losses as before), without a traceback on either node."""
-    rng = random.Random(seed)
-    common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "4", "--train.seed", str(seed),
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory):
+    """2 nodes of 1 process, 12 steps, outer steps every 3, run twice on one seed: uninterrupted, and killed
+    after step 10 with the checkpoints of steps 4 and 8 (both in the middle of an outer phase)."""
+    seed = random.randrange(1000)
+    tmp = tmp_path_factory.mktemp("two_nodes")
+    common = QUICK + ["--train.steps", "12", "--diloco.inner_steps", "3", "--train.seed", str(seed),
                       "--metrics.log_every", "1", "--checkpoint.every", "4"]
-    ck = str(tmp_path / "ck")
-    rc, out = run_simulate(2, 1, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "first")],
+    rc, out = run_simulate(2, 1, common + ["--metrics.out_dir", str(tmp / "full")])
+    assert rc == 0, out
+    ck = str(tmp / "ck")
+    rc, out = run_simulate(2, 1, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp / "killed")],
                            env_extra={"PRIME_FAULT_EXIT_AFTER_STEP": "10"})
     assert rc != 0 and "exiting as if killed" in out, out
-    victim = _largest_distcp(os.path.join(ck, "node1", "step_00000008"))
-    _damage(victim, "truncate", rng)
-    rc, out = run_simulate(2, 1, common + ["--checkpoint.dir", ck, "--metrics.out_dir", str(tmp_path / "again")])
+    for node in (0, 1):
+        assert sorted(os.listdir(os.path.join(ck, f"node{node}"))) == ["step_00000004", "step_00000008"]
+    return dict(seed=seed, common=common, ck=ck, full=str(tmp / "full"))
+
+
+def _resume_two_nodes(runs, tmp_path, name, damage=None):
+    copy = str(tmp_path / f"ck_{name}")
+    shutil.copytree(runs["ck"], copy)
+    damaged = damage(copy) if damage else None
+    out_dir = str(tmp_path / name)
+    rc, out = run_simulate(2, 1, runs["common"] + ["--checkpoint.dir", copy, "--metrics.out_dir", out_dir])
+    return rc, out, out_dir, damaged
+
+
+@needs_ring
+def test_two_nodes_resume_matches_uninterrupted_run(two_node_runs, tmp_path):
+    """Both nodes killed after step 10, resumed from the step-8 checkpoint (mid outer phase): the same losses on
+    both nodes as the run without the kill, bit for bit."""
+    rc, out, out_dir, _ = _resume_two_nodes(two_node_runs, tmp_path, "intact")
+    assert rc == 0 and out.count("resumed from the checkpoint of step 8") == 2, out
+    for node in (0, 1):
+        ref, got = losses(two_node_runs["full"], node), losses(out_dir, node)
+        assert sorted(got) == list(range(9, 13))
+        for s, l in got.items():
+            assert l == ref[s], f"node {node} step {s}: {l} vs {ref[s]} (seed {two_node_runs['seed']})"
+
+
+@needs_ring
+def test_two_nodes_agree_to_fall_back_when_one_has_a_damaged_checkpoint(two_node_runs, tmp_path):
+    """Node 1's newest checkpoint is truncated, node 0's is intact: both resume from the older one (the same
+    step, the same losses as the run without the kill), without a traceback on either node."""
+    rng = random.Random(two_node_runs["seed"])
+
+    def truncate_newest_of_node1(copy):
+        victim = _largest_distcp(os.path.join(copy, "node1", "step_00000008"))
+        _damage(victim, "truncate", rng)
+        return victim
+
+    rc, out, out_dir, victim = _resume_two_nodes(two_node_runs, tmp_path, "damaged", truncate_newest_of_node1)
     assert rc == 0, out
     assert "checkpoint of step 8 on node 1 is damaged" in out and victim in out, out
     assert out.count("resumed from the checkpoint of step 4") == 2 and "Traceback" not in out, out
     for node in (0, 1):
-        ref, got = losses(str(tmp_path / "first"), node), losses(str(tmp_path / "again"), node)
-        # Each node of the first run exits after its step 10, and prime-simulate stops the other as soon as one
-        # has: a node that was behind recorded fewer steps, but those up to step 8 at least (the nodes meet at
-        # the outer step of step 8, whose checkpoint both wrote).
-        steps = [step for step in range(5, 11) if step in ref]
-        assert steps[:4] == [5, 6, 7, 8], sorted(ref)
-        for step in steps:
-            assert got[step] == ref[step], f"node {node} step {step}: {got[step]} vs {ref[step]} (seed {seed})"
+        ref, got = losses(two_node_runs["full"], node), losses(out_dir, node)
+        assert sorted(got) == list(range(5, 13))
+        for s, l in got.items():
+            assert l == ref[s], f"node {node} step {s}: {l} vs {ref[s]} (seed {two_node_runs['seed']})"
 
 
 @needs_ring
