@@ -33,3 +33,17 @@ if _extension.available():
     @torch.library.register_fake("prime::dequantize_add_fp4_")
     def _dequantize_add_fp4_fake(acc, q, scales, block_size):
         return None
+
+    @torch.library.register_fake("prime::sparse_encode")
+    def _sparse_encode_fake(x, chunk, k):
+        from prime.sparse import payload_bytes
+
+        return x.new_empty((payload_bytes(x.numel(), chunk, k),), dtype=torch.uint8)
+
+    @torch.library.register_fake("prime::sparse_decode")
+    def _sparse_decode_fake(payload, numel, chunk, k):
+        return payload.new_empty((numel,), dtype=torch.float32)
+
+    @torch.library.register_fake("prime::sparse_decode_add_")
+    def _sparse_decode_add_fake(acc, payload, chunk, k):
+        return None

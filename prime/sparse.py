@@ -6,8 +6,10 @@ codec of the outer step: the ring does not carry it, and `diloco.codec` does not
 A flat fp32 tensor of n values is cut into chunks of C values (C a power of two from 16 to 4096; the last
 chunk may be shorter). Chunk j of L values keeps its k_j = ceil(L k / C) largest magnitudes (k per full
 chunk; ties go to the lower index). Each kept value becomes 2 bits: its sign and one of two magnitudes of the
-chunk, `lo` and `hi`, the means of the smaller and the larger half of the kept magnitudes (bf16). A value is
-`hi` when its magnitude is at least (lo + hi) / 2. Every chunk is one record:
+chunk, `lo` and `hi` (bf16), from one step of 2-means: a kept value is `hi` when its magnitude is at least the
+midpoint of the means of the larger and the smaller half of the kept magnitudes, and `hi` and `lo` are the means
+of the magnitudes coded each way (so a round trip is a fixed point: error feedback's residual is then exactly
+what the payload dropped). Every chunk is one record:
 
     lo: bf16, hi: bf16                     4 bytes
     positions: k_j x log2(C) bits          ceil(k_j log2(C) / 8) bytes, ascending, packed LSB first
@@ -26,11 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
+from prime import _extension
 from prime.ops import wire_bytes
 
-__all__ = ["CHUNK", "chunk_keep", "payload_bytes", "encode", "decode", "density", "bytes_per_value", "keep_for_density",
+__all__ = ["CHUNK", "BACKENDS", "chunk_keep", "payload_bytes", "encode", "decode", "encode_reference", "decode_reference", "density", "bytes_per_value", "keep_for_density",
            "shards", "sparse_pays", "OwnerAverage", "owner_average"]
 
 CHUNK = 4096
@@ -45,6 +50,11 @@ def _check(n: int, chunk: int, k: int) -> int:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return chunk.bit_length() - 1
+
+
+def check_settings(chunk: int, k: int) -> None:
+    """Raises ValueError naming what is wrong with a chunk size or a k (values kept per chunk)."""
+    _check(0, chunk, k)
 
 
 def chunk_keep(length: int, chunk: int, k: int) -> int:
@@ -81,24 +91,53 @@ def _unpack(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 
 
 def _bf16_bytes(x: float) -> torch.Tensor:
-    return torch.tensor([x], dtype=torch.float64).to(torch.bfloat16).view(torch.uint8)
+    """The format's rounding of a float64 mean: to fp32, then to bf16, each to nearest even."""
+    return torch.tensor([x], dtype=torch.float64).to(torch.float32).to(torch.bfloat16).view(torch.uint8)
+
+
+def _seqsum(values) -> float:
+    """float64 sum, left to right (the format's order: ascending position). Not sum(): from Python 3.12 it
+    compensates, and every implementation must add alike."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def _bf16(x: float) -> float:
+    return float(_bf16_bytes(x).view(torch.bfloat16).float())
+
+
+def _levels(mags: list, upper: set) -> tuple:
+    """(codes' level bits, lo, hi) of the kept magnitudes `mags` (ascending position order); `upper`: the
+    indices into mags of the ceil(k/2) largest. One 2-means step: split at the midpoint of the halves' means,
+    then each level is the mean of its members, rounded to bf16."""
+    keep = len(mags)
+    c_hi = _seqsum(m for i, m in enumerate(mags) if i in upper) / len(upper)
+    c_lo = _seqsum(m for i, m in enumerate(mags) if i not in upper) / (keep - len(upper)) if keep > len(upper) else c_hi
+    mid = (c_lo + c_hi) / 2
+    level = [int(m >= mid) for m in mags]
+    n_hi = sum(level)
+    hi = _bf16(_seqsum(m for m, h in zip(mags, level) if h) / n_hi)
+    lo = _bf16(_seqsum(m for m, h in zip(mags, level) if not h) / (keep - n_hi)) if keep > n_hi else hi
+    return level, lo, hi
 
 
 def _encode_chunk(x: torch.Tensor, keep: int, bits: int) -> torch.Tensor:
     mag = x.abs()
     order = torch.sort(mag, descending=True, stable=True).indices[:keep]  # ties: the lower index first
-    kept = mag[order].to(torch.float64)
-    upper = (keep + 1) // 2
-    hi = float(_bf16_bytes(kept[:upper].mean().item()).view(torch.bfloat16).float())
-    lo = float(_bf16_bytes(kept[upper:].mean().item()).view(torch.bfloat16).float()) if keep > upper else hi
     positions = torch.sort(order).values
+    rank_of = {p: r for r, p in enumerate(order.tolist())}
+    upper = {i for i, p in enumerate(positions.tolist()) if rank_of[p] < (keep + 1) // 2}
     v = x[positions]
-    level = (v.abs().to(torch.float64) >= (lo + hi) / 2).to(torch.int64)
-    codes = level | ((v < 0).to(torch.int64) << 1)
+    level, lo, hi = _levels(v.abs().tolist(), upper)
+    if not math.isfinite(hi):
+        raise ValueError("sparse encode: a chunk's magnitude overflows bf16")
+    codes = torch.tensor(level, dtype=torch.int64) | ((v < 0).to(torch.int64) << 1)
     return torch.cat([_bf16_bytes(lo), _bf16_bytes(hi), _pack(positions, bits), _pack(codes, 2)])
 
 
-def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
+def encode_reference(x: torch.Tensor, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
     """The sparse payload (uint8) of a flat fp32 tensor: one record per chunk. Non-finite values are refused."""
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
@@ -111,7 +150,7 @@ def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
     return torch.cat(records) if records else torch.zeros(0, dtype=torch.uint8)
 
 
-def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
+def decode_reference(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
     """The dense fp32 tensor of n values a payload stands for (zero where nothing was kept)."""
     bits = _check(n, chunk, k)
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
@@ -133,6 +172,50 @@ def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64) -> to
         out[s + positions] = torch.where(codes & 2 == 2, -mag, mag)
         at += _record_bytes(keep, bits)
     return out
+
+
+BACKENDS = ("cpu", "torch")
+"""cpu: the compiled kernels (prime._C, csrc/codec/sparse_cpu.cpp); torch: the reference here. Both give the
+same bytes and values; a CUDA tensor is encoded on the CPU until the GPU kernels exist."""
+
+
+def _backend(backend: Optional[str]) -> str:
+    available = ("cpu", "torch") if _extension.available() else ("torch",)
+    if backend is None:
+        return available[0]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend not in available:
+        raise RuntimeError(f"sparse backend {backend!r} is not available. {_extension.build_hint()}".strip())
+    return backend
+
+
+def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
+    """The sparse payload (uint8, on the CPU) of a flat fp32 tensor. Non-finite values are refused (ValueError)."""
+    if _backend(backend) == "torch":
+        return encode_reference(x, chunk, k)
+    _check(x.numel(), chunk, k)
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    try:
+        return torch.ops.prime.sparse_encode(x.detach().cpu(), chunk, k)
+    except RuntimeError as e:
+        raise ValueError(str(e).split("\n")[0]) from None
+
+
+def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
+    """The dense fp32 tensor (CPU) of n values a payload stands for (zero where nothing was kept). A payload of
+    another size or with positions not ascending in a chunk raises ValueError."""
+    if _backend(backend) == "torch":
+        return decode_reference(payload, n, chunk, k)
+    _check(n, chunk, k)
+    if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
+        raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
+                         f"got {payload.numel()} ({payload.dtype})")
+    try:
+        return torch.ops.prime.sparse_decode(payload.cpu().contiguous(), n, chunk, k)
+    except RuntimeError as e:
+        raise ValueError(str(e).split("\n")[0]) from None
 
 
 def density(chunk: int = CHUNK, k: int = 64) -> float:
@@ -175,26 +258,33 @@ def sparse_pays(n: int, chunk: int = CHUNK, k: int = 64) -> bool:
 @dataclass
 class OwnerAverage:
     average: torch.Tensor
-    """What every rank applies: the decoded shards' sums over the world size (fp32, the same bits everywhere)."""
+    """What every rank applies: each shard's owner's payload of the shard's average, decoded (fp32, the same
+    bits everywhere)."""
     residuals: list
-    """Per rank, what the round left out of its contribution (fp32): the selection of its own payloads, and for
-    the shard it owns the re-selection of their sum. Error feedback adds it to the rank's next contribution."""
+    """Per rank, what the round left out of its contribution (fp32): its selection of its payloads of the other
+    ranks' shards, and for the shard it owns what the selection of the average dropped, times the world size.
+    Error feedback adds it to the rank's next contribution."""
     sent: list
-    """Per rank, payload bytes it sends: its payload of every other rank's shard, then its shard's sum to each."""
+    """Per rank, payload bytes it sends: its payload of every other rank's shard, then its shard's average to
+    each."""
 
 
-def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64) -> OwnerAverage:
-    """The sparse all-reduce (average) over len(contributions) ranks, computed in one process: the arithmetic
-    the wire carries (docs/wire-format-sparse.md, "The collective").
+def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str = "avg") -> OwnerAverage:
+    """The topk all-reduce over len(contributions) ranks, computed in one process: the arithmetic the wire
+    carries bit for bit (prime.comm.Ring.all_reduce(codec="topk"), the direct schedule; docs/wire-format-sparse.md,
+    "The collective").
 
-    1. Each rank encodes each shard of its contribution (fp32, n values) and sends it to the shard's owner.
-    2. The owner decodes the world's payloads of its shard and sums them in rank order (fp32), encodes the
-       sum, and keeps what that encoding left out as its own residual.
-    3. It sends the sum's payload to every rank; each decodes it and divides by the world size.
-    Bytes per rank: 2 (N - 1) / N of a payload of n values (one shard of each kind to each peer), as int8's
-    ring and direct schedules, so flat in N; the sum is selected once, by its owner, whatever N."""
+    1. Each rank encodes its values of every other rank's shard and sends the payload to the shard's owner.
+    2. The owner adds to its own values (exact) the decoded payloads of ranks o+1, o+2, ... in that order (fp32),
+       divides by the world size (op "avg"), encodes the result and keeps what that encoding dropped (times the
+       world size for "avg") as its own residual.
+    3. It sends that payload to every rank; each decodes it.
+    Bytes per rank: 2 (N - 1) / N of a payload of n values, as int8's ring and direct schedules, so flat in N;
+    each shard's sum is selected once, by its owner, whatever N."""
     world = len(contributions)
     n = contributions[0].numel()
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     for c in contributions:
         if c.dtype != torch.float32 or c.dim() != 1 or c.numel() != n:
             raise ValueError("owner_average: every contribution must be a flat float32 tensor of the same size")
@@ -204,17 +294,21 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64) -> Owner
     for owner, (lo, hi) in enumerate(shards(n, world, chunk)):
         if hi == lo:
             continue
-        total = torch.zeros(hi - lo, dtype=torch.float32)
-        for r, c in enumerate(contributions):
-            payload = encode(c[lo:hi], chunk, k)
-            if r != owner:
-                sent[r] += payload.numel()
+        acc = contributions[owner][lo:hi].clone()
+        for j in range(1, world):
+            r = (owner + j) % world
+            part = contributions[r][lo:hi]
+            payload = encode(part, chunk, k)
+            sent[r] += payload.numel()
             got = decode(payload, hi - lo, chunk, k)
-            residuals[r][lo:hi] += c[lo:hi] - got
-            total += got
-        payload = encode(total, chunk, k)
+            residuals[r][lo:hi] += part - got
+            acc += got
+        divisor = float(world) if op == "avg" else 1.0
+        if op == "avg":
+            acc = acc / divisor
+        payload = encode(acc, chunk, k)
         sent[owner] += (world - 1) * payload.numel()
         got = decode(payload, hi - lo, chunk, k)
-        residuals[owner][lo:hi] += total - got
-        average[lo:hi] = got / world
+        residuals[owner][lo:hi] += (acc - got) * divisor
+        average[lo:hi] = got
     return OwnerAverage(average, residuals, sent)

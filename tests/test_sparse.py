@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prime import ops, sparse
+from prime import _extension, ops, sparse
 
 
 def test_two_chunks_give_the_bytes_worked_out_by_hand():
@@ -28,22 +28,48 @@ def _reference(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     """The decoded tensor, from the format's definition, in float64 and plain Python."""
     out = [0.0] * x.numel()
     vals = x.tolist()
+
+    def bf16(v):
+        return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item()
+
+    def mean(ms):  # float64, added left to right
+        total = 0.0
+        for m in ms:
+            total = total + m
+        return total / len(ms)
+
     for s in range(0, len(vals), chunk):
         part = vals[s : s + chunk]
         keep = -(-len(part) * k // chunk)
-        order = sorted(range(len(part)), key=lambda i: (-abs(part[i]), i))[:keep]
-        mags = [abs(part[i]) for i in order]
-        upper = (keep + 1) // 2
-
-        def bf16(v):
-            return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item()
-
-        hi = bf16(sum(mags[:upper]) / upper)
-        lo = bf16(sum(mags[upper:]) / (keep - upper)) if keep > upper else hi
-        for i in order:
-            m = hi if abs(part[i]) >= (lo + hi) / 2 else lo
+        by_size = sorted(range(len(part)), key=lambda i: (-abs(part[i]), i))[:keep]
+        kept = sorted(by_size)  # ascending position
+        upper = set(by_size[: (keep + 1) // 2])
+        c_hi = mean([abs(part[i]) for i in kept if i in upper])
+        rest = [abs(part[i]) for i in kept if i not in upper]
+        c_lo = mean(rest) if rest else c_hi
+        high = [i for i in kept if abs(part[i]) >= (c_lo + c_hi) / 2]
+        low = [i for i in kept if abs(part[i]) < (c_lo + c_hi) / 2]
+        hi = bf16(mean([abs(part[i]) for i in high]))
+        lo = bf16(mean([abs(part[i]) for i in low])) if low else hi
+        for i in kept:
+            m = hi if i in high else lo
             out[s + i] = -m if part[i] < 0 else m
     return torch.tensor(out, dtype=torch.float32)
+
+
+def test_levels_are_the_means_of_their_members_and_a_round_trip_is_a_fixed_point():
+    # chunk 16, k 4, kept 10, -1, 1, 1: the halves' means 5.5 and 1 split at 3.25, so 10 alone is hi = 10 and
+    # the three 1s are lo = 1: every kept value decodes exactly.
+    x = torch.zeros(16)
+    x[[2, 5, 9, 14]] = torch.tensor([1.0, 10.0, -1.0, 1.0])
+    assert torch.equal(sparse.decode(sparse.encode(x, chunk=16, k=4), 16, chunk=16, k=4), x)
+    # decode(encode(.)) of any tensor is a fixed point, so a contribution error feedback already passed through
+    # the format travels unchanged
+    gen = torch.Generator().manual_seed(11)
+    for chunk, k in ((16, 3), (256, 8), (4096, 64), (128, 128)):
+        x = torch.randn(5 * chunk + 7, generator=gen) * torch.exp(2 * torch.randn(5 * chunk + 7, generator=gen))
+        y = sparse.decode(sparse.encode(x, chunk=chunk, k=k), x.numel(), chunk=chunk, k=k)
+        assert torch.equal(sparse.decode(sparse.encode(y, chunk=chunk, k=k), x.numel(), chunk=chunk, k=k), y)
 
 
 @pytest.mark.parametrize("n,chunk,k", [(5000, 256, 4), (4096, 4096, 64), (10000, 4096, 64), (300, 16, 3),
@@ -61,6 +87,59 @@ def test_decode_matches_the_float64_reference_and_the_sizes(n, chunk, k):
         top = set(part.abs().topk(keep).indices.tolist())
         assert set(got.nonzero().flatten().tolist()) == top
         assert torch.equal(torch.sign(got[list(top)]), torch.sign(part[list(top)]))
+
+
+needs_kernels = pytest.mark.skipif(not _extension.available(), reason="prime._C is not built")
+
+
+def _nasty(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Heavy tails, exact ties, zeros of both signs, subnormals and a run of equal magnitudes."""
+    x = torch.randn(n, generator=gen) * torch.exp(3 * torch.randn(n, generator=gen))
+    pick = torch.randint(0, 6, (n,), generator=gen)
+    x = torch.where(pick == 0, torch.round(x), x)  # many exact ties
+    x = torch.where(pick == 1, torch.zeros(n), x)
+    x = torch.where(pick == 2, torch.full((n,), -0.0), x)
+    x = torch.where(pick == 3, x * 1e-40, x)  # subnormal
+    if n > 40:
+        x[10:40] = 2.5 * torch.sign(torch.randn(30, generator=gen))
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunk,k", [(16, 1), (16, 3), (16, 16), (64, 5), (256, 8), (1024, 33), (4096, 64),
+                                     (4096, 4096)])
+def test_the_kernels_give_the_references_bytes_and_values(chunk, k):
+    gen = torch.Generator().manual_seed(chunk * 7 + k)
+    for n in (1, chunk - 1, chunk, 3 * chunk + 5, 9 * chunk):
+        for x in (torch.randn(n, generator=gen), _nasty(n, gen), torch.zeros(n)):
+            want = sparse.encode_reference(x, chunk, k)
+            got = sparse.encode(x, chunk, k, backend="cpu")
+            assert torch.equal(got, want), (n, chunk, k)
+            ref = sparse.decode_reference(want, n, chunk, k)
+            dec = sparse.decode(got, n, chunk, k, backend="cpu")
+            assert torch.equal(dec.view(torch.int32), ref.view(torch.int32)), (n, chunk, k)  # bits, signed zeros too
+            acc = torch.randn(n, generator=gen)
+            want_acc = acc + ref
+            torch.ops.prime.sparse_decode_add_(acc, got, chunk, k)
+            kept = ref != 0
+            assert torch.equal(acc[kept], want_acc[kept])
+
+
+@needs_kernels
+def test_the_kernels_refuse_what_the_reference_refuses():
+    with pytest.raises(ValueError, match="non-finite"):
+        sparse.encode(torch.tensor([1.0, float("inf")] * 20), chunk=16, k=2, backend="cpu")
+    with pytest.raises(ValueError, match="overflows bf16"):
+        sparse.encode(torch.full((16,), 3.4e38), chunk=16, k=2, backend="cpu")
+    with pytest.raises(ValueError, match="overflows bf16"):
+        sparse.encode_reference(torch.full((16,), 3.4e38), chunk=16, k=2)
+    payload = sparse.encode(torch.randn(100), chunk=16, k=4, backend="cpu")
+    bad = payload.clone()
+    bad[4] = 0x00
+    with pytest.raises(ValueError, match="not ascending"):
+        sparse.decode(bad, 100, chunk=16, k=4, backend="cpu")
+    with pytest.raises(ValueError, match="expected"):
+        sparse.decode(payload[:-1], 100, chunk=16, k=4, backend="cpu")
 
 
 def test_ties_go_to_the_lower_index_and_an_empty_tensor_is_empty():
@@ -135,14 +214,14 @@ def test_owner_average_matches_a_plain_reference_and_conserves_every_contributio
     gen = torch.Generator().manual_seed(world)
     contributions = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen)) for _ in range(world)]
     got = sparse.owner_average(contributions, chunk, k)
-    # the reference: each rank's shard through the format (plain float64 Python), summed in rank order in fp32,
-    # that sum through the format again, over the world size
+    # the reference: the owner's own values exact, the other ranks' shards through the format (plain float64
+    # Python), added in the order o+1, o+2, ... in fp32, over the world size, through the format again
     want = torch.zeros(n)
-    for lo, hi in sparse.shards(n, world, chunk):
-        total = torch.zeros(hi - lo)
-        for c in contributions:
-            total += _reference(c[lo:hi], chunk, k)
-        want[lo:hi] = _reference(total, chunk, k) / world
+    for o, (lo, hi) in enumerate(sparse.shards(n, world, chunk)):
+        total = contributions[o][lo:hi].clone()
+        for j in range(1, world):
+            total += _reference(contributions[(o + j) % world][lo:hi], chunk, k)
+        want[lo:hi] = _reference(total / world, chunk, k)
     assert torch.equal(got.average, want)
     # nothing is lost for good: what every rank put in = world x what it applies + the residuals they keep
     put = sum(c.double() for c in contributions)

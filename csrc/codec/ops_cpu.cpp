@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "codec.h"
+#include "sparse.h"
 
 namespace prime::codec {
 namespace {
@@ -157,10 +158,62 @@ std::vector<std::string> cpu_codec_isas() {
   return out;
 }
 
+// ---- the sparse top-k codec (sparse.h) ----
+
+void check_sparse_settings(int64_t chunk, int64_t k) {
+  TORCH_CHECK(sparse::valid_chunk(chunk), "sparse chunk must be a power of two from ", num(sparse::kMinChunk), " to ",
+              num(sparse::kMaxChunk), ", got ", num(chunk));
+  TORCH_CHECK(sparse::valid_keep(chunk, k), "sparse k (values kept per chunk of ", num(chunk), ") must be in [1, ",
+              num(chunk), "], got ", num(k));
+}
+
+void check_sparse_payload(const at::Tensor& payload, int64_t numel, int64_t chunk, int64_t k) {
+  check_sparse_settings(chunk, k);
+  TORCH_CHECK(numel >= 0, "numel must be a non-negative int, got ", num(numel));
+  const int64_t want = sparse::payload_bytes(numel, chunk, k);
+  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.dim() == 1 && payload.numel() == want,
+              "sparse decode: expected ", num(want), " bytes (uint8) for ", num(numel), " values, got ",
+              num(payload.numel()), " (", payload.scalar_type(), ")");
+  TORCH_CHECK(payload.is_contiguous(), "sparse decode: the payload must be contiguous");
+  TORCH_CHECK(sparse::well_formed(payload.data_ptr<uint8_t>(), numel, chunk, k),
+              "sparse decode: the positions of a chunk are not ascending inside it");
+}
+
+at::Tensor sparse_encode_cpu(const at::Tensor& x, int64_t chunk, int64_t k) {
+  check_sparse_settings(chunk, k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1, "sparse encode takes a flat float32 tensor, got ",
+              x.scalar_type(), " of ", num(x.dim()), " dimensions");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({sparse::payload_bytes(xc.numel(), chunk, k)}, x.options().dtype(at::kByte));
+  const sparse::EncodeStatus s = sparse::encode(xc.data_ptr<float>(), xc.numel(), chunk, k, out.data_ptr<uint8_t>());
+  TORCH_CHECK(s != sparse::EncodeStatus::kNonFinite, "sparse encode: the tensor holds non-finite values");
+  TORCH_CHECK(s != sparse::EncodeStatus::kOverflow, "sparse encode: a chunk's magnitude overflows bf16");
+  return out;
+}
+
+at::Tensor sparse_decode_cpu(const at::Tensor& payload, int64_t numel, int64_t chunk, int64_t k) {
+  check_sparse_payload(payload, numel, chunk, k);
+  at::Tensor y = at::empty({numel}, payload.options().dtype(at::kFloat));
+  sparse::decode(payload.data_ptr<uint8_t>(), numel, chunk, k, y.data_ptr<float>());
+  return y;
+}
+
+void sparse_decode_add_cpu(at::Tensor& acc, const at::Tensor& payload, int64_t chunk, int64_t k) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous(),
+              "the accumulator must be a contiguous float32 tensor (it is updated in place), got ", acc.scalar_type());
+  TORCH_CHECK(acc.device() == payload.device(), "the accumulator is on ", acc.device(), " but the payload is on ",
+              payload.device(), "; move them to one device");
+  check_sparse_payload(payload, acc.numel(), chunk, k);
+  sparse::decode_add(payload.data_ptr<uint8_t>(), acc.numel(), chunk, k, acc.data_ptr<float>());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(prime, CPU, m) {
   m.impl("quantize_int8", &quantize_int8_cpu);
+  m.impl("sparse_encode", &sparse_encode_cpu);
+  m.impl("sparse_decode", &sparse_decode_cpu);
+  m.impl("sparse_decode_add_", &sparse_decode_add_cpu);
   m.impl("dequantize_int8", [](const at::Tensor& q, const at::Tensor& scales, int64_t block_size,
                                at::ScalarType dtype) { return dequantize_int8_for(q, scales, block_size, dtype, {}); });
   m.impl("dequantize_add_int8_", [](at::Tensor& acc, const at::Tensor& q, const at::Tensor& scales,

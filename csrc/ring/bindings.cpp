@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../codec/checks.h"
+#include "../codec/sparse.h"
 #include "crypto/crc32c.h"
 #include "crypto/libcrypto.h"
 #include "crypto/sha256.h"
@@ -93,16 +94,29 @@ ring::DType dtype_of(const at::Tensor& t) {
 }
 
 ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                            int64_t block_size, const std::string& schedule = "ring") {
+                            int64_t block_size, const std::string& schedule = "ring", int64_t keep = 0) {
   TORCH_CHECK(schedule == "ring" || schedule == "direct", "internal: schedule '", schedule,
               "' reached the ring unchecked (prime.comm.Ring.all_reduce chooses it)");
-  TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "fp4" || codec == "none"), "internal: op '",
-              op, "' / codec '", codec, "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
-  codec::check_block_size(block_size);
+  TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "fp4" || codec == "topk" || codec == "none"),
+              "internal: op '", op, "' / codec '", codec,
+              "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
   ring::AllReduceSpec spec;
+  if (codec == "topk") {
+    TORCH_CHECK(codec::sparse::valid_chunk(block_size) && codec::sparse::valid_keep(block_size, keep),
+                "internal: topk chunk ", std::to_string(block_size), " / k ", std::to_string(keep),
+                " reached the ring unchecked");
+    TORCH_CHECK(tensor.scalar_type() == at::kFloat, "the topk codec takes float32 tensors, got ",
+                tensor.scalar_type());
+    spec.keep = keep;
+  } else {
+    codec::check_block_size(block_size);
+  }
   spec.dtype = dtype_of(tensor);
   spec.op = op == "sum" ? ring::ReduceOp::kSum : ring::ReduceOp::kAvg;
-  spec.codec = codec == "int8" ? ring::CodecKind::kInt8 : codec == "fp4" ? ring::CodecKind::kFp4 : ring::CodecKind::kNone;
+  spec.codec = codec == "int8"   ? ring::CodecKind::kInt8
+               : codec == "fp4"  ? ring::CodecKind::kFp4
+               : codec == "topk" ? ring::CodecKind::kTopk
+                                 : ring::CodecKind::kNone;
   spec.block = block_size;
   spec.n = tensor.numel();
   spec.schedule = schedule == "direct" ? ring::Schedule::kDirect : ring::Schedule::kRing;
@@ -114,6 +128,7 @@ struct Staging {
   at::Tensor target;  // the caller's tensor
   at::Tensor input;   // contiguous CPU values read by the ring
   at::Tensor output;  // contiguous CPU values the ring writes; copied into target on success
+  at::Tensor residual;  // topk: where the owner adds what its selection of a sum dropped
 };
 
 #ifdef PRIME_WITH_CUDA
@@ -145,16 +160,27 @@ void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<
 #endif
 
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                             int64_t block_size, const py::object& cuda_context, const std::string& schedule) {
+                             int64_t block_size, const py::object& cuda_context, const std::string& schedule,
+                             int64_t keep, const std::optional<at::Tensor>& residual) {
   AllReduceJob job;
-  job.spec = spec_of(tensor, op, codec, block_size, schedule);
+  job.spec = spec_of(tensor, op, codec, block_size, schedule, keep);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
               tensor.device().str());
 
   auto staging = std::make_shared<Staging>();
   staging->target = tensor.detach();
+  if (residual) {
+    TORCH_CHECK(codec == "topk", "internal: a residual for codec '", codec, "'");
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kFloat && r.is_contiguous() && r.numel() == tensor.numel(),
+                "the residual must be a contiguous float32 CPU tensor of the tensor's ", std::to_string(tensor.numel()),
+                " values");
+    staging->residual = r.detach();
+    job.spec.residual = staging->residual.data_ptr<float>();
+  }
   const int64_t n = tensor.numel();
   if (!cuda_context.is_none()) {
+    TORCH_CHECK(codec != "topk", "internal: the topk codec has no GPU wire codec (pass no CUDA context)");
 #ifdef PRIME_WITH_CUDA
     stage_on_device(job, *staging, cuda_context.cast<std::shared_ptr<ring::CudaContext>>());
     job.spec.input = staging->input.data_ptr();
@@ -320,7 +346,8 @@ void init_ring_bindings(py::module_& m) {
           "What this rank knows of its outgoing links, one dict per peer.")
       .def("rejected_connections", &Ring::rejected_connections)
       .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"),
-           py::arg("cuda_context") = py::none(), py::arg("schedule") = "ring")
+           py::arg("cuda_context") = py::none(), py::arg("schedule") = "ring", py::arg("keep") = 0,
+           py::arg("residual") = py::none())
       .def("close", &Ring::close, py::call_guard<py::gil_scoped_release>());
 
 #ifdef PRIME_WITH_CUDA

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 
 #include "crypto/crc32c.h"
 #include "deadline.h"
@@ -413,7 +414,17 @@ class DirectAllReduce final : public Collective {
 
 }  // namespace
 
+const char* codec_name(CodecKind codec) {
+  switch (codec) {
+    case CodecKind::kInt8: return "int8";
+    case CodecKind::kFp4: return "fp4";
+    case CodecKind::kTopk: return "topk";
+    default: return "none";
+  }
+}
+
 void write_result(const AllReduceSpec& spec, const ScheduleOutcome& outcome, void* dst, BufferPool& pool) {
+  if (outcome.codec) outcome.codec->commit();
   if (outcome.pieces.empty()) return;
   outcome.codec->write_result(outcome.pieces, dst, dtype_size(spec.dtype), pool);
 }
@@ -433,6 +444,8 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
   buf[9] = static_cast<uint8_t>(spec.op);
   buf[10] = static_cast<uint8_t>(spec.codec);
   buf[11] = static_cast<uint8_t>(spec.schedule);  // 0 for the ring: its descriptors are unchanged
+  const uint32_t keep = spec.codec == CodecKind::kTopk ? static_cast<uint32_t>(spec.keep) : 0;
+  std::memcpy(buf + 12, &keep, 4);  // 0 for the other codecs: their descriptors are unchanged
   const uint64_t block = spec.codec != CodecKind::kNone ? static_cast<uint64_t>(spec.block) : 0;
   std::memcpy(buf + 16, &block, 8);
   return crc32c(buf, sizeof(buf));
@@ -441,8 +454,12 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
 std::string describe_spec(const AllReduceSpec& spec) {
   StrBuilder s;
   s << "n=" << spec.n << ", dtype=" << dtype_name(spec.dtype) << ", op=" << (spec.op == ReduceOp::kSum ? "sum" : "avg")
-    << ", codec=" << (spec.codec == CodecKind::kInt8 ? "int8" : spec.codec == CodecKind::kFp4 ? "fp4" : "none");
-  if (spec.codec != CodecKind::kNone) s << ", block_size=" << spec.block;
+    << ", codec=" << codec_name(spec.codec);
+  if (spec.codec == CodecKind::kTopk) {
+    s << ", chunk=" << spec.block << ", k=" << spec.keep;
+  } else if (spec.codec != CodecKind::kNone) {
+    s << ", block_size=" << spec.block;
+  }
   s << ", schedule=" << (spec.schedule == Schedule::kDirect ? "direct" : "ring");
   return s.str();
 }
@@ -450,6 +467,9 @@ std::string describe_spec(const AllReduceSpec& spec) {
 ScheduleOutcome run_all_reduce(Transport& transport, BufferPool& pool, const RingGeometry& geometry, uint64_t seq,
                                const AllReduceSpec& spec, const std::shared_ptr<WireCounters>& counters,
                                ScheduleTimes& times) {
+  if (spec.codec == CodecKind::kTopk && spec.schedule != Schedule::kDirect) {
+    throw std::invalid_argument("the topk codec runs only in the direct schedule (a ring would select again at every hop)");
+  }
   if (spec.schedule == Schedule::kDirect) {
     return DirectAllReduce(transport, pool, geometry, seq, spec, counters, times).run();
   }

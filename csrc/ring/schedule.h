@@ -30,7 +30,7 @@
 namespace prime::ring {
 
 enum class ReduceOp : int { kSum = 0, kAvg = 1 };
-enum class CodecKind : int { kNone = 0, kInt8 = 1, kFp4 = 2 };  // the frame descriptor's codec byte
+enum class CodecKind : int { kNone = 0, kInt8 = 1, kFp4 = 2, kTopk = 3 };  // the frame descriptor's codec byte
 enum class Schedule : int { kRing = 0, kDirect = 1 };
 
 constexpr int64_t kExactUnit = 256;  // chunk/segment alignment of the exact codec (values)
@@ -55,7 +55,13 @@ struct AllReduceSpec {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
-  int64_t block = 64;
+  int64_t block = 64;  // values per block (int8, fp4) or per chunk (topk)
+  // topk (docs/wire-format-sparse.md): values kept per chunk, and where the owner of a chunk adds
+  // what its final encoding left out of the sum (n fp32 values; null: dropped). Added only once
+  // the collective succeeded (WireCodec::commit), so a failed one leaves it as it was. Only the
+  // direct schedule carries topk: a ring would select again at every hop.
+  int64_t keep = 0;
+  float* residual = nullptr;
   Schedule schedule = Schedule::kRing;
   // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
   bool measure_error = true;
@@ -112,6 +118,7 @@ struct Span {
 
 Span chunk_span(int64_t n, int64_t unit, int world_size, int chunk);
 uint32_t descriptor_of(const AllReduceSpec& spec);
+const char* codec_name(CodecKind codec);
 std::string describe_spec(const AllReduceSpec& spec);
 
 // Writes the result (the n values of spec.dtype) into dst: decodes the pieces with

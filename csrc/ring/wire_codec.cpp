@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "../codec/codec.h"
+#include "../codec/sparse.h"
 #include "convert.h"
 #ifdef PRIME_WITH_CUDA
 #include "wire_codec_cuda.h"
@@ -295,16 +296,134 @@ class ExactCodec final : public WireCodec {
   ScheduleTimes& times_;
 };
 
+// docs/wire-format-sparse.md's records (fp32 only), in the direct schedule: each rank selects
+// its own values of every other rank's chunk once; the owner adds them to its own values in
+// fp32, divides, selects the result once and keeps what that selection left out (times the
+// divisor: in the units of the contributions) for AllReduceSpec::residual. Every payload read
+// is checked to be well formed before it is decoded.
+class SparseCodec final : public WireCodec {
+ public:
+  SparseCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
+      : chunk_(spec.block), k_(spec.keep), residual_(spec.residual), pool_(pool), times_(times) {
+    if (spec.dtype != DType::kFloat32) throw std::invalid_argument("the topk codec takes float32 tensors only");
+    if (!codec::sparse::valid_chunk(chunk_) || !codec::sparse::valid_keep(chunk_, k_)) {
+      throw std::invalid_argument("topk: chunk must be a power of two from 16 to 4096 and k in [1, chunk]");
+    }
+  }
+
+  int64_t unit() const override { return chunk_; }
+  int64_t partial_bytes(int64_t len) const override { return codec::sparse::payload_bytes(len, chunk_, k_); }
+  int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
+
+  Payload encode_input(const void* own, int64_t len, bool* finite) override {
+    Buffer buf = encode(static_cast<const float*>(own), len, finite);
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  bool accumulate(const void* own, const char* payload, int64_t len, float* acc) override {
+    const bool finite = all_finite(own, DType::kFloat32, len);
+    if (len) std::memcpy(acc, own, static_cast<size_t>(len) * 4);
+    add_partial(payload, len, acc);
+    return finite;
+  }
+
+  void add_partial(const char* payload, int64_t len, float* acc) override {
+    const uint8_t* p = bytes(payload, len);
+    codec::sparse::decode_add(p, len, chunk_, k_, acc);
+  }
+
+  Payload encode_partial(const Buffer&, int64_t) override {
+    throw std::logic_error("internal: the topk codec has no partial sums (direct schedule only)");
+  }
+
+  Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
+    Buffer buf = encode(acc->as<float>(), len, finite);
+    if (*finite && residual_ && len) {
+      // What every rank will decode, subtracted from what it stands for.
+      ScopedTimer timer(times_.reduce_s);
+      Buffer dropped = pool_.acquire(static_cast<size_t>(len) * 4);
+      float* d = dropped->as<float>();
+      codec::sparse::decode(reinterpret_cast<const uint8_t*>(buf->data()), len, chunk_, k_, d);
+      const float* a = acc->as<float>();
+      for (int64_t i = 0; i < len; ++i) d[i] = (a[i] - d[i]) * divisor_;
+      pending_ = std::move(dropped);
+    }
+    return Payload{buf->data(), buf->size(), buf};
+  }
+
+  void final_known(const FinalPiece& piece, bool encoded_here) override {
+    if (encoded_here) {
+      if (pending_) dropped_.push_back(FinalPiece{piece.begin, piece.len, std::move(pending_)});
+      pending_.reset();
+    } else {
+      bytes(piece.bytes->data(), piece.len);  // checked now, decoded when the result is written
+    }
+  }
+
+  void decode_final(const char* payload, int64_t len, void* dst, float*) const override {
+    codec::sparse::decode(reinterpret_cast<const uint8_t*>(payload), len, chunk_, k_, static_cast<float*>(dst));
+  }
+  int64_t scratch_floats(int64_t) const override { return 0; }
+
+  void divide(float* acc, int64_t len, float d) override {
+    divisor_ = d;
+    WireCodec::divide(acc, len, d);
+  }
+
+  void commit() override {
+    for (const FinalPiece& p : dropped_) {
+      const float* d = p.bytes->as<float>();
+      float* r = residual_ + p.begin;
+      for (int64_t i = 0; i < p.len; ++i) r[i] += d[i];
+    }
+    dropped_.clear();
+  }
+
+ private:
+  // The payload of x[0, len); on input that is not finite, or whose chunk overflows bf16, a
+  // well-formed payload of zeros (the frame's flags say why the result will be discarded).
+  Buffer encode(const float* x, int64_t len, bool* finite) {
+    ScopedTimer timer(times_.quantize_s);
+    Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
+    uint8_t* out = reinterpret_cast<uint8_t*>(buf->data());
+    *finite = codec::sparse::encode(x, len, chunk_, k_, out) == codec::sparse::EncodeStatus::kOk;
+    if (!*finite) {
+      std::vector<float> zeros(static_cast<size_t>(len), 0.f);
+      codec::sparse::encode(zeros.data(), len, chunk_, k_, out);
+    }
+    return buf;
+  }
+
+  // A received payload, checked: positions ascending inside every chunk.
+  const uint8_t* bytes(const char* payload, int64_t len) const {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(payload);
+    if (!codec::sparse::well_formed(p, len, chunk_, k_)) {
+      throw std::runtime_error("a topk payload has positions that are not ascending inside a chunk");
+    }
+    return p;
+  }
+
+  const int64_t chunk_;
+  const int64_t k_;
+  float* const residual_;
+  BufferPool& pool_;
+  ScheduleTimes& times_;
+  float divisor_ = 1.f;
+  std::shared_ptr<const ByteBuffer> pending_;  // the dropped values of the last encode_final
+  std::vector<FinalPiece> dropped_;            // (begin, len, fp32 values) for commit()
+};
+
 }  // namespace
 
 std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times) {
 #ifdef PRIME_WITH_CUDA
-  if (spec.cuda) return make_cuda_wire_codec(spec, times);
+  if (spec.cuda && spec.codec != CodecKind::kTopk) return make_cuda_wire_codec(spec, times);
 #else
   if (spec.cuda) throw std::logic_error("internal: a collective on CUDA memory in a build without CUDA");
 #endif
   if (spec.codec == CodecKind::kInt8) return std::make_unique<BlockCodec<Int8Format>>(spec, pool, times);
   if (spec.codec == CodecKind::kFp4) return std::make_unique<BlockCodec<Fp4Format>>(spec, pool, times);
+  if (spec.codec == CodecKind::kTopk) return std::make_unique<SparseCodec>(spec, pool, times);
   return std::make_unique<ExactCodec>(spec, pool, times);
 }
 

@@ -3,12 +3,15 @@
 // segments and asks a WireCodec for every byte it sends and every value it adds,
 // so it never branches on the codec (as gloo injects its reduction).
 //
-// Three implementations (make_wire_codec picks one from the spec):
+// Four implementations (make_wire_codec picks one from the spec):
 //   int8   docs/wire-format.md's int8 block codec. Payload of `len` values:
 //          [2 bytes: the largest grid index K of its scales, little-endian][ceil(len/B)
 //          1-byte scales: K - k for a scale of grid index k][len int8 values], in both phases.
 //   fp4    its fp4 block codec: [ceil(len/B) fp32 scales][ceil(len/2) bytes, two E2M1
 //          codes each, value 2j in the low nibble], in both phases.
+//   topk   docs/wire-format-sparse.md's sparse records, in both phases, direct schedule
+//          only: every contribution is selected once by its sender, each sum once by its
+//          owner (fp32 input only).
 //   exact  reduce-scatter: `len` fp32 partial sums; all-gather: `len` values of the
 //          tensor's dtype (the owner rounds the final sum once).
 //
@@ -105,6 +108,9 @@ class WireCodec {
   // Every frame was sent: the collective's work on this rank is done (the GPU codec
   // waits for its stream and adds its GPU times). The ScheduleTimes are not touched after.
   virtual void finish() {}
+  // The collective succeeded and its result is about to be written: commit what the codec
+  // keeps beside it (the topk codec's residual, AllReduceSpec::residual).
+  virtual void commit() {}
   // Writes the result into dst (the n values of the spec's dtype, `esize` bytes each)
   // from every final piece. The default decodes each piece with decode_final.
   virtual void write_result(const std::vector<FinalPiece>& pieces, void* dst, size_t esize, BufferPool& pool);

@@ -163,10 +163,11 @@ class RingProtocol(Protocol):
 class Work:
     """Handle of one in-flight all-reduce (returned by Ring.all_reduce)."""
 
-    def __init__(self, handle, ring: "Ring", tensor: torch.Tensor):
+    def __init__(self, handle, ring: "Ring", tensor: torch.Tensor, *keep_alive: Optional[torch.Tensor]):
         self._handle = handle
         self._ring = ring  # keeps the ring open while this work may run
         self._tensor = tensor
+        self._keep_alive = keep_alive  # tensors the collective writes besides `tensor`
 
     @property
     def seq(self) -> int:
@@ -420,7 +421,8 @@ class Ring:
         return self.world_size > 1 and self.quant_error
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None,
-                   schedule: Optional[str] = None) -> Work:
+                   schedule: Optional[str] = None, keep: Optional[int] = None,
+                   residual: Optional[torch.Tensor] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one 1-byte
         scale per `block_size` values (default 64: 0.254x the bytes of fp32); codec="fp4"
@@ -428,7 +430,16 @@ class Ring:
         sends exact values (docs/wire-format.md). block_size None: the codec's default. schedule: "auto", "ring" or "direct" (default: the
         ring's setting). Every rank must call all_reduce in the same order with tensors of
         the same size and dtype and the same op, codec, block_size and schedule. The tensor
-        holds the result once wait() returned; on failure it is left unchanged."""
+        holds the result once wait() returned; on failure it is left unchanged.
+
+        codec="topk" (docs/wire-format-sparse.md; float32 only, always the direct schedule):
+        per chunk of `block_size` values (default 4096) the `keep` largest magnitudes (default
+        64) at 2 bits each with their positions, 0.028x the bytes of fp32 at the defaults.
+        Each rank's contribution is selected once by its sender and each chunk's sum once by
+        its owner; with `residual` (a contiguous float32 CPU tensor of the same size) the owner
+        adds to it what that second selection left out (in the units of the contributions),
+        only once the collective succeeded. Error feedback keeps what the first selection
+        leaves out (prime.sparse)."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
@@ -439,17 +450,39 @@ class Ring:
             )
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-        if block_size is None:
-            block_size = default_block_size(codec)
-        check_block_size(block_size)
         schedule = self.schedule if schedule is None else schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if codec == "topk":
+            return self._all_reduce_topk(tensor, op, block_size, schedule, keep, residual)
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS + ('topk',)}, got {codec!r}")
+        if keep is not None or residual is not None:
+            raise ValueError(f"keep and residual are settings of codec 'topk', not of {codec!r}")
+        if block_size is None:
+            block_size = default_block_size(codec)
+        check_block_size(block_size)
         chosen = self._choose(schedule, tensor.numel(), codec, block_size, tensor.element_size())
         context = self._cuda_context(tensor)
         return Work(self._ring.all_reduce(tensor, op, codec, block_size, context, chosen), self, tensor)
+
+    def _all_reduce_topk(self, tensor, op, chunk, schedule, keep, residual) -> Work:
+        from prime import sparse
+
+        chunk = sparse.CHUNK if chunk is None else chunk
+        keep = 64 if keep is None else keep
+        sparse.check_settings(chunk, keep)
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"codec 'topk' takes float32 tensors, got {tensor.dtype}")
+        if schedule == "ring":
+            raise ValueError("codec 'topk' runs only in the direct schedule (a ring would select every partial sum "
+                             "again); use schedule='direct' or 'auto'")
+        if residual is not None:
+            if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.device.type != "cpu"
+                    or not residual.is_contiguous() or residual.numel() != tensor.numel()):
+                raise ValueError(f"residual must be a contiguous float32 CPU tensor of {tensor.numel()} values")
+        handle = self._ring.all_reduce(tensor, op, "topk", chunk, None, "direct", keep, residual)
+        return Work(handle, self, tensor, residual)
 
     def _choose(self, schedule: str, n: int, codec: str, block_size: int, esize: int) -> str:
         """The schedule a collective runs: the setting, or for "auto" the one links.choose_schedule

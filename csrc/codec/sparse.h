@@ -1,0 +1,49 @@
+// The sparse top-k format (docs/wire-format-sparse.md) on raw CPU memory: per chunk of C
+// values, the k largest magnitudes at 2 bits each with their positions. Used by the torch
+// ops (ops_cpu.cpp) and by the ring's sparse wire codec. prime/sparse.py is the reference:
+// these give its bytes and its values bit for bit.
+#pragma once
+
+#include <cstdint>
+
+namespace prime::codec::sparse {
+
+constexpr int64_t kMinChunk = 16;
+constexpr int64_t kMaxChunk = 4096;
+
+inline bool valid_chunk(int64_t chunk) {
+  return chunk >= kMinChunk && chunk <= kMaxChunk && (chunk & (chunk - 1)) == 0;
+}
+inline bool valid_keep(int64_t chunk, int64_t k) { return k >= 1 && k <= chunk; }
+inline int position_bits(int64_t chunk) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < chunk) ++bits;
+  return bits;
+}
+// Values kept of a chunk of `len` values: k for a full one, ceil(len k / chunk) for the last.
+inline int64_t chunk_keep(int64_t len, int64_t chunk, int64_t k) { return (len * k + chunk - 1) / chunk; }
+inline int64_t record_bytes(int64_t keep, int bits) { return 4 + (keep * bits + 7) / 8 + (keep + 3) / 4; }
+inline int64_t payload_bytes(int64_t n, int64_t chunk, int64_t k) {
+  const int bits = position_bits(chunk);
+  const int64_t full = n / chunk, rest = n % chunk;
+  return full * record_bytes(k, bits) + (rest ? record_bytes(chunk_keep(rest, chunk, k), bits) : 0);
+}
+
+enum class EncodeStatus : int { kOk = 0, kNonFinite = 1, kOverflow = 2 };
+
+// out[0, payload_bytes(n)) = the payload of x[0, n) (fp32). kNonFinite: x holds NaN or Inf;
+// kOverflow: a chunk's larger magnitude rounds to bf16 infinity (out is then not a payload).
+// Multithreaded over chunks (at::parallel_for).
+EncodeStatus encode(const float* x, int64_t n, int64_t chunk, int64_t k, uint8_t* out);
+
+// Whether every record of a payload of n values has ascending positions inside its chunk
+// (the only way a payload of the right size can be malformed). decode and decode_add
+// assume it.
+bool well_formed(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k);
+
+// y[0, n) = the values the payload stands for (0 where nothing was kept).
+void decode(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k, float* y);
+// acc[i] = acc[i] + value at every kept position i (other values untouched).
+void decode_add(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k, float* acc);
+
+}  // namespace prime::codec::sparse

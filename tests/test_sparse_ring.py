@@ -1,0 +1,116 @@
+"""The topk codec on the real ring (prime.comm.Ring.all_reduce(codec="topk")): the bits of the reference
+arithmetic (prime.sparse.owner_average) on every rank, the residual the owners keep, the bytes on the wire,
+and the failures every other codec reports."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import MAX_RANKS, needs_ring
+from prime import sparse
+
+pytestmark = needs_ring
+
+SEED = random.randrange(1 << 30)
+
+
+def _contribution(seed: int, rank: int, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 131 + rank)
+    return torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))
+
+
+CASES = [  # n, chunk, k, op
+    (5 * 256 + 77, 256, 8, "avg"),
+    (1 << 16, 4096, 64, "avg"),
+    (3 * 1024, 1024, 1024, "sum"),  # everything kept
+    (100, 16, 3, "avg"),
+    (1, 16, 1, "sum"),  # fewer chunks than ranks: some own nothing
+]
+
+
+def _rank_cases(ctx, seed):
+    out = []
+    with ctx.ring(segment_bytes=1 << 14) as ring:  # small segments: several per shard
+        for n, chunk, k, op in CASES:
+            t = _contribution(seed, ctx.rank, n)
+            residual = torch.zeros(n)
+            work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual)
+            work.wait()
+            stats = work.stats()
+            out.append((t, residual, stats.bytes_sent))
+    return out
+
+
+@pytest.mark.parametrize("world_size", list(range(2, MAX_RANKS + 1)))
+def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_size):
+    results = ranks.run(_rank_cases, SEED, world_size=world_size)
+    for i, (n, chunk, k, op) in enumerate(CASES):
+        note = f"[N={world_size} n={n} chunk={chunk} k={k} op={op} seed={SEED}]"
+        contributions = [_contribution(SEED, r, n) for r in range(world_size)]
+        want = sparse.owner_average(contributions, chunk, k, op=op)
+        for r in range(world_size):
+            got, residual, sent = results[r][i]
+            assert torch.equal(got, want.average), f"rank {r} differs from the reference {note}"
+            # the wire's residual is only the owners' part; the senders' part is error feedback's (prime.sparse)
+            parts = sparse.shards(n, world_size, chunk)
+            lo, hi = parts[r]
+            own_part = torch.zeros(n)
+            own_part[lo:hi] = want.residuals[r][lo:hi]
+            assert torch.equal(residual, own_part), f"rank {r}'s residual {note}"
+            assert sent >= want.sent[r] and sent < want.sent[r] + 200 * (2 * world_size + n // (1 << 12) + 4), \
+                f"rank {r} sent {sent} bytes for {want.sent[r]} of payloads {note}"
+
+
+def _rank_nonfinite(ctx, seed):
+    from prime.comm import NonFiniteError
+
+    with ctx.ring() as ring:
+        n = 4096 * 3
+        t = _contribution(seed, ctx.rank, n)
+        if ctx.rank == 1:
+            t[5] = float("nan")
+        before, residual = t.clone(), torch.zeros(n)
+        try:
+            ring.all_reduce(t, codec="topk", keep=16, residual=residual).wait()
+        except NonFiniteError as e:
+            return (str(e), torch.equal(t, before) or (t.isnan() == before.isnan()).all().item(), bool(residual.any()))
+        return ("no error", False, False)
+
+
+def test_a_nan_on_one_rank_fails_the_topk_collective_everywhere_and_changes_nothing(ranks):
+    out = ranks.run(_rank_nonfinite, SEED, world_size=3)
+    for r, (msg, unchanged, residual_touched) in enumerate(out):
+        assert "rank(s) [1]" in msg, (r, msg)
+        assert unchanged and not residual_touched, r
+
+
+def _rank_bad_args(ctx):
+    with ctx.ring() as ring:
+        errors = []
+        for kwargs in ({"schedule": "ring"}, {"keep": 0}, {"block_size": 100}, {"residual": torch.zeros(3)},
+                       {"residual": torch.zeros(4096, dtype=torch.float64)}):
+            try:
+                ring.all_reduce(torch.zeros(4096), codec="topk", **kwargs)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        try:
+            ring.all_reduce(torch.zeros(4096, dtype=torch.bfloat16), codec="topk")
+        except TypeError as e:
+            errors.append(str(e))
+        try:
+            ring.all_reduce(torch.zeros(4096), codec="int8", keep=4)
+        except ValueError as e:
+            errors.append(str(e))
+        return errors
+
+
+def test_bad_topk_arguments_are_refused_with_what_is_wrong(ranks):
+    errors = ranks.run(_rank_bad_args, world_size=1)[0]
+    assert "direct schedule" in errors[0]
+    assert "k (values kept" in errors[1]
+    assert "power of two" in errors[2]
+    assert "residual must be" in errors[3] and "residual must be" in errors[4]
+    assert "float32" in errors[5]
+    assert "settings of codec 'topk'" in errors[6]
