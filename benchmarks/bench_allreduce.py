@@ -39,6 +39,9 @@ Methods, run on the same input tensors in the same process group:
                             found by brute force from the topology's matrices)
   ring-int8-classic         the ring as it was before links were sized and schedules chosen: the
                             ring schedule in rank order, one stream per link, autotuned buffers
+  ring-topk                 prime.comm.Ring, codec "topk" (docs/wire-format-sparse.md): per chunk of 4096
+                            the 64 largest values at 2 bits with 12-bit positions (0.028 bytes/value),
+                            the direct schedule; ring-topk-k16 / -k256 keep 16 / 256 per chunk
   pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
                             (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
   pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
@@ -95,10 +98,13 @@ RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nochec
 # The ring's schedules and orders forced (run them with --methods).
 RING_VARIANTS = ("ring-int8-ring", "ring-int8-direct", "ring-int8-rankorder", "ring-int8-bestorder",
                  "ring-int8-classic")
+# The sparse codec (run them with --methods): values kept per chunk of TOPK_CHUNK.
+TOPK_METHODS = {"ring-topk": 64, "ring-topk-k16": 16, "ring-topk-k256": 256}
+TOPK_CHUNK = 4096
 # The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
 PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
 DEFAULT_METHODS = GLOO_METHODS + RING_METHODS + PG_METHODS
-ALL_METHODS = GLOO_METHODS + RING_METHODS + RING_VARIANTS + PG_METHODS
+ALL_METHODS = GLOO_METHODS + RING_METHODS + RING_VARIANTS + tuple(TOPK_METHODS) + PG_METHODS
 RESULT_TAG = "@@RESULT "  # rank 0 prints one such line (JSON) per finished case
 STORE_PORT_NETNS = 29500  # each namespace is fresh, so a fixed port is free there
 LOOPBACK_ASSUMED_BITS = 8e9  # only for skipping cases that would run too long on loopback
@@ -378,11 +384,17 @@ def method_ring_options(method: str, spec: dict) -> dict:
 
 def method_block(method: str) -> int:
     """The codec block size a ring-* method uses (the codec's default, but for ring-int8-b128)."""
+    if method in TOPK_METHODS:
+        return TOPK_CHUNK
     return {"ring-int8-b128": 128, "ring-fp4": FP4_BLOCK}.get(method, INT8_BLOCK)
 
 
 def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
     """Bytes a rank sends for an all-reduce of n fp32 values by `method`, in theory."""
+    if method in TOPK_METHODS:
+        from prime import sparse
+
+        return ring_factor(world_size) * sparse.payload_bytes(n, TOPK_CHUNK, TOPK_METHODS[method])
     per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n,
                  "ring-fp4": (n + 1) // 2 + 4 * ((n + FP4_BLOCK - 1) // FP4_BLOCK)}.get(method)
     payload = per_value if per_value is not None else int8_bytes(n, method_block(method))
@@ -538,8 +550,9 @@ class RingAdapter:
         # (the harness tests use tests/fake_ring.py); default prime.comm:Ring.
         module, _, cls = os.environ.get("PRIME_BENCH_RING", "prime.comm:Ring").partition(":")
         ring_cls = getattr(importlib.import_module(module), cls)
-        self.codec = {"ring-fp32": "none", "ring-fp4": "fp4"}.get(method, "int8")
+        self.codec = {"ring-fp32": "none", "ring-fp4": "fp4"}.get(method, "topk" if method in TOPK_METHODS else "int8")
         self.block = method_block(method)
+        self.keep = {"keep": TOPK_METHODS[method]} if method in TOPK_METHODS else {}
         kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), secret=f"bench-{spec['seed']}",
                       max_rate=spec["max_rate_bytes"], checksum=method != "ring-int8-nocheck")
         kwargs.update(method_ring_options(method, spec))
@@ -553,7 +566,7 @@ class RingAdapter:
     def all_reduce(self, tensor) -> tuple[float, dict]:
         """Sums `tensor` in place over all ranks. Returns (bytes this rank sent on the wire,
         every statistic of the work, for the record: times, bytes received...)."""
-        work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block)
+        work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block, **self.keep)
         work.wait()
         stats = work.stats()
         self.schedule = getattr(stats, "schedule", None)

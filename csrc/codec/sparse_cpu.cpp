@@ -71,14 +71,44 @@ struct BitReader {
   }
 };
 
+// The keep-th largest of m[0, len) (magnitude bits), 1 <= keep <= len, and in *above how many
+// are larger. A histogram of the exponent and two mantissa bits finds the bin that holds it;
+// only that bin's values are then ordered (nth_element), so a chunk costs about two passes,
+// not a selection over all of it.
+uint32_t kth_largest(const uint32_t* m, int64_t len, int64_t keep, uint32_t* scratch, int64_t* above) {
+  constexpr int kShift = 21;  // finite magnitudes are below 0x7f800000: bins 0..1019
+  // Two histograms, alternate values: fewer stalls on the same counter.
+  uint32_t hist[2][1024] = {};
+  int64_t i = 0;
+  for (; i + 1 < len; i += 2) {
+    ++hist[0][m[i] >> kShift];
+    ++hist[1][m[i + 1] >> kShift];
+  }
+  if (i < len) ++hist[0][m[i] >> kShift];
+  int64_t higher = 0;
+  uint32_t bin = 1023;
+  while (higher + hist[0][bin] + hist[1][bin] < keep) {
+    higher += hist[0][bin] + hist[1][bin];
+    --bin;
+  }
+  int64_t nc = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    scratch[nc] = m[j];
+    nc += (m[j] >> kShift) == bin;
+  }
+  const int64_t need = keep - higher;  // in [1, the bin's count]
+  std::nth_element(scratch, scratch + need - 1, scratch + nc, std::greater<uint32_t>());
+  const uint32_t t = scratch[need - 1];
+  for (int64_t j = 0; j < need - 1; ++j) higher += scratch[j] > t;  // the bin's values above t
+  *above = higher;
+  return t;
+}
+
 // The `keep` values of m[0, len) (magnitude bits) ranked highest by (magnitude desc, position
 // asc): writes their positions, ascending, to pos; `scratch` holds len values.
 void select_top(const uint32_t* m, int64_t len, int64_t keep, uint32_t* scratch, uint16_t* pos) {
-  std::copy(m, m + len, scratch);
-  std::nth_element(scratch, scratch + keep - 1, scratch + len, std::greater<uint32_t>());
-  const uint32_t t = scratch[keep - 1];
   int64_t above = 0;
-  for (int64_t i = 0; i < len; ++i) above += m[i] > t;
+  const uint32_t t = kth_largest(m, len, keep, scratch, &above);
   int64_t ties = keep - above;
   int64_t np = 0;
   for (int64_t i = 0; i < len && np < keep; ++i) {
@@ -89,10 +119,12 @@ void select_top(const uint32_t* m, int64_t len, int64_t keep, uint32_t* scratch,
 EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, uint8_t* out) {
   uint32_t m[kMaxChunk], scratch[kMaxChunk], km[kMaxChunk];
   uint16_t pos[kMaxChunk], upper_pos[kMaxChunk];
+  uint32_t largest = 0;
   for (int64_t i = 0; i < len; ++i) {
     m[i] = bits_of(x[i]) & 0x7fffffffu;
-    if (m[i] >= 0x7f800000u) return EncodeStatus::kNonFinite;
+    largest = std::max(largest, m[i]);
   }
+  if (largest >= 0x7f800000u) return EncodeStatus::kNonFinite;
   select_top(m, len, keep, scratch, pos);
   // The ceil(keep / 2) largest of the kept (same ranking): the halves whose means split the levels.
   for (int64_t j = 0; j < keep; ++j) km[j] = m[pos[j]];
