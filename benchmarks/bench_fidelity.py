@@ -20,6 +20,9 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   diloco-fp4           synchronous DiLoCo, fp4 ring, with error feedback (fp4's default: each node adds what its
                        last contribution lost to the codec to its next pseudo-gradient; prime/feedback.py)
   diloco-fp4-noef      the same without error feedback
+  diloco-topk          synchronous DiLoCo, topk ring (64 of every 4096 values at 2 bits, error feedback always);
+                       diloco-topk-k16 / -k256 / -k1024 keep 16 / 256 / 1024;
+                       -plain: outer_lr 1, no outer momentum (error feedback as the only memory); overlap-topk-eager-merge with overlap
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -68,6 +71,14 @@ METHODS = {
     "diloco-fp4-noef": dict(codec="fp4", overlap=False, error_feedback=False),
     "diloco-int8-ef": dict(codec="int8", overlap=False, error_feedback=True),
     "overlap-fp4-eager-merge": dict(codec="fp4", overlap=True, overlap_scheme="eager-merge", error_feedback=True),
+    "diloco-topk": dict(codec="topk", overlap=False),
+    "diloco-topk-k16": dict(codec="topk", overlap=False, density=16 / 4096),
+    "diloco-topk-k256": dict(codec="topk", overlap=False, density=256 / 4096),
+    "diloco-topk-k1024": dict(codec="topk", overlap=False, density=1024 / 4096),
+    "diloco-topk-plain": dict(codec="topk", overlap=False, outer_lr=1.0, outer_momentum=0.0),
+    "diloco-topk-plain-lr2": dict(codec="topk", overlap=False, outer_lr=2.0, outer_momentum=0.0),
+    "diloco-topk-k256-plain": dict(codec="topk", overlap=False, density=256 / 4096, outer_lr=1.0, outer_momentum=0.0),
+    "overlap-topk-eager-merge": dict(codec="topk", overlap=True, overlap_scheme="eager-merge"),
 }
 EVAL_FRACTION = 0.05
 
@@ -166,9 +177,10 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
             opt = s.optimizer(model)
             ld = s.loader(r)
             d = cfg.diloco
-            with DiLoCo(model, opt, ring, inner_steps=d.inner_steps, outer_lr=d.outer_lr,
-                        outer_momentum=d.outer_momentum, nesterov=d.nesterov, block_size=d.block_size,
-                        **opts) as dl:
+            outer = dict(outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
+                         block_size=d.block_size)
+            outer.update(opts)  # a method may set its own outer update
+            with DiLoCo(model, opt, ring, inner_steps=d.inner_steps, **outer) as dl:
                 errs = []
                 for step in range(1, cfg.train.steps + 1):
                     curves[r].append(s.inner_step(model, opt, [ld.next_batch()], step))

@@ -1,6 +1,6 @@
 """The codecs of the outer step's all-reduce, in one table: what the rest of prime asks of a codec.
 
-    CODECS["int8"].lossy, .default_block, .feedback_default, .wire_bytes(n, block), .own_error_pass
+    CODECS["int8"].lossy, .default_block, .feedback_default, .wire_bytes(n, block), .own_error_pass, .sparse
 
 Config validation, DiLoCo, error feedback, the memory plan and the metrics read this
 table; the formats themselves are prime.ops (Python face, torch reference) and
@@ -31,15 +31,27 @@ class Codec:
     own_error_pass: bool
     """DiLoCo can measure the codec's error by a quantize/dequantize pass of its own when the ring does not
     report it (int8)."""
+    sparse: bool = False
+    """Per chunk of block_size values only the largest (diloco.density of them) travel (prime.sparse): error
+    feedback is always on, and each shard's owner keeps what its selection of the average dropped."""
 
-    def wire_bytes(self, n: int, block_size: Optional[int] = None) -> int:
-        """Bytes of n values in a ring payload (prime.ops.wire_bytes)."""
+    def wire_bytes(self, n: int, block_size: Optional[int] = None, density: Optional[float] = None) -> int:
+        """Bytes of n values in a ring payload (prime.ops.wire_bytes; topk: prime.sparse.payload_bytes)."""
+        if self.sparse:
+            from prime import sparse
+
+            chunk = block_size or self.default_block
+            return sparse.payload_bytes(n, chunk, sparse.keep_for_density(density or DEFAULT_DENSITY, chunk))
         return ops.wire_bytes(n, block_size, self.name)
 
-    def bytes_per_value(self, block_size: Optional[int] = None) -> float:
+    def bytes_per_value(self, block_size: Optional[int] = None, density: Optional[float] = None) -> float:
         """Wire bytes per value for a long tensor (the header left out)."""
         n = 1 << 20
-        return (self.wire_bytes(n, block_size) - (ops.INT8_HEADER_BYTES if self.name == "int8" else 0)) / n
+        return (self.wire_bytes(n, block_size, density) - (ops.INT8_HEADER_BYTES if self.name == "int8" else 0)) / n
+
+
+DEFAULT_DENSITY = 1 / 64
+"""topk: the share of each chunk's values kept (64 of 4096, 0.028 bytes a value) when diloco.density is unset."""
 
 
 CODECS = {
@@ -47,13 +59,14 @@ CODECS = {
                   own_error_pass=True),
     "fp4": Codec("fp4", lossy=True, default_block=ops.DEFAULT_FP4_BLOCK_SIZE, feedback_default=True,
                  own_error_pass=False),
+    "topk": Codec("topk", lossy=True, default_block=4096, feedback_default=True, own_error_pass=False, sparse=True),
     "none": Codec("none", lossy=False, default_block=None, feedback_default=False, own_error_pass=False),
 }
 """Every codec by its name (diloco.codec); int8 is the default."""
 
 
 def names() -> str:
-    """'int8', 'fp4' or 'none': for messages."""
+    """'int8', 'fp4', 'topk' or 'none': for messages."""
     quoted = [repr(n) for n in CODECS]
     return ", ".join(quoted[:-1]) + " or " + quoted[-1]
 

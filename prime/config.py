@@ -180,9 +180,11 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (False: heavy ball)."""
     codec: str = "int8"
-    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x) or none (exact fp32)."""
+    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x), topk (sparse: the largest values of every chunk at 2 bits with their positions, about 140x at the default density; docs/wire-format-sparse.md) or none (exact fp32)."""
     block_size: Optional[int] = None
-    """Codec block (int8, fp4): one scale per block_size values (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales)."""
+    """Codec block (int8, fp4): one scale per block_size values; topk: values per chunk (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales), 4096 for topk."""
+    density: Optional[float] = None
+    """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1). Unset (none): 1/64 (64 of 4096, 0.028 bytes a value). Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
@@ -254,6 +256,9 @@ class DiLoCoConfig:
         resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
         if self.block_size is not None:
             check_block_size(self.block_size, "diloco.block_size")
+        if self.density is not None:
+            _require(self.codec == "topk", "diloco.density", "unset unless diloco.codec = 'topk'", self.density)
+            _require(0 < self.density <= 1, "diloco.density", "in (0, 1]", self.density)
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)
@@ -508,6 +513,9 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
+        if self.elastic.enabled and self.diloco.codec == "topk":
+            raise ValueError("diloco.codec = 'topk' does not run with elastic.enabled yet (its owners' residuals are "
+                             "per ring of fixed nodes): use int8 or fp4 with elastic nodes")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

@@ -96,8 +96,10 @@ class DiLoCo:
     outer_optimizer:  outer_optimizer(params) -> any torch optimizer over the outer parameters, in place of the
                       default update (nodes then agree bit for bit only on the same torch build and CPU)
     codec:            "int8" (default: 0.254x the bytes of fp32, ~1% relative L2 error per node), "fp4"
-                      (half of int8's bytes, ~11%) or "none" (exact fp32); prime/codecs.py
-    block_size:       codec block size; None: the codec's default (int8 64, fp4 256)
+                      (half of int8's bytes, ~11%), "topk" (sparse, 0.007x at the default density: each round
+                      sends the largest values of every chunk, error feedback the rest later; a ring of fixed
+                      nodes only) or "none" (exact fp32); prime/codecs.py
+    block_size:       codec block size, topk's chunk; None: the codec's default (int8 64, fp4 256, topk 4096)
     ring_factory:     ring_factory(tag) -> new Ring, to retry after a failure (None: no retries)
     retries:          retries per outer step when ring_factory is given
     local_group:      this node's processes, which agree on failures (default: torchrun's local world; a
@@ -116,7 +118,10 @@ class DiLoCo:
                       (p + 1) H / P + k H (prime/fragments.py); finish() syncs the ones not yet averaged
     auto_margin_bytes: GPU memory outer_state_device="auto" keeps free (None: max(8 GiB, 15% of the card))
     error_feedback:   feed what this node's contribution lost to the codec into its next pseudo-gradient
-                      (prime/feedback.py). None: on for "fp4", off for "int8"; refused with "none"
+                      (prime/feedback.py). None: on for "fp4" and "topk", off for "int8"; refused with "none",
+                      and off is refused with "topk"
+    density:          topk: the share of each chunk's values sent per round (None: 1/64); k = density x
+                      block_size, at least 1. Refused with the other codecs
     """
 
 
@@ -145,8 +150,11 @@ class DiLoCo:
         fragments: int = 1,
         auto_margin_bytes: Optional[int] = None,
         error_feedback: Optional[bool] = None,
+        density: Optional[float] = None,
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
+        self.keep = _sparse_keep(codec, block_size, density)
+        """codec topk: the values kept per chunk of block_size (density x block_size, at least 1); None otherwise."""
         overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
                                          overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
         self.schedule = FragmentSchedule(inner_steps, fragments)
@@ -161,6 +169,9 @@ class DiLoCo:
         # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
         self.measure_compression_error = measure_compression_error and codec_named(codec).lossy
         self._sync, self._owns_sync = _make_sync(sync, ring_factory, retries, local_group)
+        if self.keep is not None and self._sync is not None and not isinstance(self._sync, RingSync):
+            raise ValueError(f"codec 'topk' runs on a ring of fixed nodes (prime.sync.RingSync) for now; "
+                             f"{type(self._sync).__name__} (elastic membership) does not carry it: use int8 or fp4")
         if overlap and self._sync is not None and not self._sync.background:
             raise ValueError(f"overlap=True needs a ring, or a sync that can average in the background "
                              f"(prime.sync.SyncExtras.background); {type(sync).__name__} does not declare it")
@@ -175,7 +186,7 @@ class DiLoCo:
             self._plan = plan_fragments(
                 named, inner_optimizer, schedule=self.schedule, sync=self._sync, device=outer_state_device,
                 update=OuterUpdate(outer_lr, outer_momentum, nesterov, outer_optimizer), codec=codec,
-                block_size=block_size, error_feedback=self.error_feedback,
+                block_size=block_size, error_feedback=self.error_feedback, feedback_keep=self.keep,
                 measure_compression_error=self.measure_compression_error, overlap=overlap,
                 overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, margin=auto_margin_bytes,
                 check_finite=functools.partial(agree_finite, self._sync))
@@ -263,6 +274,8 @@ class DiLoCo:
         """What every node must share: the cadence, the codec, overlap, fragments and the outer update over the
         same shapes."""
         s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
+        if self.keep is not None:
+            s["keep"] = self.keep
         if self.overlap:
             s["overlap"] = self.overlap_scheme
             s["overlap_steps"] = self.overlap_steps
@@ -396,6 +409,18 @@ class DiLoCo:
             self._sync.close()
         if error is not None:
             raise OuterSyncError(f"the average of outer step {step}, in flight at close(), failed: {error}") from error
+
+
+def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optional[int]:
+    """Values kept per chunk for a sparse codec (None for the others, which take no density)."""
+    if not codec_named(codec).sparse:
+        if density is not None:
+            raise ValueError(f"density is a setting of codec 'topk', not of {codec!r}")
+        return None
+    from prime import sparse
+    from prime.codecs import DEFAULT_DENSITY
+
+    return sparse.keep_for_density(DEFAULT_DENSITY if density is None else density, block_size)
 
 
 def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,

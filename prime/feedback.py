@@ -59,15 +59,27 @@ def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str
         raise ValueError(f"{name} must be True, False or None (on for codec fp4, off for int8), got {error_feedback!r}")
     if error_feedback is None:
         return codec in DEFAULT_ON
+    if not error_feedback and CODECS.get(codec) is not None and CODECS[codec].sparse:
+        raise ValueError(f"{name} = false is refused with codec {codec!r}: each round sends only the largest values "
+                         "of every chunk, and error feedback is what sends the rest in later rounds; leave it unset")
     if error_feedback and codec not in LOSSY_CODECS:
         raise ValueError(f"{name} = true needs a lossy codec (int8 or fp4); codec {codec!r} averages exactly, so there "
                          "is no quantization error to feed back: set it to false or leave it unset")
     return error_feedback
 
 
-def round_trip(x: torch.Tensor, codec: str, block_size: int) -> torch.Tensor:
+def round_trip(x: torch.Tensor, codec: str, block_size: int, keep: Optional[int] = None) -> torch.Tensor:
     """dequantize(quantize(x)) with the codec's fastest backend for x's device (every backend gives the same
-    bits). Non-finite blocks come back as NaN (the caller checks finiteness)."""
+    bits). Non-finite blocks come back as NaN (the caller checks finiteness). topk: decode(encode(x)) with
+    `keep` values per chunk of block_size (prime.sparse, on the CPU); a chunk that is not finite comes back as
+    NaN."""
+    if codec == "topk":
+        from prime import sparse
+
+        flat = x.reshape(-1)
+        if not bool(torch.isfinite(flat).all()):
+            return torch.full_like(x, float("nan"))
+        return sparse.decode(sparse.encode(flat, block_size, keep), flat.numel(), block_size, keep).to(x.device).view_as(x)
     if codec == "int8":
         q, s = ops.quantize_int8(x, block_size, check_finite=False)
         return ops.dequantize_int8(q, s, block_size)
@@ -76,12 +88,13 @@ def round_trip(x: torch.Tensor, codec: str, block_size: int) -> torch.Tensor:
     return ops.dequantize_fp4(q, s, x.numel(), block_size)
 
 
-def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: int, commit: bool) -> None:
+def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: int, commit: bool,
+               keep: Optional[int] = None) -> None:
     """g := dequantize(quantize(g + residual)) and, with `commit`, residual := (g + residual) - that: the step
     of error feedback on one piece of whole codec blocks (g a work view, residual a view of the home buffer or
     its staged copy)."""
     g.add_(residual)
-    y = round_trip(g, codec, block_size)
+    y = round_trip(g, codec, block_size, keep)
     if commit:
         torch.sub(g, y, out=residual)
     g.copy_(y)

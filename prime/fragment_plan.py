@@ -59,6 +59,7 @@ def work_buffers(schedule: FragmentSchedule, overlap: bool, overlap_scheme: str,
 
 def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, sync, device: str,
                    update: OuterUpdate, codec: str, block_size: int, error_feedback: bool,
+                   feedback_keep: Optional[int] = None,
                    measure_compression_error: bool, overlap: bool, overlap_scheme: str, overlap_steps: int,
                    margin: Optional[int], check_finite: Callable[[bool, int], None]) -> FragmentPlan:
     """Cuts the named parameters into schedule.fragments fragments, places their outer state (device "cpu",
@@ -101,7 +102,8 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
     for p, idx in enumerate(groups):
         st = OuterState([params[i] for i in idx], block_size=block_size, outer_lr=update.lr,
                         outer_momentum=update.momentum, nesterov=update.nesterov, optimizer_factory=update.optimizer,
-                        device=device, error_feedback=codec if error_feedback else None)
+                        device=device, error_feedback=codec if error_feedback else None,
+                        feedback_keep=feedback_keep)
         share = sum(params[i].numel() for i in idx) / model_numel
         plan.fragments.append(Fragment(p, st, schedule.offset(p), plan.settings, share, pieces[p]))
     return plan

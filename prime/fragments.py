@@ -438,6 +438,7 @@ class Fragment:
         if prev is not None:
             s.sync.applying(r)
             a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            st.add_to_residual(s.sync.take_dropped(prev.buf))
             s.sync.committed(r)
             policy.adapt(a_sq)
             s.grads.give(prev.base)
@@ -485,6 +486,7 @@ class Fragment:
                 self._give_start()
             else:
                 self.policy.adapt(self.state.update(flight.buf, norm=True))
+            self.state.add_to_residual(self.s.sync.take_dropped(flight.buf))
             self.s.sync.committed(r)
             self.s.grads.give(flight.base)
             self._midway = (r, flight.outer_step, time.perf_counter() - t0)
@@ -510,6 +512,7 @@ class Fragment:
         r = self._join(flight)
         self.s.sync.applying(r)
         self.policy.adapt(self.state.update(flight.buf, norm=True))
+        self.state.add_to_residual(self.s.sync.take_dropped(flight.buf))
         self.s.sync.committed(r)
         self.s.grads.give(flight.base)
         return flight.outer_step

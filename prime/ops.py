@@ -113,8 +113,9 @@ SCALE_GRID_MANTISSAS = (
 
 
 def default_block_size(codec: str) -> int:
-    """The block size a codec uses when none is given: 64 for int8, 256 for fp4."""
-    return DEFAULT_FP4_BLOCK_SIZE if codec == "fp4" else DEFAULT_BLOCK_SIZE
+    """The block size a codec uses when none is given: 64 for int8, 256 for fp4, 4096 values a chunk for topk
+    (prime.sparse)."""
+    return {"fp4": DEFAULT_FP4_BLOCK_SIZE, "topk": 4096}.get(codec, DEFAULT_BLOCK_SIZE)
 
 
 def wire_bytes(n: int, block_size: Optional[int] = None, codec: str = "int8") -> int:

@@ -113,6 +113,7 @@ class OuterState(FlatLayout, OverlapPasses):
         stream: Optional[bool] = None,
         pending_bytes: int = 0,
         error_feedback: Optional[str] = None,
+        feedback_keep: Optional[int] = None,
     ):
         feedback = error_feedback is not None
         super().__init__(params, block_size=block_size, device=device, home_buffers=home_buffer_count(feedback),
@@ -120,6 +121,8 @@ class OuterState(FlatLayout, OverlapPasses):
                          pending_bytes=pending_bytes)
         self.feedback_codec = error_feedback
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
+        self.feedback_keep = feedback_keep
+        """topk: the values kept per chunk of block_size (prime.sparse); None for the block codecs."""
         self.outer = self._home_buffer()
         """The outer weights (padding: 0)."""
         self._grad: Optional[torch.Tensor] = None
@@ -261,10 +264,10 @@ class OuterState(FlatLayout, OverlapPasses):
         `at` on): g := dequantize(quantize(g + residual)), the contribution the ring will send without further loss
         (prime.feedback). `commit`: also residual := (g + residual) - that, in the same pass; without it the
         residual is left as it is (commit_residual() does it once the average is back)."""
-        codec, bs = self.feedback_codec, self.block_size
+        codec, bs, keep = self.feedback_codec, self.block_size, self.feedback_keep
 
         def body(p, ec, gc):
-            compensate(gc, ec, codec, bs, commit)
+            compensate(gc, ec, codec, bs, commit, keep)
 
         self._walk(body, home=(self.residual,), work=(g,), write_home=commit, lo=lo, hi=hi, work_at=at)
 
@@ -274,15 +277,26 @@ class OuterState(FlatLayout, OverlapPasses):
         residual := what this node's contribution lost, over [lo, hi), recomputed from the outer weights, the
         local weights and the residual as they were when compensate() made the contribution (the same operations,
         so the same bits). Until now the residual was untouched, so that a failed average leaves it as it was."""
-        codec, bs = self.feedback_codec, self.block_size
+        codec, bs, keep = self.feedback_codec, self.block_size, self.feedback_keep
         tmp = self._scratch(1)[0]
 
         def body(p, wc, ec):
             t = tmp[: wc.numel()]
             p.subtract_from(wc, t)  # pseudo_gradient()'s subtraction
-            compensate(t, ec, codec, bs, True)
+            compensate(t, ec, codec, bs, True, keep)
 
         self._walk(body, home=(self.outer, self.residual), write_home=True, lo=lo, hi=hi)
+
+    @torch.no_grad()
+    def add_to_residual(self, dropped: Optional[torch.Tensor], lo: int = 0, hi: Optional[int] = None) -> None:
+        """Error feedback of a sparse codec, after commit_residual() (or compensate(commit=True)): residual +=
+        `dropped` over [lo, hi), what this node's selection of the average of the shards it owns left out (a
+        buffer of the range, from the sync: Sync.take_dropped; None: nothing)."""
+        if dropped is None or self.residual is None:
+            return
+        d = dropped.to(self.work_device, non_blocking=False)
+        self._walk(lambda p, ec, dc: ec.add_(dc), home=(self.residual,), work=(d,), write_home=True, lo=lo, hi=hi,
+                   work_at=lo)
 
     def reset_residual(self) -> None:
         """Error feedback: residual := 0 (a node that joins holds no contribution's error)."""

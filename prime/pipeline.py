@@ -80,6 +80,7 @@ class PipelinedStep:
             lo, hi = ranges[j]
             if feedback:
                 st.commit_residual(lo, hi)
+                st.add_to_residual(s.sync.take_dropped(buffer(j)), lo, hi)
             st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
             self.done = j + 1
 
@@ -122,6 +123,7 @@ class PipelinedStep:
             s.sync.applying(r)
             if feedback and r.contributed:
                 st.commit_residual(lo, hi)
+                st.add_to_residual(s.sync.take_dropped(base[lo:hi]), lo, hi)
             elif feedback:  # this node's pseudo-gradient is not in the average: it lost nothing to the codec
                 st.reset_residual()
             st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)

@@ -134,6 +134,12 @@ class SyncExtras:
     reports_quant_error = False
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
 
+    def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
+        """A sparse codec: what this node's selection of the average of the shards it owns left out of the last
+        successful all-reduce of `buf` (a CPU fp32 buffer of buf's size, to add to the residual), once; None
+        when there is nothing (every other codec)."""
+        return None
+
     def use_from_background(self) -> None:
         """Prepares average() to run on a background thread while the main thread trains (every process of
         the node calls it at the same point)."""
@@ -148,7 +154,7 @@ class SyncExtras:
 
 
 _EXTRAS = ("pipelined", "background", "must_join", "keeps_input", "reports_quant_error", "use_from_background",
-           "applying", "rejoin")
+           "applying", "rejoin", "take_dropped")
 
 
 class _Completed(SyncExtras):
@@ -327,7 +333,8 @@ class RingSync(SyncExtras):
         self.local_group = local_group
         self.average_group = local_group
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
-        self.codec, self.block_size = "int8", 64  # set by bind()
+        self.codec, self.block_size, self.keep = "int8", 64, None  # set by bind()
+        self._dropped: dict = {}  # topk: buffer address -> what its owners' selections dropped (take_dropped)
         self._caller_ring = ring
         self.last_apply_s = 0.0
         """average_pieces(): seconds the last piece's apply() took (the update left after the wire)."""
@@ -335,7 +342,10 @@ class RingSync(SyncExtras):
         self.rank, self.world_size = self.ring.rank, self.ring.world_size
 
     def bind(self, states, settings: dict) -> None:
-        self.codec, self.block_size = settings["codec"], settings["block_size"]
+        self.codec, self.block_size, self.keep = settings["codec"], settings["block_size"], settings.get("keep")
+
+    def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._dropped.pop(buf.data_ptr(), None)
 
     @property
     def reports_quant_error(self) -> bool:
@@ -491,6 +501,11 @@ class RingSync(SyncExtras):
             self.ring = self.ring_factory(tag)
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
+        if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
+            dropped = torch.zeros(buf.numel(), dtype=torch.float32)
+            self._dropped[buf.data_ptr()] = dropped
+            return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size, keep=self.keep,
+                                        residual=dropped)
         return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
 
     @staticmethod

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from prime import _extension, ops
+from prime import _extension, ops, sparse
 from prime.config import load_config
 from prime.diloco import DiLoCo, OuterSyncError
 from prime.fragments import FragmentSchedule, split_fragments
@@ -25,12 +25,18 @@ from test_diloco import one_thread, run_nodes  # noqa: F401  (one_thread: an aut
 
 CODECS = ("int8", "fp4")
 BS = 32
+KEEP = 4  # topk: values kept per chunk of BS (density 1/8)
 LR, MU = 0.7, 0.9
 
 
 def rt_ref(x: torch.Tensor, codec: str, bs: int = BS) -> torch.Tensor:
-    """dequantize(quantize(x)) with the reference codec of prime.ops (flat fp32)."""
+    """dequantize(quantize(x)) with the reference codec of prime.ops, or topk's decode(encode(x)) with the
+    reference of prime.sparse (flat fp32)."""
     x = x.reshape(-1)
+    if codec == "topk":  # per parameter padded to whole chunks with zeros, as OuterState's layout holds it
+        n = x.numel()
+        padded = torch.cat([x, x.new_zeros(-n % bs)])
+        return sparse.decode_reference(sparse.encode_reference(padded, bs, KEEP), padded.numel(), bs, KEEP)[:n]
     if codec == "int8":
         return ops.dequantize_int8_reference(*ops.quantize_int8_reference(x, bs), bs)
     q, s = ops.quantize_fp4_reference(x, bs)
@@ -76,13 +82,16 @@ class DirectFakeRing:
     def __init__(self, group: FakeGroup, rank: int):
         self.group, self.rank, self.world_size = group, rank, group.n
 
-    def all_reduce(self, t, op="avg", codec="int8", block_size=256):
+    def all_reduce(self, t, op="avg", codec="int8", block_size=256, keep=None, residual=None):
         g = self.group
         g.inputs[self.rank] = t.detach().clone()
         g.barrier.wait()
         if self.rank == 0:
             g.seen.append([x.clone() for x in g.inputs])
-            if codec == "none":  # exact (the replica check's exchange: op="sum")
+            if codec == "topk":  # the wire's arithmetic (tests/test_sparse_ring.py holds the real ring to it)
+                g.sparse = sparse.owner_average(g.inputs, block_size, keep, op=op)
+                g.result = g.sparse.average
+            elif codec == "none":  # exact (the replica check's exchange: op="sum")
                 acc = g.inputs[0].clone()
                 for x in g.inputs[1:]:
                     acc += x
@@ -91,6 +100,9 @@ class DirectFakeRing:
                 g.result = fake_average(g.inputs, codec, block_size)
         g.barrier.wait()
         t.copy_(g.result.view_as(t))
+        if residual is not None:  # the owner's part: what its selection of the average dropped
+            lo, hi = sparse.shards(t.numel(), g.n, block_size)[self.rank]
+            residual[lo:hi] += g.sparse.residuals[self.rank][lo:hi]
         g.barrier.wait()
         return FakeWork(t.numel())
 
@@ -279,6 +291,18 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
         res[r][i] = p - y
         return y
 
+    owner = _owners(groups, [p.numel() for p in params[0]], nodes) if codec == "topk" else None
+
+    def average(cs, i):
+        """fake_average, and for topk the owners' residuals: what the selection of the average dropped."""
+        a = fake_average(cs, codec).view_as(outer[i])
+        if owner is not None:
+            pre = _sum_in_order(cs) / torch.full_like(cs[0], nodes)
+            dropped = (pre.reshape(-1) - a.reshape(-1)) * nodes
+            for r in range(nodes):
+                res[r][i] += torch.where(owner[i] == r, dropped, torch.zeros_like(dropped)).view_as(res[r][i])
+        return a
+
     for t in range(1, H * outer_steps + 1):
         for r in range(nodes):
             inner_step(models[r], opts[r], seed, r, t)
@@ -291,7 +315,7 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
                 if overlap is None:
                     for i in groups[f]:
                         cs = [contribution(r, i, torch.sub(outer[i], params[r][i])) for r in range(nodes)]
-                        nesterov_(outer[i], mom[i], fake_average(cs, codec).view_as(outer[i]))
+                        nesterov_(outer[i], mom[i], average(cs, i))
                         for r in range(nodes):
                             params[r][i].copy_(outer[i])
                     continue
@@ -299,7 +323,8 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
                        for i in range(len(outer))] for r in range(nodes)]
                 if pending is not None:
                     for i in range(len(outer)):
-                        nesterov_(outer[i], mom[i], pending[i])
+                        nesterov_(outer[i], mom[i], pending[i][0])
+                        _add_dropped(res, pending[i], i)
                 for r in range(nodes):
                     for i in range(len(outer)):
                         start = lookahead(outer[i], mom[i], ds[r][i]) if overlap == "eager" else outer[i].clone()
@@ -308,12 +333,52 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
                             starts[r] = starts[r] or [None] * len(outer)
                             starts[r][i] = start
                 cs = [[contribution(r, i, ds[r][i]) for i in range(len(outer))] for r in range(nodes)]
-                pending = [fake_average([cs[r][i] for r in range(nodes)], codec).view_as(outer[i])
-                           for i in range(len(outer))]
+                pending = [_pending_average([cs[r][i] for r in range(nodes)], i, average, res) for i in range(len(outer))]
     if pending is not None:  # finish(): the last average
         for i in range(len(outer)):
-            nesterov_(outer[i], mom[i], pending[i])
+            nesterov_(outer[i], mom[i], pending[i][0])
+            _add_dropped(res, pending[i], i)
     return outer, res, groups
+
+
+def _sum_in_order(cs):
+    acc = cs[0].clone()
+    for x in cs[1:]:
+        acc = acc + x
+    return acc
+
+
+def _pending_average(cs, i, average, res):
+    """With overlap the average is applied at the next outer step, and the owners' dropped part is added to the
+    residual then: (average, the residuals' increments per node) now, applied later by _add_dropped."""
+    before = [r[i].clone() for r in res]
+    a = average(cs, i)
+    deltas = [res[r][i] - before[r] for r in range(len(res))]
+    for r in range(len(res)):
+        res[r][i].copy_(before[r])
+    return a, deltas
+
+
+def _add_dropped(res, pending, i):
+    for r, d in enumerate(pending[1]):
+        res[r][i] += d
+
+
+def _owners(groups, sizes, nodes):
+    """Per parameter, the node owning each of its values in the topk collective: each fragment's flat layout
+    pads every parameter to whole chunks of BS, and node o owns shard o of it (prime.sparse.shards)."""
+    owner = [None] * len(sizes)
+    for idx in groups:
+        padded = [-(-sizes[i] // BS) * BS for i in idx]
+        bounds = sparse.shards(sum(padded), nodes, BS)
+        flat = torch.zeros(sum(padded), dtype=torch.int64)
+        for o, (lo, hi) in enumerate(bounds):
+            flat[lo:hi] = o
+        at = 0
+        for i, n in zip(idx, padded):
+            owner[i] = flat[at : at + sizes[i]]
+            at += n
+    return owner
 
 
 def unflatten(flat: torch.Tensor, state) -> list:
@@ -331,6 +396,8 @@ def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=T
         model = tiny_model(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         kw = dict(overlap=True, overlap_scheme=overlap) if overlap else {}
+        if codec == "topk":
+            kw["density"] = KEEP / BS
         d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU,
                    codec=codec, block_size=BS, fragments=fragments, error_feedback=error_feedback,
                    measure_compression_error=False, **kw)
@@ -375,7 +442,7 @@ def _assert_matches(got, ref, seed, what):
                 assert torch.equal(e[k], res[r][i]), f"seed {seed} {what}: node {r} residual of parameter {i}"
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", CODECS + ("topk",))
 @pytest.mark.parametrize("fragments,overlap", [(1, None), (2, None), (1, "eager"), (1, "delayed")])
 def test_diloco_matches_the_reference_bit_for_bit(seed, codec, fragments, overlap):
     """2 nodes, a tiny model, 3 outer steps of H = 4 (with 2 fragments: each at its own offset; with overlap:

@@ -260,3 +260,31 @@ def test_the_dense_codec_takes_what_the_sparse_one_would_not_shrink():
     assert sparse.sparse_pays(4096) and sparse.sparse_pays(10 ** 6)
     assert not sparse.sparse_pays(1 << 16, 4096, 4096)  # everything kept: 12-bit positions cost more than int8
     assert sparse.sparse_pays(1 << 16, 4096, 2048)
+
+
+# -- the codec in the outer step: settings and what is refused ----------------------------------------------
+
+
+def test_the_topk_settings_and_what_they_refuse():
+    from prime.config import load_config
+    from prime.diloco import DiLoCo
+
+    cfg = load_config(None, [("diloco.codec", "topk"), ("diloco.density", "0.0625")], env={}).validate()
+    assert cfg.diloco.resolved_block_size() == 4096 and cfg.diloco.density == 0.0625
+    with pytest.raises(ValueError, match=r"diloco\.density must be in \(0, 1\]"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.density", "0")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.density must be unset unless diloco\.codec = 'topk'"):
+        load_config(None, [("diloco.density", "0.1")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.error_feedback = false is refused with codec 'topk'"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.error_feedback", "false")], env={}).validate()
+    with pytest.raises(ValueError, match=r"does not run with elastic\.enabled"):
+        load_config(None, [("diloco.codec", "topk"), ("elastic.enabled", "true")], env={}).validate()
+    model = torch.nn.Linear(64, 64)
+    d = DiLoCo(model, None, None, codec="topk", density=0.01)  # one node: no outer steps, but the settings
+    assert d.keep == 41 and d.settings()["keep"] == 41 and d.error_feedback
+    with pytest.raises(ValueError, match="density is a setting of codec 'topk'"):
+        DiLoCo(model, None, None, codec="int8", density=0.01)
+    # the bytes the metrics count per value: the format's at the chosen density
+    from prime.codecs import CODECS
+
+    assert CODECS["topk"].bytes_per_value(4096, 64 / 4096) == sparse.bytes_per_value(4096, 64)

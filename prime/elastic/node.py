@@ -198,6 +198,10 @@ class ElasticSync(Joining):
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
         self.rings.codec, self.rings.block_size = self.codec, self.block_size
 
+    def take_dropped(self, buf: torch.Tensor) -> None:
+        """No sparse codec runs on elastic rings (Config refuses topk with elastic.enabled): nothing dropped."""
+        return None
+
     def use_from_background(self) -> None:
         """Overlap: average() runs on a background thread while the main thread trains and agrees on
         finiteness in the node's group; the average's own agreements (local rank 0's decisions, the node's
