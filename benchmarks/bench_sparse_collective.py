@@ -52,11 +52,13 @@ def one_round(cs: list, chunk: int, k: int) -> dict:
     mean = sum(c.double() for c in cs) / world
     got = sparse.owner_average(cs, chunk, k)
     err = float((got.average.double() - mean).norm() / mean.norm())
-    # the same round with the owners' sums sent exactly: the first selection's error alone
+    # the same round with the owners' averages sent exactly: the first selection's error alone (an owner adds
+    # its own values exact, as the collective does)
     first = torch.zeros_like(mean)
-    for lo, hi in sparse.shards(mean.numel(), world, chunk):
-        for c in cs:
-            first[lo:hi] += sparse.decode(sparse.encode(c[lo:hi], chunk, k), hi - lo, chunk, k).double()
+    for o, (lo, hi) in enumerate(sparse.shards(mean.numel(), world, chunk)):
+        for r, c in enumerate(cs):
+            part = c[lo:hi] if r == o else sparse.decode(sparse.encode(c[lo:hi], chunk, k), hi - lo, chunk, k)
+            first[lo:hi] += part.double()
     first /= world
     err_first = float((first - mean).norm() / mean.norm())
     int8 = 2 * (world - 1) / world * ops.wire_bytes(mean.numel(), codec="int8")

@@ -259,6 +259,14 @@ class DiLoCoConfig:
         if self.density is not None:
             _require(self.codec == "topk", "diloco.density", "unset unless diloco.codec = 'topk'", self.density)
             _require(0 < self.density <= 1, "diloco.density", "in (0, 1]", self.density)
+        if self.codec == "topk":
+            from prime import sparse
+
+            chunk = self.resolved_block_size()
+            from prime.codecs import DEFAULT_DENSITY
+
+            density = DEFAULT_DENSITY if self.density is None else self.density
+            sparse.check_pays(chunk, sparse.keep_for_density(density, chunk), "diloco.density")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)

@@ -420,7 +420,10 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optio
     from prime import sparse
     from prime.codecs import DEFAULT_DENSITY
 
-    return sparse.keep_for_density(DEFAULT_DENSITY if density is None else density, block_size)
+    density = DEFAULT_DENSITY if density is None else density
+    keep = sparse.keep_for_density(density, block_size)
+    sparse.check_pays(block_size, keep, f"density {density:g}")
+    return keep
 
 
 def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,

@@ -1,7 +1,9 @@
 """The sparse top-k format: per chunk, the largest-magnitude values at 2 bits each with their positions.
 
-The reference (pure torch) of the sparse codec's format, docs/wire-format.md "Sparse top-k". It is not yet a
-codec of the outer step: the ring does not carry it, and `diloco.codec` does not offer it.
+The sparse codec's format (docs/wire-format-sparse.md): `encode` / `decode` run the compiled CPU kernels
+(csrc/codec/sparse_cpu.cpp) and `encode_reference` / `decode_reference` are their pure-torch reference, the
+same bytes and values. The ring carries it as codec "topk" (prime.comm.Ring.all_reduce), the outer step as
+`diloco.codec = "topk"` with `diloco.density`.
 
 A flat fp32 tensor of n values is cut into chunks of C values (C a power of two from 16 to 4096; the last
 chunk may be shorter). Chunk j of L values keeps its k_j = ceil(L k / C) largest magnitudes (k per full
@@ -253,6 +255,16 @@ def sparse_pays(n: int, chunk: int = CHUNK, k: int = 64) -> bool:
     """Whether a collective of n values takes the sparse format rather than int8: at least one full chunk,
     and fewer bytes. The rule reads only n and the settings, so every rank decides the same."""
     return n >= chunk and payload_bytes(n, chunk, k) < wire_bytes(n, codec="int8")
+
+
+def check_pays(chunk: int, k: int, what: str) -> None:
+    """Raises ValueError when k of every `chunk` values cost int8's bytes or more (a density above about 60% at
+    chunk 4096, 80% at 256): `what` names the setting. Every collective of the outer step is whole chunks (the
+    layout pads each parameter to them), so this one check is the dense fallback's rule there."""
+    if not sparse_pays(chunk * 1024, chunk, k):
+        raise ValueError(f"{what}: keeping {k} of every {chunk} values costs {bytes_per_value(chunk, k):.3f} bytes a "
+                         f"value, not fewer than int8's {wire_bytes(1 << 20, codec='int8') / (1 << 20):.3f}: use codec "
+                         "'int8' (or a lower density)")
 
 
 @dataclass

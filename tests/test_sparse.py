@@ -277,6 +277,8 @@ def test_the_topk_settings_and_what_they_refuse():
         load_config(None, [("diloco.density", "0.1")], env={}).validate()
     with pytest.raises(ValueError, match=r"diloco\.error_feedback = false is refused with codec 'topk'"):
         load_config(None, [("diloco.codec", "topk"), ("diloco.error_feedback", "false")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.density: keeping 2458 of every 4096 values costs .* use codec 'int8'"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.density", "0.6")], env={}).validate()
     with pytest.raises(ValueError, match=r"does not run with elastic\.enabled"):
         load_config(None, [("diloco.codec", "topk"), ("elastic.enabled", "true")], env={}).validate()
     model = torch.nn.Linear(64, 64)

@@ -1,0 +1,91 @@
+"""Speed of the sparse codec's CPU kernels beside int8's: encode (selection, 2-bit values, packing) and
+decode-add, side by side in one process.
+
+    python benchmarks/bench_sparse_speed.py                    # 64 MiB of fp32, 1 thread and all threads
+    python benchmarks/bench_sparse_speed.py --mib 256 --k 16,64,256
+
+Each number is the median of --repeats timed calls; the implementations are interleaved call by call so that
+background load hits them alike. ns/value = time / values; "x int8" = that time / int8's. Input: student-t(3)
+values (heavy tails, as pseudo-gradients have). Writes benchmarks/results/sparse_speed_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from prime import ops, sparse  # noqa: E402
+
+
+def student_t(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=g)
+    chi = torch.randn(3, n, generator=g).pow(2).sum(0) / 3
+    return z / chi.sqrt()
+
+
+def timed(fns: dict, repeats: int) -> dict:
+    """{name: median seconds}, the calls interleaved."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()  # warm
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=64, help="MiB of fp32 input")
+    ap.add_argument("--k", default="64", help="comma list of values kept per chunk of 4096")
+    ap.add_argument("--threads", default=f"1,{torch.get_num_threads()}", help="comma list of CPU thread counts")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    n = args.mib * (1 << 20) // 4
+    x = student_t(n, args.seed)
+    rows = []
+    print(f"{args.mib} MiB fp32 ({n} values), student-t(3), {platform.processor() or platform.machine()}")
+    print(f"{'threads':>7} {'op':<28} {'ms':>8} {'ns/value':>9} {'x int8':>7}")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        q, s = ops.quantize_int8(x, 64)
+        acc = torch.zeros(n)
+        fns = {"int8 quantize": lambda: ops.quantize_int8(x, 64),
+               "int8 dequantize_add": lambda: ops.dequantize_add_int8_(acc, q, s, 64)}
+        payloads = {}
+        for k in (int(v) for v in args.k.split(",")):
+            payloads[k] = sparse.encode(x, 4096, k)
+            fns[f"topk k={k} encode"] = lambda k=k: sparse.encode(x, 4096, k)
+            fns[f"topk k={k} decode_add"] = lambda k=k: torch.ops.prime.sparse_decode_add_(acc, payloads[k], 4096, k)
+        med = timed(fns, args.repeats)
+        for name, sec in med.items():
+            base = med["int8 quantize" if name.endswith(("encode", "quantize")) else "int8 dequantize_add"]
+            rows.append({"threads": threads, "op": name, "seconds": sec, "ns_per_value": sec * 1e9 / n,
+                         "vs_int8": sec / base})
+            print(f"{threads:>7} {name:<28} {sec * 1e3:8.1f} {sec * 1e9 / n:9.2f} {sec / base:7.1f}")
+    out = os.path.join(HERE, "results", f"sparse_speed_{datetime.date.today():%Y%m%d}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "machine": platform.platform(), "cpu": platform.processor(),
+                   "torch": torch.__version__, "mib": args.mib, "rows": rows}, f, indent=1)
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
