@@ -1,7 +1,7 @@
 """Every feature of the outer step with every other: the composition matrix.
 
 Each combination of {overlap scheme (or none), fragments 1 / 4, elastic on / off,
-codec none / int8 / fp4, error feedback, outer state in CPU memory / streamed
+codec none / int8 / fp4 / topk, error feedback, outer state in CPU memory / streamed
 through staging} either is refused by config validation with the reason named,
 or runs: nodes as threads of this process on real rings over 127.0.0.1, each
 node moving its weights by its own random steps; after every outer step every
@@ -39,7 +39,7 @@ STEPS = 28  # inner steps of a run
 SECRET = "composition-secret"
 
 
-def refusal(scheme: str, fragments: int, codec: str, feedback: bool) -> str:
+def refusal(scheme: str, fragments: int, codec: str, feedback: bool, elastic: bool = False) -> str:
     """The fields config validation may name for a combination (a regex: any one of them), or "" when it must
     run."""
     why = []
@@ -47,6 +47,10 @@ def refusal(scheme: str, fragments: int, codec: str, feedback: bool) -> str:
         why.append("error_feedback")  # exact fp32 loses nothing to feed back
     if scheme == "delayed" and fragments > 1:
         why.append("overlap_steps")  # delayed starts from the outer weights: its average lands at a boundary only
+    if codec == "topk" and not feedback:
+        why.append("error_feedback")  # a round sends a few percent of the values: feedback sends the rest
+    if codec == "topk" and elastic:
+        why.append("elastic")  # an owner's residual belongs to its ring of fixed nodes (not built for elastic)
     return "|".join(why)
 
 
@@ -65,7 +69,7 @@ def _config(scheme, fragments, elastic, codec, feedback) -> Config:
     return cfg
 
 
-MATRIX = list(itertools.product(SCHEMES, (1, 4), (False, True), ("none", "int8", "fp4"), (False, True),
+MATRIX = list(itertools.product(SCHEMES, (1, 4), (False, True), ("none", "int8", "fp4", "topk"), (False, True),
                                 ("cpu", "streamed")))
 
 
@@ -73,7 +77,7 @@ MATRIX = list(itertools.product(SCHEMES, (1, 4), (False, True), ("none", "int8",
 def test_config_accepts_or_names_the_reason(scheme, fragments, elastic, codec, feedback, state):
     """Config validation over the whole matrix: what must run is accepted, a refusal names the field."""
     cfg = _config(scheme, fragments, elastic, codec, feedback)
-    why = refusal(scheme, fragments, codec, feedback)
+    why = refusal(scheme, fragments, codec, feedback, elastic)
     if why:
         with pytest.raises(ValueError, match=why):
             cfg.validate()
@@ -128,6 +132,8 @@ def _diloco_kwargs(scheme, fragments, codec, feedback):
               measure_compression_error=False, outer_state_device="cpu")
     if not feedback and codec == "fp4":
         kw["error_feedback"] = False
+    if codec == "topk":  # chunks of 64 (several per parameter), 8 values kept of each
+        kw.update(block_size=64, density=8 / 64)
     if scheme != "sync":
         kw.update(overlap=True, overlap_scheme=scheme)
     return kw
@@ -164,6 +170,10 @@ def _variant(i: int) -> tuple:
 
 
 RUN_PARAMS = [(*c, *_variant(i)) for i, c in enumerate(RUNS)]
+# topk on fixed nodes (elastic is refused): every scheme, with 4 fragments where the scheme allows, placements
+# alternating
+RUN_PARAMS += [(scheme, 1 if scheme == "delayed" else 4, False, "topk", True, ("cpu", "streamed")[i % 2])
+               for i, scheme in enumerate(SCHEMES)]
 
 
 @needs_ring

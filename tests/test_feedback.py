@@ -467,12 +467,13 @@ def test_without_error_feedback_the_reference_differs(seed):
     assert any(not torch.equal(a, b) for a, b in zip(outer, with_ef)), f"seed {seed}"
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, fragments):
-    """fp4 with error feedback: state_dicts written after 6 of 12 inner steps (through torch.save), loaded into
-    fresh models, optimizers and DiLoCos, give the uninterrupted run's outer weights and residuals."""
+@pytest.mark.parametrize("codec,fragments", [("fp4", 1), ("fp4", 2), ("topk", 1), ("topk", 2)])
+def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, codec, fragments):
+    """fp4 and topk with error feedback: state_dicts written after 6 of 12 inner steps (through torch.save),
+    loaded into fresh models, optimizers and DiLoCos, give the uninterrupted run's outer weights and residuals
+    (topk's residual holds the owners' part too)."""
     H, K, stop = 4, 3, 6
-    whole = run_diloco(seed, 2, "fp4", H, K, fragments=fragments, stop_at=stop)
+    whole = run_diloco(seed, 2, codec, H, K, fragments=fragments, stop_at=stop)
     resume = []
     for r, (_, saved) in enumerate(whole):
         path = tmp_path / f"node{r}.pt"
@@ -481,7 +482,7 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, fragments):
         dsd = saved[2]
         held = dsd["fragments"][0]["residual"]
         assert held.abs().sum() > 0, "the checkpoint holds the node's residual"
-    resumed = run_diloco(seed, 2, "fp4", H, K, fragments=fragments, resume=resume)
+    resumed = run_diloco(seed, 2, codec, H, K, fragments=fragments, resume=resume)
     for r in range(2):
         for (w1, e1), (w2, e2) in zip(whole[r][0], resumed[r][0]):
             for a, b in zip(w1 + e1, w2 + e2):
