@@ -31,14 +31,14 @@ CASES = [  # n, chunk, k, op
 
 def _rank_cases(ctx, seed):
     out = []
-    with ctx.ring(segment_bytes=1 << 14) as ring:  # small segments: several per shard
+    with ctx.ring(segment_bytes=1 << 14, quant_error=True) as ring:  # small segments: several per shard
         for n, chunk, k, op in CASES:
             t = _contribution(seed, ctx.rank, n)
             residual = torch.zeros(n)
             work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual)
             work.wait()
             stats = work.stats()
-            out.append((t, residual, stats.bytes_sent))
+            out.append((t, residual, stats.bytes_sent, stats.quant_err_sq, stats.quant_in_sq))
     return out
 
 
@@ -50,7 +50,7 @@ def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_siz
         contributions = [_contribution(SEED, r, n) for r in range(world_size)]
         want = sparse.owner_average(contributions, chunk, k, op=op)
         for r in range(world_size):
-            got, residual, sent = results[r][i]
+            got, residual, sent, err_sq, in_sq = results[r][i]
             assert torch.equal(got, want.average), f"rank {r} differs from the reference {note}"
             # the wire's residual is only the owners' part; the senders' part is error feedback's (prime.sparse)
             parts = sparse.shards(n, world_size, chunk)
@@ -60,6 +60,12 @@ def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_siz
             assert torch.equal(residual, own_part), f"rank {r}'s residual {note}"
             assert sent >= want.sent[r] and sent < want.sent[r] + 200 * (2 * world_size + n // (1 << 12) + 4), \
                 f"rank {r} sent {sent} bytes for {want.sent[r]} of payloads {note}"
+            # the error the ring reports: what this rank's selection of its shard's average dropped
+            divisor = world_size if op == "avg" else 1
+            dropped = want.residuals[r][lo:hi].double() / divisor
+            before = want.average[lo:hi].double() + dropped
+            assert err_sq == pytest.approx(float(dropped.pow(2).sum()), rel=1e-6, abs=1e-30), note
+            assert in_sq == pytest.approx(float(before.pow(2).sum()), rel=1e-6, abs=1e-30), note
 
 
 def _rank_nonfinite(ctx, seed):

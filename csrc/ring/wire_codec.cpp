@@ -304,7 +304,8 @@ class ExactCodec final : public WireCodec {
 class SparseCodec final : public WireCodec {
  public:
   SparseCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
-      : chunk_(spec.block), k_(spec.keep), residual_(spec.residual), pool_(pool), times_(times) {
+      : chunk_(spec.block), k_(spec.keep), residual_(spec.residual), measure_(spec.measure_error), pool_(pool),
+        times_(times) {
     if (spec.dtype != DType::kFloat32) throw std::invalid_argument("the topk codec takes float32 tensors only");
     if (!codec::sparse::valid_chunk(chunk_) || !codec::sparse::valid_keep(chunk_, k_)) {
       throw std::invalid_argument("topk: chunk must be a power of two from 16 to 4096 and k in [1, chunk]");
@@ -316,7 +317,7 @@ class SparseCodec final : public WireCodec {
   int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    Buffer buf = encode(static_cast<const float*>(own), len, finite);
+    Buffer buf = encode(static_cast<const float*>(own), len, finite, false);
     return Payload{buf->data(), buf->size(), buf};
   }
 
@@ -337,7 +338,7 @@ class SparseCodec final : public WireCodec {
   }
 
   Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
-    Buffer buf = encode(acc->as<float>(), len, finite);
+    Buffer buf = encode(acc->as<float>(), len, finite, measure_);
     if (*finite && residual_ && len) {
       // What every rank will decode, subtracted from what it stands for.
       ScopedTimer timer(times_.reduce_s);
@@ -382,7 +383,8 @@ class SparseCodec final : public WireCodec {
  private:
   // The payload of x[0, len); on input that is not finite, or whose chunk overflows bf16, a
   // well-formed payload of zeros (the frame's flags say why the result will be discarded).
-  Buffer encode(const float* x, int64_t len, bool* finite) {
+  // `measure`: add its error to times_ (quant_err_sq / quant_in_sq).
+  Buffer encode(const float* x, int64_t len, bool* finite, bool measure) {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
     uint8_t* out = reinterpret_cast<uint8_t*>(buf->data());
@@ -390,6 +392,21 @@ class SparseCodec final : public WireCodec {
     if (!*finite) {
       std::vector<float> zeros(static_cast<size_t>(len), 0.f);
       codec::sparse::encode(zeros.data(), len, chunk_, k_, out);
+    } else if (measure && len) {
+      // What the owner's selection drops of its shard's average: the codec's error the ring reports
+      // (quant_err_sq / quant_in_sq). The contributions' encodes are not counted: with error feedback a
+      // contribution is already a round trip and loses nothing there.
+      Buffer dec = pool_.acquire(static_cast<size_t>(len) * 4);
+      float* d = dec->as<float>();
+      codec::sparse::decode(out, len, chunk_, k_, d);
+      double err = 0, ref = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const double e = static_cast<double>(d[i]) - static_cast<double>(x[i]);
+        err += e * e;
+        ref += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+      }
+      times_.quant_err_sq += err;
+      times_.quant_in_sq += ref;
     }
     return buf;
   }
@@ -406,6 +423,7 @@ class SparseCodec final : public WireCodec {
   const int64_t chunk_;
   const int64_t k_;
   float* const residual_;
+  const bool measure_;  // add the error of the owner's selections to times_
   BufferPool& pool_;
   ScheduleTimes& times_;
   float divisor_ = 1.f;

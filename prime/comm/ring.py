@@ -275,7 +275,8 @@ class Ring:
       link_history: what an earlier ring measured (Ring.link_history() of it), so that this
         one plans with link rates from the start: {peer host: {"rate": bytes/s, "rtt_s": s}}.
       quant_error: the int8 codec measures the error of every quantize it makes and reports
-        it in WorkStats (quant_err_sq, quant_in_sq; DiLoCo's compression_error). Default
+        it in WorkStats (quant_err_sq, quant_in_sq; DiLoCo's compression_error); the topk codec
+        what each owner's selection of its shard's average dropped. Default
         $PRIME_RING_QUANT_ERROR, else off (DiLoCo's rings turn it on when
         diloco.compression_error is set). One float64 pass over each segment just quantized:
         nearly free on the GPU (inside the fused kernel), about 2x the quantize time on the
