@@ -22,7 +22,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   diloco-fp4-noef      the same without error feedback
   diloco-topk          synchronous DiLoCo, topk ring (64 of every 4096 values at 2 bits, error feedback always);
                        diloco-topk-k16 / -k256 / -k1024 keep 16 / 256 / 1024;
-                       -plain: outer_lr 1, no outer momentum (error feedback as the only memory); overlap-topk-eager-merge with overlap
+                       -plain: outer_lr 1, no outer momentum (error feedback as the only memory;
+                       diloco-int8-plain: int8 with that outer update, for comparison); overlap-topk-eager-merge with overlap
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -75,6 +76,7 @@ METHODS = {
     "diloco-topk-k16": dict(codec="topk", overlap=False, density=16 / 4096),
     "diloco-topk-k256": dict(codec="topk", overlap=False, density=256 / 4096),
     "diloco-topk-k1024": dict(codec="topk", overlap=False, density=1024 / 4096),
+    "diloco-int8-plain": dict(codec="int8", overlap=False, outer_lr=1.0, outer_momentum=0.0),
     "diloco-topk-plain": dict(codec="topk", overlap=False, outer_lr=1.0, outer_momentum=0.0),
     "diloco-topk-plain-lr2": dict(codec="topk", overlap=False, outer_lr=2.0, outer_momentum=0.0),
     "diloco-topk-k256-plain": dict(codec="topk", overlap=False, density=256 / 4096, outer_lr=1.0, outer_momentum=0.0),
