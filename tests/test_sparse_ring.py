@@ -120,3 +120,21 @@ def test_bad_topk_arguments_are_refused_with_what_is_wrong(ranks):
     assert "residual must be" in errors[3] and "residual must be" in errors[4]
     assert "float32" in errors[5]
     assert "settings of codec 'topk'" in errors[6]
+
+
+def _rank_cuda(ctx, seed):
+    with ctx.ring() as ring:
+        n = 3 * 4096 + 100
+        t = _contribution(seed, ctx.rank, n)
+        gpu = t.cuda()
+        r_cpu, r_gpu = torch.zeros(n), torch.zeros(n)
+        ring.all_reduce(t, codec="topk", keep=32, residual=r_cpu).wait()
+        ring.all_reduce(gpu, codec="topk", keep=32, residual=r_gpu).wait()
+        return torch.equal(gpu.cpu(), t), torch.equal(r_cpu, r_gpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_tensor_gets_the_bits_of_a_cpu_one(ranks):
+    """No GPU kernels yet: a CUDA tensor is staged through the host and encoded there, with the same bits."""
+    for same, same_residual in ranks.run(_rank_cuda, SEED, world_size=2):
+        assert same and same_residual
