@@ -235,7 +235,7 @@ def test_ring_adapter_reads_work_stats_by_field():
             return Work()
 
     adapter = bench.RingAdapter.__new__(bench.RingAdapter)  # no store, no sockets
-    adapter.ring, adapter.codec, adapter.block = Ring(), "int8", 64
+    adapter.ring, adapter.codec, adapter.block, adapter.keep = Ring(), "int8", 64, {}  # keep: topk's k only
     sent, numeric = adapter.all_reduce(torch.zeros(4))
     assert sent == 123.0
     assert numeric["bytes_received"] == 7.0 and numeric["quantize_s"] == 0.25 and numeric["seq"] == 3.0

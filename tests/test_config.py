@@ -50,7 +50,7 @@ def test_types_are_converted():
     (("diloco.inner_steps", "0"), "diloco.inner_steps must be >= 1, got 0"),
     (("diloco.inner_steps", "ten"), "diloco.inner_steps must be an int, got 'ten'"),
     (("diloco.outer_momentum", "1.5"), "diloco.outer_momentum must be in [0, 1), got 1.5"),
-    (("diloco.codec", "fp8"), "diloco.codec must be 'int8', 'fp4' or 'none', got 'fp8'"),
+    (("diloco.codec", "fp8"), "diloco.codec must be 'int8', 'fp4', 'topk' or 'none', got 'fp8'"),
     (("diloco.block_size", "100"), "diloco.block_size must be a power of two from 32 to 4096, got 100"),
     (("optim.lr", "-1"), "optim.lr must be > 0, got -1.0"),
     (("train.compile", "maybe"), "train.compile must be a bool, got 'maybe'"),
