@@ -12,25 +12,21 @@
 #include <cstring>
 #include <functional>
 
+#include "cpu_kernels.h"
+
 namespace prime::codec::sparse {
 namespace {
 
-inline uint32_t bits_of(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-inline float float_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+using cpu::kAbsMask;
+using cpu::kInfBits;
+using cpu::bits_float;
+using cpu::float_bits;
 // fp32 -> bf16, round to nearest even (finite input; a value past bf16's largest gives infinity).
 inline uint16_t bf16_bits(float f) {
-  const uint32_t b = bits_of(f);
+  const uint32_t b = float_bits(f);
   return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
-inline float bf16_value(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+inline float bf16_value(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 // The format's rounding of a float64 mean: to fp32, then to bf16 (each to nearest even).
 inline uint16_t bf16_of_mean(double m) { return bf16_bits(static_cast<float>(m)); }
 
@@ -121,10 +117,10 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
   uint16_t pos[kMaxChunk], upper_pos[kMaxChunk];
   uint32_t largest = 0;
   for (int64_t i = 0; i < len; ++i) {
-    m[i] = bits_of(x[i]) & 0x7fffffffu;
+    m[i] = float_bits(x[i]) & kAbsMask;
     largest = std::max(largest, m[i]);
   }
-  if (largest >= 0x7f800000u) return EncodeStatus::kNonFinite;
+  if (largest >= kInfBits) return EncodeStatus::kNonFinite;
   select_top(m, len, keep, scratch, pos);
   // The ceil(keep / 2) largest of the kept (same ranking): the halves whose means split the levels.
   for (int64_t j = 0; j < keep; ++j) km[j] = m[pos[j]];
@@ -132,7 +128,7 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
   select_top(km, keep, upper, scratch, upper_pos);  // indices into km, ascending
   double s_hi = 0, s_lo = 0;
   for (int64_t j = 0, u = 0; j < keep; ++j) {
-    const double v = static_cast<double>(float_of(km[j]));
+    const double v = static_cast<double>(bits_float(km[j]));
     if (u < upper && upper_pos[u] == j) {
       s_hi += v;
       ++u;
@@ -146,7 +142,7 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
   double sum_hi = 0, sum_lo = 0;
   int64_t n_hi = 0;
   for (int64_t j = 0; j < keep; ++j) {
-    const double v = static_cast<double>(float_of(km[j]));
+    const double v = static_cast<double>(bits_float(km[j]));
     if (v >= mid) {
       sum_hi += v;
       ++n_hi;
@@ -163,7 +159,7 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
   for (int64_t j = 0; j < keep; ++j) w.put(pos[j], bits);
   w.out = w.flush();
   for (int64_t j = 0; j < keep; ++j) {
-    const uint32_t level = static_cast<double>(float_of(km[j])) >= mid ? 1u : 0u;
+    const uint32_t level = static_cast<double>(bits_float(km[j])) >= mid ? 1u : 0u;
     const uint32_t negative = x[pos[j]] < 0.f ? 1u : 0u;  // -0 codes as positive, as the reference
     w.put(level | (negative << 1), 2);
   }
