@@ -317,7 +317,7 @@ class SparseCodec final : public WireCodec {
   int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    Buffer buf = encode(static_cast<const float*>(own), len, finite, false);
+    Buffer buf = encode(static_cast<const float*>(own), len, finite);
     return Payload{buf->data(), buf->size(), buf};
   }
 
@@ -338,16 +338,30 @@ class SparseCodec final : public WireCodec {
   }
 
   Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
-    Buffer buf = encode(acc->as<float>(), len, finite, measure_);
-    if (*finite && residual_ && len) {
-      // What every rank will decode, subtracted from what it stands for.
+    Buffer buf = encode(acc->as<float>(), len, finite);
+    if (*finite && len && (measure_ || residual_)) {
+      // What every rank will decode, beside what it stands for: the error the ring reports
+      // (quant_err_sq / quant_in_sq: the contributions' encodes are not counted, with error
+      // feedback they lose nothing) and what this owner's residual keeps. One decode for both.
       ScopedTimer timer(times_.reduce_s);
-      Buffer dropped = pool_.acquire(static_cast<size_t>(len) * 4);
-      float* d = dropped->as<float>();
+      Buffer dec = pool_.acquire(static_cast<size_t>(len) * 4);
+      float* d = dec->as<float>();
       codec::sparse::decode(reinterpret_cast<const uint8_t*>(buf->data()), len, chunk_, k_, d);
       const float* a = acc->as<float>();
-      for (int64_t i = 0; i < len; ++i) d[i] = (a[i] - d[i]) * divisor_;
-      pending_ = std::move(dropped);
+      if (measure_) {
+        double err = 0, ref = 0;
+        for (int64_t i = 0; i < len; ++i) {
+          const double e = static_cast<double>(d[i]) - static_cast<double>(a[i]);
+          err += e * e;
+          ref += static_cast<double>(a[i]) * static_cast<double>(a[i]);
+        }
+        times_.quant_err_sq += err;
+        times_.quant_in_sq += ref;
+      }
+      if (residual_) {
+        for (int64_t i = 0; i < len; ++i) d[i] = (a[i] - d[i]) * divisor_;
+        pending_ = std::move(dec);
+      }
     }
     return Payload{buf->data(), buf->size(), buf};
   }
@@ -383,8 +397,7 @@ class SparseCodec final : public WireCodec {
  private:
   // The payload of x[0, len); on input that is not finite, or whose chunk overflows bf16, a
   // well-formed payload of zeros (the frame's flags say why the result will be discarded).
-  // `measure`: add its error to times_ (quant_err_sq / quant_in_sq).
-  Buffer encode(const float* x, int64_t len, bool* finite, bool measure) {
+  Buffer encode(const float* x, int64_t len, bool* finite) {
     ScopedTimer timer(times_.quantize_s);
     Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
     uint8_t* out = reinterpret_cast<uint8_t*>(buf->data());
@@ -392,21 +405,6 @@ class SparseCodec final : public WireCodec {
     if (!*finite) {
       std::vector<float> zeros(static_cast<size_t>(len), 0.f);
       codec::sparse::encode(zeros.data(), len, chunk_, k_, out);
-    } else if (measure && len) {
-      // What the owner's selection drops of its shard's average: the codec's error the ring reports
-      // (quant_err_sq / quant_in_sq). The contributions' encodes are not counted: with error feedback a
-      // contribution is already a round trip and loses nothing there.
-      Buffer dec = pool_.acquire(static_cast<size_t>(len) * 4);
-      float* d = dec->as<float>();
-      codec::sparse::decode(out, len, chunk_, k_, d);
-      double err = 0, ref = 0;
-      for (int64_t i = 0; i < len; ++i) {
-        const double e = static_cast<double>(d[i]) - static_cast<double>(x[i]);
-        err += e * e;
-        ref += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-      }
-      times_.quant_err_sq += err;
-      times_.quant_in_sq += ref;
     }
     return buf;
   }
