@@ -169,9 +169,7 @@ class DiLoCo:
         # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
         self.measure_compression_error = measure_compression_error and codec_named(codec).lossy
         self._sync, self._owns_sync = _make_sync(sync, ring_factory, retries, local_group)
-        if self.keep is not None and self._sync is not None and not isinstance(self._sync, RingSync):
-            raise ValueError(f"codec 'topk' runs on a ring of fixed nodes (prime.sync.RingSync) for now; "
-                             f"{type(self._sync).__name__} (elastic membership) does not carry it: use int8 or fp4")
+        _check_sparse_sync(self.keep, self._sync)
         if overlap and self._sync is not None and not self._sync.background:
             raise ValueError(f"overlap=True needs a ring, or a sync that can average in the background "
                              f"(prime.sync.SyncExtras.background); {type(sync).__name__} does not declare it")
@@ -424,6 +422,13 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optio
     keep = sparse.keep_for_density(density, block_size)
     sparse.check_pays(block_size, keep, f"density {density:g}")
     return keep
+
+
+def _check_sparse_sync(keep: Optional[int], sync) -> None:
+    """A sparse codec needs RingSync: its owners' residuals belong to a ring of fixed nodes."""
+    if keep is not None and sync is not None and not isinstance(sync, RingSync):
+        raise ValueError(f"codec 'topk' runs on a ring of fixed nodes (prime.sync.RingSync) for now; "
+                         f"{type(sync).__name__} (elastic membership) does not carry it: use int8 or fp4")
 
 
 def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,
