@@ -28,6 +28,12 @@ the same N batches per step as one batch (the average of the N gradients, exact,
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
                        at its own offset in the phase; with overlap, overlap_steps defaults to H / P
+  METHOD:t             any DiLoCo method in time phases (diloco.phase = "time", prime.phases) with nodes of the
+                       speeds --slowdowns gives, on a virtual clock (so the run is deterministic): node r's
+                       inner step takes slowdowns[r] time units, a nominal step tau units with
+                       sum_r tau / slowdowns[r] = N (the nodes together train N inner steps a nominal step, as
+                       N equal nodes in steps mode do: equal tokens); the outer step weighs each node by the
+                       inner steps it trained (prime.weights). The LR schedule runs on nominal steps
 
 DiLoCo runs through prime.DiLoCo and the real ring (prime.comm.Ring over 127.0.0.1). The final loss is
 the mean cross-entropy of the final weights (DiLoCo: the outer weights after the last outer step; with
@@ -161,7 +167,48 @@ def run_dp(s: Setup, eval_batches):
     return s.evaluate(model, eval_batches), curve, {}
 
 
-def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
+def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: dict) -> int:
+    """Node r's inner steps in time phases on a virtual clock (the Trainer's rule, prime/trainer.py): a step that
+    would end past the next outer step's time is not started; a synchronous outer step restarts the clock.
+    Fills curve {nominal step: [losses]}; returns the inner steps trained."""
+    from prime.phases import PhaseClock
+
+    steps, H = s.cfg.train.steps, s.cfg.diloco.inner_steps
+    tau = len(slowdowns) / sum(1.0 / x for x in slowdowns)
+    now = [0.0]
+    clock = PhaseClock(H, H * tau, clock=lambda: now[0])
+    clock.start(0)
+    nominal, trained = 0, 0
+
+    def advance(k: int) -> None:
+        nonlocal nominal
+        for _ in range(max(0, min(k, steps - nominal))):
+            nominal += 1
+            res = dl.advance()
+            if res.did_sync and not res.overlapped:  # every node leaves it together: the clock restarts
+                clock.start(nominal)
+                return
+
+    while nominal < steps:
+        if not clock.fits_before(nominal + dl.steps_to_sync):
+            advance(dl.steps_to_sync)
+            continue
+        loss = s.inner_step(model, opt, [ld.next_batch()], nominal + 1)
+        trained += 1
+        now[0] += slowdowns[r]
+        clock.stepped(slowdowns[r])
+        k = 1 if clock.reached() > nominal else 0
+        nominal += k
+        curve.setdefault(max(1, nominal), []).append(loss)
+        res = dl.step(k)
+        if res.did_sync and not res.overlapped:
+            clock.start(nominal)
+        else:
+            advance(clock.reached() - nominal)
+    return trained
+
+
+def run_diloco(s: Setup, eval_batches, opts: dict, tag: str, slowdowns=None):
     from prime.comm import Ring, host_store
 
     cfg, n = s.cfg, s.nodes
@@ -182,18 +229,30 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
             outer = dict(outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
                          block_size=d.block_size)
             outer.update(opts)  # a method may set its own outer update
-            with DiLoCo(model, opt, ring, inner_steps=d.inner_steps, **outer) as dl:
-                errs = []
+            errs = []
+            if slowdowns is not None:  # time phases: explicit step() / advance() on a virtual clock
+                dl = DiLoCo(model, opt, ring, inner_steps=d.inner_steps, weights="tokens", **outer)
+                by_nominal: dict = {}
+                trained = time_phases(s, dl, model, opt, ld, r, slowdowns, by_nominal)
+                last = float("nan")
+                for step in range(1, cfg.train.steps + 1):  # a nominal step without an inner step: the last loss
+                    last = sum(by_nominal[step]) / len(by_nominal[step]) if step in by_nominal else last
+                    curves[r].append(last)
+            else:
+                dl = DiLoCo(model, opt, ring, inner_steps=d.inner_steps, **outer)
+                trained = cfg.train.steps
                 for step in range(1, cfg.train.steps + 1):
                     curves[r].append(s.inner_step(model, opt, [ld.next_batch()], step))
-                    if dl.result.did_sync and dl.result.compression_error is not None:
-                        errs.append(dl.result.compression_error)
-                dl.finish()
-                outer = dl.outer_weights().clone()
-                extra[r] = {"outer_steps": dl.outer_step, "since_sync": dl.since_sync,
-                            "mean_int8_error": sum(errs) / len(errs) if errs else None,
-                            "error_feedback": dl.error_feedback}
-                finals[r] = (outer, [p.detach().clone() for p in model.parameters()])
+                    res = dl.step()
+                    if res.did_sync and res.compression_error is not None:
+                        errs.append(res.compression_error)
+            dl.finish()
+            outer = dl.outer_weights().clone()
+            extra[r] = {"outer_steps": dl.outer_step, "since_sync": dl.since_sync,
+                        "mean_int8_error": sum(errs) / len(errs) if errs else None,
+                        "error_feedback": dl.error_feedback, "trained_steps": trained}
+            finals[r] = (outer, [p.detach().clone() for p in model.parameters()])
+            dl.close()
             ring.close()
         except BaseException as e:  # reported by the main thread
             errors[r] = e
@@ -212,7 +271,7 @@ def run_diloco(s: Setup, eval_batches, opts: dict, tag: str):
         for p, w in zip(model.parameters(), finals[0][1]):
             p.copy_(w)
     curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
-    info = dict(extra[0], outer_weights_identical=identical)
+    info = dict(extra[0], outer_weights_identical=identical, trained_steps=[e["trained_steps"] for e in extra])
     return s.evaluate(model, eval_batches), curve, info
 
 
@@ -222,6 +281,8 @@ def main() -> int:
     ap.add_argument("--methods", default="dp,diloco-exact,diloco-int8,overlap-int8-eager,overlap-int8-eager@1/4",
                     help=f"comma list of {', '.join(METHODS)}; an overlap method may end in @F (overlap_steps = F x H)")
     ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--slowdowns", default=None,
+                    help="METHOD:t: each node's inner-step time, comma separated (e.g. 1,2: node 1 twice as slow)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default="benchmarks/results/fidelity")
     ap.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
@@ -251,7 +312,14 @@ def main() -> int:
                        vocab_size=s.args.vocab_size)
     eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
     methods = [m for m in a.methods.split(",") if m]
+    slowdowns = [float(x) for x in a.slowdowns.split(",")] if a.slowdowns else None
+    if slowdowns is not None and len(slowdowns) != a.nodes:
+        raise SystemExit(f"--slowdowns gives {len(slowdowns)} nodes' speeds for --nodes {a.nodes}")
+
     def options(m):
+        m, timed = (m[:-2], True) if m.endswith(":t") else (m, False)
+        if timed and slowdowns is None:
+            raise SystemExit(f"{m}:t needs --slowdowns")
         m, _, frags = m.partition(":f")
         base, _, frac = m.partition("@")
         if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")) \
@@ -259,6 +327,8 @@ def main() -> int:
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F, "
                              "DiLoCo ones in :fP)")
         extra = {"fragments": int(frags)} if frags else {}
+        if timed:
+            extra["time_phases"] = True
         if not frac:
             return dict(METHODS[base], **extra) if extra else METHODS[base]
         h = cfg.diloco.inner_steps
@@ -278,7 +348,10 @@ def main() -> int:
         if opts[m] is None:
             loss, curve, info = run_dp(s, eval_batches)
         else:
-            loss, curve, info = run_diloco(s, eval_batches, opts[m], m.replace("/", "-").replace("@", "-").replace(":", "-"))
+            o = dict(opts[m])
+            timed = o.pop("time_phases", False)
+            loss, curve, info = run_diloco(s, eval_batches, o, m.replace("/", "-").replace("@", "-").replace(":", "-"),
+                                           slowdowns if timed else None)
             if "overlap_steps" in opts[m]:
                 info["overlap_steps"] = opts[m]["overlap_steps"]
         results[m] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]),
@@ -297,7 +370,7 @@ def main() -> int:
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
             "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.fragments.MERGE_ALPHA,
-            "stand_in_others": prime.fragments.STAND_IN_OTHERS}
+            "stand_in_others": prime.fragments.STAND_IN_OTHERS, "slowdowns": slowdowns}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:

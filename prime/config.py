@@ -207,6 +207,10 @@ class DiLoCoConfig:
     """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     fragments: int = 1
     """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights."""
+    phase: str = "steps"
+    """What ends a node's phase between two outer steps: steps (each node runs inner_steps inner steps; nodes of different speeds wait for the slowest) or time (each node runs inner steps for phase_seconds, so a faster node runs more of them; the outer step weights each node's pseudo-gradient by the tokens it trained; docs/heterogeneous.md)."""
+    phase_seconds: float = 0.0
+    """With phase = time: the seconds of compute in a phase (inner_steps nominal steps of phase_seconds / inner_steps each: the schedule of fragments, overlap, the learning rate, checkpoints and train.steps runs on them). Required with phase = time."""
     outer_state_device: str = "auto"
     """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
@@ -242,6 +246,14 @@ class DiLoCoConfig:
             raise ValueError(f"diloco.overlap_scheme = {self.overlap_scheme!r} needs diloco.overlap_steps = inner_steps, which "
                              f"diloco.fragments = {self.fragments} cannot have (at most inner_steps / fragments): use "
                              "an eager overlap_scheme with fragments")
+        _require(self.phase in ("steps", "time"), "diloco.phase", "'steps' or 'time'", self.phase)
+        if self.phase == "time":
+            _require(self.phase_seconds > 0, "diloco.phase_seconds", "> 0 with diloco.phase = 'time'",
+                     self.phase_seconds)
+            _require_range(self.phase_seconds, "diloco.phase_seconds", 0.01, 86400, " seconds")
+        else:
+            _require(self.phase_seconds == 0, "diloco.phase_seconds", "0 (unset) unless diloco.phase = 'time'",
+                     self.phase_seconds)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
                  "'cpu', 'gpu' or 'auto'", self.outer_state_device)
         _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
@@ -389,6 +401,8 @@ class MetricsConfig:
     """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them later) or empty (the WANDB_MODE environment variable, else online)."""
     progress: str = "auto"
     """auto: a progress bar with ETA and tokens/s when the output is a terminal, plain lines otherwise; bar; lines."""
+    outer_hash: bool = False
+    """Record a 64-bit hash (blake2b) of the outer weights after every outer step (outer_hash in the metrics JSONL), to show that the nodes agree after each one; a pass over this process's outer weights."""
 
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
@@ -524,6 +538,9 @@ class Config:
         if self.elastic.enabled and self.diloco.codec == "topk":
             raise ValueError("diloco.codec = 'topk' does not run with elastic.enabled yet (its owners' residuals are "
                              "per ring of fixed nodes): use int8 or fp4 with elastic nodes")
+        if self.elastic.enabled and self.diloco.phase == "time":
+            raise ValueError("diloco.phase = 'time' does not run with elastic.enabled yet (a joiner's weight in the "
+                             "phase it joins in is not built): use diloco.phase = 'steps' with elastic nodes")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

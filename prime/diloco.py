@@ -68,6 +68,7 @@ from prime.outer_states import OuterStates
 from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
 from prime.stepper import OuterSteps, agree_finite
 from prime.sync import OuterSyncError, ReplicaMismatchError, RingSync, Sync, complete, node_local_group, work_stats
+from prime.weights import WEIGHTINGS
 
 __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
            "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
@@ -122,6 +123,10 @@ class DiLoCo:
                       and off is refused with "topk"
     density:          topk: the share of each chunk's values sent per round (None: 1/64); k = density x
                       block_size, at least 1. Refused with the other codecs
+    weights:          "equal" (default) or "tokens": each outer step averages the nodes' pseudo-gradients
+                      weighted by the inner steps each trained since that fragment's last outer step (time
+                      phases, where a faster node trains more; every node must train the same tokens per inner
+                      step). The counts travel over the ring (prime.weights); the sync must declare `weighs`
     """
 
 
@@ -151,6 +156,7 @@ class DiLoCo:
         auto_margin_bytes: Optional[int] = None,
         error_feedback: Optional[bool] = None,
         density: Optional[float] = None,
+        weights: str = "equal",
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
         self.keep = _sparse_keep(codec, block_size, density)
@@ -169,7 +175,7 @@ class DiLoCo:
         # int8 and fp4 rings report their own error; the fallback pass of our own knows int8 only
         self.measure_compression_error = measure_compression_error and codec_named(codec).lossy
         self._sync, self._owns_sync = _make_sync(sync, ring_factory, retries, local_group)
-        _check_sparse_sync(self.keep, self._sync)
+        self.weights = _check_sync(self.keep, weights, self._sync)
         if overlap and self._sync is not None and not self._sync.background:
             raise ValueError(f"overlap=True needs a ring, or a sync that can average in the background "
                              f"(prime.sync.SyncExtras.background); {type(sync).__name__} does not declare it")
@@ -187,7 +193,7 @@ class DiLoCo:
                 block_size=block_size, error_feedback=self.error_feedback, feedback_keep=self.keep,
                 measure_compression_error=self.measure_compression_error, overlap=overlap,
                 overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, margin=auto_margin_bytes,
-                check_finite=functools.partial(agree_finite, self._sync))
+                check_finite=functools.partial(agree_finite, self._sync), weights=self.weights)
         self.fragments: list = self._plan.fragments
         """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
         self.states: Optional[OuterStates] = OuterStates([f.state for f in self.fragments], self.schedule) \
@@ -235,6 +241,11 @@ class DiLoCo:
         """The average in flight of the first fragment (overlap), if any."""
         return self.fragments[0]._inflight if self.fragments else None
 
+    @property
+    def steps_to_sync(self) -> int:
+        """Steps of the schedule until the next outer step (of any fragment) is due, at least 1."""
+        return self.steps.steps_to_sync
+
     def owes_outer_step(self) -> bool:
         """True when some fragment's outer step is due and has not run (a checkpoint written after a failed
         outer step): the nodes component runs sync() before the first inner step."""
@@ -281,6 +292,8 @@ class DiLoCo:
             s["fragments"] = self.schedule.fragments
         if self.error_feedback:
             s["error_feedback"] = True
+        if self.weights != "equal":
+            s["weights"] = self.weights
         if self.states is not None:
             s.update(self.states.settings())
         return s
@@ -312,16 +325,28 @@ class DiLoCo:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(self) -> OuterStepResult:
+    def step(self, nominal_steps: int = 1) -> OuterStepResult:
         """Call after every inner optimizer step (not inside `with diloco:`, where the optimizer's hook
-        calls it). Runs an outer step when one is due; returns what it did."""
+        calls it). Runs an outer step when one is due; returns what it did. nominal_steps: 1, or 0 for an inner
+        step that does not move the schedule (time phases, prime.phases: a fast node's step within one nominal
+        step; it counts for this node's weight all the same); advance() moves it further."""
         if self._hooks.attached:
             raise RuntimeError("inside `with diloco:` the inner optimizer's step hook runs DiLoCo.step(); "
                                "calling it as well would count every inner step twice")
-        return self._count()
+        if nominal_steps not in (0, 1):
+            raise ValueError(f"nominal_steps must be 0 or 1 (advance() moves the schedule further), got "
+                             f"{nominal_steps!r}")
+        return self._count(nominal_steps)
 
-    def _count(self) -> OuterStepResult:
+    def _count(self, nominal_steps: int = 1) -> OuterStepResult:
         self._hooks.unstepped = 0
+        self.steps.trained()
+        return self.steps.tick() if nominal_steps else self.steps.idle()
+
+    def advance(self) -> OuterStepResult:
+        """Time phases (prime.phases): one nominal step of the schedule passes without an inner step (the
+        node's clock passed it during a long inner step, or a step that would not end in time was not started).
+        Runs the outer steps due then, like step()."""
         return self.steps.tick()
 
     @torch.no_grad()
@@ -369,6 +394,8 @@ class DiLoCo:
                        [(f.outer_step, f.since_sync) for f in self.fragments])
         if self.error_feedback:  # and error feedback (the residuals themselves differ from node to node)
             fields += ("error_feedback",)
+        if self.weights != "equal":  # and token weights
+            fields += ("weights", self.weights)
         h = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
         return self.weights_hash(), int.from_bytes(h, "little"), numel
 
@@ -424,11 +451,18 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optio
     return keep
 
 
-def _check_sparse_sync(keep: Optional[int], sync) -> None:
-    """A sparse codec needs RingSync: its owners' residuals belong to a ring of fixed nodes."""
+def _check_sync(keep: Optional[int], weights: str, sync) -> str:
+    """A sparse codec needs RingSync: its owners' residuals belong to a ring of fixed nodes. Token weights need
+    a sync that exchanges the counts (SyncExtras.weighs). Returns weights."""
     if keep is not None and sync is not None and not isinstance(sync, RingSync):
         raise ValueError(f"codec 'topk' runs on a ring of fixed nodes (prime.sync.RingSync) for now; "
                          f"{type(sync).__name__} (elastic membership) does not carry it: use int8 or fp4")
+    if weights not in WEIGHTINGS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTINGS)}, got {weights!r}")
+    if weights == "tokens" and sync is not None and not sync.weighs:
+        raise ValueError(f"weights='tokens' needs a sync that exchanges each node's inner-step count "
+                         f"(prime.sync.SyncExtras.weighs); {type(sync).__name__} does not declare it")
+    return weights
 
 
 def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,

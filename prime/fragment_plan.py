@@ -61,7 +61,8 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
                    update: OuterUpdate, codec: str, block_size: int, error_feedback: bool,
                    feedback_keep: Optional[int] = None,
                    measure_compression_error: bool, overlap: bool, overlap_scheme: str, overlap_steps: int,
-                   margin: Optional[int], check_finite: Callable[[bool, int], None]) -> FragmentPlan:
+                   margin: Optional[int], check_finite: Callable[[bool, int], None],
+                   weights: str = "equal") -> FragmentPlan:
     """Cuts the named parameters into schedule.fragments fragments, places their outer state (device "cpu",
     "gpu" or "auto") and builds each fragment with its OuterState. With overlap, the sync must already be set up
     for the background (use_from_background), so that keeps_input is known."""
@@ -97,7 +98,8 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
         sync=sync, inner_steps=schedule.inner_steps, codec=codec, measure_compression_error=measure_compression_error,
         overlap=overlap, overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, fragments=P,
         grads=BufferPool(max(frag_numel), work), starts=BufferPool(max(frag_numel), work),
-        keep_input=overlap and sync.keeps_input, nodes=lambda: sync.world_size, check_finite=check_finite)
+        keep_input=overlap and sync.keeps_input, nodes=lambda: sync.world_size, check_finite=check_finite,
+        weights=weights)
     model_numel = sum(p.numel() for p in params) or 1
     for p, idx in enumerate(groups):
         st = OuterState([params[i] for i in idx], block_size=block_size, outer_lr=update.lr,

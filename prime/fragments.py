@@ -38,6 +38,7 @@ from prime.outer import OuterState
 from prime.overlap import MERGE_ALPHA, STAND_IN_OTHERS, OverlapPolicy, make_policy, stand_in_share  # noqa: F401
 from prime.pipeline import PIPELINE_DEPTH, PipelinedStep  # noqa: F401
 from prime.sync import OuterSyncError, SyncResult
+from prime.weights import Weighing
 
 __all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
            "SYNC_PIECE_VALUES", "sync_pieces", "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
@@ -252,14 +253,18 @@ class OuterStepResult:
     """The fragment's share of the model's values (what data parallelism would have sent scales with it)."""
     pieces: int = 1
     """All-reduces the outer step was pipelined in."""
+    weights: Any = None
+    """A token-weighted average: every node's inner steps in the window (prime.weights.StepWeights; None: equal
+    weights). With overlap, those of the average applied here."""
 
 
 class _InFlight:
     """One average running on a background thread (overlap): the buffer, the thread, and how it ended."""
 
     def __init__(self, outer_step: int, inner_step: int, buf: torch.Tensor, base: torch.Tensor,
-                 saved: Optional[torch.Tensor]):
+                 saved: Optional[torch.Tensor], weighing: Optional[Weighing] = None):
         self.outer_step, self.inner_step, self.buf, self.base, self.saved = outer_step, inner_step, buf, base, saved
+        self.weighing = weighing
         self.result: Optional[SyncResult] = None
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
@@ -271,8 +276,12 @@ class _InFlight:
             if ready is not None:
                 ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
             recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
+            weights = self.weighing.exchange(background=True) if self.weighing is not None else None
             self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
                                        recompute=recompute)
+            if weights is not None:  # the token-weighted average (prime.weights)
+                self.buf.mul_(weights.factor)
+                self.result.weights = weights
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
         except BaseException as e:  # handed to the main thread at the next outer step (or close)
@@ -311,6 +320,8 @@ class FragmentSettings:
     keep_input: bool = False
     nodes: Callable[[], int] = lambda: 1
     check_finite: Optional[Callable[[bool, int], None]] = None
+    weights: str = "equal"
+    """How the nodes' pseudo-gradients count in an average: "equal" or "tokens" (prime.weights)."""
 
     def own_error_pass(self) -> bool:
         """The int8 error is measured by a pass of our own: asked for, the codec needs one, and the ring cannot
@@ -331,7 +342,9 @@ class Fragment:
         self.outer_step = 0
         """Outer steps of this fragment completed."""
         self.since_sync = 0
-        """Inner steps since this fragment's last outer step."""
+        """Inner steps since this fragment's last outer step (nominal steps of the schedule, with time phases)."""
+        self.trained = 0
+        """Inner steps this node trained since this fragment's last outer step (its weight, prime.weights)."""
         self._pipeline = PipelinedStep(state, settings)  # the synchronous outer step, in pieces
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
@@ -352,6 +365,12 @@ class Fragment:
     def tick(self) -> None:
         self.since_sync += 1
 
+    def weighing(self, outer_step: int) -> Optional[Weighing]:
+        """The weighted average of this window (None: equal weights); the count restarts once it succeeded."""
+        if self.s.weights != "tokens":
+            return None
+        return Weighing(self.s.sync, self.trained, self.phase, outer_step)
+
     def sync_due(self) -> bool:
         return self.since_sync >= self.phase
 
@@ -370,9 +389,9 @@ class Fragment:
     def sync(self, inner_step: int, outer_step: int) -> tuple:
         """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several
         (prime.pipeline). Returns (SyncResult, timings dict, norm, own error)."""
-        out = self._pipeline.run(self.pieces, inner_step, outer_step)
+        out = self._pipeline.run(self.pieces, inner_step, outer_step, self.weighing(outer_step))
         self.outer_step += 1
-        self.since_sync = 0
+        self.since_sync = self.trained = 0
         return out
 
     @property
@@ -448,14 +467,17 @@ class Fragment:
             policy.seen(sq)
         else:
             policy.next_start(self, g, sq)
+        weighing = self.weighing(outer_step)
+        if weighing is not None and weighing.scale != 1.0:  # before the residual: it is part of the contribution
+            g.mul_(weighing.scale)
         if st.residual is not None:
             # Error feedback: the contribution leaves now and may fail in the background, where a failed average
             # stops training anyway; so the residual is committed here (d_k above, the stand-in, is unchanged).
             st.compensate(g, commit=True)
         update_s = time.perf_counter() - u0
         self.outer_step += 1
-        self.since_sync = 0
-        flight = _InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None)
+        self.since_sync = self.trained = 0
+        flight = _InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None, weighing)
         ready = None
         if g.is_cuda:
             ready = torch.cuda.Event()
@@ -549,6 +571,8 @@ class Fragment:
         """Counters, outer weights and momentum (after draining the average in flight), and the overlap start."""
         self.drain()
         sd = {"outer_step": self.outer_step, "since_sync": self.since_sync}
+        if self.s.weights == "tokens":
+            sd["trained"] = self.trained
         sd.update(self.state.state_dict())
         if self.start is not None:
             sd["start"] = self.start.cpu()
@@ -561,6 +585,7 @@ class Fragment:
     def load_state_dict(self, sd: dict, counters: bool = True) -> None:
         if counters:
             self.outer_step, self.since_sync = int(sd["outer_step"]), int(sd["since_sync"])
+            self.trained = int(sd.get("trained", self.since_sync))
         self.pieces_done = int(sd.get("pieces_done", 0))
         if "outer" not in sd:
             return

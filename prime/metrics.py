@@ -414,8 +414,11 @@ class RunMetrics:
     def _mfu(self, tok_s: float) -> Optional[float]:
         return self.flops_per_token * tok_s / (self.peak * self.local_world) if self.peak else None
 
-    def inner_step(self, step: int, loss: float, gnorm: float, lr: float, step_s: float, show: bool) -> float:
-        """Records inner step `step` in the JSONL file; prints its line when `show`. Returns the node's mean loss."""
+    def inner_step(self, step: int, loss: float, gnorm: float, lr: float, step_s: float, show: bool,
+                   trained: Optional[int] = None) -> float:
+        """Records inner step `step` in the JSONL file; prints its line when `show`. Returns the node's mean loss.
+        trained: the inner steps this node trained so far, when it differs from `step` (time phases, where `step`
+        is the schedule's nominal step)."""
         loss = self.local_sum([loss])[0] / self.local_world
         tok_s = self.tokens_per_step / step_s
         mfu = self._mfu(tok_s)
@@ -436,7 +439,7 @@ class RunMetrics:
                 f"{tok_s / 1e3:.1f}k tok/s | MFU {mfu_s} | {step_s * 1e3:.0f} ms"
             )
         self.record("step", step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=tok_s, mfu=mfu,
-                    step_s=step_s, tokens=step * self.tokens_per_step)
+                    step_s=step_s, tokens=(step if trained is None else trained) * self.tokens_per_step)
         return loss
 
     def outer_step(self, step: int, r, note: str = "", fields: Optional[dict] = None) -> None:
@@ -463,6 +466,12 @@ class RunMetrics:
         util = compute / wall if wall > 0 else float("nan")
         self.phase_t0, self.phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
+        w = getattr(r, "weights", None)  # a token-weighted average: each node's inner steps and share
+        if w is not None:
+            fields = dict(fields or {}, node_steps=list(w.counts),
+                          node_tokens=[c * self.tokens_per_step for c in w.counts], node_weights=w.weights)
+            note = (f" | weights {'/'.join(f'{x:.2f}' for x in w.weights)} (inner steps "
+                    f"{'/'.join(str(c) for c in w.counts)})") + note
         self.print(
             f"outer {r.outer_step} (step {step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
             f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "

@@ -43,9 +43,10 @@ class PipelinedStep:
         self._slots: Optional[torch.Tensor] = None  # the pipelined step's piece buffers
 
     @torch.no_grad()
-    def run(self, pieces: int, inner_step: int, outer_step: int) -> tuple:
-        """A synchronous outer step, pipelined in `pieces` pieces when there are several. Returns (SyncResult,
-        timings dict, norm, own error)."""
+    def run(self, pieces: int, inner_step: int, outer_step: int, weighing=None) -> tuple:
+        """A synchronous outer step, pipelined in `pieces` pieces when there are several; weighing: a token-
+        weighted average (prime.weights.Weighing; None: equal weights). Returns (SyncResult, timings dict, norm,
+        own error)."""
         st, s = self.state, self.s
         st.ensure_taken()
         t0 = time.perf_counter()
@@ -53,6 +54,8 @@ class PipelinedStep:
         sq, first, own_sq = [0.0], [None], [0.0]
         measure_own = s.own_error_pass()
         feedback = st.residual is not None
+        scale = weighing.scale if weighing is not None else 1.0
+        weights = weighing.exchange() if weighing is not None else None  # every node's count, before the wire
         pipelined = s.sync.pipelined and len(ranges) > 1
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
@@ -69,6 +72,8 @@ class PipelinedStep:
             finite = math.isfinite(q)
             if measure_own and finite and hi > lo:
                 own_sq[0] += st.int8_error_sq(buffer(j))
+            if scale != 1.0:  # a weighted contribution (prime.weights), before the residual is added
+                buffer(j).mul_(scale)
             if feedback:  # the residual is committed at apply(), once this piece's average is back
                 st.compensate(buffer(j), lo=lo, hi=hi, at=lo)
             sq[0] += q
@@ -78,6 +83,8 @@ class PipelinedStep:
 
         def apply(j: int) -> None:
             lo, hi = ranges[j]
+            if weights is not None:
+                buffer(j).mul_(weights.factor)
             if feedback:
                 st.commit_residual(lo, hi)
                 st.add_to_residual(s.sync.take_dropped(buffer(j)), lo, hi)
@@ -91,8 +98,10 @@ class PipelinedStep:
                                           window=PIPELINE_DEPTH)
                 u_last = s.sync.last_apply_s
             else:  # one all-reduce (elastic membership, or a fragment small enough)
-                r, u_last = self._one_allreduce(ranges, base, buffer, prepare, inner_step, outer_step)
+                r, u_last = self._one_allreduce(ranges, base, buffer, prepare, inner_step, outer_step, scale,
+                                                weights)
             self.done = 0
+            r.weights = weights
         finally:
             s.grads.give(base)
         timings = {"prepare_s": first[0] or 0.0, "update_s": u_last}
@@ -101,7 +110,7 @@ class PipelinedStep:
         return r, timings, norm, own
 
     def _one_allreduce(self, ranges: list, base: torch.Tensor, buffer, prepare, inner_step: int,
-                       outer_step: int) -> tuple:
+                       outer_step: int, scale: float = 1.0, weights=None) -> tuple:
         """The pieces not yet done in one all-reduce over `base`: each prepared, averaged, then applied. Returns
         (SyncResult, seconds of the update)."""
         st, s = self.state, self.s
@@ -114,12 +123,16 @@ class PipelinedStep:
         def recompute(_):
             for j in todo:
                 st.pseudo_gradient(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
+                if scale != 1.0:
+                    buffer(j).mul_(scale)
                 if feedback:
                     st.compensate(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
 
         r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
         u0 = time.perf_counter()
         if not r.joined:  # (a node that joined holds the job's state already: OuterStates.admit)
+            if weights is not None:
+                base[lo:hi].mul_(weights.factor)
             s.sync.applying(r)
             if feedback and r.contributed:
                 st.commit_residual(lo, hi)

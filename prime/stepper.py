@@ -111,6 +111,24 @@ class OuterSteps:
             self.result = self._rejoin(e.reason)
         return self.result
 
+    @property
+    def steps_to_sync(self) -> int:
+        """Steps of the schedule until the next fragment's outer step is due (at least 1; a single node has none:
+        a large number)."""
+        if self.sync is None or not self.fragments:
+            return 1 << 62
+        return max(1, min(f.phase - f.since_sync for f in self.fragments))
+
+    def trained(self) -> None:
+        """This node trained one inner step (what its weight in a token-weighted average counts)."""
+        for f in self.fragments:
+            f.trained += 1
+
+    def idle(self) -> OuterStepResult:
+        """An inner step that did not move the schedule (time phases): nothing is due."""
+        self.result = OuterStepResult(False, self.inner_step, self.outer_step)
+        return self.result
+
     def sync_now(self) -> OuterStepResult:
         """An outer step now: of every fragment that is due, or of every fragment when none is."""
         due = [f for f in self.fragments if f.sync_due()] or list(self.fragments)
@@ -251,5 +269,5 @@ def outer_step_result(f: Fragment, r: Optional[SyncResult], *, inner_step: int, 
         compression_error=compression_error, pseudo_grad_norm=norm,
         attempts=r.attempts if r is not None else 0, ring_stats=stats,
         members=list(r.members) if r is not None else [], contributors=r.contributors if r is not None else 0,
-        details=r.details if r is not None else None,
+        details=r.details if r is not None else None, weights=r.weights if r is not None else None,
         fragment=f.index, fragments=fragments, share=f.share, pieces=f.pieces, **extra)

@@ -87,6 +87,8 @@ class SyncResult:
     """True when this node (re)joined the job at this outer step: the sync downloaded the job's state into
     every fragment's outer state, applied this outer step's average and loaded the model (OuterStates.admit);
     the outer step only takes the job's counters (inner_step, outer_step)."""
+    weights: Any = None
+    """A token-weighted average's counts (prime.weights.StepWeights; None: equal weights)."""
 
 
 @runtime_checkable
@@ -133,12 +135,20 @@ class SyncExtras:
     """True when a background average may need its input back for a retry (DiLoCo keeps a copy)."""
     reports_quant_error = False
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
+    weighs = False
+    """True when weigh() exists (averages weighted by the inner steps each node trained: time phases)."""
 
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         """A sparse codec: what this node's selection of the average of the shards it owns left out of the last
         successful all-reduce of `buf` (a CPU fp32 buffer of buf's size, to add to the residual), once; None
         when there is nothing (every other codec)."""
         return None
+
+    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
+        """Every node's count of inner steps trained for the average of outer step `outer_step`, in member order
+        (prime.weights), the same list on every node; background: called from the thread that runs average()."""
+        raise OuterSyncError(f"outer step {outer_step}: {type(self).__name__} cannot weigh averages by the "
+                             "inner steps each node trained (diloco.phase = 'time')")
 
     def use_from_background(self) -> None:
         """Prepares average() to run on a background thread while the main thread trains (every process of
@@ -154,7 +164,7 @@ class SyncExtras:
 
 
 _EXTRAS = ("pipelined", "background", "must_join", "keeps_input", "reports_quant_error", "use_from_background",
-           "applying", "rejoin", "take_dropped")
+           "applying", "rejoin", "take_dropped", "weighs", "weigh")
 
 
 class _Completed(SyncExtras):
@@ -321,6 +331,7 @@ class RingSync(SyncExtras):
     pipelined = True
     background = True
     must_join = False
+    weighs = True
 
     def __init__(self, ring=None, *, ring_factory: Optional[Callable[[str], object]] = None, retries: int = 2,
                  local_group=None):
@@ -528,8 +539,15 @@ class RingSync(SyncExtras):
     def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
         raise OuterSyncError(f"outer step {outer_step}: {reason}; a fixed ring cannot take a node back")
 
+    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
+        from prime.weights import from_limbs, to_limbs
+
+        table = self.exchange(to_limbs(trained), outer_step=outer_step,
+                              group=self.average_group if background else self.local_group)
+        return [from_limbs(row) for row in table]
+
     @torch.no_grad()
-    def exchange(self, pieces: list, *, outer_step: int = 0) -> list:
+    def exchange(self, pieces: list, *, outer_step: int = 0, group: Any = "local") -> list:
         """Every node's small integers (each < 2^24; the same count on every node) to every node, in node order:
         each node puts its pieces in its own slots of a vector, and an exact sum all-reduce (zeros elsewhere)
         gathers them everywhere, since sums of integers below 2^24 are exact in fp32. Over the ring, so what
@@ -542,7 +560,8 @@ class RingSync(SyncExtras):
 
         vec = torch.empty(size * slots, dtype=torch.float32)
         fill(vec)
-        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill, group=self.local_group)
+        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill,
+                        group=self.local_group if isinstance(group, str) else group)
         return vec.view(size, slots).to(torch.int64).tolist()
 
     @torch.no_grad()

@@ -31,6 +31,7 @@ from prime.config import Config
 from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError
 from prime.memory import MemoryPlanError, peak_host_bytes
 from prime.nodes import AfterOuter
+from prime.phases import PhaseClock
 from prime.runtime import build_environment
 
 __all__ = ["Trainer", "lr_at", "likely_divergence_cause", "TrainingStopped", "TrainingDiverged"]
@@ -82,6 +83,12 @@ class Trainer:
         self.diloco, self.nodes = build_outer_step(cfg, env, self.parts, self.data, self.metrics)
         self.checkpoints = build_checkpoints(cfg, env, self.parts, self.data, self.diloco)
         self.step, self.resumed_from = 0, None
+        self.trained = 0
+        """Inner steps this process trained (self.step in steps mode; with time phases self.step is nominal)."""
+        d = cfg.diloco
+        self.clock = PhaseClock(d.inner_steps, d.phase_seconds) if d.phase == "time" and self.diloco.distributed \
+            else None
+        """Time phases: this node's clock of nominal steps (prime.phases); None in steps mode."""
         try:  # before anything is loaded or trained: a run that cannot fit stops here, on every node
             self.memory = build_memory_plan(cfg, env, self.parts, self.diloco, self.nodes, self.checkpoints,
                                             say=self.metrics.print)
@@ -140,7 +147,11 @@ class Trainer:
         return loss_sum, norm
 
     def train(self) -> dict:
-        """Runs the inner steps up to train.steps, with outer steps, logging and checkpoints. Returns the summary."""
+        """Runs the inner steps up to train.steps, with outer steps, logging and checkpoints. Returns the summary.
+
+        With time phases (diloco.phase = "time", prime.phases) self.step counts nominal steps, the schedule's:
+        an inner step may pass none of them (a fast node) or several (a slow one), and one that would not end
+        before the next outer step's time is not started."""
         cfg, m = self.cfg, self.metrics
         self._describe()
         m.reset()
@@ -150,52 +161,17 @@ class Trainer:
             result = self.nodes.start()  # fixed: replicas checked; elastic: the state served, or joined
             m.spend("start", time.perf_counter() - t0)
             if result is None:  # the job ended before this node got in
-                return m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
+                return m.summary(self._steps_done, time.perf_counter() - t_start, self.diloco.outer_step,
+                                 self.nodes.multi_node)
             if result.did_sync:
                 self._log_outer(result, self.nodes.after_outer(result))
+            if self.clock is not None:
+                self.clock.start(self.step)
             while self.step < cfg.train.steps:
-                self.step += 1
-                lr = lr_at(self.step, cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,
-                           cfg.optim.min_lr_ratio)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                t0 = time.perf_counter()
-                loss, gnorm = self.train_step()
-                if self.env.device.type == "cuda":
-                    torch.cuda.synchronize()  # honest step times; the loss is read below anyway
-                step_s = time.perf_counter() - t0
-                if cfg.train.slowdown > 1:  # an emulated slower node: the step takes slowdown times its own time
-                    time.sleep(step_s * (cfg.train.slowdown - 1))
-                    step_s = time.perf_counter() - t0
-                m.compute(step_s)
-                # The norm is of the node's whole gradient (the same on every process): when it is
-                # not finite, every process stops here, before a poisoned state reaches the ring.
-                gnorm = float(gnorm)
-                if not math.isfinite(gnorm):
-                    self._diverged(float(loss), gnorm)
-                d = self.diloco
-                if d.distributed and d.since_sync + 1 >= d.inner_steps:
-                    m.outer_running(d.outer_step + 1)
-                t0 = time.perf_counter()
-                result = d.step()
-                # The loop's one call into the nodes component: what this outer step changes for this node.
-                decision = self.nodes.after_outer(result) if result.did_sync else AfterOuter()
-                m.spend("outer", time.perf_counter() - t0)
-                if result.did_sync:  # the all-reduce (synchronous) or the wait for the previous average (overlap)
-                    m.spend("outer_wait", result.wait_s if result.overlapped else result.allreduce_s)
-                if decision.rejoined_at is not None:  # (re)joined the job: go on from the job's step and data
-                    self._log_outer(result, decision)
+                if self.clock is not None and not self.clock.fits_before(self.step + self.diloco.steps_to_sync):
+                    self._advance(self.diloco.steps_to_sync)  # straight to the outer step: no step would end in time
                     continue
-                show = self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps) or result.did_sync
-                node_loss = m.inner_step(self.step, float(loss), gnorm, lr, step_s, show)
-                if not math.isfinite(node_loss):  # the node's mean: every process sees the same value
-                    self._diverged(node_loss, gnorm)
-                if result.did_sync:
-                    self._log_outer(result, decision)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
-                    self._save()
-                faults.hit("train.after_step", self.step, log=m.print,  # prime/faults.py
-                           before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
+                self._inner_step()
             # overlap: the last averages are applied; fragments: those with inner steps not yet averaged sync
             for result in self.diloco.finish():
                 self._log_outer(result, AfterOuter(note=" | final sync of this fragment"))
@@ -204,16 +180,113 @@ class Trainer:
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:
             raise TrainingStopped(f"{e}{self._saved_after(e)}") from e
         self._save(block=True)
-        summary = m.summary(self.step, time.perf_counter() - t_start, self.diloco.outer_step, self.nodes.multi_node)
+        summary = m.summary(self._steps_done, time.perf_counter() - t_start, self.diloco.outer_step,
+                            self.nodes.multi_node)
         m.print(self.memory.peaks(self.env.device))
         summary.update(self.nodes.finish(self.model))  # the final-weights agreement across nodes
         return summary
+
+    @property
+    def _steps_done(self) -> int:
+        """What the summary counts: the job's inner steps, or with time phases the ones this node trained."""
+        return self.trained if self.clock is not None else self.step
+
+    def _inner_step(self) -> None:
+        """One inner step, then what it brings: the outer steps due, logging, checkpoints."""
+        cfg, m, d, clock = self.cfg, self.metrics, self.diloco, self.clock
+        nominal = 1  # steps of the schedule this inner step passes (time phases: known once it ended)
+        if clock is None:
+            self.step += 1
+        lr = lr_at(self.step + (clock is not None), cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps,
+                   cfg.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        loss, gnorm = self.train_step()
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()  # honest step times; the loss is read below anyway
+        step_s = time.perf_counter() - t0
+        if cfg.train.slowdown > 1:  # an emulated slower node: the step takes slowdown times its own time
+            time.sleep(step_s * (cfg.train.slowdown - 1))
+            step_s = time.perf_counter() - t0
+        m.compute(step_s)
+        self.trained += 1
+        if clock is not None:  # time phases: did this step's time pass a nominal step? (the rest: _advance)
+            clock.stepped(step_s)
+            nominal = 1 if clock.reached() > self.step else 0
+            self.step += nominal
+        # The norm is of the node's whole gradient (the same on every process): when it is
+        # not finite, every process stops here, before a poisoned state reaches the ring.
+        gnorm = float(gnorm)
+        if not math.isfinite(gnorm):
+            self._diverged(float(loss), gnorm)
+        if d.distributed and nominal and d.since_sync + 1 >= d.inner_steps:
+            m.outer_running(d.outer_step + 1)
+        t0 = time.perf_counter()
+        result = d.step(nominal) if clock is not None else d.step()
+        decision = self._after_outer(result, t0)
+        if decision.rejoined_at is not None:  # (re)joined the job: go on from the job's step and data
+            return
+        show = nominal and (self.step % cfg.metrics.log_every == 0 or self.step in (1, cfg.train.steps)
+                            or result.did_sync)
+        node_loss = m.inner_step(self.step, float(loss), gnorm, lr, step_s, show, trained=self.trained)
+        if not math.isfinite(node_loss):  # the node's mean: every process sees the same value
+            self._diverged(node_loss, gnorm)
+        if result.did_sync:
+            self._log_outer(result, decision)
+        if nominal:
+            self._after_nominal_step()
+        if clock is not None and not (result.did_sync and not result.overlapped):
+            self._advance(clock.reached() - self.step)
+
+    def _advance(self, steps: int) -> None:
+        """Time phases: `steps` nominal steps pass without an inner step (at most to train.steps; a synchronous
+        outer step among them ends it, since every node leaves that at the same moment)."""
+        for _ in range(min(steps, self.cfg.train.steps - self.step)):
+            self.step += 1
+            t0 = time.perf_counter()
+            result = self.diloco.advance()
+            decision = self._after_outer(result, t0)
+            if decision.rejoined_at is not None:
+                return
+            if result.did_sync:
+                self._log_outer(result, decision)
+            self._after_nominal_step()
+            if result.did_sync and not result.overlapped:
+                return
+
+    def _after_outer(self, result: OuterStepResult, t0: float) -> AfterOuter:
+        """What an outer step (if one ran) changes for this node, its time, and the phase clock."""
+        m = self.metrics
+        # The loop's one call into the nodes component: what this outer step changes for this node.
+        decision = self.nodes.after_outer(result) if result.did_sync else AfterOuter()
+        m.spend("outer", time.perf_counter() - t0)
+        if result.did_sync:  # the all-reduce (synchronous) or the wait for the previous average (overlap)
+            m.spend("outer_wait", result.wait_s if result.overlapped else result.allreduce_s)
+            if self.clock is not None and result.overlapped:
+                self.clock.blocked(result.wait_s)
+            elif self.clock is not None:  # every node left the all-reduce together: the phase restarts
+                self.clock.start(self.step)
+        if decision.rejoined_at is not None:
+            self._log_outer(result, decision)
+        return decision
+
+    def _after_nominal_step(self) -> None:
+        """Checkpoints and the test fault points, once per step of the schedule."""
+        cfg = self.cfg
+        if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+            self._save()
+        faults.hit("train.after_step", self.step, log=self.metrics.print,  # prime/faults.py
+                   before_exit=self.checkpoints.wait if self.checkpoints is not None else None)
 
     def _log_outer(self, result: OuterStepResult, decision: AfterOuter) -> None:
         if decision.rejoined_at is not None:  # the job's step; the time spent before joining is not compute
             self.step = decision.rejoined_at
             self.metrics.forget_phase()
-        self.metrics.outer_step(self.step, result, decision.note, decision.fields)
+        fields = decision.fields
+        if self.cfg.metrics.outer_hash and self.diloco.distributed:
+            fields = dict(fields or {}, outer_hash=f"{self.diloco.weights_hash():016x}")
+        self.metrics.outer_step(self.step, result, decision.note, fields)
 
     def _save(self, block: bool = False) -> None:
         """Checkpoints the current state (if checkpoint.dir is set); raises TrainingDiverged when it is not finite."""

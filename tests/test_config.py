@@ -60,6 +60,9 @@ def test_types_are_converted():
     (("model.n_heads", "5"), "model.dim (192) must be divisible by model.n_heads (5)"),
     (("model.vocab_size", "100"), "model.vocab_size must be >= 256 for byte-level data"),
     (("data.seq_len", "5000"), "data.seq_len (5000) exceeds model.max_seq_len (1024)"),
+    (("diloco.phase", "tokens"), "diloco.phase must be 'steps' or 'time', got 'tokens'"),
+    (("diloco.phase", "time"), "diloco.phase_seconds must be > 0 with diloco.phase = 'time', got 0.0"),
+    (("diloco.phase_seconds", "30"), "diloco.phase_seconds must be 0 (unset) unless diloco.phase = 'time', got 30.0"),
     (("diloco.nope", "1"), "unknown config field 'diloco.nope'; diloco has"),
     (("nope.x", "1"), "unknown config field 'nope.x'"),
 ])
@@ -67,6 +70,15 @@ def test_bad_values_name_field_and_value(override, message):
     with pytest.raises(ValueError) as info:
         load_config(None, [override], env={}).validate()
     assert message in str(info.value)
+
+
+def test_time_phases_are_refused_with_elastic_nodes_naming_why():
+    cfg = load_config(None, [("diloco.phase", "time"), ("diloco.phase_seconds", "60"), ("elastic.enabled", "true")],
+                      env={})
+    with pytest.raises(ValueError, match="diloco.phase = 'time' does not run with elastic.enabled yet"):
+        cfg.validate()
+    cfg.elastic.enabled = False
+    cfg.validate()
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path):

@@ -48,7 +48,7 @@ from prime.elastic.local_ranks import LocalRanks
 from prime.elastic.membership import Evicted, Membership, Plan
 from prime.elastic.rings import ElasticRings
 from prime.elastic.transfer import StateServer, state_digest
-from prime.sync import SyncResult, all_local
+from prime.sync import OuterSyncError, SyncResult, all_local
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
 
@@ -83,6 +83,8 @@ class ElasticSync(Joining):
     background = True
     keeps_input = True
     """A retry after this node's own all-reduce worked (another member failed) needs its input back."""
+    weighs = False
+    """Token-weighted averages (time phases) are not built for elastic membership (Config refuses the pair)."""
 
     def __init__(
         self,
@@ -197,6 +199,10 @@ class ElasticSync(Joining):
             self._settings["fragments"] = settings["fragments"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
         self.rings.codec, self.rings.block_size = self.codec, self.block_size
+
+    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
+        raise OuterSyncError(f"outer step {outer_step}: elastic nodes do not weigh averages by the inner steps each "
+                             "node trained (diloco.phase = 'time' is refused with elastic.enabled)")
 
     def take_dropped(self, buf: torch.Tensor) -> None:
         """No sparse codec runs on elastic rings (Config refuses topk with elastic.enabled): nothing dropped."""

@@ -1,0 +1,76 @@
+"""Time phases: a node's clock of nominal steps (diloco.phase = "time", docs/heterogeneous.md).
+
+In steps mode each inner step is one step of DiLoCo's schedule. In time mode
+the schedule runs on nominal steps of `phase_seconds / inner_steps` seconds
+each, read off this node's clock: a node twice as fast trains two inner steps
+per nominal step, a node twice as slow passes two nominal steps per inner step
+(DiLoCo.step(nominal_steps=0) and DiLoCo.advance()). Every node's phase then
+takes the same time, and the outer step weights each node's pseudo-gradient by
+the inner steps it trained (prime.weights).
+
+The clock reads phase time: wall time less the time this node was blocked in
+an outer step (a synchronous all-reduce, the wait for an average in flight),
+so that a node that waits for others does not lose that time from its phase;
+after a synchronous outer step, where every node leaves at the same moment,
+the clock restarts at the nominal step it reached.
+
+An inner step that would end past the next outer step's time is not started:
+the node goes to that outer step at once. The prediction of a step's time is
+the median of the node's last STEP_HISTORY steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from typing import Callable
+
+__all__ = ["PhaseClock", "STEP_HISTORY"]
+
+STEP_HISTORY = 8
+"""Inner-step times the prediction of the next one is the median of."""
+
+
+class PhaseClock:
+    """The nominal steps a node's phase time has passed.
+
+    inner_steps:   H, nominal steps per phase
+    phase_seconds: seconds of phase time per phase
+    clock:         the time source (time.perf_counter; tests pass their own)
+    """
+
+    def __init__(self, inner_steps: int, phase_seconds: float, clock: Callable[[], float] = time.perf_counter):
+        if inner_steps < 1 or not phase_seconds > 0:
+            raise ValueError(f"a phase needs inner_steps >= 1 and phase_seconds > 0, got {inner_steps}, "
+                             f"{phase_seconds}")
+        self.step_s = phase_seconds / inner_steps
+        """Seconds of phase time per nominal step."""
+        self._clock = clock
+        self._origin = clock()
+        self._steps: deque = deque(maxlen=STEP_HISTORY)
+
+    def start(self, nominal: int) -> None:
+        """The clock reads `nominal` steps now (the run's start, a resume, after a synchronous outer step)."""
+        self._origin = self._clock() - nominal * self.step_s
+
+    def blocked(self, seconds: float) -> None:
+        """`seconds` of the time since the last reading were spent blocked: they are not phase time."""
+        self._origin += max(0.0, seconds)
+
+    def reached(self) -> int:
+        """Nominal steps the clock has passed."""
+        return math.floor((self._clock() - self._origin) / self.step_s + 1e-9)
+
+    def stepped(self, seconds: float) -> None:
+        """An inner step took `seconds` (what the next one is predicted from)."""
+        self._steps.append(seconds)
+
+    def predicted(self) -> float:
+        """The next inner step's predicted time (0 before the first)."""
+        return statistics.median(self._steps) if self._steps else 0.0
+
+    def fits_before(self, nominal: int) -> bool:
+        """True when an inner step started now is predicted to end by nominal step `nominal`'s time."""
+        return self._clock() + self.predicted() <= self._origin + nominal * self.step_s
