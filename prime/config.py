@@ -538,9 +538,6 @@ class Config:
         if self.elastic.enabled and self.diloco.codec == "topk":
             raise ValueError("diloco.codec = 'topk' does not run with elastic.enabled yet (its owners' residuals are "
                              "per ring of fixed nodes): use int8 or fp4 with elastic nodes")
-        if self.elastic.enabled and self.diloco.phase == "time":
-            raise ValueError("diloco.phase = 'time' does not run with elastic.enabled yet (a joiner's weight in the "
-                             "phase it joins in is not built): use diloco.phase = 'steps' with elastic nodes")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

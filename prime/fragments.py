@@ -276,12 +276,14 @@ class _InFlight:
             if ready is not None:
                 ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
             recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
-            weights = self.weighing.exchange(background=True) if self.weighing is not None else None
-            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
-                                       recompute=recompute)
-            if weights is not None:  # the token-weighted average (prime.weights)
-                self.buf.mul_(weights.factor)
-                self.result.weights = weights
+            if self.weighing is None:
+                self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                           recompute=recompute)
+            else:  # the token-weighted average (prime.weights)
+                self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                           recompute=recompute, trained=self.weighing.trained)
+                self.result.weights = self.weighing.of(self.result.counts)
+                self.buf.mul_(self.result.weights.factor)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
         except BaseException as e:  # handed to the main thread at the next outer step (or close)
@@ -365,11 +367,11 @@ class Fragment:
     def tick(self) -> None:
         self.since_sync += 1
 
-    def weighing(self, outer_step: int) -> Optional[Weighing]:
+    def weighing(self) -> Optional[Weighing]:
         """The weighted average of this window (None: equal weights); the count restarts once it succeeded."""
         if self.s.weights != "tokens":
             return None
-        return Weighing(self.s.sync, self.trained, self.phase, outer_step)
+        return Weighing(self.trained, self.s.inner_steps)
 
     def sync_due(self) -> bool:
         return self.since_sync >= self.phase
@@ -389,7 +391,7 @@ class Fragment:
     def sync(self, inner_step: int, outer_step: int) -> tuple:
         """A synchronous outer step of this fragment, pipelined in `pieces` pieces when there are several
         (prime.pipeline). Returns (SyncResult, timings dict, norm, own error)."""
-        out = self._pipeline.run(self.pieces, inner_step, outer_step, self.weighing(outer_step))
+        out = self._pipeline.run(self.pieces, inner_step, outer_step, self.weighing())
         self.outer_step += 1
         self.since_sync = self.trained = 0
         return out
@@ -467,7 +469,7 @@ class Fragment:
             policy.seen(sq)
         else:
             policy.next_start(self, g, sq)
-        weighing = self.weighing(outer_step)
+        weighing = self.weighing()
         if weighing is not None and weighing.scale != 1.0:  # before the residual: it is part of the contribution
             g.mul_(weighing.scale)
         if st.residual is not None:

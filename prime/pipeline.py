@@ -55,8 +55,10 @@ class PipelinedStep:
         measure_own = s.own_error_pass()
         feedback = st.residual is not None
         scale = weighing.scale if weighing is not None else 1.0
-        weights = weighing.exchange() if weighing is not None else None  # every node's count, before the wire
+        weights = None
         pipelined = s.sync.pipelined and len(ranges) > 1
+        if pipelined and weighing is not None:  # every node's count before the first piece's apply()
+            weights = weighing.of(s.sync.weigh(weighing.trained, outer_step=outer_step))
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
             slots = self._piece_slots(width)
@@ -99,9 +101,10 @@ class PipelinedStep:
                 u_last = s.sync.last_apply_s
             else:  # one all-reduce (elastic membership, or a fragment small enough)
                 r, u_last = self._one_allreduce(ranges, base, buffer, prepare, inner_step, outer_step, scale,
-                                                weights)
+                                                weighing)
             self.done = 0
-            r.weights = weights
+            if pipelined:
+                r.weights = weights
         finally:
             s.grads.give(base)
         timings = {"prepare_s": first[0] or 0.0, "update_s": u_last}
@@ -110,7 +113,7 @@ class PipelinedStep:
         return r, timings, norm, own
 
     def _one_allreduce(self, ranges: list, base: torch.Tensor, buffer, prepare, inner_step: int,
-                       outer_step: int, scale: float = 1.0, weights=None) -> tuple:
+                       outer_step: int, scale: float = 1.0, weighing=None) -> tuple:
         """The pieces not yet done in one all-reduce over `base`: each prepared, averaged, then applied. Returns
         (SyncResult, seconds of the update)."""
         st, s = self.state, self.s
@@ -128,11 +131,16 @@ class PipelinedStep:
                 if feedback:
                     st.compensate(buffer(j), lo=ranges[j][0], hi=ranges[j][1], at=ranges[j][0])
 
-        r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
+        if weighing is None:
+            r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute)
+        else:  # a token-weighted average: the contributors' counts come back with it
+            r = s.sync.average(base[lo:hi], outer_step=outer_step, inner_step=inner_step, recompute=recompute,
+                               trained=weighing.trained)
+            r.weights = weighing.of(r.counts)
         u0 = time.perf_counter()
         if not r.joined:  # (a node that joined holds the job's state already: OuterStates.admit)
-            if weights is not None:
-                base[lo:hi].mul_(weights.factor)
+            if r.weights is not None:
+                base[lo:hi].mul_(r.weights.factor)
             s.sync.applying(r)
             if feedback and r.contributed:
                 st.commit_residual(lo, hi)

@@ -290,7 +290,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=0, help="OMP/torch threads per process (default: torch's)")
     parser.add_argument("--slow-node", action="append", default=[], metavar="R:F",
                         help="node R's inner steps take F times their time (train.slowdown; an emulated slower "
-                             "node; repeatable; fixed nodes)")
+                             "node; repeatable; with elastic nodes also a joiner's rank)")
     el = parser.add_argument_group("elastic (docs/elastic.md)")
     el.add_argument("--elastic", action="store_true",
                     help="elastic job: this process hosts the store; nodes may be killed and started")
@@ -327,13 +327,10 @@ def _main(argv: list[str]) -> int:
     elastic = bool(args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after)
     node_args: dict = {}
     for text in args.slow_node:
-        try:
-            rank, factor = parse_slow_node(text, args.nodes)
+        try:  # elastic: a joiner's rank may be beyond --nodes
+            rank, factor = parse_slow_node(text, args.nodes if not elastic else 1 << 20)
         except ValueError as e:
             parser.error(f"--slow-node {text}: {e}")
-        if elastic:
-            parser.error("--slow-node is for fixed nodes; with elastic nodes give --train.slowdown to a node "
-                         "started by hand")
         node_args[rank] = ["--train.slowdown", repr(factor)]
     try:  # every node would stop on a bad setting: say it once, before starting any
         cfg = check_train_args(train_args, args.nodes, elastic)
@@ -353,7 +350,7 @@ def _main(argv: list[str]) -> int:
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
                            chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
                            threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node,
-                           grace_s=grace_s)
+                           grace_s=grace_s, node_args=node_args)
     return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None,
                     faults=faults, grace_s=grace_s, node_args=node_args)
 

@@ -87,8 +87,11 @@ class SyncResult:
     """True when this node (re)joined the job at this outer step: the sync downloaded the job's state into
     every fragment's outer state, applied this outer step's average and loaded the model (OuterStates.admit);
     the outer step only takes the job's counters (inner_step, outer_step)."""
+    counts: Optional[list] = None
+    """An average asked for with `trained` (token weights): the inner steps each contributor trained, in member
+    order, the same list on every node (None: not asked)."""
     weights: Any = None
-    """A token-weighted average's counts (prime.weights.StepWeights; None: equal weights)."""
+    """The weights the outer step made of `counts` (prime.weights.StepWeights; None: equal weights)."""
 
 
 @runtime_checkable
@@ -108,11 +111,12 @@ class Sync(Protocol):
         (weights hash, settings hash, numel) differs. A sync that checks replicas another way does nothing."""
 
     def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
-                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
+                recompute: Callable[[torch.Tensor], None], trained: Optional[int] = None) -> SyncResult:
         """Replaces `grad` (this process's pseudo-gradient for outer step `outer_step`) by its average over
         the contributing nodes, bit-identical on every node. A failed attempt may leave `grad` changed:
         `recompute(grad)` restores it before the next one. Raises OuterSyncError when no attempt works;
-        the outer state is then untouched."""
+        the outer state is then untouched. `trained` (only to a sync that declares `weighs`): this node's
+        inner steps for the average; the result's `counts` then holds every contributor's."""
 
     def committed(self, result: SyncResult) -> None:
         """Called after the outer update of `result` was applied (the bound states hold the new weights)."""
@@ -136,7 +140,8 @@ class SyncExtras:
     reports_quant_error = False
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
     weighs = False
-    """True when weigh() exists (averages weighted by the inner steps each node trained: time phases)."""
+    """True when average() takes `trained` and returns every contributor's count (time phases' token weights),
+    and, for a sync that is also `pipelined`, weigh() exists."""
 
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         """A sparse codec: what this node's selection of the average of the shards it owns left out of the last
@@ -144,9 +149,9 @@ class SyncExtras:
         when there is nothing (every other codec)."""
         return None
 
-    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
-        """Every node's count of inner steps trained for the average of outer step `outer_step`, in member order
-        (prime.weights), the same list on every node; background: called from the thread that runs average()."""
+    def weigh(self, trained: int, *, outer_step: int) -> list:
+        """Before a pipelined average (average_pieces) of outer step `outer_step`: every node's count of inner
+        steps trained for it, in member order (prime.weights), the same list on every node."""
         raise OuterSyncError(f"outer step {outer_step}: {type(self).__name__} cannot weigh averages by the "
                              "inner steps each node trained (diloco.phase = 'time')")
 
@@ -410,9 +415,12 @@ class RingSync(SyncExtras):
                               restore=None if recompute is None else (lambda j: recompute(buf)))
 
     def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
-                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
-        return self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
-                               group=self.average_group)
+                recompute: Callable[[torch.Tensor], None], trained: Optional[int] = None) -> SyncResult:
+        counts = None if trained is None else self.weigh(trained, outer_step=outer_step, group=self.average_group)
+        r = self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
+                            group=self.average_group)
+        r.counts = counts
+        return r
 
     def average_pieces(self, ranges: list, *, outer_step: int, inner_step: int, buffer: Callable[[int], torch.Tensor],
                        prepare: Callable[[int], None], apply: Callable[[int], None], start: int = 0,
@@ -539,12 +547,10 @@ class RingSync(SyncExtras):
     def rejoin(self, reason: str, *, outer_step: int) -> SyncResult:
         raise OuterSyncError(f"outer step {outer_step}: {reason}; a fixed ring cannot take a node back")
 
-    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
+    def weigh(self, trained: int, *, outer_step: int, group: Any = "local") -> list:
         from prime.weights import from_limbs, to_limbs
 
-        table = self.exchange(to_limbs(trained), outer_step=outer_step,
-                              group=self.average_group if background else self.local_group)
-        return [from_limbs(row) for row in table]
+        return [from_limbs(row) for row in self.exchange(to_limbs(trained), outer_step=outer_step, group=group)]
 
     @torch.no_grad()
     def exchange(self, pieces: list, *, outer_step: int = 0, group: Any = "local") -> list:

@@ -268,7 +268,9 @@ class Trainer:
             elif self.clock is not None:  # every node left the all-reduce together: the phase restarts
                 self.clock.start(self.step)
         if decision.rejoined_at is not None:
-            self._log_outer(result, decision)
+            self._log_outer(result, decision)  # (takes the job's step)
+            if self.clock is not None:
+                self.clock.start(self.step)  # the job's phase goes on from its outer step
         return decision
 
     def _after_nominal_step(self) -> None:

@@ -114,17 +114,24 @@ class _Node:
         self.error = None
 
     def run_until(self, last: int, seed: int, hold=None) -> None:
+        """Inner steps to `last`. With token weights (time phases) each step of the schedule is one of the
+        node's own patterns: one inner step, two (the first within the nominal step), three, or none."""
         d = self.diloco
         while d.inner_step < last:
             if hold is not None:
                 hold(d.inner_step)
             g = torch.Generator().manual_seed(seed * 1000 + d.inner_step * 7 + hash(self.name) % 97)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.sub_(0.02 * torch.randn(p.shape, generator=g).to(p.device))
-            r = d.step()
-            if r.did_sync:
-                self.seen[d.inner_step] = _hash(d.outer_weights())
+            events = ("s", "ts", "a", "tts")[(hash(self.name) + d.inner_step) % 4] if d.weights == "tokens" else "s"
+            for e in events:
+                if e == "a":
+                    r = d.advance()
+                else:
+                    with torch.no_grad():
+                        for p in self.model.parameters():
+                            p.sub_(0.02 * torch.randn(p.shape, generator=g).to(p.device))
+                    r = d.step(1 if e == "s" else 0)
+                if r.did_sync:
+                    self.seen[d.inner_step] = _hash(d.outer_weights())
 
 
 def _diloco_kwargs(scheme, fragments, codec, feedback):
@@ -188,6 +195,27 @@ def test_every_combination_runs_with_identical_nodes(scheme, fragments, elastic,
         nodes = _elastic_run(seed, kw)
     else:
         nodes = _ring_run(seed, kw)
+    assert _check_identical(nodes) >= 2
+    finals = {n.name: _model_hash(n.model) for n in nodes}
+    assert len(set(finals.values())) == 1, f"final weights differ: {finals}"
+
+
+# Time phases' token weights with every scheme, fragments, both memberships and the codecs (nothing refused)
+WEIGHTED = [("sync", 1, False, "int8", False), ("eager-merge", 4, True, "fp4", True), ("eager", 4, False, "topk", True),
+            ("delayed", 1, True, "int8", True), ("sync", 4, True, "none", False), ("eager-adaptive", 1, True, "fp4", True)]
+
+
+@needs_ring
+@pytest.mark.parametrize("scheme,fragments,elastic,codec,feedback", WEIGHTED)
+def test_token_weights_compose_with_identical_nodes(scheme, fragments, elastic, codec, feedback, monkeypatch):
+    """Nodes training different numbers of inner steps per step of the schedule, averaged by their counts
+    (DiLoCo(weights="tokens"), what diloco.phase = "time" runs): every node that applied the same outer steps
+    holds the same outer weights, an elastic joiner included, and the same model at the end."""
+    seed = random.randrange(1 << 20)
+    print(f"seed {seed}")
+    monkeypatch.setenv("PRIME_RING_SECRET", SECRET)
+    kw = dict(_diloco_kwargs(scheme, fragments, codec, feedback), weights="tokens")
+    nodes = _elastic_run(seed, kw) if elastic else _ring_run(seed, kw)
     assert _check_identical(nodes) >= 2
     finals = {n.name: _model_hash(n.model) for n in nodes}
     assert len(set(finals.values())) == 1, f"final weights differ: {finals}"

@@ -72,15 +72,6 @@ def test_bad_values_name_field_and_value(override, message):
     assert message in str(info.value)
 
 
-def test_time_phases_are_refused_with_elastic_nodes_naming_why():
-    cfg = load_config(None, [("diloco.phase", "time"), ("diloco.phase_seconds", "60"), ("elastic.enabled", "true")],
-                      env={})
-    with pytest.raises(ValueError, match="diloco.phase = 'time' does not run with elastic.enabled yet"):
-        cfg.validate()
-    cfg.elastic.enabled = False
-    cfg.validate()
-
-
 def test_missing_data_path_is_a_clear_error(tmp_path):
     missing = str(tmp_path / "does-not-exist")
     with pytest.raises(ValueError, match="does not exist or is not a directory"):

@@ -483,6 +483,43 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
     assert joined["inner_step"] == k * INNER and (k * INNER + 1) in steps1
 
 
+# -- time phases: a straggler does not hold the others past the grace window ------------------------
+
+
+def test_in_time_phases_a_straggler_is_left_out_after_the_grace_window_and_rejoins(tmp_path):
+    """diloco.phase = time, 3 nodes, phases of 2 s, a grace window (elastic.barrier_timeout_s) of 1.5 s. Node 2
+    stalls 6 s (3 phases) inside an inner step: nodes 0 and 1 wait for it no longer than the grace window, average
+    without it (their counts only), and node 2 is admitted again; every outer step the nodes share has the same
+    digest and the run ends with the same weights on all 3."""
+    seed = random.randrange(1000)
+    print(f"seed {seed}")
+    grace = 1.5
+    job = Job(tmp_path, initial=3, steps=60, seed=seed,
+              extra=["--diloco.inner_steps", "10", "--diloco.phase", "time", "--diloco.phase_seconds", "2",
+                     "--elastic.barrier_timeout_s", str(grace)])
+    for r in (0, 1):
+        job.start(r)
+    job.start(2, env={"PRIME_FAULTS": "train.before_step@15=stall:6"})
+    try:
+        codes = job.wait()
+    finally:
+        job.stop()
+    assert codes == {0: 0, 1: 0, 2: 0}, job.text(0) + job.text(1) + job.text(2)
+    plan = next(r for r in job.records(0, "membership") if r.get("event") == "plan" and r.get("evicted"))
+    assert plan["members"] == [0, 1] and plan["evicted"][0][0] == 2, plan
+    assert "missed the outer-step barrier" in plan["evicted"][0][1], plan
+    k = plan["k"]
+    left_out = job.outer(0)[k]
+    assert left_out["node_steps"] == job.outer(1)[k]["node_steps"] and len(left_out["node_steps"]) == 2, left_out
+    assert left_out["wait_s"] < grace + 2.0, left_out  # held for the grace window, not the ring's 60 s
+    joined = next(r for r in job.records(2, "membership") if r.get("event") == "joined")
+    assert joined["outer_step"] > k
+    assert _assert_identical(job, [0, 1, 2]) >= 1
+    finals = {r: re.search(r"final weights identical on all (\d+) nodes: blake2b (\w+)", job.text(r)) for r in (0, 1, 2)}
+    assert all(m and m.group(1) == "3" for m in finals.values()), finals
+    assert len({m.group(2) for m in finals.values()}) == 1
+
+
 # -- scenario D: a download slower than a round converges (the joiner listens meanwhile) -------------
 
 

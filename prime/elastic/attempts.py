@@ -48,13 +48,21 @@ class OuterStepAttempts:
     def __init__(self, membership: Membership, local: LocalRanks, rings: ElasticRings):
         self.membership, self.local, self.rings = membership, local, rings
         self._own: Optional[tuple] = None  # this process's (result, planned at, all-reduce s) of the attempt
+        self.weighs = False
+        """Token weights (time phases): before each attempt's average every member sends its count of inner
+        steps on the attempt's ring (exact), and the result's counts are the contributors'."""
+        self._trained: Optional[int] = None  # this node's count for the outer step being attempted
+        self._counts: Optional[list] = None  # the contributors' counts of the last attempt's exchange
 
     def run(self, k: int, g: torch.Tensor, inner_step: int, *, prev: Plan, since: float,
             recompute: Optional[Callable[[torch.Tensor], None]] = None,
-            first_plan: Optional[Plan] = None, listen: bool = False) -> tuple[SyncResult, tuple]:
+            first_plan: Optional[Plan] = None, listen: bool = False,
+            trained: Optional[int] = None) -> tuple[SyncResult, tuple]:
         """Attempts outer step k until an outcome commits; g then holds the average. Returns the result and
-        (plan, outcome, contributed) of the commit. prev: the committed plan of outer step k-1. Raises Evicted."""
+        (plan, outcome, contributed) of the commit. prev: the committed plan of outer step k-1. trained: this
+        node's count (token weights). Raises Evicted."""
         m = self.membership
+        self._trained, self._counts = trained, None
         me = m.node_id
         plan = first_plan
         outcome = None
@@ -101,6 +109,7 @@ class OuterStepAttempts:
         return SyncResult(
             members=list(outcome.members), contributors=len(plan.contributors), attempts=plan.attempt + 1,
             allreduce_s=ar_s, stats=stats, contributed=contributes, outer_step=k, inner_step=plan.step,
+            counts=self._counts if self.weighs else None,
             details=ElasticReport(joined=list(plan.joined), evicted=[list(x) for x in lost], wait_s=wait_s,
                                   recovery_s=None if first_failure is None else time.monotonic() - first_failure),
         ), (plan, outcome, contributes)
@@ -156,9 +165,31 @@ class OuterStepAttempts:
     def _allreduce_plan(self, k: int, plan: Plan, g: torch.Tensor):
         """The all-reduce of one attempt (Membership.attempt calls it once the plan is known)."""
         self._log_plan(plan)
+        if self.weighs:
+            counts, failed = self._exchange_counts(k, plan)
+            if failed is not None:
+                return failed
+            self._counts = counts
         if self.membership.node_id not in plan.contributors:
             g.zero_()  # a joiner receives the average without adding to it
         return self.rings.allreduce(k, plan, g, reduce_op(plan)[0])
+
+    def _exchange_counts(self, k: int, plan: Plan) -> tuple:
+        """Every member's count on the attempt's ring (an exact sum of 16-bit pieces in each member's own slots:
+        authenticated, and the same on every member); a node that does not contribute sends 0. Returns (the
+        contributors' counts in member order, None) or (None, the failed all-reduce's result)."""
+        from prime.weights import LIMBS, from_limbs, to_limbs
+
+        me, members = self.membership.node_id, plan.members
+        vec = torch.zeros(len(members) * LIMBS, dtype=torch.float32)
+        mine = (self._trained or 0) if me in plan.contributors else 0
+        at = members.index(me) * LIMBS
+        vec[at : at + LIMBS] = torch.tensor(to_limbs(mine), dtype=torch.float32)
+        res = self.rings.allreduce(k, plan, vec, "sum", codec="none")
+        if not res[0]:
+            return None, res
+        table = vec.view(len(members), LIMBS).to(torch.int64).tolist()
+        return [from_limbs(table[i]) for i, node in enumerate(members) if node in plan.contributors], None
 
     def _log_plan(self, plan: Plan) -> None:
         if plan.attempt == 0 and not plan.joined and not plan.evicted:

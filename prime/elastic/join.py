@@ -24,6 +24,7 @@ import torch
 from prime.elastic.membership import Evicted, JobFinished, JoinError, MembershipError, Plan
 from prime.elastic.transfer import FetchResult, TransferError, fetch_state
 from prime.sync import SyncResult, all_local
+from prime.weights import StepWeights
 
 __all__ = ["Joining", "JoinInfo", "store_errors"]
 
@@ -101,6 +102,7 @@ class Joining:
             except Evicted as e:
                 m.log(f"not admitted at outer step {s + 1}: {e.reason}; trying again", event="stale")
                 continue
+            self._weigh_received(r, g)
             self._joining = progress
             return r, g
 
@@ -213,6 +215,7 @@ class Joining:
                 r = self._boundary(k, g, step, since=time.monotonic(), first_plan=first, listen=True)
             except Evicted as e:
                 raise JoinError(f"node {self.node_id} was evicted while it downloaded the state: {e.reason}") from None
+            self._weigh_received(r, g)
             first = None
             for msg in notes[:]:
                 m.log(msg, event="download")
@@ -239,6 +242,13 @@ class Joining:
             self._sources = self._node_sources(last) or self._sources  # JobFinished after the last outer step
             k = k + 1
             step = self._state.step_of(k)
+
+    def _weigh_received(self, r: SyncResult, g: torch.Tensor) -> None:
+        """A token-weighted average received while joining: the members' factor, as the members apply it
+        (prime.weights; the outer step does it for a member's own averages)."""
+        if r.counts is not None:
+            r.weights = StepWeights(r.counts, self.inner_steps)
+            g.mul_(r.weights.factor)
 
     def _node_sources(self, last: Optional[int]) -> list:
         """This local rank's download sources; raises (on every process of the node alike) JobFinished after

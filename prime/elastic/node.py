@@ -83,8 +83,8 @@ class ElasticSync(Joining):
     background = True
     keeps_input = True
     """A retry after this node's own all-reduce worked (another member failed) needs its input back."""
-    weighs = False
-    """Token-weighted averages (time phases) are not built for elastic membership (Config refuses the pair)."""
+    weighs = True
+    """average(trained=) carries every member's count on the attempt's own ring (time phases' token weights)."""
 
     def __init__(
         self,
@@ -199,10 +199,13 @@ class ElasticSync(Joining):
             self._settings["fragments"] = settings["fragments"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
         self.rings.codec, self.rings.block_size = self.codec, self.block_size
+        if settings.get("weights", "equal") != "equal":  # token weights: every member sends its count
+            self._settings["weights"] = settings["weights"]
+            self.attempts.weighs = True
 
-    def weigh(self, trained: int, *, outer_step: int, background: bool = False) -> list:
-        raise OuterSyncError(f"outer step {outer_step}: elastic nodes do not weigh averages by the inner steps each "
-                             "node trained (diloco.phase = 'time' is refused with elastic.enabled)")
+    def weigh(self, trained: int, *, outer_step: int) -> list:
+        raise OuterSyncError(f"outer step {outer_step}: internal: elastic averages are not pipelined; their counts "
+                             "come with average(trained=)")
 
     def take_dropped(self, buf: torch.Tensor) -> None:
         """No sparse codec runs on elastic rings (Config refuses topk with elastic.enabled): nothing dropped."""
@@ -241,7 +244,7 @@ class ElasticSync(Joining):
 
     @torch.no_grad()
     def average(self, g: torch.Tensor, *, outer_step: int, inner_step: int,
-                recompute: Callable[[torch.Tensor], None]) -> SyncResult:
+                recompute: Callable[[torch.Tensor], None], trained: Optional[int] = None) -> SyncResult:
         """Averages with whoever is alive. Raises Evicted (a prime.sync.LeftBehind) when this node is not part
         of the outer step (too slow, or cut off): DiLoCo then calls rejoin() on its main thread."""
         k = outer_step
@@ -252,7 +255,7 @@ class ElasticSync(Joining):
         arrived = time.monotonic()
         try:
             with store_errors(k):
-                return self._boundary(k, g, inner_step, since=arrived, recompute=recompute)
+                return self._boundary(k, g, inner_step, since=arrived, recompute=recompute, trained=trained)
         except Evicted as e:
             self.membership.log(f"evicted at outer step {k}: {e.reason}; joining again", event="evicted", k=k,
                                 reason=e.reason)
@@ -266,11 +269,14 @@ class ElasticSync(Joining):
 
     def _boundary(self, k: int, g: torch.Tensor, inner_step: int, *, since: float,
                   recompute: Optional[Callable[[torch.Tensor], None]] = None,
-                  first_plan: Optional[Plan] = None, listen: bool = False) -> SyncResult:
+                  first_plan: Optional[Plan] = None, listen: bool = False,
+                  trained: Optional[int] = None) -> SyncResult:
         """Attempts outer step k until an outcome commits (OuterStepAttempts.run); g then holds the average,
-        committed() completes it. Raises Evicted."""
+        committed() completes it. With token weights every member sends its count (trained; 0: a node that
+        joins) on the attempt's ring before the average. Raises Evicted."""
         result, self._pending = self.attempts.run(k, g, inner_step, prev=self._committed, since=since,
-                                                  recompute=recompute, first_plan=first_plan, listen=listen)
+                                                  recompute=recompute, first_plan=first_plan, listen=listen,
+                                                  trained=(trained or 0) if self.attempts.weighs else None)
         return result
 
     def applying(self, result: SyncResult) -> None:

@@ -39,9 +39,12 @@ class ElasticRings:
         self.link_history: dict = {}  # what the rings so far measured of the links (Ring.link_history)
         self._members: Optional[list] = None
         self._k: Optional[int] = None  # the outer step last committed through self.ring
+        self._attempt: Optional[tuple] = None  # (outer step, attempt) self.ring serves now
 
-    def allreduce(self, k: int, plan: Plan, g: torch.Tensor, op: str):
-        """One attempt: (ok, error message, blamed node or -1, stats). Gives up early when a member dies."""
+    def allreduce(self, k: int, plan: Plan, g: torch.Tensor, op: str, codec: Optional[str] = None):
+        """One attempt: (ok, error message, blamed node or -1, stats). Gives up early when a member dies.
+        codec: the wire codec (None: the outer step's); a second all-reduce of the same attempt (token counts
+        before the average) goes through the same ring."""
         members = plan.members
         if len(members) == 1:
             self.drop()
@@ -49,16 +52,18 @@ class ElasticRings:
         # The ring of outer step k-1 serves again only when every member holds it: the same members
         # committed k-1 through it, and nobody joins now (a joiner, or a node back from an eviction,
         # has none). Otherwise a fresh ring under a fresh name.
-        reuse = (self.ring is not None and self._members == members and self._k == k - 1
-                 and plan.attempt == 0 and not plan.joined)
+        # A second all-reduce of the same attempt (token counts first) uses the attempt's ring.
+        reuse = self.ring is not None and self._members == members and (
+            (self._k == k - 1 and plan.attempt == 0 and not plan.joined) or self._attempt == (k, plan.attempt))
         if not reuse:
             failed = self._form(k, plan.attempt, members)
             if failed is not None:
                 return failed
+        self._attempt = (k, plan.attempt)
         ring = self.ring
         self._k = None  # set again once this outer step commits through it
         try:
-            work = ring.all_reduce(g, op=op, codec=self.codec, block_size=self.block_size)
+            work = ring.all_reduce(g, op=op, codec=codec or self.codec, block_size=self.block_size)
             faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
@@ -126,7 +131,7 @@ class ElasticRings:
                 self.ring.close()
             except Exception:  # already broken; closing is best effort
                 pass
-        self.ring, self._members, self._k = None, None, None
+        self.ring, self._members, self._k, self._attempt = None, None, None, None
 
 
 class _RingBuilder(threading.Thread):

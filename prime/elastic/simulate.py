@@ -116,7 +116,8 @@ def chaos_victims(nodes: list, min_members: int) -> list:
 
 class _Launcher:
     def __init__(self, initial: int, train_args: list[str], env: dict, out, faults: Optional[dict] = None,
-                 procs_per_node: int = 1, chaos_dir: Optional[str] = None, grace_s: float = 30.0):
+                 procs_per_node: int = 1, chaos_dir: Optional[str] = None, grace_s: float = 30.0,
+                 node_args: Optional[dict] = None):
         from datetime import timedelta
 
         from prime.comm.rendezvous import host_store
@@ -124,7 +125,7 @@ class _Launcher:
         # loopback only: nodes without a secret draw one into it (docs/security.md)
         self.store = host_store("127.0.0.1", 0, timeout=timedelta(seconds=60))
         self.initial, self.train_args, self.env, self.out = initial, train_args, env, out
-        self.faults = faults or {}
+        self.faults, self.node_args = faults or {}, node_args or {}
         self.procs_per_node, self.chaos_dir, self.grace_s = procs_per_node, chaos_dir, grace_s
         from prime.simulate import visible_gpus
 
@@ -153,7 +154,7 @@ class _Launcher:
                        "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd = [*launch, "-m", "prime.train", *self.train_args, "--elastic.enabled", "true",
                "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", str(self.initial),
-               "--store-addr", f"127.0.0.1:{self.store.port}"]
+               "--store-addr", f"127.0.0.1:{self.store.port}", *self.node_args.get(rank, [])]
         env = dict(self.env, PRIME_NODE_RANK=str(rank), PRIME_NUM_NODES=str(self.initial))
         slot = self._gpu_slot(rank)
         if slot is not None:
@@ -274,11 +275,12 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
                 stop_after_s: Optional[float] = None, faults: Optional[dict] = None, env: Optional[dict] = None,
                 out=None, threads_per_proc: Optional[int] = None, procs_per_node: int = 1,
-                grace_s: float = 30.0) -> int:
+                grace_s: float = 30.0, node_args: Optional[dict] = None) -> int:
     """Runs the elastic job (see the module docstring); returns 0 when every node not killed on purpose exited 0,
     or 128 + N when signal N stopped this process (every node stopped with it, within grace_s).
 
-    stop_after_s: stop every node (SIGTERM: they leave cleanly) this long after the start, if still running."""
+    stop_after_s: stop every node (SIGTERM: they leave cleanly) this long after the start, if still running.
+    node_args: {node rank: [prime-train arguments]} for that node only (--slow-node), joiners included."""
     from prime import stop
     from prime.simulate import LauncherSignals, node_env
 
@@ -289,7 +291,7 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
         base_env["OMP_NUM_THREADS"] = str(threads_per_proc)
     chaos_dir = tempfile.mkdtemp(prefix="prime-chaos-") if chaos_s else None
     L = _Launcher(initial, train_args, base_env, out, faults, procs_per_node=procs_per_node, chaos_dir=chaos_dir,
-                  grace_s=grace_s)
+                  grace_s=grace_s, node_args=node_args)
     signals = LauncherSignals()
     signals.install()
     kills = sorted(kills, key=lambda x: x[1])
