@@ -3,10 +3,18 @@ decode-add, side by side in one process.
 
     python benchmarks/bench_sparse_speed.py                    # 64 MiB of fp32, 1 thread and all threads
     python benchmarks/bench_sparse_speed.py --mib 256 --k 16,64,256
+    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --k 16,64,256   # the Triton kernels on a GPU
 
 Each number is the median of --repeats timed calls; the implementations are interleaved call by call so that
 background load hits them alike. ns/value = time / values; "x int8" = that time / int8's. Input: student-t(3)
 values (heavy tails, as pseudo-gradients have). Writes benchmarks/results/sparse_speed_<date>.json.
+
+On a GPU (--device cuda) the ops are the Triton kernels (kernels/sparse.py) beside the int8 codec's fastest
+backend and a copy of the fp32 tensor (x.clone()), timed with CUDA events (medians). "of copy bw" is the
+bandwidth of the bytes the op must move, against the copy's: encode reads the tensor and writes the payload
+((4 n + payload) / t); decode-add reads the payload and reads and writes the accumulator ((payload + 8 n) / t,
+what int8's dequantize-add moves: the sparse one touches only the kept values' sectors, so it may pass 100%).
+Each sparse call includes its one host sync (the check of what the kernels report).
 """
 
 from __future__ import annotations
@@ -55,9 +63,12 @@ def main() -> int:
     ap.add_argument("--threads", default=f"1,{torch.get_num_threads()}", help="comma list of CPU thread counts")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
     n = args.mib * (1 << 20) // 4
     x = student_t(n, args.seed)
+    if args.device == "cuda":
+        return gpu(x.cuda(), args)
     rows = []
     print(f"{args.mib} MiB fp32 ({n} values), student-t(3), {platform.processor() or platform.machine()}")
     print(f"{'threads':>7} {'op':<28} {'ms':>8} {'ns/value':>9} {'x int8':>7}")
@@ -83,6 +94,53 @@ def main() -> int:
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "machine": platform.platform(), "cpu": platform.processor(),
                    "torch": torch.__version__, "mib": args.mib, "rows": rows}, f, indent=1)
+    print("wrote", out)
+    return 0
+
+
+def gpu(x: torch.Tensor, args) -> int:
+    n = x.numel()
+    name = torch.cuda.get_device_name()
+    print(f"{args.mib} MiB fp32 ({n} values), student-t(3), {name}, Triton {__import__('triton').__version__}")
+    q, s = ops.quantize_int8(x, 64)
+    acc = torch.zeros_like(x)
+    fns = {"copy": lambda: x.clone(), "int8 quantize": lambda: ops.quantize_int8(x, 64),
+           "int8 dequantize_add": lambda: ops.dequantize_add_int8_(acc, q, s, 64)}
+    moved = {"copy": 8 * n, "int8 quantize": 4 * n + q.numel() + s.numel(),
+             "int8 dequantize_add": 8 * n + q.numel() + s.numel()}
+    for k in (int(v) for v in args.k.split(",")):
+        payload = sparse.encode(x, 4096, k, backend="triton")
+        assert torch.equal(payload.cpu(), sparse.encode(x.cpu(), 4096, k)), "Triton and CPU payloads differ"
+        fns[f"topk k={k} encode"] = lambda k=k: sparse.encode(x, 4096, k, backend="triton")
+        fns[f"topk k={k} decode_add"] = lambda k=k, p=payload: sparse.decode_add_(acc, p, 4096, k, backend="triton")
+        moved[f"topk k={k} encode"] = 4 * n + payload.numel()
+        moved[f"topk k={k} decode_add"] = 8 * n + payload.numel()
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(args.repeats):
+        for key, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[key].append(a.elapsed_time(b) / 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    copy_bw = moved["copy"] / med["copy"]
+    rows = []
+    print(f"{'op':<24} {'ms':>8} {'GB/s':>8} {'of copy bw':>10}")
+    for key, sec in med.items():
+        bw = moved[key] / sec
+        rows.append({"op": key, "seconds": sec, "bytes_moved": moved[key], "gb_per_s": bw / 1e9,
+                     "of_copy_bw": bw / copy_bw})
+        print(f"{key:<24} {sec * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:9.0f}%")
+    out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.date.today():%Y%m%d}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "gpu": name, "torch": torch.__version__, "mib": args.mib,
+                   "rows": rows}, f, indent=1)
     print("wrote", out)
     return 0
 

@@ -37,7 +37,7 @@ import torch
 from prime import _extension
 from prime.ops import wire_bytes
 
-__all__ = ["CHUNK", "BACKENDS", "chunk_keep", "payload_bytes", "encode", "decode", "encode_reference", "decode_reference", "density", "bytes_per_value", "keep_for_density",
+__all__ = ["CHUNK", "BACKENDS", "chunk_keep", "payload_bytes", "encode", "decode", "decode_add_", "encode_reference", "decode_reference", "density", "bytes_per_value", "keep_for_density",
            "shards", "sparse_pays", "OwnerAverage", "owner_average"]
 
 CHUNK = 4096
@@ -152,14 +152,14 @@ def encode_reference(x: torch.Tensor, chunk: int = CHUNK, k: int = 64) -> torch.
     return torch.cat(records) if records else torch.zeros(0, dtype=torch.uint8)
 
 
-def decode_reference(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
-    """The dense fp32 tensor of n values a payload stands for (zero where nothing was kept)."""
+def _records(payload: torch.Tensor, n: int, chunk: int, k: int):
+    """(first value, positions, values) of every record of a payload, checked (ValueError)."""
     bits = _check(n, chunk, k)
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
         raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
                          f"got {payload.numel()} ({payload.dtype})")
-    out = torch.zeros(n, dtype=torch.float32)
-    at = 0
+    payload = payload.cpu()
+    out, at = [], 0
     for s in range(0, n, chunk):
         length = min(chunk, n - s)
         keep = chunk_keep(length, chunk, k)
@@ -171,31 +171,55 @@ def decode_reference(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int =
             raise ValueError(f"sparse decode: the positions of the chunk at value {s} are not ascending in "
                              f"[0, {length})")
         mag = torch.where(codes & 1 == 1, torch.tensor(hi), torch.tensor(lo))
-        out[s + positions] = torch.where(codes & 2 == 2, -mag, mag)
+        out.append((s, positions, torch.where(codes & 2 == 2, -mag, mag)))
         at += _record_bytes(keep, bits)
     return out
 
 
-BACKENDS = ("cpu", "torch")
-"""cpu: the compiled kernels (prime._C, csrc/codec/sparse_cpu.cpp); torch: the reference here. Both give the
-same bytes and values; a CUDA tensor is encoded on the CPU until the GPU kernels exist."""
+def decode_reference(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
+    """The dense fp32 tensor of n values a payload stands for (zero where nothing was kept)."""
+    out = torch.zeros(n, dtype=torch.float32)
+    for s, positions, values in _records(payload, n, chunk, k):
+        out[s + positions] = values
+    return out
 
 
-def _backend(backend: Optional[str]) -> str:
-    available = ("cpu", "torch") if _extension.available() else ("torch",)
+BACKENDS = ("cpu", "triton", "torch")
+"""cpu: the compiled kernels (prime._C, csrc/codec/sparse_cpu.cpp); triton: kernels/sparse.py (CUDA tensors;
+CPU tensors only under TRITON_INTERPRET=1, for tests); torch: the reference here. All give the same bytes and
+values. Default: triton for a CUDA tensor where triton runs, else cpu (a CUDA tensor then goes through the
+host), else torch."""
+
+
+def _backend(backend: Optional[str], device: torch.device = torch.device("cpu")) -> str:
+    from prime.ops import _triton_usable
+
+    available = (["cpu"] if _extension.available() else []) + (["triton"] if _triton_usable(device) else []) \
+        + ["torch"]
     if backend is None:
-        return available[0]
+        return "triton" if device.type == "cuda" and "triton" in available else available[0]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend not in available:
-        raise RuntimeError(f"sparse backend {backend!r} is not available. {_extension.build_hint()}".strip())
+        hint = _extension.build_hint() if backend == "cpu" else "triton cannot run on this device"
+        raise RuntimeError(f"sparse backend {backend!r} is not available. {hint}".strip())
     return backend
 
 
+def _kernels():
+    from prime.kernels import sparse as kernels  # imports triton: only when asked for
+
+    return kernels
+
+
 def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
-    """The sparse payload (uint8, on the CPU) of a flat fp32 tensor. Non-finite values are refused (ValueError)."""
-    if _backend(backend) == "torch":
+    """The sparse payload (uint8) of a flat fp32 tensor: on x's device with the triton backend, else on the CPU.
+    Non-finite values are refused (ValueError)."""
+    chosen = _backend(backend, x.device)
+    if chosen == "torch":
         return encode_reference(x, chunk, k)
+    if chosen == "triton":
+        return _kernels().encode(x, chunk, k)
     _check(x.numel(), chunk, k)
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
@@ -206,10 +230,14 @@ def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64, backend: Optional[s
 
 
 def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
-    """The dense fp32 tensor (CPU) of n values a payload stands for (zero where nothing was kept). A payload of
-    another size or with positions not ascending in a chunk raises ValueError."""
-    if _backend(backend) == "torch":
+    """The dense fp32 tensor of n values a payload stands for (zero where nothing was kept), on the payload's
+    device with the triton backend, else on the CPU. A payload of another size or with positions not ascending in
+    a chunk raises ValueError."""
+    chosen = _backend(backend, payload.device)
+    if chosen == "torch":
         return decode_reference(payload, n, chunk, k)
+    if chosen == "triton":
+        return _kernels().decode(payload, n, chunk, k)
     _check(n, chunk, k)
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
         raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
@@ -218,6 +246,29 @@ def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64, backe
         return torch.ops.prime.sparse_decode(payload.cpu().contiguous(), n, chunk, k)
     except RuntimeError as e:
         raise ValueError(str(e).split("\n")[0]) from None
+
+
+def decode_add_(acc: torch.Tensor, payload: torch.Tensor, chunk: int = CHUNK, k: int = 64,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """acc += the values a payload stands for, at the kept positions only (a flat fp32 accumulator on the
+    payload's device; the same fp32 add as decode() then add). A malformed payload raises ValueError and leaves
+    acc as it was."""
+    chosen = _backend(backend, acc.device)
+    if chosen == "triton":
+        return _kernels().decode_add_(acc, payload, chunk, k)
+    if chosen == "cpu" and acc.device.type == "cpu" and acc.dtype == torch.float32 and acc.is_contiguous():
+        _check(acc.numel(), chunk, k)
+        try:  # (the op checks the payload, ascending positions included, before it adds)
+            torch.ops.prime.sparse_decode_add_(acc, payload.cpu().contiguous(), chunk, k)
+        except RuntimeError as e:
+            raise ValueError(str(e).split("\n")[0]) from None
+        return acc
+    records = _records(payload, acc.numel(), chunk, k)  # checked first: acc is untouched on error
+    flat = acc.view(-1)
+    for s, positions, values in records:
+        at = (s + positions).to(acc.device)
+        flat[at] = flat[at] + values.to(acc.device)
+    return acc
 
 
 def density(chunk: int = CHUNK, k: int = 64) -> float:

@@ -517,6 +517,69 @@ def test_bad_arguments_raise_clear_errors():
         codec.dequantize_add_int8_(torch.zeros(99), q, scales, 32)
 
 
+# ---------------------------------------------------------------------------
+# the sparse top-k format (kernels/sparse.py) against prime.sparse's reference, bytes and values
+
+
+def _sparse_input(n: int, rng) -> torch.Tensor:
+    """Random values with the format's corner cases: zeros, a negative zero, runs of equal magnitudes (ties),
+    subnormals, and a spike that makes a chunk's kept magnitudes span more than float64 sums exactly (the
+    kernel's ordered path)."""
+    x = torch.randn(n, generator=rng) * torch.exp(2 * torch.randn(n, generator=rng))
+    x[::7] = 0.0
+    x[min(5, n - 1)] = -0.0
+    x[10:20] = 1.5
+    x[21:24] = -1.5
+    x[30:33] = 1e-40
+    x[40:41] = 1e30
+    return x
+
+
+# (n, chunk, k): a partial chunk of 4-bit positions, chunks of 4096 with a short last one, every value kept
+SPARSE_CPU_SHAPES = [(100, 16, 3), (8269, 4096, 64), (300, 32, 32)]
+SPARSE_GPU_SHAPES = SPARSE_CPU_SHAPES + [((1 << 20) + 7, 4096, 64), (1 << 18, 4096, 256), (123457, 256, 5),
+                                         (99999, 1024, 1)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_matches_reference(device, rng):
+    from prime import sparse
+    from prime.kernels import sparse as triton_sparse
+
+    for n, chunk, k in SPARSE_CPU_SHAPES if device == "cpu" else SPARSE_GPU_SHAPES:
+        x = _sparse_input(n, rng)
+        ref = sparse.encode(x, chunk, k) if n > 10000 else sparse.encode_reference(x, chunk, k)
+        got = triton_sparse.encode(x.to(device), chunk, k)
+        assert torch.equal(got.cpu(), ref), (n, chunk, k)
+        want = sparse.decode(ref, n, chunk, k)
+        assert torch.equal(triton_sparse.decode(got, n, chunk, k).cpu(), want), (n, chunk, k)
+        acc = torch.randn(n, generator=rng)
+        want_acc = sparse.decode_add_(acc.clone(), ref, chunk, k, backend="torch")
+        out = triton_sparse.decode_add_(acc.clone().to(device), got, chunk, k).cpu()
+        assert torch.equal(out, want_acc), (n, chunk, k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_refuses_bad_input_and_leaves_the_accumulator(device):
+    from prime.kernels import sparse as triton_sparse
+
+    x = torch.ones(64, device=device)
+    x[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        triton_sparse.encode(x, 32, 4)
+    with pytest.raises(ValueError, match="overflows bf16"):
+        triton_sparse.encode(torch.full((32,), 3.4e38, device=device), 32, 4)
+    payload = triton_sparse.encode(torch.arange(64.0, device=device), 32, 4)
+    bad = payload.clone()
+    bad[4] = 0xFF  # the first position becomes 15 and the second 15 or more: not ascending
+    acc = torch.arange(64.0, device=device)
+    with pytest.raises(ValueError, match="not ascending"):
+        triton_sparse.decode_add_(acc, bad, 32, 4)
+    assert torch.equal(acc.cpu(), torch.arange(64.0))
+    with pytest.raises(ValueError, match="expected"):
+        triton_sparse.decode(payload[:-1], 64, 32, 4)
+
+
 def test_cpu_only_under_the_interpreter():
     if INTERPRETED:
         assert codec.available("cpu")

@@ -1,0 +1,207 @@
+"""The Triton kernels of the sparse top-k format (docs/wire-format-sparse.md), bit for bit the
+bytes and values of the CPU kernels (csrc/codec/sparse_cpu.cpp) and of the reference
+(prime/sparse.py). The launchers are in kernels/sparse.py.
+
+One program per chunk of CHUNK values (a power of two, so the chunk is one block of lanes):
+
+- Selection. Magnitudes are the fp32 bits without the sign (non-negative floats order as
+  their bits); the k-th largest, t, is found bit by bit from the top (31 counts over the
+  chunk); everything above t is kept, and of the values equal to t the lowest positions, as
+  many as are still needed (an exclusive cumsum ranks them). A second cumsum gives each kept
+  value its slot: slots follow positions, ascending.
+- The two levels. The ceil(k / 2) largest of the kept (the same ranking, a second search over
+  the kept only) split them; the means of each side and then of each level are float64 sums
+  in ascending position order, as the format fixes: a loop over the kept values in a scratch
+  row of the chunk's slots, left to right (a tree reduction would round differently).
+- Packing. Each byte of the position area ORs the (at most three) positions that overlap its
+  eight bits; each byte of the code area its four 2-bit codes.
+
+Nothing is converted by a cast that could round differently compiled and interpreted: the
+fp32 -> bf16 rounding is integer arithmetic on the bits; the float64 means go to fp32 by one
+conversion (round to nearest even on both).
+"""
+
+import triton
+import triton.language as tl
+
+_ABS = tl.constexpr(0x7FFFFFFF)
+_INF_BITS = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def _kth_largest(m, keep):
+    """The keep-th largest of the int32 magnitudes m (lanes outside the chunk hold -1)."""
+    t = tl.zeros((), dtype=tl.int32)
+    for b in tl.static_range(30, -1, -1):
+        cand = t | (1 << b)
+        cnt = tl.sum((m >= cand).to(tl.int32), axis=0)
+        t = tl.where(cnt >= keep, cand, t)
+    return t
+
+
+@triton.jit
+def _top(m, keep):
+    """The keep values of m ranked highest by (magnitude desc, position asc), as a mask."""
+    t = _kth_largest(m, keep)
+    above = tl.sum((m > t).to(tl.int32), axis=0)
+    eq = (m == t).to(tl.int32)
+    rank = tl.cumsum(eq, axis=0) - eq
+    return (m > t) | ((eq == 1) & (rank < keep - above))
+
+
+@triton.jit
+def _bf16_bits(f):
+    """fp32 -> bf16 bits, round to nearest even (non-negative finite f)."""
+    b = f.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _ordered_sums(mag_row, up_row, keep, mid, BY_MID: tl.constexpr, K: tl.constexpr):
+    """(sum of one side, sum of the other) of the kept magnitudes in a chunk's scratch row, float64, left to
+    right: the upper half and the rest (BY_MID false), or those >= mid and the rest."""
+    a = tl.zeros((), dtype=tl.float64)
+    b = tl.zeros((), dtype=tl.float64)
+    for j in range(0, K):
+        ok = j < keep
+        v = tl.load(mag_row + j, mask=ok, other=0).to(tl.float32, bitcast=True).to(tl.float64)
+        if BY_MID:
+            side = v >= mid
+        else:
+            side = tl.load(up_row + j, mask=ok, other=0) != 0
+        a += tl.where(ok & side, v, 0.0)
+        b += tl.where(ok & ~side, v, 0.0)
+    return a, b
+
+
+@triton.jit
+def _sparse_encode_kernel(x_ptr, out_ptr, pos_ptr, mag_ptr, up_ptr, code_ptr, status_ptr, n,
+                          CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
+                          PBYTES: tl.constexpr, CBYTES: tl.constexpr, LOGK: tl.constexpr):
+    c = tl.program_id(0)
+    start = c.to(tl.int64) * CHUNK
+    length = tl.minimum(n - start, CHUNK).to(tl.int32)
+    keep = (length * K + CHUNK - 1) // CHUNK
+    offs = tl.arange(0, CHUNK)
+    valid = offs < length
+    x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
+    m = tl.where(valid, x.to(tl.int32, bitcast=True) & _ABS, -1)
+    status = tl.where(tl.max(m, axis=0) >= _INF_BITS, 1, 0)
+
+    sel = _top(m, keep)
+    slot = tl.cumsum(sel.to(tl.int32), axis=0) - sel.to(tl.int32)
+    upper = (keep + 1) // 2
+    up = _top(tl.where(sel, m, -1), upper)
+    row = c.to(tl.int64) * K
+    mk = tl.where(sel, m, 0)
+    v = mk.to(tl.float32, bitcast=True).to(tl.float64)
+    # The format's sums are float64 in ascending position order. When every kept magnitude is a multiple of the
+    # smallest nonzero one's ulp and k of the largest stay below 2^53 of those ulps, every partial sum is exact
+    # and any order gives the same bits: a vector sum. Otherwise (kept magnitudes spanning more than
+    # 2^(29 - log2 K), rare) a loop over the kept values, left to right.
+    top = tl.max(mk, axis=0)
+    low = tl.min(tl.where(sel & (m > 0), m, _INF_BITS), axis=0)
+    exact = (top == 0) | ((top >> 23) - tl.maximum(low >> 23, 1) <= 29 - LOGK)
+    tl.store(pos_ptr + row + slot, offs, mask=sel)
+    tl.store(mag_ptr + row + slot, m, mask=sel)
+    tl.store(up_ptr + row + slot, up.to(tl.int32), mask=sel)
+    tl.debug_barrier()
+    if exact:
+        s_hi = tl.sum(tl.where(up, v, 0.0), axis=0)
+        s_lo = tl.sum(tl.where(sel & ~up, v, 0.0), axis=0)
+    else:
+        s_hi, s_lo = _ordered_sums(mag_ptr + row, up_ptr + row, keep, 0.0, False, K)
+    c_hi = s_hi / upper.to(tl.float64)
+    c_lo = tl.where(keep > upper, s_lo / tl.maximum(keep - upper, 1).to(tl.float64), c_hi)
+    mid = (c_lo + c_hi) / 2.0
+    h = sel & (v >= mid)
+    n_hi = tl.sum(h.to(tl.int32), axis=0)
+    if exact:
+        sum_hi = tl.sum(tl.where(h, v, 0.0), axis=0)
+        sum_lo = tl.sum(tl.where(sel & ~h, v, 0.0), axis=0)
+    else:
+        sum_hi, sum_lo = _ordered_sums(mag_ptr + row, up_ptr + row, keep, mid, True, K)
+    hi = _bf16_bits((sum_hi / n_hi.to(tl.float64)).to(tl.float32))
+    lo = tl.where(keep > n_hi, _bf16_bits((sum_lo / tl.maximum(keep - n_hi, 1).to(tl.float64)).to(tl.float32)), hi)
+    status = tl.where((status == 0) & ((hi & 0x7FFF) >= 0x7F80), 2, status)
+    tl.store(status_ptr + c, status)
+    code = h.to(tl.int32) | ((x < 0.0).to(tl.int32) << 1)  # bit 0: hi, bit 1: negative (-0 codes as positive)
+    tl.store(code_ptr + row + slot, code, mask=sel)
+    tl.debug_barrier()
+
+    rec = out_ptr + c.to(tl.int64) * RECORD
+    head = tl.arange(0, 4)
+    word = tl.where(head < 2, lo, hi)
+    tl.store(rec + head, ((word >> ((head % 2) * 8)) & 0xFF).to(tl.uint8))
+    # positions: byte b holds bits [8b, 8b + 8) of the stream of BITS-bit positions
+    pbytes = (keep * BITS + 7) // 8
+    b = tl.arange(0, PBYTES)
+    acc = tl.zeros((PBYTES,), dtype=tl.int32)
+    for t in tl.static_range(3):
+        j = (b * 8) // BITS + t
+        ok = (b < pbytes) & (j < keep) & (j * BITS < b * 8 + 8)
+        p = tl.load(pos_ptr + row + j, mask=ok, other=0)
+        shift = j * BITS - b * 8
+        part = tl.where(shift >= 0, p << tl.maximum(shift, 0), p >> tl.maximum(-shift, 0))
+        acc = acc | tl.where(ok, part & 0xFF, 0)
+    tl.store(rec + 4 + b, acc.to(tl.uint8), mask=b < pbytes)
+    # codes: byte q holds the codes of kept values 4q .. 4q + 3
+    cbytes = (keep + 3) // 4
+    q = tl.arange(0, CBYTES)
+    packed = tl.zeros((CBYTES,), dtype=tl.int32)
+    for t in tl.static_range(4):
+        j = q * 4 + t
+        ok = (q < cbytes) & (j < keep)
+        packed = packed | (tl.load(code_ptr + row + j, mask=ok, other=0) << (2 * t))
+    tl.store(rec + 4 + pbytes + q, packed.to(tl.uint8), mask=q < cbytes)
+
+
+@triton.jit
+def _positions(rec, j, ok, pbytes, BITS: tl.constexpr):
+    """The BITS-bit positions of kept values j (where ok) of a record."""
+    bit = j * BITS
+    byte = bit // 8
+    word = tl.zeros(j.shape, dtype=tl.int32)
+    for t in tl.static_range(3):
+        inside = ok & (byte + t < pbytes)
+        word = word | (tl.load(rec + 4 + byte + t, mask=inside, other=0).to(tl.int32) << (8 * t))
+    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _sparse_decode_kernel(payload_ptr, y_ptr, bad_ptr, n, CHUNK: tl.constexpr, K: tl.constexpr,
+                          BITS: tl.constexpr, RECORD: tl.constexpr, KP: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          CHECK_ONLY: tl.constexpr):
+    c = tl.program_id(0)
+    start = c.to(tl.int64) * CHUNK
+    length = tl.minimum(n - start, CHUNK).to(tl.int32)
+    keep = (length * K + CHUNK - 1) // CHUNK
+    rec = payload_ptr + c.to(tl.int64) * RECORD
+    lo_bits = tl.load(rec).to(tl.int32) | (tl.load(rec + 1).to(tl.int32) << 8)
+    hi_bits = tl.load(rec + 2).to(tl.int32) | (tl.load(rec + 3).to(tl.int32) << 8)
+    lo = (lo_bits << 16).to(tl.float32, bitcast=True)
+    hi = (hi_bits << 16).to(tl.float32, bitcast=True)
+    pbytes = (keep * BITS + 7) // 8
+    j = tl.arange(0, KP)
+    ok = j < keep
+    pos = _positions(rec, j, ok, pbytes, BITS)
+    prev = _positions(rec, j - 1, ok & (j > 0), pbytes, BITS)
+    codes = (tl.load(rec + 4 + pbytes + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 3
+    mag = tl.where((codes & 1) != 0, hi, lo)
+    val = tl.where((codes & 2) != 0, -mag, mag)
+    # a record whose positions are not ascending inside the chunk is not a payload of this format
+    bad = tl.sum((ok & ((pos >= length) | ((j > 0) & (pos <= prev)))).to(tl.int32), axis=0)
+    if CHECK_ONLY or not ACCUMULATE:  # one flag for the payload
+        tl.atomic_max(bad_ptr, tl.where(bad > 0, 1, 0))
+    if CHECK_ONLY:
+        return
+    if ACCUMULATE:  # after a CHECK_ONLY pass: nothing is written when it found the payload malformed
+        ok = ok & (tl.load(bad_ptr + tl.zeros_like(j)) == 0)
+    if not ACCUMULATE:
+        offs = tl.arange(0, CHUNK)
+        tl.store(y_ptr + start + offs, tl.zeros((CHUNK,), dtype=tl.float32), mask=offs < length)
+        tl.debug_barrier()
+        tl.store(y_ptr + start + pos, val, mask=ok & (pos < length))
+    else:
+        a = tl.load(y_ptr + start + pos, mask=ok & (pos < length), other=0.0)
+        tl.store(y_ptr + start + pos, a + val, mask=ok & (pos < length))

@@ -1,0 +1,111 @@
+"""Triton versions of the sparse top-k ops (docs/wire-format-sparse.md), the bytes and values of
+prime.sparse's CPU kernels and reference bit for bit (prime.sparse's backend="triton" lands here):
+
+    encode(x, chunk, k)              -> payload uint8[payload_bytes(n)] on x's device
+    decode(payload, n, chunk, k)     -> y fp32[n] on the payload's device
+    decode_add_(acc, payload, chunk, k) -> acc, the kept values added in place
+
+CUDA tensors run compiled kernels; CPU tensors run them under Triton's interpreter (TRITON_INTERPRET=1
+before triton is first imported; slow, for tests), as kernels/codec.py. Each call checks what the kernels
+report (a non-finite input, a malformed payload) with one host sync, and raises ValueError naming it;
+decode_add_ checks the payload before it touches the accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import _sparse_kernels as _k
+from .codec import _COMPILE_OPTIONS, _check_device, _on_device
+
+__all__ = ["encode", "decode", "decode_add_"]
+
+ENCODE_WARPS = 8  # H200, 256 MiB: 2.9 ms at 8 warps, 5.0 at 4 (k = 64), 3.7 at 16
+
+
+def _shape(chunk: int, k: int) -> dict:
+    from prime.sparse import _check, _record_bytes
+
+    bits = _check(0, chunk, k)
+    return {"CHUNK": chunk, "K": k, "BITS": bits, "RECORD": _record_bytes(k, bits)}
+
+
+def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    from prime.sparse import payload_bytes
+
+    _check_device(x.device)
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    x = x.contiguous()
+    n = x.numel()
+    shape = _shape(chunk, k)
+    out = torch.empty(payload_bytes(n, chunk, k), dtype=torch.uint8, device=x.device)
+    chunks = triton.cdiv(n, chunk)
+    if chunks == 0:
+        return out
+    scratch = torch.empty(4, chunks * k, dtype=torch.int32, device=x.device)  # per chunk: positions, magnitudes,
+    status = torch.empty(chunks, dtype=torch.int32, device=x.device)  # upper-half flags, codes, by slot
+    pbytes = triton.next_power_of_2((k * shape["BITS"] + 7) // 8)
+    cbytes = triton.next_power_of_2((k + 3) // 4)
+    with _on_device(x.device):
+        _k._sparse_encode_kernel[(chunks,)](x, out, scratch[0], scratch[1], scratch[2], scratch[3], status, n,
+                                            PBYTES=pbytes, CBYTES=cbytes, LOGK=(k - 1).bit_length(),
+                                            num_warps=ENCODE_WARPS, **shape, **_COMPILE_OPTIONS)
+    worst = int(status.max())
+    if worst == 1:
+        raise ValueError("sparse encode: the input holds NaN or Inf")
+    if worst == 2:
+        raise ValueError("sparse encode: a chunk's magnitude overflows bf16")
+    return out
+
+
+def _decode(payload: torch.Tensor, y: torch.Tensor, chunk: int, k: int, accumulate: bool,
+            bad: torch.Tensor, check_only: bool = False) -> None:
+    n = y.numel()
+    chunks = triton.cdiv(n, chunk)
+    if chunks == 0:
+        return
+    kp = triton.next_power_of_2(k)
+    with _on_device(y.device):
+        _k._sparse_decode_kernel[(chunks,)](payload, y, bad, n, KP=kp, ACCUMULATE=accumulate, CHECK_ONLY=check_only,
+                                            num_warps=max(1, min(4, kp // 32)), **_shape(chunk, k),
+                                            **_COMPILE_OPTIONS)
+
+
+def _check_payload(payload: torch.Tensor, n: int, chunk: int, k: int) -> None:
+    from prime.sparse import payload_bytes
+
+    _check_device(payload.device)
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != payload_bytes(n, chunk, k):
+        raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
+                         f"got {payload.numel()} ({payload.dtype})")
+
+
+_MALFORMED = "sparse decode: a record's positions are not ascending inside its chunk"
+
+
+def decode(payload: torch.Tensor, n: int, chunk: int, k: int) -> torch.Tensor:
+    _check_payload(payload, n, chunk, k)
+    y = torch.empty(n, dtype=torch.float32, device=payload.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=payload.device)
+    _decode(payload.contiguous(), y, chunk, k, accumulate=False, bad=bad)
+    if int(bad):
+        raise ValueError(_MALFORMED)
+    return y
+
+
+def decode_add_(acc: torch.Tensor, payload: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    if acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous():
+        raise ValueError(f"sparse decode_add_ takes a flat contiguous float32 accumulator, got {acc.dtype} of "
+                         f"shape {tuple(acc.shape)}")
+    _check_payload(payload, acc.numel(), chunk, k)
+    if payload.device != acc.device:
+        raise ValueError(f"the payload ({payload.device}) and the accumulator ({acc.device}) are on different devices")
+    payload = payload.contiguous()
+    bad = torch.zeros(1, dtype=torch.int32, device=acc.device)
+    _decode(payload, acc, chunk, k, accumulate=True, bad=bad, check_only=True)
+    _decode(payload, acc, chunk, k, accumulate=True, bad=bad)  # writes nothing when the check found a fault
+    if int(bad):
+        raise ValueError(_MALFORMED)
+    return acc
