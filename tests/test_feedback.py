@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from prime import _extension, ops, sparse
+from prime import _extension, feedback, ops, sparse
 from prime.config import load_config
 from prime.diloco import DiLoCo, OuterSyncError
 from prime.fragments import FragmentSchedule, split_fragments
@@ -119,6 +119,16 @@ def _round_trip(x, codec, bs, backend):
         return ops.dequantize_int8(q, s, bs, backend=backend)
     q, s = ops.quantize_fp4(x, bs, backend=backend, check_finite=False)
     return ops.dequantize_fp4(q, s, x.numel(), bs, backend=backend)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_topk_round_trip_of_a_gpu_tensor_gives_the_cpu_bits_on_the_gpu(seed):
+    """A GPU outer state's residual pass stays on the GPU (the Triton kernels) with the CPU kernels' bits."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3 * 4096 + 77, generator=gen) * torch.exp(torch.randn(3 * 4096 + 77, generator=gen))
+    cpu = feedback.round_trip(x, "topk", 4096, 64)
+    gpu = feedback.round_trip(x.cuda(), "topk", 4096, 64)
+    assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
 
 
 @pytest.mark.parametrize("codec", CODECS)
