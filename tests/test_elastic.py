@@ -487,18 +487,19 @@ def test_a_slow_node_is_evicted_at_the_barrier_and_rejoins(scenario_c):
 
 
 def test_in_time_phases_a_straggler_is_left_out_after_the_grace_window_and_rejoins(tmp_path):
-    """diloco.phase = time, 3 nodes, phases of 2 s, a grace window (elastic.barrier_timeout_s) of 1.5 s. Node 2
-    stalls 6 s (3 phases) inside an inner step: nodes 0 and 1 wait for it no longer than the grace window, average
+    """diloco.phase = time, 3 nodes, phases of 2 s, a grace window (elastic.barrier_timeout_s) of 1.5 s; node 1's
+    inner steps take 2x their time, so node 0 trains more of them in every phase and weighs more. Node 2 stalls
+    6 s (3 phases) inside an inner step: nodes 0 and 1 wait for it no longer than the grace window, average
     without it (their counts only), and node 2 is admitted again; every outer step the nodes share has the same
-    digest and the run ends with the same weights on all 3."""
+    digest and the same counts, and the run ends with the same weights on all 3."""
     seed = random.randrange(1000)
     print(f"seed {seed}")
     grace = 1.5
     job = Job(tmp_path, initial=3, steps=60, seed=seed,
               extra=["--diloco.inner_steps", "10", "--diloco.phase", "time", "--diloco.phase_seconds", "2",
                      "--elastic.barrier_timeout_s", str(grace)])
-    for r in (0, 1):
-        job.start(r)
+    job.start(0)
+    job.start(1, args=["--train.slowdown", "2"])
     job.start(2, env={"PRIME_FAULTS": "train.before_step@15=stall:6"})
     try:
         codes = job.wait()
@@ -512,6 +513,11 @@ def test_in_time_phases_a_straggler_is_left_out_after_the_grace_window_and_rejoi
     left_out = job.outer(0)[k]
     assert left_out["node_steps"] == job.outer(1)[k]["node_steps"] and len(left_out["node_steps"]) == 2, left_out
     assert left_out["wait_s"] < grace + 2.0, left_out  # held for the grace window, not the ring's 60 s
+    for step, rec in job.outer(0).items():  # the counts travel with the average: every member logs the same
+        assert all(job.outer(r).get(step, rec)["node_steps"] == rec["node_steps"] for r in (1, 2)), step
+        assert abs(sum(rec["node_weights"]) - 1) < 1e-9
+    first = job.outer(0)[1]["node_steps"]
+    assert first[0] > 1.4 * first[1], first  # node 1 is 2x slower: about half of node 0's inner steps
     joined = next(r for r in job.records(2, "membership") if r.get("event") == "joined")
     assert joined["outer_step"] > k
     assert _assert_identical(job, [0, 1, 2]) >= 1
