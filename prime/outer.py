@@ -272,17 +272,20 @@ class OuterState(FlatLayout, OverlapPasses):
         self._walk(body, home=(self.residual,), work=(g,), write_home=commit, lo=lo, hi=hi, work_at=at)
 
     @torch.no_grad()
-    def commit_residual(self, lo: int = 0, hi: Optional[int] = None) -> None:
+    def commit_residual(self, lo: int = 0, hi: Optional[int] = None, scale: float = 1.0) -> None:
         """Error feedback, once the average of a synchronous outer step is back and before update() applies it:
         residual := what this node's contribution lost, over [lo, hi), recomputed from the outer weights, the
         local weights and the residual as they were when compensate() made the contribution (the same operations,
-        so the same bits). Until now the residual was untouched, so that a failed average leaves it as it was."""
+        so the same bits; `scale`: the contribution's weight, prime.weights). Until now the residual was
+        untouched, so that a failed average leaves it as it was."""
         codec, bs, keep = self.feedback_codec, self.block_size, self.feedback_keep
         tmp = self._scratch(1)[0]
 
         def body(p, wc, ec):
             t = tmp[: wc.numel()]
             p.subtract_from(wc, t)  # pseudo_gradient()'s subtraction
+            if scale != 1.0:
+                t.mul_(scale)
             compensate(t, ec, codec, bs, True, keep)
 
         self._walk(body, home=(self.outer, self.residual), write_home=True, lo=lo, hi=hi)

@@ -88,7 +88,7 @@ class PipelinedStep:
             if weights is not None:
                 buffer(j).mul_(weights.factor)
             if feedback:
-                st.commit_residual(lo, hi)
+                st.commit_residual(lo, hi, scale)
                 st.add_to_residual(s.sync.take_dropped(buffer(j)), lo, hi)
             st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
             self.done = j + 1
@@ -143,7 +143,7 @@ class PipelinedStep:
                 base[lo:hi].mul_(r.weights.factor)
             s.sync.applying(r)
             if feedback and r.contributed:
-                st.commit_residual(lo, hi)
+                st.commit_residual(lo, hi, scale)
                 st.add_to_residual(s.sync.take_dropped(base[lo:hi]), lo, hi)
             elif feedback:  # this node's pseudo-gradient is not in the average: it lost nothing to the codec
                 st.reset_residual()

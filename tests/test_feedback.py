@@ -465,6 +465,112 @@ def test_diloco_matches_the_reference_bit_for_bit(seed, codec, fragments, overla
     assert any(not torch.equal(a[1][0], b[1][0]) for a, b in zip(got[0][0], got[1][0])), f"seed {seed}"
 
 
+# Time phases: inner steps each node trains per nominal step (0: the clock passed it without one), per node
+STEPS_PER_NOMINAL = {0: [2, 1, 3, 2, 1, 2, 2, 2, 1, 3, 1, 2], 1: [1, 0, 1, 0, 0, 1, 1, 0, 1, 0, 1, 1]}
+
+
+def weighted_reference(seed, codec, H, outer_steps, fragments):
+    """DiLoCo with token weights (prime/weights.py) in plain torch, 2 nodes training STEPS_PER_NOMINAL: each
+    node's pseudo-gradient times n_r / H before error feedback, the average times N H / sum n. Returns what
+    reference() returns."""
+    from prime.weights import average_factor
+
+    nodes = 2
+    models = [tiny_model(seed) for _ in range(nodes)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    params = [list(m.parameters()) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    groups = split_fragments(names, [p.numel() for p in params[0]], fragments) if fragments > 1 else [
+        list(range(len(names)))]
+    outer = [p.detach().clone() for p in params[0]]
+    mom = [torch.zeros_like(w) for w in outer]
+    res = [[torch.zeros_like(w) for w in outer] for _ in range(nodes)]
+    sched = FragmentSchedule(H, fragments)
+    since, done = [0] * fragments, [0] * fragments
+    count, trained = [0] * nodes, [[0] * nodes for _ in range(fragments)]
+    for t in range(1, H * outer_steps + 1):
+        for r in range(nodes):
+            for _ in range(STEPS_PER_NOMINAL[r][t - 1]):
+                count[r] += 1
+                inner_step(models[r], opts[r], seed, r, count[r])
+                for f in range(fragments):
+                    trained[f][r] += 1
+        for f in range(fragments):
+            since[f] += 1
+            if since[f] < (sched.offset(f) if done[f] == 0 else H):
+                continue
+            since[f], done[f] = 0, done[f] + 1
+            n, trained[f] = trained[f], [0] * nodes
+            with torch.no_grad():
+                for i in groups[f]:
+                    cs = []
+                    for r in range(nodes):
+                        d = torch.sub(outer[i], params[r][i])
+                        if n[r] != H:
+                            d = torch.mul(d, n[r] / H)
+                        p = d + res[r][i] if codec != "none" else d
+                        y = rt_ref(p, codec).view_as(p) if codec != "none" else p
+                        if codec != "none":
+                            res[r][i] = p - y
+                        cs.append(y)
+                    if codec == "none":  # the exact ring: the sum in rank order, divided
+                        avg = _sum_in_order(cs) / torch.full_like(cs[0], nodes)
+                    else:
+                        avg = fake_average(cs, codec).view_as(outer[i])
+                    a = torch.mul(avg, average_factor(n, H))
+                    nesterov_(outer[i], mom[i], a)
+                    for r in range(nodes):
+                        params[r][i].copy_(outer[i])
+    return outer, res, groups
+
+
+def run_weighted(seed, codec, H, outer_steps, fragments):
+    """DiLoCo(weights="tokens") on DirectFakeRing, each node stepping as STEPS_PER_NOMINAL says (step(0) within
+    a nominal step, step(1) at its last inner step, advance() for a nominal step without one)."""
+    group = FakeGroup(2)
+
+    def node(r):
+        model = tiny_model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU, codec=codec,
+                   block_size=BS, fragments=fragments, error_feedback=codec != "none" or None,
+                   measure_compression_error=False, weights="tokens")
+        count = 0
+        for t in range(1, H * outer_steps + 1):
+            k = STEPS_PER_NOMINAL[r][t - 1]
+            if k == 0:
+                d.advance()
+            for j in range(k):
+                count += 1
+                inner_step(model, opt, seed, r, count)
+                d.step(1 if j == k - 1 else 0)
+        out = []
+        for f in d.fragments:
+            st = f.state
+            out.append((unflatten(st.outer.clone(), st),
+                        unflatten(st.residual.clone(), st) if st.residual is not None else None))
+        d.close()
+        return out, None
+
+    return run_nodes(2, node)
+
+
+@pytest.mark.parametrize("codec,fragments", [("none", 1), ("fp4", 1), ("int8", 2)])
+def test_token_weighted_diloco_matches_the_reference_bit_for_bit(seed, codec, fragments):
+    """Nodes training different numbers of inner steps per nominal step (node 1 none in some), 3 outer steps of
+    H = 4: outer weights (and residuals, with a lossy codec) equal the plain-torch reference's, bit for bit."""
+    H, K = 4, 3
+    got = run_weighted(seed, codec, H, K, fragments)
+    ref = weighted_reference(seed, codec, H, K, fragments)
+    outer, res, groups = ref
+    for r, (frags, _) in enumerate(got):
+        for f, (w, e) in enumerate(frags):
+            for k, i in enumerate(groups[f]):
+                assert torch.equal(w[k], outer[i]), f"seed {seed} {codec}: node {r} outer weights of parameter {i}"
+                if e is not None:
+                    assert torch.equal(e[k], res[r][i]), f"seed {seed} {codec}: node {r} residual of parameter {i}"
+
+
 def test_without_error_feedback_the_reference_differs(seed):
     """The reference is sensitive to the feature: fp4 without error feedback gives other weights (and DiLoCo with
     error_feedback=False matches the reference without it)."""
