@@ -45,43 +45,8 @@ its own outer step at its own offset in the phase (prime/fragments.py:
 streaming fragments): one fragment's all-reduce is in flight at a time, with
 1/P of the bytes and work buffers of 1/P of the model. DiLoCo walks its
 fragments after every inner step; the outer step of each is the one above.
-"""
 
-from __future__ import annotations
-
-import functools
-import hashlib
-import logging
-from typing import Callable, Optional
-
-import torch
-from torch import nn
-
-from prime.codecs import codec as codec_named
-from prime.feedback import resolve_error_feedback
-from prime.fragment_plan import FragmentPlan, OuterUpdate, plan_fragments, work_buffers
-from prime.fragments import FragmentSchedule, OuterStepResult
-from prime.hooks import InnerStepHooks
-from prime.ops import default_block_size
-from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
-from prime.outer_states import OuterStates
-from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
-from prime.stepper import OuterSteps, agree_finite
-from prime.sync import OuterSyncError, ReplicaMismatchError, RingSync, Sync, complete, node_local_group, work_stats
-from prime.weights import WEIGHTINGS
-
-__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
-           "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
-
-logger = logging.getLogger("prime.diloco")
-
-OVERLAP_SCHEMES = tuple(SCHEMES)
-"""How the next inner steps start while the average of the last outer step is in flight: one class per scheme in
-prime/overlap.py (docs/overlap.md, "Overlapping the all-reduce")."""
-
-class DiLoCo:
-    """Outer optimization across nodes for one process's share of a model (docs/diloco-api.md says more of
-    each argument).
+DiLoCo's arguments:
 
     model:            a plain nn.Module or one sharded with FSDP2 `fully_shard` (each process then handles
                       only its local shards)
@@ -127,7 +92,43 @@ class DiLoCo:
                       weighted by the inner steps each trained since that fragment's last outer step (time
                       phases, where a faster node trains more; every node must train the same tokens per inner
                       step). The counts travel over the ring (prime.weights); the sync must declare `weighs`
-    """
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from prime.codecs import codec as codec_named
+from prime.feedback import resolve_error_feedback
+from prime.fragment_plan import FragmentPlan, OuterUpdate, plan_fragments, work_buffers
+from prime.fragments import FragmentSchedule, OuterStepResult
+from prime.hooks import InnerStepHooks
+from prime.ops import default_block_size
+from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
+from prime.outer_states import OuterStates
+from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
+from prime.stepper import OuterSteps, agree_finite
+from prime.sync import OuterSyncError, ReplicaMismatchError, RingSync, Sync, complete, node_local_group, work_stats
+from prime.weights import WEIGHTINGS
+
+__all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
+           "MERGE_ALPHA", "STAND_IN_OTHERS", "stand_in_share"]
+
+logger = logging.getLogger("prime.diloco")
+
+OVERLAP_SCHEMES = tuple(SCHEMES)
+"""How the next inner steps start while the average of the last outer step is in flight: one class per scheme in
+prime/overlap.py (docs/overlap.md, "Overlapping the all-reduce")."""
+
+class DiLoCo:
+    """Outer optimization across nodes for one process's share of a model: its arguments are described in this
+    module's docstring, "DiLoCo's arguments" (and docs/diloco-api.md)."""
 
 
     def __init__(
@@ -381,23 +382,7 @@ class DiLoCo:
         return self.states.outer_weights()
 
     def _fingerprint(self) -> tuple[int, int, int]:
-        s = self.settings()
-        sizes = [n for f in self.fragments for n in f.state.sizes]
-        numel = sum(f.state.numel for f in self.fragments)
-        fields = (self.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
-                  s.get("outer_optimizer"), s.get("outer_defaults"), self.codec, self.block_size, sizes,
-                  self.outer_step)
-        if self.overlap:  # appended only with overlap: the hash of a run without it is unchanged
-            fields += (self.overlap_scheme, self.overlap_steps)
-        if len(self.fragments) > 1:  # likewise for fragments
-            fields += (len(self.fragments), [len(g) for g in self._plan.groups],
-                       [(f.outer_step, f.since_sync) for f in self.fragments])
-        if self.error_feedback:  # and error feedback (the residuals themselves differ from node to node)
-            fields += ("error_feedback",)
-        if self.weights != "equal":  # and token weights
-            fields += ("weights", self.weights)
-        h = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
-        return self.weights_hash(), int.from_bytes(h, "little"), numel
+        return _fingerprint(self)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -434,6 +419,27 @@ class DiLoCo:
             self._sync.close()
         if error is not None:
             raise OuterSyncError(f"the average of outer step {step}, in flight at close(), failed: {error}") from error
+
+
+def _fingerprint(d: DiLoCo) -> tuple[int, int, int]:
+    """(weights hash, settings hash, numel): what the replica check compares across nodes."""
+    s = d.settings()
+    sizes = [n for f in d.fragments for n in f.state.sizes]
+    numel = sum(f.state.numel for f in d.fragments)
+    fields = (d.inner_steps, s.get("outer_lr"), s.get("outer_momentum"), s.get("nesterov"),
+              s.get("outer_optimizer"), s.get("outer_defaults"), d.codec, d.block_size, sizes,
+              d.outer_step)
+    if d.overlap:  # appended only with overlap: the hash of a run without it is unchanged
+        fields += (d.overlap_scheme, d.overlap_steps)
+    if len(d.fragments) > 1:  # likewise for fragments
+        fields += (len(d.fragments), [len(g) for g in d._plan.groups],
+                   [(f.outer_step, f.since_sync) for f in d.fragments])
+    if d.error_feedback:  # and error feedback (the residuals themselves differ from node to node)
+        fields += ("error_feedback",)
+    if d.weights != "equal":  # and token weights
+        fields += ("weights", d.weights)
+    h = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
+    return d.weights_hash(), int.from_bytes(h, "little"), numel
 
 
 def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optional[int]:

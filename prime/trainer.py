@@ -109,17 +109,6 @@ class Trainer:
                           wandb_mode=m.wandb_mode, run_id=cfg.nodes.run_id, progress=m.progress,
                           config=cfg.to_dict(), resume_step=self.resumed_from)
 
-    def _describe(self) -> None:
-        lines = [self.parts.describe(self.cfg, self.env, self.metrics.peak), self.data.describe(), self.nodes.describe()]
-        if self.diloco.placement and self.env.device.type == "cuda":  # where the outer state went, and why
-            lines.append(self.diloco.placement)
-        if self.resumed_from is not None:
-            lines.append(f"resumed from the checkpoint of step {self.resumed_from}")
-        if self.cfg.train.slowdown > 1:
-            lines.append(f"inner steps slowed {self.cfg.train.slowdown:g}x (train.slowdown): an emulated slower node")
-        for line in filter(None, lines):
-            self.metrics.print(line)
-
     def train_step(self) -> tuple[float, float]:
         """One inner step (forward/backward over grad_accum micro-batches, clip, AdamW). Returns (loss, grad norm) tensors."""
         cfg = self.cfg
@@ -153,7 +142,7 @@ class Trainer:
         an inner step may pass none of them (a fast node) or several (a slow one), and one that would not end
         before the next outer step's time is not started."""
         cfg, m = self.cfg, self.metrics
-        self._describe()
+        _describe(self)
         m.reset()
         t_start = time.perf_counter()
         try:
@@ -376,3 +365,19 @@ class Trainer:
         if error is not None:
             raise error
         return note
+
+
+def _describe(t: Trainer) -> None:
+    """The run's opening lines: model, data, nodes, where the outer state went, a resume, an emulated slowdown."""
+    lines = [t.parts.describe(t.cfg, t.env, t.metrics.peak), t.data.describe(), t.nodes.describe()]
+    if t.diloco.placement and t.env.device.type == "cuda":  # where the outer state went, and why
+        lines.append(t.diloco.placement)
+    if t.resumed_from is not None:
+        lines.append(f"resumed from the checkpoint of step {t.resumed_from}")
+    if t.cfg.train.slowdown > 1:
+        lines.append(f"inner steps slowed {t.cfg.train.slowdown:g}x (train.slowdown): an emulated slower node")
+    if t.clock is not None:
+        lines.append(f"time phases: {t.cfg.diloco.phase_seconds:g} s of inner steps per outer step, the nodes weighted "
+                     "by the inner steps each trained (diloco.phase = time)")
+    for line in filter(None, lines):
+        t.metrics.print(line)
