@@ -277,7 +277,13 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
                 plan.notes.append(f"checkpoints: saved synchronously (training waits for each write): an async save "
                                   f"would stage {async_need / GIB:.1f} GiB more per process, which this host cannot hold")
     plan.host_budget = plan_host_budget(plan, m, host_total)
-    # -- what would help ---------------------------------------------------------------
+    _add_remedies(plan, cfg, diloco, frags, work=work, largest=largest, outer_numel=outer_numel, home_gpu=home_gpu)
+    return plan
+
+
+def _add_remedies(plan: MemoryPlan, cfg, diloco, frags: list, *, work: int, largest: int, outer_numel: int,
+                  home_gpu: bool) -> None:
+    """What would help a plan that does not fit, each naming the setting (plan.remedies)."""
     P = len(frags) or 1
     if not plan.fits_gpu():
         if frags and work >= GIB and (P == 1 or largest > outer_numel // (2 * P)):
@@ -300,7 +306,6 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
         if plan.checkpoint == "async":
             plan.remedies.append("checkpoint.async_save = false")
         plan.remedies.append("fewer processes on this host")
-    return plan
 
 
 def plan_host_budget(plan: MemoryPlan, m, host_total: Optional[int]) -> int:
