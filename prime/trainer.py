@@ -29,7 +29,7 @@ from prime.builders import (build_checkpoints, build_data, build_memory_plan, bu
 from prime.checkpoint import CheckpointError
 from prime.config import Config
 from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError
-from prime.memory import MemoryPlanError, peak_host_bytes
+from prime.memory import MemoryPlanError
 from prime.nodes import AfterOuter
 from prime.phases import PhaseClock
 from prime.runtime import build_environment
