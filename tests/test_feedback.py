@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from prime import _extension, feedback, ops, sparse
+from prime import _extension, ops, sparse
+from prime.feedback import round_trip
 from prime.config import load_config
 from prime.diloco import DiLoCo, OuterSyncError
 from prime.fragments import FragmentSchedule, split_fragments
@@ -126,8 +127,8 @@ def test_a_topk_round_trip_of_a_gpu_tensor_gives_the_cpu_bits_on_the_gpu(seed):
     """A GPU outer state's residual pass stays on the GPU (the Triton kernels) with the CPU kernels' bits."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(3 * 4096 + 77, generator=gen) * torch.exp(torch.randn(3 * 4096 + 77, generator=gen))
-    cpu = feedback.round_trip(x, "topk", 4096, 64)
-    gpu = feedback.round_trip(x.cuda(), "topk", 4096, 64)
+    cpu = round_trip(x, "topk", 4096, 64)
+    gpu = round_trip(x.cuda(), "topk", 4096, 64)
     assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
 
 
@@ -278,8 +279,9 @@ def lookahead(w, m, d):
     return torch.sub(w, u)
 
 
-def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None):
-    """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter."""
+def _reference_start(seed, nodes, fragments):
+    """The plain-torch references' start: each node's model and AdamW, its parameters, the fragments' parameter
+    groups, the outer weights, zero momentum and zero residuals."""
     models = [tiny_model(seed) for _ in range(nodes)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -289,6 +291,12 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
     outer = [p.detach().clone() for p in params[0]]
     mom = [torch.zeros_like(w) for w in outer]
     res = [[torch.zeros_like(w) for w in outer] for _ in range(nodes)]
+    return models, opts, params, groups, outer, mom, res
+
+
+def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None):
+    """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter."""
+    models, opts, params, groups, outer, mom, res = _reference_start(seed, nodes, fragments)
     sched = FragmentSchedule(H, fragments)
     since, done = [0] * fragments, [0] * fragments
     starts, pending = [None] * nodes, None
@@ -476,15 +484,7 @@ def weighted_reference(seed, codec, H, outer_steps, fragments):
     from prime.weights import average_factor
 
     nodes = 2
-    models = [tiny_model(seed) for _ in range(nodes)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-    params = [list(m.parameters()) for m in models]
-    names = [n for n, _ in models[0].named_parameters()]
-    groups = split_fragments(names, [p.numel() for p in params[0]], fragments) if fragments > 1 else [
-        list(range(len(names)))]
-    outer = [p.detach().clone() for p in params[0]]
-    mom = [torch.zeros_like(w) for w in outer]
-    res = [[torch.zeros_like(w) for w in outer] for _ in range(nodes)]
+    models, opts, params, groups, outer, mom, res = _reference_start(seed, nodes, fragments)
     sched = FragmentSchedule(H, fragments)
     since, done = [0] * fragments, [0] * fragments
     count, trained = [0] * nodes, [[0] * nodes for _ in range(fragments)]

@@ -8,15 +8,8 @@ from torch import nn
 from prime import DiLoCo
 from prime.phases import PhaseClock
 from prime.weights import StepWeights, average_factor, contribution_scale, from_limbs, to_limbs
-from test_diloco import FakeThreadGroup, FakeThreadRing, TwoParams, run_nodes
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from test_diloco import FakeThreadGroup, FakeThreadRing, TwoParams, one_thread, run_nodes  # noqa: F401
+# (one_thread: test_diloco's autouse fixture, one torch thread per test)
 
 
 class FakeClock:
