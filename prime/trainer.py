@@ -212,7 +212,7 @@ class Trainer:
         if d.distributed and nominal and d.since_sync + 1 >= d.inner_steps:
             m.outer_running(d.outer_step + 1)
         t0 = time.perf_counter()
-        result = d.step(nominal) if clock is not None else d.step()
+        result = d.step(nominal)
         decision = self._after_outer(result, t0)
         if decision.rejoined_at is not None:  # (re)joined the job: go on from the job's step and data
             return
