@@ -25,6 +25,7 @@ piece's update are left on the critical path beside the wire.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -271,23 +272,31 @@ class _InFlight:
 
     def run(self, sync, ready: Optional[Any], device: torch.device) -> None:
         try:
+            side = None
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+                # The collective's own copies (a codec staged through the host: the input down, the average and
+                # the dropped part up) run on a stream of their own, beside training's kernels, not between them.
+                side = torch.cuda.Stream(device)
             if ready is not None:
                 ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
-            recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
-            if self.weighing is None:
-                self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
-                                           recompute=recompute)
-            else:  # the token-weighted average (prime.weights)
-                self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
-                                           recompute=recompute, trained=self.weighing.trained)
-                self.result.weights = self.weighing.of(self.result.counts)
-                self.buf.mul_(self.result.weights.factor)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._average(sync)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the average is in buf before the main thread reads it
         except BaseException as e:  # handed to the main thread at the next outer step (or close)
             self.error = e
+
+    def _average(self, sync) -> None:
+        recompute = None if self.saved is None else (lambda b: b.copy_(self.saved))
+        if self.weighing is None:
+            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                       recompute=recompute)
+        else:  # the token-weighted average (prime.weights)
+            self.result = sync.average(self.buf, outer_step=self.outer_step, inner_step=self.inner_step,
+                                       recompute=recompute, trained=self.weighing.trained)
+            self.result.weights = self.weighing.of(self.result.counts)
+            self.buf.mul_(self.result.weights.factor)
 
     def start(self, sync, ready, device) -> None:
         self.thread = threading.Thread(target=self.run, args=(sync, ready, device), daemon=True,

@@ -205,6 +205,11 @@ def auto_margin_bytes(cfg, env, parts) -> int:
     return int(rest + ALLOCATOR_FRACTION * sum(b for _, b in items)) + CUDA_CONTEXT_BYTES + int(GPU_SLACK_FRACTION * total)
 
 
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two (how torch's caching host allocator sizes pinned blocks)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
                 host_total: Optional[int] = None) -> MemoryPlan:
     """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
@@ -237,6 +242,12 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     block = cfg.diloco.resolved_block_size()
     # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
     ring_host = int(2 * ring_values / nodes * (1 + 2 / block)) if on_gpu and frags else 0
+    if frags and cfg.diloco.codec == "topk":
+        # the sparse codec runs on the CPU: a CUDA tensor is staged down and its average up (pinned, the caching
+        # host allocator's power-of-two blocks), the owners' dropped part comes back in a third buffer, and the
+        # owner sums its chunk and decodes its selection (4 bytes a value of its 1/N each)
+        staged = _pow2(4 * ring_values) if on_gpu else 4 * ring_values
+        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * ring_values / nodes)
     if on_gpu:
         budget = gpu_total if gpu_total is not None else (
             int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
@@ -255,7 +266,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
         if not home_gpu:
             plan.host.append((home_name + (" (pinned)" if on_gpu else ""), home))
         if ring_host:
-            plan.host.append(("ring staging (pinned)", ring_host))
+            plan.host.append(("ring staging" + (" (pinned)" if on_gpu else ""), ring_host))
         states = getattr(diloco, "states", None)
         if cfg.elastic.enabled and home_gpu and states is not None:  # what joiners are served from
             plan.host.append(("elastic state mirror (pinned)", states.mirror_bytes()))

@@ -297,6 +297,8 @@ class OuterState(FlatLayout, OverlapPasses):
         buffer of the range, from the sync: Sync.take_dropped; None: nothing)."""
         if dropped is None or self.residual is None:
             return
+        if dropped.is_cuda:  # made on the collective's stream (Sync.take_dropped), read on this one
+            dropped.record_stream(torch.cuda.current_stream(dropped.device))
         d = dropped.to(self.work_device, non_blocking=False)
         self._walk(lambda p, ec, dc: ec.add_(dc), home=(self.residual,), work=(d,), write_home=True, lo=lo, hi=hi,
                    work_at=lo)

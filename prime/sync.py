@@ -363,6 +363,14 @@ class RingSync(SyncExtras):
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         return self._dropped.pop(buf.data_ptr(), None)
 
+    def _dropped_to(self, buf: torch.Tensor) -> None:
+        """A CUDA buffer's dropped part goes up to its device on this thread's stream as soon as the collective
+        succeeded (from pinned memory, not blocking): an overlapped average then hands the outer state a device
+        tensor instead of a host copy on the training thread."""
+        d = self._dropped.get(buf.data_ptr())
+        if d is not None and buf.is_cuda and not d.is_cuda:
+            self._dropped[buf.data_ptr()] = d.to(buf.device, non_blocking=True)
+
     @property
     def reports_quant_error(self) -> bool:
         """True when the ring measures its own quantization error (prime.sync.QUANT_ERROR_FIELDS)."""
@@ -486,6 +494,8 @@ class RingSync(SyncExtras):
                         restore(j)
                     break
                 _add_stats(totals, stats)
+                if codec == "topk":
+                    self._dropped_to(buffer(j))
                 if apply is not None:
                     buf = buffer(j)
                     if buf.is_cuda:
@@ -521,7 +531,7 @@ class RingSync(SyncExtras):
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
         if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
-            dropped = torch.zeros(buf.numel(), dtype=torch.float32)
+            dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
             self._dropped[buf.data_ptr()] = dropped
             return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size, keep=self.keep,
                                         residual=dropped)

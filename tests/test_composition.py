@@ -221,7 +221,7 @@ def test_token_weights_compose_with_identical_nodes(scheme, fragments, elastic, 
     assert len(set(finals.values())) == 1, f"final weights differ: {finals}"
 
 
-def _ring_run(seed: int, kw: dict) -> list:
+def _ring_run(seed: int, kw: dict, device: str = "cpu") -> list:
     import torch.distributed as dist
 
     from prime.comm import Ring
@@ -231,7 +231,7 @@ def _ring_run(seed: int, kw: dict) -> list:
     def build(r):
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # a connection of its own per node
         ring = Ring(dist.PrefixStore(f"c{seed}", client), r, 2, timeout=timedelta(seconds=30), secret=SECRET)
-        model = Layers(seed)
+        model = Layers(seed).to(device)
         return _Node(f"n{r}", model, DiLoCo(model, None, ring, **kw)), ring
 
     built = _threads([lambda r=r: build(r) for r in range(2)])
@@ -316,6 +316,26 @@ def _elastic_run(seed: int, kw: dict, device: str = "cpu") -> list:
     survivors = nodes[:2] + joiner
     assert len(joiner) == 1 and joiner[0].seen, "the joiner never joined"
     return survivors
+
+
+@needs_ring
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme,fragments", [("eager-merge", 4), ("sync", 1), ("eager", 1)])
+def test_topk_with_the_outer_state_on_the_gpu(scheme, fragments, monkeypatch):
+    """The sparse codec stages CUDA buffers through the host on a stream of the collective's own, and hands the
+    owners' dropped part back on the device: both nodes agree bit for bit after every outer step, and the
+    residual the dropped parts go into is on the GPU and not zero."""
+    seed = random.randrange(1 << 20)
+    print(f"seed {seed}")
+    monkeypatch.setenv("PRIME_RING_SECRET", SECRET)
+    kw = dict(_diloco_kwargs(scheme, fragments, "topk", True), outer_state_device="gpu")
+    nodes = _ring_run(seed, kw, device="cuda")
+    assert _check_identical(nodes) >= 2
+    finals = {n.name: _model_hash(n.model) for n in nodes}
+    assert len(set(finals.values())) == 1, f"final weights differ: {finals}"
+    for n in nodes:
+        for st in n.diloco.states:
+            assert st.residual.is_cuda and st.residual.abs().sum().item() > 0
 
 
 @needs_ring
