@@ -38,7 +38,7 @@ from prime.codecs import CODECS
 from prime.outer import OuterState
 from prime.overlap import MERGE_ALPHA, STAND_IN_OTHERS, OverlapPolicy, make_policy, stand_in_share  # noqa: F401
 from prime.pipeline import PIPELINE_DEPTH, PipelinedStep  # noqa: F401
-from prime.sync import OuterSyncError, SyncResult
+from prime.sync import OuterSyncError, SyncResult, collective_stream
 from prime.weights import Weighing
 
 __all__ = ["split_fragments", "layer_units", "FragmentSchedule", "Fragment", "BufferPool", "OuterStepResult",
@@ -277,7 +277,7 @@ class _InFlight:
                 torch.cuda.set_device(device)
                 # The collective's own copies (a codec staged through the host: the input down, the average and
                 # the dropped part up) run on a stream of their own, beside training's kernels, not between them.
-                side = torch.cuda.Stream(device)
+                side = collective_stream(device)
             if ready is not None:
                 ready.synchronize()  # the pseudo-gradient kernels of the main thread have written buf
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():

@@ -258,8 +258,10 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
                 plan.gpu.append((home_name, home))
             plan.gpu.append(("outer work buffers", work))
             plan.gpu.append(("outer staging", staging))
-            # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
-            plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / block))))
+            if cfg.diloco.codec == "topk":  # the owners' dropped part, brought back on the collective stream
+                plan.gpu.append(("ring: the dropped part", 4 * ring_values))
+            else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
+                plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / block))))
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     if frags:
