@@ -8,11 +8,12 @@ per nominal step, a node twice as slow passes two nominal steps per inner step
 takes the same time, and the outer step weights each node's pseudo-gradient by
 the inner steps it trained (prime.weights).
 
-The clock reads phase time: wall time less the time this node was blocked in
-an outer step (a synchronous all-reduce, the wait for an average in flight),
-so that a node that waits for others does not lose that time from its phase;
-after a synchronous outer step, where every node leaves at the same moment,
-the clock restarts at the nominal step it reached.
+The clock reads wall time from the run's start (which every node passes
+together, after the replica check). After a synchronous outer step, which
+every node leaves at the same moment, it restarts at the nominal step it
+reached. With overlap it is never moved: a wait for an average in flight is
+phase time, so every node keeps the one schedule and a transient on one node
+(a recompile, a late step) is not carried into later phases.
 
 An inner step that would end past the next outer step's time is not started:
 the node goes to that outer step at once. The prediction of a step's time is
@@ -54,10 +55,6 @@ class PhaseClock:
     def start(self, nominal: int) -> None:
         """The clock reads `nominal` steps now (the run's start, a resume, after a synchronous outer step)."""
         self._origin = self._clock() - nominal * self.step_s
-
-    def blocked(self, seconds: float) -> None:
-        """`seconds` of the time since the last reading were spent blocked: they are not phase time."""
-        self._origin += max(0.0, seconds)
 
     def reached(self) -> int:
         """Nominal steps the clock has passed."""

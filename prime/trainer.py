@@ -252,9 +252,10 @@ class Trainer:
         m.spend("outer", time.perf_counter() - t0)
         if result.did_sync:  # the all-reduce (synchronous) or the wait for the previous average (overlap)
             m.spend("outer_wait", result.wait_s if result.overlapped else result.allreduce_s)
-            if self.clock is not None and result.overlapped:
-                self.clock.blocked(result.wait_s)
-            elif self.clock is not None:  # every node left the all-reduce together: the phase restarts
+            # Every node left a synchronous all-reduce together: the phase restarts. An overlapped one leaves the
+            # clock alone: a wait for an average in flight is phase time, so that every node stays on the
+            # schedule of the common start and a transient (a recompile, a late node) is not carried on.
+            if self.clock is not None and not result.overlapped:
                 self.clock.start(self.step)
         if decision.rejoined_at is not None:
             self._log_outer(result, decision)  # (takes the job's step)

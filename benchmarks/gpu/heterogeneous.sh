@@ -4,7 +4,7 @@
 # beside time phases (diloco.phase_seconds PHASE_S, 15: about H fast steps): compute utilization of each node
 # after the first outer step, each node's inner steps and weight per outer step, weights identical.
 #   benchmarks/gpu.sh heterogeneous OUT
-# env: SLOW (2), PHASE_S (15), OUTER (4), COMPILE (true)
+# env: SLOW (2), PHASE_S (15), OUTER (4), COMPILE (true), MODES ("steps time": which runs)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
@@ -23,6 +23,7 @@ het() {  # het NAME [prime-train flags...]
   grep -E "identical|differ" "$out/het_$name.log" | tail -1
   detail "$(grep -oE 'utilization after the first outer step [0-9.]+%' "$out/${name}_summary.txt" | cut -d' ' -f7 | tr '\n' ' ')"
 }
-het steps
-het time --diloco.phase time --diloco.phase_seconds "${PHASE_S:-15}"
+for mode in ${MODES:-steps time}; do
+  if [ "$mode" = time ]; then het time --diloco.phase time --diloco.phase_seconds "${PHASE_S:-15}"; else het steps; fi
+done
 finish
