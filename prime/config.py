@@ -535,9 +535,6 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
-        if self.elastic.enabled and self.diloco.codec == "topk":
-            raise ValueError("diloco.codec = 'topk' does not run with elastic.enabled yet (its owners' residuals are "
-                             "per ring of fixed nodes): use int8 or fp4 with elastic nodes")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

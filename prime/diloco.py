@@ -458,11 +458,11 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optio
 
 
 def _check_sync(keep: Optional[int], weights: str, sync) -> str:
-    """A sparse codec needs RingSync: its owners' residuals belong to a ring of fixed nodes. Token weights need
+    """A sparse codec needs a sync that carries it (SyncExtras.sparse: RingSync, ElasticSync). Token weights need
     a sync that exchanges the counts (SyncExtras.weighs). Returns weights."""
-    if keep is not None and sync is not None and not isinstance(sync, RingSync):
-        raise ValueError(f"codec 'topk' runs on a ring of fixed nodes (prime.sync.RingSync) for now; "
-                         f"{type(sync).__name__} (elastic membership) does not carry it: use int8 or fp4")
+    if keep is not None and sync is not None and not getattr(sync, "sparse", False):
+        raise ValueError(f"codec 'topk' needs a sync that carries it (prime.sync.SyncExtras.sparse: RingSync, "
+                         f"ElasticSync); {type(sync).__name__} does not declare it: use int8 or fp4")
     if weights not in WEIGHTINGS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTINGS)}, got {weights!r}")
     if weights == "tokens" and sync is not None and not sync.weighs:

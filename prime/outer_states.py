@@ -172,10 +172,11 @@ class OuterStates:
         self.states[self.fragment_of(k)].update(avg, load=load)
 
     @torch.no_grad()
-    def admit(self, k: int, avg: torch.Tensor) -> None:
+    def admit(self, k: int, avg: torch.Tensor, dropped: Optional[torch.Tensor] = None) -> None:
         """A (re)joining node after its admitting outer step k: the downloaded state is in the homes (downloaded()
         was called); applies outer step k's average, loads every fragment's outer weights into the model, and
-        starts error feedback from zero."""
+        starts error feedback from zero, or (topk) from what this node's selections as an owner of outer step k
+        dropped (Sync.take_dropped)."""
         p = self.fragment_of(k)
         self.changed(k)
         for q, st in enumerate(self.states):
@@ -184,3 +185,5 @@ class OuterStates:
             else:
                 st.load_into_model()
             st.reset_residual()
+            if q == p:
+                st.add_to_residual(dropped)

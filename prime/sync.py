@@ -139,6 +139,9 @@ class SyncExtras:
     """True when a background average may need its input back for a retry (DiLoCo keeps a copy)."""
     reports_quant_error = False
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
+    sparse = False
+    """True when the sync carries the topk codec (its all-reduces take keep=) and take_dropped() hands back
+    what the owners' selections dropped."""
     weighs = False
     """True when average() takes `trained` and returns every contributor's count (time phases' token weights),
     and, for a sync that is also `pipelined`, weigh() exists."""
@@ -169,7 +172,7 @@ class SyncExtras:
 
 
 _EXTRAS = ("pipelined", "background", "must_join", "keeps_input", "reports_quant_error", "use_from_background",
-           "applying", "rejoin", "take_dropped", "weighs", "weigh")
+           "applying", "rejoin", "take_dropped", "sparse", "weighs", "weigh")
 
 
 class _Completed(SyncExtras):
@@ -317,6 +320,21 @@ def all_local(group, ok: bool) -> bool:
 # -- a fixed ring ------------------------------------------------------------------------
 
 
+def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int) -> tuple:
+    """The topk codec's all-reduce of buf on ring: (its Work, the buffer its owners' selections drop into). The
+    ring adds to that buffer only once the collective succeeded; it is pinned for a CUDA buf, whose staging goes
+    through the host."""
+    dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
+    return ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, residual=dropped), dropped
+
+
+def dropped_on_device(dropped: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """A CUDA buffer's dropped part goes up to its device on this thread's stream as soon as the collective
+    succeeded (from pinned memory, not blocking): an overlapped average then hands the outer state a device
+    tensor instead of a host copy on the training thread."""
+    return dropped.to(buf.device, non_blocking=True) if buf.is_cuda and not dropped.is_cuda else dropped
+
+
 _COLLECTIVE_STREAMS: dict = {}
 
 
@@ -365,6 +383,7 @@ class RingSync(SyncExtras):
     background = True
     must_join = False
     weighs = True
+    sparse = True
 
     def __init__(self, ring=None, *, ring_factory: Optional[Callable[[str], object]] = None, retries: int = 2,
                  local_group=None):
@@ -394,12 +413,9 @@ class RingSync(SyncExtras):
         return self._dropped.pop(buf.data_ptr(), None)
 
     def _dropped_to(self, buf: torch.Tensor) -> None:
-        """A CUDA buffer's dropped part goes up to its device on this thread's stream as soon as the collective
-        succeeded (from pinned memory, not blocking): an overlapped average then hands the outer state a device
-        tensor instead of a host copy on the training thread."""
         d = self._dropped.get(buf.data_ptr())
-        if d is not None and buf.is_cuda and not d.is_cuda:
-            self._dropped[buf.data_ptr()] = d.to(buf.device, non_blocking=True)
+        if d is not None:
+            self._dropped[buf.data_ptr()] = dropped_on_device(d, buf)
 
     @property
     def reports_quant_error(self) -> bool:
@@ -561,10 +577,8 @@ class RingSync(SyncExtras):
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
         if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
-            dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
-            self._dropped[buf.data_ptr()] = dropped
-            return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size, keep=self.keep,
-                                        residual=dropped)
+            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, self.block_size, self.keep)
+            return work
         return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
 
     @staticmethod

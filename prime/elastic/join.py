@@ -67,7 +67,7 @@ class Joining:
         store is unreachable."""
         with store_errors(k):
             r, avg = self._download_and_admit(reason)
-        self._state.admit(r.outer_step, avg)
+        self._state.admit(r.outer_step, avg, self.take_dropped(avg))
         r.joined = True
         return r
 

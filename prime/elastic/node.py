@@ -48,7 +48,7 @@ from prime.elastic.local_ranks import LocalRanks
 from prime.elastic.membership import Evicted, Membership, Plan
 from prime.elastic.rings import ElasticRings
 from prime.elastic.transfer import StateServer, state_digest
-from prime.sync import OuterSyncError, SyncResult, all_local
+from prime.sync import OuterSyncError, SyncResult, all_local, dropped_on_device
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
 
@@ -84,6 +84,7 @@ class ElasticSync(Joining):
     keeps_input = True
     """A retry after this node's own all-reduce worked (another member failed) needs its input back."""
     weighs = True
+    sparse = True
     """average(trained=) carries every member's count on the attempt's own ring (time phases' token weights)."""
 
     def __init__(
@@ -113,6 +114,7 @@ class ElasticSync(Joining):
         self.quant_error = quant_error
         self._sources: list = []
         self._state = None  # the OuterStates of every fragment, from bind()
+        self._dropped: dict = {}  # topk: buffer address -> what this node's owner selections dropped (take_dropped)
         self.agree_group = self.local.group  # agree() on the main thread: the node's group, kept when the background
         # average gets a group of its own (use_from_background)
         self._settings: dict = {}
@@ -195,10 +197,12 @@ class ElasticSync(Joining):
         self._state = states
         self._settings = {k: settings[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                                    "block_size", "shapes", "numel")}
+        if settings.get("keep") is not None:  # topk: the values kept per chunk
+            self._settings["keep"] = settings["keep"]
         if settings.get("fragments", 1) > 1:  # the layout of the state and the order of the outer steps
             self._settings["fragments"] = settings["fragments"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
-        self.rings.codec, self.rings.block_size = self.codec, self.block_size
+        self.rings.codec, self.rings.block_size, self.rings.keep = self.codec, self.block_size, settings.get("keep")
         if settings.get("weights", "equal") != "equal":  # token weights: every member sends its count
             self._settings["weights"] = settings["weights"]
             self.attempts.weighs = True
@@ -207,9 +211,10 @@ class ElasticSync(Joining):
         raise OuterSyncError(f"outer step {outer_step}: internal: elastic averages are not pipelined; their counts "
                              "come with average(trained=)")
 
-    def take_dropped(self, buf: torch.Tensor) -> None:
-        """No sparse codec runs on elastic rings (Config refuses topk with elastic.enabled): nothing dropped."""
-        return None
+    def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
+        """topk: what this node's selections as an owner dropped in the committed attempt of buf's average (in
+        the units of the contributions: it goes into this node's residual, to be sent in a later round)."""
+        return self._dropped.pop(buf.data_ptr(), None)
 
     def use_from_background(self) -> None:
         """Overlap: average() runs on a background thread while the main thread trains and agrees on
@@ -277,6 +282,9 @@ class ElasticSync(Joining):
         result, self._pending = self.attempts.run(k, g, inner_step, prev=self._committed, since=since,
                                                   recompute=recompute, first_plan=first_plan, listen=listen,
                                                   trained=(trained or 0) if self.attempts.weighs else None)
+        dropped, self.rings.dropped = self.rings.dropped, None  # (topk) the committed attempt's
+        if dropped is not None:
+            self._dropped[g.data_ptr()] = dropped_on_device(dropped, g)
         return result
 
     def applying(self, result: SyncResult) -> None:

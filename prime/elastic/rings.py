@@ -18,7 +18,7 @@ import torch
 
 from prime import faults
 from prime.elastic.membership import Membership, Plan
-from prime.sync import is_comm_error, work_stats
+from prime.sync import is_comm_error, sparse_all_reduce, work_stats
 
 __all__ = ["ElasticRings"]
 
@@ -35,6 +35,10 @@ class ElasticRings:
         self.membership = membership
         self.timeout_s, self.streams, self.max_rate, self.quant_error = timeout_s, streams, max_rate, quant_error
         self.codec, self.block_size = "int8", 64
+        self.keep: Optional[int] = None  # topk: the values kept per chunk
+        self.dropped: Optional[torch.Tensor] = None
+        """topk: what the owners' selections of this process's last all-reduce dropped (kept only when its
+        attempt commits: ElasticSync takes it then)."""
         self.ring = None
         self.link_history: dict = {}  # what the rings so far measured of the links (Ring.link_history)
         self._members: Optional[list] = None
@@ -46,6 +50,8 @@ class ElasticRings:
         codec: the wire codec (None: the outer step's); a second all-reduce of the same attempt (token counts
         before the average) goes through the same ring."""
         members = plan.members
+        if (codec or self.codec) == "topk":
+            self.dropped = None
         if len(members) == 1:
             self.drop()
             return True, "", -1, {}
@@ -63,7 +69,11 @@ class ElasticRings:
         ring = self.ring
         self._k = None  # set again once this outer step commits through it
         try:
-            work = ring.all_reduce(g, op=op, codec=codec or self.codec, block_size=self.block_size)
+            codec = codec or self.codec
+            if codec == "topk":
+                work, self.dropped = sparse_all_reduce(ring, g, op, self.block_size, self.keep)
+            else:
+                work = ring.all_reduce(g, op=op, codec=codec, block_size=self.block_size)
             faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
