@@ -32,6 +32,14 @@ first_gpu=${CUDA_VISIBLE_DEVICES:-0}; first_gpu=${first_gpu%%,*}
 
 say() { echo "== $*"; }
 
+# commit_of_tree: the commit checked out, with "+changes" when the tree differs from it (a copied working tree
+# whose .git is older than its files says so instead of naming a commit it does not hold).
+commit_of_tree() {
+  local c
+  c=$(git rev-parse --short HEAD 2>/dev/null) || { echo unknown; return; }
+  git diff --quiet HEAD -- 2>/dev/null && echo "$c" || echo "$c+changes"
+}
+
 # run_step NAME TIMEOUT LOG CMD...: runs CMD with a time limit, output into OUT/LOG (its tail on failure),
 # one row of the summary table (name, ok / FAILED (exit N) / timed out, seconds).
 run_step() {
@@ -67,7 +75,7 @@ machine_info() {
     lscpu 2>/dev/null | grep -E "^(Model name|CPU\(s\))"
     python3 -c "import torch; print('torch', torch.__version__)" 2>&1
     python3 -c "import triton; print('triton', triton.__version__)" 2>/dev/null
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); GPUs visible: $ngpu"; } | tee "$out/machine.txt"
+    echo "commit $(commit_of_tree); GPUs visible: $ngpu"; } | tee "$out/machine.txt"
 }
 
 # build_cuda: prime._C with the CUDA kernels, in place, for sm_${PRIME_CUDA_ARCHS:-90}. Every time: ninja
@@ -116,7 +124,7 @@ finish() {
   local gpu
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   echo
-  echo "== summary of suite $suite: ${gpu:-no GPU} x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null), $(( $(date +%s) - _t_suite )) s, results in $out"
+  echo "== summary of suite $suite: ${gpu:-no GPU} x $ngpu, commit $(commit_of_tree), $(( $(date +%s) - _t_suite )) s, results in $out"
   printf '%-72s %-16s %6s  %s\n' step status seconds detail
   local i
   for i in "${!_names[@]}"; do
