@@ -176,7 +176,7 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
     steps, H = s.cfg.train.steps, s.cfg.diloco.inner_steps
     tau = len(slowdowns) / sum(1.0 / x for x in slowdowns)
     now = [0.0]
-    clock = PhaseClock(H, H * tau, clock=lambda: now[0])
+    clock = PhaseClock(H, H * tau, clock=lambda: now[0], warmup=False)
     clock.start(0)
     nominal, trained = 0, 0
 
@@ -185,6 +185,8 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         for _ in range(max(0, min(k, steps - nominal))):
             nominal += 1
             res = dl.advance()
+            if res.did_sync:
+                clock.outer()
             if res.did_sync and not res.overlapped:  # every node leaves it together: the clock restarts
                 clock.start(nominal)
                 return
@@ -201,6 +203,8 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         nominal += k
         curve.setdefault(max(1, nominal), []).append(loss)
         res = dl.step(k)
+        if res.did_sync:
+            clock.outer()
         if res.did_sync and not res.overlapped:
             clock.start(nominal)
         else:

@@ -16,7 +16,10 @@ phase time, so every node keeps the one schedule and a transient on one node
 (a recompile, a late step) is not carried into later phases.
 
 An inner step that would end past the next outer step's time is not started:
-the node goes to that outer step at once. The prediction of a step's time is
+the node goes to that outer step at once; unless the node trained no step
+since its last outer step, so that a node whose steps are longer than the time
+between two outer steps still trains one each time. The run's first step
+(compiling) predicts nothing. The prediction of a step's time is
 the median of the node's last STEP_HISTORY steps.
 """
 
@@ -40,9 +43,12 @@ class PhaseClock:
     inner_steps:   H, nominal steps per phase
     phase_seconds: seconds of phase time per phase
     clock:         the time source (time.perf_counter; tests pass their own)
+    warmup:        the run's first inner step predicts nothing (it compiles and warms caches); False for a clock
+                   whose every step takes its own time (a virtual clock)
     """
 
-    def __init__(self, inner_steps: int, phase_seconds: float, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, inner_steps: int, phase_seconds: float, clock: Callable[[], float] = time.perf_counter,
+                 warmup: bool = True):
         if inner_steps < 1 or not phase_seconds > 0:
             raise ValueError(f"a phase needs inner_steps >= 1 and phase_seconds > 0, got {inner_steps}, "
                              f"{phase_seconds}")
@@ -51,6 +57,8 @@ class PhaseClock:
         self._clock = clock
         self._origin = clock()
         self._steps: deque = deque(maxlen=STEP_HISTORY)
+        self._first = warmup  # the run's first inner step (compiling, warming caches) predicts nothing
+        self._since_outer = False  # an inner step was trained since the last outer step
 
     def start(self, nominal: int) -> None:
         """The clock reads `nominal` steps now (the run's start, a resume, after a synchronous outer step)."""
@@ -61,13 +69,26 @@ class PhaseClock:
         return math.floor((self._clock() - self._origin) / self.step_s + 1e-9)
 
     def stepped(self, seconds: float) -> None:
-        """An inner step took `seconds` (what the next one is predicted from)."""
-        self._steps.append(seconds)
+        """An inner step took `seconds` (what the next one is predicted from; not the run's first, which compiles
+        and warms caches)."""
+        if not self._first:
+            self._steps.append(seconds)
+        self._first = False
+        self._since_outer = True
+
+    def outer(self) -> None:
+        """An outer step ran (any fragment's)."""
+        self._since_outer = False
 
     def predicted(self) -> float:
         """The next inner step's predicted time (0 before the first)."""
         return statistics.median(self._steps) if self._steps else 0.0
 
     def fits_before(self, nominal: int) -> bool:
-        """True when an inner step started now is predicted to end by nominal step `nominal`'s time."""
+        """True when an inner step started now is predicted to end by nominal step `nominal`'s time, or when no
+        inner step was trained since the last outer step: a node whose steps are longer than the time between
+        two outer steps (a slow node, streaming fragments) still trains one step each time, late, instead of
+        none ever."""
+        if not self._since_outer:
+            return True
         return self._clock() + self.predicted() <= self._origin + nominal * self.step_s

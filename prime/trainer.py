@@ -255,8 +255,10 @@ class Trainer:
             # Every node left a synchronous all-reduce together: the phase restarts. An overlapped one leaves the
             # clock alone: a wait for an average in flight is phase time, so that every node stays on the
             # schedule of the common start and a transient (a recompile, a late node) is not carried on.
-            if self.clock is not None and not result.overlapped:
-                self.clock.start(self.step)
+            if self.clock is not None:
+                self.clock.outer()
+                if not result.overlapped:
+                    self.clock.start(self.step)
         if decision.rejoined_at is not None:
             self._log_outer(result, decision)  # (takes the job's step)
             if self.clock is not None:

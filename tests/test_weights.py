@@ -33,12 +33,21 @@ def test_the_clock_counts_nominal_steps_of_phase_time():
     assert c.reached() == 8
     # a step is started only when its predicted time ends by the deadline
     assert c.predicted() == 0.0 and c.fits_before(8)
+    c.stepped(12.0)  # the run's first step compiles: it predicts nothing
+    assert c.predicted() == 0.0
     for s in (0.3, 0.2, 0.9):
         c.stepped(s)
     assert c.predicted() == 0.3  # the median: one slow step does not move it
     assert c.fits_before(9)  # 0 + 0.3 <= 0.5 to the end of nominal step 9
     t.t += 0.25
     assert not c.fits_before(9)  # 0.25 + 0.3 > 0.5
+    c.outer()  # after an outer step one step always starts, late or not: a node slower than the window trains
+    assert c.fits_before(9)
+    c.stepped(0.3)
+    assert not c.fits_before(9)
+    v = PhaseClock(10, 5.0, clock=t, warmup=False)  # a virtual clock: its first step takes its own time too
+    v.stepped(0.4)
+    assert v.predicted() == 0.4
     with pytest.raises(ValueError):
         PhaseClock(0, 1.0)
     with pytest.raises(ValueError):
