@@ -470,6 +470,27 @@ def test_a_slowed_node_takes_longer_steps_the_other_waits_and_the_bits_stay(tmp_
         assert losses(run, n) == losses(str(tmp_path / "even"), n)
 
 
+@needs_ring
+def test_in_time_phases_a_node_slower_than_the_window_between_outer_steps_still_trains(tmp_path):
+    """Time phases of 2 s with 4 fragments (a fragment syncs every 0.5 s) and node 1 slowed 10x, so that each of
+    its inner steps outlasts the window between two outer steps: after every outer step it still starts one
+    step (late) instead of predicting that none fits and never training again. Every outer step after the first
+    round of fragments averages inner steps of both nodes, and the weights end the same."""
+    args = QUICK + ["--train.steps", "80", "--diloco.inner_steps", "20", "--diloco.fragments", "4",
+                    "--diloco.overlap", "true", "--diloco.phase", "time", "--diloco.phase_seconds", "2",
+                    "--metrics.out_dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--slow-node", "1:10", "--", *args]
+    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    during = [r for r in records(str(tmp_path), 0, "outer") if r["step"] < 80][4:]  # (the run's end: final syncs)
+    assert len(during) >= 8, during
+    assert all(r["node_steps"][1] >= 1 for r in during), [r["node_steps"] for r in during]
+    assert sum(r["node_steps"][0] for r in during) > 3 * sum(r["node_steps"][1] for r in during), during
+    digests = final_digests(out)
+    assert len(digests) == 2 and digests[0] == digests[1], out
+
+
 def test_slow_node_specs_are_checked():
     assert parse_slow_node("1:2.5", 2) == (1, 2.5)
     for text, why in (("2:2", "there is no node 2"), ("1:0.5", r"in \[1, 100\]"), ("1", "expected R:F"),
