@@ -403,6 +403,17 @@ def unflatten(flat: torch.Tensor, state) -> list:
     return [flat[o : o + n].view(s) for o, n, s in zip(state.offsets, state.sizes, state.shapes)]
 
 
+def _outer_and_residuals(d) -> list:
+    """Every fragment's (outer weights, residual or None) as parameter tensors; closes d."""
+    out = []
+    for f in d.fragments:
+        st = f.state
+        out.append((unflatten(st.outer.clone(), st),
+                    unflatten(st.residual.clone(), st) if st.residual is not None else None))
+    d.close()
+    return out
+
+
 def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=True, overlap=None, stop_at=None,
                resume=None):
     """DiLoCo on DirectFakeRing; returns per node (outer weights per parameter, residuals per parameter, the
@@ -434,13 +445,7 @@ def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=T
                 saved = (_copy(model.state_dict()), _copy(opt.state_dict()), _copy(d.state_dict()))
         if overlap:
             d.finish()
-        out = []
-        for f in d.fragments:
-            st = f.state
-            out.append((unflatten(st.outer.clone(), st),
-                        unflatten(st.residual.clone(), st) if st.residual is not None else None))
-        d.close()
-        return out, saved
+        return _outer_and_residuals(d), saved
 
     return run_nodes(nodes, node)
 
@@ -544,13 +549,7 @@ def run_weighted(seed, codec, H, outer_steps, fragments):
                 count += 1
                 inner_step(model, opt, seed, r, count)
                 d.step(1 if j == k - 1 else 0)
-        out = []
-        for f in d.fragments:
-            st = f.state
-            out.append((unflatten(st.outer.clone(), st),
-                        unflatten(st.residual.clone(), st) if st.residual is not None else None))
-        d.close()
-        return out, None
+        return _outer_and_residuals(d), None
 
     return run_nodes(2, node)
 
