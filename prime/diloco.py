@@ -63,8 +63,8 @@ DiLoCo's arguments:
                       default update (nodes then agree bit for bit only on the same torch build and CPU)
     codec:            "int8" (default: 0.254x the bytes of fp32, ~1% relative L2 error per node), "fp4"
                       (half of int8's bytes, ~11%), "topk" (sparse, 0.007x at the default density: each round
-                      sends the largest values of every chunk, error feedback the rest later; a ring of fixed
-                      nodes only) or "none" (exact fp32); prime/codecs.py
+                      sends the largest values of every chunk, error feedback the rest later; fixed or elastic
+                      nodes) or "none" (exact fp32); prime/codecs.py
     block_size:       codec block size, topk's chunk; None: the codec's default (int8 64, fp4 256, topk 4096)
     ring_factory:     ring_factory(tag) -> new Ring, to retry after a failure (None: no retries)
     retries:          retries per outer step when ring_factory is given
@@ -114,7 +114,8 @@ from prime.outer import OUTER_STATE_DEVICES, OuterOptimizerFactory, OuterState
 from prime.outer_states import OuterStates
 from prime.overlap import MERGE_ALPHA, SCHEMES, STAND_IN_OTHERS, stand_in_share
 from prime.stepper import OuterSteps, agree_finite
-from prime.sync import OuterSyncError, ReplicaMismatchError, RingSync, Sync, complete, node_local_group, work_stats
+from prime.sync import (OuterSyncError, ReplicaMismatchError, RingSync, Sync, complete, node_local_group,
+                        warm_sparse_staging, work_stats)
 from prime.weights import WEIGHTINGS
 
 __all__ = ["DiLoCo", "OuterStepResult", "OuterSyncError", "ReplicaMismatchError", "work_stats", "OVERLAP_SCHEMES",
@@ -208,6 +209,8 @@ class DiLoCo:
         """The engine: the counters and the outer steps of the fragments (prime.stepper)."""
         if self.distributed:
             self._sync.bind(self.states, self.settings())
+            if codec == "topk":  # whichever sync carries it (fixed ring or elastic rings)
+                warm_sparse_staging(self.states)
             if inner_optimizer is None:
                 self.states.take()  # no first inner step to wait for
         self._hooks = InnerStepHooks(inner_optimizer, before=self._before_inner_step, count=self._count)

@@ -347,7 +347,7 @@ def collective_stream(device: torch.device):
     return _COLLECTIVE_STREAMS[index]
 
 
-def _warm_host_staging(states) -> None:
+def warm_sparse_staging(states) -> None:
     """The sparse codec stages a CUDA buffer through pinned host memory (its input, its average and what the
     owners dropped) and brings the dropped part back on the collective stream. Allocating those blocks once here,
     before training, leaves them in torch's caching allocators, so that the first averages do not pay
@@ -406,8 +406,6 @@ class RingSync(SyncExtras):
 
     def bind(self, states, settings: dict) -> None:
         self.codec, self.block_size, self.keep = settings["codec"], settings["block_size"], settings.get("keep")
-        if self.codec == "topk":
-            _warm_host_staging(states)
 
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         return self._dropped.pop(buf.data_ptr(), None)

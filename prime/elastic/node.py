@@ -84,8 +84,9 @@ class ElasticSync(Joining):
     keeps_input = True
     """A retry after this node's own all-reduce worked (another member failed) needs its input back."""
     weighs = True
-    sparse = True
     """average(trained=) carries every member's count on the attempt's own ring (time phases' token weights)."""
+    sparse = True
+    """The topk codec: each committed attempt's dropped part goes to this node's residual (take_dropped)."""
 
     def __init__(
         self,
