@@ -4,6 +4,7 @@ decode-add, side by side in one process.
     python benchmarks/bench_sparse_speed.py                    # 64 MiB of fp32, 1 thread and all threads
     python benchmarks/bench_sparse_speed.py --mib 256 --k 16,64,256
     python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --k 16,64,256   # the Triton kernels on a GPU
+    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --sweep   # + encode's launch settings, k = 64
 
 Each number is the median of --repeats timed calls; the implementations are interleaved call by call so that
 background load hits them alike. ns/value = time / values; "x int8" = that time / int8's. Input: student-t(3)
@@ -64,6 +65,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--sweep", action="store_true",
+                    help="on a GPU, also time encode (k = 64) over its warps, programs per SM and candidates per "
+                         "value kept (kernels/sparse.py), each checked against the CPU payload")
     args = ap.parse_args()
     n = args.mib * (1 << 20) // 4
     x = student_t(n, args.seed)
@@ -136,13 +140,51 @@ def gpu(x: torch.Tensor, args) -> int:
         rows.append({"op": key, "seconds": sec, "bytes_moved": moved[key], "gb_per_s": bw / 1e9,
                      "of_copy_bw": bw / copy_bw})
         print(f"{key:<24} {sec * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:9.0f}%")
+    sweep = encode_sweep(x, copy_bw) if args.sweep else []
     out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.date.today():%Y%m%d}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "gpu": name, "torch": torch.__version__, "mib": args.mib,
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "encode_sweep": sweep}, f, indent=1)
     print("wrote", out)
     return 0
+
+
+def encode_sweep(x: torch.Tensor, copy_bw: float, repeats: int = 9) -> list:
+    """Encode (k = 64) over the Triton launcher's settings: medians of CUDA-event times, payloads checked."""
+    from prime.kernels import sparse as kernels
+
+    want = sparse.encode(x.cpu(), 4096, 64)
+    names = ("ENCODE_WARPS", "ENCODE_PROGRAMS_PER_SM", "CANDIDATES_PER_KEPT", "ENCODE_PIECE")
+    saved = [getattr(kernels, a) for a in names]
+    rows = []
+    print(f"{'warps':>5} {'programs/SM':>11} {'cand/kept':>9} {'piece':>6} {'ms':>8} {'of copy bw':>10}")
+    settings = [(w, p, 8, piece) for w in (1, 2, 4) for p in (8, 16, 32) for piece in (256, 512, 1024)]
+    settings += [(w, 16, 4, 512) for w in (1, 2, 4)]
+    try:
+        for warps, per_sm, cand, piece in settings:
+            for a, v in zip(names, (warps, per_sm, cand, piece)):
+                setattr(kernels, a, v)
+            if not torch.equal(kernels.encode(x, 4096, 64).cpu(), want):
+                raise SystemExit(f"encode at warps {warps}, {per_sm}/SM, {cand}/kept, {piece}: payload differs")
+            times = []
+            for _ in range(repeats):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                kernels.encode(x, 4096, 64)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            sec = statistics.median(times)
+            share = (4 * x.numel() + want.numel()) / sec / copy_bw
+            rows.append({"warps": warps, "programs_per_sm": per_sm, "candidates_per_kept": cand,
+                         "piece": piece, "seconds": sec, "of_copy_bw": share})
+            print(f"{warps:>5} {per_sm:>11} {cand:>9} {piece:>6} {sec * 1e3:8.3f} {100 * share:9.0f}%",
+                  flush=True)
+    finally:
+        for a, v in zip(names, saved):
+            setattr(kernels, a, v)
+    return rows
 
 
 if __name__ == "__main__":

@@ -21,7 +21,16 @@ from .codec import _COMPILE_OPTIONS, _check_device, _on_device
 
 __all__ = ["encode", "decode", "decode_add_"]
 
-ENCODE_WARPS = 8  # H200, 256 MiB, k = 64: 2.9 ms at 8 warps; 1: 6.2, 2: 4.1, 4: 5.0, 16: 3.7
+ENCODE_WARPS = 1  # H200, 256 MiB, k = 64 (bench_sparse_speed.py --sweep): 1 warp and 16 programs per SM fastest
+ENCODE_PROGRAMS_PER_SM = 16  # encode's programs each take chunks in turn, with a scratch row of their own
+CANDIDATES_PER_KEPT = 8  # the selection runs on at most this many values per value kept (a power of two)
+ENCODE_PIECE = 512  # values of a chunk read at a time
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # the interpreter: a few programs, so that each takes several chunks
+    return torch.cuda.get_device_properties(device).multi_processor_count * ENCODE_PROGRAMS_PER_SM
 
 
 def _shape(chunk: int, k: int) -> dict:
@@ -44,14 +53,17 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     chunks = triton.cdiv(n, chunk)
     if chunks == 0:
         return out
-    scratch = torch.empty(4, chunks * k, dtype=torch.int32, device=x.device)  # per chunk: positions, magnitudes,
-    status = torch.empty(chunks, dtype=torch.int32, device=x.device)  # upper-half flags, codes, by slot
+    cap = min(chunk, triton.next_power_of_2(CANDIDATES_PER_KEPT * k))
+    programs = min(chunks, _programs(x.device))
+    group = chunk // min(chunk, triton.next_power_of_2(k))
+    scratch = torch.empty(programs, 2 * cap + 4 * k, dtype=torch.int32, device=x.device)  # per program
+    status = torch.empty(chunks, dtype=torch.int32, device=x.device)
     pbytes = triton.next_power_of_2((k * shape["BITS"] + 7) // 8)
     cbytes = triton.next_power_of_2((k + 3) // 4)
     with _on_device(x.device):
-        _k._sparse_encode_kernel[(chunks,)](x, out, scratch[0], scratch[1], scratch[2], scratch[3], status, n,
-                                            PBYTES=pbytes, CBYTES=cbytes, LOGK=(k - 1).bit_length(),
-                                            num_warps=ENCODE_WARPS, **shape, **_COMPILE_OPTIONS)
+        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, PBYTES=pbytes, CBYTES=cbytes,
+                                              LOGK=(k - 1).bit_length(), R=chunk // group,
+                                              SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS, **shape, **_COMPILE_OPTIONS)
     worst = int(status.max())
     if worst == 1:
         raise ValueError("sparse encode: the input holds NaN or Inf")
