@@ -3,15 +3,15 @@ decode-add, side by side in one process.
 
     python benchmarks/bench_sparse_speed.py                    # 64 MiB of fp32, 1 thread and all threads
     python benchmarks/bench_sparse_speed.py --mib 256 --k 16,64,256
-    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --k 16,64,256   # the Triton kernels on a GPU
-    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --sweep   # + encode's launch settings, k = 64
+    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --k 16,64,256   # the GPU kernels
+    python benchmarks/bench_sparse_speed.py --device cuda --mib 256 --sweep   # + Triton encode's launch settings
 
 Each number is the median of --repeats timed calls; the implementations are interleaved call by call so that
 background load hits them alike. ns/value = time / values; "x int8" = that time / int8's. Input: student-t(3)
 values (heavy tails, as pseudo-gradients have). Writes benchmarks/results/sparse_speed_<date>.json.
 
-On a GPU (--device cuda) the ops are the Triton kernels (kernels/sparse.py) beside the int8 codec's fastest
-backend and a copy of the fp32 tensor (x.clone()), timed with CUDA events (medians). "of copy bw" is the
+On a GPU (--device cuda) the ops are the CUDA kernels (csrc/codec/sparse_cuda.cu, in CUDA builds) and the Triton
+kernels (kernels/sparse.py) beside the int8 codec's fastest backend and a copy of the fp32 tensor (x.clone()), timed with CUDA events (medians). "of copy bw" is the
 bandwidth of the bytes the op must move, against the copy's: encode reads the tensor and writes the payload
 ((4 n + payload) / t); decode-add reads the payload and reads and writes the accumulator ((payload + 8 n) / t,
 what int8's dequantize-add moves: the sparse one touches only the kept values' sectors, so it may pass 100%).
@@ -112,13 +112,16 @@ def gpu(x: torch.Tensor, args) -> int:
            "int8 dequantize_add": lambda: ops.dequantize_add_int8_(acc, q, s, 64)}
     moved = {"copy": 8 * n, "int8 quantize": 4 * n + q.numel() + s.numel(),
              "int8 dequantize_add": 8 * n + q.numel() + s.numel()}
+    backends = [b for b in ("cuda", "triton") if b in sparse.available_backends(x.device)]
     for k in (int(v) for v in args.k.split(",")):
-        payload = sparse.encode(x, 4096, k, backend="triton")
-        assert torch.equal(payload.cpu(), sparse.encode(x.cpu(), 4096, k)), "Triton and CPU payloads differ"
-        fns[f"topk k={k} encode"] = lambda k=k: sparse.encode(x, 4096, k, backend="triton")
-        fns[f"topk k={k} decode_add"] = lambda k=k, p=payload: sparse.decode_add_(acc, p, 4096, k, backend="triton")
-        moved[f"topk k={k} encode"] = 4 * n + payload.numel()
-        moved[f"topk k={k} decode_add"] = 8 * n + payload.numel()
+        want = sparse.encode(x.cpu(), 4096, k)
+        for b in backends:
+            payload = sparse.encode(x, 4096, k, backend=b)
+            assert torch.equal(payload.cpu(), want), f"the {b} and CPU payloads differ"
+            fns[f"{b} k={k} encode"] = lambda k=k, b=b: sparse.encode(x, 4096, k, backend=b)
+            fns[f"{b} k={k} decode_add"] = lambda k=k, b=b, p=payload: sparse.decode_add_(acc, p, 4096, k, backend=b)
+            moved[f"{b} k={k} encode"] = 4 * n + payload.numel()
+            moved[f"{b} k={k} decode_add"] = 8 * n + payload.numel()
     times = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -134,12 +137,12 @@ def gpu(x: torch.Tensor, args) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     copy_bw = moved["copy"] / med["copy"]
     rows = []
-    print(f"{'op':<24} {'ms':>8} {'GB/s':>8} {'of copy bw':>10}")
+    print(f"{'op':<26} {'ms':>8} {'GB/s':>8} {'of copy bw':>10}")
     for key, sec in med.items():
         bw = moved[key] / sec
         rows.append({"op": key, "seconds": sec, "bytes_moved": moved[key], "gb_per_s": bw / 1e9,
                      "of_copy_bw": bw / copy_bw})
-        print(f"{key:<24} {sec * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:9.0f}%")
+        print(f"{key:<26} {sec * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:9.0f}%")
     sweep = encode_sweep(x, copy_bw) if args.sweep else []
     out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.date.today():%Y%m%d}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

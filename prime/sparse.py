@@ -184,26 +184,46 @@ def decode_reference(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int =
     return out
 
 
-BACKENDS = ("cpu", "triton", "torch")
-"""cpu: the compiled kernels (prime._C, csrc/codec/sparse_cpu.cpp); triton: kernels/sparse.py (CUDA tensors;
-CPU tensors only under TRITON_INTERPRET=1, for tests); torch: the reference here. All give the same bytes and
-values. Default: triton for a CUDA tensor where triton runs, else cpu (a CUDA tensor then goes through the
-host), else torch."""
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+"""cpu: the compiled kernels (prime._C, csrc/codec/sparse_cpu.cpp); cuda: the compiled CUDA kernels
+(csrc/codec/sparse_cuda.cu, CUDA tensors, in CUDA builds); triton: kernels/sparse.py (CUDA tensors; CPU tensors
+only under TRITON_INTERPRET=1, for tests); torch: the reference here. All give the same bytes and values.
+Default: for a CUDA tensor cuda where the build has it, else triton where triton runs, else cpu (the tensor then
+goes through the host); for a CPU tensor cpu, else torch."""
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The backends that run on tensors of this device, the default first."""
+    from prime.ops import _triton_usable
+
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    found = (["cuda"] if on_gpu and _extension.has_cuda_kernels() else []) \
+        + (["triton"] if _triton_usable(device) else []) + (["cpu"] if _extension.available() else [])
+    if not on_gpu and "triton" in found:  # the interpreter (tests): never the default for CPU tensors
+        found.append(found.pop(found.index("triton")))
+    return found + ["torch"]
 
 
 def _backend(backend: Optional[str], device: torch.device = torch.device("cpu")) -> str:
-    from prime.ops import _triton_usable
-
-    available = (["cpu"] if _extension.available() else []) + (["triton"] if _triton_usable(device) else []) \
-        + ["torch"]
+    available = available_backends(device)
     if backend is None:
-        return "triton" if device.type == "cuda" and "triton" in available else available[0]
+        return available[0]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend not in available:
-        hint = _extension.build_hint() if backend == "cpu" else "triton cannot run on this device"
-        raise RuntimeError(f"sparse backend {backend!r} is not available. {hint}".strip())
+        hint = {"cpu": _extension.build_hint(), "triton": "triton cannot run on this device",
+                "cuda": "it takes a CUDA tensor and a CUDA build of prime._C"}.get(backend, "")
+        raise RuntimeError(f"sparse backend {backend!r} is not available: {hint}".strip())
     return backend
+
+
+def _op(op, *args):
+    """A prime::sparse_* op; its error (bad settings, a non-finite input, a malformed payload) as ValueError."""
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        raise ValueError(str(e).split("\n")[0]) from None
 
 
 def _kernels():
@@ -213,8 +233,8 @@ def _kernels():
 
 
 def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
-    """The sparse payload (uint8) of a flat fp32 tensor: on x's device with the triton backend, else on the CPU.
-    Non-finite values are refused (ValueError)."""
+    """The sparse payload (uint8) of a flat fp32 tensor: on x's device with the cuda and triton backends, else on
+    the CPU. Non-finite values are refused (ValueError)."""
     chosen = _backend(backend, x.device)
     if chosen == "torch":
         return encode_reference(x, chunk, k)
@@ -223,16 +243,13 @@ def encode(x: torch.Tensor, chunk: int = CHUNK, k: int = 64, backend: Optional[s
     _check(x.numel(), chunk, k)
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    try:
-        return torch.ops.prime.sparse_encode(x.detach().cpu(), chunk, k)
-    except RuntimeError as e:
-        raise ValueError(str(e).split("\n")[0]) from None
+    return _op(torch.ops.prime.sparse_encode, x.detach() if chosen == "cuda" else x.detach().cpu(), chunk, k)
 
 
 def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64, backend: Optional[str] = None) -> torch.Tensor:
     """The dense fp32 tensor of n values a payload stands for (zero where nothing was kept), on the payload's
-    device with the triton backend, else on the CPU. A payload of another size or with positions not ascending in
-    a chunk raises ValueError."""
+    device with the cuda and triton backends, else on the CPU. A payload of another size or with positions not
+    ascending in a chunk raises ValueError."""
     chosen = _backend(backend, payload.device)
     if chosen == "torch":
         return decode_reference(payload, n, chunk, k)
@@ -242,10 +259,8 @@ def decode(payload: torch.Tensor, n: int, chunk: int = CHUNK, k: int = 64, backe
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
         raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
                          f"got {payload.numel()} ({payload.dtype})")
-    try:
-        return torch.ops.prime.sparse_decode(payload.cpu().contiguous(), n, chunk, k)
-    except RuntimeError as e:
-        raise ValueError(str(e).split("\n")[0]) from None
+    return _op(torch.ops.prime.sparse_decode, payload.contiguous() if chosen == "cuda" else payload.cpu().contiguous(),
+               n, chunk, k)
 
 
 def decode_add_(acc: torch.Tensor, payload: torch.Tensor, chunk: int = CHUNK, k: int = 64,
@@ -256,12 +271,10 @@ def decode_add_(acc: torch.Tensor, payload: torch.Tensor, chunk: int = CHUNK, k:
     chosen = _backend(backend, acc.device)
     if chosen == "triton":
         return _kernels().decode_add_(acc, payload, chunk, k)
-    if chosen == "cpu" and acc.device.type == "cpu" and acc.dtype == torch.float32 and acc.is_contiguous():
-        _check(acc.numel(), chunk, k)
-        try:  # (the op checks the payload, ascending positions included, before it adds)
-            torch.ops.prime.sparse_decode_add_(acc, payload.cpu().contiguous(), chunk, k)
-        except RuntimeError as e:
-            raise ValueError(str(e).split("\n")[0]) from None
+    if chosen in ("cpu", "cuda") and acc.device.type == chosen and acc.dtype == torch.float32 \
+            and acc.is_contiguous():
+        _check(acc.numel(), chunk, k)  # (the op checks the payload, ascending positions included, before it adds)
+        _op(torch.ops.prime.sparse_decode_add_, acc, payload.to(acc.device).contiguous(), chunk, k)
         return acc
     records = _records(payload, acc.numel(), chunk, k)  # checked first: acc is untouched on error
     flat = acc.view(-1)

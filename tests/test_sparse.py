@@ -142,6 +142,73 @@ def test_the_kernels_refuse_what_the_reference_refuses():
         sparse.decode(payload[:-1], 100, chunk=16, k=4, backend="cpu")
 
 
+def selection_corner_chunks(gen: torch.Generator) -> torch.Tensor:
+    """Chunks of 4096 that take the GPU encoders' rarer selection paths at k = 64 (kernels/_sparse_kernels.py,
+    csrc/codec/sparse_cuda.cu): a zero group of each kernel's grouping (contiguous runs of 64; every 64th value),
+    so that the bound from the groups' maxima leaves more candidates than the kernel holds and the threshold is
+    searched over the whole chunk; more values tied at the bound than it holds (spread, so every group's maximum
+    is the tie); every value equal; every value zero; ties at the top of a few groups only; then a short last
+    chunk."""
+    def noise():
+        return torch.randn(4096, generator=gen)
+
+    zero_run, zero_stride = noise(), noise()
+    zero_run[:64] = 0.0
+    zero_stride[::64] = 0.0
+    spread_ties = noise() * 0.1
+    spread_ties[::7] = 3.0 * torch.sign(torch.randn(586, generator=gen))
+    top_ties = noise()
+    top_ties[:600] = -2.0 ** 20
+    return torch.cat([zero_run, zero_stride, spread_ties, torch.full((4096,), 1.5), torch.zeros(4096), top_ties,
+                      noise()[:1000]])
+
+
+needs_cuda_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and _extension.has_cuda_kernels()),
+                                        reason="needs a GPU and a CUDA build of prime._C")
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("chunk,k", [(16, 1), (16, 3), (16, 16), (64, 5), (256, 8), (1024, 33), (4096, 16),
+                                     (4096, 64), (4096, 256), (4096, 300), (4096, 4096)])
+def test_the_cuda_kernels_give_the_cpu_kernels_bytes_and_values(chunk, k):
+    gen = torch.Generator().manual_seed(chunk * 7 + k)
+    inputs = [(n, x) for n in (1, chunk - 1, chunk, 3 * chunk + 5, 200 * chunk + 7)
+              for x in (torch.randn(n, generator=gen), _nasty(n, gen), torch.zeros(n))]
+    corner = selection_corner_chunks(gen)
+    inputs.append((corner.numel(), corner))
+    for n, x in inputs:
+        want = sparse.encode(x, chunk, k, backend="cpu")
+        got = sparse.encode(x.cuda(), chunk, k, backend="cuda")
+        assert got.is_cuda and torch.equal(got.cpu(), want), (n, chunk, k)
+        dec = sparse.decode(got, n, chunk, k, backend="cuda")
+        assert torch.equal(dec.cpu().view(torch.int32), sparse.decode(want, n, chunk, k).view(torch.int32))
+        acc = torch.randn(n, generator=gen)
+        out = sparse.decode_add_(acc.cuda(), got, chunk, k, backend="cuda")
+        assert torch.equal(out.cpu(), sparse.decode_add_(acc, want, chunk, k, backend="cpu")), (n, chunk, k)
+
+
+@needs_cuda_kernels
+def test_the_cuda_kernels_refuse_bad_input_and_leave_the_accumulator():
+    x = torch.ones(64, device="cuda")
+    x[3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        sparse.encode(x, 32, 4, backend="cuda")
+    with pytest.raises(ValueError, match="overflows bf16"):
+        sparse.encode(torch.full((32,), 3.4e38, device="cuda"), 32, 4, backend="cuda")
+    payload = sparse.encode(torch.arange(64.0, device="cuda"), 32, 4, backend="cuda")
+    bad = payload.clone()
+    bad[4] = 0xFF  # the first position becomes 15 and the second 15 or more: not ascending
+    acc = torch.arange(64.0, device="cuda")
+    with pytest.raises(ValueError, match="not ascending"):
+        sparse.decode_add_(acc, bad, 32, 4, backend="cuda")
+    assert torch.equal(acc.cpu(), torch.arange(64.0))
+    with pytest.raises(ValueError, match="not ascending"):
+        sparse.decode(bad, 64, 32, 4, backend="cuda")
+    with pytest.raises(ValueError, match="expected"):
+        sparse.decode(payload[:-1], 64, 32, 4, backend="cuda")
+    assert sparse._backend(None, torch.device("cuda")) == "cuda"
+
+
 def test_ties_go_to_the_lower_index_and_an_empty_tensor_is_empty():
     x = torch.ones(32)
     got = sparse.decode(sparse.encode(x, chunk=16, k=2), 32, chunk=16, k=2)

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 from prime import ops  # noqa: E402
 from prime.kernels import codec  # noqa: E402
+from test_sparse import selection_corner_chunks  # noqa: E402  (tests/ is on sys.path under pytest)
 
 INTERPRETED = codec.available("cpu")  # the kernels were built under TRITON_INTERPRET=1
 COMPILED_GPU = torch.cuda.is_available() and not INTERPRETED and codec.available("cuda")
@@ -559,33 +560,16 @@ def test_sparse_matches_reference(device, rng):
         assert torch.equal(out, want_acc), (n, chunk, k)
 
 
-def _selection_corner_chunks(rng) -> torch.Tensor:
-    """Chunks of 4096 that take the encoder's rarer selection paths (k = 64): a zero group, so that the bound from
-    the groups' maxima leaves more candidates than the kernel holds and the threshold is searched over the whole
-    chunk; more values tied at the bound than it holds (spread, so every group's maximum is the tie); every value
-    equal; every value zero; ties at the top of a few groups only; then a short last chunk."""
-    def noise():
-        return torch.randn(4096, generator=rng)
-
-    zero_group = noise()
-    zero_group[:64] = 0.0
-    spread_ties = noise() * 0.1
-    spread_ties[::7] = 3.0 * torch.sign(torch.randn(586, generator=rng))
-    top_ties = noise()
-    top_ties[:600] = -2.0 ** 20
-    return torch.cat([zero_group, spread_ties, torch.full((4096,), 1.5), torch.zeros(4096), top_ties, noise()[:1000]])
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_sparse_selection_corner_cases(device, rng):
     from prime import sparse
     from prime.kernels import sparse as triton_sparse
 
-    x = _selection_corner_chunks(rng)
+    x = selection_corner_chunks(rng)
     ref = sparse.encode_reference(x, 4096, 64)
     assert torch.equal(triton_sparse.encode(x.to(device), 4096, 64).cpu(), ref)
     kept = sparse.decode(ref, x.numel(), 4096, 64)
-    assert torch.equal(kept[4096:8192].nonzero()[:, 0], torch.arange(0, 64 * 7, 7))  # the first ties win
+    assert torch.equal(kept[2 * 4096:3 * 4096].nonzero()[:, 0], torch.arange(0, 64 * 7, 7))  # the first ties win
 
 
 @pytest.mark.parametrize("device", DEVICES)

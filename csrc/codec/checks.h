@@ -9,6 +9,7 @@
 #include <string>
 
 #include "codec.h"
+#include "sparse.h"
 
 namespace prime::codec {
 
@@ -105,6 +106,25 @@ inline void check_output_dtype(at::ScalarType dtype) {
 inline std::optional<uint32_t> seed_of(std::optional<int64_t> seed) {
   if (!seed) return std::nullopt;
   return static_cast<uint32_t>(static_cast<uint64_t>(*seed) & 0xffffffffu);
+}
+
+// ---- the sparse top-k codec (sparse.h) ----
+
+inline void check_sparse_settings(int64_t chunk, int64_t k) {
+  TORCH_CHECK(sparse::valid_chunk(chunk), "sparse chunk must be a power of two from ", num(sparse::kMinChunk), " to ",
+              num(sparse::kMaxChunk), ", got ", num(chunk));
+  TORCH_CHECK(sparse::valid_keep(chunk, k), "sparse k (values kept per chunk of ", num(chunk), ") must be in [1, ",
+              num(chunk), "], got ", num(k));
+}
+
+// The settings, and a payload's type and size for numel values (not what its records say).
+inline void check_sparse_payload_size(const at::Tensor& payload, int64_t numel, int64_t chunk, int64_t k) {
+  check_sparse_settings(chunk, k);
+  TORCH_CHECK(numel >= 0, "numel must be a non-negative int, got ", num(numel));
+  const int64_t want = sparse::payload_bytes(numel, chunk, k);
+  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.dim() == 1 && payload.numel() == want,
+              "sparse decode: expected ", num(want), " bytes (uint8) for ", num(numel), " values, got ",
+              num(payload.numel()), " (", payload.scalar_type(), ")");
 }
 
 }  // namespace prime::codec

@@ -160,20 +160,8 @@ std::vector<std::string> cpu_codec_isas() {
 
 // ---- the sparse top-k codec (sparse.h) ----
 
-void check_sparse_settings(int64_t chunk, int64_t k) {
-  TORCH_CHECK(sparse::valid_chunk(chunk), "sparse chunk must be a power of two from ", num(sparse::kMinChunk), " to ",
-              num(sparse::kMaxChunk), ", got ", num(chunk));
-  TORCH_CHECK(sparse::valid_keep(chunk, k), "sparse k (values kept per chunk of ", num(chunk), ") must be in [1, ",
-              num(chunk), "], got ", num(k));
-}
-
 void check_sparse_payload(const at::Tensor& payload, int64_t numel, int64_t chunk, int64_t k) {
-  check_sparse_settings(chunk, k);
-  TORCH_CHECK(numel >= 0, "numel must be a non-negative int, got ", num(numel));
-  const int64_t want = sparse::payload_bytes(numel, chunk, k);
-  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.dim() == 1 && payload.numel() == want,
-              "sparse decode: expected ", num(want), " bytes (uint8) for ", num(numel), " values, got ",
-              num(payload.numel()), " (", payload.scalar_type(), ")");
+  check_sparse_payload_size(payload, numel, chunk, k);
   TORCH_CHECK(payload.is_contiguous(), "sparse decode: the payload must be contiguous");
   TORCH_CHECK(sparse::well_formed(payload.data_ptr<uint8_t>(), numel, chunk, k),
               "sparse decode: the positions of a chunk are not ascending inside it");
