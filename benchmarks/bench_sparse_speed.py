@@ -66,8 +66,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--sweep", action="store_true",
-                    help="on a GPU, also time encode (k = 64) over its warps, programs per SM and candidates per "
-                         "value kept (kernels/sparse.py), each checked against the CPU payload")
+                    help="on a GPU, also time encode (k = 64) over its launch settings: the CUDA kernel's blocks per "
+                         "SM, the Triton kernel's warps, programs per SM, candidates per value kept and piece "
+                         "(kernels/sparse.py); each payload checked against the CPU's")
     args = ap.parse_args()
     n = args.mib * (1 << 20) // 4
     x = student_t(n, args.seed)
@@ -143,7 +144,12 @@ def gpu(x: torch.Tensor, args) -> int:
         rows.append({"op": key, "seconds": sec, "bytes_moved": moved[key], "gb_per_s": bw / 1e9,
                      "of_copy_bw": bw / copy_bw})
         print(f"{key:<26} {sec * 1e3:8.3f} {bw / 1e9:8.0f} {100 * bw / copy_bw:9.0f}%")
-    sweep = encode_sweep(x, copy_bw) if args.sweep else []
+    sweep = []
+    if args.sweep:
+        if "cuda" in backends:
+            sweep += cuda_blocks_sweep(x, copy_bw)
+        if "triton" in backends:
+            sweep += encode_sweep(x, copy_bw)
     out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.date.today():%Y%m%d}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
@@ -151,6 +157,36 @@ def gpu(x: torch.Tensor, args) -> int:
                    "rows": rows, "encode_sweep": sweep}, f, indent=1)
     print("wrote", out)
     return 0
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def cuda_blocks_sweep(x: torch.Tensor, copy_bw: float, repeats: int = 9) -> list:
+    """The CUDA encode (k = 64) over the blocks resident per SM (0: as many as the GPU schedules)."""
+    want = sparse.encode(x.cpu(), 4096, 64)
+    rows = []
+    print(f"{'cuda encode, blocks/SM':>22} {'ms':>8} {'of copy bw':>10}")
+    for blocks in (0, 4, 8, 12, 16):
+        def fn():
+            return torch.ops.prime._sparse_encode_blocks(x, 4096, 64, blocks)
+
+        if not torch.equal(fn().cpu(), want):
+            raise SystemExit(f"cuda encode at {blocks} blocks per SM: payload differs")
+        sec = _median_seconds(fn, repeats)
+        share = (4 * x.numel() + want.numel()) / sec / copy_bw
+        rows.append({"backend": "cuda", "blocks_per_sm": blocks, "seconds": sec, "of_copy_bw": share})
+        print(f"{blocks:>22} {sec * 1e3:8.3f} {100 * share:9.0f}%", flush=True)
+    return rows
 
 
 def encode_sweep(x: torch.Tensor, copy_bw: float, repeats: int = 9) -> list:
@@ -162,25 +198,17 @@ def encode_sweep(x: torch.Tensor, copy_bw: float, repeats: int = 9) -> list:
     saved = [getattr(kernels, a) for a in names]
     rows = []
     print(f"{'warps':>5} {'programs/SM':>11} {'cand/kept':>9} {'piece':>6} {'ms':>8} {'of copy bw':>10}")
-    settings = [(w, p, 8, piece) for w in (1, 2, 4) for p in (8, 16, 32) for piece in (256, 512, 1024)]
-    settings += [(w, 16, 4, 512) for w in (1, 2, 4)]
+    settings = [(w, p, 8, piece) for w in (1, 2) for p in (16, 32) for piece in (512, 1024)]
+    settings += [(1, 16, 4, 512)]
     try:
         for warps, per_sm, cand, piece in settings:
             for a, v in zip(names, (warps, per_sm, cand, piece)):
                 setattr(kernels, a, v)
             if not torch.equal(kernels.encode(x, 4096, 64).cpu(), want):
                 raise SystemExit(f"encode at warps {warps}, {per_sm}/SM, {cand}/kept, {piece}: payload differs")
-            times = []
-            for _ in range(repeats):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                kernels.encode(x, 4096, 64)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            sec = statistics.median(times)
+            sec = _median_seconds(lambda: kernels.encode(x, 4096, 64), repeats)
             share = (4 * x.numel() + want.numel()) / sec / copy_bw
-            rows.append({"warps": warps, "programs_per_sm": per_sm, "candidates_per_kept": cand,
+            rows.append({"backend": "triton", "warps": warps, "programs_per_sm": per_sm, "candidates_per_kept": cand,
                          "piece": piece, "seconds": sec, "of_copy_bw": share})
             print(f"{warps:>5} {per_sm:>11} {cand:>9} {piece:>6} {sec * 1e3:8.3f} {100 * share:9.0f}%",
                   flush=True)

@@ -206,6 +206,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 def _backend(backend: Optional[str], device: torch.device = torch.device("cpu")) -> str:
+    if backend in (None, "cuda") and device.type == "cuda" and _extension.has_cuda_kernels():
+        return "cuda"  # (the common case on GPUs, without asking triton)
     available = available_backends(device)
     if backend is None:
         return available[0]

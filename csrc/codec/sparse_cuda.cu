@@ -28,6 +28,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "checks.h"
 #include "sparse.h"
@@ -73,20 +75,19 @@ __device__ __forceinline__ int keep_of(int len, int chunk, int k) {
 
 __host__ __device__ constexpr size_t align16(size_t b) { return (b + 15) & ~size_t{15}; }
 
-// A warp's shared memory: the candidates (fp32 bits, positions), the kept (fp32 bits, positions,
-// codes; the codes first hold the upper-half flags), and the split between the levels.
+// A warp's shared memory: the candidates (fp32 bits, positions) and the kept (fp32 bits, positions,
+// codes; the codes first hold the upper-half flags).
 struct WarpScratch {
   uint32_t* cand_bits;
   uint16_t* cand_pos;
   uint32_t* kept_bits;
   uint16_t* kept_pos;
   uint8_t* kept_code;
-  double* mid;
 };
 
 __host__ __device__ constexpr size_t warp_scratch_bytes(int cap, int k) {
   return align16(size_t(cap) * 4) + align16(size_t(cap) * 2) + align16(size_t(k) * 4) + align16(size_t(k) * 2) +
-         align16(size_t(k)) + 16;
+         align16(size_t(k));
 }
 
 __device__ WarpScratch scratch_at(unsigned char* p, int cap, int k) {
@@ -100,8 +101,6 @@ __device__ WarpScratch scratch_at(unsigned char* p, int cap, int k) {
   s.kept_pos = reinterpret_cast<uint16_t*>(p);
   p += align16(size_t(k) * 2);
   s.kept_code = p;
-  p += align16(size_t(k));
-  s.mid = reinterpret_cast<double*>(p);
   return s;
 }
 
@@ -109,17 +108,46 @@ __device__ __forceinline__ int32_t magnitude(uint32_t bits) { return static_cast
 
 // Step 1: {L, the largest magnitude} of the chunk's len values (L = 0, no bound, when fewer than keep
 // groups hold values).
+// Loads, then work: each lane loads kBatch runs of 4 values (16 bytes each) before it needs the first, so a
+// chunk of 4096 costs two round trips to memory per pass (a ballot after every load would wait one for every
+// 32 values). Value base + 128 u + 4 lane + c sits in v[u][c]; bits 0 past the chunk's end.
+constexpr int kBatch = 4;
+
+template <int B>
+__device__ __forceinline__ void load_batch(const float* __restrict__ xc, int len, int base, int lane, bool aligned,
+                                           uint32_t (&v)[B][4]) {
+#pragma unroll
+  for (int u = 0; u < B; ++u) {
+    const int i = base + u * 128 + lane * 4;
+    if (aligned && i + 3 < len) {
+      const float4 f = *reinterpret_cast<const float4*>(xc + i);
+      v[u][0] = __float_as_uint(f.x);
+      v[u][1] = __float_as_uint(f.y);
+      v[u][2] = __float_as_uint(f.z);
+      v[u][3] = __float_as_uint(f.w);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[u][c] = i + c < len ? __float_as_uint(xc[i + c]) : 0u;
+    }
+  }
+}
+
+// Step 1: {L, the largest magnitude} of the chunk's len values (L = 0, no bound, when fewer than keep
+// groups hold values). Lane l's slot j gathers the runs u of each batch with u % G = j.
 template <int G>
-__device__ int2 bound(const float* __restrict__ xc, int len, int keep, int lane) {
+__device__ int2 bound(const float* __restrict__ xc, int len, int keep, int lane, bool aligned) {
+  constexpr int B = G > kBatch ? G : kBatch;
   int32_t gm[G];
 #pragma unroll
   for (int j = 0; j < G; ++j) gm[j] = -1;
-#pragma unroll 4
-  for (int base = 0; base < len; base += 32 * G) {
+  for (int base = 0; base < len; base += 128 * B) {
+    uint32_t v[B][4];
+    load_batch(xc, len, base, lane, aligned, v);
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int i = base + j * 32 + lane;
-      gm[j] = max(gm[j], i < len ? magnitude(__float_as_uint(xc[i])) : -1);
+    for (int u = 0; u < B; ++u) {
+      const int i = base + u * 128 + lane * 4;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) gm[u % G] = max(gm[u % G], i + c < len ? magnitude(v[u][c]) : -1);
     }
   }
   int32_t hi = -1, low = kAbs;
@@ -138,25 +166,57 @@ __device__ int2 bound(const float* __restrict__ xc, int len, int keep, int lane)
 }
 
 // Step 2: writes to the candidates, in position order, the values above low and the first `room`
-// equal to low, those that fall in the first cap slots; returns {how many above, how many equal}.
+// equal to low, those that fall in the first cap slots; returns {how many above, how many equal}. Each lane
+// takes 16 consecutive values of every 512, so position order is lane order: one scan of the lanes' counts
+// places every lane's candidates.
 __device__ int2 compact(const float* __restrict__ xc, int len, int32_t low, int room, int cap, WarpScratch s,
-                        int lane) {
-  const unsigned before = (1u << lane) - 1;
+                        int lane, bool aligned) {
   int above = 0, equal = 0;
-#pragma unroll 4
-  for (int base = 0; base < len; base += 32) {
-    const int i = base + lane;
-    const uint32_t bits = i < len ? __float_as_uint(xc[i]) : 0u;
-    const int32_t m = i < len ? magnitude(bits) : -1;
-    const unsigned gt = __ballot_sync(kAll, m > low), eq = __ballot_sync(kAll, m == low);
-    const int g = above + __popc(gt & before), q = equal + __popc(eq & before);
-    const int slot = g + min(q, room);
-    if ((m > low || (m == low && q < room)) && slot < cap) {
-      s.cand_bits[slot] = bits;
-      s.cand_pos[slot] = static_cast<uint16_t>(i);
+  for (int base = 0; base < len; base += 512) {
+    const int i0 = base + 16 * lane;
+    uint32_t v[16];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + 4 * u;
+      if (aligned && i + 3 < len) {
+        const float4 f = *reinterpret_cast<const float4*>(xc + i);
+        v[4 * u] = __float_as_uint(f.x);
+        v[4 * u + 1] = __float_as_uint(f.y);
+        v[4 * u + 2] = __float_as_uint(f.z);
+        v[4 * u + 3] = __float_as_uint(f.w);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[4 * u + c] = i + c < len ? __float_as_uint(xc[i + c]) : 0u;
+      }
     }
-    above += __popc(gt);
-    equal += __popc(eq);
+    unsigned gt = 0, eq = 0;  // bit c: value i0 + c is above low, equal to low
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int32_t m = i0 + c < len ? magnitude(v[c]) : -1;
+      gt |= unsigned(m > low) << c;
+      eq |= unsigned(m == low) << c;
+    }
+    const int mine = __popc(gt) | (__popc(eq) << 16);  // at most 512 each
+    int upto = mine;  // this lane's and the lower lanes'
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(kAll, upto, o);
+      if (lane >= o) upto += t;
+    }
+    const int all = __shfl_sync(kAll, upto, 31), before = upto - mine;
+    for (unsigned left = gt | eq; left != 0; left &= left - 1) {  // this lane's candidates, in position order
+      const int c = __ffs(left) - 1;
+      const unsigned lower = (1u << c) - 1;
+      const int g = above + (before & 0xffff) + __popc(gt & lower);
+      const int q = equal + (before >> 16) + __popc(eq & lower);
+      const int slot = g + min(q, room);
+      if ((((gt >> c) & 1u) || q < room) && slot < cap) {
+        s.cand_bits[slot] = __float_as_uint(xc[i0 + c]);  // (in L1: just read)
+        s.cand_pos[slot] = static_cast<uint16_t>(i0 + c);
+      }
+    }
+    above += all & 0xffff;
+    equal += all >> 16;
   }
   return make_int2(above, equal);
 }
@@ -207,6 +267,42 @@ __device__ void top(Load load, int count, int keep, int32_t t, int lane, Take ta
   }
 }
 
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kAll, v, o);
+  return v;
+}
+
+// {sum of the kept magnitudes j with side(j), sum of the others}, float64 in ascending position order as the
+// format fixes. When every kept magnitude is a multiple of the smallest nonzero one's ulp and keep of the
+// largest stay below 2^53 of those ulps (`exact`), every partial sum is exact and any order gives the same
+// bits: the lanes add their share and the warp adds those. Otherwise one lane adds left to right.
+template <class Side>
+__device__ double2 ordered_sums(const uint32_t* kept, int keep, bool exact, int lane, Side side) {
+  double a = 0, b = 0;
+  if (exact) {
+    for (int j = lane; j < keep; j += 32) {
+      const double v = static_cast<double>(__uint_as_float(kept[j] & kAbs));
+      if (side(j, v)) {
+        a += v;
+      } else {
+        b += v;
+      }
+    }
+    return make_double2(warp_sum(a), warp_sum(b));
+  }
+  if (lane == 0) {
+    for (int j = 0; j < keep; ++j) {
+      const double v = static_cast<double>(__uint_as_float(kept[j] & kAbs));
+      if (side(j, v)) {
+        a += v;
+      } else {
+        b += v;
+      }
+    }
+  }
+  return make_double2(__shfl_sync(kAll, a, 0), __shfl_sync(kAll, b, 0));
+}
+
 __device__ __forceinline__ uint32_t bf16_of_mean(double m) {  // to fp32, then to bf16, each to nearest even
   const uint32_t b = __float_as_uint(static_cast<float>(m));
   return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
@@ -214,8 +310,8 @@ __device__ __forceinline__ uint32_t bf16_of_mean(double m) {  // to fp32, then t
 
 template <int G>
 __global__ void __launch_bounds__(kMaxWarps * 32)
-    encode_kernel(const float* __restrict__ x, int64_t n, int chunk, int k, int bits, int64_t record, int cap,
-                  int64_t chunks, uint8_t* __restrict__ out, int* __restrict__ status) {
+    encode_kernel(const float* __restrict__ x, bool aligned, int64_t n, int chunk, int k, int bits, int log2_keep,
+                  int64_t record, int cap, int64_t chunks, uint8_t* __restrict__ out, int* __restrict__ status) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const WarpScratch s = scratch_at(smem + warp * warp_scratch_bytes(cap, k), cap, k);
@@ -223,15 +319,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     const float* xc = x + c * chunk;
     const int len = static_cast<int>(min(int64_t(chunk), n - c * chunk));
     const int keep = keep_of(len, chunk, k);
-    const int2 b = bound<G>(xc, len, keep, lane);
+    const int2 b = bound<G>(xc, len, keep, lane, aligned);
     int32_t low = b.x;
     const int32_t hi = b.y;
-    int2 n_at = compact(xc, len, low, cap, cap, s, lane);
+    int2 n_at = compact(xc, len, low, cap, cap, s, lane, aligned);
     if (n_at.x > cap) {
       low = kth_largest([&](int i) { return __float_as_uint(xc[i]); }, len, keep, low, n_at.x + n_at.y, hi, lane);
-      n_at = compact(xc, len, low, cap, cap, s, lane);
+      n_at = compact(xc, len, low, cap, cap, s, lane, aligned);
     }
-    if (n_at.x + n_at.y > cap) compact(xc, len, low, cap - n_at.x, cap, s, lane);  // ties at L take what is left
+    if (n_at.x + n_at.y > cap) compact(xc, len, low, cap - n_at.x, cap, s, lane, aligned);  // ties at L take what is left
     const int count = n_at.x + min(n_at.y, cap - n_at.x);
     __syncwarp();
 
@@ -252,43 +348,33 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
         [&](int i, int) { s.kept_code[i] = 1; });
     __syncwarp();
 
-    uint8_t* rec = out + c * record;
-    if (lane == 0) {  // the format's float64 sums, left to right
-      double s_hi = 0, s_lo = 0;
-      for (int j = 0; j < keep; ++j) {
-        const double v = static_cast<double>(__uint_as_float(s.kept_bits[j] & kAbs));
-        if (s.kept_code[j]) {
-          s_hi += v;
-        } else {
-          s_lo += v;
-        }
-      }
-      const double c_hi = s_hi / static_cast<double>(upper);
-      const double c_lo = keep > upper ? s_lo / static_cast<double>(keep - upper) : c_hi;
-      const double mid = (c_lo + c_hi) / 2;
-      double sum_hi = 0, sum_lo = 0;
-      int n_hi = 0;
-      for (int j = 0; j < keep; ++j) {
-        const double v = static_cast<double>(__uint_as_float(s.kept_bits[j] & kAbs));
-        if (v >= mid) {
-          sum_hi += v;
-          ++n_hi;
-        } else {
-          sum_lo += v;
-        }
-      }
-      const uint32_t h = bf16_of_mean(sum_hi / static_cast<double>(n_hi));
-      const uint32_t l = keep > n_hi ? bf16_of_mean(sum_lo / static_cast<double>(keep - n_hi)) : h;
-      *s.mid = mid;
-      rec[0] = static_cast<uint8_t>(l);
-      rec[1] = static_cast<uint8_t>(l >> 8);
-      rec[2] = static_cast<uint8_t>(h);
-      rec[3] = static_cast<uint8_t>(h >> 8);
-      status[c] = hi >= kInf ? int(EncodeStatus::kNonFinite)
-                             : (h & 0x7fffu) >= 0x7f80u ? int(EncodeStatus::kOverflow) : int(EncodeStatus::kOk);
+    // the two levels: the means of the upper half and of the rest split the kept; lo and hi are the means of
+    // each side of that split (the format's float64 sums)
+    int32_t top_mag = 0, small = kInf;
+    for (int j = lane; j < keep; j += 32) {
+      const int32_t m = magnitude(s.kept_bits[j]);
+      top_mag = max(top_mag, m);
+      if (m > 0) small = min(small, m);
     }
-    __syncwarp();
-    const double mid = *s.mid;
+    top_mag = warp_max(top_mag);
+    small = warp_min(small);
+    const bool exact = top_mag == 0 || (top_mag >> 23) - max(small >> 23, 1) <= 29 - log2_keep;
+    const double2 halves = ordered_sums(s.kept_bits, keep, exact, lane, [&](int j, double) { return s.kept_code[j] != 0; });
+    const double c_hi = halves.x / static_cast<double>(upper);
+    const double c_lo = keep > upper ? halves.y / static_cast<double>(keep - upper) : c_hi;
+    const double mid = (c_lo + c_hi) / 2;
+    int n_hi = 0;
+    for (int j = lane; j < keep; j += 32) n_hi += static_cast<double>(__uint_as_float(s.kept_bits[j] & kAbs)) >= mid;
+    n_hi = warp_sum(n_hi);
+    const double2 sides = ordered_sums(s.kept_bits, keep, exact, lane, [&](int, double v) { return v >= mid; });
+    const uint32_t h = bf16_of_mean(sides.x / static_cast<double>(n_hi));
+    const uint32_t l = keep > n_hi ? bf16_of_mean(sides.y / static_cast<double>(keep - n_hi)) : h;
+    uint8_t* rec = out + c * record;
+    if (lane < 4) rec[lane] = static_cast<uint8_t>((lane < 2 ? l : h) >> (8 * (lane & 1)));
+    const int st = hi >= kInf ? int(EncodeStatus::kNonFinite)
+                              : (h & 0x7fffu) >= 0x7f80u ? int(EncodeStatus::kOverflow) : int(EncodeStatus::kOk);
+    if (lane == 0 && st != 0) atomicMax(status, st);
+    __syncwarp();  // every lane has read the upper-half flags
     for (int j = lane; j < keep; j += 32) {
       const uint32_t v = s.kept_bits[j];
       const unsigned level = static_cast<double>(__uint_as_float(v & kAbs)) >= mid;
@@ -358,11 +444,31 @@ __global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, in
   }
 }
 
+struct DeviceLimits {
+  int smem_optin = 0;  // shared memory a block may ask for
+  int sms = 0;
+};
+
+DeviceLimits limits_of(int device) {  // asked once per device
+  static std::mutex mutex;
+  static std::vector<DeviceLimits> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<int>(known.size())) known.resize(device + 1);
+  DeviceLimits& d = known[device];
+  if (d.sms == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  return d;
+}
+
 unsigned grid_for(int64_t chunks, int warps) {  // blocks take chunks in turn past 2^20 blocks
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((chunks + warps - 1) / warps, int64_t{1} << 20)));
 }
 
-at::Tensor sparse_encode_cuda(const at::Tensor& x, int64_t chunk, int64_t k) {
+// blocks_per_sm: blocks resident at once per SM (0: one block per 4 chunks, as many as the GPU schedules). Each
+// block's warps take chunks in turn.
+at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64_t blocks_per_sm) {
   check_sparse_settings(chunk, k);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1, "sparse encode takes a flat float32 tensor, got ",
               x.scalar_type(), " of ", num(x.dim()), " dimensions");
@@ -371,26 +477,31 @@ at::Tensor sparse_encode_cuda(const at::Tensor& x, int64_t chunk, int64_t k) {
   const int64_t n = xc.numel(), chunks = (n + chunk - 1) / chunk;
   at::Tensor out = at::empty({payload_bytes(n, chunk, k)}, x.options().dtype(at::kByte));
   if (chunks == 0) return out;
-  at::Tensor status = at::empty({chunks}, x.options().dtype(at::kInt));
+  at::Tensor status = at::empty({1}, x.options().dtype(at::kInt));  // the worst EncodeStatus of any chunk
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(status.data_ptr<int>(), 0, sizeof(int), stream));
   int64_t cap = 1;
   while (cap < kCandidatesPerKept * k) cap <<= 1;
   cap = std::min(cap, chunk);
   const size_t per_warp = warp_scratch_bytes(static_cast<int>(cap), static_cast<int>(k));
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, x.device().index()));
-  const int warps = static_cast<int>(std::min<int64_t>(kMaxWarps, int64_t(optin) / int64_t(per_warp)));
+  const DeviceLimits limits = limits_of(x.device().index());
+  const int warps = static_cast<int>(std::min<int64_t>(kMaxWarps, int64_t(limits.smem_optin) / int64_t(per_warp)));
   TORCH_CHECK(warps >= 1, "sparse encode: k = ", num(k), " needs more shared memory than this GPU has");
   const size_t smem = per_warp * warps;
+  unsigned blocks = grid_for(chunks, warps);
+  if (blocks_per_sm > 0) blocks = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t(limits.sms) * blocks_per_sm));
   const int bits = position_bits(chunk);
   const int64_t record = record_bytes(k, bits);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  int log2_k = 0;
+  while ((int64_t{1} << log2_k) < k) ++log2_k;
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     }
-    kernel<<<grid_for(chunks, warps), warps * 32, smem, stream>>>(xc.data_ptr<float>(), n, int(chunk), int(k), bits,
-                                                                  record, int(cap), chunks, out.data_ptr<uint8_t>(),
-                                                                  status.data_ptr<int>());
+    const float* data = xc.data_ptr<float>();
+    const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;  // then every chunk is (4 chunk bytes apart)
+    kernel<<<blocks, warps * 32, smem, stream>>>(data, aligned, n, int(chunk), int(k), bits, log2_k, record, int(cap),
+                                                 chunks, out.data_ptr<uint8_t>(), status.data_ptr<int>());
   };
   if (k <= 32) {
     launch(encode_kernel<1>);
@@ -402,10 +513,17 @@ at::Tensor sparse_encode_cuda(const at::Tensor& x, int64_t chunk, int64_t k) {
     launch(encode_kernel<8>);  // k > 256: fewer groups than k, no bound (then cap = chunk)
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int worst = status.max().item<int>();
+  int worst = 0;  // (a copy to pageable memory returns once it is done)
+  C10_CUDA_CHECK(cudaMemcpyAsync(&worst, status.data_ptr<int>(), sizeof(int), cudaMemcpyDeviceToHost, stream));
   TORCH_CHECK(worst != int(EncodeStatus::kNonFinite), "sparse encode: the tensor holds non-finite values");
   TORCH_CHECK(worst != int(EncodeStatus::kOverflow), "sparse encode: a chunk's magnitude overflows bf16");
   return out;
+}
+
+constexpr int64_t kBlocksPerSm = 0;  // H200, 256 MiB, k = 64: as many as it schedules (bench_sparse_speed.py --sweep)
+
+at::Tensor sparse_encode_cuda(const at::Tensor& x, int64_t chunk, int64_t k) {
+  return encode_on_blocks(x, chunk, k, kBlocksPerSm);
 }
 
 template <Decode kMode>
@@ -448,7 +566,13 @@ void sparse_decode_add_cuda(at::Tensor& acc, const at::Tensor& payload, int64_t 
 }  // namespace
 }  // namespace prime::codec::sparse
 
+// Private, for benchmarks: encode with another number of resident blocks per SM.
+TORCH_LIBRARY_FRAGMENT(prime, m) {
+  m.def("_sparse_encode_blocks(Tensor x, int chunk, int k, int blocks_per_sm) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(prime, CUDA, m) {
+  m.impl("_sparse_encode_blocks", &prime::codec::sparse::encode_on_blocks);
   m.impl("sparse_encode", &prime::codec::sparse::sparse_encode_cuda);
   m.impl("sparse_decode", &prime::codec::sparse::sparse_decode_cuda);
   m.impl("sparse_decode_add_", &prime::codec::sparse::sparse_decode_add_cuda);
