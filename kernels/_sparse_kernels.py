@@ -2,17 +2,25 @@
 bytes and values of the CPU kernels (csrc/codec/sparse_cpu.cpp) and of the reference
 (prime/sparse.py). The launchers are in kernels/sparse.py.
 
-One program per chunk of CHUNK values (a power of two, so the chunk is one block of lanes):
+The encoder's programs take chunks in turn (each with a scratch row of its own); decode is one
+program per chunk:
 
-- Selection. Magnitudes are the fp32 bits without the sign (non-negative floats order as
-  their bits); the k-th largest, t, is found bit by bit from the top (31 counts over the
-  chunk); everything above t is kept, and of the values equal to t the lowest positions, as
-  many as are still needed (an exclusive cumsum ranks them). A second cumsum gives each kept
-  value its slot: slots follow positions, ascending.
+- Candidates. Magnitudes are the fp32 bits without the sign (non-negative floats order as their
+  bits). The chunk, read in pieces, falls in R >= k groups of CHUNK / R values; the keep groups
+  that hold values have keep distinct maxima, so the smallest of those, L, has at least keep
+  magnitudes at or above it. The values above L, and of those equal to L the lowest positions,
+  go to the scratch row in position order (one cumsum per piece): at most CAP of them (about 7%
+  of a chunk at k / C = 1/64). When more than CAP exceed L, L becomes the k-th largest itself,
+  searched over the whole chunk (rare).
+- Selection, on the candidates only: the k-th largest, t, bit by bit from the top, stopping once
+  a count equals keep; everything above t is kept, and of the values equal to t the lowest
+  positions, as many as are still needed (an exclusive cumsum ranks them). A second cumsum
+  gives each kept value its slot: slots follow positions, ascending.
 - The two levels. The ceil(k / 2) largest of the kept (the same ranking, a second search over
   the kept only) split them; the means of each side and then of each level are float64 sums
-  in ascending position order, as the format fixes: a loop over the kept values in a scratch
-  row of the chunk's slots, left to right (a tree reduction would round differently).
+  in ascending position order, as the format fixes: vector sums where every partial sum is
+  provably exact, else a loop over the kept values in the scratch row, left to right (a tree
+  reduction would round differently).
 - Packing. Each byte of the position area ORs the (at most three) positions that overlap its
   eight bits; each byte of the code area its four 2-bit codes.
 
