@@ -71,8 +71,8 @@ def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str
 def round_trip(x: torch.Tensor, codec: str, block_size: int, keep: Optional[int] = None) -> torch.Tensor:
     """dequantize(quantize(x)) with the codec's fastest backend for x's device (every backend gives the same
     bits). Non-finite blocks come back as NaN (the caller checks finiteness). topk: decode(encode(x)) with
-    `keep` values per chunk of block_size (prime.sparse: on x's GPU with the Triton kernels where they run, else
-    on the CPU); a tensor that is not finite comes back as NaN."""
+    `keep` values per chunk of block_size (prime.sparse: on x's GPU with the CUDA or Triton kernels where the
+    build or triton has them, else on the CPU); a tensor that is not finite comes back as NaN."""
     if codec == "topk":
         from prime import sparse
 

@@ -200,7 +200,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     on_gpu = device.type == "cuda"
     found = (["cuda"] if on_gpu and _extension.has_cuda_kernels() else []) \
         + (["triton"] if _triton_usable(device) else []) + (["cpu"] if _extension.available() else [])
-    if not on_gpu and "triton" in found:  # the interpreter (tests): never the default for CPU tensors
+    if not on_gpu and "triton" in found:  # the interpreter (tests): after the CPU kernels for CPU tensors
         found.append(found.pop(found.index("triton")))
     return found + ["torch"]
 
@@ -220,12 +220,19 @@ def _backend(backend: Optional[str], device: torch.device = torch.device("cpu"))
     return backend
 
 
+_BAD_INPUT = ("sparse ", "numel must", "the accumulator")  # how the ops' own argument errors begin (checks.h)
+
+
 def _op(op, *args):
-    """A prime::sparse_* op; its error (bad settings, a non-finite input, a malformed payload) as ValueError."""
+    """A prime::sparse_* op; its errors about the input (bad settings, a non-finite value, a malformed payload) as
+    ValueError; anything else (a device fault, out of memory) as it came."""
     try:
         return op(*args)
     except RuntimeError as e:
-        raise ValueError(str(e).split("\n")[0]) from None
+        line = str(e).split("\n")[0]
+        if line.startswith(_BAD_INPUT):
+            raise ValueError(line) from None
+        raise
 
 
 def _kernels():

@@ -4,18 +4,19 @@
 // only in CUDA builds.
 //
 // Encode: one warp per chunk, the chunk's values read twice from global memory:
-//  1. A bound. Each lane keeps G running maxima of its own values (lane l, slot j holds the values
-//     i with i % 32 = l and (i / 32) % G = j): 32 G >= k groups that hold values, so the smallest
-//     of their maxima, L, has at least k values at or above it and the k-th largest is >= L.
+//  1. A bound. Each lane keeps G running maxima of its own runs of 4 values (slot j: the runs u of
+//     each batch with u % G = j): 32 G >= k groups that hold values, so the smallest of their
+//     maxima, L, has at least k values at or above it and the k-th largest is >= L.
 //  2. The candidates. The values above L, and of those equal to L the lowest positions, are
-//     written to shared memory in position order (ballots): about 7% of a chunk of student-t
-//     values at k / C = 1/64, at most `cap`. When more than cap values exceed L (a chunk whose
-//     large values sit in few groups), L becomes the k-th largest itself, searched bit by bit
-//     over the whole chunk (rare).
+//     written to shared memory in position order (one scan of the lanes' counts): about 7% of a
+//     chunk of student-t values at k / C = 1/64, at most `cap`. When more than cap values exceed
+//     L (a chunk whose large values sit in few groups), L becomes the k-th largest itself,
+//     searched bit by bit over the whole chunk (rare).
 //  3. The selection on the candidates only: the k-th largest bit by bit from the top (warp-wide
 //     counts), stopping early once a count equals keep; the kept values in position order; the
-//     upper half of the kept the same way. The float64 means are the format's ordered sums, one
-//     lane adding left to right, as the CPU does.
+//     upper half of the kept the same way. The float64 means are the format's sums in position
+//     order: on every lane where every partial sum is exact (any order gives the same bits),
+//     else one lane adding left to right, as the CPU does.
 //  4. The record: lo and hi, the positions' bit stream and the codes, a byte per lane.
 // Decode: one warp per record. decode_add_ checks every record (ascending positions inside the
 // chunk) in a first kernel and adds in a second, which writes nothing when the first found a
@@ -41,7 +42,7 @@ constexpr int32_t kAbs = 0x7fffffff;
 constexpr int32_t kInf = 0x7f800000;
 constexpr unsigned kAll = 0xffffffffu;
 constexpr int kMaxWarps = 4;        // warps per block, each a chunk at a time
-constexpr int kCandidatesPerKept = 8;  // cap = min(chunk, the power of two >= 8 k)
+constexpr int kCandidatesPerKept = 8;  // cap = min(chunk, the power of two >= max(8 k, 64))
 
 __device__ __forceinline__ int warp_sum(int v) {
 #if __CUDA_ARCH__ >= 800
@@ -106,8 +107,6 @@ __device__ WarpScratch scratch_at(unsigned char* p, int cap, int k) {
 
 __device__ __forceinline__ int32_t magnitude(uint32_t bits) { return static_cast<int32_t>(bits & kAbs); }
 
-// Step 1: {L, the largest magnitude} of the chunk's len values (L = 0, no bound, when fewer than keep
-// groups hold values).
 // Loads, then work: each lane loads kBatch runs of 4 values (16 bytes each) before it needs the first, so a
 // chunk of 4096 costs two round trips to memory per pass (a ballot after every load would wait one for every
 // 32 values). Value base + 128 u + 4 lane + c sits in v[u][c]; bits 0 past the chunk's end.
@@ -325,9 +324,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     int2 n_at = compact(xc, len, low, cap, cap, s, lane, aligned);
     if (n_at.x > cap) {
       low = kth_largest([&](int i) { return __float_as_uint(xc[i]); }, len, keep, low, n_at.x + n_at.y, hi, lane);
+      __syncwarp();  // another pass writes the same slots from other lanes
       n_at = compact(xc, len, low, cap, cap, s, lane, aligned);
     }
-    if (n_at.x + n_at.y > cap) compact(xc, len, low, cap - n_at.x, cap, s, lane, aligned);  // ties at L take what is left
+    if (n_at.x + n_at.y > cap) {  // ties at L take what is left
+      __syncwarp();
+      compact(xc, len, low, cap - n_at.x, cap, s, lane, aligned);
+    }
     const int count = n_at.x + min(n_at.y, cap - n_at.x);
     __syncwarp();
 
@@ -480,8 +483,8 @@ at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64
   at::Tensor status = at::empty({1}, x.options().dtype(at::kInt));  // the worst EncodeStatus of any chunk
   const auto stream = c10::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemsetAsync(status.data_ptr<int>(), 0, sizeof(int), stream));
-  int64_t cap = 1;
-  while (cap < kCandidatesPerKept * k) cap <<= 1;
+  int64_t cap = 1;  // (at least 64: 32 groups leave at least 31 values above their bound)
+  while (cap < std::max<int64_t>(kCandidatesPerKept * k, 64)) cap <<= 1;
   cap = std::min(cap, chunk);
   const size_t per_warp = warp_scratch_bytes(static_cast<int>(cap), static_cast<int>(k));
   const DeviceLimits limits = limits_of(x.device().index());
