@@ -63,7 +63,8 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     with _on_device(x.device):
         _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, PBYTES=pbytes, CBYTES=cbytes,
                                               LOGK=(k - 1).bit_length(), R=chunk // group,
-                                              SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS, **shape, **_COMPILE_OPTIONS)
+                                              SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS,
+                                              **shape, **_COMPILE_OPTIONS)
     worst = int(status.max())
     if worst == 1:
         raise ValueError("sparse encode: the input holds NaN or Inf")

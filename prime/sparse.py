@@ -198,11 +198,10 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
     device = torch.device(device)
     on_gpu = device.type == "cuda"
-    found = (["cuda"] if on_gpu and _extension.has_cuda_kernels() else []) \
-        + (["triton"] if _triton_usable(device) else []) + (["cpu"] if _extension.available() else [])
-    if not on_gpu and "triton" in found:  # the interpreter (tests): after the CPU kernels for CPU tensors
-        found.append(found.pop(found.index("triton")))
-    return found + ["torch"]
+    usable = {"cuda": on_gpu and _extension.has_cuda_kernels(), "triton": _triton_usable(device),
+              "cpu": _extension.available()}
+    # (triton on CPU tensors is the interpreter, for tests: after the CPU kernels)
+    return [b for b in (("cuda", "triton", "cpu") if on_gpu else ("cpu", "triton")) if usable[b]] + ["torch"]
 
 
 def _backend(backend: Optional[str], device: torch.device = torch.device("cpu")) -> str:

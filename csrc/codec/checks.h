@@ -117,6 +117,14 @@ inline void check_sparse_settings(int64_t chunk, int64_t k) {
               num(chunk), "], got ", num(k));
 }
 
+// decode_add_'s accumulator: updated in place, so a contiguous float32 tensor on the payload's device.
+inline void check_sparse_accumulator(const at::Tensor& acc, const at::Tensor& payload) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous(),
+              "the accumulator must be a contiguous float32 tensor (it is updated in place), got ", acc.scalar_type());
+  TORCH_CHECK(acc.device() == payload.device(), "the accumulator is on ", acc.device(), " but the payload is on ",
+              payload.device(), "; move them to one device");
+}
+
 // The settings, and a payload's type and size for numel values (not what its records say).
 inline void check_sparse_payload_size(const at::Tensor& payload, int64_t numel, int64_t chunk, int64_t k) {
   check_sparse_settings(chunk, k);

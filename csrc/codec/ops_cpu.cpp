@@ -187,10 +187,7 @@ at::Tensor sparse_decode_cpu(const at::Tensor& payload, int64_t numel, int64_t c
 }
 
 void sparse_decode_add_cpu(at::Tensor& acc, const at::Tensor& payload, int64_t chunk, int64_t k) {
-  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous(),
-              "the accumulator must be a contiguous float32 tensor (it is updated in place), got ", acc.scalar_type());
-  TORCH_CHECK(acc.device() == payload.device(), "the accumulator is on ", acc.device(), " but the payload is on ",
-              payload.device(), "; move them to one device");
+  check_sparse_accumulator(acc, payload);
   check_sparse_payload(payload, acc.numel(), chunk, k);
   sparse::decode_add(payload.data_ptr<uint8_t>(), acc.numel(), chunk, k, acc.data_ptr<float>());
 }

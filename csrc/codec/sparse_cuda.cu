@@ -553,10 +553,7 @@ at::Tensor sparse_decode_cuda(const at::Tensor& payload, int64_t numel, int64_t 
 }
 
 void sparse_decode_add_cuda(at::Tensor& acc, const at::Tensor& payload, int64_t chunk, int64_t k) {
-  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous(),
-              "the accumulator must be a contiguous float32 tensor (it is updated in place), got ", acc.scalar_type());
-  TORCH_CHECK(acc.device() == payload.device(), "the accumulator is on ", acc.device(), " but the payload is on ",
-              payload.device(), "; move them to one device");
+  check_sparse_accumulator(acc, payload);
   check_sparse_payload_size(payload, acc.numel(), chunk, k);
   const c10::cuda::CUDAGuard guard(acc.device());
   const at::Tensor p = payload.contiguous();
