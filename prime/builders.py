@@ -148,7 +148,7 @@ def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data:
         flops_per_token=parts.args.flops_per_token(cfg.data.seq_len),
         peak=peak_flops(env.device, cfg.metrics.peak_tflops), local_sum=env.local_sum,
         codec=cfg.diloco.codec, block_size=cfg.diloco.resolved_block_size(), inner_steps=cfg.diloco.inner_steps,
-        model_numel=parts.numel(), density=cfg.diloco.density,
+        model_numel=parts.numel(), density=cfg.diloco.density, average_density=cfg.diloco.average_density,
     )
 
 
@@ -173,6 +173,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
         overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,
         fragments=d.fragments, error_feedback=d.error_feedback, density=d.density,
+        average_density=d.average_density, feedback_decay=d.feedback_decay,
         weights="tokens" if d.phase == "time" else "equal",
         auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None,
     )

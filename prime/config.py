@@ -185,6 +185,10 @@ class DiLoCoConfig:
     """Codec block (int8, fp4): one scale per block_size values; topk: values per chunk (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales), 4096 for topk."""
     density: Optional[float] = None
     """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1). Unset (none): 1/64 (64 of 4096, 0.028 bytes a value). Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
+    average_density: Optional[float] = None
+    """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): diloco.density. The sum of N nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
+    feedback_decay: float = 1.0
+    """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1 old residual fades geometrically, as SparseLoCo's accumulator (0.95 there); needs error feedback on."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
@@ -263,14 +267,19 @@ class DiLoCoConfig:
         from prime.codecs import CODECS, names
 
         _require(self.codec in CODECS, "diloco.codec", names(), self.codec)
-        from prime.feedback import resolve_error_feedback
+        from prime.feedback import check_feedback_decay, resolve_error_feedback
 
-        resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
+        feedback = resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
+        check_feedback_decay(self.feedback_decay, feedback, "diloco.feedback_decay")
         if self.block_size is not None:
             check_block_size(self.block_size, "diloco.block_size")
         if self.density is not None:
             _require(self.codec == "topk", "diloco.density", "unset unless diloco.codec = 'topk'", self.density)
             _require(0 < self.density <= 1, "diloco.density", "in (0, 1]", self.density)
+        if self.average_density is not None:
+            _require(self.codec == "topk", "diloco.average_density", "unset unless diloco.codec = 'topk'",
+                     self.average_density)
+            _require(0 < self.average_density <= 1, "diloco.average_density", "in (0, 1]", self.average_density)
         if self.codec == "topk":
             from prime import sparse
 
@@ -279,6 +288,8 @@ class DiLoCoConfig:
 
             density = DEFAULT_DENSITY if self.density is None else self.density
             sparse.check_pays(chunk, sparse.keep_for_density(density, chunk), "diloco.density")
+            if self.average_density is not None:
+                sparse.check_pays(chunk, sparse.keep_for_density(self.average_density, chunk), "diloco.average_density")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)

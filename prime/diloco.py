@@ -88,6 +88,10 @@ DiLoCo's arguments:
                       and off is refused with "topk"
     density:          topk: the share of each chunk's values sent per round (None: 1/64); k = density x
                       block_size, at least 1. Refused with the other codecs
+    average_density:  topk: the share of each chunk of the average that its owner sends back (None: density).
+                      Above density the owner drops less of the sum of N contributions (docs/codec.md)
+    feedback_decay:   error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1]
+                      (default 1: all of it; SparseLoCo's accumulator decay, e.g. 0.95, forgets old residual)
     weights:          "equal" (default) or "tokens": each outer step averages the nodes' pseudo-gradients
                       weighted by the inner steps each trained since that fragment's last outer step (time
                       phases, where a faster node trains more; every node must train the same tokens per inner
@@ -105,7 +109,7 @@ import torch
 from torch import nn
 
 from prime.codecs import codec as codec_named
-from prime.feedback import resolve_error_feedback
+from prime.feedback import check_feedback_decay, resolve_error_feedback
 from prime.fragment_plan import FragmentPlan, OuterUpdate, plan_fragments, work_buffers
 from prime.fragments import FragmentSchedule, OuterStepResult
 from prime.hooks import InnerStepHooks
@@ -159,16 +163,23 @@ class DiLoCo:
         error_feedback: Optional[bool] = None,
         density: Optional[float] = None,
         weights: str = "equal",
+        average_density: Optional[float] = None,
+        feedback_decay: float = 1.0,
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
         self.keep = _sparse_keep(codec, block_size, density)
         """codec topk: the values kept per chunk of block_size (density x block_size, at least 1); None otherwise."""
+        self.keep_average = (self.keep if average_density is None
+                             else _sparse_keep(codec, block_size, average_density, "average_density"))
+        """codec topk: the values each owner keeps per chunk of its shard's average (None otherwise)."""
         overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
                                          overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
         self.schedule = FragmentSchedule(inner_steps, fragments)
         """When each fragment syncs (prime.fragments.FragmentSchedule)."""
         self.error_feedback = resolve_error_feedback(error_feedback, codec)
         """True when this node feeds its quantization error back into its next pseudo-gradient."""
+        self.feedback_decay = check_feedback_decay(feedback_decay, self.error_feedback)
+        """Error feedback: the share of the residual carried into the next pseudo-gradient (1: all of it)."""
         self.model = model
         named = list(model.named_parameters())
         _check_optimizer(inner_optimizer, [p for _, p in named])
@@ -193,6 +204,7 @@ class DiLoCo:
                 named, inner_optimizer, schedule=self.schedule, sync=self._sync, device=outer_state_device,
                 update=OuterUpdate(outer_lr, outer_momentum, nesterov, outer_optimizer), codec=codec,
                 block_size=block_size, error_feedback=self.error_feedback, feedback_keep=self.keep,
+                feedback_decay=self.feedback_decay,
                 measure_compression_error=self.measure_compression_error, overlap=overlap,
                 overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, margin=auto_margin_bytes,
                 check_finite=functools.partial(agree_finite, self._sync), weights=self.weights)
@@ -289,6 +301,8 @@ class DiLoCo:
         s = {"inner_steps": self.inner_steps, "codec": self.codec, "block_size": self.block_size}
         if self.keep is not None:
             s["keep"] = self.keep
+            if self.keep_average != self.keep:
+                s["keep_average"] = self.keep_average
         if self.overlap:
             s["overlap"] = self.overlap_scheme
             s["overlap_steps"] = self.overlap_steps
@@ -445,18 +459,18 @@ def _fingerprint(d: DiLoCo) -> tuple[int, int, int]:
     return d.weights_hash(), int.from_bytes(h, "little"), numel
 
 
-def _sparse_keep(codec: str, block_size: int, density: Optional[float]) -> Optional[int]:
+def _sparse_keep(codec: str, block_size: int, density: Optional[float], name: str = "density") -> Optional[int]:
     """Values kept per chunk for a sparse codec (None for the others, which take no density)."""
     if not codec_named(codec).sparse:
         if density is not None:
-            raise ValueError(f"density is a setting of codec 'topk', not of {codec!r}")
+            raise ValueError(f"{name} is a setting of codec 'topk', not of {codec!r}")
         return None
     from prime import sparse
     from prime.codecs import DEFAULT_DENSITY
 
     density = DEFAULT_DENSITY if density is None else density
     keep = sparse.keep_for_density(density, block_size)
-    sparse.check_pays(block_size, keep, f"density {density:g}")
+    sparse.check_pays(block_size, keep, f"{name} {density:g}")
     return keep
 
 

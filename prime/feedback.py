@@ -45,7 +45,7 @@ import torch
 from prime import ops
 from prime.codecs import CODECS
 
-__all__ = ["resolve_error_feedback", "round_trip", "compensate"]
+__all__ = ["resolve_error_feedback", "check_feedback_decay", "round_trip", "compensate"]
 
 LOSSY_CODECS = tuple(name for name, c in CODECS.items() if c.lossy)
 DEFAULT_ON = tuple(name for name, c in CODECS.items() if c.feedback_default)
@@ -66,6 +66,16 @@ def resolve_error_feedback(error_feedback: Optional[bool], codec: str, name: str
         raise ValueError(f"{name} = true needs a lossy codec (int8 or fp4); codec {codec!r} averages exactly, so there "
                          "is no quantization error to feed back: set it to false or leave it unset")
     return error_feedback
+
+
+def check_feedback_decay(decay, error_feedback: bool, name: str = "feedback_decay") -> float:
+    """decay as a float in (0, 1]; a decay other than 1 without error feedback raises ValueError naming `name`."""
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1] (1: the residual is kept whole), got {decay!r}")
+    if decay != 1 and not error_feedback:
+        raise ValueError(f"{name} = {decay!r} needs error feedback (codec fp4 or topk, or error_feedback = true): "
+                         "without it there is no residual to decay")
+    return float(decay)
 
 
 def round_trip(x: torch.Tensor, codec: str, block_size: int, keep: Optional[int] = None) -> torch.Tensor:
@@ -89,11 +99,14 @@ def round_trip(x: torch.Tensor, codec: str, block_size: int, keep: Optional[int]
 
 
 def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: int, commit: bool,
-               keep: Optional[int] = None) -> None:
-    """g := dequantize(quantize(g + residual)) and, with `commit`, residual := (g + residual) - that: the step
-    of error feedback on one piece of whole codec blocks (g a work view, residual a view of the home buffer or
-    its staged copy)."""
-    g.add_(residual)
+               keep: Optional[int] = None, decay: float = 1.0) -> None:
+    """g := dequantize(quantize(g + decay x residual)) and, with `commit`, residual := (g + decay x residual) -
+    that: the step of error feedback on one piece of whole codec blocks (g a work view, residual a view of the
+    home buffer or its staged copy). decay < 1 forgets old residual geometrically (SparseLoCo's accumulator)."""
+    if decay == 1.0:
+        g.add_(residual)
+    else:  # two roundings, not add_(alpha=): a fused multiply-add in some kernels and not in others
+        g.add_(torch.mul(residual, decay))
     y = round_trip(g, codec, block_size, keep)
     if commit:
         torch.sub(g, y, out=residual)

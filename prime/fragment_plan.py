@@ -59,7 +59,7 @@ def work_buffers(schedule: FragmentSchedule, overlap: bool, overlap_scheme: str,
 
 def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, sync, device: str,
                    update: OuterUpdate, codec: str, block_size: int, error_feedback: bool,
-                   feedback_keep: Optional[int] = None,
+                   feedback_keep: Optional[int] = None, feedback_decay: float = 1.0,
                    measure_compression_error: bool, overlap: bool, overlap_scheme: str, overlap_steps: int,
                    margin: Optional[int], check_finite: Callable[[bool, int], None],
                    weights: str = "equal") -> FragmentPlan:
@@ -105,7 +105,7 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
         st = OuterState([params[i] for i in idx], block_size=block_size, outer_lr=update.lr,
                         outer_momentum=update.momentum, nesterov=update.nesterov, optimizer_factory=update.optimizer,
                         device=device, error_feedback=codec if error_feedback else None,
-                        feedback_keep=feedback_keep)
+                        feedback_keep=feedback_keep, feedback_decay=feedback_decay)
         share = sum(params[i].numel() for i in idx) / model_numel
         plan.fragments.append(Fragment(p, st, schedule.offset(p), plan.settings, share, pieces[p]))
     return plan

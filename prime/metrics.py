@@ -338,7 +338,8 @@ class RunMetrics:
     def __init__(self, *, out_dir: str, node_rank: int, is_logger: bool, local_world: int, num_nodes: int,
                  total_steps: int, log_every: int, tokens_per_step: int, flops_per_token: float,
                  peak: Optional[float], local_sum: Callable[[list], list], codec: str, block_size: int,
-                 inner_steps: int, model_numel: int, density: Optional[float] = None):
+                 inner_steps: int, model_numel: int, density: Optional[float] = None,
+                 average_density: Optional[float] = None):
         self.out_dir, self.node_rank, self.is_logger = out_dir, node_rank, is_logger
         self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
@@ -346,6 +347,9 @@ class RunMetrics:
         from prime.codecs import CODECS
 
         self.wire_bytes_per_value = CODECS[codec].bytes_per_value(block_size, density)
+        if average_density is not None:  # topk: the owners send the average at their own density
+            self.wire_bytes_per_value = (self.wire_bytes_per_value
+                                         + CODECS[codec].bytes_per_value(block_size, average_density)) / 2
         self.inner_steps, self.model_numel = inner_steps, model_numel
         self.codec = codec if CODECS[codec].lossy else "codec"  # names the compression error in the outer step's line
         self.log: Optional[MetricsLogger] = None

@@ -114,6 +114,7 @@ class OuterState(FlatLayout, OverlapPasses):
         pending_bytes: int = 0,
         error_feedback: Optional[str] = None,
         feedback_keep: Optional[int] = None,
+        feedback_decay: float = 1.0,
     ):
         feedback = error_feedback is not None
         super().__init__(params, block_size=block_size, device=device, home_buffers=home_buffer_count(feedback),
@@ -123,6 +124,8 @@ class OuterState(FlatLayout, OverlapPasses):
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
         self.feedback_keep = feedback_keep
         """topk: the values kept per chunk of block_size (prime.sparse); None for the block codecs."""
+        self.feedback_decay = feedback_decay
+        """Error feedback: the share of the residual added to the next pseudo-gradient (prime.feedback)."""
         self.outer = self._home_buffer()
         """The outer weights (padding: 0)."""
         self._grad: Optional[torch.Tensor] = None
@@ -264,10 +267,10 @@ class OuterState(FlatLayout, OverlapPasses):
         `at` on): g := dequantize(quantize(g + residual)), the contribution the ring will send without further loss
         (prime.feedback). `commit`: also residual := (g + residual) - that, in the same pass; without it the
         residual is left as it is (commit_residual() does it once the average is back)."""
-        codec, bs, keep = self.feedback_codec, self.block_size, self.feedback_keep
+        codec, bs, keep, decay = self.feedback_codec, self.block_size, self.feedback_keep, self.feedback_decay
 
         def body(p, ec, gc):
-            compensate(gc, ec, codec, bs, commit, keep)
+            compensate(gc, ec, codec, bs, commit, keep, decay)
 
         self._walk(body, home=(self.residual,), work=(g,), write_home=commit, lo=lo, hi=hi, work_at=at)
 
@@ -278,7 +281,7 @@ class OuterState(FlatLayout, OverlapPasses):
         local weights and the residual as they were when compensate() made the contribution (the same operations,
         so the same bits; `scale`: the contribution's weight, prime.weights). Until now the residual was
         untouched, so that a failed average leaves it as it was."""
-        codec, bs, keep = self.feedback_codec, self.block_size, self.feedback_keep
+        codec, bs, keep, decay = self.feedback_codec, self.block_size, self.feedback_keep, self.feedback_decay
         tmp = self._scratch(1)[0]
 
         def body(p, wc, ec):
@@ -286,7 +289,7 @@ class OuterState(FlatLayout, OverlapPasses):
             p.subtract_from(wc, t)  # pseudo_gradient()'s subtraction
             if scale != 1.0:
                 t.mul_(scale)
-            compensate(t, ec, codec, bs, True, keep)
+            compensate(t, ec, codec, bs, True, keep, decay)
 
         self._walk(body, home=(self.outer, self.residual), write_home=True, lo=lo, hi=hi)
 

@@ -353,20 +353,22 @@ class OwnerAverage:
     each."""
 
 
-def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str = "avg") -> OwnerAverage:
+def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str = "avg",
+                  k_average: Optional[int] = None) -> OwnerAverage:
     """The topk all-reduce over len(contributions) ranks, computed in one process: the arithmetic the wire
     carries bit for bit (prime.comm.Ring.all_reduce(codec="topk"), the direct schedule; docs/wire-format-sparse.md,
     "The collective").
 
     1. Each rank encodes its values of every other rank's shard and sends the payload to the shard's owner.
     2. The owner adds to its own values (exact) the decoded payloads of ranks o+1, o+2, ... in that order (fp32),
-       divides by the world size (op "avg"), encodes the result and keeps what that encoding dropped (times the
-       world size for "avg") as its own residual.
+       divides by the world size (op "avg"), encodes the result (k_average values a chunk; None: k) and keeps
+       what that encoding dropped (times the world size for "avg") as its own residual.
     3. It sends that payload to every rank; each decodes it.
     Bytes per rank: 2 (N - 1) / N of a payload of n values, as int8's ring and direct schedules, so flat in N;
     each shard's sum is selected once, by its owner, whatever N."""
     world = len(contributions)
     n = contributions[0].numel()
+    ka = k if k_average is None else k_average
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     for c in contributions:
@@ -390,9 +392,9 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str 
         divisor = float(world) if op == "avg" else 1.0
         if op == "avg":
             acc = acc / divisor
-        payload = encode(acc, chunk, k)
+        payload = encode(acc, chunk, ka)
         sent[owner] += (world - 1) * payload.numel()
-        got = decode(payload, hi - lo, chunk, k)
+        got = decode(payload, hi - lo, chunk, ka)
         residuals[owner][lo:hi] += (acc - got) * divisor
         average[lo:hi] = got
     return OwnerAverage(average, residuals, sent)

@@ -320,12 +320,14 @@ def all_local(group, ok: bool) -> bool:
 # -- a fixed ring ------------------------------------------------------------------------
 
 
-def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int) -> tuple:
+def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int,
+                      keep_average: Optional[int] = None) -> tuple:
     """The topk codec's all-reduce of buf on ring: (its Work, the buffer its owners' selections drop into). The
     ring adds to that buffer only once the collective succeeded; it is pinned for a CUDA buf, whose staging goes
     through the host."""
     dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
-    return ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, residual=dropped), dropped
+    return (ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, residual=dropped,
+                            keep_average=keep_average), dropped)
 
 
 def dropped_on_device(dropped: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -396,7 +398,7 @@ class RingSync(SyncExtras):
         self.local_group = local_group
         self.average_group = local_group
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
-        self.codec, self.block_size, self.keep = "int8", 64, None  # set by bind()
+        self.codec, self.block_size, self.keep, self.keep_average = "int8", 64, None, None  # set by bind()
         self._dropped: dict = {}  # topk: buffer address -> what its owners' selections dropped (take_dropped)
         self._caller_ring = ring
         self.last_apply_s = 0.0
@@ -406,6 +408,7 @@ class RingSync(SyncExtras):
 
     def bind(self, states, settings: dict) -> None:
         self.codec, self.block_size, self.keep = settings["codec"], settings["block_size"], settings.get("keep")
+        self.keep_average = settings.get("keep_average")
 
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         return self._dropped.pop(buf.data_ptr(), None)
@@ -575,7 +578,8 @@ class RingSync(SyncExtras):
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
         if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
-            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, self.block_size, self.keep)
+            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, self.block_size, self.keep,
+                                                                    self.keep_average)
             return work
         return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
 

@@ -155,6 +155,11 @@ def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
     assert m.tokens_per_step == 4 * 64 * 3 and m.flops_per_token == parts.args.flops_per_token(64)
     assert m.peak is None and m.model_numel == parts.numel() and m.wire_bytes_per_value == 1 + 1 / 64
     assert m.log is None  # opened by the trainer once the resume step is known
+    # topk: a contribution's payload one way and the owners' average the other, each at its density
+    cfg = config_from_argv(QUICK + ["--diloco.codec", "topk", "--diloco.density", str(48 / 4096),
+                                    "--diloco.average_density", str(96 / 4096)])
+    m = build_metrics(cfg, env, parts, build_data(cfg, env, parts.args.vocab_size))
+    assert m.wire_bytes_per_value == ((4 + 72 + 12) + (4 + 144 + 24)) / 2 / 4096  # docs/wire-format-sparse.md
 
 
 def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):

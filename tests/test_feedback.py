@@ -30,29 +30,29 @@ KEEP = 4  # topk: values kept per chunk of BS (density 1/8)
 LR, MU = 0.7, 0.9
 
 
-def rt_ref(x: torch.Tensor, codec: str, bs: int = BS) -> torch.Tensor:
+def rt_ref(x: torch.Tensor, codec: str, bs: int = BS, keep: int = KEEP) -> torch.Tensor:
     """dequantize(quantize(x)) with the reference codec of prime.ops, or topk's decode(encode(x)) with the
-    reference of prime.sparse (flat fp32)."""
+    reference of prime.sparse (flat fp32, `keep` values per chunk)."""
     x = x.reshape(-1)
     if codec == "topk":  # per parameter padded to whole chunks with zeros, as OuterState's layout holds it
         n = x.numel()
         padded = torch.cat([x, x.new_zeros(-n % bs)])
-        return sparse.decode_reference(sparse.encode_reference(padded, bs, KEEP), padded.numel(), bs, KEEP)[:n]
+        return sparse.decode_reference(sparse.encode_reference(padded, bs, keep), padded.numel(), bs, keep)[:n]
     if codec == "int8":
         return ops.dequantize_int8_reference(*ops.quantize_int8_reference(x, bs), bs)
     q, s = ops.quantize_fp4_reference(x, bs)
     return ops.dequantize_fp4_reference(q, s, x.numel(), bs)
 
 
-def fake_average(parts: list, codec: str, bs: int = BS) -> torch.Tensor:
+def fake_average(parts: list, codec: str, bs: int = BS, keep_average: int = KEEP) -> torch.Tensor:
     """The direct schedule in plain torch: each contribution quantized once, summed in fp32 in rank order,
-    divided by N (one division), quantized once. (Per parameter or over the flat buffer: the same values, as every
-    parameter starts a codec block and its padding is zero.)"""
+    divided by N (one division), quantized once (topk: keep_average values per chunk). (Per parameter or over the
+    flat buffer: the same values, as every parameter starts a codec block and its padding is zero.)"""
     acc = rt_ref(parts[0], codec, bs)
     for x in parts[1:]:
         acc = acc + rt_ref(x, codec, bs)
     avg = acc / torch.full_like(acc, len(parts))
-    return rt_ref(avg, codec, bs) if codec != "none" else avg
+    return rt_ref(avg, codec, bs, keep_average) if codec != "none" else avg
 
 
 class FakeWork:
@@ -83,14 +83,14 @@ class DirectFakeRing:
     def __init__(self, group: FakeGroup, rank: int):
         self.group, self.rank, self.world_size = group, rank, group.n
 
-    def all_reduce(self, t, op="avg", codec="int8", block_size=256, keep=None, residual=None):
+    def all_reduce(self, t, op="avg", codec="int8", block_size=256, keep=None, residual=None, keep_average=None):
         g = self.group
         g.inputs[self.rank] = t.detach().clone()
         g.barrier.wait()
         if self.rank == 0:
             g.seen.append([x.clone() for x in g.inputs])
             if codec == "topk":  # the wire's arithmetic (tests/test_sparse_ring.py holds the real ring to it)
-                g.sparse = sparse.owner_average(g.inputs, block_size, keep, op=op)
+                g.sparse = sparse.owner_average(g.inputs, block_size, keep, op=op, k_average=keep_average)
                 g.result = g.sparse.average
             elif codec == "none":  # exact (the replica check's exchange: op="sum")
                 acc = g.inputs[0].clone()
@@ -294,8 +294,11 @@ def _reference_start(seed, nodes, fragments):
     return models, opts, params, groups, outer, mom, res
 
 
-def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None):
-    """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter."""
+def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None, decay=1.0,
+              keep_average=KEEP):
+    """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter.
+    decay: the share of the residual added to the next contribution; keep_average: topk's values kept per chunk of
+    each owner's average."""
     models, opts, params, groups, outer, mom, res = _reference_start(seed, nodes, fragments)
     sched = FragmentSchedule(H, fragments)
     since, done = [0] * fragments, [0] * fragments
@@ -304,7 +307,7 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
     def contribution(r, i, d):
         if not feedback:
             return d
-        p = d + res[r][i]
+        p = d + res[r][i] if decay == 1.0 else d + res[r][i] * decay
         y = rt_ref(p, codec).view_as(p)
         res[r][i] = p - y
         return y
@@ -313,7 +316,7 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
 
     def average(cs, i):
         """fake_average, and for topk the owners' residuals: what the selection of the average dropped."""
-        a = fake_average(cs, codec).view_as(outer[i])
+        a = fake_average(cs, codec, keep_average=keep_average).view_as(outer[i])
         if owner is not None:
             pre = _sum_in_order(cs) / torch.full_like(cs[0], nodes)
             dropped = (pre.reshape(-1) - a.reshape(-1)) * nodes
@@ -415,7 +418,7 @@ def _outer_and_residuals(d) -> list:
 
 
 def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=True, overlap=None, stop_at=None,
-               resume=None):
+               resume=None, **settings):
     """DiLoCo on DirectFakeRing; returns per node (outer weights per parameter, residuals per parameter, the
     state_dicts at inner step stop_at when asked). `resume`: per node (model, optimizer, DiLoCo state) to start
     from."""
@@ -425,6 +428,7 @@ def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=T
         model = tiny_model(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         kw = dict(overlap=True, overlap_scheme=overlap) if overlap else {}
+        kw.update(settings)
         if codec == "topk":
             kw["density"] = KEEP / BS
         d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU,
@@ -476,6 +480,27 @@ def test_diloco_matches_the_reference_bit_for_bit(seed, codec, fragments, overla
     _assert_matches(got, ref, seed, f"{codec} fragments={fragments} overlap={overlap}")
     # the residuals differ between the nodes (each holds its own), the outer weights do not
     assert any(not torch.equal(a[1][0], b[1][0]) for a, b in zip(got[0][0], got[1][0])), f"seed {seed}"
+
+
+@pytest.mark.parametrize("codec,fragments,overlap", [("topk", 1, None), ("topk", 2, None), ("topk", 1, "eager"),
+                                                    ("fp4", 1, None)])
+def test_a_decayed_residual_and_a_denser_average_match_the_reference_bit_for_bit(seed, codec, fragments, overlap):
+    """feedback_decay 0.75 (each contribution adds 0.75 x the residual) and, for topk, owners that keep KEEP / 2
+    values of every chunk of their average (average_density): outer weights and residuals equal the reference's;
+    and the settings change the result (the reference without them differs). (Not more than KEEP here: the model's
+    4-value bias fills a chunk of BS with padding, and an average keeping more values than the chunk has non-zero
+    ones keeps padding zeros too, which decode as +-lo; tests/test_sparse_ring.py holds larger averages to the
+    reference on the ring.)"""
+    nodes, H, K = 2, 4, 3  # (the reference sums in rank order: the owners' order only for 2 nodes)
+    settings = dict(feedback_decay=0.75)
+    if codec == "topk":
+        settings["average_density"] = KEEP // 2 / BS
+    got = run_diloco(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap, **settings)
+    ref = reference(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap, decay=0.75,
+                    keep_average=KEEP // 2 if codec == "topk" else KEEP)
+    _assert_matches(got, ref, seed, f"{codec} fragments={fragments} overlap={overlap} decayed")
+    plain = reference(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap)
+    assert any(not torch.equal(a, b) for a, b in zip(plain[0], ref[0])), f"seed {seed}: the settings changed nothing"
 
 
 # Time phases: inner steps each node trains per nominal step (0: the clock passed it without one), per node
@@ -696,6 +721,27 @@ def test_error_feedback_defaults_and_errors():
     # the setting is part of what every node must share
     assert DiLoCo(model, None, ring, codec="fp4").settings()["error_feedback"] is True
     assert "error_feedback" not in DiLoCo(model, None, ring, codec="int8").settings()
+    # the residual's decay: in (0, 1], and only where there is a residual
+    assert DiLoCo(model, None, ring, codec="fp4", feedback_decay=0.9).state.feedback_decay == 0.9
+    for bad in (0, 1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match=r"feedback_decay must be a number in \(0, 1\]"):
+            DiLoCo(model, None, ring, codec="fp4", feedback_decay=bad)
+    with pytest.raises(ValueError, match="feedback_decay = 0.9 needs error feedback"):
+        DiLoCo(model, None, ring, codec="int8", feedback_decay=0.9)
+
+
+def test_the_average_density_is_a_topk_setting_every_node_shares():
+    model = nn.Linear(64, 64)
+    ring = DirectFakeRing(FakeGroup(1), 0)
+    d = DiLoCo(model, None, ring, codec="topk", block_size=256, density=4 / 256, average_density=8 / 256)
+    assert (d.keep, d.keep_average) == (4, 8)
+    assert d.settings()["keep"] == 4 and d.settings()["keep_average"] == 8
+    same = DiLoCo(model, None, ring, codec="topk", block_size=256, density=4 / 256)
+    assert same.keep_average == 4 and "keep_average" not in same.settings()  # one k: the settings of before
+    with pytest.raises(ValueError, match="average_density is a setting of codec 'topk', not of 'int8'"):
+        DiLoCo(model, None, ring, codec="int8", average_density=0.1)
+    with pytest.raises(ValueError, match="average_density 0.9: keeping 230 of every 256 values costs"):
+        DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=0.9)
 
 
 def test_config_field():
@@ -707,6 +753,19 @@ def test_config_field():
         load_config(None, [("diloco.error_feedback", "true"), ("diloco.codec", "none")], env={}).validate()
     with pytest.raises(ValueError, match=r"diloco\.error_feedback must be a bool"):
         load_config(None, [("diloco.error_feedback", "maybe")], env={})
+    cfg = load_config(None, [("diloco.codec", "topk"), ("diloco.feedback_decay", "0.95"),
+                             ("diloco.average_density", "0.03125")], env={}).validate()
+    assert (cfg.diloco.feedback_decay, cfg.diloco.average_density) == (0.95, 0.03125)
+    with pytest.raises(ValueError, match=r"diloco\.feedback_decay = 0.9 needs error feedback"):
+        load_config(None, [("diloco.feedback_decay", "0.9")], env={}).validate()  # int8: no residual
+    with pytest.raises(ValueError, match=r"diloco\.feedback_decay must be a number in \(0, 1\]"):
+        load_config(None, [("diloco.codec", "fp4"), ("diloco.feedback_decay", "0")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.average_density.*unset unless diloco\.codec = 'topk'"):
+        load_config(None, [("diloco.average_density", "0.1")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.average_density.*in \(0, 1\]"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "2")], env={}).validate()
+    with pytest.raises(ValueError, match=r"diloco\.average_density: keeping"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "0.9")], env={}).validate()
 
 
 def test_a_checkpoint_without_a_residual_starts_from_zero(seed):

@@ -20,22 +20,25 @@ def _contribution(seed: int, rank: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))
 
 
-CASES = [  # n, chunk, k, op
-    (5 * 256 + 77, 256, 8, "avg"),
-    (1 << 16, 4096, 64, "avg"),
-    (3 * 1024, 1024, 1024, "sum"),  # everything kept
-    (100, 16, 3, "avg"),
-    (1, 16, 1, "sum"),  # fewer chunks than ranks: some own nothing
+CASES = [  # n, chunk, k, op, k of the owners' averages (None: k)
+    (5 * 256 + 77, 256, 8, "avg", None),
+    (1 << 16, 4096, 64, "avg", None),
+    (3 * 1024, 1024, 1024, "sum", None),  # everything kept
+    (100, 16, 3, "avg", None),
+    (1, 16, 1, "sum", None),  # fewer chunks than ranks: some own nothing
+    (3 * 4096 + 999, 4096, 48, "avg", 96),  # the averages keep more than each contribution
+    (7 * 256 + 5, 256, 16, "sum", 5),  # and fewer
 ]
 
 
 def _rank_cases(ctx, seed):
     out = []
     with ctx.ring(segment_bytes=1 << 14, quant_error=True) as ring:  # small segments: several per shard
-        for n, chunk, k, op in CASES:
+        for n, chunk, k, op, ka in CASES:
             t = _contribution(seed, ctx.rank, n)
             residual = torch.zeros(n)
-            work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual)
+            work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual,
+                                   keep_average=ka)
             work.wait()
             stats = work.stats()
             out.append((t, residual, stats.bytes_sent, stats.quant_err_sq, stats.quant_in_sq))
@@ -45,10 +48,10 @@ def _rank_cases(ctx, seed):
 @pytest.mark.parametrize("world_size", list(range(2, MAX_RANKS + 1)))
 def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_size):
     results = ranks.run(_rank_cases, SEED, world_size=world_size)
-    for i, (n, chunk, k, op) in enumerate(CASES):
-        note = f"[N={world_size} n={n} chunk={chunk} k={k} op={op} seed={SEED}]"
+    for i, (n, chunk, k, op, ka) in enumerate(CASES):
+        note = f"[N={world_size} n={n} chunk={chunk} k={k} op={op} k_average={ka} seed={SEED}]"
         contributions = [_contribution(SEED, r, n) for r in range(world_size)]
-        want = sparse.owner_average(contributions, chunk, k, op=op)
+        want = sparse.owner_average(contributions, chunk, k, op=op, k_average=ka)
         for r in range(world_size):
             got, residual, sent, err_sq, in_sq = results[r][i]
             assert torch.equal(got, want.average), f"rank {r} differs from the reference {note}"
@@ -95,7 +98,7 @@ def _rank_bad_args(ctx):
     with ctx.ring() as ring:
         errors = []
         for kwargs in ({"schedule": "ring"}, {"keep": 0}, {"block_size": 100}, {"residual": torch.zeros(3)},
-                       {"residual": torch.zeros(4096, dtype=torch.float64)}):
+                       {"residual": torch.zeros(4096, dtype=torch.float64)}, {"keep_average": 4097}):
             try:
                 ring.all_reduce(torch.zeros(4096), codec="topk", **kwargs)
                 errors.append(None)
@@ -105,10 +108,11 @@ def _rank_bad_args(ctx):
             ring.all_reduce(torch.zeros(4096, dtype=torch.bfloat16), codec="topk")
         except TypeError as e:
             errors.append(str(e))
-        try:
-            ring.all_reduce(torch.zeros(4096), codec="int8", keep=4)
-        except ValueError as e:
-            errors.append(str(e))
+        for kwargs in ({"keep": 4}, {"keep_average": 4}):
+            try:
+                ring.all_reduce(torch.zeros(4096), codec="int8", **kwargs)
+            except ValueError as e:
+                errors.append(str(e))
         return errors
 
 
@@ -118,8 +122,28 @@ def test_bad_topk_arguments_are_refused_with_what_is_wrong(ranks):
     assert "k (values kept" in errors[1]
     assert "power of two" in errors[2]
     assert "residual must be" in errors[3] and "residual must be" in errors[4]
-    assert "float32" in errors[5]
-    assert "settings of codec 'topk'" in errors[6]
+    assert "k (values kept" in errors[5]
+    assert "float32" in errors[6]
+    assert "settings of codec 'topk'" in errors[7] and "settings of codec 'topk'" in errors[8]
+
+
+def _rank_other_average_k(ctx):
+    from prime.comm import CommError
+
+    with ctx.ring(timeout=10) as ring:
+        t = torch.randn(4 * 4096)
+        before = t.clone()
+        try:  # rank 1's owners would send averages of another size: each rank refuses the other's frames
+            ring.all_reduce(t, codec="topk", keep=32, keep_average=64 if ctx.rank == 0 else None).wait()
+            return None, False
+        except CommError as e:
+            return str(e), torch.equal(t, before)
+
+
+def test_ranks_whose_averages_keep_different_counts_refuse_each_other(ranks):
+    for msg, unchanged in ranks.run(_rank_other_average_k, world_size=2):
+        assert msg is not None and "other arguments" in msg, msg
+        assert unchanged
 
 
 def _rank_cuda(ctx, seed):

@@ -94,7 +94,8 @@ ring::DType dtype_of(const at::Tensor& t) {
 }
 
 ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, const std::string& codec,
-                            int64_t block_size, const std::string& schedule = "ring", int64_t keep = 0) {
+                            int64_t block_size, const std::string& schedule = "ring", int64_t keep = 0,
+                            int64_t keep_average = 0) {
   TORCH_CHECK(schedule == "ring" || schedule == "direct", "internal: schedule '", schedule,
               "' reached the ring unchecked (prime.comm.Ring.all_reduce chooses it)");
   TORCH_CHECK((op == "sum" || op == "avg") && (codec == "int8" || codec == "fp4" || codec == "topk" || codec == "none"),
@@ -102,12 +103,15 @@ ring::AllReduceSpec spec_of(const at::Tensor& tensor, const std::string& op, con
               "' reached the ring unchecked (prime.comm.Ring.all_reduce checks them)");
   ring::AllReduceSpec spec;
   if (codec == "topk") {
-    TORCH_CHECK(codec::sparse::valid_chunk(block_size) && codec::sparse::valid_keep(block_size, keep),
-                "internal: topk chunk ", std::to_string(block_size), " / k ", std::to_string(keep),
-                " reached the ring unchecked");
+    if (keep_average == 0) keep_average = keep;
+    TORCH_CHECK(codec::sparse::valid_chunk(block_size) && codec::sparse::valid_keep(block_size, keep) &&
+                    codec::sparse::valid_keep(block_size, keep_average),
+                "internal: topk chunk ", std::to_string(block_size), " / k ", std::to_string(keep), " / k of the average ",
+                std::to_string(keep_average), " reached the ring unchecked");
     TORCH_CHECK(tensor.scalar_type() == at::kFloat, "the topk codec takes float32 tensors, got ",
                 tensor.scalar_type());
     spec.keep = keep;
+    spec.keep_average = keep_average;
   } else {
     codec::check_block_size(block_size);
   }
@@ -161,9 +165,9 @@ void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<
 
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
                              int64_t block_size, const py::object& cuda_context, const std::string& schedule,
-                             int64_t keep, const std::optional<at::Tensor>& residual) {
+                             int64_t keep, const std::optional<at::Tensor>& residual, int64_t keep_average) {
   AllReduceJob job;
-  job.spec = spec_of(tensor, op, codec, block_size, schedule, keep);
+  job.spec = spec_of(tensor, op, codec, block_size, schedule, keep, keep_average);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
               tensor.device().str());
 
@@ -347,7 +351,7 @@ void init_ring_bindings(py::module_& m) {
       .def("rejected_connections", &Ring::rejected_connections)
       .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"),
            py::arg("cuda_context") = py::none(), py::arg("schedule") = "ring", py::arg("keep") = 0,
-           py::arg("residual") = py::none())
+           py::arg("residual") = py::none(), py::arg("keep_average") = 0)
       .def("close", &Ring::close, py::call_guard<py::gil_scoped_release>());
 
 #ifdef PRIME_WITH_CUDA

@@ -444,8 +444,14 @@ uint32_t descriptor_of(const AllReduceSpec& spec) {
   buf[9] = static_cast<uint8_t>(spec.op);
   buf[10] = static_cast<uint8_t>(spec.codec);
   buf[11] = static_cast<uint8_t>(spec.schedule);  // 0 for the ring: its descriptors are unchanged
-  const uint32_t keep = spec.codec == CodecKind::kTopk ? static_cast<uint32_t>(spec.keep) : 0;
-  std::memcpy(buf + 12, &keep, 4);  // 0 for the other codecs: their descriptors are unchanged
+  // topk: k in the low 16 bits, the average's k in the high ones where it differs (k <= 4096);
+  // 0 for the other codecs: their descriptors, and those of a topk with one k, are unchanged.
+  uint32_t keep = 0;
+  if (spec.codec == CodecKind::kTopk) {
+    keep = static_cast<uint32_t>(spec.keep);
+    if (spec.keep_average && spec.keep_average != spec.keep) keep |= static_cast<uint32_t>(spec.keep_average) << 16;
+  }
+  std::memcpy(buf + 12, &keep, 4);
   const uint64_t block = spec.codec != CodecKind::kNone ? static_cast<uint64_t>(spec.block) : 0;
   std::memcpy(buf + 16, &block, 8);
   return crc32c(buf, sizeof(buf));
@@ -457,6 +463,7 @@ std::string describe_spec(const AllReduceSpec& spec) {
     << ", codec=" << codec_name(spec.codec);
   if (spec.codec == CodecKind::kTopk) {
     s << ", chunk=" << spec.block << ", k=" << spec.keep;
+    if (spec.keep_average && spec.keep_average != spec.keep) s << ", k of the average=" << spec.keep_average;
   } else if (spec.codec != CodecKind::kNone) {
     s << ", block_size=" << spec.block;
   }

@@ -56,11 +56,13 @@ struct AllReduceSpec {
   ReduceOp op = ReduceOp::kAvg;
   CodecKind codec = CodecKind::kInt8;
   int64_t block = 64;  // values per block (int8, fp4) or per chunk (topk)
-  // topk (docs/wire-format-sparse.md): values kept per chunk, and where the owner of a chunk adds
-  // what its final encoding left out of the sum (n fp32 values; null: dropped). Added only once
-  // the collective succeeded (WireCodec::commit), so a failed one leaves it as it was. Only the
+  // topk (docs/wire-format-sparse.md): values kept per chunk of each contribution (keep) and of
+  // each owner's average (keep_average; 0: keep), and where the owner of a chunk adds what its
+  // final encoding left out of the sum (n fp32 values; null: dropped). Added only once the
+  // collective succeeded (WireCodec::commit), so a failed one leaves it as it was. Only the
   // direct schedule carries topk: a ring would select again at every hop.
   int64_t keep = 0;
+  int64_t keep_average = 0;
   float* residual = nullptr;
   Schedule schedule = Schedule::kRing;
   // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).

@@ -298,26 +298,27 @@ class ExactCodec final : public WireCodec {
 
 // docs/wire-format-sparse.md's records (fp32 only), in the direct schedule: each rank selects
 // its own values of every other rank's chunk once; the owner adds them to its own values in
-// fp32, divides, selects the result once and keeps what that selection left out (times the
-// divisor: in the units of the contributions) for AllReduceSpec::residual. Every payload read
-// is checked to be well formed before it is decoded.
+// fp32, divides, selects the result once (keep_average values a chunk) and keeps what that
+// selection left out (times the divisor: in the units of the contributions) for
+// AllReduceSpec::residual. Every payload read is checked to be well formed before it is decoded.
 class SparseCodec final : public WireCodec {
  public:
   SparseCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
-      : chunk_(spec.block), k_(spec.keep), residual_(spec.residual), measure_(spec.measure_error), pool_(pool),
-        times_(times) {
+      : chunk_(spec.block), k_(spec.keep), k_avg_(spec.keep_average ? spec.keep_average : spec.keep),
+        residual_(spec.residual), measure_(spec.measure_error), pool_(pool), times_(times) {
     if (spec.dtype != DType::kFloat32) throw std::invalid_argument("the topk codec takes float32 tensors only");
-    if (!codec::sparse::valid_chunk(chunk_) || !codec::sparse::valid_keep(chunk_, k_)) {
+    if (!codec::sparse::valid_chunk(chunk_) || !codec::sparse::valid_keep(chunk_, k_) ||
+        !codec::sparse::valid_keep(chunk_, k_avg_)) {
       throw std::invalid_argument("topk: chunk must be a power of two from 16 to 4096 and k in [1, chunk]");
     }
   }
 
   int64_t unit() const override { return chunk_; }
   int64_t partial_bytes(int64_t len) const override { return codec::sparse::payload_bytes(len, chunk_, k_); }
-  int64_t final_bytes(int64_t len) const override { return partial_bytes(len); }
+  int64_t final_bytes(int64_t len) const override { return codec::sparse::payload_bytes(len, chunk_, k_avg_); }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    Buffer buf = encode(static_cast<const float*>(own), len, finite);
+    Buffer buf = encode(static_cast<const float*>(own), len, k_, finite);
     return Payload{buf->data(), buf->size(), buf};
   }
 
@@ -329,7 +330,7 @@ class SparseCodec final : public WireCodec {
   }
 
   void add_partial(const char* payload, int64_t len, float* acc) override {
-    const uint8_t* p = bytes(payload, len);
+    const uint8_t* p = bytes(payload, len, k_);
     codec::sparse::decode_add(p, len, chunk_, k_, acc);
   }
 
@@ -338,7 +339,7 @@ class SparseCodec final : public WireCodec {
   }
 
   Payload encode_final(const Buffer& acc, int64_t len, bool* finite) override {
-    Buffer buf = encode(acc->as<float>(), len, finite);
+    Buffer buf = encode(acc->as<float>(), len, k_avg_, finite);
     if (*finite && len && (measure_ || residual_)) {
       // What every rank will decode, beside what it stands for: the error the ring reports
       // (quant_err_sq / quant_in_sq: the contributions' encodes are not counted, with error
@@ -346,7 +347,7 @@ class SparseCodec final : public WireCodec {
       ScopedTimer timer(times_.reduce_s);
       Buffer dec = pool_.acquire(static_cast<size_t>(len) * 4);
       float* d = dec->as<float>();
-      codec::sparse::decode(reinterpret_cast<const uint8_t*>(buf->data()), len, chunk_, k_, d);
+      codec::sparse::decode(reinterpret_cast<const uint8_t*>(buf->data()), len, chunk_, k_avg_, d);
       const float* a = acc->as<float>();
       if (measure_) {
         double err = 0, ref = 0;
@@ -371,12 +372,12 @@ class SparseCodec final : public WireCodec {
       if (pending_) dropped_.push_back(FinalPiece{piece.begin, piece.len, std::move(pending_)});
       pending_.reset();
     } else {
-      bytes(piece.bytes->data(), piece.len);  // checked now, decoded when the result is written
+      bytes(piece.bytes->data(), piece.len, k_avg_);  // checked now, decoded when the result is written
     }
   }
 
   void decode_final(const char* payload, int64_t len, void* dst, float*) const override {
-    codec::sparse::decode(reinterpret_cast<const uint8_t*>(payload), len, chunk_, k_, static_cast<float*>(dst));
+    codec::sparse::decode(reinterpret_cast<const uint8_t*>(payload), len, chunk_, k_avg_, static_cast<float*>(dst));
   }
   int64_t scratch_floats(int64_t) const override { return 0; }
 
@@ -397,22 +398,22 @@ class SparseCodec final : public WireCodec {
  private:
   // The payload of x[0, len); on input that is not finite, or whose chunk overflows bf16, a
   // well-formed payload of zeros (the frame's flags say why the result will be discarded).
-  Buffer encode(const float* x, int64_t len, bool* finite) {
+  Buffer encode(const float* x, int64_t len, int64_t k, bool* finite) {
     ScopedTimer timer(times_.quantize_s);
-    Buffer buf = pool_.acquire(static_cast<size_t>(partial_bytes(len)));
+    Buffer buf = pool_.acquire(static_cast<size_t>(codec::sparse::payload_bytes(len, chunk_, k)));
     uint8_t* out = reinterpret_cast<uint8_t*>(buf->data());
-    *finite = codec::sparse::encode(x, len, chunk_, k_, out) == codec::sparse::EncodeStatus::kOk;
+    *finite = codec::sparse::encode(x, len, chunk_, k, out) == codec::sparse::EncodeStatus::kOk;
     if (!*finite) {
       std::vector<float> zeros(static_cast<size_t>(len), 0.f);
-      codec::sparse::encode(zeros.data(), len, chunk_, k_, out);
+      codec::sparse::encode(zeros.data(), len, chunk_, k, out);
     }
     return buf;
   }
 
   // A received payload, checked: positions ascending inside every chunk.
-  const uint8_t* bytes(const char* payload, int64_t len) const {
+  const uint8_t* bytes(const char* payload, int64_t len, int64_t k) const {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(payload);
-    if (!codec::sparse::well_formed(p, len, chunk_, k_)) {
+    if (!codec::sparse::well_formed(p, len, chunk_, k)) {
       throw std::runtime_error("a topk payload has positions that are not ascending inside a chunk");
     }
     return p;
@@ -420,6 +421,7 @@ class SparseCodec final : public WireCodec {
 
   const int64_t chunk_;
   const int64_t k_;
+  const int64_t k_avg_;  // values kept per chunk of the owner's average
   float* const residual_;
   const bool measure_;  // add the error of the owner's selections to times_
   BufferPool& pool_;

@@ -423,7 +423,7 @@ class Ring:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None,
                    schedule: Optional[str] = None, keep: Optional[int] = None,
-                   residual: Optional[torch.Tensor] = None) -> Work:
+                   residual: Optional[torch.Tensor] = None, keep_average: Optional[int] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one 1-byte
         scale per `block_size` values (default 64: 0.254x the bytes of fp32); codec="fp4"
@@ -437,7 +437,7 @@ class Ring:
         per chunk of `block_size` values (default 4096) the `keep` largest magnitudes (default
         64) at 2 bits each with their positions, 0.028x the bytes of fp32 at the defaults.
         Each rank's contribution is selected once by its sender and each chunk's sum once by
-        its owner; with `residual` (a contiguous float32 CPU tensor of the same size) the owner
+        its owner, who keeps `keep_average` values of every chunk of it (default: keep); with `residual` (a contiguous float32 CPU tensor of the same size) the owner
         adds to it what that second selection left out (in the units of the contributions),
         only once the collective succeeded. Error feedback keeps what the first selection
         leaves out (prime.sparse)."""
@@ -455,11 +455,11 @@ class Ring:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if codec == "topk":
-            return self._all_reduce_topk(tensor, op, block_size, schedule, keep, residual)
+            return self._all_reduce_topk(tensor, op, block_size, schedule, keep, residual, keep_average)
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS + ('topk',)}, got {codec!r}")
-        if keep is not None or residual is not None:
-            raise ValueError(f"keep and residual are settings of codec 'topk', not of {codec!r}")
+        if keep is not None or residual is not None or keep_average is not None:
+            raise ValueError(f"keep, keep_average and residual are settings of codec 'topk', not of {codec!r}")
         if block_size is None:
             block_size = default_block_size(codec)
         check_block_size(block_size)
@@ -467,12 +467,14 @@ class Ring:
         context = self._cuda_context(tensor)
         return Work(self._ring.all_reduce(tensor, op, codec, block_size, context, chosen), self, tensor)
 
-    def _all_reduce_topk(self, tensor, op, chunk, schedule, keep, residual) -> Work:
+    def _all_reduce_topk(self, tensor, op, chunk, schedule, keep, residual, keep_average) -> Work:
         from prime import sparse
 
         chunk = sparse.CHUNK if chunk is None else chunk
         keep = 64 if keep is None else keep
+        keep_average = keep if keep_average is None else keep_average
         sparse.check_settings(chunk, keep)
+        sparse.check_settings(chunk, keep_average)
         if tensor.dtype != torch.float32:
             raise TypeError(f"codec 'topk' takes float32 tensors, got {tensor.dtype}")
         if schedule == "ring":
@@ -482,7 +484,7 @@ class Ring:
             if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.device.type != "cpu"
                     or not residual.is_contiguous() or residual.numel() != tensor.numel()):
                 raise ValueError(f"residual must be a contiguous float32 CPU tensor of {tensor.numel()} values")
-        handle = self._ring.all_reduce(tensor, op, "topk", chunk, None, "direct", keep, residual)
+        handle = self._ring.all_reduce(tensor, op, "topk", chunk, None, "direct", keep, residual, keep_average)
         return Work(handle, self, tensor, residual)
 
     def _choose(self, schedule: str, n: int, codec: str, block_size: int, esize: int) -> str:

@@ -198,12 +198,14 @@ class ElasticSync(Joining):
         self._state = states
         self._settings = {k: settings[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                                    "block_size", "shapes", "numel")}
-        if settings.get("keep") is not None:  # topk: the values kept per chunk
-            self._settings["keep"] = settings["keep"]
+        for name in ("keep", "keep_average"):  # topk: the values kept per chunk (of the average)
+            if settings.get(name) is not None:
+                self._settings[name] = settings[name]
         if settings.get("fragments", 1) > 1:  # the layout of the state and the order of the outer steps
             self._settings["fragments"] = settings["fragments"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
         self.rings.codec, self.rings.block_size, self.rings.keep = self.codec, self.block_size, settings.get("keep")
+        self.rings.keep_average = settings.get("keep_average")
         if settings.get("weights", "equal") != "equal":  # token weights: every member sends its count
             self._settings["weights"] = settings["weights"]
             self.attempts.weighs = True

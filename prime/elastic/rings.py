@@ -36,6 +36,7 @@ class ElasticRings:
         self.timeout_s, self.streams, self.max_rate, self.quant_error = timeout_s, streams, max_rate, quant_error
         self.codec, self.block_size = "int8", 64
         self.keep: Optional[int] = None  # topk: the values kept per chunk
+        self.keep_average: Optional[int] = None  # topk: the values an owner keeps per chunk of the average
         self.dropped: Optional[torch.Tensor] = None
         """topk: what the owners' selections of this process's last all-reduce dropped (kept only when its
         attempt commits: ElasticSync takes it then)."""
@@ -71,7 +72,7 @@ class ElasticRings:
         try:
             codec = codec or self.codec
             if codec == "topk":
-                work, self.dropped = sparse_all_reduce(ring, g, op, self.block_size, self.keep)
+                work, self.dropped = sparse_all_reduce(ring, g, op, self.block_size, self.keep, self.keep_average)
             else:
                 work = ring.all_reduce(g, op=op, codec=codec, block_size=self.block_size)
             faults.hit("allreduce.inside", k, log=self.membership.log)
