@@ -26,8 +26,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        diloco-int8-plain: int8 with that outer update, for comparison); diloco-topk-c1024-plain /
                        -c512-plain: the same density in chunks of 1024 / 512; -plain-ef95: error feedback with a
                        decay of 0.95 (diloco.feedback_decay); -k48-a96-plain-ef95: 48 of 4096 per contribution, 96
-                       per chunk of the owners' averages (diloco.average_density), decay 0.95; -a128-plain: 64 and
-                       128; overlap-topk-eager-merge with overlap
+                       per chunk of the owners' averages (diloco.average_density), decay 0.95 (-k32-a64-: 32 and 64);
+                       -a128-plain: 64 and 128; overlap-topk-eager-merge with overlap
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -91,6 +91,8 @@ METHODS = {
     "diloco-topk-plain-lr2": dict(codec="topk", overlap=False, outer_lr=2.0, outer_momentum=0.0),
     "diloco-topk-plain-ef95": dict(codec="topk", overlap=False, outer_lr=1.0, outer_momentum=0.0, feedback_decay=0.95),
     "diloco-topk-k48-a96-plain-ef95": dict(codec="topk", overlap=False, density=48 / 4096, average_density=96 / 4096,
+                                           outer_lr=1.0, outer_momentum=0.0, feedback_decay=0.95),
+    "diloco-topk-k32-a64-plain-ef95": dict(codec="topk", overlap=False, density=32 / 4096, average_density=64 / 4096,
                                            outer_lr=1.0, outer_momentum=0.0, feedback_decay=0.95),
     "diloco-topk-a128-plain": dict(codec="topk", overlap=False, average_density=128 / 4096, outer_lr=1.0,
                                    outer_momentum=0.0),
