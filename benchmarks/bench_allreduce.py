@@ -41,7 +41,8 @@ Methods, run on the same input tensors in the same process group:
                             ring schedule in rank order, one stream per link, autotuned buffers
   ring-topk                 prime.comm.Ring, codec "topk" (docs/wire-format-sparse.md): per chunk of 4096
                             the 64 largest values at 2 bits with 12-bit positions (0.028 bytes/value),
-                            the direct schedule; ring-topk-k16 / -k256 keep 16 / 256 per chunk
+                            the direct schedule; ring-topk-k16 / -k256 keep 16 / 256 per chunk;
+                            ring-topk-k48-a96: 48 per chunk of each contribution, 96 of each average
   pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
                             (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
   pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
@@ -99,7 +100,8 @@ RING_METHODS = ("ring-fp32", "ring-int8", "ring-int8-1stream", "ring-int8-nochec
 RING_VARIANTS = ("ring-int8-ring", "ring-int8-direct", "ring-int8-rankorder", "ring-int8-bestorder",
                  "ring-int8-classic")
 # The sparse codec (run them with --methods): values kept per chunk of TOPK_CHUNK.
-TOPK_METHODS = {"ring-topk": 64, "ring-topk-k16": 16, "ring-topk-k256": 256}
+TOPK_METHODS = {"ring-topk": (64, 64), "ring-topk-k16": (16, 16), "ring-topk-k256": (256, 256),
+                "ring-topk-k48-a96": (48, 96)}  # values kept per chunk of each contribution, of each average
 TOPK_CHUNK = 4096
 # The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
 PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
@@ -394,7 +396,9 @@ def expected_wire_bytes(method: str, n: int, world_size: int) -> float:
     if method in TOPK_METHODS:
         from prime import sparse
 
-        return ring_factor(world_size) * sparse.payload_bytes(n, TOPK_CHUNK, TOPK_METHODS[method])
+        k, ka = TOPK_METHODS[method]  # half the bytes at each: contributions one way, averages the other
+        return ring_factor(world_size) * (sparse.payload_bytes(n, TOPK_CHUNK, k)
+                                          + sparse.payload_bytes(n, TOPK_CHUNK, ka)) / 2
     per_value = {"gloo-fp32": 4 * n, "gloo-bf16": 2 * n, "ring-fp32": 4 * n, "pg-prime-fp32": 4 * n,
                  "ring-fp4": (n + 1) // 2 + 4 * ((n + FP4_BLOCK - 1) // FP4_BLOCK)}.get(method)
     payload = per_value if per_value is not None else int8_bytes(n, method_block(method))
@@ -552,7 +556,8 @@ class RingAdapter:
         ring_cls = getattr(importlib.import_module(module), cls)
         self.codec = {"ring-fp32": "none", "ring-fp4": "fp4"}.get(method, "topk" if method in TOPK_METHODS else "int8")
         self.block = method_block(method)
-        self.keep = {"keep": TOPK_METHODS[method]} if method in TOPK_METHODS else {}
+        self.keep = ({"keep": TOPK_METHODS[method][0], "keep_average": TOPK_METHODS[method][1]}
+                     if method in TOPK_METHODS else {})
         kwargs = dict(timeout=timedelta(seconds=spec["timeout_s"]), secret=f"bench-{spec['seed']}",
                       max_rate=spec["max_rate_bytes"], checksum=method != "ring-int8-nocheck")
         kwargs.update(method_ring_options(method, spec))
