@@ -437,9 +437,10 @@ class Ring:
         per chunk of `block_size` values (default 4096) the `keep` largest magnitudes (default
         64) at 2 bits each with their positions, 0.028x the bytes of fp32 at the defaults.
         Each rank's contribution is selected once by its sender and each chunk's sum once by
-        its owner, who keeps `keep_average` values of every chunk of it (default: keep); with `residual` (a contiguous float32 CPU tensor of the same size) the owner
-        adds to it what that second selection left out (in the units of the contributions),
-        only once the collective succeeded. Error feedback keeps what the first selection
+        its owner, who keeps `keep_average` values of every chunk of it (default: keep); with
+        `residual` (a contiguous float32 CPU tensor of the same size) the owner adds to it
+        what that second selection left out (in the units of the contributions), only once
+        the collective succeeded. Error feedback keeps what the first selection
         leaves out (prime.sparse)."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
