@@ -303,6 +303,8 @@ class DiLoCo:
             s["keep"] = self.keep
             if self.keep_average != self.keep:
                 s["keep_average"] = self.keep_average
+        if self.feedback_decay != 1.0:
+            s["feedback_decay"] = self.feedback_decay
         if self.overlap:
             s["overlap"] = self.overlap_scheme
             s["overlap_steps"] = self.overlap_steps
@@ -455,6 +457,10 @@ def _fingerprint(d: DiLoCo) -> tuple[int, int, int]:
         fields += ("error_feedback",)
     if d.weights != "equal":  # and token weights
         fields += ("weights", d.weights)
+    if d.keep is not None:  # and the sparse codec's counts (a mismatch would fail the ring's frames, later)
+        fields += ("keep", d.keep, d.keep_average)
+    if d.feedback_decay != 1.0:
+        fields += ("feedback_decay", d.feedback_decay)
     h = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
     return d.weights_hash(), int.from_bytes(h, "little"), numel
 
@@ -469,7 +475,10 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float], name: st
     from prime.codecs import DEFAULT_DENSITY
 
     density = DEFAULT_DENSITY if density is None else density
-    keep = sparse.keep_for_density(density, block_size)
+    try:
+        keep = sparse.keep_for_density(density, block_size)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     sparse.check_pays(block_size, keep, f"{name} {density:g}")
     return keep
 

@@ -364,7 +364,8 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str 
        divides by the world size (op "avg"), encodes the result (k_average values a chunk; None: k) and keeps
        what that encoding dropped (times the world size for "avg") as its own residual.
     3. It sends that payload to every rank; each decodes it.
-    Bytes per rank: 2 (N - 1) / N of a payload of n values, as int8's ring and direct schedules, so flat in N;
+    Bytes per rank: (N - 1) / N of a payload of n values at k and as much at k_average, as int8's ring and direct
+    schedules, so flat in N;
     each shard's sum is selected once, by its owner, whatever N."""
     world = len(contributions)
     n = contributions[0].numel()

@@ -140,8 +140,8 @@ class SyncExtras:
     reports_quant_error = False
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
     sparse = False
-    """True when the sync carries the topk codec (its all-reduces take keep=) and take_dropped() hands back
-    what the owners' selections dropped."""
+    """True when the sync carries the topk codec (its all-reduces take keep= and keep_average=, bind()'s settings
+    "keep" and "keep_average") and take_dropped() hands back what the owners' selections dropped."""
     weighs = False
     """True when average() takes `trained` and returns every contributor's count (time phases' token weights),
     and, for a sync that is also `pipelined`, weigh() exists."""

@@ -742,6 +742,13 @@ def test_the_average_density_is_a_topk_setting_every_node_shares():
         DiLoCo(model, None, ring, codec="int8", average_density=0.1)
     with pytest.raises(ValueError, match="average_density 0.9: keeping 230 of every 256 values costs"):
         DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=0.9)
+    with pytest.raises(ValueError, match=r"average_density: sparse density must be in \(0, 1\]"):
+        DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=1.5)
+    # nodes that keep other counts, or decay their residuals otherwise, refuse each other at the replica check
+    decayed = DiLoCo(model, None, ring, codec="topk", block_size=256, density=4 / 256, feedback_decay=0.9)
+    assert decayed.settings()["feedback_decay"] == 0.9 and "feedback_decay" not in same.settings()
+    prints = {x._fingerprint()[1] for x in (d, same, decayed)}
+    assert len(prints) == 3 and d._fingerprint()[0] == same._fingerprint()[0]  # the same weights, other settings
 
 
 def test_config_field():

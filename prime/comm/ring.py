@@ -475,7 +475,10 @@ class Ring:
         keep = 64 if keep is None else keep
         keep_average = keep if keep_average is None else keep_average
         sparse.check_settings(chunk, keep)
-        sparse.check_settings(chunk, keep_average)
+        try:
+            sparse.check_settings(chunk, keep_average)
+        except ValueError as e:
+            raise ValueError(f"keep_average: {e}") from None
         if tensor.dtype != torch.float32:
             raise TypeError(f"codec 'topk' takes float32 tensors, got {tensor.dtype}")
         if schedule == "ring":

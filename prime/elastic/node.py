@@ -198,7 +198,7 @@ class ElasticSync(Joining):
         self._state = states
         self._settings = {k: settings[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "codec",
                                                    "block_size", "shapes", "numel")}
-        for name in ("keep", "keep_average"):  # topk: the values kept per chunk (of the average)
+        for name in ("keep", "keep_average", "feedback_decay"):  # topk's counts; a residual's decay other than 1
             if settings.get(name) is not None:
                 self._settings[name] = settings[name]
         if settings.get("fragments", 1) > 1:  # the layout of the state and the order of the outer steps

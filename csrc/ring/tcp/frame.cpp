@@ -149,7 +149,8 @@ std::string check_expected(const FrameHeader& h, const ExpectedFrame& e) {
   } else if (h.desc != e.desc) {
     s << "rank " << e.sender << " called all_reduce #" << e.seq << " with other arguments than this rank";
     if (e.spec_text) s << " (" << *e.spec_text << ")";
-    s << ": every rank must pass a tensor of the same size and dtype, and the same op, codec and block_size";
+    s << ": every rank must pass a tensor of the same size and dtype, and the same op, codec and block_size "
+         "(topk: and keep, keep_average)";
   } else if (h.phase != e.phase || h.step != e.step || h.segment != e.segment) {
     s << "got " << phase_name(h.phase) << " step " << h.step << ", segment " << h.segment;
   } else if (h.payload_len != e.payload_len) {
