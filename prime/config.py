@@ -273,22 +273,18 @@ class DiLoCoConfig:
         check_feedback_decay(self.feedback_decay, feedback, "diloco.feedback_decay")
         if self.block_size is not None:
             check_block_size(self.block_size, "diloco.block_size")
-        if self.density is not None:
-            _require(self.codec == "topk", "diloco.density", "unset unless diloco.codec = 'topk'", self.density)
-            _require(0 < self.density <= 1, "diloco.density", "in (0, 1]", self.density)
-        if self.average_density is not None:
-            _require(self.codec == "topk", "diloco.average_density", "unset unless diloco.codec = 'topk'",
-                     self.average_density)
-            _require(0 < self.average_density <= 1, "diloco.average_density", "in (0, 1]", self.average_density)
+        for name, value in (("diloco.density", self.density), ("diloco.average_density", self.average_density)):
+            if value is not None:
+                _require(self.codec == "topk", name, "unset unless diloco.codec = 'topk'", value)
+                _require(0 < value <= 1, name, "in (0, 1]", value)
         if self.codec == "topk":
             from prime import sparse
-
-            chunk = self.resolved_block_size()
             from prime.codecs import DEFAULT_DENSITY
 
+            chunk = self.resolved_block_size()
             density = DEFAULT_DENSITY if self.density is None else self.density
             sparse.check_pays(chunk, sparse.keep_for_density(density, chunk), "diloco.density")
-            if self.average_density is not None:
+            if self.average_density is not None:  # unset: the density's
                 sparse.check_pays(chunk, sparse.keep_for_density(self.average_density, chunk), "diloco.average_density")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
