@@ -64,7 +64,8 @@ class Point:
 
 
 POINTS: dict[str, Point] = {
-    "train.before_step": Point("before inner step AT (elastic nodes: the inner optimizer's step hook)",
+    "train.before_step": Point("before inner step AT, inside its time (with time phases: the AT-th inner step of "
+                               "the launch; elastic nodes: the inner optimizer's step hook)",
                                ("kill", "stall", "hold", "exit"), False),
     "train.after_step": Point("after inner step AT and its outer step and checkpoint (the trainer's loop)",
                               ("exit", "kill"), False),

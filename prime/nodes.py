@@ -81,6 +81,11 @@ class Nodes(Protocol):
         """Before the first inner step. Returns an outer step it ran (did_sync may be False), or None when the
         job already ended without this node."""
 
+    def meet(self) -> None:
+        """Time phases, after the launch's first inner step (it compiles and warms caches, for times that differ
+        from node to node): returns once every node called it, so that their phase clocks start together. A job
+        whose nodes come and go (elastic) does not meet: a joiner's clock takes the job's step when it joins."""
+
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         """After every outer step (also one that start() ran): what the trainer must take over."""
 
@@ -263,6 +268,11 @@ class FixedNodes:
         if d.owes_outer_step():
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
+
+    def meet(self) -> None:
+        """Every node's processes exchange one number over their ring (authenticated, like every exchange)."""
+        if self.sync is not None:
+            self.sync.exchange([0], outer_step=self.diloco.outer_step + 1)
 
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         return AfterOuter()

@@ -8,19 +8,21 @@ per nominal step, a node twice as slow passes two nominal steps per inner step
 takes the same time, and the outer step weights each node's pseudo-gradient by
 the inner steps it trained (prime.weights).
 
-The clock reads wall time from the run's start (which every node passes
-together, after the replica check). After a synchronous outer step, which
-every node leaves at the same moment, it restarts at the nominal step it
-reached. With overlap it is never moved: a wait for an average in flight is
-phase time, so every node keeps the one schedule and a transient on one node
-(a recompile, a late step) is not carried into later phases.
+The clock reads wall time from the end of the launch's first inner step, where
+the nodes meet (Nodes.meet: that step compiles, for a time that differs between
+nodes; elastic nodes do not meet, a joiner's clock takes the job's step). After
+a synchronous outer step, which every node leaves at the same moment, it
+restarts at the nominal step it reached. With overlap it is never moved: a wait
+for an average in flight is phase time, so every node keeps the one schedule
+and a transient on one node (a recompile, a late step) is not carried into
+later phases.
 
 An inner step that would end past the next outer step's time is not started:
 the node goes to that outer step at once; unless the node trained no step
 since its last outer step, so that a node whose steps are longer than the time
-between two outer steps still trains one each time. The run's first step
-(compiling) predicts nothing. The prediction of a step's time is
-the median of the node's last STEP_HISTORY steps.
+between two outer steps, or one behind its schedule, still trains one each
+time. The run's first step (compiling) predicts nothing. The prediction of a
+step's time is the median of the node's last STEP_HISTORY steps.
 """
 
 from __future__ import annotations

@@ -191,6 +191,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
+        if not cfg.elastic.enabled:  # (elastic nodes: the inner optimizer's step hook); inside the step's time
+            faults.hit("train.before_step", self.step if clock is None else self.trained + 1, log=m.print)
         loss, gnorm = self.train_step()
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # honest step times; the loss is read below anyway
@@ -202,6 +204,11 @@ class Trainer:
         self.trained += 1
         if clock is not None:  # time phases: did this step's time pass a nominal step? (the rest: _advance)
             clock.stepped(step_s)
+            if self.trained == 1:  # the launch's first step compiled, for a time that differs between nodes:
+                t1 = time.perf_counter()  # they meet, and their clocks start together after it (one nominal step)
+                self.nodes.meet()
+                m.spend("start", time.perf_counter() - t1)
+                clock.start(self.step + 1)
             nominal = 1 if clock.reached() > self.step else 0
             self.step += nominal
         # The norm is of the node's whole gradient (the same on every process): when it is
@@ -225,12 +232,14 @@ class Trainer:
             self._log_outer(result, decision)
         if nominal:
             self._after_nominal_step()
-        if clock is not None and not (result.did_sync and not result.overlapped):
+        if clock is not None and not result.did_sync:  # (after an outer step: an inner step first, see _advance)
             self._advance(clock.reached() - self.step)
 
     def _advance(self, steps: int) -> None:
-        """Time phases: `steps` nominal steps pass without an inner step (at most to train.steps; a synchronous
-        outer step among them ends it, since every node leaves that at the same moment)."""
+        """Time phases: `steps` nominal steps pass without an inner step (at most to train.steps). An outer step
+        among them ends it: the node then trains at least one inner step before the next (a node behind its
+        schedule, after a transient, still trains while it catches up), and after a synchronous one the clock
+        restarts, since every node leaves that at the same moment."""
         for _ in range(min(steps, self.cfg.train.steps - self.step)):
             self.step += 1
             t0 = time.perf_counter()
@@ -241,7 +250,7 @@ class Trainer:
             if result.did_sync:
                 self._log_outer(result, decision)
             self._after_nominal_step()
-            if result.did_sync and not result.overlapped:
+            if result.did_sync:
                 return
 
     def _after_outer(self, result: OuterStepResult, t0: float) -> AfterOuter:

@@ -491,6 +491,32 @@ def test_in_time_phases_a_node_slower_than_the_window_between_outer_steps_still_
     assert len(digests) == 2 and digests[0] == digests[1], out
 
 
+@needs_ring
+def test_in_time_phases_the_nodes_start_their_clocks_together_after_a_first_step_that_took_longer_on_one(tmp_path):
+    """Node 1's first inner step takes 6 s longer (as a compiling step does, for a time that differs between
+    nodes): the nodes meet after it and start their clocks together, so that both train about as many steps in
+    every phase, and node 0 waits once, at the start, not for node 1's late averages (a clock started at the run's
+    start left node 1 3 phases behind; one started after each node's own first step left node 0 waiting)."""
+    args = QUICK + ["--train.steps", "80", "--diloco.inner_steps", "20", "--diloco.fragments", "4",
+                    "--diloco.overlap", "true", "--diloco.phase", "time", "--diloco.phase_seconds", "2",
+                    "--metrics.out_dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--fault", "1=train.before_step@1=stall:6",
+           "--", *args]
+    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    during = [r for r in records(str(tmp_path), 0, "outer") if r["step"] < 80][4:]  # (the run's end: final syncs)
+    assert len(during) >= 8, during
+    steps = [sum(r["node_steps"][n] for r in during) for n in (0, 1)]
+    assert min(steps) > max(steps) / 2 and min(steps) > 2 * len(during), [r["node_steps"] for r in during]
+    first = records(str(tmp_path), 1)[0]
+    assert first["step"] == 1 and first["step_s"] > 6, first
+    waited = records(str(tmp_path), 0, "summary")[0]  # node 0 waited at the start, not at every average after
+    assert waited["time_start_s"] > 5 and waited["time_outer_wait_s"] < 3, waited
+    digests = final_digests(out)
+    assert len(digests) == 2 and digests[0] == digests[1], out
+
+
 def test_slow_node_specs_are_checked():
     assert parse_slow_node("1:2.5", 2) == (1, 2.5)
     for text, why in (("2:2", "there is no node 2"), ("1:0.5", r"in \[1, 100\]"), ("1", "expected R:F"),

@@ -100,6 +100,10 @@ class ElasticNodes:
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
 
+    def meet(self) -> None:
+        """Elastic nodes do not meet after their first inner step: members come and go, and a joiner's phase clock
+        takes the job's step when it joins (prime.nodes.Nodes.meet)."""
+
     def host_processes(self) -> int:
         """Elastic nodes come and go: the memory plan counts this node's processes (memory.host_procs says more)."""
         return self.env.local_world
