@@ -42,7 +42,9 @@ Methods, run on the same input tensors in the same process group:
   ring-topk                 prime.comm.Ring, codec "topk" (docs/wire-format-sparse.md): per chunk of 4096
                             the 64 largest values at 2 bits with 12-bit positions (0.028 bytes/value),
                             the direct schedule; ring-topk-k16 / -k256 keep 16 / 256 per chunk;
-                            ring-topk-k48-a96: 48 per chunk of each contribution, 96 of each average
+                            ring-topk-k48-a96: 48 per chunk of each contribution, 96 of each average;
+                            ring-topk-k48-a96-ef: the same with a residual (residual=), as DiLoCo's error
+                            feedback runs it: the ring also hands back what every selection dropped
   pg-prime-fp32             torch.distributed.all_reduce(SUM) on a group of the "prime" backend
                             (prime.comm.backend), exact: the same ring as ring-fp32 behind torch's API
   pg-prime-int8             the same with PrimeOptions(codec="int8"): ring-int8 behind torch's API
@@ -101,7 +103,7 @@ RING_VARIANTS = ("ring-int8-ring", "ring-int8-direct", "ring-int8-rankorder", "r
                  "ring-int8-classic")
 # The sparse codec (run them with --methods): values kept per chunk of TOPK_CHUNK.
 TOPK_METHODS = {"ring-topk": (64, 64), "ring-topk-k16": (16, 16), "ring-topk-k256": (256, 256),
-                "ring-topk-k48-a96": (48, 96)}  # values kept per chunk of each contribution, of each average
+                "ring-topk-k48-a96": (48, 96), "ring-topk-k48-a96-ef": (48, 96)}  # values kept per chunk of each contribution, of each average
 TOPK_CHUNK = 4096
 # The ring through torch.distributed: dist.all_reduce on a backend="prime" group (prime.comm.backend).
 PG_METHODS = ("pg-prime-fp32", "pg-prime-int8")
@@ -567,11 +569,17 @@ class RingAdapter:
             kwargs.update(bind_addr=spec["addr"], advertise_addr=spec["addr"])
         self.ring = ring_cls(dist.PrefixStore(f"ring/{method}", store), rank, world_size, **kwargs)
         self.schedule = None  # what the last collective ran (WorkStats.schedule)
+        self.error_feedback = method.endswith("-ef")
 
     def all_reduce(self, tensor) -> tuple[float, dict]:
         """Sums `tensor` in place over all ranks. Returns (bytes this rank sent on the wire,
         every statistic of the work, for the record: times, bytes received...)."""
-        work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block, **self.keep)
+        extra = dict(self.keep)
+        if self.error_feedback:  # error feedback's residual, fresh for every collective as DiLoCo's
+            import torch
+
+            extra["residual"] = torch.zeros(tensor.numel(), dtype=torch.float32)
+        work = self.ring.all_reduce(tensor, op="sum", codec=self.codec, block_size=self.block, **extra)
         work.wait()
         stats = work.stats()
         self.schedule = getattr(stats, "schedule", None)

@@ -182,7 +182,9 @@ def run_dp(s: Setup, eval_batches):
 
 def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: dict) -> int:
     """Node r's inner steps in time phases on a virtual clock (the Trainer's rule, prime/trainer.py): a step that
-    would end past the next outer step's time is not started; a synchronous outer step restarts the clock.
+    would end past the next outer step's time is not started, at most one outer step passes before the next inner
+    step, and a synchronous outer step restarts the clock (the virtual clock has no compiling first step to meet
+    after).
     Fills curve {nominal step: [losses]}; returns the inner steps trained."""
     from prime.phases import PhaseClock
 
@@ -198,10 +200,10 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         for _ in range(max(0, min(k, steps - nominal))):
             nominal += 1
             res = dl.advance()
-            if res.did_sync:
+            if res.did_sync:  # an inner step before the next outer step
                 clock.outer()
-            if res.did_sync and not res.overlapped:  # every node leaves it together: the clock restarts
-                clock.start(nominal)
+                if not res.overlapped:  # every node leaves it together: the clock restarts
+                    clock.start(nominal)
                 return
 
     while nominal < steps:
@@ -218,8 +220,8 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         res = dl.step(k)
         if res.did_sync:
             clock.outer()
-        if res.did_sync and not res.overlapped:
-            clock.start(nominal)
+            if not res.overlapped:
+                clock.start(nominal)
         else:
             advance(clock.reached() - nominal)
     return trained

@@ -33,7 +33,8 @@ class Codec:
     report it (int8)."""
     sparse: bool = False
     """Per chunk of block_size values only the largest (diloco.density of them) travel (prime.sparse): error
-    feedback is always on, and each shard's owner keeps what its selection of the average dropped."""
+    feedback is always on, and the ring hands back all a contribution lost (its selections', and as a shard's
+    owner what its selection of the average dropped; the owner's own values of its shard enter unselected)."""
 
     def wire_bytes(self, n: int, block_size: Optional[int] = None, density: Optional[float] = None) -> int:
         """Bytes of n values in a ring payload (prime.ops.wire_bytes; topk: prime.sparse.payload_bytes)."""

@@ -1,4 +1,5 @@
-"""Error feedback for the compressed pseudo-gradient all-reduce.
+"""Error feedback for the compressed pseudo-gradient all-reduce (the block codecs; the sparse codec's ring
+hands the residual back itself, see compensate()).
 
 A lossy codec (int8, fp4) loses part of every node's pseudo-gradient; error
 feedback (1-bit Adam, DiLoCoX, SparseLoCo) keeps that part per node, as a
@@ -102,11 +103,19 @@ def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: 
                keep: Optional[int] = None, decay: float = 1.0) -> None:
     """g := dequantize(quantize(g + decay x residual)) and, with `commit`, residual := (g + decay x residual) -
     that: the step of error feedback on one piece of whole codec blocks (g a work view, residual a view of the
-    home buffer or its staged copy). decay < 1 forgets old residual geometrically (SparseLoCo's accumulator)."""
+    home buffer or its staged copy). decay < 1 forgets old residual geometrically (SparseLoCo's accumulator).
+
+    topk: g := g + decay x residual, dense, and with `commit` residual := 0. The ring selects (each rank its values
+    of the shards others own; the owner adds its own shard dense, unselected) and hands back everything the
+    contribution lost, both selections' (Sync.take_dropped, added to the residual once the average is back)."""
     if decay == 1.0:
         g.add_(residual)
     else:  # two roundings, not add_(alpha=): a fused multiply-add in some kernels and not in others
         g.add_(torch.mul(residual, decay))
+    if codec == "topk":
+        if commit:
+            residual.zero_()
+        return
     y = round_trip(g, codec, block_size, keep)
     if commit:
         torch.sub(g, y, out=residual)

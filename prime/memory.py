@@ -243,10 +243,12 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
     if frags and cfg.diloco.codec == "topk":
         # the sparse codec runs on the CPU: a CUDA tensor is staged down and its average up (pinned, the caching
-        # host allocator's power-of-two blocks), the owners' dropped part comes back in a third buffer, and the
-        # owner sums its chunk and decodes its selection (4 bytes a value of its 1/N each)
+        # host allocator's power-of-two blocks), the dropped part comes back in a third buffer, the owner sums its
+        # chunk and decodes its selection (4 bytes a value of its 1/N each), and what the rank's selections of the
+        # other chunks drop waits for the collective's end (4 bytes a value of the other (N - 1)/N)
         staged = _pow2(4 * ring_values) if on_gpu else 4 * ring_values
-        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * ring_values / nodes)
+        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * ring_values / nodes) \
+            + int(4 * ring_values * (nodes - 1) / nodes)
     else:
         ring_host = int(2 * ring_values / nodes * (1 + 2 / block)) if on_gpu and frags else 0
     if on_gpu:

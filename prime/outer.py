@@ -295,9 +295,10 @@ class OuterState(FlatLayout, OverlapPasses):
 
     @torch.no_grad()
     def add_to_residual(self, dropped: Optional[torch.Tensor], lo: int = 0, hi: Optional[int] = None) -> None:
-        """Error feedback of a sparse codec, after commit_residual() (or compensate(commit=True)): residual +=
-        `dropped` over [lo, hi), what this node's selection of the average of the shards it owns left out (a
-        buffer of the range, from the sync: Sync.take_dropped; None: nothing)."""
+        """Error feedback of a sparse codec, after commit_residual() (or compensate(commit=True), which set the
+        residual to 0): residual += `dropped` over [lo, hi), all this node's contribution lost: its selections of
+        its values of the shards others own, and of the average of the shard it owns (a buffer of the range, from
+        the sync: Sync.take_dropped; None: nothing)."""
         if dropped is None or self.residual is None:
             return
         if dropped.is_cuda:  # made on the collective's stream (Sync.take_dropped), read on this one

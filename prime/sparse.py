@@ -346,8 +346,9 @@ class OwnerAverage:
     bits everywhere)."""
     residuals: list
     """Per rank, what the round left out of its contribution (fp32): its selection of its payloads of the other
-    ranks' shards, and for the shard it owns what the selection of the average dropped, times the world size.
-    Error feedback adds it to the rank's next contribution."""
+    ranks' shards, and for the shard it owns what the selection of the average dropped, times the world size
+    (its own values of that shard enter the sum unselected). Error feedback adds it to the rank's next
+    contribution; the ring hands back the same bits (Ring.all_reduce(residual=))."""
     sent: list
     """Per rank, payload bytes it sends: its payload of every other rank's shard, then its shard's average to
     each."""

@@ -141,7 +141,7 @@ class SyncExtras:
     """True when the averages report the codec's error themselves (QUANT_ERROR_FIELDS)."""
     sparse = False
     """True when the sync carries the topk codec (its all-reduces take keep= and keep_average=, bind()'s settings
-    "keep" and "keep_average") and take_dropped() hands back what the owners' selections dropped."""
+    "keep" and "keep_average") and take_dropped() hands back what the selections dropped."""
     weighs = False
     """True when average() takes `trained` and returns every contributor's count (time phases' token weights),
     and, for a sync that is also `pipelined`, weigh() exists."""
@@ -322,7 +322,7 @@ def all_local(group, ok: bool) -> bool:
 
 def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int,
                       keep_average: Optional[int] = None) -> tuple:
-    """The topk codec's all-reduce of buf on ring: (its Work, the buffer its owners' selections drop into). The
+    """The topk codec's all-reduce of buf on ring: (its Work, the buffer its selections drop into). The
     ring adds to that buffer only once the collective succeeded; it is pinned for a CUDA buf, whose staging goes
     through the host."""
     dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)

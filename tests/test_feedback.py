@@ -101,9 +101,8 @@ class DirectFakeRing:
                 g.result = fake_average(g.inputs, codec, block_size)
         g.barrier.wait()
         t.copy_(g.result.view_as(t))
-        if residual is not None:  # the owner's part: what its selection of the average dropped
-            lo, hi = sparse.shards(t.numel(), g.n, block_size)[self.rank]
-            residual[lo:hi] += g.sparse.residuals[self.rank][lo:hi]
+        if residual is not None:  # all this rank's contribution lost: its selections', its shard's owner's
+            residual += g.sparse.residuals[self.rank]
         g.barrier.wait()
         return FakeWork(t.numel())
 
@@ -308,6 +307,9 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
         if not feedback:
             return d
         p = d + res[r][i] if decay == 1.0 else d + res[r][i] * decay
+        if codec == "topk":  # dense: the wire selects, and hands back what every selection dropped (average())
+            res[r][i] = torch.zeros_like(p)
+            return p
         y = rt_ref(p, codec).view_as(p)
         res[r][i] = p - y
         return y
@@ -315,13 +317,21 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
     owner = _owners(groups, [p.numel() for p in params[0]], nodes) if codec == "topk" else None
 
     def average(cs, i):
-        """fake_average, and for topk the owners' residuals: what the selection of the average dropped."""
-        a = fake_average(cs, codec, keep_average=keep_average).view_as(outer[i])
-        if owner is not None:
-            pre = _sum_in_order(cs) / torch.full_like(cs[0], nodes)
-            dropped = (pre.reshape(-1) - a.reshape(-1)) * nodes
-            for r in range(nodes):
-                res[r][i] += torch.where(owner[i] == r, dropped, torch.zeros_like(dropped)).view_as(res[r][i])
+        """fake_average; topk: each node's selection of the values others own, its own values as they are, the
+        average selected once, and every selection's loss into the residual of the node that made it."""
+        if owner is None:
+            return fake_average(cs, codec, keep_average=keep_average).view_as(outer[i])
+        parts = []
+        for r, c in enumerate(cs):
+            mine = (owner[i] == r).view_as(c)
+            sel = rt_ref(c, codec).view_as(c)
+            res[r][i] += torch.where(mine, torch.zeros_like(c), c - sel)
+            parts.append(torch.where(mine, c, sel))
+        pre = _sum_in_order(parts) / torch.full_like(parts[0], nodes)
+        a = rt_ref(pre, codec, BS, keep_average).view_as(outer[i])
+        dropped = (pre.reshape(-1) - a.reshape(-1)) * nodes
+        for r in range(nodes):
+            res[r][i] += torch.where(owner[i] == r, dropped, torch.zeros_like(dropped)).view_as(res[r][i])
         return a
 
     for t in range(1, H * outer_steps + 1):

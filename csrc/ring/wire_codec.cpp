@@ -298,14 +298,16 @@ class ExactCodec final : public WireCodec {
 
 // docs/wire-format-sparse.md's records (fp32 only), in the direct schedule: each rank selects
 // its own values of every other rank's chunk once; the owner adds them to its own values in
-// fp32, divides, selects the result once (keep_average values a chunk) and keeps what that
-// selection left out (times the divisor: in the units of the contributions) for
-// AllReduceSpec::residual. Every payload read is checked to be well formed before it is decoded.
+// fp32, divides, selects the result once (keep_average values a chunk). AllReduceSpec::residual
+// gets what this rank's contribution lost: what each selection of its values left out, and for
+// the chunk it owns what the selection of the average left out (times the divisor: in the
+// units of the contributions). Every payload read is checked to be well formed before it is decoded.
 class SparseCodec final : public WireCodec {
  public:
   SparseCodec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times)
       : chunk_(spec.block), k_(spec.keep), k_avg_(spec.keep_average ? spec.keep_average : spec.keep),
-        residual_(spec.residual), measure_(spec.measure_error), pool_(pool), times_(times) {
+        input_(static_cast<const float*>(spec.input)), residual_(spec.residual), measure_(spec.measure_error),
+        pool_(pool), times_(times) {
     if (spec.dtype != DType::kFloat32) throw std::invalid_argument("the topk codec takes float32 tensors only");
     if (!codec::sparse::valid_chunk(chunk_) || !codec::sparse::valid_keep(chunk_, k_) ||
         !codec::sparse::valid_keep(chunk_, k_avg_)) {
@@ -318,7 +320,18 @@ class SparseCodec final : public WireCodec {
   int64_t final_bytes(int64_t len) const override { return codec::sparse::payload_bytes(len, chunk_, k_avg_); }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    Buffer buf = encode(static_cast<const float*>(own), len, k_, finite);
+    const float* x = static_cast<const float*>(own);
+    Buffer buf = encode(x, len, k_, finite);
+    if (*finite && len && residual_ && input_) {
+      // What the selection left out of this rank's values (none of an input that is already
+      // a decoded payload), kept beside the owners' drops until the collective succeeded.
+      ScopedTimer timer(times_.quantize_s);
+      Buffer dec = pool_.acquire(static_cast<size_t>(len) * 4);
+      float* d = dec->as<float>();
+      codec::sparse::decode(reinterpret_cast<const uint8_t*>(buf->data()), len, chunk_, k_, d);
+      for (int64_t i = 0; i < len; ++i) d[i] = x[i] - d[i];
+      dropped_.push_back(FinalPiece{x - input_, len, std::move(dec)});
+    }
     return Payload{buf->data(), buf->size(), buf};
   }
 
@@ -422,6 +435,7 @@ class SparseCodec final : public WireCodec {
   const int64_t chunk_;
   const int64_t k_;
   const int64_t k_avg_;  // values kept per chunk of the owner's average
+  const float* const input_;  // the schedule's input (where encode_input's pieces sit)
   float* const residual_;
   const bool measure_;  // add the error of the owner's selections to times_
   BufferPool& pool_;

@@ -437,11 +437,13 @@ class Ring:
         per chunk of `block_size` values (default 4096) the `keep` largest magnitudes (default
         64) at 2 bits each with their positions, 0.028x the bytes of fp32 at the defaults.
         Each rank's contribution is selected once by its sender and each chunk's sum once by
-        its owner, who keeps `keep_average` values of every chunk of it (default: keep); with
-        `residual` (a contiguous float32 CPU tensor of the same size) the owner adds to it
-        what that second selection left out (in the units of the contributions), only once
-        the collective succeeded. Error feedback keeps what the first selection
-        leaves out (prime.sparse)."""
+        its owner, who adds its own values of its chunk unselected and keeps `keep_average`
+        values of every chunk of the sum (default: keep); with `residual` (a contiguous
+        float32 CPU tensor of the same size) the ring adds to it all that this rank's
+        contribution lost, only once the collective succeeded: what its selections of its
+        values of the other chunks left out, and what its selection of its chunk's average
+        left out (in the units of the contributions). Error feedback sends it again
+        (prime.sparse.owner_average computes the same bits in one process)."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
