@@ -15,7 +15,7 @@ if [ "${BUILD:-cuda}" = ring ]; then build_ring; else build_cuda; fi
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))
-pids=() names=() logs=()
+pids=() names=() logs=() tags=()
 i=0
 for entry in ${RUNS:-0}; do
   seed=${entry%%:*}
@@ -23,11 +23,14 @@ for entry in ${RUNS:-0}; do
   [[ $entry == *:* ]] && methods=${entry#*:}
   gpu=${gpus[$(( i % ${#gpus[@]} ))]}
   name="bench_fidelity 150M, ${STEPS:-400} steps, seed $seed, GPU $gpu: $methods"
-  log=fidelity_seed${seed}_gpu$gpu.log
+  tag=fidelity_seed${seed}_gpu$gpu
+  [[ " ${tags[*]:-} " == *" $tag "* ]] && tag=${tag}_$i  # the same seed twice on one GPU: files of their own
+  tags+=("$tag")
+  log=$tag.log
   cmd=(env CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_fidelity.py --config configs/150M.toml
        --data.source embedded --train.steps ${STEPS:-400} --optim.warmup_steps 40 --optim.decay_steps 100
        --diloco.inner_steps ${H:-40} --train.micro_batch_size 16 --data.seq_len 512 --eval-batches 16
-       --train.seed $seed --methods "$methods" --out "$out/fidelity_seed${seed}_gpu$gpu" ${EXTRA:-})
+       --train.seed $seed --methods "$methods" --out "$out/$tag" ${EXTRA:-})
   # in the background, one per GPU: each row is filled in when its run ends
   ( run_step "$name" ${FIDELITY_TIMEOUT:-540} "$log" "${cmd[@]}" >/dev/null
     echo "$?" >"$out/.rc_$i" ) &
