@@ -236,6 +236,7 @@ def test_ring_adapter_reads_work_stats_by_field():
 
     adapter = bench.RingAdapter.__new__(bench.RingAdapter)  # no store, no sockets
     adapter.ring, adapter.codec, adapter.block, adapter.keep = Ring(), "int8", 64, {}  # keep: topk's k only
+    adapter.error_feedback = False  # (topk's -ef methods pass a residual)
     sent, numeric = adapter.all_reduce(torch.zeros(4))
     assert sent == 123.0
     assert numeric["bytes_received"] == 7.0 and numeric["quantize_s"] == 0.25 and numeric["seq"] == 3.0
