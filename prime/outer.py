@@ -280,8 +280,12 @@ class OuterState(FlatLayout, OverlapPasses):
         residual := what this node's contribution lost, over [lo, hi), recomputed from the outer weights, the
         local weights and the residual as they were when compensate() made the contribution (the same operations,
         so the same bits; `scale`: the contribution's weight, prime.weights). Until now the residual was
-        untouched, so that a failed average leaves it as it was."""
+        untouched, so that a failed average leaves it as it was. topk: residual := 0 over [lo, hi), and
+        add_to_residual() then adds what the ring's selections dropped."""
         codec, bs, keep, decay = self.feedback_codec, self.block_size, self.feedback_keep, self.feedback_decay
+        if codec == "topk":  # the ring hands back all the contribution lost (add_to_residual): nothing to recompute
+            self.residual[lo:hi].zero_()
+            return
         tmp = self._scratch(1)[0]
 
         def body(p, wc, ec):
