@@ -183,7 +183,7 @@ def run_dp(s: Setup, eval_batches):
 def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: dict) -> int:
     """Node r's inner steps in time phases on a virtual clock (the Trainer's rule, prime/trainer.py): a step that
     would end past the next outer step's time is not started, at most one outer step passes before the next inner
-    step, and a synchronous outer step restarts the clock (the virtual clock has no compiling first step to meet
+    step while the node's steps keep up (PhaseClock.keeps_up), and a synchronous outer step restarts the clock (the virtual clock has no compiling first step to meet
     after).
     Fills curve {nominal step: [losses]}; returns the inner steps trained."""
     from prime.phases import PhaseClock
@@ -200,11 +200,13 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         for _ in range(max(0, min(k, steps - nominal))):
             nominal += 1
             res = dl.advance()
-            if res.did_sync:  # an inner step before the next outer step
+            if res.did_sync:
                 clock.outer()
                 if not res.overlapped:  # every node leaves it together: the clock restarts
                     clock.start(nominal)
-                return
+                    return
+                if clock.keeps_up(dl.steps_to_sync):  # an inner step before the next outer step
+                    return
 
     while nominal < steps:
         if not clock.fits_before(nominal + dl.steps_to_sync):
@@ -222,7 +224,7 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
             clock.outer()
             if not res.overlapped:
                 clock.start(nominal)
-        else:
+        if not res.did_sync or (res.overlapped and not clock.keeps_up(dl.steps_to_sync)):
             advance(clock.reached() - nominal)
     return trained
 

@@ -21,7 +21,11 @@ An inner step that would end past the next outer step's time is not started:
 the node goes to that outer step at once; unless the node trained no step
 since its last outer step, so that a node whose steps are longer than the time
 between two outer steps, or one behind its schedule, still trains one each
-time. The run's first step (compiling) predicts nothing. The prediction of a
+time. A node behind its schedule passes one outer step at a time, with an inner
+step between, unless its steps are longer than the time between two outer
+steps (keeps_up): it then passes every outer step due, as one step each would
+leave it further behind at every one. The run's first step (compiling) predicts
+nothing. The prediction of a
 step's time is the median of the node's last STEP_HISTORY steps.
 """
 
@@ -85,6 +89,12 @@ class PhaseClock:
     def predicted(self) -> float:
         """The next inner step's predicted time (0 before the first)."""
         return statistics.median(self._steps) if self._steps else 0.0
+
+    def keeps_up(self, steps: int) -> bool:
+        """True when an inner step is predicted to take no longer than `steps` nominal steps (the time to the next
+        outer step): a node behind its schedule then trains one inner step per outer step while it catches up;
+        one whose steps are longer passes every outer step due instead, or it would fall further behind at each."""
+        return self.predicted() <= steps * self.step_s
 
     def fits_before(self, nominal: int) -> bool:
         """True when an inner step started now is predicted to end by nominal step `nominal`'s time, or when no

@@ -232,14 +232,12 @@ class Trainer:
             self._log_outer(result, decision)
         if nominal:
             self._after_nominal_step()
-        if clock is not None and not result.did_sync:  # (after an outer step: an inner step first, see _advance)
+        if clock is not None and not self._stops_at(result):
             self._advance(clock.reached() - self.step)
 
     def _advance(self, steps: int) -> None:
-        """Time phases: `steps` nominal steps pass without an inner step (at most to train.steps). An outer step
-        among them ends it: the node then trains at least one inner step before the next (a node behind its
-        schedule, after a transient, still trains while it catches up), and after a synchronous one the clock
-        restarts, since every node leaves that at the same moment."""
+        """Time phases: `steps` nominal steps pass without an inner step (at most to train.steps), up to an outer
+        step that stops them (_stops_at)."""
         for _ in range(min(steps, self.cfg.train.steps - self.step)):
             self.step += 1
             t0 = time.perf_counter()
@@ -250,8 +248,15 @@ class Trainer:
             if result.did_sync:
                 self._log_outer(result, decision)
             self._after_nominal_step()
-            if result.did_sync:
+            if self._stops_at(result):
                 return
+
+    def _stops_at(self, result: OuterStepResult) -> bool:
+        """Time phases: nominal steps stop passing at an outer step that ran: a synchronous one (every node leaves it
+        at the same moment, and the clock restarts), or an overlapped one while this node's inner step keeps up
+        with the time between outer steps, so that a node behind its schedule (a transient) trains one inner step
+        per outer step while it catches up (PhaseClock.keeps_up)."""
+        return result.did_sync and (not result.overlapped or self.clock.keeps_up(self.diloco.steps_to_sync))
 
     def _after_outer(self, result: OuterStepResult, t0: float) -> AfterOuter:
         """What an outer step (if one ran) changes for this node, its time, and the phase clock."""

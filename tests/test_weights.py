@@ -45,6 +45,12 @@ def test_the_clock_counts_nominal_steps_of_phase_time():
     assert c.fits_before(9)
     c.stepped(0.3)
     assert not c.fits_before(9)
+    # a node behind its schedule passes one outer step per inner step only while a step fits in the time between
+    # two outer steps (0.3 s against 1 nominal step of 0.5 s); a slower one passes every outer step due
+    assert c.keeps_up(1) and c.keeps_up(4)
+    for s in (0.9, 0.9, 0.9, 0.9):
+        c.stepped(s)
+    assert c.predicted() == 0.9 and not c.keeps_up(1) and c.keeps_up(2)
     v = PhaseClock(10, 5.0, clock=t, warmup=False)  # a virtual clock: its first step takes its own time too
     v.stepped(0.4)
     assert v.predicted() == 0.4
