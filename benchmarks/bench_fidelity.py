@@ -183,8 +183,8 @@ def run_dp(s: Setup, eval_batches):
 def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: dict) -> int:
     """Node r's inner steps in time phases on a virtual clock (the Trainer's rule, prime/trainer.py): a step that
     would end past the next outer step's time is not started, at most one outer step passes before the next inner
-    step while the node's steps keep up (PhaseClock.keeps_up), and a synchronous outer step restarts the clock (the virtual clock has no compiling first step to meet
-    after).
+    step while the node's steps keep up (PhaseClock.keeps_up), and a synchronous outer step restarts the clock
+    (the virtual clock has no compiling first step to meet after).
     Fills curve {nominal step: [losses]}; returns the inner steps trained."""
     from prime.phases import PhaseClock
 
@@ -195,18 +195,22 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
     clock.start(0)
     nominal, trained = 0, 0
 
+    def stops(res) -> bool:
+        """After an outer step, if one ran: whether nominal steps stop passing there (the Trainer's _stops_at)."""
+        if not res.did_sync:
+            return False
+        clock.outer()
+        if not res.overlapped:  # every node leaves it together: the clock restarts
+            clock.start(nominal)
+            return True
+        return clock.keeps_up(dl.steps_to_sync)  # an inner step before the next outer step
+
     def advance(k: int) -> None:
         nonlocal nominal
         for _ in range(max(0, min(k, steps - nominal))):
             nominal += 1
-            res = dl.advance()
-            if res.did_sync:
-                clock.outer()
-                if not res.overlapped:  # every node leaves it together: the clock restarts
-                    clock.start(nominal)
-                    return
-                if clock.keeps_up(dl.steps_to_sync):  # an inner step before the next outer step
-                    return
+            if stops(dl.advance()):
+                return
 
     while nominal < steps:
         if not clock.fits_before(nominal + dl.steps_to_sync):
@@ -219,12 +223,7 @@ def time_phases(s: Setup, dl, model, opt, ld, r: int, slowdowns: list, curve: di
         k = 1 if clock.reached() > nominal else 0
         nominal += k
         curve.setdefault(max(1, nominal), []).append(loss)
-        res = dl.step(k)
-        if res.did_sync:
-            clock.outer()
-            if not res.overlapped:
-                clock.start(nominal)
-        if not res.did_sync or (res.overlapped and not clock.keeps_up(dl.steps_to_sync)):
+        if not stops(dl.step(k)):
             advance(clock.reached() - nominal)
     return trained
 

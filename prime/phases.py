@@ -25,8 +25,8 @@ time. A node behind its schedule passes one outer step at a time, with an inner
 step between, unless its steps are longer than the time between two outer
 steps (keeps_up): it then passes every outer step due, as one step each would
 leave it further behind at every one. The run's first step (compiling) predicts
-nothing. The prediction of a
-step's time is the median of the node's last STEP_HISTORY steps.
+nothing. The prediction of a step's time is the median of the node's last
+STEP_HISTORY steps.
 """
 
 from __future__ import annotations
