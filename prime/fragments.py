@@ -356,6 +356,9 @@ class Fragment:
         """Inner steps since this fragment's last outer step (nominal steps of the schedule, with time phases)."""
         self.trained = 0
         """Inner steps this node trained since this fragment's last outer step (its weight, prime.weights)."""
+        self.early = 0
+        """Steps of the current phase a final sync (finish()) already averaged: the phase is that much shorter, so
+        that a run resumed from the final checkpoint keeps the schedule (fragments never come due together)."""
         self._pipeline = PipelinedStep(state, settings)  # the synchronous outer step, in pieces
         self.start: Optional[torch.Tensor] = None
         """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
@@ -371,7 +374,7 @@ class Fragment:
     @property
     def phase(self) -> int:
         """Inner steps of this fragment's current phase (the first is its schedule offset)."""
-        return self.first_phase if self.outer_step == 0 else self.s.inner_steps
+        return (self.first_phase if self.outer_step == 0 else self.s.inner_steps) - self.early
 
     def tick(self) -> None:
         self.since_sync += 1
@@ -402,7 +405,7 @@ class Fragment:
         (prime.pipeline). Returns (SyncResult, timings dict, norm, own error)."""
         out = self._pipeline.run(self.pieces, inner_step, outer_step, self.weighing())
         self.outer_step += 1
-        self.since_sync = self.trained = 0
+        self.since_sync = self.trained = self.early = 0
         return out
 
     @property
@@ -487,7 +490,7 @@ class Fragment:
             st.compensate(g, commit=True)
         update_s = time.perf_counter() - u0
         self.outer_step += 1
-        self.since_sync = self.trained = 0
+        self.since_sync = self.trained = self.early = 0
         flight = _InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None, weighing)
         ready = None
         if g.is_cuda:
@@ -584,6 +587,8 @@ class Fragment:
         sd = {"outer_step": self.outer_step, "since_sync": self.since_sync}
         if self.s.weights == "tokens":
             sd["trained"] = self.trained
+        if self.early:
+            sd["early"] = self.early
         sd.update(self.state.state_dict())
         if self.start is not None:
             sd["start"] = self.start.cpu()
@@ -597,6 +602,7 @@ class Fragment:
         if counters:
             self.outer_step, self.since_sync = int(sd["outer_step"]), int(sd["since_sync"])
             self.trained = int(sd.get("trained", self.since_sync))
+            self.early = int(sd.get("early", 0))
         self.pieces_done = int(sd.get("pieces_done", 0))
         if "outer" not in sd:
             return

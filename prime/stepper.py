@@ -48,6 +48,9 @@ class OuterSteps:
         self.outer_step = 0  # outer steps completed (every fragment's counted)
         self.result: Optional[OuterStepResult] = None
         self._since_sync_single = 0  # a single node's count (it has no fragments)
+        self.step_weight = 1
+        """What one inner step of this node counts in a token-weighted average (prime.shares: its processes, when
+        nodes run different numbers)."""
 
     @property
     def since_sync(self) -> int:
@@ -122,7 +125,7 @@ class OuterSteps:
     def trained(self) -> None:
         """This node trained one inner step (what its weight in a token-weighted average counts)."""
         for f in self.fragments:
-            f.trained += 1
+            f.trained += self.step_weight
 
     def idle(self) -> OuterStepResult:
         """An inner step that did not move the schedule (time phases): nothing is due."""
@@ -220,7 +223,9 @@ class OuterSteps:
                 elif len(self.fragments) > 1:  # (one fragment: the steps after its last outer step stay local)
                     if f.start is not None:  # ended before its average was due: the shift it would have made
                         f.apply_midway()
+                    remaining = f.phase - f.since_sync  # steps to its next outer step on the schedule
                     results.append(self._sync_one(f))
+                    f.early = f.s.inner_steps - remaining  # its next phase ends there (Fragment.early)
         finally:
             self.overlap, self.settings.overlap = overlap, overlap
         return results

@@ -298,6 +298,37 @@ def test_a_checkpoint_at_any_step_resumes_bit_for_bit(seed, overlap, tau):
                 assert torch.equal(a, b), f"seed {seed} checkpoint after step {t} node {r} layer {i}"
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_run_resumed_from_its_final_checkpoint_keeps_the_schedule(seed, overlap):
+    """H = 4, 2 fragments (fragment p syncs at steps 2 (p + 1) + 4k). A run ending at step 7 syncs both in
+    finish(); resumed from the state saved then, each still syncs at its own steps (10, 14 and 8, 12): never
+    both at one step, where two averages would share one ring (two nodes with token weights broke there)."""
+    w0, deltas = _problem(seed, n=1, H=4, phases=4)
+    model = Layers(w0)
+    d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, fragments=2, overlap=overlap,
+               codec="none", block_size=BLOCK, check_replicas=False, weights="tokens")
+    synced = []
+    for t in range(1, 8):
+        model.inner_step(deltas[t - 1][0])
+        r = d.step()
+        if r.did_sync:
+            synced.append((t, r.fragment))
+    assert [f for _, f in synced] == [0, 1, 0] and [r.fragment for r in d.finish()] == [0, 1]
+    sd = d.state_dict()
+    d.close()
+    resumed = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, fragments=2,
+                     overlap=overlap, codec="none", block_size=BLOCK, check_replicas=False, weights="tokens")
+    resumed.load_state_dict(sd)
+    after = []
+    for t in range(8, 15):
+        model.inner_step(deltas[t - 1][0])
+        r = resumed.step()
+        if r.did_sync:
+            after.append((t, r.fragment))
+    resumed.close()
+    assert after == [(8, 1), (10, 0), (12, 1), (14, 0)], after
+
+
 def test_a_checkpoint_of_another_fragment_count_is_refused(seed):
     w0, _ = _problem(seed)
     d3 = DiLoCo(Layers(w0), None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=6, fragments=3,
