@@ -15,6 +15,7 @@ be called (and tested) on its own.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,6 +30,7 @@ from prime.metrics import RunMetrics, peak_flops
 from prime.model import Transformer
 from prime.parallelize import parallelize
 from prime.runtime import Environment
+from prime.shares import DiLoCoRings
 
 __all__ = ["ModelAndOptimizer", "TrainData", "build_model_and_optimizer", "build_data", "build_metrics",
            "build_outer_step", "build_checkpoints", "build_memory_plan"]
@@ -94,13 +96,18 @@ class TrainData:
 
     Slot s of a job that started with N nodes reads shard s mod N, split
     between the node's P processes (local rank g reads shard (s mod N) P + g of
-    N P); slots past N (elastic joiners) read the same shards in another order.
-    A fixed job's node r has slot r, so every process reads data no other reads.
+    N P; with nodes of different process counts P_n, shard P_0 + ... + P_(s-1)
+    + g of P_0 + ... + P_(N-1)); slots past N (elastic joiners) read the same
+    shards in another order. A fixed job's node r has slot r, so every process
+    reads data no other reads.
     """
 
     def __init__(self, cfg: Config, source: TokenSource, vocab_size: int, env: Environment, slot: int):
         self.cfg, self.source, self.vocab_size = cfg, source, vocab_size
         self.local_rank, self.local_world, self.num_slots = env.local_rank, env.local_world, env.num_nodes
+        shares = env.shares
+        self.procs = list(shares.procs[:env.num_nodes]) if shares is not None else [env.local_world] * env.num_nodes
+        """Processes of each node of the job's start (the data's shards are theirs)."""
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len * cfg.train.grad_accum * env.local_world
         """Tokens of one inner step of the node (all its processes)."""
         self.loader = self.use_slot(slot)
@@ -111,7 +118,7 @@ class TrainData:
         self.slot = slot
         self.loader = ShardedLoader(
             self.source, c.data.seq_len, c.train.micro_batch_size,
-            shard=(slot % n) * self.local_world + self.local_rank, num_shards=n * self.local_world,
+            shard=sum(self.procs[:slot % n]) + self.local_rank, num_shards=sum(self.procs),
             seed=c.train.seed + 7919 * (slot // n), vocab_size=self.vocab_size,
         )
         if state is not None:
@@ -149,6 +156,8 @@ def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data:
         peak=peak_flops(env.device, cfg.metrics.peak_tflops), local_sum=env.local_sum,
         codec=cfg.diloco.codec, block_size=cfg.diloco.resolved_block_size(), inner_steps=cfg.diloco.inner_steps,
         model_numel=parts.numel(), density=cfg.diloco.density, average_density=cfg.diloco.average_density,
+        step_weights=[p // math.gcd(*env.shares.procs) for p in env.shares.procs]
+        if env.shares is not None and env.shares.uneven else None,
     )
 
 
@@ -165,18 +174,33 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         from prime.nodes import FixedNodes
 
         nodes = FixedNodes(cfg, env, say=metrics.print)
-    diloco = DiLoCo(
-        parts.model, parts.optimizer, nodes.sync,
-        inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
-        codec=d.codec, block_size=d.resolved_block_size(), measure_compression_error=d.compression_error,
-        # elastic joiners check a digest of the state they download instead
-        check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
-        overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None, outer_state_device=d.outer_state_device,
-        fragments=d.fragments, error_feedback=d.error_feedback, density=d.density,
-        average_density=d.average_density, feedback_decay=d.feedback_decay,
-        weights="tokens" if d.phase == "time" else "equal",
-        auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None,
-    )
+    shares = getattr(nodes, "shares", None)  # the rings of this process (prime.shares; elastic nodes are equal)
+    uneven = shares is not None and shares.uneven
+    if uneven:  # a node's share of an average is its tokens, and its FSDP2 shards are the rows each ring carries
+        shares.check(list(parts.model.named_parameters()))
+
+    def make(sync, **extra):
+        return DiLoCo(
+            parts.model, parts.optimizer, sync,
+            inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
+            codec=d.codec, block_size=d.resolved_block_size(), measure_compression_error=d.compression_error,
+            # elastic joiners check a digest of the state they download instead
+            check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
+            overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None,
+            outer_state_device=d.outer_state_device, fragments=d.fragments, error_feedback=d.error_feedback,
+            density=d.density, average_density=d.average_density, feedback_decay=d.feedback_decay,
+            weights="tokens" if d.phase == "time" or uneven else "equal",
+            auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None, **extra)
+
+    if uneven and nodes.sync is not None:
+        extra = {"rings": shares.rings, "step_weight": shares.step_weight}
+        if len(shares.mine) > 1:  # a one-process node beside larger ones: one DiLoCo per ring, over its rows
+            diloco = DiLoCoRings([make(nodes.syncs[g], shard=shares.view(g), **extra) for g in shares.mine],
+                                 shares.mine)
+        else:
+            diloco = make(nodes.sync, **extra)
+    else:
+        diloco = make(nodes.sync)
     nodes.attach(diloco)
     return diloco, nodes
 

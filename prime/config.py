@@ -450,12 +450,18 @@ class NodesConfig:
     """host:port of the cross-node TCPStore, hosted by node 0's first process (env PRIME_STORE_ADDR, flag --store-addr)."""
     run_id: str = "prime"
     """Name of the run; nodes with another run_id never join this ring (env PRIME_RUN_ID)."""
+    procs: str = ""
+    """Processes of each node, comma-separated, when nodes run different numbers (e.g. "2,1"; each node runs the most of any node, or one: prime/shares.py). Empty: every node runs as many as this one (prime-simulate --procs-per-node sets it)."""
 
     def validate(self) -> None:
         _require(self.num_nodes >= 1, "nodes.num_nodes", ">= 1", self.num_nodes)
         _require(
             0 <= self.node_rank < self.num_nodes, "nodes.node_rank", f"in [0, {self.num_nodes - 1}]", self.node_rank
         )
+        if self.procs:
+            from prime.shares import parse_procs
+
+            parse_procs(self.procs, self.num_nodes)
         host, _, port = self.store_addr.rpartition(":")
         _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
 
@@ -542,6 +548,9 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
+        if self.nodes.procs and len(set(self.nodes.procs.split(","))) > 1 and self.elastic.enabled:
+            raise ValueError(f"nodes.procs = {self.nodes.procs!r}: nodes that run different numbers of processes "
+                             "need a fixed set of nodes (elastic.enabled = false)")
         self._resolve_vocab_size()
         args = self.model.args()
         if self.data.source in ("embedded", "text") and args.vocab_size < 256:

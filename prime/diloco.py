@@ -96,6 +96,12 @@ DiLoCo's arguments:
                       weighted by the inner steps each trained since that fragment's last outer step (time
                       phases, where a faster node trains more; every node must train the same tokens per inner
                       step). The counts travel over the ring (prime.weights); the sync must declare `weighs`
+    shard:            shard(p) -> the tensor of parameter p this DiLoCo averages (None: the process's local shard).
+                      prime.shares: a process on several rings (its node runs fewer processes than others) runs one
+                      DiLoCo per ring, each over the rows of its parameters that ring carries
+    rings:            the rings the job's model is cut across (None: this node's processes; prime.shares)
+    step_weight:      what one inner step counts with weights="tokens" (default 1; prime.shares: the node's
+                      processes over the fewest any node runs, so that a node's count is its tokens)
 """
 
 from __future__ import annotations
@@ -165,6 +171,9 @@ class DiLoCo:
         weights: str = "equal",
         average_density: Optional[float] = None,
         feedback_decay: float = 1.0,
+        shard: Optional[Callable] = None,
+        rings: Optional[int] = None,
+        step_weight: int = 1,
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
         self.keep = _sparse_keep(codec, block_size, density)
@@ -207,7 +216,8 @@ class DiLoCo:
                 feedback_decay=self.feedback_decay,
                 measure_compression_error=self.measure_compression_error, overlap=overlap,
                 overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, margin=auto_margin_bytes,
-                check_finite=functools.partial(agree_finite, self._sync), weights=self.weights)
+                check_finite=functools.partial(agree_finite, self._sync), weights=self.weights, shard=shard,
+                rings=rings)
         self.fragments: list = self._plan.fragments
         """The fragments (one, the whole model, unless fragments > 1), each with its OuterState."""
         self.states: Optional[OuterStates] = OuterStates([f.state for f in self.fragments], self.schedule) \
@@ -219,6 +229,15 @@ class DiLoCo:
                                 overlap=overlap, measure_compression_error=self.measure_compression_error,
                                 check_replicas=check_replicas, fingerprint=self._fingerprint)
         """The engine: the counters and the outer steps of the fragments (prime.stepper)."""
+        self.shard = shard
+        """shard(p): the tensor of parameter p this DiLoCo averages (None: the process's local shard)."""
+        if step_weight != 1:
+            if not (isinstance(step_weight, int) and step_weight >= 1):
+                raise ValueError(f"step_weight must be an int >= 1, got {step_weight!r}")
+            if self.weights != "tokens":
+                raise ValueError("step_weight is what an inner step counts in a token-weighted average: it needs "
+                                 "weights='tokens'")
+            self.steps.step_weight = step_weight
         if self.distributed:
             self._sync.bind(self.states, self.settings())
             if codec == "topk":  # whichever sync carries it (fixed ring or elastic rings)

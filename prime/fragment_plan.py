@@ -62,19 +62,23 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
                    feedback_keep: Optional[int] = None, feedback_decay: float = 1.0,
                    measure_compression_error: bool, overlap: bool, overlap_scheme: str, overlap_steps: int,
                    margin: Optional[int], check_finite: Callable[[bool, int], None],
-                   weights: str = "equal") -> FragmentPlan:
+                   weights: str = "equal", shard: Optional[Callable] = None,
+                   rings: Optional[int] = None) -> FragmentPlan:
     """Cuts the named parameters into schedule.fragments fragments, places their outer state (device "cpu",
     "gpu" or "auto") and builds each fragment with its OuterState. With overlap, the sync must already be set up
-    for the background (use_from_background), so that keeps_input is known."""
+    for the background (use_from_background), so that keeps_input is known. `shard`: the part of each parameter
+    the plan holds (None: the local shard); `rings`: the rings the model is cut across (None: this node's
+    processes), which sets how many pieces a synchronous step is pipelined in."""
     from prime.parallelize import local_shard
 
     P = schedule.fragments
     names, params = [n for n, _ in named], [p for _, p in named]
     groups = split_fragments(names, [p.numel() for p in params], P) if P > 1 else [list(range(len(params)))]
-    locals_ = [local_shard(p.detach()) for p in params]
+    shard = local_shard if shard is None else shard
+    locals_ = [shard(p.detach()) for p in params]
     frag_numel = [sum(-(-locals_[i].numel() // block_size) * block_size for i in idx) for idx in groups]
     on_gpu = any(t.device.type == "cuda" for t in locals_)
-    pieces = [1 if overlap else sync_pieces(sum(params[i].numel() for i in idx), _local_world()) for idx in groups]
+    pieces = [1 if overlap else sync_pieces(sum(params[i].numel() for i in idx), rings or _local_world()) for idx in groups]
     plan = FragmentPlan(groups=groups)
     if overlap:
         grads, starts = work_buffers(schedule, overlap, overlap_scheme, overlap_steps)
@@ -105,7 +109,7 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
         st = OuterState([params[i] for i in idx], block_size=block_size, outer_lr=update.lr,
                         outer_momentum=update.momentum, nesterov=update.nesterov, optimizer_factory=update.optimizer,
                         device=device, error_feedback=codec if error_feedback else None,
-                        feedback_keep=feedback_keep, feedback_decay=feedback_decay)
+                        feedback_keep=feedback_keep, feedback_decay=feedback_decay, shard=shard)
         share = sum(params[i].numel() for i in idx) / model_numel
         plan.fragments.append(Fragment(p, st, schedule.offset(p), plan.settings, share, pieces[p]))
     return plan

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -210,12 +210,16 @@ class FlatLayout:
     inner_optimizer, pending_bytes: what training will still allocate on the GPU (device="auto")
     stream:         stream the home buffers through the work device (None: exactly when they live on another
                     device than the parameters; True on a CPU model streams through CPU staging, for tests)
+    shard:          shard(p) -> the part of parameter p this layout holds (default: the process's local shard;
+                    prime.shares: rows of it, for a process that takes part in several rings)
     """
 
     def __init__(self, params, *, block_size: int, device: str = "cpu", home_buffers: int = 2,
                  extra_buffers: int = 0, inner_optimizer: Optional[torch.optim.Optimizer] = None,
-                 stream: Optional[bool] = None, pending_bytes: int = 0):
+                 stream: Optional[bool] = None, pending_bytes: int = 0, shard: Callable = local_shard):
         self.params = list(params)
+        self.shard = shard
+        """shard(p): the tensor of parameter p this layout holds (a view the passes read and write)."""
         self.block_size = block_size
         self.home_buffers = home_buffers
         locals_ = self._locals()
@@ -264,7 +268,7 @@ class FlatLayout:
 
     def _locals(self) -> list:
         # Looked up on every pass: a parameter whose tensor was replaced (load_state_dict(assign=True)) is followed.
-        return [local_shard(p.detach()) for p in self.params]
+        return [self.shard(p.detach()) for p in self.params]
 
     def _spans(self):
         """(local tensor, offset, padded end) of every parameter."""

@@ -339,8 +339,11 @@ class RunMetrics:
                  total_steps: int, log_every: int, tokens_per_step: int, flops_per_token: float,
                  peak: Optional[float], local_sum: Callable[[list], list], codec: str, block_size: int,
                  inner_steps: int, model_numel: int, density: Optional[float] = None,
-                 average_density: Optional[float] = None):
+                 average_density: Optional[float] = None, step_weights: Optional[list] = None):
         self.out_dir, self.node_rank, self.is_logger = out_dir, node_rank, is_logger
+        self.step_weights = step_weights
+        """Nodes of different process counts (prime.shares): what an inner step of each node counts in a
+        token-weighted average (None: 1 each)."""
         self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.local_sum = local_sum
@@ -472,10 +475,14 @@ class RunMetrics:
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
         w = getattr(r, "weights", None)  # a token-weighted average: each node's inner steps and share
         if w is not None:
-            fields = dict(fields or {}, node_steps=list(w.counts),
-                          node_tokens=[c * self.tokens_per_step for c in w.counts], node_weights=w.weights)
+            steps, tokens = list(w.counts), [c * self.tokens_per_step for c in w.counts]
+            if self.step_weights:  # counts in units of the fewest processes' step: tokens per unit, steps per node
+                members = r.members if len(r.members) == len(w.counts) else range(len(w.counts))
+                steps = [c // self.step_weights[m] for c, m in zip(w.counts, members)]
+                tokens = [c * (self.tokens_per_step // self.step_weights[self.node_rank]) for c in w.counts]
+            fields = dict(fields or {}, node_steps=steps, node_tokens=tokens, node_weights=w.weights)
             note = (f" | weights {'/'.join(f'{x:.2f}' for x in w.weights)} (inner steps "
-                    f"{'/'.join(str(c) for c in w.counts)})") + note
+                    f"{'/'.join(str(c) for c in steps)})") + note
         self.print(
             f"outer {r.outer_step} (step {step}) | all-reduce {ar_s:.2f} s, outer step {r.outer_s:.2f} s | "
             f"sent {human_bytes(sent)}{'' if measured else ' (est.)'} vs {human_bytes(dp)} for data parallel | "

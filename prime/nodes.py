@@ -23,6 +23,7 @@ has no branch on the kind of job.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from prime.config import Config
 from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
 from prime.parallelize import local_shard
 from prime.runtime import Environment
+from prime.shares import Shares
 from prime.sync import RingSync, node_local_group
 
 __all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records", "final_weights_digest"]
@@ -113,10 +115,11 @@ def final_weights_digest(model: torch.nn.Module, diloco: DiLoCo) -> tuple[str, s
     """(blake2b of this process's final weights, what they are). The weights agree bit for bit across nodes
     only right after an outer step, so after a run whose last step is not one this hashes the outer weights."""
     synced = not diloco.distributed or diloco.since_sync == 0
+    shard = getattr(diloco, "shard", None) or local_shard  # (the rows of one ring: prime.shares)
     h = hashlib.blake2b(digest_size=16)
     if synced:
         for p in model.parameters():
-            h.update(local_shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
+            h.update(shard(p.detach()).float().cpu().contiguous().numpy().tobytes())
     else:
         h.update(diloco.outer_weights().numpy().tobytes())
     return h.hexdigest(), "weights" if synced else "outer weights (the run did not end on an outer step)"
@@ -166,15 +169,24 @@ class FixedNodes:
     def __init__(self, cfg: Config, env: Environment, say: Callable[[str], None] = print):
         self.cfg, self.env, self.say = cfg, env, say
         self.multi_node = env.num_nodes > 1
+        self.shares = env.shares or Shares([env.local_world] * env.num_nodes, env.node_rank, env.local_rank)
+        """The rings this process takes part in (prime.shares: several on a one-process node beside larger ones)."""
         self.diloco: Optional[DiLoCo] = None
         self.sync = self.records = None
-        self._last_ring = None  # the newest ring: its link measurements seed the next one's order
+        self.syncs: dict = {}
+        """ring -> the RingSync of each ring this process takes part in (`sync` is the first)."""
+        self._last_ring: dict = {}  # ring -> its newest Ring: its link measurements seed the next one's order
+        self._stores: dict = {}  # ring -> its own store connection, when this process is on several rings
         self._closed = False
         if not self.multi_node:
             return
         # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
-        self.sync = RingSync(None, ring_factory=self.make_ring, retries=cfg.diloco.retries,
-                             local_group=node_local_group(env.local_group()))
+        for g in self.shares.mine:
+            if len(self.shares.mine) > 1:  # rings built side by side, each with its own connection (Environment)
+                self._stores[g] = env.connect() if env.connect is not None else env.store
+            self.syncs[g] = RingSync(None, ring_factory=functools.partial(self.make_ring, ring=g),
+                                     retries=cfg.diloco.retries, local_group=node_local_group(env.local_group()))
+        self.sync = self.syncs[self.shares.mine[0]]
         self.records = signed_records(cfg, env.store, self._secret())
 
     def _secret(self) -> bytes:
@@ -187,8 +199,9 @@ class FixedNodes:
         return rendezvous.shared_secret(self.env.store, keys.TRAINER_NS, 0 if first else 1, None,
                                         time.monotonic() + timeout_s, int(timeout_s * 1000), advertise)
 
-    def make_ring(self, tag: str):
-        """Ring `tag` of this local rank: joins local rank g of every node (a fresh rendezvous per tag)."""
+    def make_ring(self, tag: str, ring: Optional[int] = None):
+        """Attempt `tag` of ring `ring` (default: this local rank's): joins the process of every node that takes
+        part in it (prime.shares; local rank g of every node when nodes are equal), a fresh rendezvous per tag."""
         if self._closed:  # an all-reduce in flight failed because close() closed its ring: no retry
             raise RuntimeError(f"ring {tag}: not built, the nodes component is closed (the process is stopping)")
         try:
@@ -197,8 +210,8 @@ class FixedNodes:
             raise RuntimeError(f"prime.comm.Ring is not available ({e}); build the extension: make build") from None
         import torch.distributed as dist
 
-        d, g = self.cfg.diloco, self.env.local_rank
-        store = dist.PrefixStore(f"ring/{g}/{tag}", self.env.store)
+        d, g = self.cfg.diloco, self.env.local_rank if ring is None else ring
+        store = dist.PrefixStore(f"ring/{g}/{tag}", self._stores.get(g, self.env.store))
         kwargs = {"timeout": timedelta(seconds=d.timeout_s), "job_id": f"{self.cfg.nodes.run_id}/{g}/{tag}",
                   "quant_error": d.compression_error and CODECS[d.codec].lossy}  # DiLoCo's compression_error
         if d.streams:
@@ -206,9 +219,9 @@ class FixedNodes:
         if d.max_rate_mbit:
             kwargs["max_rate"] = d.max_rate_mbit * 1e6 / 8  # bytes per second
         # What the ring before measured of the links (rates, round trips): the next one plans its order with it.
-        kwargs["link_history"] = self._last_ring.link_history() if self._last_ring is not None else {}
-        self._last_ring = Ring(store, self.env.node_rank, self.env.num_nodes, **kwargs)
-        return self._last_ring
+        kwargs["link_history"] = self._last_ring[g].link_history() if g in self._last_ring else {}
+        self._last_ring[g] = Ring(store, self.env.node_rank, self.env.num_nodes, **kwargs)
+        return self._last_ring[g]
 
     def attach(self, diloco: DiLoCo) -> None:
         self.diloco = diloco
@@ -222,7 +235,7 @@ class FixedNodes:
         me = host_identity()
         self.records.set(keys.host_of(env.node_rank, env.local_rank), me)
         hosts = [self.records.get(keys.host_of(n, g)).decode() for n in range(env.num_nodes)
-                 for g in range(env.local_world)]
+                 for g in self.shares.processes(n)]
         return sum(1 for h in hosts if h == me)
 
     def launch_scope(self) -> str:
@@ -237,8 +250,8 @@ class FixedNodes:
         env = self.env
         mine = [secrets.randbits(16) for _ in range(3)] if env.local_rank == 0 else [0, 0, 0]
         node_draw = [int(v) for v in env.local_sum([float(v) for v in mine])]
-        table = self.sync.exchange(node_draw)
-        return hashlib.blake2b(repr(table).encode(), digest_size=8).hexdigest()
+        tables = [sync.exchange(node_draw) for sync in self.syncs.values()]  # the same table on every ring
+        return hashlib.blake2b(repr(tables[0]).encode(), digest_size=8).hexdigest()
 
     def nodes_that_do_not_fit(self, fits: bool) -> list:
         """Every node tells (through the store) whether all its processes' memory plans fit; returns the nodes
@@ -271,8 +284,8 @@ class FixedNodes:
 
     def meet(self) -> None:
         """Every node's processes exchange one number over their ring (authenticated, like every exchange)."""
-        if self.sync is not None:
-            self.sync.exchange([0], outer_step=self.diloco.outer_step + 1)
+        for sync in self.syncs.values():
+            sync.exchange([0], outer_step=self.diloco.outer_step + 1)
 
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         return AfterOuter()
@@ -283,16 +296,24 @@ class FixedNodes:
         if not (self.diloco.distributed and self.cfg.diloco.check_replicas):
             return {}
         env = self.env
-        digest, what = final_weights_digest(model, self.diloco)
-        self.records.set(keys.final_digest(env.local_rank, env.node_rank), digest)
-        others = [self.records.get(keys.final_digest(env.local_rank, n)).decode() for n in range(env.num_nodes)]
-        differ = [n for n, d in enumerate(others) if d != digest]
-        return final_agreement_result(env, self.say, env.node_rank, what, digest, differ, env.num_nodes)
+        # Per ring (local rank g of every node when nodes are equal): the rows it carries agree on every node.
+        members = getattr(self.diloco, "members", [self.diloco])
+        digests = {g: final_weights_digest(model, m) for g, m in zip(self.shares.mine, members)}
+        for g, (digest, _) in digests.items():
+            self.records.set(keys.final_digest(g, env.node_rank), digest)
+        differ = set()
+        for g, (digest, _) in digests.items():
+            others = [self.records.get(keys.final_digest(g, n)).decode() for n in range(env.num_nodes)]
+            differ |= {n for n, d in enumerate(others) if d != digest}
+        digest, what = digests[self.shares.mine[0]]
+        if len(digests) > 1:
+            digest = hashlib.blake2b(repr(sorted(d for d, _ in digests.values())).encode(), digest_size=16).hexdigest()
+        return final_agreement_result(env, self.say, env.node_rank, what, digest, sorted(differ), env.num_nodes)
 
     def close(self) -> None:
         self._closed = True
-        if self.sync is not None:
-            self.sync.close()
+        for sync in self.syncs.values():
+            sync.close()
 
     def release(self) -> None:
         """Every process records that it is done with the store; its host (node 0, process 0) waits for all."""
@@ -302,7 +323,7 @@ class FixedNodes:
         self.records.set(keys.finished(env.node_rank, env.local_rank), "done")
         if env.node_rank == 0 and env.local_rank == 0:
             # One signed record per process (a counter anyone could `add` to would let a stranger end the wait).
-            waiting = [keys.finished(n, g) for n in range(env.num_nodes) for g in range(env.local_world)]
+            waiting = [keys.finished(n, g) for n in range(env.num_nodes) for g in self.shares.processes(n)]
             deadline = time.monotonic() + self.cfg.diloco.timeout_s
             while waiting and time.monotonic() < deadline:
                 waiting = [k for k, v in zip(waiting, self.records.records.get_many(waiting)) if v != "done"]

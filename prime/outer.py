@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -96,6 +96,7 @@ class OuterState(FlatLayout, OverlapPasses):
                        streamed passes with CPU staging, for tests)
     error_feedback:    the codec ("int8" or "fp4") whose error this node feeds back (prime.feedback): a third home
                        buffer, the residual, beside the outer weights and momentum; None: no error feedback
+    shard:             shard(p) -> the tensor of parameter p this state holds (None: the local shard; prime.shares)
     """
 
     def __init__(
@@ -115,11 +116,12 @@ class OuterState(FlatLayout, OverlapPasses):
         error_feedback: Optional[str] = None,
         feedback_keep: Optional[int] = None,
         feedback_decay: float = 1.0,
+        shard: Optional[Callable] = None,
     ):
         feedback = error_feedback is not None
         super().__init__(params, block_size=block_size, device=device, home_buffers=home_buffer_count(feedback),
                          extra_buffers=extra_buffers, inner_optimizer=inner_optimizer, stream=stream,
-                         pending_bytes=pending_bytes)
+                         pending_bytes=pending_bytes, **({"shard": shard} if shard is not None else {}))
         self.feedback_codec = error_feedback
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
         self.feedback_keep = feedback_keep

@@ -42,6 +42,11 @@ class Environment:
     """The model is sharded across the node's processes with FSDP2."""
     store: Optional[Any] = None
     """The cross-node TCPStore under prime/<run_id> (None: a single node, nothing to meet)."""
+    shares: Optional[Any] = None
+    """The rings this process takes part in, with which rows (prime.shares.Shares: nodes.procs)."""
+    connect: Optional[Any] = None
+    """connect() -> a new connection to the cross-node store, under the same prefix (a TCPStore client serializes
+    its calls: a thread blocked waiting for a key holds it, so rings built side by side each need their own)."""
 
     @property
     def is_logger(self) -> bool:
@@ -140,7 +145,10 @@ def build_environment(cfg: Config) -> Environment:
             dist.init_process_group(backend, timeout=wait)
         else:  # fsdp = 'on' in a single process without torchrun
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
-    env = Environment(device, local_rank, local_world, cfg.nodes.node_rank, cfg.nodes.num_nodes, fsdp)
+    from prime.shares import Shares
+
+    shares = Shares.of(cfg.nodes.procs, cfg.nodes.num_nodes, cfg.nodes.node_rank, local_rank, local_world)
+    env = Environment(device, local_rank, local_world, cfg.nodes.node_rank, cfg.nodes.num_nodes, fsdp, shares=shares)
     if env.num_nodes > 1 or elastic:
         # node 0's first process hosts the store (unless an elastic job hosts it outside), everyone else connects
         n = cfg.nodes
@@ -156,4 +164,6 @@ def build_environment(cfg: Config) -> Environment:
         else:
             raw = dist.TCPStore(n.store_host, n.store_port, is_master=False, timeout=timeout, wait_for_workers=False)
         env.store = dist.PrefixStore(f"prime/{n.run_id}", raw)
+        env.connect = lambda: dist.PrefixStore(f"prime/{n.run_id}", dist.TCPStore(
+            n.store_host, n.store_port, is_master=False, timeout=timeout, wait_for_workers=False))
     return env

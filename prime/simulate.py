@@ -8,7 +8,9 @@ field, status 2, no node started). Then starts `python -m prime.torchrun
 --node-rank r --num-nodes N --store-addr 127.0.0.1:<free>` (torchrun with
 prime's stop rules) for r = 0..N-1, prefixes each node's output lines with
 `[node r]`, and exits non-zero (after stopping the other nodes) as soon as one
-node fails. For demos, tests and benchmarks.
+node fails. For demos, tests and benchmarks. `--procs-per-node 2,1` gives
+each node its own count (node 0 FSDP2 over 2 processes, node 1 one process
+on every ring: prime/shares.py).
 
 SIGTERM, SIGINT or SIGHUP to this process stops every node: the signal goes to
 every process of every node, which stop within train.stop_grace_s; what is
@@ -185,23 +187,34 @@ def visible_gpus(env: dict) -> list[str]:
         return []
 
 
-def _gpu_slices(nodes: int, procs_per_node: int, env: dict) -> list[list[str]]:
-    """Disjoint GPUs for each node when the machine has enough (else [] and the nodes share what they see)."""
+def _gpu_slices(nodes: int, procs_per_node, env: dict) -> list[list[str]]:
+    """Disjoint GPUs for each node when the machine has enough (else [] and the nodes share what they see).
+    procs_per_node: one count for every node, or a list of one per node."""
+    procs = _per_node(procs_per_node, nodes)
     ids = visible_gpus(env)
-    if len(ids) < nodes * procs_per_node:
+    if len(ids) < sum(procs):
         return []
-    return [ids[r * procs_per_node : (r + 1) * procs_per_node] for r in range(nodes)]
+    starts = [sum(procs[:r]) for r in range(nodes)]
+    return [ids[a : a + p] for a, p in zip(starts, procs)]
 
 
-def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dict | None = None,
+def _per_node(procs_per_node, nodes: int) -> list:
+    return list(procs_per_node) if isinstance(procs_per_node, (list, tuple)) else [procs_per_node] * nodes
+
+
+def simulate(nodes: int, procs_per_node, train_args: list[str], *, env: dict | None = None,
              out=None, threads_per_proc: int | None = None, faults: dict | None = None, grace_s: float = 30.0,
              node_args: dict | None = None) -> int:
     """Runs the nodes; returns 0 when all succeed, else the first failing node's exit status, or 128 + N when
     signal N stopped this process (its nodes were stopped with it, within grace_s; docs/stopping.md).
 
     faults: {node rank or None (every node): [fault specs]} armed through PRIME_FAULTS (prime/faults.py).
-    node_args: {node rank: [prime-train arguments]} for that node only, after train_args (--slow-node)."""
+    node_args: {node rank: [prime-train arguments]} for that node only, after train_args (--slow-node).
+    procs_per_node: processes of every node, or a list of one count per node (nodes.procs: prime/shares.py)."""
     out = out or sys.stdout
+    counts = _per_node(procs_per_node, nodes)
+    if len(set(counts)) > 1:  # every node knows every node's count: the rings and data shards follow from it
+        train_args = [*train_args, "--nodes.procs", ",".join(map(str, counts))]
     store_port = free_port()
     base_env = node_env(dict(os.environ if env is None else env), grace_s)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -222,7 +235,7 @@ def simulate(nodes: int, procs_per_node: int, train_args: list[str], *, env: dic
     try:
         for r in range(nodes):
             cmd = [
-                sys.executable, "-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", str(procs_per_node),
+                sys.executable, "-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", str(counts[r]),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *train_args,
                 "--node-rank", str(r), "--num-nodes", str(nodes), "--store-addr", f"127.0.0.1:{store_port}",
                 *(node_args or {}).get(r, []),
@@ -286,7 +299,9 @@ def _main(argv: list[str]) -> int:
         own, train_args = argv, []
     parser = argparse.ArgumentParser(prog="prime-simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    parser.add_argument("--procs-per-node", type=int, default=1, help="processes (devices) per node (default 1)")
+    parser.add_argument("--procs-per-node", default="1", metavar="P[,P...]",
+                        help="processes (devices) per node: one count for every node, or one per node, each the "
+                             "largest or 1 (e.g. 2,1: FSDP2 over 2 on node 0, one process on node 1; default 1)")
     parser.add_argument("--threads", type=int, default=0, help="OMP/torch threads per process (default: torch's)")
     parser.add_argument("--slow-node", action="append", default=[], metavar="R:F",
                         help="node R's inner steps take F times their time (train.slowdown; an emulated slower "
@@ -322,9 +337,17 @@ def _main(argv: list[str]) -> int:
         faults.setdefault(rank, []).append(spec)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
-    if args.procs_per_node < 1:
-        parser.error(f"--procs-per-node must be >= 1, got {args.procs_per_node}")
     elastic = bool(args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after)
+    from prime.shares import parse_procs
+
+    try:
+        procs = parse_procs(args.procs_per_node, args.nodes, "--procs-per-node")
+    except ValueError as e:
+        parser.error(str(e))
+    if len(set(procs)) > 1 and elastic:
+        parser.error(f"--procs-per-node {args.procs_per_node}: nodes that run different numbers of processes need a "
+                     "fixed set of nodes (no --elastic, --kill-node, --join-at, --chaos or --stop-after)")
+    procs_per_node = procs if len(set(procs)) > 1 else procs[0]
     node_args: dict = {}
     for text in args.slow_node:
         try:  # elastic: a joiner's rank may be beyond --nodes
@@ -333,7 +356,8 @@ def _main(argv: list[str]) -> int:
             parser.error(f"--slow-node {text}: {e}")
         node_args[rank] = ["--train.slowdown", repr(factor)]
     try:  # every node would stop on a bad setting: say it once, before starting any
-        cfg = check_train_args(train_args, args.nodes, elastic)
+        uneven = ["--nodes.procs", ",".join(map(str, procs))] if len(set(procs)) > 1 else []
+        cfg = check_train_args(train_args + uneven, args.nodes, elastic)
     except ValueError as e:
         print(f"prime-simulate: error: {e}", file=sys.stderr)
         return 2
@@ -349,9 +373,9 @@ def _main(argv: list[str]) -> int:
         return run_elastic(args.nodes, train_args, kills=kills, joins=joins, chaos_s=args.chaos,
                            chaos_seed=args.chaos_seed, chaos_min_nodes=args.chaos_min_nodes,
                            chaos_every_steps=args.chaos_every, stop_after_s=args.stop_after, faults=faults,
-                           threads_per_proc=args.threads or None, procs_per_node=args.procs_per_node,
+                           threads_per_proc=args.threads or None, procs_per_node=procs_per_node,
                            grace_s=grace_s, node_args=node_args)
-    return simulate(args.nodes, args.procs_per_node, train_args, threads_per_proc=args.threads or None,
+    return simulate(args.nodes, procs_per_node, train_args, threads_per_proc=args.threads or None,
                     faults=faults, grace_s=grace_s, node_args=node_args)
 
 

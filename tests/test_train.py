@@ -289,6 +289,46 @@ def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
 
 
 @needs_ring
+def test_a_node_of_two_processes_and_one_of_one_learn_and_agree_ring_by_ring(tmp_path, seed):
+    """prime-simulate --procs-per-node 2,1: node 0 shards the model over 2 FSDP2 processes, node 1 runs one
+    process on both rings. 2 fragments with overlap; loss goes down; node 1's outer state of ring g is node 0's
+    local rank g's bit for bit; every outer step weighs node 0 twice (its tokens); the final weights agree."""
+    out_dir, ck = str(tmp_path / "run"), str(tmp_path / "ck")
+    args = QUICK + ["--train.steps", "30", "--diloco.inner_steps", "10", "--train.seed", str(seed),
+                    "--diloco.fragments", "2", "--diloco.overlap", "true", "--metrics.out_dir", out_dir,
+                    "--checkpoint.dir", ck, "--checkpoint.async_save", "false", "--metrics.log_every", "1"]
+    rc, out = run_simulate(2, "2,1", args)
+    assert rc == 0, out
+    for node in (0, 1):
+        ls = losses(out_dir, node)
+        first, last = sum(ls[s] for s in range(1, 4)) / 3, sum(ls[s] for s in range(28, 31)) / 3
+        assert last < first - 1.0, (node, first, last)
+        weighed = [r for r in records(out_dir, node, "outer") if r.get("node_steps")]
+        assert weighed and all(r["node_weights"] == pytest.approx([2 / 3, 1 / 3]) for r in weighed), weighed
+        assert all(r["node_tokens"][0] == 2 * r["node_tokens"][1] for r in weighed), weighed
+        assert all(r["node_steps"][0] == r["node_steps"][1] for r in weighed), weighed
+    one = torch.load(os.path.join(ck, "node1", "step_00000030", "rank0.pt"), weights_only=True)["diloco"]["rings"]
+    for g in (0, 1):
+        a = torch.load(os.path.join(ck, "node0", "step_00000030", f"rank{g}.pt"), weights_only=True)["diloco"]
+        b = one[g]
+        assert a["outer_step"] == b["outer_step"] > 3
+        for fa, fb in zip(a["fragments"], b["fragments"]):
+            assert torch.equal(fa["outer"], fb["outer"]) and torch.equal(fa["momentum"], fb["momentum"])
+            assert fa["outer"].abs().sum() > 0
+    assert len(final_digests(out)) == 2, out
+    assert "shard 0 of 3" in out and "shard 2 of 3" in out, out  # every process reads its own data
+
+
+def test_uneven_process_counts_are_checked_before_any_node_starts():
+    for own, why in ((["--procs-per-node", "4,2"], "either the most processes of any node"),
+                     (["--procs-per-node", "2,1,1"], "3 process counts for 2 nodes"),
+                     (["--procs-per-node", "2,1", "--elastic"], "need a fixed set of nodes")):
+        cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", *own, "--", *QUICK]
+        p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and why in p.stderr, p.stdout + p.stderr
+
+
+@needs_ring
 def test_int8_and_exact_reach_the_same_loss(tmp_path, seed):
     """The same seed with the int8 ring and with exact fp32: final losses within 2%."""
     final = {}
