@@ -233,7 +233,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
     home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
     work = diloco.work_bytes if frags else 0
     streamed = bool(frags) and frags[0].state.streamed
-    staging = pass_buffer_bytes(on_gpu, streamed) if frags else 0
+    # a process on several rings (prime.shares) runs a DiLoCo per ring, their outer steps side by side
+    rings_here = len(getattr(diloco, "members", None) or [diloco])
+    staging = rings_here * pass_buffer_bytes(on_gpu, streamed) if frags else 0
     # the ring's pinned host staging: the int8 payload of this rank's chunk of the largest all-reduce, sent and
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
     pieces = max((f.pieces for f in frags), default=1)
@@ -251,6 +253,7 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
             + int(4 * ring_values * (nodes - 1) / nodes)
     else:
         ring_host = int(2 * ring_values / nodes * (1 + 2 / block)) if on_gpu and frags else 0
+    ring_host *= rings_here
     if on_gpu:
         budget = gpu_total if gpu_total is not None else (
             int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
@@ -262,9 +265,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
             plan.gpu.append(("outer work buffers", work))
             plan.gpu.append(("outer staging", staging))
             if cfg.diloco.codec == "topk":  # the owners' dropped part, brought back on the collective stream
-                plan.gpu.append(("ring: the dropped part", 4 * ring_values))
+                plan.gpu.append(("ring: the dropped part", rings_here * 4 * ring_values))
             else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
-                plan.gpu.append(("ring buffers", int(2 * ring_values * (1 + 4 / block))))
+                plan.gpu.append(("ring buffers", rings_here * int(2 * ring_values * (1 + 4 / block))))
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     if frags:
