@@ -66,16 +66,23 @@ def build_model_and_optimizer(cfg: Config, env: Environment) -> ModelAndOptimize
     torch.manual_seed(cfg.train.seed)  # the same on every node and process: identical initial weights
     mp = cfg.train.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and env.device.type == "cuda")
-    if env.device.type == "cuda":
-        with torch.device("meta"):  # no process ever holds the whole model in memory
-            model = Transformer(args)
-    else:
+    # On a GPU each process initializes its own shards on the device (the meta device first: no process ever
+    # holds the whole model in memory), with values that depend on the sharding. Nodes that run different
+    # numbers of processes (prime.shares) must start from the same values: each initializes the whole model on
+    # the CPU first, as on a CPU run, and shards it from there (the whole model in host memory for a while).
+    whole_first = env.device.type == "cpu" or (env.shares is not None and env.shares.uneven)
+    if whole_first:
         model = Transformer(args)  # initialized here, then sharded: the same values whatever the sharding
+    else:
+        with torch.device("meta"):
+            model = Transformer(args)
     parallelize(
         model, device_type=env.device.type, fsdp=env.fsdp, bf16=bf16,
         activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile,
     )
-    if env.device.type == "cuda":
+    if env.device.type == "cuda" and whole_first:
+        model.to(env.device)  # (FSDP2 moved its shards already)
+    elif env.device.type == "cuda":
         model.to_empty(device=env.device)
         torch.manual_seed(cfg.train.seed)
         model.init_weights(buffer_device=env.device)

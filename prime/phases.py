@@ -35,7 +35,7 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["PhaseClock", "STEP_HISTORY"]
 
@@ -51,10 +51,13 @@ class PhaseClock:
     clock:         the time source (time.perf_counter; tests pass their own)
     warmup:        the run's first inner step predicts nothing (it compiles and warms caches); False for a clock
                    whose every step takes its own time (a virtual clock)
+    agree:         agree(values) -> the node's first process's values, on every process of the node (a node of
+                   several processes (FSDP2) must take the same decisions: each reads its own clock, and one that
+                   started an inner step while another passed the step would wait for it forever). None: alone
     """
 
     def __init__(self, inner_steps: int, phase_seconds: float, clock: Callable[[], float] = time.perf_counter,
-                 warmup: bool = True):
+                 warmup: bool = True, agree: Optional[Callable[[list], list]] = None):
         if inner_steps < 1 or not phase_seconds > 0:
             raise ValueError(f"a phase needs inner_steps >= 1 and phase_seconds > 0, got {inner_steps}, "
                              f"{phase_seconds}")
@@ -65,6 +68,7 @@ class PhaseClock:
         self._steps: deque = deque(maxlen=STEP_HISTORY)
         self._first = warmup  # the run's first inner step (compiling, warming caches) predicts nothing
         self._since_outer = False  # an inner step was trained since the last outer step
+        self._agree = agree
 
     def start(self, nominal: int) -> None:
         """The clock reads `nominal` steps now (the run's start, a resume, after a synchronous outer step)."""
@@ -72,7 +76,11 @@ class PhaseClock:
 
     def reached(self) -> int:
         """Nominal steps the clock has passed."""
-        return math.floor((self._clock() - self._origin) / self.step_s + 1e-9)
+        return int(self._node([math.floor((self._clock() - self._origin) / self.step_s + 1e-9)])[0])
+
+    def _node(self, values: list) -> list:
+        """The node's first process's values (this process's alone)."""
+        return values if self._agree is None else self._agree(values)
 
     def stepped(self, seconds: float) -> None:
         """An inner step took `seconds` (what the next one is predicted from; not the run's first, which compiles
@@ -94,7 +102,7 @@ class PhaseClock:
         """True when an inner step is predicted to take no longer than `steps` nominal steps (the time to the next
         outer step): a node behind its schedule then trains one inner step per outer step while it catches up;
         one whose steps are longer passes every outer step due instead, or it would fall further behind at each."""
-        return self.predicted() <= steps * self.step_s
+        return bool(self._node([float(self.predicted() <= steps * self.step_s)])[0])
 
     def fits_before(self, nominal: int) -> bool:
         """True when an inner step started now is predicted to end by nominal step `nominal`'s time, or when no
@@ -103,4 +111,4 @@ class PhaseClock:
         none ever."""
         if not self._since_outer:
             return True
-        return self._clock() + self.predicted() <= self._origin + nominal * self.step_s
+        return bool(self._node([float(self._clock() + self.predicted() <= self._origin + nominal * self.step_s)])[0])

@@ -82,6 +82,13 @@ class Environment:
         dist.all_reduce(t)
         return t.tolist()
 
+    def from_first(self, values: list) -> list:
+        """The node's first process's small values on every process of the node (a CPU collective: every process
+        must call it)."""
+        if not self.has_local_group:
+            return values
+        return self.local_sum([float(v) for v in values] if self.local_rank == 0 else [0.0] * len(values))
+
     def close(self, failed: bool = False) -> None:
         """Leaves the node's process group. Call last, after everything that uses the group or the store."""
         if not self.has_local_group:

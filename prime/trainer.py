@@ -86,8 +86,8 @@ class Trainer:
         self.trained = 0
         """Inner steps this process trained (self.step in steps mode; with time phases self.step is nominal)."""
         d = cfg.diloco
-        self.clock = PhaseClock(d.inner_steps, d.phase_seconds) if d.phase == "time" and self.diloco.distributed \
-            else None
+        self.clock = PhaseClock(d.inner_steps, d.phase_seconds, agree=env.from_first if env.local_world > 1 else None) \
+            if d.phase == "time" and self.diloco.distributed else None
         """Time phases: this node's clock of nominal steps (prime.phases); None in steps mode."""
         try:  # before anything is loaded or trained: a run that cannot fit stops here, on every node
             self.memory = build_memory_plan(cfg, env, self.parts, self.diloco, self.nodes, self.checkpoints,

@@ -60,6 +60,35 @@ def test_the_clock_counts_nominal_steps_of_phase_time():
         PhaseClock(10, 0.0)
 
 
+def test_the_processes_of_a_node_take_their_first_process_decisions():
+    """Two processes of one node (FSDP2) read their own clocks, which drift apart; with `agree` both pass the
+    same nominal steps and start the same inner steps as the first (a second that stepped while the first passed
+    the step would wait for it in FSDP2's collectives forever)."""
+    t0, t1 = FakeClock(), FakeClock()
+    first = PhaseClock(inner_steps=10, phase_seconds=5.0, clock=t0)
+    calls = []
+
+    def agree(values):  # what Environment.from_first returns on the second process: the first's values
+        calls.append(list(values))
+        return {"reached": [first.reached()], "fits": [float(first.fits_before(3))],
+                "keeps": [float(first.keeps_up(1))]}[kind]
+
+    second = PhaseClock(inner_steps=10, phase_seconds=5.0, clock=t1, agree=agree)
+    first.start(0), second.start(0)
+    t0.t += 1.3  # the first is 0.7 s (more than a nominal step) ahead
+    t1.t += 0.6
+    kind = "reached"
+    assert second.reached() == first.reached() == 2 and calls[-1] == [1]  # its own clock read 1
+    for c in (first, second):
+        c.stepped(12.0)
+        c.stepped(0.3)
+    second._steps[-1] = 0.6  # its own prediction: 0.6 s, which would not keep up with one nominal step
+    kind = "keeps"
+    assert second.keeps_up(1) and calls[-1] == [0.0]
+    kind = "fits"  # its own: 0.6 + 0.6 <= 1.5 s, a step would fit; the first's: 1.3 + 0.3 > 1.5, it would not
+    assert second.fits_before(3) is first.fits_before(3) is False and calls[-1] == [1.0]
+
+
 def test_the_weights_arithmetic():
     assert contribution_scale(6, 4) == 1.5 and contribution_scale(0, 4) == 0.0
     assert average_factor([6, 2, 4], 4) == 3 * 4 / 12
