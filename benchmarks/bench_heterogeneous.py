@@ -26,12 +26,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(mode: str, slow: float, phase_seconds: float, extra: list, out_dir: str) -> dict:
+def run(mode: str, slow: float, phase_seconds: float, extra: list, out_dir: str, procs: str = "1") -> dict:
     args = ["--config", "configs/demo.toml", "--metrics.out_dir", out_dir, "--metrics.outer_hash", "true",
             "--metrics.plot", "false", *extra]
     if mode == "time":
         args += ["--diloco.phase", "time", "--diloco.phase_seconds", repr(phase_seconds)]
-    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--slow-node", f"1:{slow:g}", "--", *args]
+    cmd = [sys.executable, "-m", "prime.simulate", "--nodes", "2", "--procs-per-node", procs,
+           "--slow-node", f"1:{slow:g}", "--", *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"{mode}: prime-simulate failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
@@ -57,6 +58,8 @@ def main() -> int:
     ap.add_argument("--slow", type=float, default=2.0, help="node 1's inner steps take this many times their time")
     ap.add_argument("--phase-seconds", type=float, default=6.0, help="diloco.phase_seconds of the time run")
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs (steps, time), alternated")
+    ap.add_argument("--procs", default="1", help="prime-simulate --procs-per-node (e.g. 2,1: node 0 FSDP2 over 2 "
+                    "processes, node 1 one process on both rings; outer hashes then compare ring 0's rows)")
     ap.add_argument("--out", default="")
     a, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
@@ -64,7 +67,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
             for mode in ("steps", "time"):
-                r = run(mode, a.slow, a.phase_seconds, extra, os.path.join(tmp, f"{mode}{i}"))
+                r = run(mode, a.slow, a.phase_seconds, extra, os.path.join(tmp, f"{mode}{i}"), a.procs)
                 results.append(r)
                 n0, n1 = r["nodes"][0], r["nodes"][1]
                 print(f"{mode:5s} | node 0: outer steps after the first {100 * n0['outer_utilization_median']:.1f}% "
@@ -73,8 +76,8 @@ def main() -> int:
                       f"median, {100 * n1['outer_utilization_min']:.1f}% min, run {100 * n1['run_utilization']:.1f}%, "
                       f"{n1['inner_steps_trained']} inner steps | last weights {n0['last_weights']} | identical after "
                       f"every outer step: {r['identical_after_every_outer_step']}", flush=True)
-    meta = {"slow": a.slow, "phase_seconds": a.phase_seconds, "extra": extra, "machine": platform.processor() or
-            platform.machine(), "cpus": os.cpu_count(), "argv": sys.argv[1:]}
+    meta = {"slow": a.slow, "procs": a.procs, "phase_seconds": a.phase_seconds, "extra": extra,
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "argv": sys.argv[1:]}
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out + ".json", "w") as f:
