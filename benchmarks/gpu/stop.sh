@@ -5,9 +5,10 @@
 # 4 fragments with overlap, 1 Gbit/s per ring (a fragment's average takes seconds); benchmarks/gpu/stop_job.py
 # signals prime-simulate and checks that no process of the job is left and nvidia-smi lists no compute process.
 #   benchmarks/gpu.sh stop OUT
-# Steps: SIGTERM once the first final sync of a fragment ended (the others still to come: the case above);
-# SIGINT during the inner steps; SIGKILL of prime-simulate during the inner steps (its nodes die with it).
-# env: PROCS, MODEL (1B), RATE (1000 Mbit/s per ring)
+# Steps: SIGTERM once the last inner step is printed, while the final syncs of three fragments run (the case
+# above; their lines are printed only once all of them ended); SIGINT during the inner steps; SIGKILL of
+# prime-simulate during the inner steps (its nodes die with it).
+# env: PROCS, MODEL (1B), RATE (1000 Mbit/s per ring), SIGNALS ("TERM INT KILL": which steps)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
@@ -23,7 +24,11 @@ stop_step() {  # stop_step NAME SIGNAL AT
     --metrics.out_dir "$out/$2"
   [ -n "${DRY_RUN:-}" ] || detail "$(grep -c '^ok' "$out/$2.log") checks ok, $(grep -c '^FAILED' "$out/$2.log") failed"
 }
-stop_step "SIGTERM to prime-simulate during the final fragment syncs" TERM "final sync of this fragment"
-stop_step "SIGINT to prime-simulate during the inner steps" INT "10/20 |"
-stop_step "SIGKILL of prime-simulate during the inner steps" KILL "10/20 |"
+for s in ${SIGNALS:-TERM INT KILL}; do
+  case $s in
+    TERM) stop_step "SIGTERM to prime-simulate during the final fragment syncs" TERM "20/20 |" ;;
+    INT) stop_step "SIGINT to prime-simulate during the inner steps" INT "10/20 |" ;;
+    KILL) stop_step "SIGKILL of prime-simulate during the inner steps" KILL "10/20 |" ;;
+  esac
+done
 finish

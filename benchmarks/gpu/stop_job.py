@@ -1,11 +1,11 @@
 """A GPU job stopped by a signal leaves nothing behind: no process of the job, nothing on the GPUs.
 
-    python3 benchmarks/gpu/stop_job.py --at "final sync of this fragment" --signal TERM -- <prime-simulate args>
+    python3 benchmarks/gpu/stop_job.py --at "20/20 |" --signal TERM -- <prime-simulate args>
 
 Starts `python -m prime.simulate <args>` (2 nodes on the GPUs), waits for the first output line that contains
---at (default: the first final sync of a fragment has ended, so the signal lands in the others, as `timeout`
-did to a 10B run whose processes then held the GPUs), sends --signal to prime-simulate, as `timeout` or a
-scheduler does, and checks, --settle seconds after prime-simulate exited:
+--at (e.g. the last inner step's line: the final syncs of the fragments run then, where `timeout` once ended a
+10B run whose processes then held the GPUs), sends --signal to prime-simulate, as `timeout` or a scheduler
+does, and checks, --settle seconds after prime-simulate exited:
 - every process of the job's tree (collected right before the signal) is gone;
 - nvidia-smi lists no compute process (the machine runs nothing else);
 - SIGTERM / SIGINT: the exit status is 128 + the signal's number and every training process printed its stop
@@ -41,7 +41,7 @@ def gpu_processes() -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--at", default="final sync of this fragment", help="signal at the first line containing this")
+    ap.add_argument("--at", required=True, help="signal at the first output line containing this")
     ap.add_argument("--signal", default="TERM", choices=["TERM", "INT", "HUP", "KILL"])
     ap.add_argument("--settle", type=float, default=5.0, help="seconds after the exit before the checks")
     ap.add_argument("--limit", type=float, default=400.0, help="seconds to wait for --at, then for the exit")
