@@ -23,6 +23,7 @@ has no branch on the kind of job.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import time
@@ -38,7 +39,7 @@ from prime.config import Config
 from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
 from prime.parallelize import local_shard
 from prime.runtime import Environment
-from prime.shares import Shares
+from prime.shares import MemberGroup, Shares, each
 from prime.sync import RingSync, node_local_group
 
 __all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records", "final_weights_digest"]
@@ -178,14 +179,21 @@ class FixedNodes:
         self._last_ring: dict = {}  # ring -> its newest Ring: its link measurements seed the next one's order
         self._stores: dict = {}  # ring -> its own store connection, when this process is on several rings
         self._closed = False
+        self._pool = None  # a process on several rings: their exchanges run at once on its threads
         if not self.multi_node:
             return
         # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
+        group = node_local_group(env.local_group())
+        if len(self.shares.mine) > 1:
+            # A one-process node on every ring: the rings agree on failures as a node's processes do, and every
+            # exchange runs on all of them at once (prime.shares)
+            group = MemberGroup(len(self.shares.mine), 600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(self.shares.mine), thread_name_prefix="prime-rings")
         for g in self.shares.mine:
             if len(self.shares.mine) > 1:  # rings built side by side, each with its own connection (Environment)
                 self._stores[g] = env.connect() if env.connect is not None else env.store
             self.syncs[g] = RingSync(None, ring_factory=functools.partial(self.make_ring, ring=g),
-                                     retries=cfg.diloco.retries, local_group=node_local_group(env.local_group()))
+                                     retries=cfg.diloco.retries, local_group=group)
         self.sync = self.syncs[self.shares.mine[0]]
         self.records = signed_records(cfg, env.store, self._secret())
 
@@ -250,7 +258,7 @@ class FixedNodes:
         env = self.env
         mine = [secrets.randbits(16) for _ in range(3)] if env.local_rank == 0 else [0, 0, 0]
         node_draw = [int(v) for v in env.local_sum([float(v) for v in mine])]
-        tables = [sync.exchange(node_draw) for sync in self.syncs.values()]  # the same table on every ring
+        tables = self._on_every_ring(lambda sync: sync.exchange(node_draw))  # the same table on every ring
         return hashlib.blake2b(repr(tables[0]).encode(), digest_size=8).hexdigest()
 
     def nodes_that_do_not_fit(self, fits: bool) -> list:
@@ -284,8 +292,14 @@ class FixedNodes:
 
     def meet(self) -> None:
         """Every node's processes exchange one number over their ring (authenticated, like every exchange)."""
-        for sync in self.syncs.values():
-            sync.exchange([0], outer_step=self.diloco.outer_step + 1)
+        step = self.diloco.outer_step + 1
+        self._on_every_ring(lambda sync: sync.exchange([0], outer_step=step))
+
+    def _on_every_ring(self, call: Callable) -> list:
+        """call(sync) for the sync of every ring of this process (at once when there are several)."""
+        if self._pool is None:
+            return [call(sync) for sync in self.syncs.values()]
+        return each(self._pool, call, list(self.syncs.values()))
 
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         return AfterOuter()
@@ -314,6 +328,8 @@ class FixedNodes:
         self._closed = True
         for sync in self.syncs.values():
             sync.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def release(self) -> None:
         """Every process records that it is done with the store; its host (node 0, process 0) waits for all."""

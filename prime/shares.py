@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,7 +46,7 @@ import torch
 
 from prime.parallelize import local_shard
 
-__all__ = ["Shares", "parse_procs", "chunk_rows", "DiLoCoRings", "combine_results"]
+__all__ = ["Shares", "parse_procs", "chunk_rows", "DiLoCoRings", "MemberGroup", "combine_results", "each"]
 
 
 def parse_procs(text: str, num_nodes: int, field: str = "nodes.procs") -> list:
@@ -155,6 +156,33 @@ class Shares:
                                  f"carries rows {a}..{b} (nodes of {self.procs} processes need FSDP2's dim-0 shards)")
 
 
+class MemberGroup:
+    """The rings of a one-process node agree on failures as the processes of a node do (prime.sync.all_local: a
+    ring that failed anywhere on the node is retried on every ring of it, so that the node never applies an
+    average on one ring that the other nodes retry). The members, threads of one process, call all_min(ok) at the
+    same points; each gets the AND of all. `background`: the twin the averages behind overlap agree through (their
+    threads run beside the members' own, as a node's background all-reduce has a gloo group of its own)."""
+
+    def __init__(self, n: int, timeout_s: float, twin: bool = True):
+        self.n, self.timeout_s = n, timeout_s
+        self._cv = threading.Condition()
+        self._flags: list = []
+        self._gen, self._result = 0, True
+        self.background = MemberGroup(n, timeout_s, twin=False) if twin else None
+
+    def all_min(self, ok: bool) -> bool:
+        with self._cv:
+            gen = self._gen
+            self._flags.append(bool(ok))
+            if len(self._flags) == self.n:
+                self._result, self._flags, self._gen = all(self._flags), [], gen + 1
+                self._cv.notify_all()
+            elif not self._cv.wait_for(lambda: self._gen != gen, self.timeout_s):
+                raise RuntimeError(f"the rings of this node: {len(self._flags)} of {self.n} reached their agreement "
+                                   f"within {self.timeout_s:.0f} s (a ring's thread stopped)")
+            return self._result
+
+
 def combine_results(results: list):
     """One OuterStepResult from those of the rings a process took part in (the same outer step on each): values
     and bytes add up, times are the longest (the rings ran side by side), norms add in squares."""
@@ -177,6 +205,16 @@ def combine_results(results: list):
     return dataclasses.replace(first, numel=sum(r.numel for r in results), bytes_sent=total("bytes_sent"),
                                bytes_received=total("bytes_received"), pseudo_grad_norm=norm,
                                compression_error=error, attempts=max(r.attempts for r in results), **longest)
+
+
+def each(pool, call: Callable, items: list) -> list:
+    """call(item) for every item at once on `pool`'s threads; the first error is raised once all of them ended."""
+    futures = [pool.submit(call, x) for x in items]
+    concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
 
 
 class DiLoCoRings:
@@ -238,13 +276,8 @@ class DiLoCoRings:
     # -- the steps: every member, side by side ----------------------------------------------
 
     def _each(self, call: Callable) -> list:
-        """call(member) on every member at once; the first error is raised once all of them ended."""
-        futures = [self._pool.submit(call, m) for m in self.members]
-        concurrent.futures.wait(futures)
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
-        return [f.result() for f in futures]
+        """call(member) on every member at once (their rings agree on failures: MemberGroup)."""
+        return each(self._pool, call, self.members)
 
     def step(self, nominal_steps: int = 1):
         if self.members[0].steps_to_sync > 1 or not self.distributed:  # nothing due: no threads
@@ -275,8 +308,7 @@ class DiLoCoRings:
         return torch.cat([m.outer_weights() for m in self.members])
 
     def check_replicas(self) -> None:
-        for m in self.members:  # ring by ring: each compares with the processes of its ring
-            m.check_replicas()
+        self._each(lambda m: m.check_replicas())  # each ring compares with its processes, all at once
 
     def state_dict(self) -> dict:
         return {"rings": {g: m.state_dict() for g, m in zip(self.rings, self.members)}}

@@ -271,9 +271,12 @@ def node_local_group(group=None):
     Given a group, checks that it does not span nodes. Without one, derives it
     from torchrun's local world: the default group when WORLD_SIZE equals
     LOCAL_WORLD_SIZE (one torchrun per node). Raises ValueError when the
-    group would span nodes or when the node's processes cannot be told."""
+    group would span nodes or when the node's processes cannot be told. A group of threads
+    (prime.shares.MemberGroup: the rings of a one-process node) is returned as it is."""
     import torch.distributed as dist
 
+    if hasattr(group, "all_min"):
+        return group
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("local_group was given but torch.distributed is not initialized")
@@ -300,9 +303,12 @@ def node_local_group(group=None):
 
 
 def all_local(group, ok: bool) -> bool:
-    """True when `ok` holds on every process of `group` (a tiny MIN all-reduce; None: this process alone)."""
+    """True when `ok` holds on every process of `group` (a tiny MIN all-reduce; None: this process alone; a group
+    of threads, prime.shares.MemberGroup: its all_min)."""
     if group is None:
         return ok
+    if hasattr(group, "all_min"):
+        return group.all_min(ok)
     import torch.distributed as dist
 
     dev = "cpu"
@@ -436,6 +442,9 @@ class RingSync(SyncExtras):
         group. Every process of the node calls this at the same point (it creates a group)."""
         g = self.local_group
         if g is None:
+            return
+        if hasattr(g, "all_min"):  # the rings of a one-process node (prime.shares): their background twin
+            self.average_group = g.background
             return
         import torch.distributed as dist
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prime import DiLoCo
-from prime.shares import DiLoCoRings, Shares, chunk_rows, combine_results, parse_procs
+from prime.shares import DiLoCoRings, MemberGroup, Shares, chunk_rows, combine_results, parse_procs
 from prime.fragments import OuterStepResult
 from test_diloco import FakeThreadGroup, FakeThreadRing, TwoParams, one_thread, run_nodes  # noqa: F401
 
@@ -169,3 +169,59 @@ def test_results_of_the_rings_combine():
     c = combine_results([a, b])
     assert (c.numel, c.allreduce_s, c.outer_s, c.bytes_sent, c.pseudo_grad_norm) == (16, 1.5, 2.0, 150, 5.0)
     assert c.compression_error == pytest.approx(((0.03) ** 2 + (0.08) ** 2) ** 0.5 / 5.0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_ring_that_fails_is_retried_on_every_ring_of_both_nodes(seed, overlap):
+    """Ring 1's first average fails (on both of its members); ring 0's works. Node 0's two processes agree on
+    failures (their node's group), and so do node 1's two rings (MemberGroup): every ring is retried together,
+    none applies an average another retries, and the rows stay identical on every ring, bit for bit."""
+    deltas = _deltas(seed)
+    fail_at = 1 if overlap else 0  # (with overlap the first call is the counts' exchange: fail the average)
+    rings = [FakeThreadGroup(2), FakeThreadGroup(2, fail_calls={fail_at})]
+    node0, node1 = MemberGroup(2, 60), MemberGroup(2, 60)
+    cut = Shares([2, 1], 1, 0)
+
+    def make(model, opt, g, rank, group, **kw):
+        return DiLoCo(model, opt, FakeThreadRing(rings[g], rank), inner_steps=H, codec="int8", block_size=32,
+                      weights="tokens", rings=2, overlap=overlap, local_group=group,
+                      ring_factory=lambda tag: FakeThreadRing(rings[g], rank, tag), retries=2, **kw)
+
+    def run(i):
+        if i < 2:
+            r_ = [chunk_rows(7, 2, i), chunk_rows(3, 2, i)]
+            model = TwoParams(torch.zeros(r_[0][1] - r_[0][0]), torch.zeros(r_[1][1] - r_[1][0], 5))
+            d = make(model, None, i, 0, node0, step_weight=2)
+            out = _train_rows(model, d, deltas[0], r_)
+        else:
+            model = TwoParams(torch.zeros(7), torch.zeros(3, 5))
+            d = DiLoCoRings([make(model, None, g, 1, node1, shard=cut.view(g)) for g in (0, 1)], [0, 1])
+            out = _train_rows(model, d, deltas[1], None)
+        d.close()
+        return out
+
+    res = run_nodes(3, run)
+    whole = res[2][1]
+    for g in (0, 1):
+        for i, size in enumerate((7, 3)):
+            a, b = chunk_rows(size, 2, g)
+            assert torch.equal(res[g][1][i], whole[i][a:b]), (g, i)
+    built = [sorted(t for _, t in r.rings_built) for r in rings]
+    assert built[0] == built[1] and len(built[0]) == 4, built  # both rings rebuilt once, on both of their members
+
+
+def _train_rows(model, d, deltas, rows):
+    """Inner steps moving the model (its rows `rows` of the whole deltas, or the whole) then finish()."""
+    attempts = []
+    for k in range(H * PHASES):
+        with torch.no_grad():
+            da, db = deltas[k]
+            if rows is not None:
+                da, db = da[rows[0][0]:rows[0][1]], db[rows[1][0]:rows[1][1]]
+            model.a -= da
+            model.b -= db
+        r = d.step()
+        if r.did_sync:
+            attempts.append(r.attempts)
+    d.finish()
+    return attempts, [model.a.detach().clone(), model.b.detach().clone()]
