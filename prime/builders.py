@@ -203,7 +203,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
         extra = {"rings": shares.rings, "step_weight": shares.step_weight}
         if len(shares.mine) > 1:  # a one-process node beside larger ones: one DiLoCo per ring, over its rows
             diloco = DiLoCoRings([make(nodes.syncs[g], shard=shares.view(g), **extra) for g in shares.mine],
-                                 shares.mine)
+                                 shares.mine, nodes.group)
         else:
             diloco = make(nodes.sync, **extra)
     else:

@@ -180,6 +180,8 @@ class FixedNodes:
         self._stores: dict = {}  # ring -> its own store connection, when this process is on several rings
         self._closed = False
         self._pool = None  # a process on several rings: their exchanges run at once on its threads
+        self.group: Optional[MemberGroup] = None
+        """The agreement of this process's rings when it takes part in several (prime.shares)."""
         if not self.multi_node:
             return
         # The first ring at once (tagged "start"); after a failure RingSync builds the next from make_ring.
@@ -187,7 +189,8 @@ class FixedNodes:
         if len(self.shares.mine) > 1:
             # A one-process node on every ring: the rings agree on failures as a node's processes do, and every
             # exchange runs on all of them at once (prime.shares)
-            group = MemberGroup(len(self.shares.mine), 600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
+            group = self.group = MemberGroup(len(self.shares.mine),
+                                             600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
             self._pool = concurrent.futures.ThreadPoolExecutor(len(self.shares.mine), thread_name_prefix="prime-rings")
         for g in self.shares.mine:
             if len(self.shares.mine) > 1:  # rings built side by side, each with its own connection (Environment)
@@ -299,7 +302,7 @@ class FixedNodes:
         """call(sync) for the sync of every ring of this process (at once when there are several)."""
         if self._pool is None:
             return [call(sync) for sync in self.syncs.values()]
-        return each(self._pool, call, list(self.syncs.values()))
+        return each(self._pool, call, list(self.syncs.values()), self.group)
 
     def after_outer(self, result: OuterStepResult) -> AfterOuter:
         return AfterOuter()

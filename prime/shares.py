@@ -168,18 +168,31 @@ class MemberGroup:
         self._cv = threading.Condition()
         self._flags: list = []
         self._gen, self._result = 0, True
+        self._aborted = ""
         self.background = MemberGroup(n, timeout_s, twin=False) if twin else None
+
+    def abort(self, why: str) -> None:
+        """A member failed outside the agreement: the others waiting in it (or coming to it) raise at once."""
+        with self._cv:
+            self._aborted = why
+            self._cv.notify_all()
+        if self.background is not None:
+            self.background.abort(why)
 
     def all_min(self, ok: bool) -> bool:
         with self._cv:
+            if self._aborted:
+                raise RuntimeError(f"another ring of this node failed: {self._aborted}")
             gen = self._gen
             self._flags.append(bool(ok))
             if len(self._flags) == self.n:
                 self._result, self._flags, self._gen = all(self._flags), [], gen + 1
                 self._cv.notify_all()
-            elif not self._cv.wait_for(lambda: self._gen != gen, self.timeout_s):
+            elif not self._cv.wait_for(lambda: self._gen != gen or self._aborted, self.timeout_s):
                 raise RuntimeError(f"the rings of this node: {len(self._flags)} of {self.n} reached their agreement "
                                    f"within {self.timeout_s:.0f} s (a ring's thread stopped)")
+            if self._gen == gen:
+                raise RuntimeError(f"another ring of this node failed: {self._aborted}")
             return self._result
 
 
@@ -207,10 +220,17 @@ def combine_results(results: list):
                                compression_error=error, attempts=max(r.attempts for r in results), **longest)
 
 
-def each(pool, call: Callable, items: list) -> list:
-    """call(item) for every item at once on `pool`'s threads; the first error is raised once all of them ended."""
+def each(pool, call: Callable, items: list, group: "MemberGroup | None" = None) -> list:
+    """call(item) for every item at once on `pool`'s threads; the first error is raised once all of them ended.
+    `group`: the items' agreement, aborted at the first error so that the others do not wait in it."""
     futures = [pool.submit(call, x) for x in items]
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = next((f for f in done if f.exception() is not None), None)
+    if failed is not None and group is not None:
+        group.abort(f"{type(failed.exception()).__name__}: {failed.exception()}")
     concurrent.futures.wait(futures)
+    if failed is not None:  # the first failure, not the others' consequences of it
+        raise failed.exception()
     for f in futures:
         if f.exception() is not None:
             raise f.exception()
@@ -222,9 +242,11 @@ class DiLoCoRings:
     over the rows that ring carries, stepped together; their all-reduces run side by side on threads. The trainer,
     the nodes component, checkpoints and the memory plan see one DiLoCo."""
 
-    def __init__(self, members: list, rings: list):
+    def __init__(self, members: list, rings: list, group: "MemberGroup | None" = None):
         self.members, self.rings = list(members), list(rings)
         """One DiLoCo per ring of `rings`."""
+        self.group = group
+        """The members' agreement on failures (aborted when one fails outside it)."""
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.members), thread_name_prefix="prime-rings")
         first = self.members[0]
         for name in ("distributed", "inner_steps", "codec", "block_size", "keep", "error_feedback", "weights",
@@ -277,7 +299,7 @@ class DiLoCoRings:
 
     def _each(self, call: Callable) -> list:
         """call(member) on every member at once (their rings agree on failures: MemberGroup)."""
-        return each(self._pool, call, self.members)
+        return each(self._pool, call, self.members, self.group)
 
     def step(self, nominal_steps: int = 1):
         if self.members[0].steps_to_sync > 1 or not self.distributed:  # nothing due: no threads

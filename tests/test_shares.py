@@ -225,3 +225,31 @@ def _train_rows(model, d, deltas, rows):
             attempts.append(r.attempts)
     d.finish()
     return attempts, [model.a.detach().clone(), model.b.detach().clone()]
+
+
+def test_the_rings_agreement_ands_the_flags_and_a_failed_ring_releases_the_others():
+    """MemberGroup: every member gets the AND of all flags, round after round; when one member fails outside the
+    agreement, `each` aborts it and the others leave at once (not after the agreement's timeout)."""
+    import concurrent.futures
+    import time
+
+    from prime.shares import each
+
+    group = MemberGroup(3, timeout_s=60)
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    flags = [[True, True, True], [True, False, True], [True, True, True]]
+    got = each(pool, lambda i: [group.all_min(flags[k][i]) for k in range(3)], [0, 1, 2])
+    assert got == [[True, False, True]] * 3
+
+    def member(i):
+        if i == 2:
+            raise ValueError("a bug in ring 2")
+        return group.all_min(True)
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="a bug in ring 2"):
+        each(pool, member, [0, 1, 2], group)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match="another ring of this node failed: ValueError: a bug in ring 2"):
+        group.background.all_min(True)
+    pool.shutdown()
