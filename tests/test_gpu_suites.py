@@ -57,7 +57,11 @@ def test_suite_dry_run(suite, tmp_path):
             script = os.path.join(ROOT, args[0])
             assert os.path.isfile(script), args[0]
             source = open(script).read()
-            for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
+            own = args[1:args.index("--")] if "--" in args else args[1:]
+            rest = args[len(own) + 2:]  # after "--": another program's (stop_job.py: prime-simulate's)
+            if "--" in rest:  # a launcher's arguments, then prime-train's fields
+                _check_config_flags(rest[rest.index("--") + 1:])
+            for flag in (a.split("=")[0] for a in own if a.startswith("--")):
                 if "." in flag or flag == "--config":  # the config passed through (bench_fidelity.py)
                     _check_config_flags([flag, "x"])
                 else:
