@@ -55,10 +55,11 @@ class PipelinedStep:
         measure_own = s.own_error_pass()
         feedback = st.residual is not None
         scale = weighing.scale if weighing is not None else 1.0
-        weights = None
+        weights, weigh_s = None, 0.0
         pipelined = s.sync.pipelined and len(ranges) > 1
         if pipelined and weighing is not None:  # every node's count before the first piece's apply()
             weights = weighing.of(s.sync.weigh(weighing.trained, outer_step=outer_step))
+            weigh_s = time.perf_counter() - t0  # an exchange across nodes: a wait for the others, timed as one
         if pipelined:  # PIPELINE_DEPTH buffers of the longest piece, reused in turn
             width = max(hi - lo for lo, hi in ranges)
             slots = self._piece_slots(width)
@@ -81,7 +82,7 @@ class PipelinedStep:
             sq[0] += q
             s.check_finite(finite, outer_step)
             if first[0] is None:
-                first[0] = time.perf_counter() - t0
+                first[0] = time.perf_counter() - t0 - weigh_s
 
         def apply(j: int) -> None:
             lo, hi = ranges[j]
@@ -105,6 +106,7 @@ class PipelinedStep:
             self.done = 0
             if pipelined:
                 r.weights = weights
+                r.allreduce_s += weigh_s
         finally:
             s.grads.give(base)
         timings = {"prepare_s": first[0] or 0.0, "update_s": u_last}

@@ -480,10 +480,13 @@ class RingSync(SyncExtras):
 
     def average(self, grad: torch.Tensor, *, outer_step: int, inner_step: int,
                 recompute: Callable[[torch.Tensor], None], trained: Optional[int] = None) -> SyncResult:
+        t0 = time.perf_counter()
         counts = None if trained is None else self.weigh(trained, outer_step=outer_step, group=self.average_group)
+        weigh_s = time.perf_counter() - t0  # the counts' exchange waits for the other nodes too: wire time
         r = self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
                             group=self.average_group)
         r.counts = counts
+        r.allreduce_s += weigh_s
         return r
 
     def average_pieces(self, ranges: list, *, outer_step: int, inner_step: int, buffer: Callable[[int], torch.Tensor],
