@@ -163,7 +163,7 @@ class Trainer:
                 self._inner_step()
             # overlap: the last averages are applied; fragments: those with inner steps not yet averaged sync
             for result in self.diloco.finish():
-                self._log_outer(result, AfterOuter(note=" | final sync of this fragment"))
+                self._log_outer(result, AfterOuter(note=" | final sync of this fragment", fields={"final_sync": True}))
         except self.nodes.finished_errors as e:  # elastic: evicted, and the job ended before this node got back in
             m.print(f"elastic: {e}; stopping")
         except (OuterSyncError, ReplicaMismatchError, *self.nodes.stop_errors) as e:

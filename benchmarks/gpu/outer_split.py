@@ -3,8 +3,9 @@
     python benchmarks/gpu/outer_split.py RUN_DIR              # one line per node and outer step
     python benchmarks/gpu/outer_split.py --brief RUN_DIR LOG  # one line for a summary table
 
---brief: the mean compute utilization after the first outer step (each node's), the mean outer step on the
-critical path, and whether the log says the final weights are identical.
+--brief: the mean compute utilization of the outer steps after the first (each node's; not the final syncs
+after the last inner step), the mean outer step on the critical path, and whether the log says the final
+weights are identical.
 """
 
 import glob
@@ -26,7 +27,8 @@ def outer_records(run_dir: str) -> list:
 def main(argv: list) -> int:
     if argv and argv[0] == "--brief":
         run_dir, log = argv[1], argv[2]
-        recs = [r for r in outer_records(run_dir) if r.get("outer_step", 0) > 1]
+        # (the final syncs after the last inner step train nothing: their utilization is 0 by construction)
+        recs = [r for r in outer_records(run_dir) if r.get("outer_step", 0) > 1 and not r.get("final_sync")]
         util = [r["utilization"] for r in recs if isinstance(r.get("utilization"), (int, float))]
         outer = [r["outer_s"] for r in recs if isinstance(r.get("outer_s"), (int, float))]
         text = open(log, errors="replace").read()
