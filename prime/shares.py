@@ -237,6 +237,12 @@ def each(pool, call: Callable, items: list, group: "MemberGroup | None" = None) 
     return [f.result() for f in futures]
 
 
+def _of_first(name: str) -> property:
+    """DiLoCoRings' view of an attribute its members share (their settings, and their schedule, which steps
+    together): the first member's."""
+    return property(lambda self: getattr(self.members[0], name), doc=f"The first member's {name}.")
+
+
 class DiLoCoRings:
     """The DiLoCo of a process on several rings (a one-process node beside nodes of R): one DiLoCo per ring, each
     over the rows that ring carries, stepped together; their all-reduces run side by side on threads. The trainer,
@@ -248,46 +254,34 @@ class DiLoCoRings:
         self.group = group
         """The members' agreement on failures (aborted when one fails outside it)."""
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.members), thread_name_prefix="prime-rings")
-        first = self.members[0]
-        for name in ("distributed", "inner_steps", "codec", "block_size", "keep", "error_feedback", "weights",
-                     "placement", "schedule", "overlap_scheme", "overlap_steps", "measure_compression_error"):
-            setattr(self, name, getattr(first, name))
         self.work_bytes = sum(m.work_bytes for m in self.members)
         """The members' work buffers: their averages are in flight together."""
 
-    # -- what the members share: their schedule steps together -----------------------
+    # -- what the members share: their settings, and their schedule, which steps together --------
+
+    distributed = _of_first("distributed")
+    inner_steps = _of_first("inner_steps")
+    codec = _of_first("codec")
+    block_size = _of_first("block_size")
+    keep = _of_first("keep")
+    error_feedback = _of_first("error_feedback")
+    weights = _of_first("weights")
+    placement = _of_first("placement")
+    schedule = _of_first("schedule")
+    overlap_scheme = _of_first("overlap_scheme")
+    overlap_steps = _of_first("overlap_steps")
+    measure_compression_error = _of_first("measure_compression_error")
+    states = _of_first("states")
+    overlap = _of_first("overlap")
+    inner_step = _of_first("inner_step")
+    outer_step = _of_first("outer_step")
+    since_sync = _of_first("since_sync")
+    steps_to_sync = _of_first("steps_to_sync")
+    result = _of_first("result")
 
     @property
     def fragments(self) -> list:
         return [f for m in self.members for f in m.fragments]
-
-    @property
-    def states(self):
-        return self.members[0].states
-
-    @property
-    def overlap(self) -> bool:
-        return self.members[0].overlap
-
-    @property
-    def inner_step(self) -> int:
-        return self.members[0].inner_step
-
-    @property
-    def outer_step(self) -> int:
-        return self.members[0].outer_step
-
-    @property
-    def since_sync(self) -> int:
-        return self.members[0].since_sync
-
-    @property
-    def steps_to_sync(self) -> int:
-        return self.members[0].steps_to_sync
-
-    @property
-    def result(self):
-        return self.members[0].result
 
     def settings(self) -> dict:
         return self.members[0].settings()
@@ -302,7 +296,7 @@ class DiLoCoRings:
         return each(self._pool, call, self.members, self.group)
 
     def step(self, nominal_steps: int = 1):
-        if self.members[0].steps_to_sync > 1 or not self.distributed:  # nothing due: no threads
+        if self.steps_to_sync > 1 or not self.distributed:  # nothing due: no threads
             return combine_results([m.step(nominal_steps) for m in self.members])
         return combine_results(self._each(lambda m: m.step(nominal_steps)))
 

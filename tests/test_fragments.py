@@ -305,26 +305,28 @@ def test_a_run_resumed_from_its_final_checkpoint_keeps_the_schedule(seed, overla
     both at one step, where two averages would share one ring (two nodes with token weights broke there)."""
     w0, deltas = _problem(seed, n=1, H=4, phases=4)
     model = Layers(w0)
-    d = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, fragments=2, overlap=overlap,
-               codec="none", block_size=BLOCK, check_replicas=False, weights="tokens")
-    synced = []
-    for t in range(1, 8):
-        model.inner_step(deltas[t - 1][0])
-        r = d.step()
-        if r.did_sync:
-            synced.append((t, r.fragment))
-    assert [f for _, f in synced] == [0, 1, 0] and [r.fragment for r in d.finish()] == [0, 1]
+
+    def new_diloco():
+        return DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, fragments=2,
+                      overlap=overlap, codec="none", block_size=BLOCK, check_replicas=False, weights="tokens")
+
+    def train(d, steps):
+        """(step, fragment) of every outer step in `steps`."""
+        synced = []
+        for t in steps:
+            model.inner_step(deltas[t - 1][0])
+            r = d.step()
+            if r.did_sync:
+                synced.append((t, r.fragment))
+        return synced
+
+    d = new_diloco()
+    assert [f for _, f in train(d, range(1, 8))] == [0, 1, 0] and [r.fragment for r in d.finish()] == [0, 1]
     sd = d.state_dict()
     d.close()
-    resumed = DiLoCo(model, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=4, fragments=2,
-                     overlap=overlap, codec="none", block_size=BLOCK, check_replicas=False, weights="tokens")
+    resumed = new_diloco()
     resumed.load_state_dict(sd)
-    after = []
-    for t in range(8, 15):
-        model.inner_step(deltas[t - 1][0])
-        r = resumed.step()
-        if r.did_sync:
-            after.append((t, r.fragment))
+    after = train(resumed, range(8, 15))
     resumed.close()
     assert after == [(8, 1), (10, 0), (12, 1), (14, 0)], after
 
