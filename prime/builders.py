@@ -15,7 +15,6 @@ be called (and tested) on its own.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -163,8 +162,7 @@ def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data:
         peak=peak_flops(env.device, cfg.metrics.peak_tflops), local_sum=env.local_sum,
         codec=cfg.diloco.codec, block_size=cfg.diloco.resolved_block_size(), inner_steps=cfg.diloco.inner_steps,
         model_numel=parts.numel(), density=cfg.diloco.density, average_density=cfg.diloco.average_density,
-        step_weights=[p // math.gcd(*env.shares.procs) for p in env.shares.procs]
-        if env.shares is not None and env.shares.uneven else None,
+        step_weights=env.shares.step_weights if env.shares is not None and env.shares.uneven else None,
     )
 
 

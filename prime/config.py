@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prime.ops import check_block_size, default_block_size
+from prime.shares import parse_procs
 
 try:  # Python 3.11+
     import tomllib as _toml
@@ -459,8 +460,6 @@ class NodesConfig:
             0 <= self.node_rank < self.num_nodes, "nodes.node_rank", f"in [0, {self.num_nodes - 1}]", self.node_rank
         )
         if self.procs:
-            from prime.shares import parse_procs
-
             parse_procs(self.procs, self.num_nodes)
         host, _, port = self.store_addr.rpartition(":")
         _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
@@ -548,7 +547,8 @@ class Config:
                 self.nodes.validate_elastic()  # a joiner's node_rank is >= num_nodes
             else:
                 getattr(self, f.name).validate()
-        if self.nodes.procs and len(set(self.nodes.procs.split(","))) > 1 and self.elastic.enabled:
+        uneven = bool(self.nodes.procs) and len(set(parse_procs(self.nodes.procs, self.nodes.num_nodes))) > 1
+        if uneven and self.elastic.enabled:
             raise ValueError(f"nodes.procs = {self.nodes.procs!r}: nodes that run different numbers of processes "
                              "need a fixed set of nodes (elastic.enabled = false)")
         self._resolve_vocab_size()

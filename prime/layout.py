@@ -216,9 +216,9 @@ class FlatLayout:
 
     def __init__(self, params, *, block_size: int, device: str = "cpu", home_buffers: int = 2,
                  extra_buffers: int = 0, inner_optimizer: Optional[torch.optim.Optimizer] = None,
-                 stream: Optional[bool] = None, pending_bytes: int = 0, shard: Callable = local_shard):
+                 stream: Optional[bool] = None, pending_bytes: int = 0, shard: Optional[Callable] = None):
         self.params = list(params)
-        self.shard = shard
+        self.shard = local_shard if shard is None else shard
         """shard(p): the tensor of parameter p this layout holds (a view the passes read and write)."""
         self.block_size = block_size
         self.home_buffers = home_buffers

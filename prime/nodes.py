@@ -38,7 +38,7 @@ from prime.comm import store_keys as keys
 from prime.config import Config
 from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
 from prime.parallelize import local_shard
-from prime.runtime import Environment
+from prime.runtime import Environment, local_wait_s
 from prime.shares import MemberGroup, Shares, each
 from prime.sync import RingSync, node_local_group
 
@@ -189,8 +189,7 @@ class FixedNodes:
         if len(self.shares.mine) > 1:
             # A one-process node on every ring: the rings agree on failures as a node's processes do, and every
             # exchange runs on all of them at once (prime.shares)
-            group = self.group = MemberGroup(len(self.shares.mine),
-                                             600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
+            group = self.group = MemberGroup(len(self.shares.mine), local_wait_s(cfg))
             self._pool = concurrent.futures.ThreadPoolExecutor(len(self.shares.mine), thread_name_prefix="prime-rings")
         for g in self.shares.mine:
             if len(self.shares.mine) > 1:  # rings built side by side, each with its own connection (Environment)

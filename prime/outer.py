@@ -121,7 +121,7 @@ class OuterState(FlatLayout, OverlapPasses):
         feedback = error_feedback is not None
         super().__init__(params, block_size=block_size, device=device, home_buffers=home_buffer_count(feedback),
                          extra_buffers=extra_buffers, inner_optimizer=inner_optimizer, stream=stream,
-                         pending_bytes=pending_bytes, **({"shard": shard} if shard is not None else {}))
+                         pending_bytes=pending_bytes, shard=shard)
         self.feedback_codec = error_feedback
         """The codec whose quantization error this node feeds back (prime.feedback), or None."""
         self.feedback_keep = feedback_keep

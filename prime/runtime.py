@@ -102,6 +102,12 @@ class Environment:
         dist.destroy_process_group()
 
 
+def local_wait_s(cfg: Config) -> float:
+    """How long a node's processes (or a one-process node's rings) wait for each other in an agreement: a ring may
+    retry, so every attempt's timeout, and 600 s beside."""
+    return 600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s
+
+
 def _pick_device(want: str, local_rank: int, local_world: int) -> torch.device:
     if want == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device is 'cuda' but torch sees no GPU; use train.device = 'cpu' or 'auto'")
@@ -147,7 +153,7 @@ def build_environment(cfg: Config) -> Environment:
         # CPU collectives always go through gloo (DiLoCo's small agreements, async checkpoints).
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         # Local collectives may wait while a ring retries: allow for every attempt.
-        wait = timedelta(seconds=600 + (cfg.diloco.retries + 2) * cfg.diloco.timeout_s)
+        wait = timedelta(seconds=local_wait_s(cfg))
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=wait)
         else:  # fsdp = 'on' in a single process without torchrun

@@ -116,10 +116,15 @@ class Shares:
         return [self.local_rank]
 
     @property
-    def step_weight(self) -> int:
-        """What one inner step of this node counts in a token-weighted average: its processes over the fewest any
+    def step_weights(self) -> list:
+        """What one inner step of each node counts in a token-weighted average: its processes over the fewest any
         node runs (1 when nodes are equal)."""
-        return self.procs[self.node_rank] // math.gcd(*self.procs)
+        return [p // math.gcd(*self.procs) for p in self.procs]
+
+    @property
+    def step_weight(self) -> int:
+        """This node's step weight (step_weights)."""
+        return self.step_weights[self.node_rank]
 
     def processes(self, node: int) -> range:
         """Local ranks of node `node`."""
