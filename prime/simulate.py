@@ -202,6 +202,12 @@ def _per_node(procs_per_node, nodes: int) -> list:
     return list(procs_per_node) if isinstance(procs_per_node, (list, tuple)) else [procs_per_node] * nodes
 
 
+def _procs_args(counts: list) -> list:
+    """The prime-train arguments that tell every node every node's count (none when they are equal): the rings and
+    the data shards follow from it."""
+    return ["--nodes.procs", ",".join(map(str, counts))] if len(set(counts)) > 1 else []
+
+
 def simulate(nodes: int, procs_per_node, train_args: list[str], *, env: dict | None = None,
              out=None, threads_per_proc: int | None = None, faults: dict | None = None, grace_s: float = 30.0,
              node_args: dict | None = None) -> int:
@@ -213,8 +219,7 @@ def simulate(nodes: int, procs_per_node, train_args: list[str], *, env: dict | N
     procs_per_node: processes of every node, or a list of one count per node (nodes.procs: prime/shares.py)."""
     out = out or sys.stdout
     counts = _per_node(procs_per_node, nodes)
-    if len(set(counts)) > 1:  # every node knows every node's count: the rings and data shards follow from it
-        train_args = [*train_args, "--nodes.procs", ",".join(map(str, counts))]
+    train_args = [*train_args, *_procs_args(counts)]
     store_port = free_port()
     base_env = node_env(dict(os.environ if env is None else env), grace_s)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -356,8 +361,7 @@ def _main(argv: list[str]) -> int:
             parser.error(f"--slow-node {text}: {e}")
         node_args[rank] = ["--train.slowdown", repr(factor)]
     try:  # every node would stop on a bad setting: say it once, before starting any
-        uneven = ["--nodes.procs", ",".join(map(str, procs))] if len(set(procs)) > 1 else []
-        cfg = check_train_args(train_args + uneven, args.nodes, elastic)
+        cfg = check_train_args(train_args + _procs_args(procs), args.nodes, elastic)
     except ValueError as e:
         print(f"prime-simulate: error: {e}", file=sys.stderr)
         return 2
