@@ -27,7 +27,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        -c512-plain: the same density in chunks of 1024 / 512; -plain-ef95: error feedback with a
                        decay of 0.95 (diloco.feedback_decay); -k48-a96-plain-ef95: 48 of 4096 per contribution, 96
                        per chunk of the owners' averages (diloco.average_density), decay 0.95 (-k32-a64-: 32 and 64);
-                       -a128-plain: 64 and 128; overlap-topk-eager-merge with overlap
+                       -a128-plain: 64 and 128; any diloco-topk[-kK][-aA][-cC]-plain[-efDD][-lrX] spells a setting
+                       out (K and A of every C, decay 0.DD, outer lr X); overlap-topk-eager-merge with overlap
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -54,6 +55,7 @@ import csv
 import json
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -102,6 +104,29 @@ METHODS = {
     "overlap-topk-eager-merge": dict(codec="topk", overlap=True, overlap_scheme="eager-merge"),
 }
 EVAL_FRACTION = 0.05
+TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?")
+
+
+def method_options(base: str):
+    """A method's DiLoCo options: a named one, or a topk setting spelled out (diloco-topk-k40-a112-plain-ef90:
+    40 and 112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr), None when unknown."""
+    if base in METHODS:
+        return METHODS[base]
+    m = TOPK_SPEC.fullmatch(base)
+    if m is None:
+        return None
+    k, a, c, ef, lr = m.groups()
+    chunk = int(c) if c else 4096
+    opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0, outer_momentum=0.0)
+    if c:
+        opts["block_size"] = chunk
+    if k:
+        opts["density"] = int(k) / chunk
+    if a:
+        opts["average_density"] = int(a) / chunk
+    if ef:
+        opts["feedback_decay"] = int(ef) / 10 ** len(ef)
+    return opts
 
 
 def lr_at(step, cfg):
@@ -342,19 +367,20 @@ def main() -> int:
             raise SystemExit(f"{m}:t needs --slowdowns")
         m, _, frags = m.partition(":f")
         base, _, frac = m.partition("@")
-        if base not in METHODS or (frac and not METHODS[base] or frac and not METHODS[base].get("overlap")) \
-                or (frags and (not METHODS[base] or not frags.isdigit())):
+        known = method_options(base)
+        if known is None or (frac and not known or frac and not known.get("overlap")) \
+                or (frags and (not known or not frags.isdigit())):
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F, "
                              "DiLoCo ones in :fP)")
         extra = {"fragments": int(frags)} if frags else {}
         if timed:
             extra["time_phases"] = True
         if not frac:
-            return dict(METHODS[base], **extra) if extra else METHODS[base]
+            return dict(known, **extra) if extra else known
         h = cfg.diloco.inner_steps
         num, _, den = frac.partition("/")
         steps = max(1, min(h, round(h * int(num) / int(den)))) if den else int(num)
-        return dict(METHODS[base], overlap_steps=steps, **extra)
+        return dict(known, overlap_steps=steps, **extra)
 
     opts = {m: options(m) for m in methods}
     tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len

@@ -66,6 +66,10 @@ class MemoryPlan:
     """Bytes usable on this process's GPU (None: no GPU)."""
     host_budget: int = 0
     """Bytes of host memory for all processes of this host."""
+    host_start: int = 0
+    """Bytes of this process in host memory while it starts, when that is more than the runtime: a GPU process of a
+    job whose nodes run different numbers of processes initializes the whole model on the CPU before it shards it
+    (prime.builders), freed before the first step. 0: nothing beyond the runtime."""
     host_procs: int = 1
     """Processes that share this host's memory (each needs about `host`)."""
     checkpoint: str = ""
@@ -83,11 +87,16 @@ class MemoryPlan:
     def host_bytes(self) -> int:
         return sum(b for _, b in self.host)
 
+    @property
+    def host_peak(self) -> int:
+        """The most this process holds in host memory: in training, or while it starts (host_start)."""
+        return max(self.host_bytes, self.host_start)
+
     def fits_gpu(self) -> bool:
         return self.gpu_budget is None or self.gpu_bytes <= self.gpu_budget
 
     def fits_host(self) -> bool:
-        return self.host_bytes * self.host_procs <= self.host_budget
+        return self.host_peak * self.host_procs <= self.host_budget
 
     def fits(self) -> bool:
         return self.fits_gpu() and self.fits_host()
@@ -101,15 +110,17 @@ class MemoryPlan:
         if self.gpu_budget is not None:
             lines.append(f"  GPU: {items(self.gpu)} = {self.gpu_bytes / GIB:.1f} of {self.gpu_budget / GIB:.1f} usable"
                          f" ({'fits' if self.fits_gpu() else 'DOES NOT FIT'})")
-        lines.append(f"  host: {items(self.host)} = {self.host_bytes / GIB:.1f}; x {self.host_procs} process(es) on "
-                     f"this host = {self.host_bytes * self.host_procs / GIB:.1f} of {self.host_budget / GIB:.1f}"
+        start = f"; at start {self.host_start / GIB:.1f} (the whole model initialized on the CPU, then sharded)" \
+            if self.host_start > self.host_bytes else ""
+        lines.append(f"  host: {items(self.host)} = {self.host_bytes / GIB:.1f}{start}; x {self.host_procs} process(es)"
+                     f" on this host = {self.host_peak * self.host_procs / GIB:.1f} of {self.host_budget / GIB:.1f}"
                      f" ({'fits' if self.fits_host() else 'DOES NOT FIT'})")
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
     def peaks(self, device: torch.device) -> str:
         """The measured peaks of this process beside the plan (one line)."""
-        line = f"memory: host peak {peak_host_bytes() / GIB:.1f} GiB of this process (plan {self.host_bytes / GIB:.1f})"
+        line = f"memory: host peak {peak_host_bytes() / GIB:.1f} GiB of this process (plan {self.host_peak / GIB:.1f})"
         if device.type == "cuda":
             line += (f", GPU peak {torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved (plan "
                      f"{self.gpu_bytes / GIB:.1f})")
@@ -123,8 +134,8 @@ class MemoryPlan:
         if not self.fits_gpu():
             short.append(f"the GPU needs {self.gpu_bytes / GIB:.1f} GiB of {self.gpu_budget / GIB:.1f} usable")
         if not self.fits_host():
-            short.append(f"host memory needs {self.host_bytes * self.host_procs / GIB:.1f} GiB "
-                         f"({self.host_procs} process(es) x {self.host_bytes / GIB:.1f}) of {self.host_budget / GIB:.1f}")
+            short.append(f"host memory needs {self.host_peak * self.host_procs / GIB:.1f} GiB "
+                         f"({self.host_procs} process(es) x {self.host_peak / GIB:.1f}) of {self.host_budget / GIB:.1f}")
         fix = "; ".join(self.remedies) or "a smaller model or more GPUs per node (train.fsdp shards over them)"
         raise MemoryPlanError(f"this run does not fit: {' and '.join(short)}. Change: {fix}. "
                               f"(memory.check = false starts anyway.)\n{self.describe()}")
@@ -270,6 +281,9 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
                 plan.gpu.append(("ring buffers", rings_here * int(2 * ring_values * (1 + 4 / block))))
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
+    shares = getattr(env, "shares", None)
+    if on_gpu and shares is not None and shares.uneven:  # the whole model in fp32 on the CPU first (builders)
+        plan.host_start = RUNTIME_HOST_BYTES + 4 * sum(p.numel() for p in params)
     if frags:
         if not home_gpu:
             plan.host.append((home_name + (" (pinned)" if on_gpu else ""), home))
@@ -324,6 +338,9 @@ def _add_remedies(plan: MemoryPlan, cfg, diloco, frags: list, *, work: int, larg
                                  "room)")
         if plan.checkpoint == "async":
             plan.remedies.append("checkpoint.async_save = false")
+        if plan.host_start * plan.host_procs > plan.host_budget:
+            plan.remedies.append("the same nodes.procs on every node (each process then initializes only its shard, "
+                                 "on its GPU)")
         plan.remedies.append("fewer processes on this host")
 
 

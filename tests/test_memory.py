@@ -30,7 +30,7 @@ class _Param:
 
 
 def _fake_run(name="10B", *, fragments=1, overlap=False, home="cpu", procs=2, nodes=2, mb=1, accum=2,
-              ckpt=True, checkpoint_dir="ck", seq=4096):
+              ckpt=True, checkpoint_dir="ck", seq=4096, uneven=False):
     """cfg, env, parts and a DiLoCo stand-in for `name` on `procs` GPUs per node: the numbers the plan reads."""
     from prime.fragments import PIPELINE_DEPTH, sync_pieces
 
@@ -55,7 +55,8 @@ def _fake_run(name="10B", *, fragments=1, overlap=False, home="cpu", procs=2, no
     frags = [SimpleNamespace(state=SimpleNamespace(numel=n, device=dev, streamed=home != "gpu"), pieces=k)
              for n, k in zip(frag_numel, pieces)]
     diloco = SimpleNamespace(fragments=frags, work_bytes=work, overlap=overlap)
-    env = SimpleNamespace(device=torch.device("cuda", 0), fsdp=procs > 1, num_nodes=nodes)
+    env = SimpleNamespace(device=torch.device("cuda", 0), fsdp=procs > 1, num_nodes=nodes,
+                          shares=SimpleNamespace(uneven=uneven))
     parts = SimpleNamespace(model=SimpleNamespace(parameters=lambda: params), args=args)
     return cfg, env, parts, diloco
 
@@ -111,6 +112,26 @@ def test_a_host_too_small_names_the_host_settings():
     plan = plan_memory(cfg, env, parts, d, host_procs=16, gpu_total=H200, host_total=HOST4)
     with pytest.raises(MemoryPlanError, match=r"host memory needs .*\(16 process\(es\).*outer_state_device"):
         plan.check()
+
+
+def test_uneven_nodes_count_the_whole_model_initialized_on_the_cpu():
+    # nodes of 2 and 1 processes: each process initializes the whole model in fp32 on the CPU before it shards it;
+    # with the outer state on the GPU and no checkpoints, that start is the host's peak
+    kw = dict(home="gpu", checkpoint_dir="")
+    cfg, env, parts, d = _fake_run(uneven=True, **kw)
+    whole = 4 * sum(p.numel() for p in parts.model.parameters())
+    plan = plan_memory(cfg, env, parts, d, host_procs=3, gpu_total=H200, host_total=2 * HOST4)
+    even = plan_memory(*_fake_run(**kw), host_procs=3, gpu_total=H200, host_total=2 * HOST4)
+    assert even.host_start == 0 and even.host_peak == even.host_bytes
+    assert plan.host_bytes == even.host_bytes  # training itself holds the same
+    assert plan.host_start > whole > plan.host_bytes and plan.host_peak == plan.host_start
+    assert "at start" in plan.describe() and "at start" not in even.describe()
+    # a host that holds three processes' training but not three whole models at once: refused, naming nodes.procs
+    budget = 3 * (plan.host_bytes + plan.host_start) // 2
+    assert plan_memory(*_fake_run(**kw), host_procs=3, gpu_total=H200, host_total=budget).fits_host()
+    tight = plan_memory(cfg, env, parts, d, host_procs=3, gpu_total=H200, host_total=budget)
+    with pytest.raises(MemoryPlanError, match=r"host memory needs .*the same nodes\.procs on every node"):
+        tight.check()
 
 
 def test_a_run_that_cannot_fit_stops_before_its_first_step(tmp_path):
