@@ -28,7 +28,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        decay of 0.95 (diloco.feedback_decay); -k48-a96-plain-ef95: 48 of 4096 per contribution, 96
                        per chunk of the owners' averages (diloco.average_density), decay 0.95 (-k32-a64-: 32 and 64);
                        -a128-plain: 64 and 128; any diloco-topk[-kK][-aA][-cC]-plain[-efDD][-lrX] spells a setting
-                       out (K and A of every C, decay 0.DD, outer lr X); overlap-topk-eager-merge with overlap
+                       out (K and A of every C, decay 0.DD, outer lr X; diloco-int8-plain-lrX, diloco-exact-plain-lrX
+                       the same for int8 and exact); overlap-topk-eager-merge with overlap
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -104,14 +105,19 @@ METHODS = {
     "overlap-topk-eager-merge": dict(codec="topk", overlap=True, overlap_scheme="eager-merge"),
 }
 EVAL_FRACTION = 0.05
+DENSE_SPEC = re.compile(r"diloco-(int8|exact)-plain-lr([\d.]+)")
 TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?")
 
 
 def method_options(base: str):
-    """A method's DiLoCo options: a named one, or a topk setting spelled out (diloco-topk-k40-a112-plain-ef90:
-    40 and 112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr), None when unknown."""
+    """A method's DiLoCo options: a named one, or a setting spelled out: diloco-topk-k40-a112-plain-ef90 (40 and
+    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr), diloco-int8-plain-lr1.5 (int8 or
+    exact with outer lr 1.5, no momentum); None when unknown."""
     if base in METHODS:
         return METHODS[base]
+    m = DENSE_SPEC.fullmatch(base)
+    if m is not None:
+        return dict(METHODS[f"diloco-{m.group(1)}"], outer_lr=float(m.group(2)), outer_momentum=0.0)
     m = TOPK_SPEC.fullmatch(base)
     if m is None:
         return None
