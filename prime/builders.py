@@ -154,6 +154,7 @@ def build_data(cfg: Config, env: Environment, vocab_size: int) -> TrainData:
 
 def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data: TrainData) -> RunMetrics:
     """The run's metrics (not yet opened: RunMetrics.open once the resume step is known)."""
+    outer = cfg.diloco.outer_settings()
     return RunMetrics(
         out_dir=cfg.metrics.out_dir, node_rank=env.node_rank, is_logger=env.is_logger, local_world=env.local_world,
         num_nodes=env.num_nodes, total_steps=cfg.train.steps, log_every=cfg.metrics.log_every,
@@ -161,7 +162,7 @@ def build_metrics(cfg: Config, env: Environment, parts: ModelAndOptimizer, data:
         flops_per_token=parts.args.flops_per_token(cfg.data.seq_len),
         peak=peak_flops(env.device, cfg.metrics.peak_tflops), local_sum=env.local_sum,
         codec=cfg.diloco.codec, block_size=cfg.diloco.resolved_block_size(), inner_steps=cfg.diloco.inner_steps,
-        model_numel=parts.numel(), density=cfg.diloco.density, average_density=cfg.diloco.average_density,
+        model_numel=parts.numel(), density=outer["density"], average_density=outer["average_density"],
         step_weights=env.shares.step_weights if env.shares is not None and env.shares.uneven else None,
     )
 
@@ -171,6 +172,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
     """DiLoCo over the nodes component: a fixed set of nodes on rings (prime.nodes.FixedNodes), or elastic
     membership (prime.elastic.trainer.ElasticNodes). Returns (diloco, nodes)."""
     d = cfg.diloco
+    outer = d.outer_settings()  # the codec's defaults where unset
     if cfg.elastic.enabled:
         from prime.elastic.trainer import ElasticNodes
 
@@ -187,13 +189,12 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
     def make(sync, **extra):
         return DiLoCo(
             parts.model, parts.optimizer, sync,
-            inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, nesterov=d.nesterov,
+            inner_steps=d.inner_steps, nesterov=d.nesterov, **outer,
             codec=d.codec, block_size=d.resolved_block_size(), measure_compression_error=d.compression_error,
             # elastic joiners check a digest of the state they download instead
             check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
             overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None,
             outer_state_device=d.outer_state_device, fragments=d.fragments, error_feedback=d.error_feedback,
-            density=d.density, average_density=d.average_density, feedback_decay=d.feedback_decay,
             weights="tokens" if d.phase == "time" or uneven else "equal",
             auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None, **extra)
 

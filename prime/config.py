@@ -174,10 +174,10 @@ class OptimConfig:
 class DiLoCoConfig:
     inner_steps: int = 100
     """H: inner optimizer steps between two outer steps (INTELLECT-1 used 100)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer Nesterov SGD."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD."""
+    outer_lr: Optional[float] = None
+    """Learning rate of the outer SGD. Unset (none): the codec's, 0.7 (INTELLECT-1's), for topk 3 (docs/codec.md, "The sparse codec")."""
+    outer_momentum: Optional[float] = None
+    """Momentum of the outer SGD. Unset (none): the codec's, 0.9, for topk 0 (its error feedback is the memory)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (False: heavy ball)."""
     codec: str = "int8"
@@ -185,11 +185,11 @@ class DiLoCoConfig:
     block_size: Optional[int] = None
     """Codec block (int8, fp4): one scale per block_size values; topk: values per chunk (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales), 4096 for topk."""
     density: Optional[float] = None
-    """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1). Unset (none): 1/64 (64 of 4096, 0.028 bytes a value). Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
+    """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1). Unset (none): 48/4096. Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
     average_density: Optional[float] = None
-    """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): diloco.density. The sum of N nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
-    feedback_decay: float = 1.0
-    """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1 old residual fades geometrically, as SparseLoCo's accumulator (0.95 there); needs error feedback on."""
+    """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): 96/4096 when diloco.density is unset too (with 48/4096: 0.0317 bytes a value, 1/32 of int8's), else diloco.density. The sum of N nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
+    feedback_decay: Optional[float] = None
+    """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1 old residual fades geometrically, as SparseLoCo's accumulator; needs error feedback on. Unset (none): 1, for topk 0.8."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
@@ -222,6 +222,15 @@ class DiLoCoConfig:
     def resolved_block_size(self) -> int:
         """block_size, or the codec's default when it is unset."""
         return default_block_size(self.codec) if self.block_size is None else self.block_size
+
+    def outer_settings(self) -> dict:
+        """outer_lr, outer_momentum, feedback_decay, density and average_density, each unset one the codec's
+        default (prime.codecs; density and average_density None for a codec that is not sparse)."""
+        from prime.codecs import codec
+
+        return codec(self.codec, "diloco.codec").outer_settings(self.outer_lr, self.outer_momentum,
+                                                                self.feedback_decay, self.density,
+                                                                self.average_density)
 
     def validate(self) -> None:
         _require(self.inner_steps >= 1, "diloco.inner_steps", ">= 1", self.inner_steps)
@@ -261,17 +270,18 @@ class DiLoCoConfig:
                      self.phase_seconds)
         _require(self.outer_state_device in ("cpu", "gpu", "auto"), "diloco.outer_state_device",
                  "'cpu', 'gpu' or 'auto'", self.outer_state_device)
-        _require(self.outer_lr > 0, "diloco.outer_lr", "> 0", self.outer_lr)
-        _require(self.outer_lr <= 10, "diloco.outer_lr", "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)",
-                 self.outer_lr)
-        _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", self.outer_momentum)
         from prime.codecs import CODECS, names
 
         _require(self.codec in CODECS, "diloco.codec", names(), self.codec)
+        outer = self.outer_settings()
+        _require(outer["outer_lr"] > 0, "diloco.outer_lr", "> 0", outer["outer_lr"])
+        _require(outer["outer_lr"] <= 10, "diloco.outer_lr",
+                 "<= 10 (0.7 is usual; 1 with no momentum is plain averaging)", outer["outer_lr"])
+        _require(0 <= outer["outer_momentum"] < 1, "diloco.outer_momentum", "in [0, 1)", outer["outer_momentum"])
         from prime.feedback import check_feedback_decay, resolve_error_feedback
 
         feedback = resolve_error_feedback(self.error_feedback, self.codec, "diloco.error_feedback")
-        check_feedback_decay(self.feedback_decay, feedback, "diloco.feedback_decay")
+        check_feedback_decay(outer["feedback_decay"], feedback, "diloco.feedback_decay")
         if self.block_size is not None:
             check_block_size(self.block_size, "diloco.block_size")
         for name, value in (("diloco.density", self.density), ("diloco.average_density", self.average_density)):
@@ -280,13 +290,10 @@ class DiLoCoConfig:
                 _require(0 < value <= 1, name, "in (0, 1]", value)
         if self.codec == "topk":
             from prime import sparse
-            from prime.codecs import DEFAULT_DENSITY
 
             chunk = self.resolved_block_size()
-            density = DEFAULT_DENSITY if self.density is None else self.density
-            sparse.check_pays(chunk, sparse.keep_for_density(density, chunk), "diloco.density")
-            if self.average_density is not None:  # unset: the density's
-                sparse.check_pays(chunk, sparse.keep_for_density(self.average_density, chunk), "diloco.average_density")
+            for name in ("density", "average_density"):
+                sparse.check_pays(chunk, sparse.keep_for_density(outer[name], chunk), f"diloco.{name}")
         _require(self.retries >= 0, "diloco.retries", ">= 0", self.retries)
         _require_range(self.retries, "diloco.retries", 0, 100)
         _require(self.timeout_s > 0, "diloco.timeout_s", "> 0", self.timeout_s)

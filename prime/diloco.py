@@ -58,11 +58,13 @@ DiLoCo's arguments:
                       prime.sync.Sync (e.g. prime.elastic.ElasticSync), or None for a single node (step()
                       then only counts). A ring or sync passed in stays the caller's: close() leaves it open
     inner_steps:      H, inner steps between outer steps
-    outer_lr, outer_momentum, nesterov: the default outer update, bit-identical on every node (prime/update.py)
+    outer_lr, outer_momentum, nesterov: the default outer update, bit-identical on every node (prime/update.py).
+                      None: the codec's (prime.codecs): Nesterov with lr 0.7 and momentum 0.9, for topk lr 3
+                      and no momentum (its error feedback is the memory; docs/codec.md, "The sparse codec")
     outer_optimizer:  outer_optimizer(params) -> any torch optimizer over the outer parameters, in place of the
                       default update (nodes then agree bit for bit only on the same torch build and CPU)
     codec:            "int8" (default: 0.254x the bytes of fp32, ~1% relative L2 error per node), "fp4"
-                      (half of int8's bytes, ~11%), "topk" (sparse, 0.007x at the default density: each round
+                      (half of int8's bytes, ~11%), "topk" (sparse, 0.008x at the default densities: each round
                       sends the largest values of every chunk, error feedback the rest later; fixed or elastic
                       nodes) or "none" (exact fp32); prime/codecs.py
     block_size:       codec block size, topk's chunk; None: the codec's default (int8 64, fp4 256, topk 4096)
@@ -86,12 +88,13 @@ DiLoCo's arguments:
     error_feedback:   feed what this node's contribution lost to the codec into its next pseudo-gradient
                       (prime/feedback.py). None: on for "fp4" and "topk", off for "int8"; refused with "none",
                       and off is refused with "topk"
-    density:          topk: the share of each chunk's values sent per round (None: 1/64); k = density x
+    density:          topk: the share of each chunk's values sent per round (None: 48/4096); k = density x
                       block_size, at least 1. Refused with the other codecs
-    average_density:  topk: the share of each chunk of the average that its owner sends back (None: density).
-                      Above density the owner drops less of the sum of N contributions (docs/codec.md)
+    average_density:  topk: the share of each chunk of the average that its owner sends back (None: 96/4096
+                      when density is None too, else density). Above density the owner drops less of the sum
+                      of N contributions (docs/codec.md)
     feedback_decay:   error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1]
-                      (default 1: all of it; SparseLoCo's accumulator decay, e.g. 0.95, forgets old residual)
+                      (None: 1, all of it; topk 0.8: old residual fades, as SparseLoCo's accumulator)
     weights:          "equal" (default) or "tokens": each outer step averages the nodes' pseudo-gradients
                       weighted by the inner steps each trained since that fragment's last outer step (time
                       phases, where a faster node trains more; every node must train the same tokens per inner
@@ -149,8 +152,8 @@ class DiLoCo:
         sync=None,
         *,
         inner_steps: int = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: Optional[float] = None,
+        outer_momentum: Optional[float] = None,
         nesterov: bool = True,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
         codec: str = "int8",
@@ -170,16 +173,19 @@ class DiLoCo:
         density: Optional[float] = None,
         weights: str = "equal",
         average_density: Optional[float] = None,
-        feedback_decay: float = 1.0,
+        feedback_decay: Optional[float] = None,
         shard: Optional[Callable] = None,
         rings: Optional[int] = None,
         step_weight: int = 1,
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
-        self.keep = _sparse_keep(codec, block_size, density)
+        # unset settings take the codec's defaults (prime.codecs: topk's differ from the block codecs')
+        unset = codec_named(codec).outer_settings(outer_lr, outer_momentum, feedback_decay, density, average_density)
+        outer_lr, outer_momentum, feedback_decay = unset["outer_lr"], unset["outer_momentum"], unset["feedback_decay"]
+        self.keep = _sparse_keep(codec, block_size, unset["density"])
         """codec topk: the values kept per chunk of block_size (density x block_size, at least 1); None otherwise."""
-        self.keep_average = (self.keep if average_density is None
-                             else _sparse_keep(codec, block_size, average_density, "average_density"))
+        self.keep_average = (self.keep if unset["average_density"] is None
+                             else _sparse_keep(codec, block_size, unset["average_density"], "average_density"))
         """codec topk: the values each owner keeps per chunk of its shard's average (None otherwise)."""
         overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
                                          overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
@@ -485,15 +491,14 @@ def _fingerprint(d: DiLoCo) -> tuple[int, int, int]:
 
 
 def _sparse_keep(codec: str, block_size: int, density: Optional[float], name: str = "density") -> Optional[int]:
-    """Values kept per chunk for a sparse codec (None for the others, which take no density)."""
+    """Values kept per chunk for a sparse codec (None for the others, which take no density); `density` is set
+    (the codec's default already in it)."""
     if not codec_named(codec).sparse:
         if density is not None:
             raise ValueError(f"{name} is a setting of codec 'topk', not of {codec!r}")
         return None
     from prime import sparse
-    from prime.codecs import DEFAULT_DENSITY
 
-    density = DEFAULT_DENSITY if density is None else density
     try:
         keep = sparse.keep_for_density(density, block_size)
     except ValueError as e:

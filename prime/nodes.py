@@ -278,9 +278,12 @@ class FixedNodes:
         if not self.multi_node:
             return None
         d = self.cfg.diloco
+        o = d.outer_settings()
+        sparse = f" (density {o['density']:g}, average {o['average_density']:g}, residual decay " \
+                 f"{o['feedback_decay']:g})" if o["density"] is not None else ""
         return (f"DiLoCo: node {self.env.node_rank} of {self.env.num_nodes}, outer step every {d.inner_steps} inner "
-                f"steps, codec {d.codec}, outer lr {d.outer_lr} momentum {d.outer_momentum}"
-                f"{' nesterov' if d.nesterov else ''}")
+                f"steps, codec {d.codec}{sparse}, outer lr {o['outer_lr']:g} momentum {o['outer_momentum']:g}"
+                f"{' nesterov' if d.nesterov and o['outer_momentum'] else ''}")
 
     def start(self) -> Optional[OuterStepResult]:
         """Checks that every node holds the same weights and settings; runs the outer step that a checkpoint

@@ -60,8 +60,8 @@ def lr_at(step: int, total: int, lr: float, warmup: int, decay: int, min_ratio: 
 def likely_divergence_cause(cfg: Config, step: int, resumed_from: Optional[int], after_outer: bool) -> str:
     """The setting that most likely made inner step `step` diverge (after_outer: an outer step came just before)."""
     if after_outer:
-        return (f"diloco.outer_lr ({cfg.diloco.outer_lr}) too high: the outer step just before this inner step "
-                "made the weights diverge")
+        lr = cfg.diloco.outer_settings()["outer_lr"]
+        return f"diloco.outer_lr ({lr:g}) too high: the outer step just before this inner step made the weights diverge"
     if resumed_from is not None and step == resumed_from + 1:
         return (f"the checkpoint of step {resumed_from} that this run resumed from (its state is not "
                 f"finite), or optim.lr ({cfg.optim.lr}) too high")

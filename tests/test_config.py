@@ -22,7 +22,7 @@ def test_precedence_default_toml_env_cli(tmp_path):
     cfg = load_config(path, [("diloco.inner_steps", "50")], env={"PRIME_NUM_NODES": "4", "PRIME_NODE_RANK": "3"})
     assert cfg.diloco.inner_steps == 50  # command line over TOML
     assert cfg.diloco.outer_lr == 0.5  # TOML over default
-    assert cfg.diloco.outer_momentum == 0.9  # default
+    assert cfg.diloco.outer_momentum is None and cfg.diloco.outer_settings()["outer_momentum"] == 0.9  # default
     assert (cfg.nodes.num_nodes, cfg.nodes.node_rank) == (4, 3)  # environment over TOML
     cfg.validate()
 

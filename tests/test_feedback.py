@@ -441,6 +441,7 @@ def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=T
         kw.update(settings)
         if codec == "topk":
             kw["density"] = KEEP / BS
+            kw.setdefault("feedback_decay", 1.0)  # the reference's (topk's default is 0.8)
         d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU,
                    codec=codec, block_size=BS, fragments=fragments, error_feedback=error_feedback,
                    measure_compression_error=False, **kw)
@@ -756,9 +757,36 @@ def test_the_average_density_is_a_topk_setting_every_node_shares():
         DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=1.5)
     # nodes that keep other counts, or decay their residuals otherwise, refuse each other at the replica check
     decayed = DiLoCo(model, None, ring, codec="topk", block_size=256, density=4 / 256, feedback_decay=0.9)
-    assert decayed.settings()["feedback_decay"] == 0.9 and "feedback_decay" not in same.settings()
+    assert decayed.settings()["feedback_decay"] == 0.9 and same.settings()["feedback_decay"] == 0.8  # topk's default
     prints = {x._fingerprint()[1] for x in (d, same, decayed)}
     assert len(prints) == 3 and d._fingerprint()[0] == same._fingerprint()[0]  # the same weights, other settings
+
+
+def test_unset_settings_take_the_codecs_defaults():
+    """topk's outer step when its settings are unset (prime.codecs.TOPK_DEFAULTS): 48 / 96 of 4096, decay 0.8,
+    outer lr 3 without momentum; the block codecs keep Nesterov 0.7 / 0.9; what is set wins, in DiLoCo and in the
+    config alike."""
+    from prime.codecs import TOPK_DEFAULTS
+
+    model = nn.Linear(64, 64)
+    ring = DirectFakeRing(FakeGroup(1), 0)
+    d = DiLoCo(model, None, ring, codec="topk")
+    s = d.settings()
+    assert (d.keep, d.keep_average, d.feedback_decay) == (48, 96, 0.8)
+    assert (s["outer_lr"], s["outer_momentum"]) == (3.0, 0.0)
+    i = DiLoCo(model, None, ring, codec="int8").settings()
+    assert (i["outer_lr"], i["outer_momentum"], DiLoCo(model, None, ring, codec="fp4").feedback_decay) == (0.7, 0.9, 1.0)
+    mine = DiLoCo(model, None, ring, codec="topk", outer_lr=1.0, feedback_decay=0.95, density=64 / 4096)
+    assert (mine.settings()["outer_lr"], mine.feedback_decay, mine.keep, mine.keep_average) == (1.0, 0.95, 64, 64)
+    cfg = load_config(None, [("diloco.codec", "topk")], env={}).validate()
+    assert cfg.diloco.outer_settings() == TOPK_DEFAULTS
+    cfg = load_config(None, [("diloco.codec", "topk"), ("diloco.outer_lr", "1"), ("diloco.density", "0.015625")],
+                      env={}).validate()
+    assert cfg.diloco.outer_settings() == dict(TOPK_DEFAULTS, outer_lr=1.0, density=1 / 64, average_density=1 / 64)
+    assert load_config(None, [], env={}).validate().diloco.outer_settings() == dict(
+        outer_lr=0.7, outer_momentum=0.9, feedback_decay=1.0, density=None, average_density=None)
+    with pytest.raises(ValueError, match=r"diloco\.outer_lr must be > 0"):
+        load_config(None, [("diloco.codec", "topk"), ("diloco.outer_lr", "0")], env={}).validate()
 
 
 def test_config_field():
