@@ -82,8 +82,6 @@ the owners' averages (0.0317 bytes a value, 1/32 of int8's), the residual decaye
 update of lr 3 (no momentum: error feedback is the memory). The best of the settings measured (docs/codec.md,
 "The sparse codec"): within 1% of int8's loss on the tiny model over 160 outer steps; with the update int8
 takes (Nesterov, lr 0.7, momentum 0.9) topk was +40% there."""
-DEFAULT_DENSITY = TOPK_DEFAULTS["density"]
-"""topk: the share of each chunk's values kept per contribution (48 of 4096) when diloco.density is unset."""
 
 
 CODECS = {
