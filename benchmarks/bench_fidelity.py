@@ -28,8 +28,10 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        decay of 0.95 (diloco.feedback_decay); -k48-a96-plain-ef95: 48 of 4096 per contribution, 96
                        per chunk of the owners' averages (diloco.average_density), decay 0.95 (-k32-a64-: 32 and 64);
                        -a128-plain: 64 and 128; any diloco-topk[-kK][-aA][-cC]-plain[-efDD][-lrX] spells a setting
-                       out (K and A of every C, decay 0.DD, outer lr X; diloco-int8-plain-lrX, diloco-exact-plain-lrX
-                       the same for int8 and exact); overlap-topk-eager-merge with overlap
+                       out (K and A of every C, decay 0.DD, outer lr X; unset: K 64, A = K, no decay, lr 1;
+                       diloco-int8-plain-lrX, diloco-exact-plain-lrX the same for int8 and exact);
+                       overlap-topk-eager-merge with overlap. These keep the settings they were recorded with;
+                       diloco-topk-defaults takes topk's own (48 / 96, decay 0.8, lr 3, no momentum)
   diloco-int8-ef       synchronous DiLoCo, int8 ring, with error feedback (int8's default is without)
   overlap-fp4-eager-merge  DiLoCo with overlap (eager-merge), fp4 ring with error feedback; may end in @F
   METHOD:fP            any DiLoCo method with streaming fragments (diloco.fragments = P): each fragment syncs
@@ -104,6 +106,15 @@ METHODS = {
     "diloco-topk-c512-plain": dict(codec="topk", overlap=False, block_size=512, outer_lr=1.0, outer_momentum=0.0),
     "overlap-topk-eager-merge": dict(codec="topk", overlap=True, overlap_scheme="eager-merge"),
 }
+# The topk methods above keep the settings they were recorded with (benchmarks/RESULTS.md) now that topk has
+# defaults of its own: 64 of every 4096 values (the averages as many), no residual decay, and unless a method
+# sets it, the block codecs' update (Nesterov, lr 0.7, momentum 0.9). diloco-topk-defaults takes topk's own.
+for _opts in METHODS.values():
+    if _opts is not None and _opts["codec"] == "topk":
+        for _name, _value in (("density", 64 / 4096), ("feedback_decay", 1.0), ("outer_lr", 0.7),
+                              ("outer_momentum", 0.9)):
+            _opts.setdefault(_name, _value)
+METHODS["diloco-topk-defaults"] = dict(codec="topk", overlap=False)
 EVAL_FRACTION = 0.05
 DENSE_SPEC = re.compile(r"diloco-(int8|exact)-plain-lr([\d.]+)")
 TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?")
@@ -111,8 +122,9 @@ TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?
 
 def method_options(base: str):
     """A method's DiLoCo options: a named one, or a setting spelled out: diloco-topk-k40-a112-plain-ef90 (40 and
-    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr), diloco-int8-plain-lr1.5 (int8 or
-    exact with outer lr 1.5, no momentum); None when unknown."""
+    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr; unset: 1/64 of each chunk, the
+    averages as many, no decay, lr 1), diloco-int8-plain-lr1.5 (int8 or exact with outer lr 1.5, no momentum);
+    None when unknown."""
     if base in METHODS:
         return METHODS[base]
     m = DENSE_SPEC.fullmatch(base)
@@ -123,15 +135,12 @@ def method_options(base: str):
         return None
     k, a, c, ef, lr = m.groups()
     chunk = int(c) if c else 4096
-    opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0, outer_momentum=0.0)
+    opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0, outer_momentum=0.0,
+                density=int(k) / chunk if k else 1 / 64, feedback_decay=int(ef) / 10 ** len(ef) if ef else 1.0)
     if c:
         opts["block_size"] = chunk
-    if k:
-        opts["density"] = int(k) / chunk
     if a:
         opts["average_density"] = int(a) / chunk
-    if ef:
-        opts["feedback_decay"] = int(ef) / 10 ** len(ef)
     return opts
 
 

@@ -278,9 +278,13 @@ class FixedNodes:
         if not self.multi_node:
             return None
         d = self.cfg.diloco
-        o = d.outer_settings()
-        sparse = f" (density {o['density']:g}, average {o['average_density']:g}, residual decay " \
-                 f"{o['feedback_decay']:g})" if o["density"] is not None else ""
+        o, chunk = d.outer_settings(), d.resolved_block_size()
+        sparse = ""
+        if o["density"] is not None:  # topk: the values kept per chunk, of each contribution and of the averages
+            from prime.sparse import keep_for_density
+
+            kept = [keep_for_density(o[name], chunk) for name in ("density", "average_density")]
+            sparse = f" ({kept[0]} / {kept[1]} of every {chunk} values, residual decay {o['feedback_decay']:g})"
         return (f"DiLoCo: node {self.env.node_rank} of {self.env.num_nodes}, outer step every {d.inner_steps} inner "
                 f"steps, codec {d.codec}{sparse}, outer lr {o['outer_lr']:g} momentum {o['outer_momentum']:g}"
                 f"{' nesterov' if d.nesterov and o['outer_momentum'] else ''}")
