@@ -221,97 +221,136 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
-                host_total: Optional[int] = None) -> MemoryPlan:
-    """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
-    `gpu_total`, `host_total`: the budgets (default: memory.gpu_gib / memory.host_gib, else detected)."""
+@dataclass
+class _OuterBuffers:
+    """DiLoCo's bytes in one process, as the plan counts them (all 0 without an outer step)."""
+
+    frags: list
+    home: int = 0
+    """Outer weights + momentum (+ the residual with error feedback), fp32."""
+    home_name: str = ""
+    home_gpu: bool = False
+    work: int = 0
+    staging: int = 0
+    ring_values: int = 0
+    """Values of the largest all-reduce one ring runs (a pipelined synchronous step: of one piece)."""
+    ring_host: int = 0
+    """The ring's host staging."""
+    rings_here: int = 1
+    """Rings this process takes part in (prime.shares: a DiLoCo on each, their outer steps side by side)."""
+    outer_numel: int = 0
+    largest: int = 0
+
+
+def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
     from prime.layout import pass_buffer_bytes
     from prime.outer import home_buffer_count
-    from prime.parallelize import local_shard
 
-    m = cfg.memory
-    plan = MemoryPlan(host_procs=max(1, host_procs))
-    params = list(parts.model.parameters())
-    local = sum(local_shard(p.detach()).numel() for p in params)  # this process's shard
-    on_gpu = env.device.type == "cuda"
-    # -- DiLoCo's buffers ------------------------------------------------------------
     frags = getattr(diloco, "fragments", []) or []
-    outer_numel = sum(f.state.numel for f in frags)
-    largest = max((f.state.numel for f in frags), default=0)
-    home_gpu = bool(frags) and frags[0].state.device.type == "cuda"
+    if not frags:
+        return _OuterBuffers(frags)
+    on_gpu = env.device.type == "cuda"
+    b = _OuterBuffers(frags, outer_numel=sum(f.state.numel for f in frags),
+                      largest=max(f.state.numel for f in frags), home_gpu=frags[0].state.device.type == "cuda",
+                      work=diloco.work_bytes, rings_here=len(getattr(diloco, "members", None) or [diloco]))
     feedback = bool(getattr(diloco, "error_feedback", False))  # a third home buffer: the residual
-    home = home_buffer_count(feedback) * 4 * outer_numel
-    home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
-    work = diloco.work_bytes if frags else 0
-    streamed = bool(frags) and frags[0].state.streamed
-    # a process on several rings (prime.shares) runs a DiLoCo per ring, their outer steps side by side
-    rings_here = len(getattr(diloco, "members", None) or [diloco])
-    staging = rings_here * pass_buffer_bytes(on_gpu, streamed) if frags else 0
+    b.home = home_buffer_count(feedback) * 4 * b.outer_numel
+    b.home_name = "outer weights + momentum" + (" + error-feedback residual" if feedback else "")
+    b.staging = b.rings_here * pass_buffer_bytes(on_gpu, frags[0].state.streamed)
     # the ring's pinned host staging: the int8 payload of this rank's chunk of the largest all-reduce, sent and
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
-    pieces = max((f.pieces for f in frags), default=1)
-    ring_values = (largest // pieces) if frags else 0
+    b.ring_values = b.largest // max(f.pieces for f in frags)
     nodes = max(1, env.num_nodes)
-    block = cfg.diloco.resolved_block_size()
-    # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
-    if frags and cfg.diloco.codec == "topk":
+    if cfg.diloco.codec == "topk":
         # the sparse codec runs on the CPU: a CUDA tensor is staged down and its average up (pinned, the caching
         # host allocator's power-of-two blocks), the dropped part comes back in a third buffer, the owner sums its
         # chunk and decodes its selection (4 bytes a value of its 1/N each), and what the rank's selections of the
         # other chunks drop waits for the collective's end (4 bytes a value of the other (N - 1)/N)
-        staged = _pow2(4 * ring_values) if on_gpu else 4 * ring_values
-        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * ring_values / nodes) \
-            + int(4 * ring_values * (nodes - 1) / nodes)
-    else:
-        ring_host = int(2 * ring_values / nodes * (1 + 2 / block)) if on_gpu and frags else 0
-    ring_host *= rings_here
-    if on_gpu:
+        staged = _pow2(4 * b.ring_values) if on_gpu else 4 * b.ring_values
+        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * b.ring_values / nodes) \
+            + int(4 * b.ring_values * (nodes - 1) / nodes)
+    else:  # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
+        ring_host = int(2 * b.ring_values / nodes * (1 + 2 / cfg.diloco.resolved_block_size())) if on_gpu else 0
+    b.ring_host = b.rings_here * ring_host
+    return b
+
+
+def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
+                host_total: Optional[int] = None) -> MemoryPlan:
+    """The memory plan of this process (see the module docstring). `host_procs`: processes sharing this host;
+    `gpu_total`, `host_total`: the budgets (default: memory.gpu_gib / memory.host_gib, else detected)."""
+    m = cfg.memory
+    plan = MemoryPlan(host_procs=max(1, host_procs))
+    outer = _outer_buffers(cfg, env, diloco)
+    if env.device.type == "cuda":
         budget = gpu_total if gpu_total is not None else (
             int(m.gpu_gib * GIB) if m.gpu_gib else torch.cuda.get_device_properties(env.device).total_memory)
         plan.gpu_budget = int(budget * (1 - GPU_SLACK_FRACTION)) - CUDA_CONTEXT_BYTES
-        plan.gpu += training_gpu_items(cfg, env, parts)
-        if frags:
-            if home_gpu:
-                plan.gpu.append((home_name, home))
-            plan.gpu.append(("outer work buffers", work))
-            plan.gpu.append(("outer staging", staging))
-            if cfg.diloco.codec == "topk":  # the owners' dropped part, brought back on the collective stream
-                plan.gpu.append(("ring: the dropped part", rings_here * 4 * ring_values))
-            else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
-                plan.gpu.append(("ring buffers", rings_here * int(2 * ring_values * (1 + 4 / block))))
+        plan.gpu += training_gpu_items(cfg, env, parts) + _outer_gpu_items(cfg, outer)
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
+    _plan_host(plan, cfg, env, parts, diloco, outer)
+    _plan_checkpoints(plan, cfg, parts, outer, plan_host_budget(plan, m, host_total))
+    plan.host_budget = plan_host_budget(plan, m, host_total)
+    _add_remedies(plan, cfg, diloco, outer.frags, work=outer.work, largest=outer.largest,
+                  outer_numel=outer.outer_numel, home_gpu=outer.home_gpu)
+    return plan
+
+
+def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
+    """[(what, bytes)] of DiLoCo on this process's GPU."""
+    if not outer.frags:
+        return []
+    items = [(outer.home_name, outer.home)] if outer.home_gpu else []
+    items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
+    if cfg.diloco.codec == "topk":  # the owners' dropped part, brought back on the collective stream
+        items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
+    else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
+        block = cfg.diloco.resolved_block_size()
+        items.append(("ring buffers", outer.rings_here * int(2 * outer.ring_values * (1 + 4 / block))))
+    return items
+
+
+def _plan_host(plan: MemoryPlan, cfg, env, parts, diloco, outer: _OuterBuffers) -> None:
+    """This process's host memory before checkpoints: the runtime, its start, the outer state and staging."""
+    on_gpu = env.device.type == "cuda"
     plan.host.append(("runtime", RUNTIME_HOST_BYTES if on_gpu else RUNTIME_HOST_BYTES_CPU))
     shares = getattr(env, "shares", None)
     if on_gpu and shares is not None and shares.uneven:  # the whole model in fp32 on the CPU first (builders)
-        plan.host_start = RUNTIME_HOST_BYTES + 4 * sum(p.numel() for p in params)
-    if frags:
-        if not home_gpu:
-            plan.host.append((home_name + (" (pinned)" if on_gpu else ""), home))
-        if ring_host:
-            plan.host.append(("ring staging" + (" (pinned)" if on_gpu else ""), ring_host))
-        states = getattr(diloco, "states", None)
-        if cfg.elastic.enabled and home_gpu and states is not None:  # what joiners are served from
-            plan.host.append(("elastic state mirror (pinned)", states.mirror_bytes()))
-    # -- checkpoints -----------------------------------------------------------------
-    if cfg.checkpoint.dir:
-        state = 12 * local  # weights + AdamW, fp32
-        outer_copy = home  # state_dict's copy (GPU home) or the async clone (CPU home)
-        async_need = state + outer_copy + (home if home_gpu else 0)
-        blocking_need = (home if home_gpu else 0)  # the copy to the host of a GPU-resident outer state
-        base = plan.host_bytes
-        if cfg.checkpoint.async_save and (base + async_need) * plan.host_procs <= plan_host_budget(plan, m, host_total):
-            plan.checkpoint = "async"
-            plan.host.append(("checkpoint staging (async save)", async_need))
-        else:
-            plan.checkpoint = "blocking"
-            if blocking_need:
-                plan.host.append(("checkpoint copy of the outer state", blocking_need))
-            if cfg.checkpoint.async_save:
-                plan.notes.append(f"checkpoints: saved synchronously (training waits for each write): an async save "
-                                  f"would stage {async_need / GIB:.1f} GiB more per process, which this host cannot hold")
-    plan.host_budget = plan_host_budget(plan, m, host_total)
-    _add_remedies(plan, cfg, diloco, frags, work=work, largest=largest, outer_numel=outer_numel, home_gpu=home_gpu)
-    return plan
+        plan.host_start = RUNTIME_HOST_BYTES + 4 * sum(p.numel() for p in parts.model.parameters())
+    if not outer.frags:
+        return
+    if not outer.home_gpu:
+        plan.host.append((outer.home_name + (" (pinned)" if on_gpu else ""), outer.home))
+    if outer.ring_host:
+        plan.host.append(("ring staging" + (" (pinned)" if on_gpu else ""), outer.ring_host))
+    states = getattr(diloco, "states", None)
+    if cfg.elastic.enabled and outer.home_gpu and states is not None:  # what joiners are served from
+        plan.host.append(("elastic state mirror (pinned)", states.mirror_bytes()))
+
+
+def _plan_checkpoints(plan: MemoryPlan, cfg, parts, outer: _OuterBuffers, host_budget: int) -> None:
+    """How checkpoints are saved (plan.checkpoint) and what that stages in host memory: asynchronously when the
+    staging fits beside the rest, else synchronously."""
+    if not cfg.checkpoint.dir:
+        return
+    from prime.parallelize import local_shard
+
+    local = sum(local_shard(p.detach()).numel() for p in parts.model.parameters())  # this process's shard
+    home, home_gpu = outer.home, outer.home_gpu
+    state = 12 * local  # weights + AdamW, fp32
+    outer_copy = home  # state_dict's copy (GPU home) or the async clone (CPU home)
+    async_need = state + outer_copy + (home if home_gpu else 0)
+    blocking_need = (home if home_gpu else 0)  # the copy to the host of a GPU-resident outer state
+    if cfg.checkpoint.async_save and (plan.host_bytes + async_need) * plan.host_procs <= host_budget:
+        plan.checkpoint = "async"
+        plan.host.append(("checkpoint staging (async save)", async_need))
+        return
+    plan.checkpoint = "blocking"
+    if blocking_need:
+        plan.host.append(("checkpoint copy of the outer state", blocking_need))
+    if cfg.checkpoint.async_save:
+        plan.notes.append(f"checkpoints: saved synchronously (training waits for each write): an async save "
+                          f"would stage {async_need / GIB:.1f} GiB more per process, which this host cannot hold")
 
 
 def _add_remedies(plan: MemoryPlan, cfg, diloco, frags: list, *, work: int, largest: int, outer_numel: int,
