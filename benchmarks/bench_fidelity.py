@@ -28,7 +28,8 @@ the same N batches per step as one batch (the average of the N gradients, exact,
                        decay of 0.95 (diloco.feedback_decay); -k48-a96-plain-ef95: 48 of 4096 per contribution, 96
                        per chunk of the owners' averages (diloco.average_density), decay 0.95 (-k32-a64-: 32 and 64);
                        -a128-plain: 64 and 128; any diloco-topk[-kK][-aA][-cC]-plain[-efDD][-lrX] spells a setting
-                       out (K and A of every C, decay 0.DD, outer lr X; unset: K 64, A = K, no decay, lr 1;
+                       out (K and A of every C, decay 0.DD, outer lr X, -mD Nesterov momentum 0.D; unset: K 64,
+                       A = K, no decay, lr 1, no momentum;
                        diloco-int8-plain-lrX, diloco-exact-plain-lrX the same for int8 and exact);
                        overlap-topk-eager-merge with overlap. These keep the settings they were recorded with;
                        diloco-topk-defaults takes topk's own (48 / 96, decay 0.8, lr 3, no momentum)
@@ -117,13 +118,14 @@ for _opts in METHODS.values():
 METHODS["diloco-topk-defaults"] = dict(codec="topk", overlap=False)
 EVAL_FRACTION = 0.05
 DENSE_SPEC = re.compile(r"diloco-(int8|exact)-plain-lr([\d.]+)")
-TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?")
+TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?"
+                       r"(?:-m(\d+))?")
 
 
 def method_options(base: str):
     """A method's DiLoCo options: a named one, or a setting spelled out: diloco-topk-k40-a112-plain-ef90 (40 and
-    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr; unset: 1/64 of each chunk, the
-    averages as many, no decay, lr 1), diloco-int8-plain-lr1.5 (int8 or exact with outer lr 1.5, no momentum);
+    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr, -m5 Nesterov momentum 0.5; unset:
+    1/64 of each chunk, the averages as many, no decay, lr 1, no momentum), diloco-int8-plain-lr1.5 (int8 or exact with outer lr 1.5, no momentum);
     None when unknown."""
     if base in METHODS:
         return METHODS[base]
@@ -133,9 +135,10 @@ def method_options(base: str):
     m = TOPK_SPEC.fullmatch(base)
     if m is None:
         return None
-    k, a, c, ef, lr = m.groups()
+    k, a, c, ef, lr, mu = m.groups()
     chunk = int(c) if c else 4096
-    opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0, outer_momentum=0.0,
+    opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0,
+                outer_momentum=int(mu) / 10 ** len(mu) if mu else 0.0,
                 density=int(k) / chunk if k else 1 / 64, feedback_decay=int(ef) / 10 ** len(ef) if ef else 1.0)
     if c:
         opts["block_size"] = chunk
