@@ -125,8 +125,8 @@ TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?
 def method_options(base: str):
     """A method's DiLoCo options: a named one, or a setting spelled out: diloco-topk-k40-a112-plain-ef90 (40 and
     112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr, -m5 Nesterov momentum 0.5; unset:
-    1/64 of each chunk, the averages as many, no decay, lr 1, no momentum), diloco-int8-plain-lr1.5 (int8 or exact with outer lr 1.5, no momentum);
-    None when unknown."""
+    1/64 of each chunk, the averages as many, no decay, lr 1, no momentum), diloco-int8-plain-lr1.5 (int8 or
+    exact with outer lr 1.5, no momentum); None when unknown."""
     if base in METHODS:
         return METHODS[base]
     m = DENSE_SPEC.fullmatch(base)
