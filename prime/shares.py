@@ -233,13 +233,10 @@ def each(pool, call: Callable, items: list, group: "MemberGroup | None" = None) 
     failed = next((f for f in done if f.exception() is not None), None)
     if failed is not None and group is not None:
         group.abort(f"{type(failed.exception()).__name__}: {failed.exception()}")
-    concurrent.futures.wait(futures)
-    if failed is not None:  # the first failure, not the others' consequences of it
+    if failed is not None:  # the first failure, not the others' consequences of it, once all of them ended
+        concurrent.futures.wait(futures)
         raise failed.exception()
-    for f in futures:
-        if f.exception() is not None:
-            raise f.exception()
-    return [f.result() for f in futures]
+    return [f.result() for f in futures]  # (none failed: FIRST_EXCEPTION waited for all of them)
 
 
 def _of_first(name: str) -> property:
