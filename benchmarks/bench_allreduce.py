@@ -40,7 +40,7 @@ Methods, run on the same input tensors in the same process group:
   ring-int8-classic         the ring as it was before links were sized and schedules chosen: the
                             ring schedule in rank order, one stream per link, autotuned buffers
   ring-topk                 prime.comm.Ring, codec "topk" (docs/wire-format-sparse.md): per chunk of 4096
-                            the 64 largest values at 2 bits with 12-bit positions (0.028 bytes/value),
+                            the 64 largest values at 2 bits with their positions (0.0205 bytes/value),
                             the direct schedule; ring-topk-k16 / -k256 keep 16 / 256 per chunk;
                             ring-topk-k48-a96: 48 per chunk of each contribution, 96 of each average;
                             ring-topk-k48-a96-ef: the same with a residual (residual=), as DiLoCo's error

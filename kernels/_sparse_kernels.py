@@ -21,8 +21,19 @@ program per chunk:
   in ascending position order, as the format fixes: vector sums where every partial sum is
   provably exact, else a loop over the kept values in the scratch row, left to right (a tree
   reduction would round differently).
-- Packing. Each byte of the position area ORs the (at most three) positions that overlap its
-  eight bits; each byte of the code area its four 2-bit codes.
+- Packing. The positions are Elias-Fano coded with b = lower_bits(keep, CHUNK), computed per
+  record (the shorter last chunk keeps fewer values, so its b is larger). Upper bits: each kept
+  value (slot i, position p) writes the chunk's index to the scratch row's bit slot
+  (p >> b) + i, and byte q of the unary stream is the eight slots 8q .. 8q + 7 that hold this
+  chunk's index (slots left from earlier chunks hold theirs: no clearing between chunks). Lower
+  bits: each byte ORs the b-bit low parts of the (at most PER) positions that overlap its eight
+  bits. Codes: each byte its four 2-bit codes.
+
+Decode is one program per chunk over the bits of its unary stream: at a set bit s, an inclusive
+cumsum gives j + 1, the kept value's index, and p = ((s - j) << b) | lower_j. A record is
+malformed when the stream holds other than keep set bits, a position is at or past the chunk's
+length, or two consecutive set bits (one bucket) have lower parts not ascending (the only place
+positions can fail to ascend).
 
 Nothing is converted by a cast that could round differently compiled and interpreted: the
 fp32 -> bf16 rounding is integer arithmetic on the bits; the float64 means go to fp32 by one
@@ -34,6 +45,15 @@ import triton.language as tl
 
 _ABS = tl.constexpr(0x7FFFFFFF)
 _INF_BITS = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def _lower_bits(keep, BITS: tl.constexpr):
+    """b of a record keeping `keep` values of a chunk of 2^BITS: the largest with keep << b <= 2^BITS."""
+    b = tl.zeros_like(keep)
+    for t in tl.static_range(1, BITS + 1):
+        b += ((keep << t) <= (1 << BITS)).to(tl.int32)
+    return b
 
 
 @triton.jit
@@ -181,17 +201,20 @@ def _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK: tl.constexp
 @triton.jit
 def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
                           CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
-                          PBYTES: tl.constexpr, CBYTES: tl.constexpr, LOGK: tl.constexpr, R: tl.constexpr,
-                          SUB: tl.constexpr, CAP: tl.constexpr):
+                          UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
+                          LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
     pid = tl.program_id(0)
     # this program's scratch: candidates (fp32 bits, positions), then by slot: positions, magnitudes,
-    # upper-half flags, codes
-    cx_row = scratch_ptr + pid.to(tl.int64) * (2 * CAP + 4 * K)
+    # upper-half flags, codes; then the unary stream's bit slots, each holding the index of the chunk
+    # that last set it (-1 at first)
+    cx_row = scratch_ptr + pid.to(tl.int64) * (2 * CAP + 4 * K + 8 * UB)
     cpos_row = cx_row + CAP
     pos_row = cpos_row + CAP
     mag_row = pos_row + K
     up_row = mag_row + K
     code_row = up_row + K
+    bit_row = code_row + K
+    tl.store(bit_row + tl.arange(0, 8 * UB), tl.full((8 * UB,), -1, dtype=tl.int32))
     j = tl.arange(0, CAP)
     for c32 in range(pid, chunks, tl.num_programs(0)):
         tl.debug_barrier()  # the previous chunk's reads of the scratch are done
@@ -199,6 +222,7 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
         start = c * CHUNK
         length = tl.minimum(n - start, CHUNK).to(tl.int32)
         keep = (length * K + CHUNK - 1) // CHUNK
+        lb = _lower_bits(keep, BITS)
         count, low, hi = _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK, R, SUB, CAP)
         status = tl.where(hi >= _INF_BITS, 1, 0)
         tl.debug_barrier()
@@ -225,6 +249,7 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
         tl.store(pos_row + slot, offs, mask=sel)
         tl.store(mag_row + slot, m, mask=sel)
         tl.store(up_row + slot, up.to(tl.int32), mask=sel)
+        tl.store(bit_row + (offs >> lb) + slot, tl.zeros_like(slot) + c32, mask=sel)  # distinct slots
         tl.debug_barrier()
         if exact:
             s_hi = tl.sum(tl.where(up, v, 0.0), axis=0)
@@ -255,18 +280,24 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
         head = tl.arange(0, 4)
         word = tl.where(head < 2, lo_bits, hi_bits)
         tl.store(rec + head, ((word >> ((head % 2) * 8)) & 0xFF).to(tl.uint8))
-        # positions: byte b holds bits [8b, 8b + 8) of the stream of BITS-bit positions
-        pbytes = (keep * BITS + 7) // 8
-        b = tl.arange(0, PBYTES)
-        acc = tl.zeros((PBYTES,), dtype=tl.int32)
-        for t in tl.static_range(3):
-            i = (b * 8) // BITS + t
-            ok = (b < pbytes) & (i < keep) & (i * BITS < b * 8 + 8)
-            p = tl.load(pos_row + i, mask=ok, other=0)
-            shift = i * BITS - b * 8
+        # upper bits: bit s of the unary stream is set where slot s holds this chunk's index
+        ubytes = (keep + (CHUNK >> lb) + 7) // 8
+        s = tl.arange(0, UB)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        ones = (tl.load(bit_row + s, mask=s < ubytes * 8, other=-1) == c32).to(tl.int32)
+        q = tl.arange(0, UB)
+        tl.store(rec + 4 + q, tl.sum(ones << (s % 8), axis=1).to(tl.uint8), mask=q < ubytes)
+        # lower bits: byte q holds bits [8q, 8q + 8) of the stream of the positions' lb-bit low parts
+        lbytes = (keep * lb + 7) // 8
+        q = tl.arange(0, LB)
+        acc = tl.zeros((LB,), dtype=tl.int32)
+        for t in tl.static_range(PER):
+            i = (q * 8) // tl.maximum(lb, 1) + t
+            ok = (q < lbytes) & (i < keep) & (i * lb < q * 8 + 8)
+            p = tl.load(pos_row + i, mask=ok, other=0) & ((1 << lb) - 1)
+            shift = i * lb - q * 8
             part = tl.where(shift >= 0, p << tl.maximum(shift, 0), p >> tl.maximum(-shift, 0))
             acc = acc | tl.where(ok, part & 0xFF, 0)
-        tl.store(rec + 4 + b, acc.to(tl.uint8), mask=b < pbytes)
+        tl.store(rec + 4 + ubytes + q, acc.to(tl.uint8), mask=q < lbytes)
         # codes: byte q holds the codes of kept values 4q .. 4q + 3
         cbytes = (keep + 3) // 4
         q = tl.arange(0, CBYTES)
@@ -275,24 +306,24 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
             i = q * 4 + t
             ok = (q < cbytes) & (i < keep)
             packed = packed | (tl.load(code_row + i, mask=ok, other=0) << (2 * t))
-        tl.store(rec + 4 + pbytes + q, packed.to(tl.uint8), mask=q < cbytes)
+        tl.store(rec + 4 + ubytes + lbytes + q, packed.to(tl.uint8), mask=q < cbytes)
 
 
 @triton.jit
-def _positions(rec, j, ok, pbytes, BITS: tl.constexpr):
-    """The BITS-bit positions of kept values j (where ok) of a record."""
-    bit = j * BITS
+def _lower(area, j, ok, lbytes, lb):
+    """The lb-bit low parts of kept values j (where ok) of a record's lower-bit area (lbytes bytes)."""
+    bit = tl.maximum(j, 0) * lb
     byte = bit // 8
     word = tl.zeros(j.shape, dtype=tl.int32)
-    for t in tl.static_range(3):
-        inside = ok & (byte + t < pbytes)
-        word = word | (tl.load(rec + 4 + byte + t, mask=inside, other=0).to(tl.int32) << (8 * t))
-    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+    for t in tl.static_range(3):  # lb <= 12 bits from bit (bit % 8) of a byte: within three bytes
+        inside = ok & (byte + t < lbytes)
+        word = word | (tl.load(area + byte + t, mask=inside, other=0).to(tl.int32) << (8 * t))
+    return (word >> (bit % 8)) & ((1 << lb) - 1)
 
 
 @triton.jit
 def _sparse_decode_kernel(payload_ptr, y_ptr, bad_ptr, n, CHUNK: tl.constexpr, K: tl.constexpr,
-                          BITS: tl.constexpr, RECORD: tl.constexpr, KP: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          BITS: tl.constexpr, RECORD: tl.constexpr, UB: tl.constexpr, ACCUMULATE: tl.constexpr,
                           CHECK_ONLY: tl.constexpr):
     c = tl.program_id(0)
     start = c.to(tl.int64) * CHUNK
@@ -303,20 +334,34 @@ def _sparse_decode_kernel(payload_ptr, y_ptr, bad_ptr, n, CHUNK: tl.constexpr, K
     hi_bits = tl.load(rec + 2).to(tl.int32) | (tl.load(rec + 3).to(tl.int32) << 8)
     lo = (lo_bits << 16).to(tl.float32, bitcast=True)
     hi = (hi_bits << 16).to(tl.float32, bitcast=True)
-    pbytes = (keep * BITS + 7) // 8
-    j = tl.arange(0, KP)
-    ok = j < keep
-    pos = _positions(rec, j, ok, pbytes, BITS)
+    lb = _lower_bits(keep, BITS)
+    ubytes = (keep + (CHUNK >> lb) + 7) // 8
+    lbytes = (keep * lb + 7) // 8
+    lower_area = rec + 4 + ubytes
+    # one lane per bit s of the unary stream: at a set bit, j = the set bits up to s, less one
+    s = tl.arange(0, 8 * UB)
+    one = (tl.load(rec + 4 + s // 8, mask=s < ubytes * 8, other=0).to(tl.int32) >> (s % 8)) & 1
+    j = tl.cumsum(one, axis=0) - 1
+    ok = (one != 0) & (j < keep)
+    low = _lower(lower_area, j, ok, lbytes, lb)
+    pos = ((s - j) << lb) | low
     if CHECK_ONLY or not ACCUMULATE:
-        # a record whose positions are not ascending inside the chunk is not a payload of this format: one flag
-        # for the payload, set by the malformed records only (an atomic from every program would serialize at
-        # one address: 0.1 ms on 2^14 chunks)
-        prev = _positions(rec, j - 1, ok & (j > 0), pbytes, BITS)
-        bad = tl.sum((ok & ((pos >= length) | ((j > 0) & (pos <= prev)))).to(tl.int32), axis=0)
-        tl.atomic_max(bad_ptr, 1, mask=bad > 0)
+        # a record is not a payload of this format when its stream holds other than keep set bits, or its positions
+        # are not ascending inside the chunk: they can descend only within a bucket (set bits s - 1 and s), where
+        # the lower parts must ascend. One flag for the payload, set by the malformed records only (an atomic from
+        # every program would serialize at one address: 0.1 ms on 2^14 chunks)
+        prev_set = ok & (s > 0)
+        prev_s = tl.maximum(s - 1, 0)
+        prev_set = prev_set & (((tl.load(rec + 4 + prev_s // 8, mask=prev_set, other=0).to(tl.int32) >> (prev_s % 8))
+                                & 1) != 0)
+        prev = _lower(lower_area, j - 1, prev_set, lbytes, lb)
+        wrong = ok & ((pos >= length) | (prev_set & (low <= prev)))
+        bad = (tl.sum(one, axis=0) != keep) | (tl.sum(wrong.to(tl.int32), axis=0) > 0)
+        tl.atomic_max(bad_ptr, 1, mask=bad)
     if CHECK_ONLY:
         return
-    codes = (tl.load(rec + 4 + pbytes + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 3
+    jj = tl.maximum(j, 0)
+    codes = (tl.load(lower_area + lbytes + jj // 4, mask=ok, other=0).to(tl.int32) >> ((jj % 4) * 2)) & 3
     mag = tl.where((codes & 1) != 0, hi, lo)
     val = tl.where((codes & 2) != 0, -mag, mag)
     if ACCUMULATE:  # after a CHECK_ONLY pass: nothing is written when it found the payload malformed

@@ -34,10 +34,27 @@ def _programs(device: torch.device) -> int:
 
 
 def _shape(chunk: int, k: int) -> dict:
-    from prime.sparse import _check, _record_bytes
+    """The launch constants both kernels take: BITS = log2(chunk) (each record's lower bits b follow from its keep
+    at run time), RECORD a full chunk's record, UB the unary stream's bytes of the widest record, a power of two
+    (keep + chunk / 2^b grows with keep, so a full chunk's)."""
+    from prime.sparse import _areas, _check, _record_bytes
 
     bits = _check(0, chunk, k)
-    return {"CHUNK": chunk, "K": k, "BITS": bits, "RECORD": _record_bytes(k, bits)}
+    return {"CHUNK": chunk, "K": k, "BITS": bits, "RECORD": _record_bytes(k, chunk),
+            "UB": triton.next_power_of_2(_areas(k, chunk)[0])}
+
+
+def _lower_shape(chunk: int, k: int) -> dict:
+    """The encoder's constants for the lower bits: LB, the lower-bit bytes of the widest record keeping at most k
+    values, a power of two (keep * b grows with keep while b stays, so the widest keeps k or a power of two; the
+    short last chunk's may be wider than a full one's), and PER, the most positions that overlap one of its bytes
+    (at a full chunk's b, the narrowest: the last chunk keeps fewer, so its b is no smaller)."""
+    from prime.sparse import _areas, lower_bits
+
+    keeps = {k} | {1 << e for e in range(k.bit_length()) if 1 << e <= k}
+    width = max(1, lower_bits(k, chunk))
+    return {"LB": triton.next_power_of_2(max(_areas(keep, chunk)[1] for keep in keeps)),
+            "PER": min(8, -(-8 // width) + 1)}
 
 
 def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
@@ -56,15 +73,15 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     cap = min(chunk, triton.next_power_of_2(CANDIDATES_PER_KEPT * k))
     programs = min(chunks, _programs(x.device))
     group = chunk // min(chunk, triton.next_power_of_2(k))
-    scratch = torch.empty(programs, 2 * cap + 4 * k, dtype=torch.int32, device=x.device)  # per program
+    row = 2 * cap + 4 * k + 8 * shape["UB"]  # per program: candidates, the kept values, the unary stream's bits
+    scratch = torch.empty(programs, row, dtype=torch.int32, device=x.device)
     status = torch.empty(chunks, dtype=torch.int32, device=x.device)
-    pbytes = triton.next_power_of_2((k * shape["BITS"] + 7) // 8)
     cbytes = triton.next_power_of_2((k + 3) // 4)
     with _on_device(x.device):
-        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, PBYTES=pbytes, CBYTES=cbytes,
+        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, CBYTES=cbytes,
                                               LOGK=(k - 1).bit_length(), R=chunk // group,
                                               SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS,
-                                              **shape, **_COMPILE_OPTIONS)
+                                              **shape, **_lower_shape(chunk, k), **_COMPILE_OPTIONS)
     worst = int(status.max())
     if worst == 1:
         raise ValueError("sparse encode: the input holds NaN or Inf")
@@ -79,11 +96,12 @@ def _decode(payload: torch.Tensor, y: torch.Tensor, chunk: int, k: int, accumula
     chunks = triton.cdiv(n, chunk)
     if chunks == 0:
         return
-    kp = triton.next_power_of_2(k)
+    shape = _shape(chunk, k)
+    lanes = 8 * shape["UB"]  # a lane per bit of the unary stream: about 2 to 3 per value kept
+    warps = max(1, min(4, lanes // 64)) if lanes <= 2048 else 8  # 8: no spill at k = 2048 of 4096 (ptxas, sm_90)
     with _on_device(y.device):
-        _k._sparse_decode_kernel[(chunks,)](payload, y, bad, n, KP=kp, ACCUMULATE=accumulate, CHECK_ONLY=check_only,
-                                            num_warps=max(1, min(4, kp // 32)), **_shape(chunk, k),
-                                            **_COMPILE_OPTIONS)
+        _k._sparse_decode_kernel[(chunks,)](payload, y, bad, n, ACCUMULATE=accumulate, CHECK_ONLY=check_only,
+                                            num_warps=warps, **shape, **_COMPILE_OPTIONS)
 
 
 def _check_payload(payload: torch.Tensor, n: int, chunk: int, k: int) -> None:

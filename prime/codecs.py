@@ -78,7 +78,7 @@ class Codec:
 TOPK_DEFAULTS = dict(outer_lr=3.0, outer_momentum=0.0, feedback_decay=0.8, density=48 / 4096,
                      average_density=96 / 4096)
 """topk's outer step when its settings are unset: 48 of every 4096 values per contribution and 96 per chunk of
-the owners' averages (0.0317 bytes a value, 1/32 of int8's), the residual decayed by 0.8, and a plain outer
+the owners' averages (0.0222 bytes a value, 1/45 of int8's), the residual decayed by 0.8, and a plain outer
 update of lr 3 (no momentum: error feedback is the memory). The best of the settings measured (docs/codec.md,
 "The sparse codec"): within 1% of int8's loss on the tiny model over 160 outer steps; with the update int8
 takes (Nesterov, lr 0.7, momentum 0.9) topk was +40% there."""

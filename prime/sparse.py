@@ -14,11 +14,14 @@ of the magnitudes coded each way (so a round trip is a fixed point: error feedba
 what the payload dropped). Every chunk is one record:
 
     lo: bf16, hi: bf16                     4 bytes
-    positions: k_j x log2(C) bits          ceil(k_j log2(C) / 8) bytes, ascending, packed LSB first
+    positions, upper bits (unary)          ceil((k_j + C / 2^b) / 8) bytes: bit (p_i >> b) + i set for each i
+    positions, lower b bits                ceil(k_j b / 8) bytes: p_i mod 2^b, packed LSB first
     codes: k_j x 2 bits                    ceil(k_j / 4) bytes, LSB first; bit 0: hi, bit 1: negative
 
-With C = 4096 and k = 64 (density 1.56%) a value of the tensor costs (4 + 96 + 16) / 4096 = 0.0283 bytes:
-1/36 of int8's 1.016. What the format drops is the residual that error feedback keeps (prime/feedback.py).
+The positions p_0 < p_1 < ... are Elias-Fano coded: b is the largest with k_j 2^b <= C, so a position costs
+about 2 + log2(C / k_j) bits instead of log2(C). With C = 4096 and k = 64 (density 1.56%) a value of the tensor
+costs (4 + 16 + 48 + 16) / 4096 = 0.0205 bytes: 1/50 of int8's 1.016. What the format drops is the residual that
+error feedback keeps (prime/feedback.py).
 
 `owner_average` is the arithmetic of the collective that will carry it, every rank in one process: each shard's
 owner sums the ranks' payloads of it, selects again from the sum and sends that to every rank (bytes per rank
@@ -35,13 +38,12 @@ from typing import Optional
 import torch
 
 from prime import _extension
-from prime.ops import wire_bytes
 
-__all__ = ["CHUNK", "BACKENDS", "chunk_keep", "payload_bytes", "encode", "decode", "decode_add_", "encode_reference", "decode_reference", "density", "bytes_per_value", "keep_for_density",
+__all__ = ["CHUNK", "BACKENDS", "chunk_keep", "payload_bytes", "encode", "decode", "decode_add_", "encode_reference", "decode_reference", "density", "bytes_per_value", "keep_for_density", "lower_bits",
            "shards", "sparse_pays", "OwnerAverage", "owner_average"]
 
 CHUNK = 4096
-"""Values per chunk by default: a position is 12 bits."""
+"""Values per chunk by default."""
 
 
 def _check(n: int, chunk: int, k: int) -> int:
@@ -64,16 +66,30 @@ def chunk_keep(length: int, chunk: int, k: int) -> int:
     return (length * k + chunk - 1) // chunk
 
 
-def _record_bytes(keep: int, bits: int) -> int:
-    return 4 + (keep * bits + 7) // 8 + (keep + 3) // 4
+def lower_bits(keep: int, chunk: int) -> int:
+    """b, the lower bits of a position kept directly: the largest with keep 2^b <= chunk."""
+    b = 0
+    while keep << (b + 1) <= chunk:
+        b += 1
+    return b
+
+
+def _areas(keep: int, chunk: int) -> tuple:
+    """(upper bytes, lower bytes, code bytes) of a record keeping `keep` values of a chunk of `chunk`."""
+    b = lower_bits(keep, chunk)
+    return (keep + (chunk >> b) + 7) // 8, (keep * b + 7) // 8, (keep + 3) // 4
+
+
+def _record_bytes(keep: int, chunk: int) -> int:
+    return 4 + sum(_areas(keep, chunk))
 
 
 def payload_bytes(n: int, chunk: int = CHUNK, k: int = 64) -> int:
     """Bytes of the sparse payload of n values."""
-    bits = _check(n, chunk, k)
+    _check(n, chunk, k)
     full, rest = divmod(n, chunk)
-    size = full * _record_bytes(k, bits)
-    return size + (_record_bytes(chunk_keep(rest, chunk, k), bits) if rest else 0)
+    size = full * _record_bytes(k, chunk)
+    return size + (_record_bytes(chunk_keep(rest, chunk, k), chunk) if rest else 0)
 
 
 def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -125,7 +141,7 @@ def _levels(mags: list, upper: set) -> tuple:
     return level, lo, hi
 
 
-def _encode_chunk(x: torch.Tensor, keep: int, bits: int) -> torch.Tensor:
+def _encode_chunk(x: torch.Tensor, keep: int, chunk: int) -> torch.Tensor:
     mag = x.abs()
     order = torch.sort(mag, descending=True, stable=True).indices[:keep]  # ties: the lower index first
     positions = torch.sort(order).values
@@ -136,25 +152,29 @@ def _encode_chunk(x: torch.Tensor, keep: int, bits: int) -> torch.Tensor:
     if not math.isfinite(hi):
         raise ValueError("sparse encode: a chunk's magnitude overflows bf16")
     codes = torch.tensor(level, dtype=torch.int64) | ((v < 0).to(torch.int64) << 1)
-    return torch.cat([_bf16_bytes(lo), _bf16_bytes(hi), _pack(positions, bits), _pack(codes, 2)])
+    b = lower_bits(keep, chunk)
+    upper = torch.zeros(_areas(keep, chunk)[0] * 8, dtype=torch.int64)
+    upper[(positions >> b) + torch.arange(keep)] = 1
+    lower = _pack(positions & ((1 << b) - 1), b) if b else torch.zeros(0, dtype=torch.uint8)
+    return torch.cat([_bf16_bytes(lo), _bf16_bytes(hi), _pack(upper, 1), lower, _pack(codes, 2)])
 
 
 def encode_reference(x: torch.Tensor, chunk: int = CHUNK, k: int = 64) -> torch.Tensor:
     """The sparse payload (uint8) of a flat fp32 tensor: one record per chunk. Non-finite values are refused."""
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(f"sparse encode takes a flat float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    bits = _check(x.numel(), chunk, k)
+    _check(x.numel(), chunk, k)
     x = x.detach().cpu()
     if not bool(torch.isfinite(x).all()):
         raise ValueError("sparse encode: the tensor holds non-finite values")
-    records = [_encode_chunk(x[s : s + chunk], chunk_keep(min(chunk, x.numel() - s), chunk, k), bits)
+    records = [_encode_chunk(x[s : s + chunk], chunk_keep(min(chunk, x.numel() - s), chunk, k), chunk)
                for s in range(0, x.numel(), chunk)]
     return torch.cat(records) if records else torch.zeros(0, dtype=torch.uint8)
 
 
 def _records(payload: torch.Tensor, n: int, chunk: int, k: int):
     """(first value, positions, values) of every record of a payload, checked (ValueError)."""
-    bits = _check(n, chunk, k)
+    _check(n, chunk, k)
     if payload.dtype != torch.uint8 or payload.numel() != payload_bytes(n, chunk, k):
         raise ValueError(f"sparse decode: expected {payload_bytes(n, chunk, k)} bytes (uint8) for {n} values, "
                          f"got {payload.numel()} ({payload.dtype})")
@@ -163,16 +183,19 @@ def _records(payload: torch.Tensor, n: int, chunk: int, k: int):
     for s in range(0, n, chunk):
         length = min(chunk, n - s)
         keep = chunk_keep(length, chunk, k)
+        ubytes, lbytes, cbytes = _areas(keep, chunk)
+        b = lower_bits(keep, chunk)
         lo, hi = payload[at : at + 4].clone().view(torch.bfloat16).float().tolist()  # (a record may start at an odd byte)
-        pos_bytes = (keep * bits + 7) // 8
-        positions = _unpack(payload[at + 4 : at + 4 + pos_bytes], keep, bits)
-        codes = _unpack(payload[at + 4 + pos_bytes : at + _record_bytes(keep, bits)], keep, 2)
-        if bool((positions >= length).any()) or bool((positions[1:] <= positions[:-1]).any()):
+        ones = _unpack(payload[at + 4 : at + 4 + ubytes], ubytes * 8, 1).nonzero().flatten()
+        lower = _unpack(payload[at + 4 + ubytes : at + 4 + ubytes + lbytes], keep, b) if b else torch.zeros(keep, dtype=torch.int64)
+        codes = _unpack(payload[at + 4 + ubytes + lbytes : at + 4 + ubytes + lbytes + cbytes], keep, 2)
+        positions = (ones[:keep] - torch.arange(ones[:keep].numel())) << b | lower[: ones[:keep].numel()]
+        if ones.numel() != keep or bool((positions >= length).any()) or bool((positions[1:] <= positions[:-1]).any()):
             raise ValueError(f"sparse decode: the positions of the chunk at value {s} are not ascending in "
                              f"[0, {length})")
         mag = torch.where(codes & 1 == 1, torch.tensor(hi), torch.tensor(lo))
         out.append((s, positions, torch.where(codes & 2 == 2, -mag, mag)))
-        at += _record_bytes(keep, bits)
+        at += 4 + ubytes + lbytes + cbytes
     return out
 
 
@@ -299,8 +322,8 @@ def density(chunk: int = CHUNK, k: int = 64) -> float:
 
 def bytes_per_value(chunk: int = CHUNK, k: int = 64) -> float:
     """Payload bytes per value of a long tensor."""
-    bits = _check(chunk, chunk, k)
-    return _record_bytes(k, bits) / chunk
+    _check(chunk, chunk, k)
+    return _record_bytes(k, chunk) / chunk
 
 
 def keep_for_density(d: float, chunk: int = CHUNK) -> int:
@@ -324,19 +347,12 @@ def shards(n: int, world: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
 
 
 def sparse_pays(n: int, chunk: int = CHUNK, k: int = 64) -> bool:
-    """Whether a collective of n values takes the sparse format rather than int8: at least one full chunk,
-    and fewer bytes. The rule reads only n and the settings, so every rank decides the same."""
-    return n >= chunk and payload_bytes(n, chunk, k) < wire_bytes(n, codec="int8")
-
-
-def check_pays(chunk: int, k: int, what: str) -> None:
-    """Raises ValueError when k of every `chunk` values cost int8's bytes or more (a density above about 60% at
-    chunk 4096, 80% at 256): `what` names the setting. Every collective of the outer step is whole chunks (the
-    layout pads each parameter to them), so this one check is the dense fallback's rule there."""
-    if not sparse_pays(chunk * 1024, chunk, k):
-        raise ValueError(f"{what}: keeping {k} of every {chunk} values costs {bytes_per_value(chunk, k):.3f} bytes a "
-                         f"value, not fewer than int8's {wire_bytes(1 << 20, codec='int8') / (1 << 20):.3f}: use codec "
-                         "'int8' (or a lower density)")
+    """Whether a collective of n values takes the sparse format rather than int8: when it holds at least one full
+    chunk. Bytes never decide it: a record costs at most 4 bits a value and 4 bytes (everything kept: 2 bits of
+    unary upper part and 2 of code), under int8's 8.125 at every chunk size and density. A tensor under a chunk
+    would keep ceil(n k / C) values of it (one or two of a small one at DiLoCo's densities) for a few bytes of
+    int8's: such tensors go dense. The rule reads only n and the settings, so every rank decides the same."""
+    return n >= chunk
 
 
 @dataclass

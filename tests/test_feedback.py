@@ -751,8 +751,7 @@ def test_the_average_density_is_a_topk_setting_every_node_shares():
     assert same.keep_average == 4 and "keep_average" not in same.settings()  # one k: the settings of before
     with pytest.raises(ValueError, match="average_density is a setting of codec 'topk', not of 'int8'"):
         DiLoCo(model, None, ring, codec="int8", average_density=0.1)
-    with pytest.raises(ValueError, match="average_density 0.9: keeping 230 of every 256 values costs"):
-        DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=0.9)
+    assert DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=0.9).keep_average == 230
     with pytest.raises(ValueError, match=r"average_density: sparse density must be in \(0, 1\]"):
         DiLoCo(model, None, ring, codec="topk", block_size=256, average_density=1.5)
     # nodes that keep other counts, or decay their residuals otherwise, refuse each other at the replica check
@@ -810,8 +809,7 @@ def test_config_field():
         load_config(None, [("diloco.average_density", "0.1")], env={}).validate()
     with pytest.raises(ValueError, match=r"diloco\.average_density.*in \(0, 1\]"):
         load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "2")], env={}).validate()
-    with pytest.raises(ValueError, match=r"diloco\.average_density: keeping"):
-        load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "0.9")], env={}).validate()
+    load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "0.9")], env={}).validate()  # < int8's bytes
 
 
 def test_a_checkpoint_without_a_residual_starts_from_zero(seed):

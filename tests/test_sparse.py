@@ -7,13 +7,15 @@ from prime import _extension, ops, sparse
 
 
 def test_two_chunks_give_the_bytes_worked_out_by_hand():
-    # chunk 16 (4-bit positions), k 4. Chunk 0 keeps 3.0, 2.0, 1.0, 0.75: hi = mean(3, 2) = 2.5 (bf16 0x4020),
-    # lo = mean(1, 0.75) = 0.875 (0x3F60), threshold 1.6875; positions 1, 3, 6, 11; codes (bit 0 hi, bit 1
-    # negative) 3, 0, 1, 2. The last chunk (5 values) keeps ceil(5 * 4 / 16) = 2: 4.0 and -1.0, positions 1, 2.
+    # chunk 16, k 4. Chunk 0 keeps 3.0, 2.0, 1.0, 0.75: hi = mean(3, 2) = 2.5 (bf16 0x4020), lo = mean(1, 0.75) =
+    # 0.875 (0x3F60), threshold 1.6875; positions 1, 3, 6, 11; codes (bit 0 hi, bit 1 negative) 3, 0, 1, 2.
+    # Positions: 4 x 2^2 <= 16, so 2 lower bits (1, 3, 2, 3) and upper parts 0, 0, 1, 2 in unary: bits 0, 1, 3, 5
+    # of 4 + 16 / 4 = 8. The last chunk (5 values) keeps ceil(5 * 4 / 16) = 2: 4.0 and -1.0, positions 1, 2;
+    # 2 x 2^3 <= 16: 3 lower bits (1, 2), upper parts 0, 0: bits 0, 1 of 2 + 16 / 8 = 4.
     x = torch.tensor([0.5, -3.0, 0.25, 1.0, 0, 0, 2.0, 0, 0, 0, 0, -0.75, 0, 0, 0, 0.125,
                       0.0, 4.0, -1.0, 0.5, 0.0])
-    want = [0x60, 0x3F, 0x20, 0x40, 1 | 3 << 4, 6 | 11 << 4, 3 | 0 << 2 | 1 << 4 | 2 << 6,
-            0x80, 0x3F, 0x80, 0x40, 1 | 2 << 4, 1 | 2 << 2]
+    want = [0x60, 0x3F, 0x20, 0x40, 0b101011, 1 | 3 << 2 | 2 << 4 | 3 << 6, 3 | 0 << 2 | 1 << 4 | 2 << 6,
+            0x80, 0x3F, 0x80, 0x40, 0b11, 1 | 2 << 3, 1 | 2 << 2]
     payload = sparse.encode(x, chunk=16, k=4)
     assert payload.tolist() == want
     assert sparse.payload_bytes(21, 16, 4) == len(want)
@@ -134,12 +136,34 @@ def test_the_kernels_refuse_what_the_reference_refuses():
     with pytest.raises(ValueError, match="overflows bf16"):
         sparse.encode_reference(torch.full((16,), 3.4e38), chunk=16, k=2)
     payload = sparse.encode(torch.randn(100), chunk=16, k=4, backend="cpu")
-    bad = payload.clone()
-    bad[4] = 0x00
-    with pytest.raises(ValueError, match="not ascending"):
-        sparse.decode(bad, 100, chunk=16, k=4, backend="cpu")
     with pytest.raises(ValueError, match="expected"):
         sparse.decode(payload[:-1], 100, chunk=16, k=4, backend="cpu")
+    for what, bad in malformed_payloads():
+        for backend in ("torch", "cpu"):
+            with pytest.raises(ValueError, match="not ascending"):
+                sparse.decode(bad, 21, chunk=16, k=4, backend=backend)
+            acc = torch.arange(21.0)
+            with pytest.raises(ValueError, match="not ascending"):
+                sparse.decode_add_(acc, bad, chunk=16, k=4, backend=backend)
+            assert torch.equal(acc, torch.arange(21.0)), (what, backend)
+
+
+def malformed_payloads() -> list:
+    """(what is wrong, payload) for 21 values, chunk 16, k 4: the hand-worked payload above with each way its
+    positions can be malformed at the right size."""
+    good = [0x60, 0x3F, 0x20, 0x40, 0b101011, 1 | 3 << 2 | 2 << 4 | 3 << 6, 3 | 0 << 2 | 1 << 4 | 2 << 6,
+            0x80, 0x3F, 0x80, 0x40, 0b11, 1 | 2 << 3, 1 | 2 << 2]
+    cases = {"an upper bit missing": (4, 0b001011), "an upper bit too many": (4, 0b1101011),
+             "a bit past the area's positions": (4, 0b10000000 | 0b1011),
+             "lower parts descending in a bucket": (5, 3 | 1 << 2 | 2 << 4 | 3 << 6),
+             "lower parts equal in a bucket": (5, 1 | 1 << 2 | 2 << 4 | 3 << 6),
+             "a position past a short chunk's end": (11, 0b101)}
+    out = []
+    for what, (at, byte) in cases.items():
+        bad = list(good)
+        bad[at] = byte
+        out.append((what, torch.tensor(bad, dtype=torch.uint8)))
+    return out
 
 
 def selection_corner_chunks(gen: torch.Generator) -> torch.Tensor:
@@ -198,14 +222,13 @@ def test_the_cuda_kernels_refuse_bad_input_and_leave_the_accumulator():
     with pytest.raises(ValueError, match="overflows bf16"):
         sparse.encode(torch.full((32,), 3.4e38, device="cuda"), 32, 4, backend="cuda")
     payload = sparse.encode(torch.arange(64.0, device="cuda"), 32, 4, backend="cuda")
-    bad = payload.clone()
-    bad[4] = 0xFF  # the first position becomes 15 and the second 15 or more: not ascending
-    acc = torch.arange(64.0, device="cuda")
-    with pytest.raises(ValueError, match="not ascending"):
-        sparse.decode_add_(acc, bad, 32, 4, backend="cuda")
-    assert torch.equal(acc.cpu(), torch.arange(64.0))
-    with pytest.raises(ValueError, match="not ascending"):
-        sparse.decode(bad, 64, 32, 4, backend="cuda")
+    for what, bad in malformed_payloads():
+        acc = torch.arange(21.0, device="cuda")
+        with pytest.raises(ValueError, match="not ascending"):
+            sparse.decode_add_(acc, bad.cuda(), 16, 4, backend="cuda")
+        assert torch.equal(acc.cpu(), torch.arange(21.0)), what
+        with pytest.raises(ValueError, match="not ascending"):
+            sparse.decode(bad.cuda(), 21, 16, 4, backend="cuda")
     with pytest.raises(ValueError, match="expected"):
         sparse.decode(payload[:-1], 64, 32, 4, backend="cuda")
     assert sparse._backend(None, torch.device("cuda")) == "cuda"
@@ -221,9 +244,13 @@ def test_ties_go_to_the_lower_index_and_an_empty_tensor_is_empty():
 def test_at_the_default_density_it_is_thirty_times_smaller_than_int8():
     int8 = ops.wire_bytes(1 << 20, ops.DEFAULT_BLOCK_SIZE, "int8") / (1 << 20)
     per_value = sparse.bytes_per_value(sparse.CHUNK, 64)
-    assert per_value == (4 + 64 * 12 // 8 + 64 // 4) / 4096
+    # 64 x 2^6 <= 4096: 6 lower bits a position (48 bytes), upper parts in 64 + 4096 / 64 bits (16 bytes)
+    assert sparse.lower_bits(64, 4096) == 6 and per_value == (4 + 16 + 48 + 64 // 4) / 4096
     assert int8 / per_value > 30
-    assert sparse.payload_bytes(1 << 20) == (1 << 20) // 4096 * (4 + 96 + 16)
+    assert sparse.payload_bytes(1 << 20) == (1 << 20) // 4096 * (4 + 16 + 48 + 16)
+    # the compact positions against 12 bits each, at DiLoCo's densities: 48 and 96 of 4096
+    assert [sparse.payload_bytes(4096, 4096, k) for k in (48, 96)] == [4 + 14 + 36 + 12, 4 + 28 + 60 + 24]
+    assert [4 + k * 12 // 8 + k // 4 for k in (48, 96)] == [88, 172]
     assert sparse.keep_for_density(0.0156) == 64 and sparse.density(4096, 64) == 64 / 4096
 
 
@@ -327,8 +354,13 @@ def test_bytes_per_rank_stay_a_thirtieth_of_int8_at_every_world_size():
 def test_the_dense_codec_takes_what_the_sparse_one_would_not_shrink():
     assert not sparse.sparse_pays(4095)  # less than a chunk
     assert sparse.sparse_pays(4096) and sparse.sparse_pays(10 ** 6)
-    assert not sparse.sparse_pays(1 << 16, 4096, 4096)  # everything kept: 12-bit positions cost more than int8
-    assert sparse.sparse_pays(1 << 16, 4096, 2048)
+    # bytes never decide it: at every chunk size and density a record is under int8's bytes (everything kept:
+    # 4 bits a value and 4 bytes)
+    for chunk in (16, 32, 64, 256, 1024, 4096):
+        for k in range(1, chunk + 1):
+            n = chunk * 3 + chunk // 2
+            assert sparse.payload_bytes(n, chunk, k) < ops.wire_bytes(n, codec="int8"), (chunk, k)
+        assert sparse.payload_bytes(chunk, chunk, chunk) == 4 + chunk // 2
 
 
 # -- the codec in the outer step: settings and what is refused ----------------------------------------------
@@ -346,8 +378,7 @@ def test_the_topk_settings_and_what_they_refuse():
         load_config(None, [("diloco.density", "0.1")], env={}).validate()
     with pytest.raises(ValueError, match=r"diloco\.error_feedback = false is refused with codec 'topk'"):
         load_config(None, [("diloco.codec", "topk"), ("diloco.error_feedback", "false")], env={}).validate()
-    with pytest.raises(ValueError, match=r"diloco\.density: keeping 2458 of every 4096 values costs .* use codec 'int8'"):
-        load_config(None, [("diloco.codec", "topk"), ("diloco.density", "0.6")], env={}).validate()
+    load_config(None, [("diloco.codec", "topk"), ("diloco.density", "1")], env={}).validate()  # under int8's bytes
     # elastic nodes carry it (each owner's dropped part is its own: no hand-over when members change)
     load_config(None, [("diloco.codec", "topk"), ("elastic.enabled", "true")], env={}).validate()
     model = torch.nn.Linear(64, 64)

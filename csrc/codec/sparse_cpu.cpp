@@ -112,7 +112,7 @@ void select_top(const uint32_t* m, int64_t len, int64_t keep, uint32_t* scratch,
   }
 }
 
-EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, uint8_t* out) {
+EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int64_t chunk, uint8_t* out) {
   uint32_t m[kMaxChunk], scratch[kMaxChunk], km[kMaxChunk];
   uint16_t pos[kMaxChunk], upper_pos[kMaxChunk];
   uint32_t largest = 0;
@@ -155,8 +155,16 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
   if ((hi & 0x7fffu) >= 0x7f80u) return EncodeStatus::kOverflow;
   std::memcpy(out, &lo, 2);  // little-endian hosts only, as the whole frame
   std::memcpy(out + 2, &hi, 2);
-  BitWriter w{out + 4};
-  for (int64_t j = 0; j < keep; ++j) w.put(pos[j], bits);
+  const RecordLayout layout = record_layout(keep, chunk);
+  uint8_t* unary = out + 4;
+  std::memset(unary, 0, static_cast<size_t>(layout.upper));
+  for (int64_t j = 0; j < keep; ++j) {
+    const int64_t bit = (pos[j] >> layout.b) + j;
+    unary[bit >> 3] = static_cast<uint8_t>(unary[bit >> 3] | (1u << (bit & 7)));
+  }
+  BitWriter w{unary + layout.upper};
+  const uint32_t low_mask = (1u << layout.b) - 1;
+  for (int64_t j = 0; j < keep; ++j) w.put(pos[j] & low_mask, layout.b);
   w.out = w.flush();
   for (int64_t j = 0; j < keep; ++j) {
     const uint32_t level = static_cast<double>(bits_float(km[j])) >= mid ? 1u : 0u;
@@ -170,12 +178,11 @@ EncodeStatus encode_chunk(const float* x, int64_t len, int64_t keep, int bits, u
 // Calls f(start value, length, keep, record offset) for the chunks [c0, c1).
 template <class F>
 void for_chunks(int64_t n, int64_t chunk, int64_t k, int64_t c0, int64_t c1, F&& f) {
-  const int bits = position_bits(chunk);
-  const int64_t full_record = record_bytes(k, bits);
+  const int64_t full_record = record_bytes(k, chunk);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t start = c * chunk;
     const int64_t len = std::min(chunk, n - start);
-    f(start, len, chunk_keep(len, chunk, k), c * full_record, bits);
+    f(start, len, chunk_keep(len, chunk, k), c * full_record);
   }
 }
 
@@ -186,29 +193,36 @@ void parallel_chunks(int64_t n, int64_t chunk, int64_t k, F&& f) {
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) { for_chunks(n, chunk, k, c0, c1, f); });
 }
 
-// Reads a record's positions into pos; false when they are not ascending inside [0, len).
-bool read_positions(const uint8_t* record, int64_t len, int64_t keep, int bits, uint16_t* pos) {
-  BitReader r{record + 4};
-  int64_t last = -1;
-  for (int64_t j = 0; j < keep; ++j) {
-    const int64_t p = r.get(bits);
-    if (p <= last || p >= len) return false;
-    pos[j] = static_cast<uint16_t>(p);
-    last = p;
+// Reads a record's positions into pos; false unless its upper area holds exactly keep set bits
+// and the positions ascend inside [0, len).
+bool read_positions(const uint8_t* record, int64_t len, int64_t keep, const RecordLayout& layout, uint16_t* pos) {
+  const uint8_t* upper = record + 4;
+  BitReader lower{upper + layout.upper};
+  int64_t j = 0, last = -1;
+  for (int64_t q = 0; q < layout.upper; ++q) {
+    for (uint32_t bits = upper[q]; bits != 0; bits &= bits - 1) {
+      if (j == keep) return false;
+      const int64_t high = q * 8 + __builtin_ctz(bits) - j;
+      const int64_t p = (high << layout.b) | lower.get(layout.b);
+      if (p <= last || p >= len) return false;
+      pos[j++] = static_cast<uint16_t>(p);
+      last = p;
+    }
   }
-  return true;
+  return j == keep;
 }
 
 // Calls put(position, value) for every kept value of a well-formed record.
 template <class Put>
-void decode_record(const uint8_t* record, int64_t len, int64_t keep, int bits, Put&& put) {
+void decode_record(const uint8_t* record, int64_t len, int64_t keep, int64_t chunk, Put&& put) {
   uint16_t lo_bits, hi_bits;
   std::memcpy(&lo_bits, record, 2);
   std::memcpy(&hi_bits, record + 2, 2);
   const float lo = bf16_value(lo_bits), hi = bf16_value(hi_bits);
   uint16_t pos[kMaxChunk];
-  read_positions(record, len, keep, bits, pos);
-  BitReader codes{record + 4 + (keep * bits + 7) / 8};
+  const RecordLayout layout = record_layout(keep, chunk);
+  read_positions(record, len, keep, layout, pos);
+  BitReader codes{record + 4 + layout.upper + layout.lower};
   for (int64_t j = 0; j < keep; ++j) {
     const uint32_t c = codes.get(2);
     const float mag = (c & 1u) ? hi : lo;
@@ -220,8 +234,8 @@ void decode_record(const uint8_t* record, int64_t len, int64_t keep, int bits, P
 
 EncodeStatus encode(const float* x, int64_t n, int64_t chunk, int64_t k, uint8_t* out) {
   std::atomic<int> worst{0};
-  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at, int bits) {
-    const int s = static_cast<int>(encode_chunk(x + start, len, keep, bits, out + at));
+  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at) {
+    const int s = static_cast<int>(encode_chunk(x + start, len, keep, chunk, out + at));
     int seen = worst.load();
     while (s > seen && !worst.compare_exchange_weak(seen, s)) {
     }
@@ -231,25 +245,25 @@ EncodeStatus encode(const float* x, int64_t n, int64_t chunk, int64_t k, uint8_t
 
 bool well_formed(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k) {
   std::atomic<bool> ok{true};
-  parallel_chunks(n, chunk, k, [&](int64_t, int64_t len, int64_t keep, int64_t at, int bits) {
+  parallel_chunks(n, chunk, k, [&](int64_t, int64_t len, int64_t keep, int64_t at) {
     uint16_t pos[kMaxChunk];
-    if (!read_positions(payload + at, len, keep, bits, pos)) ok = false;
+    if (!read_positions(payload + at, len, keep, record_layout(keep, chunk), pos)) ok = false;
   });
   return ok.load();
 }
 
 void decode(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k, float* y) {
-  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at, int bits) {
+  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at) {
     float* out = y + start;
     std::fill(out, out + len, 0.f);
-    decode_record(payload + at, len, keep, bits, [out](int64_t p, float v) { out[p] = v; });
+    decode_record(payload + at, len, keep, chunk, [out](int64_t p, float v) { out[p] = v; });
   });
 }
 
 void decode_add(const uint8_t* payload, int64_t n, int64_t chunk, int64_t k, float* acc) {
-  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at, int bits) {
+  parallel_chunks(n, chunk, k, [&](int64_t start, int64_t len, int64_t keep, int64_t at) {
     float* out = acc + start;
-    decode_record(payload + at, len, keep, bits, [out](int64_t p, float v) { out[p] = out[p] + v; });
+    decode_record(payload + at, len, keep, chunk, [out](int64_t p, float v) { out[p] = out[p] + v; });
   });
 }
 

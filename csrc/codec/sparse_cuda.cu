@@ -17,7 +17,8 @@
 //     upper half of the kept the same way. The float64 means are the format's sums in position
 //     order: on every lane where every partial sum is exact (any order gives the same bits),
 //     else one lane adding left to right, as the CPU does.
-//  4. The record: lo and hi, the positions' bit stream and the codes, a byte per lane.
+//  4. The record: lo and hi, the positions (upper parts in unary through a bitmap in shared memory, then the
+//     lower bits) and the codes, a byte per lane.
 // Decode: one warp per record. decode_add_ checks every record (ascending positions inside the
 // chunk) in a first kernel and adds in a second, which writes nothing when the first found a
 // fault; the op then raises, the accumulator as it was.
@@ -72,6 +73,12 @@ __device__ __forceinline__ int32_t warp_min(int32_t v) {
 // sparse.h's chunk_keep, on the device: the values kept of a chunk of len values.
 __device__ __forceinline__ int keep_of(int len, int chunk, int k) {
   return static_cast<int>((int64_t(len) * k + chunk - 1) / chunk);
+}
+// sparse.h's lower_bits: the largest b with keep 2^b <= chunk.
+__device__ __forceinline__ int lower_bits_of(int keep, int chunk) {
+  int b = 0;
+  while ((keep << (b + 1)) <= chunk) ++b;
+  return b;
 }
 
 __host__ __device__ constexpr size_t align16(size_t b) { return (b + 15) & ~size_t{15}; }
@@ -309,7 +316,7 @@ __device__ __forceinline__ uint32_t bf16_of_mean(double m) {  // to fp32, then t
 
 template <int G>
 __global__ void __launch_bounds__(kMaxWarps * 32)
-    encode_kernel(const float* __restrict__ x, bool aligned, int64_t n, int chunk, int k, int bits, int log2_keep,
+    encode_kernel(const float* __restrict__ x, bool aligned, int64_t n, int chunk, int k, int log2_keep,
                   int64_t record, int cap, int64_t chunks, uint8_t* __restrict__ out, int* __restrict__ status) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -385,20 +392,33 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       s.kept_code[j] = static_cast<uint8_t>(level | (negative << 1));
     }
     __syncwarp();
-    const int pbytes = (keep * bits + 7) / 8;
-    for (int q = lane; q < pbytes; q += 32) {  // byte q: bits [8q, 8q + 8) of the positions' stream
+    // the positions: upper parts in unary (bit (p_j >> lb) + j set, through a bitmap in the candidates'
+    // words, free now), then the lower lb bits of each, packed
+    const int lb = lower_bits_of(keep, chunk);
+    const int ubytes = (keep + (chunk >> lb) + 7) / 8, lbytes = (keep * lb + 7) / 8;
+    uint32_t* unary = s.cand_bits;
+    for (int w = lane; w < (ubytes + 3) / 4; w += 32) unary[w] = 0;
+    __syncwarp();
+    for (int j = lane; j < keep; j += 32) {
+      const int bit = (s.kept_pos[j] >> lb) + j;
+      atomicOr(&unary[bit >> 5], 1u << (bit & 31));
+    }
+    __syncwarp();
+    for (int q = lane; q < ubytes; q += 32) rec[4 + q] = static_cast<uint8_t>(unary[q >> 2] >> (8 * (q & 3)));
+    const uint32_t mask = (1u << lb) - 1;
+    for (int q = lane; q < lbytes; q += 32) {  // byte q: bits [8q, 8q + 8) of the lower parts' stream
       uint32_t byte = 0;
-      for (int j = q * 8 / bits; j < keep && j * bits < q * 8 + 8; ++j) {
-        const int shift = j * bits - q * 8;
-        const uint32_t p = s.kept_pos[j];
+      for (int j = q * 8 / lb; j < keep && j * lb < q * 8 + 8; ++j) {
+        const int shift = j * lb - q * 8;
+        const uint32_t p = s.kept_pos[j] & mask;
         byte |= (shift >= 0 ? p << shift : p >> -shift) & 0xffu;
       }
-      rec[4 + q] = static_cast<uint8_t>(byte);
+      rec[4 + ubytes + q] = static_cast<uint8_t>(byte);
     }
     for (int q = lane; q < (keep + 3) / 4; q += 32) {  // byte q: the codes of kept values 4q .. 4q + 3
       uint32_t byte = 0;
       for (int t = 0; t < 4 && 4 * q + t < keep; ++t) byte |= uint32_t(s.kept_code[4 * q + t]) << (2 * t);
-      rec[4 + pbytes + q] = static_cast<uint8_t>(byte);
+      rec[4 + ubytes + lbytes + q] = static_cast<uint8_t>(byte);
     }
     __syncwarp();  // the scratch is the next chunk's
   }
@@ -406,25 +426,32 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 
 enum class Decode { kCheck, kAdd, kWrite };
 
-__device__ __forceinline__ int position_at(const uint8_t* rec, int j, int bits, int pbytes) {
-  const int bit = j * bits, byte = bit >> 3;
+// b bits at bit offset j b of a stream of `bytes` bytes, LSB first (b <= 12).
+__device__ __forceinline__ int bits_at(const uint8_t* stream, int j, int b, int bytes) {
+  const int bit = j * b, byte = bit >> 3;
   uint32_t w = 0;
-  for (int t = 0; t < 3 && byte + t < pbytes; ++t) w |= uint32_t(rec[4 + byte + t]) << (8 * t);
-  return static_cast<int>((w >> (bit & 7)) & ((1u << bits) - 1));
+  for (int t = 0; t < 3 && byte + t < bytes; ++t) w |= uint32_t(stream[byte + t]) << (8 * t);
+  return static_cast<int>((w >> (bit & 7)) & ((1u << b) - 1));
 }
 
-// kCheck: *bad = 1 when a record's positions do not ascend inside its chunk. kAdd: y += the values
-// (nothing when *bad). kWrite: y = the values, 0 elsewhere, and the check.
+// kCheck: *bad = 1 when a record's unary area does not hold exactly keep set bits or its positions do not
+// ascend inside the chunk. kAdd: y += the values (nothing when *bad). kWrite: y = the values, 0 elsewhere, and
+// the check. Each lane takes a byte of the unary area in turn: the set bits before it (a warp scan of the
+// bytes' counts) number its positions.
 template <Decode kMode>
-__global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, int chunk, int k, int bits,
-                              int64_t record, int64_t chunks, float* __restrict__ y, int* __restrict__ bad) {
+__global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, int chunk, int k, int64_t record,
+                              int64_t chunks, float* __restrict__ y, int* __restrict__ bad) {
   if (kMode == Decode::kAdd && *bad) return;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int64_t c = int64_t(blockIdx.x) * warps + (threadIdx.x >> 5); c < chunks; c += int64_t(gridDim.x) * warps) {
     const int len = static_cast<int>(min(int64_t(chunk), n - c * chunk));
     const int keep = keep_of(len, chunk, k);
-    const int pbytes = (keep * bits + 7) / 8;
+    const int lb = lower_bits_of(keep, chunk);
+    const int ubytes = (keep + (chunk >> lb) + 7) / 8, lbytes = (keep * lb + 7) / 8;
     const uint8_t* rec = payload + c * record;
+    const uint8_t* unary = rec + 4;
+    const uint8_t* lower = unary + ubytes;
+    const uint8_t* codes = lower + lbytes;
     float* yc = y + c * chunk;
     if (kMode == Decode::kWrite) {
       for (int i = lane; i < len; i += 32) yc[i] = 0.f;
@@ -433,16 +460,40 @@ __global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, in
     const float lo = __uint_as_float(uint32_t(rec[0] | (rec[1] << 8)) << 16);
     const float hi = __uint_as_float(uint32_t(rec[2] | (rec[3] << 8)) << 16);
     bool fault = false;
-    for (int j = lane; j < keep; j += 32) {
-      const int p = position_at(rec, j, bits, pbytes);
-      if (kMode != Decode::kAdd) fault |= p >= len || (j > 0 && p <= position_at(rec, j - 1, bits, pbytes));
-      if (kMode != Decode::kCheck && p < len) {
-        const unsigned code = (rec[4 + pbytes + j / 4] >> (2 * (j % 4))) & 3u;
-        const float mag = (code & 1u) ? hi : lo;
-        const float v = (code & 2u) ? -mag : mag;
-        yc[p] = kMode == Decode::kAdd ? yc[p] + v : v;
+    int before = 0;  // set bits in the bytes of earlier rounds
+    for (int q0 = 0; q0 < ubytes; q0 += 32) {
+      const int q = q0 + lane;
+      const uint32_t byte = q < ubytes ? unary[q] : 0u;
+      const int count = __popc(byte);
+      int inclusive = count;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(kAll, inclusive, o);
+        if (lane >= o) inclusive += t;
       }
+      int j = before + inclusive - count;
+      for (uint32_t rest = byte; rest != 0; rest &= rest - 1, ++j) {
+        const int t = __ffs(rest) - 1;
+        if (j >= keep) {
+          fault = true;
+          break;
+        }
+        const int low = lb ? bits_at(lower, j, lb, lbytes) : 0;
+        const int p = ((q * 8 + t - j) << lb) | low;
+        if (kMode != Decode::kAdd) {
+          // equal upper parts (the bit before is set too) must have ascending lower parts
+          const bool same = j > 0 && (t > 0 ? (byte >> (t - 1)) & 1u : q > 0 && (unary[q - 1] >> 7) & 1u);
+          fault |= p >= len || (same && low <= bits_at(lower, j - 1, lb, lbytes));
+        }
+        if (kMode != Decode::kCheck && p < len) {
+          const unsigned code = (codes[j / 4] >> (2 * (j % 4))) & 3u;
+          const float mag = (code & 1u) ? hi : lo;
+          const float v = (code & 2u) ? -mag : mag;
+          yc[p] = kMode == Decode::kAdd ? yc[p] + v : v;
+        }
+      }
+      before += __shfl_sync(kAll, inclusive, 31);
     }
+    fault |= before != keep;
     if (kMode != Decode::kAdd && fault) atomicOr(bad, 1);
   }
 }
@@ -493,8 +544,7 @@ at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64
   const size_t smem = per_warp * warps;
   unsigned blocks = grid_for(chunks, warps);
   if (blocks_per_sm > 0) blocks = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t(limits.sms) * blocks_per_sm));
-  const int bits = position_bits(chunk);
-  const int64_t record = record_bytes(k, bits);
+  const int64_t record = record_bytes(k, chunk);
   int log2_k = 0;
   while ((int64_t{1} << log2_k) < k) ++log2_k;
   auto launch = [&](auto kernel) {
@@ -503,7 +553,7 @@ at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64
     }
     const float* data = xc.data_ptr<float>();
     const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;  // then every chunk is (4 chunk bytes apart)
-    kernel<<<blocks, warps * 32, smem, stream>>>(data, aligned, n, int(chunk), int(k), bits, log2_k, record, int(cap),
+    kernel<<<blocks, warps * 32, smem, stream>>>(data, aligned, n, int(chunk), int(k), log2_k, record, int(cap),
                                                  chunks, out.data_ptr<uint8_t>(), status.data_ptr<int>());
   };
   if (k <= 32) {
@@ -533,9 +583,8 @@ template <Decode kMode>
 void launch_decode(const at::Tensor& payload, int64_t n, int64_t chunk, int64_t k, float* y, int* bad) {
   const int64_t chunks = (n + chunk - 1) / chunk;
   if (chunks == 0) return;
-  const int bits = position_bits(chunk);
   decode_kernel<kMode><<<grid_for(chunks, 4), 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      payload.data_ptr<uint8_t>(), n, int(chunk), int(k), bits, record_bytes(k, bits), chunks, y, bad);
+      payload.data_ptr<uint8_t>(), n, int(chunk), int(k), record_bytes(k, chunk), chunks, y, bad);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

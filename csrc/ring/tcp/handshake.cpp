@@ -25,9 +25,9 @@ enum Status : uint8_t {
   kConfigMismatch = 4,
 };
 
-constexpr uint16_t kHelloVersion = 5;  // 2: frames carry AES-256-GCM tags; 3: a mesh, streams per link;
+constexpr uint16_t kHelloVersion = 6;  // 2: frames carry AES-256-GCM tags; 3: a mesh, streams per link;
                                        // 4: int8 payloads with 2-byte scales (a version 3 peer could not read them);
-                                       // 5: int8 payloads with 1-byte grid scales
+                                       // 5: int8 payloads with 1-byte grid scales; 6: topk positions Elias-Fano coded
 constexpr uint16_t kFlagAuthenticated = 1u << 0;  // always set since version 2
 constexpr uint16_t kFlagEncrypted = 1u << 1;
 
