@@ -15,7 +15,7 @@ world size N the table gives:
 One round's error is large by design (each rank keeps 1.56% of its values); what a round leaves out stays in
 the ranks' residuals (error feedback) and is sent in later rounds. The fidelity benchmark says what it costs in
 loss. This is the reference arithmetic, not the wire: the bytes are the payloads' sizes, not measured on sockets.
-Writes benchmarks/results/sparse_collective_<date>.json.
+Writes benchmarks/results/sparse_collective_<date>-<time>.json.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> int:
             rows.append(row)
             print(f"{rho:4.1f} {world:3d} {row['bytes_per_rank']:11d} {row['int8_bytes_per_rank']:11.0f} "
                   f"{row['fewer_than_int8']:6.1f}x {row['error']:7.3f} {row['error_first_selection_only']:8.3f}")
-    out = os.path.join(HERE, "results", f"sparse_collective_{datetime.date.today():%Y%m%d}.json")
+    out = os.path.join(HERE, "results", f"sparse_collective_{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,

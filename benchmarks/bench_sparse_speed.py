@@ -8,7 +8,7 @@ decode-add, side by side in one process.
 
 Each number is the median of --repeats timed calls; the implementations are interleaved call by call so that
 background load hits them alike. ns/value = time / values; "x int8" = that time / int8's. Input: student-t(3)
-values (heavy tails, as pseudo-gradients have). Writes benchmarks/results/sparse_speed_<date>.json.
+values (heavy tails, as pseudo-gradients have). Writes benchmarks/results/sparse_speed_<date>-<time>.json.
 
 On a GPU (--device cuda) the ops are the CUDA kernels (csrc/codec/sparse_cuda.cu, in CUDA builds) and the Triton
 kernels (kernels/sparse.py) beside the int8 codec's fastest backend and a copy of the fp32 tensor (x.clone()), timed with CUDA events (medians). "of copy bw" is the
@@ -94,7 +94,7 @@ def main() -> int:
             rows.append({"threads": threads, "op": name, "seconds": sec, "ns_per_value": sec * 1e9 / n,
                          "vs_int8": sec / base})
             print(f"{threads:>7} {name:<28} {sec * 1e3:8.1f} {sec * 1e9 / n:9.2f} {sec / base:7.1f}")
-    out = os.path.join(HERE, "results", f"sparse_speed_{datetime.date.today():%Y%m%d}.json")
+    out = os.path.join(HERE, "results", f"sparse_speed_{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "machine": platform.platform(), "cpu": platform.processor(),
@@ -150,7 +150,7 @@ def gpu(x: torch.Tensor, args) -> int:
             sweep += cuda_blocks_sweep(x, copy_bw)
         if "triton" in backends:
             sweep += encode_sweep(x, copy_bw)
-    out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.date.today():%Y%m%d}.json")
+    out = os.path.join(HERE, "results", f"sparse_speed_gpu_{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "gpu": name, "torch": torch.__version__, "mib": args.mib,

@@ -186,9 +186,10 @@ def _records(payload: torch.Tensor, n: int, chunk: int, k: int):
         ubytes, lbytes, cbytes = _areas(keep, chunk)
         b = lower_bits(keep, chunk)
         lo, hi = payload[at : at + 4].clone().view(torch.bfloat16).float().tolist()  # (a record may start at an odd byte)
-        ones = _unpack(payload[at + 4 : at + 4 + ubytes], ubytes * 8, 1).nonzero().flatten()
-        lower = _unpack(payload[at + 4 + ubytes : at + 4 + ubytes + lbytes], keep, b) if b else torch.zeros(keep, dtype=torch.int64)
-        codes = _unpack(payload[at + 4 + ubytes + lbytes : at + 4 + ubytes + lbytes + cbytes], keep, 2)
+        areas = payload[at + 4 : at + 4 + ubytes + lbytes + cbytes]
+        ones = _unpack(areas[:ubytes], ubytes * 8, 1).nonzero().flatten()
+        lower = _unpack(areas[ubytes : ubytes + lbytes], keep, b) if b else torch.zeros(keep, dtype=torch.int64)
+        codes = _unpack(areas[ubytes + lbytes :], keep, 2)
         positions = (ones[:keep] - torch.arange(ones[:keep].numel())) << b | lower[: ones[:keep].numel()]
         if ones.numel() != keep or bool((positions >= length).any()) or bool((positions[1:] <= positions[:-1]).any()):
             raise ValueError(f"sparse decode: the positions of the chunk at value {s} are not ascending in "

@@ -809,7 +809,7 @@ def test_config_field():
         load_config(None, [("diloco.average_density", "0.1")], env={}).validate()
     with pytest.raises(ValueError, match=r"diloco\.average_density.*in \(0, 1\]"):
         load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "2")], env={}).validate()
-    load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "0.9")], env={}).validate()  # < int8's bytes
+    load_config(None, [("diloco.codec", "topk"), ("diloco.average_density", "0.9")], env={}).validate()  # under int8
 
 
 def test_a_checkpoint_without_a_residual_starts_from_zero(seed):
