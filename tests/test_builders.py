@@ -159,7 +159,8 @@ def test_build_metrics_takes_its_rates_from_the_model_and_the_data(one_process):
     cfg = config_from_argv(QUICK + ["--diloco.codec", "topk", "--diloco.density", str(48 / 4096),
                                     "--diloco.average_density", str(96 / 4096)])
     m = build_metrics(cfg, env, parts, build_data(cfg, env, parts.args.vocab_size))
-    assert m.wire_bytes_per_value == ((4 + 72 + 12) + (4 + 144 + 24)) / 2 / 4096  # docs/wire-format-sparse.md
+    # docs/wire-format-sparse.md: lo and hi, the unary upper parts, the lower bits (6 and 5), the codes
+    assert m.wire_bytes_per_value == ((4 + 14 + 36 + 12) + (4 + 28 + 60 + 24)) / 2 / 4096
 
 
 def test_run_metrics_account_bytes_and_compute(tmp_path, seed, capsys):

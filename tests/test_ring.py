@@ -1041,7 +1041,7 @@ def _rank_target(ctx, secret):
 
 def _hello(world, streams, flags, segment, job, rank, stream, nonce, link_streams=1):
     """The 72-byte handshake hello of docs/ring.md, written independently of the C++."""
-    return (b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 5, world, streams, flags, segment, job, rank, stream, link_streams)
+    return (b"PRIMEHS1" + struct.pack("<HHHHQQHHI", 6, world, streams, flags, segment, job, rank, stream, link_streams)
             + nonce)
 
 
