@@ -10,6 +10,9 @@
 #                                                  (H = 80, 3 phases; each fragment's 1.3 GB per ring needs ~21 s
 #                                                  of a 0.5 Gbit/s ring, hidden in its 20 inner steps); H = 100
 #                                                  would not leave room for start-up and the final syncs in 10 min
+#   PART=topk    benchmarks/gpu.sh scale-10b OUT   the overlap run with the topk codec (its defaults: 48 / 96 of
+#                                                  4096) at 100 Mbit/s per node, 50 per ring: each fragment's
+#                                                  ~28 MB per ring needs ~4.5 s of wire in its 20 inner steps
 #   PART=elastic benchmarks/gpu.sh scale-10b OUT   the overlap run with elastic membership on (heartbeats, the
 #                                                  membership agreement before each fragment's average, a state
 #                                                  server per node): utilization beside the fixed-node run's
@@ -49,11 +52,15 @@ sync)
 overlap)
   run10b overlap 570 500 --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 --train.steps 240
   ;;
+topk)
+  run10b topk 570 50 --diloco.codec topk --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 \
+    --train.steps 240
+  ;;
 elastic)
   SIMULATE_ARGS="--elastic " run10b elastic "${LIMIT:-510}" 500 --diloco.fragments 4 --diloco.overlap true \
     --diloco.inner_steps 80 --train.steps "${STEPS:-240}" --elastic.barrier_timeout_s 600
   grep -E "identical|differ" "$out/elastic/log.txt" | tail -2
   ;;
-*) echo "PART must be sync, overlap or elastic"; status=2 ;;
+*) echo "PART must be sync, overlap, topk or elastic"; status=2 ;;
 esac
 finish
