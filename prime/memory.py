@@ -288,11 +288,10 @@ def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Opti
         plan.gpu_budget = int(budget * (1 - GPU_SLACK_FRACTION)) - CUDA_CONTEXT_BYTES
         plan.gpu += training_gpu_items(cfg, env, parts) + _outer_gpu_items(cfg, outer)
         plan.gpu.append(("allocator cache", int(ALLOCATOR_FRACTION * plan.gpu_bytes)))
-    _plan_host(plan, cfg, env, parts, diloco, outer)
-    _plan_checkpoints(plan, cfg, parts, outer, plan_host_budget(plan, m, host_total))
     plan.host_budget = plan_host_budget(plan, m, host_total)
-    _add_remedies(plan, cfg, diloco, outer.frags, work=outer.work, largest=outer.largest,
-                  outer_numel=outer.outer_numel, home_gpu=outer.home_gpu)
+    _plan_host(plan, cfg, env, parts, diloco, outer)
+    _plan_checkpoints(plan, cfg, parts, outer)
+    _add_remedies(plan, cfg, diloco, outer)
     return plan
 
 
@@ -328,7 +327,7 @@ def _plan_host(plan: MemoryPlan, cfg, env, parts, diloco, outer: _OuterBuffers) 
         plan.host.append(("elastic state mirror (pinned)", states.mirror_bytes()))
 
 
-def _plan_checkpoints(plan: MemoryPlan, cfg, parts, outer: _OuterBuffers, host_budget: int) -> None:
+def _plan_checkpoints(plan: MemoryPlan, cfg, parts, outer: _OuterBuffers) -> None:
     """How checkpoints are saved (plan.checkpoint) and what that stages in host memory: asynchronously when the
     staging fits beside the rest, else synchronously."""
     if not cfg.checkpoint.dir:
@@ -341,7 +340,7 @@ def _plan_checkpoints(plan: MemoryPlan, cfg, parts, outer: _OuterBuffers, host_b
     outer_copy = home  # state_dict's copy (GPU home) or the async clone (CPU home)
     async_need = state + outer_copy + (home if home_gpu else 0)
     blocking_need = (home if home_gpu else 0)  # the copy to the host of a GPU-resident outer state
-    if cfg.checkpoint.async_save and (plan.host_bytes + async_need) * plan.host_procs <= host_budget:
+    if cfg.checkpoint.async_save and (plan.host_bytes + async_need) * plan.host_procs <= plan.host_budget:
         plan.checkpoint = "async"
         plan.host.append(("checkpoint staging (async save)", async_need))
         return
@@ -353,12 +352,12 @@ def _plan_checkpoints(plan: MemoryPlan, cfg, parts, outer: _OuterBuffers, host_b
                           f"would stage {async_need / GIB:.1f} GiB more per process, which this host cannot hold")
 
 
-def _add_remedies(plan: MemoryPlan, cfg, diloco, frags: list, *, work: int, largest: int, outer_numel: int,
-                  home_gpu: bool) -> None:
+def _add_remedies(plan: MemoryPlan, cfg, diloco, outer: _OuterBuffers) -> None:
     """What would help a plan that does not fit, each naming the setting (plan.remedies)."""
+    frags, work, home_gpu = outer.frags, outer.work, outer.home_gpu
     P = len(frags) or 1
     if not plan.fits_gpu():
-        if frags and work >= GIB and (P == 1 or largest > outer_numel // (2 * P)):
+        if frags and work >= GIB and (P == 1 or outer.largest > outer.outer_numel // (2 * P)):
             plan.remedies.append(f"diloco.fragments (now {P}: the outer work buffers shrink with it)")
         if frags and home_gpu:
             plan.remedies.append("diloco.outer_state_device = 'cpu' (the outer weights and momentum in host memory, "
