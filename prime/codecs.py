@@ -57,7 +57,7 @@ class Codec:
         return dict(outer_lr=self.outer_lr if outer_lr is None else outer_lr,
                     outer_momentum=self.outer_momentum if outer_momentum is None else outer_momentum,
                     feedback_decay=self.feedback_decay if feedback_decay is None else feedback_decay,
-                    density=self.density if density is None and self.sparse else density,
+                    density=self.density if density is None else density,
                     average_density=average_density)
 
     def wire_bytes(self, n: int, block_size: Optional[int] = None, density: Optional[float] = None) -> int:

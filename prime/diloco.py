@@ -184,8 +184,7 @@ class DiLoCo:
         outer_lr, outer_momentum, feedback_decay = unset["outer_lr"], unset["outer_momentum"], unset["feedback_decay"]
         self.keep = _sparse_keep(codec, block_size, unset["density"])
         """codec topk: the values kept per chunk of block_size (density x block_size, at least 1); None otherwise."""
-        self.keep_average = (self.keep if unset["average_density"] is None
-                             else _sparse_keep(codec, block_size, unset["average_density"], "average_density"))
+        self.keep_average = _sparse_keep(codec, block_size, unset["average_density"], "average_density")
         """codec topk: the values each owner keeps per chunk of its shard's average (None otherwise)."""
         overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
                                          overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
