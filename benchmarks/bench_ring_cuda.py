@@ -7,6 +7,8 @@ wait() returning (the result is then in the tensor). Methods:
 
   gpu-int8, gpu-fp4, gpu-fp32   reduced on the GPU (PRIME_RING_CUDA_REDUCE=gpu; fp32 = codec "none")
   host-int8, host-fp4, host-fp32 staged through pinned host memory, CPU codec (PRIME_RING_CUDA_REDUCE=cpu)
+  gpu-topk, host-topk  the sparse codec at topk's default counts (48 / 96 of 4096), with the residual
+                       error feedback hands it (on the GPU, or in pinned host memory), the direct schedule
   gloo-fp32            torch.distributed gloo all_reduce, then a division (reference)
   METHOD/segN          the same with Ring(segment_bytes=N MiB) (default: the Ring's 1 MiB)
   gpu-*/pageable       received payloads uploaded straight from the transport's buffers
@@ -41,7 +43,8 @@ import time
 
 import torch
 
-METHODS = ("gpu-int8", "gpu-fp4", "gpu-fp32", "host-int8", "host-fp4", "host-fp32", "gloo-fp32")
+METHODS = ("gpu-int8", "gpu-fp4", "gpu-fp32", "host-int8", "host-fp4", "host-fp32", "gpu-topk", "host-topk",
+           "gloo-fp32")
 SPLIT = (  # WorkStats fields shown, in ms (rank 0's median)
     ("stage_s", "stage"),
     ("quantize_s", "quant"),
@@ -134,6 +137,9 @@ def run_rank(rank: int, args, port: int) -> dict:
                         store.set(f"{method}/iters", str(min(iters, max(3, fit))))
                     iters = int(store.get(f"{method}/iters"))
                 x.copy_(source)
+                if base.endswith("-topk"):  # (error feedback's buffer, outside the timed part)
+                    home = device if base.startswith("gpu") else torch.device("cpu")
+                    residual = torch.zeros(n, device=home, pin_memory=home.type == "cpu" and device.type == "cuda")
                 sync()
                 store.set(f"{method}/{it}/{rank}", "1")  # start together
                 store.wait([f"{method}/{it}/{r}" for r in range(args.world)])
@@ -146,8 +152,12 @@ def run_rank(rank: int, args, port: int) -> dict:
                 else:
                     os.environ["PRIME_RING_CUDA_REDUCE"] = "gpu" if base.startswith("gpu") else "cpu"
                     os.environ["PRIME_RING_CUDA_UPLOAD"] = "pageable" if pageable else "pinned"
-                    codec = {"int8": "int8", "fp4": "fp4"}.get(base.split("-")[1], "none")
-                    work = rings[segment].all_reduce(x, op="avg", codec=codec, schedule=schedule)
+                    codec = {"int8": "int8", "fp4": "fp4", "topk": "topk"}.get(base.split("-")[1], "none")
+                    if codec == "topk":
+                        work = rings[segment].all_reduce(x, op="avg", codec="topk", keep=48, keep_average=96,
+                                                         residual=residual)
+                    else:
+                        work = rings[segment].all_reduce(x, op="avg", codec=codec, schedule=schedule)
                     work.wait()
                     st = work.stats()
                 elapsed = time.perf_counter() - t0

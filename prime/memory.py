@@ -216,11 +216,6 @@ def auto_margin_bytes(cfg, env, parts) -> int:
     return int(rest + ALLOCATOR_FRACTION * sum(b for _, b in items)) + CUDA_CONTEXT_BYTES + int(GPU_SLACK_FRACTION * total)
 
 
-def _pow2(n: int) -> int:
-    """n rounded up to a power of two (how torch's caching host allocator sizes pinned blocks)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @dataclass
 class _OuterBuffers:
     """DiLoCo's bytes in one process, as the plan counts them (all 0 without an outer step)."""
@@ -261,14 +256,19 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
     b.ring_values = b.largest // max(f.pieces for f in frags)
     nodes = max(1, env.num_nodes)
-    if cfg.diloco.codec == "topk":
-        # the sparse codec runs on the CPU: a CUDA tensor is staged down and its average up (pinned, the caching
-        # host allocator's power-of-two blocks), the dropped part comes back in a third buffer, the owner sums its
-        # chunk and decodes its selection (4 bytes a value of its 1/N each), and what the rank's selections of the
-        # other chunks drop waits for the collective's end (4 bytes a value of the other (N - 1)/N)
-        staged = _pow2(4 * b.ring_values) if on_gpu else 4 * b.ring_values
-        ring_host = (3 if on_gpu else 1) * staged + int(2 * 4 * b.ring_values / nodes) \
-            + int(4 * b.ring_values * (nodes - 1) / nodes)
+    if cfg.diloco.codec == "topk" and on_gpu:
+        # the sparse codec on the GPU: only the records cross to the host (pinned), those this rank sends and
+        # those it receives, under a tenth of a byte a value
+        from prime.codecs import CODECS
+
+        topk, settings, chunk = CODECS["topk"], cfg.diloco.outer_settings(), cfg.diloco.resolved_block_size()
+        ring_host = int(b.ring_values * (topk.bytes_per_value(chunk, settings["density"])
+                                         + topk.bytes_per_value(chunk, settings["average_density"])))
+    elif cfg.diloco.codec == "topk":
+        # the sparse codec on the CPU: the owner sums its chunk and decodes its selection (4 bytes a value of its
+        # 1/N each), and what the rank's selections of the other chunks drop waits for the collective's end
+        # (4 bytes a value of the other (N - 1)/N)
+        ring_host = 4 * b.ring_values + int(2 * 4 * b.ring_values / nodes) + int(4 * b.ring_values * (nodes - 1) / nodes)
     else:  # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
         ring_host = int(2 * b.ring_values / nodes * (1 + 2 / cfg.diloco.resolved_block_size())) if on_gpu else 0
     b.ring_host = b.rings_here * ring_host
@@ -301,8 +301,8 @@ def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
         return []
     items = [(outer.home_name, outer.home)] if outer.home_gpu else []
     items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
-    if cfg.diloco.codec == "topk":  # the owners' dropped part, brought back on the collective stream
-        items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
+    if cfg.diloco.codec == "topk":  # what the selections dropped: the ring's buffer and the one it adds it to
+        items.append(("ring: the dropped part", outer.rings_here * 2 * 4 * outer.ring_values))
     else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
         block = cfg.diloco.resolved_block_size()
         items.append(("ring buffers", outer.rings_here * int(2 * outer.ring_values * (1 + 4 / block))))

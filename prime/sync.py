@@ -329,9 +329,12 @@ def all_local(group, ok: bool) -> bool:
 def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int,
                       keep_average: Optional[int] = None) -> tuple:
     """The topk codec's all-reduce of buf on ring: (its Work, the buffer its selections drop into). The
-    ring adds to that buffer only once the collective succeeded; it is pinned for a CUDA buf, whose staging goes
-    through the host."""
-    dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
+    ring adds to that buffer only once the collective succeeded. For a CUDA buf it lives on buf's GPU when the
+    ring reduces there (a CUDA build), else in pinned host memory (the staging goes through the host)."""
+    if buf.is_cuda and ring.reduces_on_device(buf):
+        dropped = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+    else:
+        dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
     return (ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, residual=dropped,
                             keep_average=keep_average), dropped)
 
@@ -356,16 +359,19 @@ def collective_stream(device: torch.device):
 
 
 def warm_sparse_staging(states) -> None:
-    """The sparse codec stages a CUDA buffer through pinned host memory (its input, its average and what the
-    owners dropped) and brings the dropped part back on the collective stream. Allocating those blocks once here,
-    before training, leaves them in torch's caching allocators, so that the first averages do not pay
+    """What the sparse codec allocates per average of a CUDA buffer: the buffer its selections drop into, on the
+    GPU where the ring reduces there (prime.comm.ring.reduces_on_gpu), or else the pinned host staging (its input, its average and what
+    the owners dropped) and the dropped part's device copy on the collective stream. Allocating those blocks once
+    here, before training, leaves them in torch's caching allocators, so that the first averages do not pay
     cudaHostAlloc and cudaMalloc beside the inner steps. Counted in the memory plan."""
     states = list(states)
     cuda = [st for st in states if st.work_device.type == "cuda"]
     if not cuda:
         return
+    from prime.comm.ring import reduces_on_gpu
+
     n, device = max(st.numel for st in cuda), cuda[0].work_device
-    held = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(3)]
+    held = [] if reduces_on_gpu() else [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(3)]
     with torch.cuda.stream(collective_stream(device)):
         held.append(torch.empty(n, dtype=torch.float32, device=device))
     del held

@@ -31,23 +31,29 @@ CASES = [  # n, chunk, k, op, k of the owners' averages (None: k)
 ]
 
 
-def _rank_cases(ctx, seed):
+def _rank_cases(ctx, seed, device="cpu"):
     out = []
     with ctx.ring(segment_bytes=1 << 14, quant_error=True) as ring:  # small segments: several per shard
         for n, chunk, k, op, ka in CASES:
-            t = _contribution(seed, ctx.rank, n)
-            residual = torch.zeros(n)
+            t = _contribution(seed, ctx.rank, n).to(device)
+            residual = torch.zeros(n, device=device)
+            if device == "cuda":  # the codec runs on the GPU: the residual lives there too
+                assert ring.reduces_on_device(t)
             work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual,
                                    keep_average=ka)
             work.wait()
             stats = work.stats()
-            out.append((t, residual, stats.bytes_sent, stats.quant_err_sq, stats.quant_in_sq))
+            out.append((t.cpu(), residual.cpu(), stats.bytes_sent, stats.quant_err_sq, stats.quant_in_sq))
     return out
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", list(range(2, MAX_RANKS + 1)))
-def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_size):
-    results = ranks.run(_rank_cases, SEED, world_size=world_size)
+def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_size, device):
+    results = ranks.run(_rank_cases, SEED, device, world_size=world_size)
     for i, (n, chunk, k, op, ka) in enumerate(CASES):
         note = f"[N={world_size} n={n} chunk={chunk} k={k} op={op} k_average={ka} seed={SEED}]"
         contributions = [_contribution(SEED, r, n) for r in range(world_size)]
@@ -69,7 +75,7 @@ def test_topk_all_reduce_gives_the_reference_bits_and_residuals(ranks, world_siz
             assert in_sq == pytest.approx(float(before.pow(2).sum()), rel=1e-6, abs=1e-30), note
 
 
-def _rank_nonfinite(ctx, seed):
+def _rank_nonfinite(ctx, seed, device="cpu"):
     from prime.comm import NonFiniteError
 
     with ctx.ring() as ring:
@@ -77,7 +83,8 @@ def _rank_nonfinite(ctx, seed):
         t = _contribution(seed, ctx.rank, n)
         if ctx.rank == 1:
             t[5] = float("nan")
-        before, residual = t.clone(), torch.zeros(n)
+        t = t.to(device)
+        before, residual = t.clone(), torch.zeros(n, device=device)
         try:
             ring.all_reduce(t, codec="topk", keep=16, residual=residual).wait()
         except NonFiniteError as e:
@@ -85,8 +92,9 @@ def _rank_nonfinite(ctx, seed):
         return ("no error", False, False)
 
 
-def test_a_nan_on_one_rank_fails_the_topk_collective_everywhere_and_changes_nothing(ranks):
-    out = ranks.run(_rank_nonfinite, SEED, world_size=3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_on_one_rank_fails_the_topk_collective_everywhere_and_changes_nothing(ranks, device):
+    out = ranks.run(_rank_nonfinite, SEED, device, world_size=3)
     for r, (msg, unchanged, residual_touched) in enumerate(out):
         assert "rank(s) [1]" in msg, (r, msg)
         assert unchanged and not residual_touched, r
@@ -145,18 +153,40 @@ def test_ranks_whose_averages_keep_different_counts_refuse_each_other(ranks):
 
 
 def _rank_cuda(ctx, seed):
+    import os
+
+    from prime.comm.ring import ENV_CUDA_REDUCE
+
     with ctx.ring() as ring:
         n = 3 * 4096 + 100
         t = _contribution(seed, ctx.rank, n)
-        gpu = t.cuda()
-        r_cpu, r_gpu = torch.zeros(n), torch.zeros(n)
-        ring.all_reduce(t, codec="topk", keep=32, residual=r_cpu).wait()
-        ring.all_reduce(gpu, codec="topk", keep=32, residual=r_gpu).wait()
-        return torch.equal(gpu.cpu(), t), torch.equal(r_cpu, r_gpu)
+        gpu, staged = t.cuda(), t.cuda()
+        r_cpu, r_gpu, r_staged = torch.zeros(n), torch.zeros(n, device="cuda"), torch.zeros(n)
+        ring.all_reduce(t, codec="topk", keep=32, keep_average=64, residual=r_cpu).wait()
+        on_device = ring.reduces_on_device(gpu)
+        ring.all_reduce(gpu, codec="topk", keep=32, keep_average=64, residual=r_gpu).wait()
+        os.environ[ENV_CUDA_REDUCE] = "cpu"  # through the host and the CPU kernels
+        try:
+            wrong = None
+            try:
+                ring.all_reduce(staged, codec="topk", keep=32, residual=torch.zeros(n, device="cuda"))
+            except ValueError as e:
+                wrong = str(e)
+            ring.all_reduce(staged, codec="topk", keep=32, keep_average=64, residual=r_staged).wait()
+        finally:
+            del os.environ[ENV_CUDA_REDUCE]
+        return (on_device, torch.equal(gpu.cpu(), t), torch.equal(r_cpu, r_gpu.cpu()), torch.equal(staged.cpu(), t),
+                torch.equal(r_cpu, r_staged), wrong)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_tensor_gets_the_bits_of_a_cpu_one(ranks):
-    """No GPU kernels yet: a CUDA tensor is staged through the host and encoded there, with the same bits."""
-    for same, same_residual in ranks.run(_rank_cuda, SEED, world_size=2):
-        assert same and same_residual
+    """The GPU kernels (the ring reduces on the device) and the host staging (PRIME_RING_CUDA_REDUCE=cpu) give the
+    CPU ring's bits, result and residual; a residual on the wrong side is refused."""
+    import prime._C as C
+
+    for on_device, same, same_residual, same_staged, same_staged_residual, wrong in ranks.run(
+            _rank_cuda, SEED, world_size=2):
+        assert on_device == bool(C._ring_reduces_on_gpu)
+        assert same and same_residual and same_staged and same_staged_residual
+        assert wrong is not None and "on cpu" in wrong

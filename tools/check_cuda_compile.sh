@@ -5,8 +5,9 @@
 #      headers only) to object files, failing on any register spill;
 #   2. their PTX: no fused multiply-add, no approximate division, no flush-to-zero
 #      (the wire format needs the exact IEEE operations);
-#   3. csrc/ring/wire_codec_cuda.cu (the ring's GPU wire codec; plain C++ headers);
-#   4. csrc/codec/ops_cuda.cu (the torch wrapper) against the installed torch's
+#   3. csrc/ring/wire_codec_cuda.cu and wire_codec_sparse_cuda.cu (the ring's GPU wire
+#      codecs; plain C++ headers);
+#   4. csrc/codec/ops_cuda.cu and sparse_cuda.cu (the torch wrappers) against the installed torch's
 #      headers. CPU wheels ship the c10/cuda headers but not the generated
 #      c10/cuda/impl/cuda_cmake_macros.h; a stand-in is written for this check.
 #
@@ -46,8 +47,10 @@ for arch in "${ARCHS[@]}"; do
   done
 done
 
-echo "== wire_codec_cuda.cu"
-"$NVCC" "${FLAGS[@]}" -arch="${ARCHS[-1]}" -DPRIME_WITH_CUDA=1 -c csrc/ring/wire_codec_cuda.cu -o "$work/wire_codec_cuda.o"
+for src in wire_codec_cuda wire_codec_sparse_cuda; do
+  echo "== $src.cu"
+  "$NVCC" "${FLAGS[@]}" -arch="${ARCHS[-1]}" -DPRIME_WITH_CUDA=1 -c "csrc/ring/$src.cu" -o "$work/$src.o"
+done
 
 echo "== ops_cuda.cu against torch's headers"
 PY=${PYTHON:-python3}
@@ -61,4 +64,7 @@ if [ -z "$found" ]; then
 fi
 "$NVCC" "${FLAGS[@]}" -arch="${ARCHS[-1]}" "${INCS[@]/#/-I}" -I"$work/stub" -I"$PYINC" -DPRIME_WITH_CUDA=1 \
   -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions -c csrc/codec/ops_cuda.cu -o "$work/ops_cuda.o"
+echo "== sparse_cuda.cu against torch's headers"
+"$NVCC" "${FLAGS[@]}" -arch="${ARCHS[-1]}" "${INCS[@]/#/-I}" -I"$work/stub" -I"$PYINC" -DPRIME_WITH_CUDA=1 \
+  -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions -c csrc/codec/sparse_cuda.cu -o "$work/sparse_cuda.o"
 echo "OK: the CUDA codec compiles for ${ARCHS[*]}"

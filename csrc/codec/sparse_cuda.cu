@@ -35,6 +35,7 @@
 
 #include "checks.h"
 #include "sparse.h"
+#include "sparse_cuda.h"
 
 namespace prime::codec::sparse {
 namespace {
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   }
 }
 
-enum class Decode { kCheck, kAdd, kWrite };
+enum class Decode { kCheck, kAdd, kWrite, kSubtract };
 
 // b bits at bit offset j b of a stream of `bytes` bytes, LSB first (b <= 12).
 __device__ __forceinline__ int bits_at(const uint8_t* stream, int j, int b, int bytes) {
@@ -436,8 +437,8 @@ __device__ __forceinline__ int bits_at(const uint8_t* stream, int j, int b, int 
 
 // kCheck: *bad = 1 when a record's unary area does not hold exactly keep set bits or its positions do not
 // ascend inside the chunk. kAdd: y += the values (nothing when *bad). kWrite: y = the values, 0 elsewhere, and
-// the check. Each lane takes a byte of the unary area in turn: the set bits before it (a warp scan of the
-// bytes' counts) number its positions.
+// the check. kSubtract: y -= the values, unchecked (a payload this process encoded). Each lane takes a byte of
+// the unary area in turn: the set bits before it (a warp scan of the bytes' counts) number its positions.
 template <Decode kMode>
 __global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, int chunk, int k, int64_t record,
                               int64_t chunks, float* __restrict__ y, int* __restrict__ bad) {
@@ -479,7 +480,7 @@ __global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, in
         }
         const int low = lb ? bits_at(lower, j, lb, lbytes) : 0;
         const int p = ((q * 8 + t - j) << lb) | low;
-        if (kMode != Decode::kAdd) {
+        if (kMode == Decode::kCheck || kMode == Decode::kWrite) {
           // equal upper parts (the bit before is set too) must have ascending lower parts
           const bool same = j > 0 && (t > 0 ? (byte >> (t - 1)) & 1u : q > 0 && (unary[q - 1] >> 7) & 1u);
           fault |= p >= len || (same && low <= bits_at(lower, j - 1, lb, lbytes));
@@ -488,13 +489,13 @@ __global__ void decode_kernel(const uint8_t* __restrict__ payload, int64_t n, in
           const unsigned code = (codes[j / 4] >> (2 * (j % 4))) & 3u;
           const float mag = (code & 1u) ? hi : lo;
           const float v = (code & 2u) ? -mag : mag;
-          yc[p] = kMode == Decode::kAdd ? yc[p] + v : v;
+          yc[p] = kMode == Decode::kAdd ? yc[p] + v : kMode == Decode::kSubtract ? yc[p] - v : v;
         }
       }
       before += __shfl_sync(kAll, inclusive, 31);
     }
     fault |= before != keep;
-    if (kMode != Decode::kAdd && fault) atomicOr(bad, 1);
+    if ((kMode == Decode::kCheck || kMode == Decode::kWrite) && fault) atomicOr(bad, 1);
   }
 }
 
@@ -520,27 +521,24 @@ unsigned grid_for(int64_t chunks, int warps) {  // blocks take chunks in turn pa
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((chunks + warps - 1) / warps, int64_t{1} << 20)));
 }
 
-// blocks_per_sm: blocks resident at once per SM (0: one block per 4 chunks, as many as the GPU schedules). Each
-// block's warps take chunks in turn.
-at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64_t blocks_per_sm) {
-  check_sparse_settings(chunk, k);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1, "sparse encode takes a flat float32 tensor, got ",
-              x.scalar_type(), " of ", num(x.dim()), " dimensions");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  const int64_t n = xc.numel(), chunks = (n + chunk - 1) / chunk;
-  at::Tensor out = at::empty({payload_bytes(n, chunk, k)}, x.options().dtype(at::kByte));
-  if (chunks == 0) return out;
-  at::Tensor status = at::empty({1}, x.options().dtype(at::kInt));  // the worst EncodeStatus of any chunk
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(status.data_ptr<int>(), 0, sizeof(int), stream));
+}  // namespace
+
+cudaError_t cuda::encode(const float* x, int64_t n, int64_t chunk, int64_t k, uint8_t* out, int* status,
+                         int64_t blocks_per_sm, cudaStream_t stream) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks == 0) return cudaSuccess;
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   int64_t cap = 1;  // (at least 64: 32 groups leave at least 31 values above their bound)
   while (cap < std::max<int64_t>(kCandidatesPerKept * k, 64)) cap <<= 1;
   cap = std::min(cap, chunk);
   const size_t per_warp = warp_scratch_bytes(static_cast<int>(cap), static_cast<int>(k));
-  const DeviceLimits limits = limits_of(x.device().index());
+  const DeviceLimits limits = limits_of(device);
   const int warps = static_cast<int>(std::min<int64_t>(kMaxWarps, int64_t(limits.smem_optin) / int64_t(per_warp)));
-  TORCH_CHECK(warps >= 1, "sparse encode: k = ", num(k), " needs more shared memory than this GPU has");
+  if (warps < 1) {
+    throw std::invalid_argument("sparse encode: k = " + std::to_string(k) +
+                                " needs more shared memory than this GPU has");
+  }
   const size_t smem = per_warp * warps;
   unsigned blocks = grid_for(chunks, warps);
   if (blocks_per_sm > 0) blocks = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t(limits.sms) * blocks_per_sm));
@@ -549,23 +547,116 @@ at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64
   while ((int64_t{1} << log2_k) < k) ++log2_k;
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+          e != cudaSuccess) {
+        return e;
+      }
     }
-    const float* data = xc.data_ptr<float>();
-    const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;  // then every chunk is (4 chunk bytes apart)
-    kernel<<<blocks, warps * 32, smem, stream>>>(data, aligned, n, int(chunk), int(k), log2_k, record, int(cap),
-                                                 chunks, out.data_ptr<uint8_t>(), status.data_ptr<int>());
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;  // then every chunk is (4 chunk bytes apart)
+    kernel<<<blocks, warps * 32, smem, stream>>>(x, aligned, n, int(chunk), int(k), log2_k, record, int(cap), chunks,
+                                                 out, status);
+    return cudaGetLastError();
   };
-  if (k <= 32) {
-    launch(encode_kernel<1>);
-  } else if (k <= 64) {
-    launch(encode_kernel<2>);
-  } else if (k <= 128) {
-    launch(encode_kernel<4>);
-  } else {
-    launch(encode_kernel<8>);  // k > 256: fewer groups than k, no bound (then cap = chunk)
+  if (k <= 32) return launch(encode_kernel<1>);
+  if (k <= 64) return launch(encode_kernel<2>);
+  if (k <= 128) return launch(encode_kernel<4>);
+  return launch(encode_kernel<8>);  // k > 256: fewer groups than k, no bound (then cap = chunk)
+}
+
+cudaError_t cuda::decode(cuda::DecodeMode mode, const uint8_t* payload, int64_t n, int64_t chunk, int64_t k, float* y,
+                         int* bad, cudaStream_t stream) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks == 0) return cudaSuccess;
+  const unsigned grid = grid_for(chunks, 4);
+  const int64_t record = record_bytes(k, chunk);
+  switch (mode) {
+    case cuda::DecodeMode::kCheck:
+      decode_kernel<Decode::kCheck><<<grid, 128, 0, stream>>>(payload, n, int(chunk), int(k), record, chunks, y, bad);
+      break;
+    case cuda::DecodeMode::kAdd:
+      decode_kernel<Decode::kAdd><<<grid, 128, 0, stream>>>(payload, n, int(chunk), int(k), record, chunks, y, bad);
+      break;
+    case cuda::DecodeMode::kWrite:
+      decode_kernel<Decode::kWrite><<<grid, 128, 0, stream>>>(payload, n, int(chunk), int(k), record, chunks, y, bad);
+      break;
+    case cuda::DecodeMode::kSubtract:
+      decode_kernel<Decode::kSubtract><<<grid, 128, 0, stream>>>(payload, n, int(chunk), int(k), record, chunks, y,
+                                                                  bad);
+      break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
+}
+
+namespace {
+
+// dec[i] = (avg[i] - dec[i]) * divisor when `keep`; sums[0] += sum of (dec[i] - avg[i])^2 and sums[1] += sum of
+// avg[i]^2 in float64 when sums is set (one atomic add per block each).
+__global__ void owner_dropped_kernel(const float* __restrict__ avg, float* __restrict__ dec, int64_t n, float divisor,
+                                     bool keep, double* __restrict__ sums) {
+  double err = 0, ref = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float a = avg[i], d = dec[i];
+    if (sums) {
+      const double e = static_cast<double>(d) - static_cast<double>(a);
+      err += e * e;
+      ref += static_cast<double>(a) * static_cast<double>(a);
+    }
+    if (keep) dec[i] = __fmul_rn(__fsub_rn(a, d), divisor);
+  }
+  if (!sums) return;
+  __shared__ double part[2][8];
+  for (int o = 16; o > 0; o >>= 1) {
+    err += __shfl_xor_sync(kAll, err, o);
+    ref += __shfl_xor_sync(kAll, ref, o);
+  }
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    part[0][warp] = err;
+    part[1][warp] = ref;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < warps; ++w) {
+      part[0][0] += part[0][w];
+      part[1][0] += part[1][w];
+    }
+    atomicAdd(&sums[0], part[0][0]);
+    atomicAdd(&sums[1], part[1][0]);
+  }
+}
+
+}  // namespace
+
+cudaError_t cuda::owner_dropped(const float* avg, float* dec, int64_t n, float divisor, bool keep, double* sums,
+                                cudaStream_t stream) {
+  if (n == 0 || (!keep && !sums)) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096));
+  owner_dropped_kernel<<<grid, 256, 0, stream>>>(avg, dec, n, divisor, keep, sums);
+  return cudaGetLastError();
+}
+
+namespace {
+
+// blocks_per_sm: blocks resident at once per SM (0: one block per 4 chunks, as many as the GPU schedules). Each
+// block's warps take chunks in turn.
+at::Tensor encode_on_blocks(const at::Tensor& x, int64_t chunk, int64_t k, int64_t blocks_per_sm) {
+  check_sparse_settings(chunk, k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1, "sparse encode takes a flat float32 tensor, got ",
+              x.scalar_type(), " of ", num(x.dim()), " dimensions");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = xc.numel();
+  at::Tensor out = at::empty({payload_bytes(n, chunk, k)}, x.options().dtype(at::kByte));
+  if (n == 0) return out;
+  at::Tensor status = at::empty({1}, x.options().dtype(at::kInt));  // the worst EncodeStatus of any chunk
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(status.data_ptr<int>(), 0, sizeof(int), stream));
+  try {
+    C10_CUDA_CHECK(cuda::encode(xc.data_ptr<float>(), n, chunk, k, out.data_ptr<uint8_t>(), status.data_ptr<int>(),
+                                blocks_per_sm, stream));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
   int worst = 0;  // (a copy to pageable memory returns once it is done)
   C10_CUDA_CHECK(cudaMemcpyAsync(&worst, status.data_ptr<int>(), sizeof(int), cudaMemcpyDeviceToHost, stream));
   TORCH_CHECK(worst != int(EncodeStatus::kNonFinite), "sparse encode: the tensor holds non-finite values");
@@ -579,13 +670,10 @@ at::Tensor sparse_encode_cuda(const at::Tensor& x, int64_t chunk, int64_t k) {
   return encode_on_blocks(x, chunk, k, kBlocksPerSm);
 }
 
-template <Decode kMode>
-void launch_decode(const at::Tensor& payload, int64_t n, int64_t chunk, int64_t k, float* y, int* bad) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  if (chunks == 0) return;
-  decode_kernel<kMode><<<grid_for(chunks, 4), 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      payload.data_ptr<uint8_t>(), n, int(chunk), int(k), record_bytes(k, chunk), chunks, y, bad);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_decode(cuda::DecodeMode mode, const at::Tensor& payload, int64_t n, int64_t chunk, int64_t k, float* y,
+                   int* bad) {
+  C10_CUDA_CHECK(cuda::decode(mode, payload.data_ptr<uint8_t>(), n, chunk, k, y, bad,
+                              c10::cuda::getCurrentCUDAStream()));
 }
 
 constexpr const char* kMalformed = "sparse decode: the positions of a chunk are not ascending inside it";
@@ -596,7 +684,7 @@ at::Tensor sparse_decode_cuda(const at::Tensor& payload, int64_t numel, int64_t 
   const at::Tensor p = payload.contiguous();
   at::Tensor y = at::empty({numel}, payload.options().dtype(at::kFloat));
   at::Tensor bad = at::zeros({1}, payload.options().dtype(at::kInt));
-  launch_decode<Decode::kWrite>(p, numel, chunk, k, y.data_ptr<float>(), bad.data_ptr<int>());
+  launch_decode(cuda::DecodeMode::kWrite, p, numel, chunk, k, y.data_ptr<float>(), bad.data_ptr<int>());
   TORCH_CHECK(bad.item<int>() == 0, kMalformed);
   return y;
 }
@@ -607,8 +695,8 @@ void sparse_decode_add_cuda(at::Tensor& acc, const at::Tensor& payload, int64_t 
   const c10::cuda::CUDAGuard guard(acc.device());
   const at::Tensor p = payload.contiguous();
   at::Tensor bad = at::zeros({1}, payload.options().dtype(at::kInt));
-  launch_decode<Decode::kCheck>(p, acc.numel(), chunk, k, acc.data_ptr<float>(), bad.data_ptr<int>());
-  launch_decode<Decode::kAdd>(p, acc.numel(), chunk, k, acc.data_ptr<float>(), bad.data_ptr<int>());
+  launch_decode(cuda::DecodeMode::kCheck, p, acc.numel(), chunk, k, acc.data_ptr<float>(), bad.data_ptr<int>());
+  launch_decode(cuda::DecodeMode::kAdd, p, acc.numel(), chunk, k, acc.data_ptr<float>(), bad.data_ptr<int>());
   TORCH_CHECK(bad.item<int>() == 0, kMalformed);
 }
 

@@ -176,15 +176,17 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
   if (residual) {
     TORCH_CHECK(codec == "topk", "internal: a residual for codec '", codec, "'");
     const at::Tensor& r = *residual;
-    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kFloat && r.is_contiguous() && r.numel() == tensor.numel(),
-                "the residual must be a contiguous float32 CPU tensor of the tensor's ", std::to_string(tensor.numel()),
-                " values");
+    // On the tensor's GPU when the ring reduces it there, else in host memory.
+    const bool on_device = !cuda_context.is_none();
+    TORCH_CHECK((on_device ? r.device() == tensor.device() : r.device().is_cpu()) && r.scalar_type() == at::kFloat &&
+                    r.is_contiguous() && r.numel() == tensor.numel(),
+                "the residual must be a contiguous float32 tensor of the tensor's ", std::to_string(tensor.numel()),
+                " values on ", on_device ? tensor.device().str() : std::string("the CPU"));
     staging->residual = r.detach();
     job.spec.residual = staging->residual.data_ptr<float>();
   }
   const int64_t n = tensor.numel();
   if (!cuda_context.is_none()) {
-    TORCH_CHECK(codec != "topk", "internal: the topk codec has no GPU wire codec (pass no CUDA context)");
 #ifdef PRIME_WITH_CUDA
     stage_on_device(job, *staging, cuda_context.cast<std::shared_ptr<ring::CudaContext>>());
     job.spec.input = staging->input.data_ptr();

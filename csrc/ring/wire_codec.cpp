@@ -449,7 +449,7 @@ class SparseCodec final : public WireCodec {
 
 std::unique_ptr<WireCodec> make_wire_codec(const AllReduceSpec& spec, BufferPool& pool, ScheduleTimes& times) {
 #ifdef PRIME_WITH_CUDA
-  if (spec.cuda && spec.codec != CodecKind::kTopk) return make_cuda_wire_codec(spec, times);
+  if (spec.cuda) return make_cuda_wire_codec(spec, times);
 #else
   if (spec.cuda) throw std::logic_error("internal: a collective on CUDA memory in a build without CUDA");
 #endif

@@ -18,6 +18,7 @@
 
 #include "../codec/codec_cuda.h"
 #include "../codec/ring_cuda.h"
+#include "cuda_codec_base.h"
 
 namespace prime::ring {
 
@@ -33,9 +34,6 @@ namespace {
 // Pinned buffers are rounded up to this, so that segments of slightly different sizes
 // reuse each other's buffers.
 constexpr size_t kPinnedGrain = 64 << 10;
-// Pinned upload slots: a received payload is copied into one while the GPU still reads
-// the previous ones.
-constexpr int kUploadSlots = 4;
 
 // Makes `device` current in this thread for the scope (the worker and the Python thread
 // may have another one current).
@@ -179,37 +177,151 @@ CudaJob::~CudaJob() {
 }
 
 // ---------------------------------------------------------------------------
+// What the codecs share (cuda_codec_base.h)
+
+namespace cuda_detail {
+
+CudaCodecBase::CudaCodecBase(const AllReduceSpec& spec, ScheduleTimes& times, bool measure)
+    : job_(spec.cuda), ctx_(*spec.cuda->context), stream_(ctx_.stream()), measure_(measure), times_(&times) {
+  // The worker thread runs every collective of the ring: the device stays current.
+  cuda_check(cudaSetDevice(ctx_.device()), "cudaSetDevice");
+  if (job_->input_ready) cuda_check(cudaStreamWaitEvent(stream_, job_->input_ready, 0), "cudaStreamWaitEvent");
+  flags_ = reinterpret_cast<uint32_t*>(ctx_.device_buffer(CudaContext::kFlags, 64));
+  err_sums_ = reinterpret_cast<double*>(reinterpret_cast<char*>(flags_) + kErrSumsOffset);
+  // The flags and the error sums (bytes [kErrSumsOffset, +16) of the same buffer).
+  cuda_check(cudaMemsetAsync(flags_, 0, kErrSumsOffset + 2 * sizeof(double), stream_), "cudaMemsetAsync (flags)");
+  ctx_.host_flags()[0] = ctx_.host_flags()[1] = 0;
+  for (auto& s : slots_) s.read = ctx_.take_event();
+}
+
+CudaCodecBase::~CudaCodecBase() {
+  // Nothing may be released while the GPU still reads or writes it (pinned slots,
+  // device buffers the next collective reuses).
+  cudaStreamSynchronize(stream_);
+  for (auto& s : slots_) ctx_.give_event(s.read);
+  for (cudaEvent_t e : used_) ctx_.give_event(e);
+}
+
+void CudaCodecBase::ready(const Payload& p, bool* finite) {
+  if (!p.deferred) return;
+  while (!inflight_.empty() && inflight_.front().owner != p.owner.get()) inflight_.pop_front();
+  if (inflight_.empty()) throw std::logic_error("internal: ready() of a payload the CUDA wire codec did not defer");
+  wait_for(inflight_.front().done);
+  inflight_.pop_front();
+  // The flags are OR-accumulated on the device and downloaded after every encode: this
+  // copy holds at least this payload's (later ones only add).
+  own_bad_ |= ctx_.host_flags()[0] != 0;
+  *finite = ctx_.host_flags()[1] == 0;
+}
+
+void CudaCodecBase::decode_final(const char*, int64_t, void*, float*) const {
+  // Only reached through the base write_result, which these codecs replace.
+  throw std::logic_error("internal: decode_final of a CUDA wire codec");
+}
+
+void CudaCodecBase::finish() {
+  // The error sums, read back once (every encode was enqueued before this).
+  char* host_sums = reinterpret_cast<char*>(ctx_.host_flags()) + kErrSumsOffset;
+  if (measure_) {
+    cuda_check(cudaMemcpyAsync(host_sums, err_sums_, 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+               "cudaMemcpyAsync (error sums)");
+  }
+  {
+    ScopedTimer timer(times_->gpu_wait_s);
+    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (end of the collective)");
+  }
+  own_bad_ |= ctx_.host_flags()[0] != 0;
+  if (measure_) {
+    double sums[2];
+    std::memcpy(sums, host_sums, sizeof(sums));
+    times_->quant_err_sq += sums[0];
+    times_->quant_in_sq += sums[1];
+  }
+  for (const Span& s : spans_) {
+    float ms = 0;
+    cuda_check(cudaEventElapsedTime(&ms, s.a, s.b), "cudaEventElapsedTime");
+    *s.sink += ms * 1e-3;
+  }
+  spans_.clear();
+  times_->gpu_codec_s += gpu_codec_;
+  times_->h2d_s += h2d_;
+  times_->d2h_s += d2h_;
+  times_->staging_s += staging_;
+  times_ = nullptr;  // ring.cpp reads the times now; the result is written later
+}
+
+cudaEvent_t CudaCodecBase::record() {
+  cudaEvent_t e = ctx_.take_event();
+  used_.push_back(e);
+  cuda_check(cudaEventRecord(e, stream_), "cudaEventRecord");
+  return e;
+}
+
+void CudaCodecBase::wait_for(cudaEvent_t e) {
+  ScopedTimer timer(times_->gpu_wait_s);
+  cuda_check(cudaEventSynchronize(e), "cudaEventSynchronize");
+}
+
+const char* CudaCodecBase::stage(const char* src, size_t bytes) {
+  UploadSlot& s = slots_[next_slot_];
+  if (s.pending) wait_for(s.read);
+  s.pending = false;
+  if (!s.host || s.host->size() < bytes) s.host = ctx_.pinned().acquire(bytes);
+  ScopedTimer timer(staging_);
+  std::memcpy(s.host->data(), src, bytes);
+  return s.host->data();
+}
+
+void CudaCodecBase::staged_done() {
+  UploadSlot& s = slots_[next_slot_];
+  cuda_check(cudaEventRecord(s.read, stream_), "cudaEventRecord (upload slot)");
+  s.pending = true;
+  next_slot_ = (next_slot_ + 1) % kUploadSlots;
+}
+
+void CudaCodecBase::download(char* host, const char* device, int64_t len, size_t bytes) {
+  if (len > 0) cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
+  cuda_check(cudaMemcpyAsync(ctx_.host_flags(), flags_, 2 * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
+             "cudaMemcpyAsync (flags)");
+}
+
+Payload CudaCodecBase::send_from_device(const char* src, size_t bytes, int64_t len) {
+  Buffer host = ctx_.pinned().acquire(bytes);
+  cudaEvent_t b = record();
+  if (kernels_from_) span(&gpu_codec_, kernels_from_, b);
+  kernels_from_ = nullptr;
+  download(host->data(), src, len, bytes);
+  cudaEvent_t c = record();
+  span(&d2h_, b, c);
+  inflight_.push_back(Inflight{host.get(), c});
+  Payload p{host->data(), host->size(), host};
+  p.deferred = true;
+  return p;
+}
+
+}  // namespace cuda_detail
+
+// ---------------------------------------------------------------------------
 // The codec
 
 namespace {
 
 codec::InputType input_type_of(DType t) { return static_cast<codec::InputType>(t); }
 
-class CudaWireCodec final : public WireCodec {
+class CudaWireCodec final : public cuda_detail::CudaCodecBase {
  public:
   CudaWireCodec(const AllReduceSpec& spec, ScheduleTimes& times)
-      : job_(spec.cuda),
-        ctx_(*spec.cuda->context),
-        stream_(ctx_.stream()),
+      : CudaCodecBase(spec, times,
+                      (spec.codec == CodecKind::kInt8 || spec.codec == CodecKind::kFp4) && spec.measure_error),
         blocked_(spec.codec == CodecKind::kInt8 || spec.codec == CodecKind::kFp4),
         fp4_(spec.codec == CodecKind::kFp4),
         packed_(spec.codec == CodecKind::kInt8),
         format_(fp4_ ? codec::cuda::BlockFormat::kFp4 : codec::cuda::BlockFormat::kInt8),
-        measure_(blocked_ && spec.measure_error),
         dtype_(spec.dtype),
         type_(input_type_of(spec.dtype)),
         esize_(dtype_size(spec.dtype)),
         block_(spec.block),
-        n_(spec.n),
-        times_(&times) {
-    // The worker thread runs every collective of the ring: the device stays current.
-    cuda_check(cudaSetDevice(ctx_.device()), "cudaSetDevice");
-    if (job_->input_ready) cuda_check(cudaStreamWaitEvent(stream_, job_->input_ready, 0), "cudaStreamWaitEvent");
-    flags_ = reinterpret_cast<uint32_t*>(ctx_.device_buffer(CudaContext::kFlags, 64));
-    err_sums_ = reinterpret_cast<double*>(reinterpret_cast<char*>(flags_) + kErrSumsOffset);
-    // The flags and the error sums (bytes [kErrSumsOffset, +16) of the same buffer).
-    cuda_check(cudaMemsetAsync(flags_, 0, kErrSumsOffset + 2 * sizeof(double), stream_), "cudaMemsetAsync (flags)");
-    ctx_.host_flags()[0] = ctx_.host_flags()[1] = 0;
+        n_(spec.n) {
     // The final result gathers here (allocated now: growing later would wait for the stream).
     if (blocked_) {
       image_q_ = ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(code_bytes(n_)));
@@ -218,15 +330,10 @@ class CudaWireCodec final : public WireCodec {
     } else {
       image_q_ = ctx_.device_buffer(CudaContext::kImageQ, static_cast<size_t>(n_) * esize_);
     }
-    for (auto& s : slots_) s.read = ctx_.take_event();
   }
 
   ~CudaWireCodec() override {
-    // Nothing may be released while the GPU still reads or writes it (pinned slots,
-    // device buffers the next collective reuses).
-    cudaStreamSynchronize(stream_);
-    for (auto& s : slots_) ctx_.give_event(s.read);
-    for (cudaEvent_t e : used_) ctx_.give_event(e);
+    cudaStreamSynchronize(stream_);  // (the prefetched pinned buffers go back to the pool next)
   }
 
   int64_t unit() const override { return blocked_ ? block_ : kExactUnit; }
@@ -356,18 +463,6 @@ class CudaWireCodec final : public WireCodec {
     return p;
   }
 
-  void ready(const Payload& p, bool* finite) override {
-    if (!p.deferred) return;
-    while (!inflight_.empty() && inflight_.front().owner != p.owner.get()) inflight_.pop_front();
-    if (inflight_.empty()) throw std::logic_error("internal: ready() of a payload the CUDA wire codec did not defer");
-    wait_for(inflight_.front().done);
-    inflight_.pop_front();
-    // The flags are OR-accumulated on the device and downloaded after every encode: this
-    // copy holds at least this payload's (later ones only add).
-    own_bad_ |= ctx_.host_flags()[0] != 0;
-    *finite = ctx_.host_flags()[1] == 0;
-  }
-
   void final_known(const FinalPiece& piece, bool encoded_here) override {
     known_ += piece.len;
     if (piece.len == 0) return;
@@ -391,45 +486,6 @@ class CudaWireCodec final : public WireCodec {
     place_at(staged, piece.begin, len, cudaMemcpyHostToDevice);
     staged_done();
     span(&h2d_, a, record());
-  }
-
-  void decode_final(const char* payload, int64_t len, void* dst, float*) const override {
-    // Only reached through the base write_result, which this codec replaces.
-    throw std::logic_error("internal: decode_final of the CUDA wire codec");
-  }
-  int64_t scratch_floats(int64_t) const override { return 0; }
-
-  bool input_finite() const override { return !own_bad_; }
-
-  void finish() override {
-    // The error sums, read back once (every encode was enqueued before this).
-    char* host_sums = reinterpret_cast<char*>(ctx_.host_flags()) + kErrSumsOffset;
-    if (measure_) {
-      cuda_check(cudaMemcpyAsync(host_sums, err_sums_, 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
-                 "cudaMemcpyAsync (error sums)");
-    }
-    {
-      ScopedTimer timer(times_->gpu_wait_s);
-      cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (end of the collective)");
-    }
-    own_bad_ |= ctx_.host_flags()[0] != 0;
-    if (measure_) {
-      double sums[2];
-      std::memcpy(sums, host_sums, sizeof(sums));
-      times_->quant_err_sq += sums[0];
-      times_->quant_in_sq += sums[1];
-    }
-    for (const Span& s : spans_) {
-      float ms = 0;
-      cuda_check(cudaEventElapsedTime(&ms, s.a, s.b), "cudaEventElapsedTime");
-      *s.sink += ms * 1e-3;
-    }
-    spans_.clear();
-    times_->gpu_codec_s += gpu_codec_;
-    times_->h2d_s += h2d_;
-    times_->d2h_s += d2h_;
-    times_->staging_s += staging_;
-    times_ = nullptr;  // ring.cpp reads the times now; the result is written later
   }
 
   void write_result(const std::vector<FinalPiece>&, void* dst, size_t, BufferPool&) override {
@@ -462,22 +518,6 @@ class CudaWireCodec final : public WireCodec {
     Buffer host;
     cudaEvent_t done;
   };
-  struct Inflight {
-    const ByteBuffer* owner;  // the payload's pinned buffer
-    cudaEvent_t done;         // recorded after its download
-  };
-  struct Span {
-    double* sink;
-    cudaEvent_t a, b;
-  };
-  struct UploadSlot {
-    Buffer host;
-    cudaEvent_t read = nullptr;  // recorded after the last upload from host
-    bool pending = false;
-  };
-
-  static void check(cudaError_t e, const char* what) { cuda_check(e, what); }
-
   // The block codecs' payload layout on the device: fp32 scales, then codes (int8: a byte
   // a value; fp4: two values a byte). On the wire fp4 has the same layout; int8 sends its
   // packed scales (a 2-byte header, a byte a block) and its codes right after them: the
@@ -523,22 +563,9 @@ class CudaWireCodec final : public WireCodec {
 
   char* out_buffer(size_t bytes) { return ctx_.device_buffer(CudaContext::kOut, bytes); }
 
-  cudaEvent_t record() {
-    cudaEvent_t e = ctx_.take_event();
-    used_.push_back(e);
-    cuda_check(cudaEventRecord(e, stream_), "cudaEventRecord");
-    return e;
-  }
-  void span(double* sink, cudaEvent_t a, cudaEvent_t b) { spans_.push_back(Span{sink, a, b}); }
-
-  void wait_for(cudaEvent_t e) {
-    ScopedTimer timer(times_->gpu_wait_s);
-    cuda_check(cudaEventSynchronize(e), "cudaEventSynchronize");
-  }
-
   // Copies the device payload of len values (the device layout) to `host` in the wire
   // layout (`bytes`; int8: the scales pack_scales made, then the codes), and the flags.
-  void download(char* host, const char* device, int64_t len, size_t bytes) {
+  void download(char* host, const char* device, int64_t len, size_t bytes) override {
     if (len > 0 && packed_) {
       const int64_t nb = codec::num_blocks(len, block_);
       const int64_t sb = wire_scale_bytes(len);
@@ -658,40 +685,6 @@ class CudaWireCodec final : public WireCodec {
     pack_scales(out, len);
   }
 
-  // Downloads `bytes` from device memory (the kernels since kernels_from_ made them) into
-  // a fresh pinned buffer and returns it as a deferred payload: ready() waits for it.
-  Payload send_from_device(const char* src, size_t bytes, int64_t len) {
-    Buffer host = ctx_.pinned().acquire(bytes);
-    cudaEvent_t b = record();
-    if (kernels_from_) span(&gpu_codec_, kernels_from_, b);
-    kernels_from_ = nullptr;
-    download(host->data(), src, len, bytes);
-    cudaEvent_t c = record();
-    span(&d2h_, b, c);
-    inflight_.push_back(Inflight{host.get(), c});
-    Payload p{host->data(), host->size(), host};
-    p.deferred = true;
-    return p;
-  }
-
-  // Copies host bytes into the next pinned upload slot (once the GPU has read what it
-  // held) and returns it; the caller enqueues the uploads from it, then staged_done().
-  const char* stage(const char* src, size_t bytes) {
-    UploadSlot& s = slots_[next_slot_];
-    if (s.pending) wait_for(s.read);
-    s.pending = false;
-    if (!s.host || s.host->size() < bytes) s.host = ctx_.pinned().acquire(bytes);
-    ScopedTimer timer(staging_);
-    std::memcpy(s.host->data(), src, bytes);
-    return s.host->data();
-  }
-  void staged_done() {
-    UploadSlot& s = slots_[next_slot_];
-    cuda_check(cudaEventRecord(s.read, stream_), "cudaEventRecord (upload slot)");
-    s.pending = true;
-    next_slot_ = (next_slot_ + 1) % kUploadSlots;
-  }
-
   // Copies one final payload (of `len` values starting at value `begin`) into the image:
   // from the host (the wire layout) or from the device (encode_final's, the device layout).
   void place_at(const char* payload, int64_t begin, int64_t len, cudaMemcpyKind kind) {
@@ -711,27 +704,16 @@ class CudaWireCodec final : public WireCodec {
     }
   }
 
-  std::shared_ptr<CudaJob> job_;  // keeps the context and the input event alive
-  CudaContext& ctx_;
-  const cudaStream_t stream_;
   const bool blocked_;  // a block codec (int8 or fp4), not exact values
   const bool fp4_;
   const bool packed_;  // int8: packed 1-byte scales on the wire, fp32 on the device
   const codec::cuda::BlockFormat format_;
-  const bool measure_;  // block codecs: add the quantization error to err_sums_
   const DType dtype_;
   const codec::InputType type_;
   const size_t esize_;
   const int64_t block_;
   const int64_t n_;
-  ScheduleTimes* times_;
 
-  // Byte offset of the two error sums (device doubles: error, input) in the flags
-  // buffer, and of their copy in the context's pinned host_flags (64 bytes each).
-  static constexpr size_t kErrSumsOffset = 16;
-
-  uint32_t* flags_ = nullptr;  // device: [own input bad, result bad, ignored], OR-accumulated
-  double* err_sums_ = nullptr; // device: the error sums (ScheduleTimes::quant_err_sq, quant_in_sq)
   char* image_q_ = nullptr;    // block codecs: the result's codes; exact: its bytes
   float* image_s_ = nullptr;   // block codecs: the result's scales
   float* acc_ = nullptr;       // the current segment's fp32 sum (device; unfused path only)
@@ -739,23 +721,16 @@ class CudaWireCodec final : public WireCodec {
   const void* own_ = nullptr;  // the current segment's own values (device)
   float divisor_ = 0.f;        // 0: no division
   bool summed_ = false;        // acc_ holds the sum (unfused path)
-  std::deque<Inflight> inflight_;  // deferred payloads, in order
-  cudaEvent_t kernels_from_ = nullptr;
   const char* final_here_ = nullptr;
   int64_t known_ = 0;  // final values placed in the image
-  bool own_bad_ = false;
 
   std::deque<Prefetched> prefetched_;
-  UploadSlot slots_[kUploadSlots];
-  int next_slot_ = 0;
-  std::vector<Span> spans_;
-  std::vector<cudaEvent_t> used_;
-  double gpu_codec_ = 0, h2d_ = 0, d2h_ = 0, staging_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<WireCodec> make_cuda_wire_codec(const AllReduceSpec& spec, ScheduleTimes& times) {
+  if (spec.codec == CodecKind::kTopk) return cuda_detail::make_cuda_sparse_codec(spec, times);
   return std::make_unique<CudaWireCodec>(spec, times);
 }
 

@@ -1,5 +1,5 @@
-// The wire codec for CUDA tensors: the bytes of wire_codec.h's block (int8, fp4) and exact codecs,
-// computed on the tensor's GPU. Quantize, dequantize-add, the sums, the average and
+// The wire codec for CUDA tensors: the bytes of wire_codec.h's block (int8, fp4), exact and
+// topk codecs, computed on the tensor's GPU. Quantize, dequantize-add, the sums, the average and
 // the final rounding run as CUDA kernels (csrc/codec/codec_cuda.h, ring_cuda.h) on a
 // stream of the ring's own; only payload bytes cross PCIe, through pinned host
 // memory, so the host CPU only moves bytes (and authenticates frames, in the
@@ -76,7 +76,9 @@ class CudaContext {
   PinnedPool& pinned() { return *pinned_; }
 
   // kPackedScales: an int8 payload's packed scales on their way to or from the host.
-  enum Slot : int { kUploadIn = 0, kAcc, kOut, kImageQ, kImageS, kFlags, kPackedScales, kSlots };
+  // topk: kDropped, what this rank's selections dropped (the tensor's n values, for the
+  // residual); kDecoded, the owner's selection of a segment's average, decoded.
+  enum Slot : int { kUploadIn = 0, kAcc, kOut, kImageQ, kImageS, kFlags, kPackedScales, kDropped, kDecoded, kSlots };
   // Device memory of slot `slot`, at least `bytes` long. Growing waits for the stream
   // first (work queued earlier may still use the old buffer).
   char* device_buffer(Slot slot, size_t bytes);

@@ -232,6 +232,19 @@ def _seconds(t: Union[float, int, timedelta]) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
 
+def _cuda_reduce_mode() -> str:
+    mode = os.environ.get(ENV_CUDA_REDUCE, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"{ENV_CUDA_REDUCE} must be 'auto', 'gpu' or 'cpu', got {mode!r}")
+    return mode
+
+
+def reduces_on_gpu() -> bool:
+    """True when rings reduce CUDA tensors on their GPU (a CUDA build of prime._C, and
+    $PRIME_RING_CUDA_REDUCE not "cpu"), as Ring.reduces_on_device says of one tensor."""
+    return _cuda_reduce_mode() != "cpu" and bool(_extension.require()._ring_reduces_on_gpu)
+
+
 class Ring:
     """One rank's end of a ring all-reduce over raw TCP.
 
@@ -439,7 +452,8 @@ class Ring:
         Each rank's contribution is selected once by its sender and each chunk's sum once by
         its owner, who adds its own values of its chunk unselected and keeps `keep_average`
         values of every chunk of the sum (default: keep); with `residual` (a contiguous
-        float32 CPU tensor of the same size) the ring adds to it all that this rank's
+        float32 tensor of the same size, on the tensor's GPU where the ring reduces it there,
+        see reduces_on_device, else on the CPU) the ring adds to it all that this rank's
         contribution lost, only once the collective succeeded: what its selections of its
         values of the other chunks left out, and what its selection of its chunk's average
         left out (in the units of the contributions). Error feedback sends it again
@@ -486,11 +500,13 @@ class Ring:
         if schedule == "ring":
             raise ValueError("codec 'topk' runs only in the direct schedule (a ring would select every partial sum "
                              "again); use schedule='direct' or 'auto'")
+        context = self._cuda_context(tensor)
         if residual is not None:
-            if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.device.type != "cpu"
+            home = tensor.device if context is not None else torch.device("cpu")
+            if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.device != home
                     or not residual.is_contiguous() or residual.numel() != tensor.numel()):
-                raise ValueError(f"residual must be a contiguous float32 CPU tensor of {tensor.numel()} values")
-        handle = self._ring.all_reduce(tensor, op, "topk", chunk, None, "direct", keep, residual, keep_average)
+                raise ValueError(f"residual must be a contiguous float32 tensor of {tensor.numel()} values on {home}")
+        handle = self._ring.all_reduce(tensor, op, "topk", chunk, context, "direct", keep, residual, keep_average)
         return Work(handle, self, tensor, residual)
 
     def _choose(self, schedule: str, n: int, codec: str, block_size: int, esize: int) -> str:
@@ -556,14 +572,17 @@ class Ring:
         if self.rank == 0 and self.world_size > 2:
             logger.info("prime ring: order %s (schedule %s)", self.order, self.schedule)
 
+    def reduces_on_device(self, tensor: torch.Tensor) -> bool:
+        """True when an all-reduce of `tensor` runs its codec on the tensor's GPU (a CUDA build, and
+        $PRIME_RING_CUDA_REDUCE not "cpu"); False: a CUDA tensor is staged through pinned host memory."""
+        return self._ring is not None and self._cuda_context(tensor) is not None
+
     def _cuda_context(self, tensor: torch.Tensor):
         """The ring's stream and staging on tensor's GPU when the ring reduces it there
         ($PRIME_RING_CUDA_REDUCE), else None: staged through pinned host memory."""
         if not tensor.is_cuda or self.world_size == 1:
             return None  # (one rank: nothing to reduce, only a finiteness check on the host)
-        mode = os.environ.get(ENV_CUDA_REDUCE, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"{ENV_CUDA_REDUCE} must be 'auto', 'gpu' or 'cpu', got {mode!r}")
+        mode = _cuda_reduce_mode()
         upload = os.environ.get(ENV_CUDA_UPLOAD, "pinned").strip().lower() or "pinned"
         if upload not in ("pinned", "pageable"):
             raise ValueError(f"{ENV_CUDA_UPLOAD} must be 'pinned' or 'pageable', got {upload!r}")
