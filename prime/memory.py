@@ -301,8 +301,8 @@ def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
         return []
     items = [(outer.home_name, outer.home)] if outer.home_gpu else []
     items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
-    if cfg.diloco.codec == "topk":  # what the selections dropped: the ring's buffer and the one it adds it to
-        items.append(("ring: the dropped part", outer.rings_here * 2 * 4 * outer.ring_values))
+    if cfg.diloco.codec == "topk":  # what the selections dropped, filled on the device as the collective runs
+        items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
     else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
         block = cfg.diloco.resolved_block_size()
         items.append(("ring buffers", outer.rings_here * int(2 * outer.ring_values * (1 + 4 / block))))

@@ -328,13 +328,15 @@ def all_local(group, ok: bool) -> bool:
 
 def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int,
                       keep_average: Optional[int] = None) -> tuple:
-    """The topk codec's all-reduce of buf on ring: (its Work, the buffer its selections drop into). The
-    ring adds to that buffer only once the collective succeeded. For a CUDA buf it lives on buf's GPU when the
-    ring reduces there (a CUDA build), else in pinned host memory (the staging goes through the host)."""
-    if buf.is_cuda and ring.reduces_on_device(buf):
-        dropped = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
-    else:
-        dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
+    """The topk codec's all-reduce of buf on ring: (its Work, the buffer its selections drop into), which holds
+    what they dropped once the collective succeeded (a failed one's buffer is dropped unread). For a CUDA buf it
+    lives on buf's GPU when the ring reduces there (a CUDA build: the ring fills it as it goes, with no copy of
+    its own), else in pinned host memory (the staging goes through the host)."""
+    if buf.is_cuda and ring.reduces_on_device(buf):  # filled on the device as the collective runs
+        dropped = torch.empty(buf.numel(), dtype=torch.float32, device=buf.device)
+        return (ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, dropped=dropped,
+                                keep_average=keep_average), dropped)
+    dropped = torch.zeros(buf.numel(), dtype=torch.float32, pin_memory=buf.is_cuda)
     return (ring.all_reduce(buf, op=op, codec="topk", block_size=chunk, keep=keep, residual=dropped,
                             keep_average=keep_average), dropped)
 

@@ -176,9 +176,9 @@ def test_error_feedback_adds_its_residual_to_the_outer_state(home):
 
 def test_the_topk_codec_plans_its_buffers_on_the_gpu():
     """The sparse codec runs on the fragment's GPU: only its records cross to the host, and what the selections
-    dropped waits in two device buffers (the ring's, and the one it is added to once the collective succeeded).
+    dropped goes into one device buffer as the collective runs (Ring.all_reduce's `dropped`).
     The plan covers the peaks of the 1B run over 100 Mbit/s in benchmarks/RESULTS.md (2 x 1 H200, 4 fragments
-    with overlap: GPU (62.1 * GIB) reserved, host (8.1 * GIB))."""
+    with overlap: GPU 62.1 GiB reserved, host 2.2 GiB; staged through the host it was 8.6 GiB)."""
     kw = dict(name="1B", procs=1, mb=4, accum=1, seq=2048, ckpt=False, overlap=True, fragments=4, home="gpu")
     cfg, env, parts, d = _fake_run(**kw)
     d.error_feedback = True
@@ -189,6 +189,6 @@ def test_the_topk_codec_plans_its_buffers_on_the_gpu():
     staged = dict(topk.host)["ring staging (pinned)"]
     # the records of this rank's contributions and of the averages it receives: under a tenth of a byte a value
     assert 0 < staged < 0.1 * largest < dict(int8.host)["ring staging (pinned)"]
-    assert dict(topk.gpu)["ring: the dropped part"] == 2 * 4 * largest and "ring buffers" not in dict(topk.gpu)
-    assert (62.1 * GIB) <= topk.gpu_bytes <= 1.25 * (62.1 * GIB), topk.describe()
-    assert topk.host_bytes >= (8.1 * GIB), topk.describe()
+    assert dict(topk.gpu)["ring: the dropped part"] == 4 * largest and "ring buffers" not in dict(topk.gpu)
+    assert 62.1 * GIB <= topk.gpu_bytes <= 1.25 * 62.1 * GIB, topk.describe()
+    assert topk.host_bytes >= 2.2 * GIB, topk.describe()

@@ -34,13 +34,15 @@ CASES = [  # n, chunk, k, op, k of the owners' averages (None: k)
 def _rank_cases(ctx, seed, device="cpu"):
     out = []
     with ctx.ring(segment_bytes=1 << 14, quant_error=True) as ring:  # small segments: several per shard
-        for n, chunk, k, op, ka in CASES:
+        for i, (n, chunk, k, op, ka) in enumerate(CASES):
             t = _contribution(seed, ctx.rank, n).to(device)
-            residual = torch.zeros(n, device=device)
             if device == "cuda":  # the codec runs on the GPU: the residual lives there too
                 assert ring.reduces_on_device(t)
-            work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, residual=residual,
-                                   keep_average=ka)
+            # every other case the buffer is filled (dropped=, whatever it held) instead of added to
+            kind = "dropped" if i % 2 else "residual"
+            residual = torch.full((n,), float("nan"), device=device) if i % 2 else torch.zeros(n, device=device)
+            work = ring.all_reduce(t, op=op, codec="topk", block_size=chunk, keep=k, keep_average=ka,
+                                   **{kind: residual})
             work.wait()
             stats = work.stats()
             out.append((t.cpu(), residual.cpu(), stats.bytes_sent, stats.quant_err_sq, stats.quant_in_sq))
@@ -104,7 +106,8 @@ def _rank_bad_args(ctx):
     with ctx.ring() as ring:
         errors = []
         for kwargs in ({"schedule": "ring"}, {"keep": 0}, {"block_size": 100}, {"residual": torch.zeros(3)},
-                       {"residual": torch.zeros(4096, dtype=torch.float64)}, {"keep_average": 4097}):
+                       {"residual": torch.zeros(4096, dtype=torch.float64)}, {"keep_average": 4097},
+                       {"residual": torch.zeros(4096), "dropped": torch.zeros(4096)}, {"dropped": torch.zeros(5)}):
             try:
                 ring.all_reduce(torch.zeros(4096), codec="topk", **kwargs)
                 errors.append(None)
@@ -129,8 +132,9 @@ def test_bad_topk_arguments_are_refused_with_what_is_wrong(ranks):
     assert "power of two" in errors[2]
     assert "residual must be" in errors[3] and "residual must be" in errors[4]
     assert errors[5].startswith("keep_average: ") and "k (values kept" in errors[5]
-    assert "float32" in errors[6]
-    assert "settings of codec 'topk'" in errors[7] and "settings of codec 'topk'" in errors[8]
+    assert "pass one" in errors[6] and errors[7].startswith("dropped must be")
+    assert "float32" in errors[8]
+    assert "settings of codec 'topk'" in errors[9] and "settings of codec 'topk'" in errors[10]
 
 
 def _rank_other_average_k(ctx):
@@ -160,11 +164,15 @@ def _rank_cuda(ctx, seed):
     with ctx.ring() as ring:
         n = 3 * 4096 + 100
         t = _contribution(seed, ctx.rank, n)
-        gpu, staged = t.cuda(), t.cuda()
+        gpu, scratch, staged = t.cuda(), t.cuda(), t.cuda()
         r_cpu, r_gpu, r_staged = torch.zeros(n), torch.zeros(n, device="cuda"), torch.zeros(n)
         ring.all_reduce(t, codec="topk", keep=32, keep_average=64, residual=r_cpu).wait()
         on_device = ring.reduces_on_device(gpu)
         ring.all_reduce(gpu, codec="topk", keep=32, keep_average=64, residual=r_gpu).wait()
+        # dropped=: filled on the device as the collective runs (whatever the buffer held before)
+        d_gpu = torch.full((n,), float("nan"), device="cuda")
+        ring.all_reduce(scratch, codec="topk", keep=32, keep_average=64, dropped=d_gpu).wait()
+        same_scratch = torch.equal(scratch.cpu(), t) and torch.equal(d_gpu.cpu(), r_cpu)
         os.environ[ENV_CUDA_REDUCE] = "cpu"  # through the host and the CPU kernels
         try:
             wrong = None
@@ -175,14 +183,14 @@ def _rank_cuda(ctx, seed):
             ring.all_reduce(staged, codec="topk", keep=32, keep_average=64, residual=r_staged).wait()
         finally:
             del os.environ[ENV_CUDA_REDUCE]
-        return (on_device, torch.equal(gpu.cpu(), t), torch.equal(r_cpu, r_gpu.cpu()), torch.equal(staged.cpu(), t),
-                torch.equal(r_cpu, r_staged), wrong)
+        return (on_device, torch.equal(gpu.cpu(), t) and same_scratch, torch.equal(r_cpu, r_gpu.cpu()),
+                torch.equal(staged.cpu(), t), torch.equal(r_cpu, r_staged), wrong)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_tensor_gets_the_bits_of_a_cpu_one(ranks):
     """The GPU kernels (the ring reduces on the device) and the host staging (PRIME_RING_CUDA_REDUCE=cpu) give the
-    CPU ring's bits, result and residual; a residual on the wrong side is refused."""
+    CPU ring's bits, result and residual (added to, or filled: dropped=); a residual on the wrong side is refused."""
     import prime._C as C
 
     for on_device, same, same_residual, same_staged, same_staged_residual, wrong in ranks.run(

@@ -165,7 +165,8 @@ void stage_on_device(AllReduceJob& job, Staging& staging, const std::shared_ptr<
 
 std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::string& op, const std::string& codec,
                              int64_t block_size, const py::object& cuda_context, const std::string& schedule,
-                             int64_t keep, const std::optional<at::Tensor>& residual, int64_t keep_average) {
+                             int64_t keep, const std::optional<at::Tensor>& residual, int64_t keep_average,
+                             bool residual_scratch) {
   AllReduceJob job;
   job.spec = spec_of(tensor, op, codec, block_size, schedule, keep, keep_average);
   TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), "all_reduce supports CPU and CUDA tensors, got ",
@@ -184,6 +185,7 @@ std::shared_ptr<Work> submit(Ring& ring, const at::Tensor& tensor, const std::st
                 " values on ", on_device ? tensor.device().str() : std::string("the CPU"));
     staging->residual = r.detach();
     job.spec.residual = staging->residual.data_ptr<float>();
+    job.spec.residual_scratch = residual_scratch;
   }
   const int64_t n = tensor.numel();
   if (!cuda_context.is_none()) {
@@ -353,7 +355,7 @@ void init_ring_bindings(py::module_& m) {
       .def("rejected_connections", &Ring::rejected_connections)
       .def("all_reduce", &submit, py::arg("tensor"), py::arg("op"), py::arg("codec"), py::arg("block_size"),
            py::arg("cuda_context") = py::none(), py::arg("schedule") = "ring", py::arg("keep") = 0,
-           py::arg("residual") = py::none(), py::arg("keep_average") = 0)
+           py::arg("residual") = py::none(), py::arg("keep_average") = 0, py::arg("residual_scratch") = false)
       .def("close", &Ring::close, py::call_guard<py::gil_scoped_release>());
 
 #ifdef PRIME_WITH_CUDA

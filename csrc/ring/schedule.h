@@ -64,6 +64,10 @@ struct AllReduceSpec {
   int64_t keep = 0;
   int64_t keep_average = 0;
   float* residual = nullptr;
+  // The residual is the caller's scratch, zero on entry (prime.comm.Ring.all_reduce's `dropped`):
+  // the GPU codec may write what was dropped into it during the collective instead of keeping
+  // its own copy until commit (a failed collective then leaves it undefined).
+  bool residual_scratch = false;
   Schedule schedule = Schedule::kRing;
   // int8: the codec adds its quantization error to ScheduleTimes (quant_err_sq, quant_in_sq).
   bool measure_error = true;

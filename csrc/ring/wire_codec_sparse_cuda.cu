@@ -10,7 +10,8 @@
 // the sum divided, the average encoded and downloaded; what that selection dropped, times the
 // divisor, goes into kDropped too. The final records gather in an image on the device, decoded
 // into the tensor with one pass once every check passed; kDropped is added to the residual
-// (AllReduceSpec::residual, device memory) only when the collective succeeded.
+// (AllReduceSpec::residual, device memory) only when the collective succeeded, or with
+// residual_scratch the dropped values go straight into the caller's zeroed scratch.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -48,7 +49,11 @@ class CudaSparseCodec final : public CudaCodecBase {
     image_ = reinterpret_cast<uint8_t*>(ctx_.device_buffer(CudaContext::kImageQ,
                                                            static_cast<size_t>(final_bytes(n_))));
     if (residual_ && n_ > 0) {
-      dropped_ = reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kDropped, static_cast<size_t>(n_) * 4));
+      // The caller's scratch takes what is dropped as it is known; a residual proper only once the
+      // collective succeeded (commit), from a buffer of the context's.
+      dropped_ = spec.residual_scratch
+                     ? residual_
+                     : reinterpret_cast<float*>(ctx_.device_buffer(CudaContext::kDropped, static_cast<size_t>(n_) * 4));
       check(cudaMemsetAsync(dropped_, 0, static_cast<size_t>(n_) * 4, stream_), "cudaMemsetAsync (dropped)");
     }
   }
@@ -194,7 +199,7 @@ class CudaSparseCodec final : public CudaCodecBase {
   }
 
   void commit() override {
-    if (dropped_) check(codec::cuda::add_into(residual_, dropped_, n_, stream_), "residual");
+    if (dropped_ && dropped_ != residual_) check(codec::cuda::add_into(residual_, dropped_, n_, stream_), "residual");
   }
 
   void write_result(const std::vector<FinalPiece>&, void* dst, size_t, BufferPool&) override {

@@ -436,7 +436,8 @@ class Ring:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "avg", codec: str = "int8", block_size: Optional[int] = None,
                    schedule: Optional[str] = None, keep: Optional[int] = None,
-                   residual: Optional[torch.Tensor] = None, keep_average: Optional[int] = None) -> Work:
+                   residual: Optional[torch.Tensor] = None, keep_average: Optional[int] = None,
+                   dropped: Optional[torch.Tensor] = None) -> Work:
         """Sums (op="sum") or averages (op="avg") `tensor` across the ring, in place and
         asynchronously; returns a Work. codec="int8" sends int8 values plus one 1-byte
         scale per `block_size` values (default 64: 0.254x the bytes of fp32); codec="fp4"
@@ -457,7 +458,10 @@ class Ring:
         contribution lost, only once the collective succeeded: what its selections of its
         values of the other chunks left out, and what its selection of its chunk's average
         left out (in the units of the contributions). Error feedback sends it again
-        (prime.sparse.owner_average computes the same bits in one process)."""
+        (prime.sparse.owner_average computes the same bits in one process). `dropped` (the same
+        kind of tensor, instead of `residual`) is filled with those values instead of added to:
+        the ring may write into it while the collective runs, so that on the GPU it keeps no
+        copy of its own (n fp32 values less), and after a failure its contents are undefined."""
         if self._ring is None:
             raise CommError("all_reduce on a closed ring", kind="closed", rank=self.rank)
         if not isinstance(tensor, torch.Tensor):
@@ -472,11 +476,11 @@ class Ring:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if codec == "topk":
-            return self._all_reduce_topk(tensor, op, block_size, schedule, keep, residual, keep_average)
+            return self._all_reduce_topk(tensor, op, block_size, schedule, keep, residual, keep_average, dropped)
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS + ('topk',)}, got {codec!r}")
-        if keep is not None or residual is not None or keep_average is not None:
-            raise ValueError(f"keep, keep_average and residual are settings of codec 'topk', not of {codec!r}")
+        if keep is not None or residual is not None or keep_average is not None or dropped is not None:
+            raise ValueError(f"keep, keep_average, residual and dropped are settings of codec 'topk', not of {codec!r}")
         if block_size is None:
             block_size = default_block_size(codec)
         check_block_size(block_size)
@@ -484,7 +488,7 @@ class Ring:
         context = self._cuda_context(tensor)
         return Work(self._ring.all_reduce(tensor, op, codec, block_size, context, chosen), self, tensor)
 
-    def _all_reduce_topk(self, tensor, op, chunk, schedule, keep, residual, keep_average) -> Work:
+    def _all_reduce_topk(self, tensor, op, chunk, schedule, keep, residual, keep_average, dropped) -> Work:
         from prime import sparse
 
         chunk = sparse.CHUNK if chunk is None else chunk
@@ -501,12 +505,20 @@ class Ring:
             raise ValueError("codec 'topk' runs only in the direct schedule (a ring would select every partial sum "
                              "again); use schedule='direct' or 'auto'")
         context = self._cuda_context(tensor)
+        if residual is not None and dropped is not None:
+            raise ValueError("residual and dropped are two ways to get what the selections drop: pass one")
+        scratch = dropped is not None
+        residual = dropped if scratch else residual
+        name = "dropped" if scratch else "residual"
         if residual is not None:
             home = tensor.device if context is not None else torch.device("cpu")
             if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or residual.device != home
                     or not residual.is_contiguous() or residual.numel() != tensor.numel()):
-                raise ValueError(f"residual must be a contiguous float32 tensor of {tensor.numel()} values on {home}")
-        handle = self._ring.all_reduce(tensor, op, "topk", chunk, context, "direct", keep, residual, keep_average)
+                raise ValueError(f"{name} must be a contiguous float32 tensor of {tensor.numel()} values on {home}")
+            if scratch and context is None:
+                residual.zero_()  # (the CPU codec adds to it once the collective succeeded)
+        handle = self._ring.all_reduce(tensor, op, "topk", chunk, context, "direct", keep, residual, keep_average,
+                                       scratch and context is not None)
         return Work(handle, self, tensor, residual)
 
     def _choose(self, schedule: str, n: int, codec: str, block_size: int, esize: int) -> str:
