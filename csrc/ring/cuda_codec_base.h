@@ -35,6 +35,19 @@ class CudaCodecBase : public WireCodec {
  protected:
   static void check(cudaError_t e, const char* what) { cuda_check(e, what); }
 
+  // An own segment's payload as prefetch_input queued it: the pinned buffer its download
+  // goes to, and the event after that download (null for an empty segment).
+  struct Prefetched {
+    const void* own;
+    int64_t len;
+    Buffer host;
+    cudaEvent_t done;
+  };
+  // The payload prefetch_input queued for (own, len), its download waited for. The
+  // schedule announces every own segment first; other callers (the test hooks) get the
+  // segment prefetched now, one at a time.
+  Prefetched take_prefetched(const void* own, int64_t len);
+
   cudaEvent_t record();  // an event recorded on the stream now (returned to the context at the end)
   void span(double* sink, cudaEvent_t a, cudaEvent_t b) { spans_.push_back(Span{sink, a, b}); }
   void wait_for(cudaEvent_t e);  // counted as gpu_wait_s
@@ -65,6 +78,7 @@ class CudaCodecBase : public WireCodec {
   cudaEvent_t kernels_from_ = nullptr;  // the first event of the kernels of the payload being made
   bool own_bad_ = false;
   double gpu_codec_ = 0, h2d_ = 0, d2h_ = 0, staging_ = 0;
+  std::deque<Prefetched> prefetched_;  // prefetch_input appends (released after the destructor's wait)
 
  private:
   struct Inflight {

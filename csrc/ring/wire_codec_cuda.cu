@@ -214,6 +214,19 @@ void CudaCodecBase::ready(const Payload& p, bool* finite) {
   *finite = ctx_.host_flags()[1] == 0;
 }
 
+CudaCodecBase::Prefetched CudaCodecBase::take_prefetched(const void* own, int64_t len) {
+  if (prefetched_.empty() || prefetched_.front().own != own || prefetched_.front().len != len) {
+    // (Nothing the GPU still writes may go back to the pinned pool: wait first.)
+    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    prefetched_.clear();
+    prefetch_input(own, len);
+  }
+  Prefetched p = std::move(prefetched_.front());
+  prefetched_.pop_front();
+  if (p.done) wait_for(p.done);
+  return p;
+}
+
 void CudaCodecBase::decode_final(const char*, int64_t, void*, float*) const {
   // Only reached through the base write_result, which these codecs replace.
   throw std::logic_error("internal: decode_final of a CUDA wire codec");
@@ -280,7 +293,9 @@ void CudaCodecBase::staged_done() {
 }
 
 void CudaCodecBase::download(char* host, const char* device, int64_t len, size_t bytes) {
-  if (len > 0) cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
+  if (len > 0) {
+    cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
+  }
   cuda_check(cudaMemcpyAsync(ctx_.host_flags(), flags_, 2 * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
              "cudaMemcpyAsync (flags)");
 }
@@ -332,9 +347,6 @@ class CudaWireCodec final : public cuda_detail::CudaCodecBase {
     }
   }
 
-  ~CudaWireCodec() override {
-    cudaStreamSynchronize(stream_);  // (the prefetched pinned buffers go back to the pool next)
-  }
 
   int64_t unit() const override { return blocked_ ? block_ : kExactUnit; }
   int64_t partial_bytes(int64_t len) const override {
@@ -380,17 +392,7 @@ class CudaWireCodec final : public cuda_detail::CudaCodecBase {
   }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    if (prefetched_.empty() || prefetched_.front().own != own || prefetched_.front().len != len) {
-      // The schedule announces every own segment first; this keeps other callers (the
-      // test hooks) working, one segment at a time. (Nothing the GPU still writes may
-      // go back to the pinned pool: wait first.)
-      cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-      prefetched_.clear();
-      prefetch_input(own, len);
-    }
-    Prefetched p = std::move(prefetched_.front());
-    prefetched_.pop_front();
-    if (p.done) wait_for(p.done);
+    Prefetched p = take_prefetched(own, len);
     bool ok = true;
     if (blocked_) {
       // Blocks holding NaN or Inf carry the NaN scale (the format's flag).
@@ -512,12 +514,6 @@ class CudaWireCodec final : public cuda_detail::CudaCodecBase {
   }
 
  private:
-  struct Prefetched {
-    const void* own;
-    int64_t len;
-    Buffer host;
-    cudaEvent_t done;
-  };
   // The block codecs' payload layout on the device: fp32 scales, then codes (int8: a byte
   // a value; fp4: two values a byte). On the wire fp4 has the same layout; int8 sends its
   // packed scales (a 2-byte header, a byte a block) and its codes right after them: the
@@ -723,8 +719,6 @@ class CudaWireCodec final : public cuda_detail::CudaCodecBase {
   bool summed_ = false;        // acc_ holds the sum (unfused path)
   const char* final_here_ = nullptr;
   int64_t known_ = 0;  // final values placed in the image
-
-  std::deque<Prefetched> prefetched_;
 };
 
 }  // namespace

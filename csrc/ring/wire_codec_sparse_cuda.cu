@@ -58,10 +58,6 @@ class CudaSparseCodec final : public CudaCodecBase {
     }
   }
 
-  ~CudaSparseCodec() override {
-    cudaStreamSynchronize(stream_);  // (the prefetched pinned buffers go back to the pool next)
-  }
-
   int64_t unit() const override { return chunk_; }
   int64_t partial_bytes(int64_t len) const override { return sparse::payload_bytes(len, chunk_, k_); }
   int64_t final_bytes(int64_t len) const override { return sparse::payload_bytes(len, chunk_, k_avg_); }
@@ -90,15 +86,7 @@ class CudaSparseCodec final : public CudaCodecBase {
   }
 
   Payload encode_input(const void* own, int64_t len, bool* finite) override {
-    if (prefetched_.empty() || prefetched_.front().own != own || prefetched_.front().len != len) {
-      // As the block codecs: other callers (the test hooks) one segment at a time.
-      check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-      prefetched_.clear();
-      prefetch_input(own, len);
-    }
-    Prefetched p = std::move(prefetched_.front());
-    prefetched_.pop_front();
-    if (p.done) wait_for(p.done);
+    Prefetched p = take_prefetched(own, len);
     // (this segment's encode or an earlier one: the schedule only ORs)
     const bool ok = ctx_.host_flags()[0] == 0;
     if (!ok && len > 0) zero_payload(p.host->data(), len, k_);  // well formed: the frame says why it is void
@@ -183,19 +171,7 @@ class CudaSparseCodec final : public CudaCodecBase {
       }
       return;
     }
-    const char* payload = checked(piece.bytes->data(), len, k_avg_);
-    cudaEvent_t a;
-    if (job_->pageable_upload) {
-      a = record();
-      ScopedTimer timer(staging_);
-      check(cudaMemcpyAsync(at, payload, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (final, pageable)");
-    } else {
-      const char* staged = stage(payload, bytes);
-      a = record();
-      check(cudaMemcpyAsync(at, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (final)");
-      staged_done();
-    }
-    span(&h2d_, a, record());
+    copy_in(at, checked(piece.bytes->data(), len, k_avg_), bytes);
   }
 
   void commit() override {
@@ -217,13 +193,6 @@ class CudaSparseCodec final : public CudaCodecBase {
   }
 
  private:
-  struct Prefetched {
-    const void* own;
-    int64_t len;
-    Buffer host;
-    cudaEvent_t done;
-  };
-
   // flags_[i] as the encode status / decode fault word the sparse launchers take.
   int* status(int i) { return reinterpret_cast<int*>(&flags_[i]); }
   uint8_t* out_buffer(int64_t bytes) {
@@ -239,25 +208,30 @@ class CudaSparseCodec final : public CudaCodecBase {
     return payload;
   }
 
-  // The payload's bytes into the device's upload buffer (through a pinned slot, or straight
-  // from the transport's buffer with pageable uploads).
-  const uint8_t* upload(const char* payload, int64_t bytes) {
-    char* in = ctx_.device_buffer(CudaContext::kUploadIn, static_cast<size_t>(bytes));
+  // Received bytes to device memory: through a pinned slot, or straight from the transport's
+  // buffer with pageable uploads. Returns the event after the copy.
+  cudaEvent_t copy_in(void* device, const char* payload, size_t bytes) {
     cudaEvent_t a;
     if (job_->pageable_upload) {
       a = record();
       ScopedTimer timer(staging_);
-      check(cudaMemcpyAsync(in, payload, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
+      check(cudaMemcpyAsync(device, payload, bytes, cudaMemcpyHostToDevice, stream_),
             "cudaMemcpyAsync (upload, pageable)");
     } else {
-      const char* staged = stage(payload, static_cast<size_t>(bytes));
-      a = record();
-      check(cudaMemcpyAsync(in, staged, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_),
-            "cudaMemcpyAsync (upload)");
+      const char* staged = stage(payload, bytes);
+      a = record();  // (after the host copy: the span is the GPU's)
+      check(cudaMemcpyAsync(device, staged, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
       staged_done();
     }
     cudaEvent_t b = record();
     span(&h2d_, a, b);
+    return b;
+  }
+
+  // A contribution's bytes into the device's upload buffer; the segment's kernels start after it.
+  const uint8_t* upload(const char* payload, int64_t bytes) {
+    char* in = ctx_.device_buffer(CudaContext::kUploadIn, static_cast<size_t>(bytes));
+    const cudaEvent_t b = copy_in(in, payload, static_cast<size_t>(bytes));
     if (!kernels_from_) kernels_from_ = b;
     return reinterpret_cast<const uint8_t*>(in);
   }
@@ -294,7 +268,6 @@ class CudaSparseCodec final : public CudaCodecBase {
   float* pending_ = nullptr;  // what the last encode_final dropped, until final_known places it
   const uint8_t* final_here_ = nullptr;
   int64_t known_ = 0;  // final values placed in the image
-  std::deque<Prefetched> prefetched_;
   std::deque<std::pair<const ByteBuffer*, int64_t>> finals_;  // deferred averages: (payload, values)
 };
 
