@@ -119,14 +119,15 @@ METHODS["diloco-topk-defaults"] = dict(codec="topk", overlap=False)
 EVAL_FRACTION = 0.05
 DENSE_SPEC = re.compile(r"diloco-(int8|exact)-plain-lr([\d.]+)")
 TOPK_SPEC = re.compile(r"diloco-topk(?:-k(\d+))?(?:-a(\d+))?(?:-c(\d+))?-plain(?:-ef(\d+))?(?:-lr([\d.]+))?"
-                       r"(?:-m(\d+))?")
+                       r"(?:-m(\d+))?(?:-d(\d+))?")
 
 
 def method_options(base: str):
     """A method's DiLoCo options: a named one, or a setting spelled out: diloco-topk-k40-a112-plain-ef90 (40 and
-    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr, -m5 Nesterov momentum 0.5; unset:
-    1/64 of each chunk, the averages as many, no decay, lr 1, no momentum), diloco-int8-plain-lr1.5 (int8 or
-    exact with outer lr 1.5, no momentum); None when unknown."""
+    112 of every 4096, decay 0.90; -c1024 a chunk of 1024, -lr1.5 an outer lr, -m5 Nesterov momentum 0.5, -d4 the
+    first 4 outer steps dense (-d0: none); unset: 1/64 of each chunk, the averages as many, no decay, lr 1, no
+    momentum, no dense start), diloco-int8-plain-lr1.5 (int8 or exact with outer lr 1.5, no momentum); None when
+    unknown."""
     if base in METHODS:
         return METHODS[base]
     m = DENSE_SPEC.fullmatch(base)
@@ -135,7 +136,7 @@ def method_options(base: str):
     m = TOPK_SPEC.fullmatch(base)
     if m is None:
         return None
-    k, a, c, ef, lr, mu = m.groups()
+    k, a, c, ef, lr, mu, dense = m.groups()
     chunk = int(c) if c else 4096
     opts = dict(codec="topk", overlap=False, outer_lr=float(lr) if lr else 1.0,
                 outer_momentum=int(mu) / 10 ** len(mu) if mu else 0.0,
@@ -144,6 +145,8 @@ def method_options(base: str):
         opts["block_size"] = chunk
     if a:
         opts["average_density"] = int(a) / chunk
+    if dense:
+        opts["dense_outer_steps"] = int(dense)
     return opts
 
 

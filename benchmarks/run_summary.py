@@ -1,5 +1,7 @@
 """Summarizes training runs from their metrics files: the outer step on the critical path against the wire,
-compute utilization after the first outer step, MFU, and the memory lines.
+compute utilization after the first outer step (after a sparse codec's dense start, whose outer steps send
+int8: the phases up to the last one marked dense are left out, and their utilization is stated apart), MFU, and
+the memory lines.
 
     python3 benchmarks/run_summary.py RUN_DIR [RUN_DIR ...] [--rate-mbit R] [--json OUT]
 
@@ -27,19 +29,27 @@ def summarize(run: str, rate_mbit: float = 0.0) -> dict:
         outers = [r for r in recs if r["kind"] == "outer"]
         last_step = max((r["step"] for r in steps), default=0)
         in_run = [o for o in outers if o.get("phase_compute_s", 1) > 0 or o["step"] < last_step]
-        after = in_run[1:]  # every phase after the first outer step
+        dense = [i for i, o in enumerate(in_run) if o.get("dense")]  # a sparse codec's dense start (int8)
+        first = dense[-1] + 1 if dense else 1
+        after = in_run[first:]  # every phase after the first outer step, or after the dense start
         comp = sum(o.get("phase_compute_s", 0.0) for o in after)
         wall = sum(o.get("phase_s", 0.0) for o in after)
+        start = in_run[:first] if dense else []
+        start_wall = sum(o.get("phase_s", 0.0) for o in start)
         mfus = sorted(r["mfu"] for r in steps[3:] if r.get("mfu") is not None)
         rows = []
         for o in outers:
             wire = 8 * o["bytes_sent"] / (rate_mbit * 1e6) if rate_mbit and o.get("bytes_sent") else None
             rows.append({k: o.get(k) for k in ("step", "outer_step", "fragment", "outer_s", "allreduce_s", "prepare_s",
                                                 "update_s", "bytes_sent", "utilization", "wait_s", "wire_s",
-                                                "gpu_wait_s", "reduce_s")} | {"wire_est_s": wire})
+                                                "gpu_wait_s", "reduce_s", "dense")} | {"wire_est_s": wire})
         out["nodes"][node] = {
             "steps": last_step, "outer": rows,
             "utilization_after_first_outer": comp / wall if wall else None,
+            "dense_outer_steps": len(dense),
+            "utilization_dense_start": (sum(o.get("phase_compute_s", 0.0) for o in start) / start_wall
+                                        if start_wall else None),
+            "dense_start_s": start_wall,
             "median_mfu": mfus[len(mfus) // 2] if mfus else None,
             "median_step_s": statistics.median(r["step_s"] for r in steps[3:]) if len(steps) > 3 else None,
         }
@@ -65,7 +75,12 @@ def main() -> int:
             u, m = n["utilization_after_first_outer"], n["median_mfu"]
             print(f"  node {node}: {n['steps']} steps, median step {n['median_step_s'] or 0:.3f} s, MFU "
                   f"{100 * m:.1f}%" if m is not None else f"  node {node}: {n['steps']} steps", end="")
-            print(f", utilization after the first outer step {100 * u:.2f}%" if u is not None else "")
+            if n["dense_outer_steps"]:
+                print(f", utilization after the dense start ({n['dense_outer_steps']} int8 outer steps, "
+                      f"{n['dense_start_s']:.0f} s at {100 * (n['utilization_dense_start'] or 0):.1f}%) "
+                      f"{100 * u:.2f}%" if u is not None else "")
+            else:
+                print(f", utilization after the first outer step {100 * u:.2f}%" if u is not None else "")
             print("    step frag outer_s allreduce_s prepare_s update_s wire_est_s util")
             for o in n["outer"]:
                 f = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"  # noqa: E731

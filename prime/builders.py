@@ -195,6 +195,7 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
             check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
             overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None,
             outer_state_device=d.outer_state_device, fragments=d.fragments, error_feedback=d.error_feedback,
+            dense_outer_steps=d.dense_outer_steps,
             weights="tokens" if d.phase == "time" or uneven else "equal",
             auto_margin_bytes=auto_margin_bytes(cfg, env, parts) if env.device.type == "cuda" else None, **extra)
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 from prime import ops
 
-__all__ = ["Codec", "CODECS", "codec", "names"]
+__all__ = ["Codec", "CODECS", "codec", "names", "DENSE_START", "wire_codec"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,18 @@ class Codec:
         """Wire bytes per value for a long tensor (the header left out)."""
         n = 1 << 20
         return (self.wire_bytes(n, block_size, density) - (ops.INT8_HEADER_BYTES if self.name == "int8" else 0)) / n
+
+
+DENSE_START = ("int8", 64)
+"""The codec and block size of a sparse codec's dense start (prime.fragments.FragmentSchedule.dense): each
+fragment's first outer steps send the pseudo-gradient as int8, the default dense codec, in blocks of 64 (of the
+sparse chunk when it is smaller, so that every parameter starts a block)."""
+
+
+def wire_codec(codec: str, block_size: int, dense: bool) -> tuple:
+    """(codec, block size) an outer step puts on the wire: the job's, or in a dense start DENSE_START's codec in
+    blocks of min(64, the chunk)."""
+    return (DENSE_START[0], min(DENSE_START[1], block_size)) if dense else (codec, block_size)
 
 
 TOPK_DEFAULTS = dict(outer_lr=3.0, outer_momentum=0.0, feedback_decay=0.8, density=48 / 4096,

@@ -190,6 +190,8 @@ class DiLoCoConfig:
     """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): 96/4096 when diloco.density is unset too (with 48/4096: 0.0222 bytes a value, 1/45 of int8's), else diloco.density. The sum of N nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
     feedback_decay: Optional[float] = None
     """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1 old residual fades geometrically, as SparseLoCo's accumulator; needs error feedback on. Unset (none): 1, for topk 0.8."""
+    dense_outer_steps: int = 0
+    """topk: each fragment's first dense_outer_steps outer steps send the pseudo-gradient dense, as int8, and apply the average as it is (outer lr 1, no momentum), before the sparse codec takes over: early pseudo-gradients are large and dense, and a sparse round there undoes most of each node's progress. Costs int8's bytes for those outer steps; measured to help on short runs at H = 5, not at H = 10 (docs/codec.md, "Dense start"). 0: none. Above 0 only with topk."""
     error_feedback: Optional[bool] = None
     """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
     retries: int = 2
@@ -284,6 +286,9 @@ class DiLoCoConfig:
         check_feedback_decay(outer["feedback_decay"], feedback, "diloco.feedback_decay")
         if self.block_size is not None:
             check_block_size(self.block_size, "diloco.block_size")
+        _require(self.dense_outer_steps >= 0, "diloco.dense_outer_steps", ">= 0", self.dense_outer_steps)
+        _require(self.dense_outer_steps == 0 or self.codec == "topk", "diloco.dense_outer_steps",
+                 "0 unless diloco.codec = 'topk' (the other codecs are dense already)", self.dense_outer_steps)
         for name, value in (("diloco.density", self.density), ("diloco.average_density", self.average_density)):
             if value is not None:
                 _require(self.codec == "topk", name, "unset unless diloco.codec = 'topk'", value)

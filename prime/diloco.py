@@ -105,6 +105,10 @@ DiLoCo's arguments:
     rings:            the rings the job's model is cut across (None: this node's processes; prime.shares)
     step_weight:      what one inner step counts with weights="tokens" (default 1; prime.shares: the node's
                       processes over the fewest any node runs, so that a node's count is its tokens)
+    dense_outer_steps: topk: each fragment's first dense_outer_steps outer steps send the pseudo-gradient dense,
+                      as int8, and apply the average as it is (outer lr 1, no momentum), before the sparse codec
+                      takes over (docs/codec.md, "Dense start"). Default 0: none. Refused with the other codecs
+                      and with outer_optimizer
 """
 
 from __future__ import annotations
@@ -177,6 +181,7 @@ class DiLoCo:
         shard: Optional[Callable] = None,
         rings: Optional[int] = None,
         step_weight: int = 1,
+        dense_outer_steps: int = 0,
     ):
         block_size = default_block_size(codec) if block_size is None else block_size
         # unset settings take the codec's defaults (prime.codecs: topk's differ from the block codecs')
@@ -188,8 +193,9 @@ class DiLoCo:
         """codec topk: the values each owner keeps per chunk of its shard's average (None otherwise)."""
         overlap_steps = _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap,
                                          overlap_scheme, overlap_steps, outer_state_device, fragments, outer_optimizer)
-        self.schedule = FragmentSchedule(inner_steps, fragments)
-        """When each fragment syncs (prime.fragments.FragmentSchedule)."""
+        self.schedule = FragmentSchedule(inner_steps, fragments, _dense_steps(dense_outer_steps, codec,
+                                                                             outer_optimizer))
+        """When each fragment syncs, and which of its outer steps are a dense start (prime.fragments)."""
         self.error_feedback = resolve_error_feedback(error_feedback, codec)
         """True when this node feeds its quantization error back into its next pseudo-gradient."""
         self.feedback_decay = check_feedback_decay(feedback_decay, self.error_feedback)
@@ -338,6 +344,8 @@ class DiLoCo:
             s["error_feedback"] = True
         if self.weights != "equal":
             s["weights"] = self.weights
+        if self.schedule.dense_steps:
+            s["dense_outer_steps"] = self.schedule.dense_steps
         if self.states is not None:
             s.update(self.states.settings())
         return s
@@ -503,6 +511,19 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float], name: st
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     return keep
+
+
+def _dense_steps(steps, codec: str, outer_optimizer) -> int:
+    """dense_outer_steps, checked: an int >= 0, above 0 only with a sparse codec and the default outer update."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"dense_outer_steps must be an int >= 0, got {steps!r}")
+    if steps and not codec_named(codec).sparse:
+        raise ValueError(f"dense_outer_steps is a setting of codec 'topk' (its first outer steps sent dense), not "
+                         f"of {codec!r}, which is dense already; leave it at 0")
+    if steps and outer_optimizer is not None:
+        raise ValueError("dense_outer_steps needs the default outer update (a dense start applies the average as "
+                         "it is, outer lr 1); use outer_optimizer=None or dense_outer_steps=0")
+    return steps
 
 
 def _check_sync(keep: Optional[int], weights: str, sync) -> str:

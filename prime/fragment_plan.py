@@ -103,7 +103,7 @@ def plan_fragments(named: list, inner_optimizer, *, schedule: FragmentSchedule, 
         overlap=overlap, overlap_scheme=overlap_scheme, overlap_steps=overlap_steps, fragments=P,
         grads=BufferPool(max(frag_numel), work), starts=BufferPool(max(frag_numel), work),
         keep_input=overlap and sync.keeps_input, nodes=lambda: sync.world_size, check_finite=check_finite,
-        weights=weights)
+        weights=weights, dense=schedule.dense)
     model_numel = sum(p.numel() for p in params) or 1
     for p, idx in enumerate(groups):
         st = OuterState([params[i] for i in idx], block_size=block_size, outer_lr=update.lr,

@@ -124,6 +124,8 @@ class FragmentSchedule:
 
     inner_steps: int
     fragments: int
+    dense_steps: int = 0
+    """A sparse codec's dense start: each fragment's first dense_steps outer steps average densely (dense())."""
 
     def __post_init__(self):
         if not 1 <= self.fragments <= self.inner_steps:
@@ -150,6 +152,12 @@ class FragmentSchedule:
     def fragment_of(self, k: int) -> int:
         """The fragment whose outer step is the job's outer step k (k >= 1)."""
         return (k - 1) % self.fragments
+
+    def dense(self, k: int) -> bool:
+        """True when the job's outer step k is one of its fragment's first dense_steps: a sparse codec's dense
+        start, which sends the pseudo-gradient as int8 and applies the average as it is (docs/codec.md, "Dense
+        start"). Every node decides from k alone, so all agree."""
+        return (k - 1) // self.fragments < self.dense_steps
 
     def step_of(self, k: int) -> int:
         """The inner step at which the job's outer step k runs (k >= 1)."""
@@ -254,6 +262,9 @@ class OuterStepResult:
     """The fragment's share of the model's values (what data parallelism would have sent scales with it)."""
     pieces: int = 1
     """All-reduces the outer step was pipelined in."""
+    dense: bool = False
+    """True when the average the bytes describe was one of a sparse codec's dense start (int8; with overlap, the
+    average applied here)."""
     weights: Any = None
     """A token-weighted average: every node's inner steps in the window (prime.weights.StepWeights; None: equal
     weights). With overlap, those of the average applied here."""
@@ -333,6 +344,8 @@ class FragmentSettings:
     check_finite: Optional[Callable[[bool, int], None]] = None
     weights: str = "equal"
     """How the nodes' pseudo-gradients count in an average: "equal" or "tokens" (prime.weights)."""
+    dense: Callable[[int], bool] = lambda k: False
+    """Whether the job's outer step k is one of a sparse codec's dense start (FragmentSchedule.dense)."""
 
     def own_error_pass(self) -> bool:
         """The int8 error is measured by a pass of our own: asked for, the codec needs one, and the ring cannot
@@ -378,6 +391,12 @@ class Fragment:
 
     def tick(self) -> None:
         self.since_sync += 1
+
+    @property
+    def dense_now(self) -> bool:
+        """This fragment's outer step now starting (its own count: outer_step) is one of a dense start: the
+        lookahead of its pseudo-gradient applies it as the dense start's update does."""
+        return self.s.dense(self.s.fragments * self.outer_step + self.index + 1)
 
     def weighing(self) -> Optional[Weighing]:
         """The weighted average of this window (None: equal weights); the count restarts once it succeeded."""
@@ -440,7 +459,7 @@ class Fragment:
         fused = eager and self.start is None and self._inflight is None  # overlap_steps < the phase (fragments)
         if fused:  # the pseudo-gradient and the next start in one pass over the outer state
             self.start = s.starts.take()[: st.numel]
-            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=policy.scale())
+            sq = st.pseudo_gradient_and_lookahead(g, self.start, scale=policy.scale(), dense=self.dense_now)
         else:
             sq = st.pseudo_gradient(g, anchor=self.start)
         norm = math.sqrt(sq)
@@ -470,7 +489,8 @@ class Fragment:
         u0 = time.perf_counter()
         if prev is not None:
             s.sync.applying(r)
-            a_sq = st.update(prev.buf, load=not eager, norm=True)  # the average of k-1, in order, everywhere
+            a_sq = st.update(prev.buf, load=not eager, norm=True,  # the average of k-1, in order, everywhere
+                             dense=s.dense(prev.outer_step))
             st.add_to_residual(s.sync.take_dropped(prev.buf))
             s.sync.committed(r)
             policy.adapt(a_sq)
@@ -517,11 +537,13 @@ class Fragment:
         if flight is not None:
             r = self._join(flight)
             self.s.sync.applying(r)
+            dense = self.s.dense(flight.outer_step)
             if self.start is not None:  # the update and the shift in one pass over the outer state
-                self.policy.adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep))
+                self.policy.adapt(self.state.update(flight.buf, norm=True, shift=self.start, keep=keep,
+                                                    dense=dense))
                 self._give_start()
             else:
-                self.policy.adapt(self.state.update(flight.buf, norm=True))
+                self.policy.adapt(self.state.update(flight.buf, norm=True, dense=dense))
             self.state.add_to_residual(self.s.sync.take_dropped(flight.buf))
             self.s.sync.committed(r)
             self.s.grads.give(flight.base)
@@ -547,7 +569,7 @@ class Fragment:
             return None
         r = self._join(flight)
         self.s.sync.applying(r)
-        self.policy.adapt(self.state.update(flight.buf, norm=True))
+        self.policy.adapt(self.state.update(flight.buf, norm=True, dense=self.s.dense(flight.outer_step)))
         self.state.add_to_residual(self.s.sync.take_dropped(flight.buf))
         self.s.sync.committed(r)
         self.s.grads.give(flight.base)

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from prime.codecs import DENSE_START
+
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
            "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
 
@@ -269,10 +271,24 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
         # 1/N each), and what the rank's selections of the other chunks drop waits for the collective's end
         # (4 bytes a value of the other (N - 1)/N)
         ring_host = 4 * b.ring_values + int(2 * 4 * b.ring_values / nodes) + int(4 * b.ring_values * (nodes - 1) / nodes)
-    else:  # (a payload's int8 scales take 2 bytes; on the GPU they are widened to fp32)
-        ring_host = int(2 * b.ring_values / nodes * (1 + 2 / cfg.diloco.resolved_block_size())) if on_gpu else 0
+    else:
+        ring_host = _int8_ring_host(b.ring_values, nodes, cfg.diloco.resolved_block_size()) if on_gpu else 0
+    if on_gpu and cfg.diloco.dense_outer_steps:  # a sparse codec's first outer steps go dense, as int8
+        ring_host += _int8_ring_host(b.ring_values, nodes, DENSE_START[1])
     b.ring_host = b.rings_here * ring_host
     return b
+
+
+def _int8_ring_host(values: int, nodes: int, block: int) -> int:
+    """The ring's pinned host staging of an int8 all-reduce of `values` on the GPU: the payload of this rank's
+    chunk (a payload's int8 scales take 2 bytes)."""
+    return int(2 * values / nodes * (1 + 2 / block))
+
+
+def _int8_ring_gpu(values: int, block: int) -> int:
+    """The ring's GPU buffers of an int8 all-reduce of `values`: the payload, encoded and received, and its scales
+    (widened to fp32 on the GPU)."""
+    return int(2 * values * (1 + 4 / block))
 
 
 def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
@@ -303,9 +319,12 @@ def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
     items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
     if cfg.diloco.codec == "topk":  # what the selections dropped, filled on the device as the collective runs
         items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
+        if cfg.diloco.dense_outer_steps:  # the int8 buffers of the dense start stay in the ring's cache after it
+            items.append(("ring buffers (dense start)", outer.rings_here * _int8_ring_gpu(outer.ring_values,
+                                                                                        DENSE_START[1])))
     else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
         block = cfg.diloco.resolved_block_size()
-        items.append(("ring buffers", outer.rings_here * int(2 * outer.ring_values * (1 + 4 / block))))
+        items.append(("ring buffers", outer.rings_here * _int8_ring_gpu(outer.ring_values, block)))
     return items
 
 

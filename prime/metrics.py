@@ -347,13 +347,15 @@ class RunMetrics:
         self.local_world, self.num_nodes, self.total_steps, self.log_every = local_world, num_nodes, total_steps, log_every
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.local_sum = local_sum
-        from prime.codecs import CODECS
+        from prime.codecs import CODECS, DENSE_START
 
         self.wire_bytes_per_value = CODECS[codec].bytes_per_value(block_size, density)
         if average_density is not None:  # topk: the owners send the average at their own density
             self.wire_bytes_per_value = (self.wire_bytes_per_value
                                          + CODECS[codec].bytes_per_value(block_size, average_density)) / 2
         self.inner_steps, self.model_numel = inner_steps, model_numel
+        self.dense_bytes_per_value = CODECS[DENSE_START[0]].bytes_per_value(DENSE_START[1])
+        """Wire bytes per value of a sparse codec's dense start (int8)."""
         self.codec = codec if CODECS[codec].lossy else "codec"  # names the compression error in the outer step's line
         self.log: Optional[MetricsLogger] = None
         self.reset()
@@ -457,7 +459,8 @@ class RunMetrics:
         if measured:
             sent = float(r.bytes_sent)
         else:  # estimate a ring all-reduce of the wire format: 2 (N-1)/N of the encoded buffer
-            sent = 2 * (n - 1) / n * r.numel * self.wire_bytes_per_value
+            per_value = self.dense_bytes_per_value if getattr(r, "dense", False) else self.wire_bytes_per_value
+            sent = 2 * (n - 1) / n * r.numel * per_value
         measured = self.local_sum([1.0 if measured else 0.0])[0] == self.local_world
         sent, ar_s = self.local_sum([sent, r.allreduce_s])
         ar_s /= self.local_world
@@ -473,6 +476,9 @@ class RunMetrics:
         util = compute / wall if wall > 0 else float("nan")
         self.phase_t0, self.phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
+        if getattr(r, "dense", False):  # a sparse codec's dense start: this average went as int8
+            fields = dict(fields or {}, dense=True)
+            note = " | dense start (int8)" + note
         w = getattr(r, "weights", None)  # a token-weighted average: each node's inner steps and share
         if w is not None:
             steps, tokens = list(w.counts), [c * self.tokens_per_step for c in w.counts]

@@ -285,6 +285,9 @@ class FixedNodes:
 
             kept = [keep_for_density(o[name], chunk) for name in ("density", "average_density")]
             sparse = f" ({kept[0]} / {kept[1]} of every {chunk} values, residual decay {o['feedback_decay']:g})"
+            dense = d.dense_outer_steps
+            if dense:
+                sparse += f", the first {dense} outer step{'s' if dense > 1 else ''} of each fragment dense (int8)"
         return (f"DiLoCo: node {self.env.node_rank} of {self.env.num_nodes}, outer step every {d.inner_steps} inner "
                 f"steps, codec {d.codec}{sparse}, outer lr {o['outer_lr']:g} momentum {o['outer_momentum']:g}"
                 f"{' nesterov' if d.nesterov and o['outer_momentum'] else ''}")

@@ -64,7 +64,7 @@ from prime import layout
 from prime.layout import (AUTO_GPU_MARGIN_BYTES, AUTO_GPU_MARGIN_FRACTION, OUTER_STATE_DEVICES,  # noqa: F401
                           FlatLayout, choose_device, pending_training_bytes, resolve_device, staging_bytes)
 from prime.overlap import OverlapPasses
-from prime.update import NesterovUpdate, OuterOptimizerFactory, TorchOptimizerUpdate
+from prime.update import NesterovUpdate, PlainAverage, OuterOptimizerFactory, TorchOptimizerUpdate
 
 __all__ = ["OuterState", "OuterOptimizerFactory", "OUTER_STATE_DEVICES", "AUTO_GPU_MARGIN_BYTES",
            "AUTO_GPU_MARGIN_FRACTION", "pending_training_bytes", "resolve_device", "choose_device",
@@ -140,6 +140,8 @@ class OuterState(FlatLayout, OverlapPasses):
         self.optimizer: Optional[TorchOptimizerUpdate] = None
         """A custom outer optimizer over views of the outer weights (None: the default update)."""
         self.momentum: Optional[torch.Tensor] = None
+        self.dense_rule = PlainAverage()
+        """The update of a sparse codec's dense start (update(dense=True)): the average as it is."""
         if optimizer_factory is None:
             self.rule = NesterovUpdate(outer_lr, outer_momentum, nesterov)
             self.momentum = self._home_buffer()
@@ -216,14 +218,17 @@ class OuterState(FlatLayout, OverlapPasses):
     @torch.no_grad()
     def update(self, g: torch.Tensor, *, load: bool = False, norm: bool = False, lo: int = 0,
                hi: Optional[int] = None, at: int = 0, shift: Optional[torch.Tensor] = None,
-               keep: Optional[float] = None) -> Optional[float]:
+               keep: Optional[float] = None, dense: bool = False) -> Optional[float]:
         """The outer step on the fp32 outer weights over [lo, hi), from the averaged pseudo-gradient g (a work
         buffer holding the values from flat value `at` on; same bits on CPU, GPU and streamed). `load`: also copy
         the new outer weights into the model, piece by piece as they are computed. `shift`: in the same pass,
         shift_to_outer(shift, keep) with the new outer weights (overlap's midway step). `norm`: return the
-        squared L2 norm of g (fp32 dot products per piece, summed in float64), else None."""
+        squared L2 norm of g (fp32 dot products per piece, summed in float64), else None. `dense`: an outer step
+        of a sparse codec's dense start: the average is applied as it is (PlainAverage), the momentum untouched."""
         sq = torch.zeros((), dtype=torch.float64, device=g.device) if norm else None
         if self.optimizer is not None:
+            if dense:
+                raise ValueError("a dense start needs the default outer update (outer_optimizer=None)")
             if lo != 0 or at != 0 or (hi is not None and hi != self.numel):
                 raise ValueError("a custom outer_optimizer updates the whole state at once (no pipelined pieces)")
             self.optimizer.step(g)
@@ -232,7 +237,7 @@ class OuterState(FlatLayout, OverlapPasses):
             if norm:
                 self._walk(lambda p, gv: sq.add_(torch.dot(gv, gv).double()), work=(g,))
             return float(sq) if norm else None
-        rule = self.rule
+        rule = self.dense_rule if dense else self.rule
         tmp = self._scratch(1)[0]
 
         def body(p, mc, wc, gc, *sc):

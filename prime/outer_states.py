@@ -169,7 +169,7 @@ class OuterStates:
     def apply(self, k: int, avg: torch.Tensor, load: bool = False) -> None:
         """The outer update of the job's outer step k from its average (the same bits as on the members)."""
         self.changed(k)
-        self.states[self.fragment_of(k)].update(avg, load=load)
+        self.states[self.fragment_of(k)].update(avg, load=load, dense=self.schedule.dense(k))
 
     @torch.no_grad()
     def admit(self, k: int, avg: torch.Tensor, dropped: Optional[torch.Tensor] = None) -> None:
@@ -181,7 +181,7 @@ class OuterStates:
         self.changed(k)
         for q, st in enumerate(self.states):
             if q == p:
-                st.update(avg, load=True)
+                st.update(avg, load=True, dense=self.schedule.dense(k))
             else:
                 st.load_into_model()
             st.reset_residual()

@@ -86,7 +86,7 @@ class OverlapPolicy:
             frag.start = frag.s.starts.take()[: st.numel]
         else:
             src = self.stand_in(frag, g)
-        st.lookahead(src, frag.start, load=True, scale=self.scale())
+        st.lookahead(src, frag.start, load=True, scale=self.scale(), dense=frag.dense_now)
         self.seen(sq)
 
     def stand_in(self, frag, g: torch.Tensor) -> torch.Tensor:
@@ -203,20 +203,20 @@ class OverlapPasses:
     outer weights `outer`, the momentum `momentum`) with its default update `rule` (prime.update): none of them
     changes the outer weights or the momentum."""
 
-    def _lookahead_rule(self) -> NesterovUpdate:
+    def _lookahead_rule(self, dense: bool = False) -> NesterovUpdate:
         if self.optimizer is not None:
             raise ValueError("lookahead needs the default outer update (outer_optimizer=None)")
-        return self.rule
+        return self.dense_rule if dense else self.rule
 
     @torch.no_grad()
     def lookahead(self, g: torch.Tensor, out: torch.Tensor, *, load: bool = False,
-                  scale: Optional[float] = None) -> None:
-        """out = the outer weights update(g) would give, without changing the weights or the momentum (g and out
-        are work buffers; out may be g). `load`: also copy `out` into the model. `scale`: use fp32(g * scale) in
-        place of g.
+                  scale: Optional[float] = None, dense: bool = False) -> None:
+        """out = the outer weights update(g, dense=dense) would give, without changing the weights or the
+        momentum (g and out are work buffers; out may be g). `load`: also copy `out` into the model. `scale`: use
+        fp32(g * scale) in place of g.
 
         The same operations in the same order as update(), so lookahead(g) and update(g) agree bit for bit."""
-        rule = self._lookahead_rule()
+        rule = self._lookahead_rule(dense)
         tmp, tmp2, tmp3 = self._scratch(3)
 
         def body(p, mc, wc, gc, oc):
@@ -227,10 +227,12 @@ class OverlapPasses:
         self._walk(body, home=(self.momentum, self.outer), work=(g, out))
 
     @torch.no_grad()
-    def pseudo_gradient_and_lookahead(self, g: torch.Tensor, out: torch.Tensor, *, scale: Optional[float] = None) -> float:
-        """pseudo_gradient(g) from the outer weights, then lookahead(g, out, load=True, scale=scale), in one
-        pass over the home buffers (the same operations, so the same bits as the two passes). Returns ||g||^2."""
-        rule = self._lookahead_rule()
+    def pseudo_gradient_and_lookahead(self, g: torch.Tensor, out: torch.Tensor, *, scale: Optional[float] = None,
+                                      dense: bool = False) -> float:
+        """pseudo_gradient(g) from the outer weights, then lookahead(g, out, load=True, scale=scale, dense=dense),
+        in one pass over the home buffers (the same operations, so the same bits as the two passes). Returns
+        ||g||^2."""
+        rule = self._lookahead_rule(dense)
         tmp, tmp2, tmp3 = self._scratch(3)
         sq = torch.zeros((), dtype=torch.float64, device=g.device)
 

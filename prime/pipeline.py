@@ -55,6 +55,7 @@ class PipelinedStep:
         measure_own = s.own_error_pass()
         feedback = st.residual is not None
         scale = weighing.scale if weighing is not None else 1.0
+        dense = s.dense(outer_step)  # a sparse codec's dense start: the average applied as it is
         weights, weigh_s = None, 0.0
         pipelined = s.sync.pipelined and len(ranges) > 1
         if pipelined and weighing is not None:  # every node's count before the first piece's apply()
@@ -91,7 +92,7 @@ class PipelinedStep:
             if feedback:
                 st.commit_residual(lo, hi, scale)
                 st.add_to_residual(s.sync.take_dropped(buffer(j)), lo, hi)
-            st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo)
+            st.update(buffer(j), load=True, lo=lo, hi=hi, at=lo, dense=dense)
             self.done = j + 1
 
         try:
@@ -149,7 +150,8 @@ class PipelinedStep:
                 st.add_to_residual(s.sync.take_dropped(base[lo:hi]), lo, hi)
             elif feedback:  # this node's pseudo-gradient is not in the average: it lost nothing to the codec
                 st.reset_residual()
-            st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo)
+            k = r.outer_step if r.outer_step is not None else outer_step  # (the job's, where the sync moved it)
+            st.update(base[lo:hi], load=True, lo=lo, hi=hi, at=lo, dense=s.dense(k))
         return r, time.perf_counter() - u0
 
     def _piece_slots(self, width: int) -> list:

@@ -186,7 +186,8 @@ class OuterSteps:
             r, times, norm, err, applied = f.sync_overlapped(self.inner_step, k)
             self.outer_step += 1
             return self._result(f, r, t0, times, norm, self._ring_error(r, err) if r else err, overlapped=True,
-                                wait_s=times["wait_s"], applied_outer_step=applied)
+                                wait_s=times["wait_s"], applied_outer_step=applied,
+                                dense=applied is not None and self.schedule.dense(applied))
         r, times, norm, err = f.sync(self.inner_step, k)
         self.outer_step = k if r.outer_step is None else r.outer_step
         if len(self.fragments) == 1:
@@ -201,7 +202,8 @@ class OuterSteps:
                 g.outer_step = max(g.outer_step, 1)  # past its first, shorter phase
         self.sync.committed(r)
         return self._result(f, r, t0, times, norm if r.contributed else 0.0,
-                            self._ring_error(r, err) if r.contributed else None)
+                            self._ring_error(r, err) if r.contributed else None,
+                            dense=self.schedule.dense(self.outer_step))
 
     def finish(self) -> list:
         """The end of training (DiLoCo.finish): the averages in flight applied, the fragments with inner steps

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
+from prime.codecs import wire_codec
 from prime.comm.ring import RING_TIMERS
 
 __all__ = ["Sync", "SyncExtras", "complete", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
@@ -413,6 +414,8 @@ class RingSync(SyncExtras):
         self.average_group = local_group
         """The group average() agrees in before a retry (use_from_background() gives it one of its own)."""
         self.codec, self.block_size, self.keep, self.keep_average = "int8", 64, None, None  # set by bind()
+        self.dense: Callable[[int], bool] = lambda k: False
+        """Whether outer step k is one of a sparse codec's dense start (set by bind(): the states' schedule)."""
         self._dropped: dict = {}  # topk: buffer address -> what its owners' selections dropped (take_dropped)
         self._caller_ring = ring
         self.last_apply_s = 0.0
@@ -423,6 +426,7 @@ class RingSync(SyncExtras):
     def bind(self, states, settings: dict) -> None:
         self.codec, self.block_size, self.keep = settings["codec"], settings["block_size"], settings.get("keep")
         self.keep_average = settings.get("keep_average")
+        self.dense = states.schedule.dense
 
     def take_dropped(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
         return self._dropped.pop(buf.data_ptr(), None)
@@ -478,7 +482,7 @@ class RingSync(SyncExtras):
             except Exception:  # the ring is already broken; closing it is best effort
                 pass
 
-    def _allreduce(self, buf: torch.Tensor, *, op: str, codec: str, outer_step: int,
+    def _allreduce(self, buf: torch.Tensor, *, op: str, codec: tuple, outer_step: int,
                    recompute: Optional[Callable[[torch.Tensor], None]], group=None) -> SyncResult:
         """ring.all_reduce(buf) with retries on fresh rings, for outer step `outer_step` (the next one): one piece
         of _attempts(). When this process's all-reduce worked but another process of the node failed, buf holds
@@ -491,8 +495,8 @@ class RingSync(SyncExtras):
         t0 = time.perf_counter()
         counts = None if trained is None else self.weigh(trained, outer_step=outer_step, group=self.average_group)
         weigh_s = time.perf_counter() - t0  # the counts' exchange waits for the other nodes too: wire time
-        r = self._allreduce(grad, op="avg", codec=self.codec, outer_step=outer_step, recompute=recompute,
-                            group=self.average_group)
+        r = self._allreduce(grad, op="avg", codec=self._codec_at(outer_step), outer_step=outer_step,
+                            recompute=recompute, group=self.average_group)
         r.counts = counts
         r.allreduce_s += weigh_s
         return r
@@ -513,10 +517,15 @@ class RingSync(SyncExtras):
         when no attempt works: the outer weights then hold the pieces before the failed one (the caller's
         Fragment records how many, so that a resumed run does only the rest)."""
         self.last_apply_s = 0.0
-        return self._attempts(ranges, op="avg", codec=self.codec, outer_step=outer_step, group=self.local_group,
+        return self._attempts(ranges, op="avg", codec=self._codec_at(outer_step), outer_step=outer_step,
+                              group=self.local_group,
                               buffer=buffer, prepare=prepare, apply=apply, start=start, window=window)
 
-    def _attempts(self, pieces: list, *, op: str, codec: str, outer_step: int, group, buffer=None, prepare=None,
+    def _codec_at(self, k: int) -> tuple:
+        """(codec, block size) of outer step k's average: the job's, or int8 in a dense start."""
+        return wire_codec(self.codec, self.block_size, self.dense(k))
+
+    def _attempts(self, pieces: list, *, op: str, codec: tuple, outer_step: int, group, buffer=None, prepare=None,
                   apply=None, restore=None, start: int = 0, window: int = 1) -> SyncResult:
         """The retry loop of every all-reduce of this sync, over pieces[start:] (one piece: a plain all-reduce
         of pieces[0]; with buffer/prepare/apply, a pipelined one as average_pieces says). Each attempt builds a
@@ -586,8 +595,9 @@ class RingSync(SyncExtras):
             "nodes do not diverge: restart every node from the last checkpoint."
         )
 
-    def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: str, pipelined: bool):
-        """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none."""
+    def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: tuple, pipelined: bool):
+        """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none; codec:
+        (codec, block size)."""
         if self.ring is None:
             if self._closed:
                 raise OuterSyncError("the sync was closed (the run is stopping): no ring is built again")
@@ -597,11 +607,12 @@ class RingSync(SyncExtras):
             self.ring = self.ring_factory(tag)
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
+        codec, block_size = codec
         if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
-            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, self.block_size, self.keep,
+            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, block_size, self.keep,
                                                                     self.keep_average)
             return work
-        return self.ring.all_reduce(buf, op=op, codec=codec, block_size=self.block_size)
+        return self.ring.all_reduce(buf, op=op, codec=codec, block_size=block_size)
 
     @staticmethod
     def _wait(work) -> tuple:
@@ -642,7 +653,7 @@ class RingSync(SyncExtras):
 
         vec = torch.empty(size * slots, dtype=torch.float32)
         fill(vec)
-        self._allreduce(vec, op="sum", codec="none", outer_step=outer_step, recompute=fill,
+        self._allreduce(vec, op="sum", codec=("none", self.block_size), outer_step=outer_step, recompute=fill,
                         group=self.local_group if isinstance(group, str) else group)
         return vec.view(size, slots).to(torch.int64).tolist()
 

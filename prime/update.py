@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["NesterovUpdate", "TorchOptimizerUpdate", "OuterOptimizerFactory"]
+__all__ = ["NesterovUpdate", "PlainAverage", "TorchOptimizerUpdate", "OuterOptimizerFactory"]
 
 
 OuterOptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -92,6 +92,26 @@ class NesterovUpdate:
     def settings(self) -> dict:
         """What every node must agree on for this update to mean the same everywhere."""
         return {"outer_lr": self.lr, "outer_momentum": self.mu, "nesterov": self.nesterov}
+
+
+class PlainAverage:
+    """The outer weights move by the average itself (outer -= g: outer lr 1, no momentum), the momentum left as
+    it is: the update of a sparse codec's dense start (prime.fragments.FragmentSchedule.dense), whatever the
+    configured update is. One rounding per value, the same on every device; the same call shapes as
+    NesterovUpdate."""
+
+    lr, mu, nesterov = 1.0, 0.0, False
+
+    def step(self, m: torch.Tensor, w: torch.Tensor, g: torch.Tensor, t: torch.Tensor) -> None:
+        w.sub_(g)
+
+    def lookahead(self, out, m, w, g, scale, tmp, tmp2, tmp3) -> None:
+        if scale is not None:
+            g = torch.mul(g, scale, out=tmp3[: g.numel()])
+        torch.sub(w, g, out=out)
+
+    def settings(self) -> dict:
+        return {"dense_update": "plain average"}
 
 
 class TorchOptimizerUpdate:

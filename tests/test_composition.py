@@ -1,8 +1,8 @@
 """Every feature of the outer step with every other: the composition matrix.
 
 Each combination of {overlap scheme (or none), fragments 1 / 4, elastic on / off,
-codec none / int8 / fp4 / topk, error feedback, outer state in CPU memory / streamed
-through staging} either is refused by config validation with the reason named,
+codec none / int8 / fp4 / topk (with and without a dense start), error feedback, outer state in CPU
+memory / streamed through staging} either is refused by config validation with the reason named,
 or runs: nodes as threads of this process on real rings over 127.0.0.1, each
 node moving its weights by its own random steps; after every outer step every
 node that has applied the same outer steps holds the same outer weights, bit for
@@ -139,6 +139,8 @@ def _diloco_kwargs(scheme, fragments, codec, feedback):
         kw["error_feedback"] = False
     if codec == "topk":  # chunks of 64 (several per parameter), 8 values kept of each
         kw.update(block_size=64, density=8 / 64)
+        if SCHEMES.index(scheme) % 2 == 0:  # a dense start over the first 4 outer steps of each fragment: past
+            kw.update(dense_outer_steps=4)  # the elastic runs' leave and into their join (HOLD_AT)
     if scheme != "sync":
         kw.update(overlap=True, overlap_scheme=scheme)
     return kw

@@ -294,10 +294,11 @@ def _reference_start(seed, nodes, fragments):
 
 
 def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, overlap=None, decay=1.0,
-              keep_average=KEEP):
+              keep_average=KEEP, dense=0):
     """DiLoCo with error feedback in plain torch: returns (outer weights, residuals per node) per parameter.
     decay: the share of the residual added to the next contribution; keep_average: topk's values kept per chunk of
-    each owner's average."""
+    each owner's average; dense: topk's dense start, each fragment's first `dense` outer steps averaged as int8
+    (blocks of BS) and applied as they are (outer -= average, the momentum untouched)."""
     models, opts, params, groups, outer, mom, res = _reference_start(seed, nodes, fragments)
     sched = FragmentSchedule(H, fragments)
     since, done = [0] * fragments, [0] * fragments
@@ -334,6 +335,16 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
             res[r][i] += torch.where(owner[i] == r, dropped, torch.zeros_like(dropped)).view_as(res[r][i])
         return a
 
+    def dense_average(cs, i):
+        return fake_average(cs, "int8").view_as(outer[i])
+
+    def update(i, a, plain):
+        if plain:  # the dense start's update: the average as it is
+            outer[i].sub_(a)
+        else:
+            nesterov_(outer[i], mom[i], a)
+
+    pending_dense = False
     for t in range(1, H * outer_steps + 1):
         for r in range(nodes):
             inner_step(models[r], opts[r], seed, r, t)
@@ -341,12 +352,13 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
             since[f] += 1
             if since[f] < (sched.offset(f) if done[f] == 0 else H):
                 continue
+            is_dense = done[f] < dense
             since[f], done[f] = 0, done[f] + 1
             with torch.no_grad():
                 if overlap is None:
                     for i in groups[f]:
                         cs = [contribution(r, i, torch.sub(outer[i], params[r][i])) for r in range(nodes)]
-                        nesterov_(outer[i], mom[i], average(cs, i))
+                        update(i, (dense_average if is_dense else average)(cs, i), is_dense)
                         for r in range(nodes):
                             params[r][i].copy_(outer[i])
                     continue
@@ -354,20 +366,25 @@ def reference(seed, nodes, codec, H, outer_steps, fragments=1, feedback=True, ov
                        for i in range(len(outer))] for r in range(nodes)]
                 if pending is not None:
                     for i in range(len(outer)):
-                        nesterov_(outer[i], mom[i], pending[i][0])
+                        update(i, pending[i][0], pending_dense)
                         _add_dropped(res, pending[i], i)
                 for r in range(nodes):
                     for i in range(len(outer)):
-                        start = lookahead(outer[i], mom[i], ds[r][i]) if overlap == "eager" else outer[i].clone()
+                        if overlap == "eager":
+                            start = torch.sub(outer[i], ds[r][i]) if is_dense else lookahead(outer[i], mom[i], ds[r][i])
+                        else:
+                            start = outer[i].clone()
                         params[r][i].copy_(start)
                         if overlap == "eager":
                             starts[r] = starts[r] or [None] * len(outer)
                             starts[r][i] = start
                 cs = [[contribution(r, i, ds[r][i]) for i in range(len(outer))] for r in range(nodes)]
-                pending = [_pending_average([cs[r][i] for r in range(nodes)], i, average, res) for i in range(len(outer))]
+                pending = [_pending_average([cs[r][i] for r in range(nodes)], i,
+                                            dense_average if is_dense else average, res) for i in range(len(outer))]
+                pending_dense = is_dense
     if pending is not None:  # finish(): the last average
         for i in range(len(outer)):
-            nesterov_(outer[i], mom[i], pending[i][0])
+            update(i, pending[i][0], pending_dense)
             _add_dropped(res, pending[i], i)
     return outer, res, groups
 
@@ -442,9 +459,9 @@ def run_diloco(seed, nodes, codec, H, outer_steps, fragments=1, error_feedback=T
         if codec == "topk":
             kw["density"] = KEEP / BS
             kw.setdefault("feedback_decay", 1.0)  # the reference's (topk's default is 0.8)
-        d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, outer_lr=LR, outer_momentum=MU,
-                   codec=codec, block_size=BS, fragments=fragments, error_feedback=error_feedback,
-                   measure_compression_error=False, **kw)
+        kw = dict(dict(outer_lr=LR, outer_momentum=MU), **kw)  # (a test may set its own outer update)
+        d = DiLoCo(model, opt, DirectFakeRing(group, r), inner_steps=H, codec=codec, block_size=BS,
+                   fragments=fragments, error_feedback=error_feedback, measure_compression_error=False, **kw)
         first = 1
         if resume is not None:
             msd, osd, dsd = resume[r]
@@ -512,6 +529,72 @@ def test_a_decayed_residual_and_a_denser_average_match_the_reference_bit_for_bit
     _assert_matches(got, ref, seed, f"{codec} fragments={fragments} overlap={overlap} decayed")
     plain = reference(seed, nodes, codec, H, K, fragments=fragments, overlap=overlap)
     assert any(not torch.equal(a, b) for a, b in zip(plain[0], ref[0])), f"seed {seed}: the settings changed nothing"
+
+
+@pytest.mark.parametrize("fragments,overlap", [(1, None), (2, None), (1, "eager"), (1, "delayed")])
+def test_a_dense_start_matches_the_reference_bit_for_bit(seed, fragments, overlap):
+    """topk with dense_outer_steps = 2: each fragment's first two outer steps average as int8 and apply the
+    average as it is, the later ones go sparse with the Nesterov update; outer weights and residuals equal the
+    plain-torch reference's over 4 outer steps (with overlap the eager lookahead of a dense step is the plain
+    one). The dense start changes the result (the reference without it differs), and its outer steps equal an
+    int8 run's with outer lr 1 and no momentum."""
+    nodes, H, K = 2, 4, 4
+    got = run_diloco(seed, nodes, "topk", H, K, fragments=fragments, overlap=overlap, dense_outer_steps=2)
+    ref = reference(seed, nodes, "topk", H, K, fragments=fragments, overlap=overlap, dense=2)
+    _assert_matches(got, ref, seed, f"dense start fragments={fragments} overlap={overlap}")
+    sparse_only = reference(seed, nodes, "topk", H, K, fragments=fragments, overlap=overlap)
+    assert any(not torch.equal(a, b) for a, b in zip(sparse_only[0], ref[0])), f"seed {seed}: the dense start changed nothing"
+    if overlap is None and fragments == 1:  # two outer steps, all dense: int8 with plain averaging
+        both = run_diloco(seed, nodes, "topk", H, 2, dense_outer_steps=2)
+        plain = run_diloco(seed, nodes, "int8", H, 2, error_feedback=False, outer_lr=1.0, outer_momentum=0.0)
+        for (a, _), (b, _) in zip(both[0][0], plain[0][0]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"seed {seed}: a dense start is not int8 with plain averaging"
+
+
+def test_a_dense_start_in_pipelined_pieces_matches_the_reference_bit_for_bit(seed, monkeypatch):
+    """A synchronous outer step cut into pieces (each all-reduced and applied on its own) in a dense start: the
+    plain update on every piece gives the reference's bits (two outer steps, both dense)."""
+    import prime.fragments
+
+    monkeypatch.setattr(prime.fragments, "SYNC_PIECE_VALUES", 64)
+    got = run_diloco(seed, 2, "topk", 4, 2, dense_outer_steps=2)
+    _assert_matches(got, reference(seed, 2, "topk", 4, 2, dense=2), seed, "dense start in pieces")
+
+
+def test_dense_start_settings_are_refused_where_they_mean_nothing():
+    """dense_outer_steps above 0 needs topk and the default outer update; a negative or non-int count is refused,
+    each error naming the setting. The config's default is 0 (no dense start)."""
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    group = FakeGroup(1)
+    for kw, words in ((dict(codec="int8", dense_outer_steps=2), "setting of codec 'topk'"),
+                      (dict(codec="topk", dense_outer_steps=-1), "int >= 0"),
+                      (dict(codec="topk", dense_outer_steps=1.5), "int >= 0"),
+                      (dict(codec="topk", dense_outer_steps=2, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)),
+                       "default outer update")):
+        with pytest.raises(ValueError, match="dense_outer_steps") as e:
+            DiLoCo(model, opt, DirectFakeRing(group, 0), inner_steps=4, block_size=BS, **kw)
+        assert words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="diloco.dense_outer_steps"):
+        load_config("configs/demo.toml", [("diloco.dense_outer_steps", 3)]).validate()  # int8
+    with pytest.raises(ValueError, match="diloco.dense_outer_steps"):
+        load_config("configs/demo.toml", [("diloco.codec", "topk"), ("diloco.dense_outer_steps", -1)]).validate()
+    cfg = load_config("configs/demo.toml", [("diloco.codec", "topk"), ("diloco.dense_outer_steps", 4)]).validate()
+    assert cfg.diloco.dense_outer_steps == 4
+    assert load_config("configs/demo.toml").diloco.dense_outer_steps == 0  # off unless set
+
+
+def test_the_schedule_names_each_fragments_first_outer_steps_dense():
+    """The job's outer step k is fragment (k - 1) mod P's outer step (k - 1) // P: the first `dense_steps` of
+    each fragment are dense, counted by hand for P = 3."""
+    s = FragmentSchedule(12, 3, dense_steps=2)
+    rounds = {p: 0 for p in range(3)}
+    for k in range(1, 16):
+        p = s.fragment_of(k)
+        assert s.dense(k) == (rounds[p] < 2), k
+        rounds[p] += 1
+    assert not any(FragmentSchedule(12, 3).dense(k) for k in range(1, 10))
 
 
 # Time phases: inner steps each node trains per nominal step (0: the clock passed it without one), per node

@@ -178,13 +178,19 @@ def test_the_topk_codec_plans_its_buffers_on_the_gpu():
     """The sparse codec runs on the fragment's GPU: only its records cross to the host, and what the selections
     dropped goes into one device buffer as the collective runs (Ring.all_reduce's `dropped`).
     The plan covers the peaks of the 1B run over 100 Mbit/s in benchmarks/RESULTS.md (2 x 1 H200, 4 fragments
-    with overlap: GPU 62.1 GiB reserved, host 2.2 GiB; staged through the host it was 8.6 GiB)."""
+    with overlap: GPU 62.1 GiB reserved, host 2.2 GiB; staged through the host it was 8.6 GiB; that run had no
+    dense start). A dense start adds int8's ring buffers and staging, which stay cached after it."""
     kw = dict(name="1B", procs=1, mb=4, accum=1, seq=2048, ckpt=False, overlap=True, fragments=4, home="gpu")
     cfg, env, parts, d = _fake_run(**kw)
     d.error_feedback = True
     int8 = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
-    cfg.diloco.codec = "topk"
+    cfg.diloco.codec, cfg.diloco.dense_outer_steps = "topk", 0
     topk = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    cfg.diloco.dense_outer_steps = 3
+    dense = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    assert dict(dense.gpu)["ring buffers (dense start)"] == dict(int8.gpu)["ring buffers"]  # int8 in blocks of 64
+    assert dict(dense.host)["ring staging (pinned)"] == (dict(topk.host)["ring staging (pinned)"]
+                                                         + dict(int8.host)["ring staging (pinned)"])
     largest = max(f.state.numel for f in d.fragments)
     staged = dict(topk.host)["ring staging (pinned)"]
     # the records of this rank's contributions and of the averages it receives: under a tenth of a byte a value

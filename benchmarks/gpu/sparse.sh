@@ -4,7 +4,9 @@
 # utilization after the first outer step, the outer step on the critical path, weights identical. Then the
 # Triton kernels' speed against copy bandwidth (bench_sparse_speed.py, 256 MiB).
 #   benchmarks/gpu.sh sparse OUT
-# env: RATE (100), DENSITY (0.015625), OUTER (4), COMPILE (true), SPEED (1: the kernel benchmark after the run),
+# env: RATE (100), DENSITY (0.015625), OUTER (4), COMPILE (true), DENSE (0: diloco.dense_outer_steps, the int8 outer
+#      steps each fragment starts with; run_summary.py then states the utilization after them and theirs apart),
+#      SPEED (1: the kernel benchmark after the run),
 #      INT8 (0; 1: then the same run with the int8 codec at 1 Gbit/s, the regression check of the overlap path).
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
@@ -12,7 +14,8 @@ machine_info
 build_cuda
 rate=${RATE:-100}
 OUTER=${OUTER:-4} COMPILE=${COMPILE:-true} RUN_TIMEOUT=${RUN_TIMEOUT:-330} diloco topk1b "$rate" \
-  --diloco.codec topk --diloco.density "${DENSITY:-0.015625}" --diloco.fragments 4 --diloco.overlap true
+  --diloco.codec topk --diloco.density "${DENSITY:-0.015625}" --diloco.fragments 4 --diloco.overlap true \
+  --diloco.dense_outer_steps "${DENSE:-0}"
 if [ -z "${DRY_RUN:-}" ]; then
   python3 benchmarks/run_summary.py "$out/topk1b" --rate-mbit "$rate" --json "$out/topk1b_summary.json" \
     > "$out/topk1b_summary.txt"

@@ -203,9 +203,12 @@ class ElasticSync(Joining):
                 self._settings[name] = settings[name]
         if settings.get("fragments", 1) > 1:  # the layout of the state and the order of the outer steps
             self._settings["fragments"] = settings["fragments"]
+        if settings.get("dense_outer_steps"):  # a sparse codec's dense start: which outer steps send int8
+            self._settings["dense_outer_steps"] = settings["dense_outer_steps"]
         self.codec, self.block_size, self.inner_steps = settings["codec"], settings["block_size"], settings["inner_steps"]
         self.rings.codec, self.rings.block_size, self.rings.keep = self.codec, self.block_size, settings.get("keep")
         self.rings.keep_average = settings.get("keep_average")
+        self.rings.dense = states.schedule.dense
         if settings.get("weights", "equal") != "equal":  # token weights: every member sends its count
             self._settings["weights"] = settings["weights"]
             self.attempts.weighs = True

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from prime import faults
+from prime.codecs import wire_codec
 from prime.elastic.membership import Membership, Plan
 from prime.sync import is_comm_error, sparse_all_reduce, work_stats
 
@@ -35,6 +36,7 @@ class ElasticRings:
         self.membership = membership
         self.timeout_s, self.streams, self.max_rate, self.quant_error = timeout_s, streams, max_rate, quant_error
         self.codec, self.block_size = "int8", 64
+        self.dense: Callable[[int], bool] = lambda k: False  # a sparse codec's dense start (FragmentSchedule.dense)
         self.keep: Optional[int] = None  # topk: the values kept per chunk
         self.keep_average: Optional[int] = None  # topk: the values an owner keeps per chunk of the average
         self.dropped: Optional[torch.Tensor] = None
@@ -51,7 +53,9 @@ class ElasticRings:
         codec: the wire codec (None: the outer step's); a second all-reduce of the same attempt (token counts
         before the average) goes through the same ring."""
         members = plan.members
-        if (codec or self.codec) == "topk":
+        codec, block_size = wire_codec(self.codec, self.block_size, self.dense(k)) if codec is None else \
+            (codec, self.block_size)
+        if codec == "topk":
             self.dropped = None
         if len(members) == 1:
             self.drop()
@@ -70,11 +74,10 @@ class ElasticRings:
         ring = self.ring
         self._k = None  # set again once this outer step commits through it
         try:
-            codec = codec or self.codec
             if codec == "topk":
-                work, self.dropped = sparse_all_reduce(ring, g, op, self.block_size, self.keep, self.keep_average)
+                work, self.dropped = sparse_all_reduce(ring, g, op, block_size, self.keep, self.keep_average)
             else:
-                work = ring.all_reduce(g, op=op, codec=codec, block_size=self.block_size)
+                work = ring.all_reduce(g, op=op, codec=codec, block_size=block_size)
             faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
