@@ -701,13 +701,16 @@ def test_without_error_feedback_the_reference_differs(seed):
     assert any(not torch.equal(a, b) for a, b in zip(outer, with_ef)), f"seed {seed}"
 
 
-@pytest.mark.parametrize("codec,fragments", [("fp4", 1), ("fp4", 2), ("topk", 1), ("topk", 2)])
-def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, codec, fragments):
+@pytest.mark.parametrize("codec,fragments,dense", [("fp4", 1, 0), ("fp4", 2, 0), ("topk", 1, 0), ("topk", 2, 0),
+                                                  ("topk", 2, 1)])
+def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, codec, fragments, dense):
     """fp4 and topk with error feedback: state_dicts written after 6 of 12 inner steps (through torch.save),
     loaded into fresh models, optimizers and DiLoCos, give the uninterrupted run's outer weights and residuals
-    (topk's residual holds the owners' part too)."""
+    (topk's residual holds the owners' part too). With a dense start of one outer step per fragment, fragment 1's
+    first sparse outer step comes after the resume."""
     H, K, stop = 4, 3, 6
-    whole = run_diloco(seed, 2, codec, H, K, fragments=fragments, stop_at=stop)
+    settings = dict(dense_outer_steps=dense) if dense else {}
+    whole = run_diloco(seed, 2, codec, H, K, fragments=fragments, stop_at=stop, **settings)
     resume = []
     for r, (_, saved) in enumerate(whole):
         path = tmp_path / f"node{r}.pt"
@@ -716,7 +719,7 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit(seed, tmp_path, codec, fragmen
         dsd = saved[2]
         held = dsd["fragments"][0]["residual"]
         assert held.abs().sum() > 0, "the checkpoint holds the node's residual"
-    resumed = run_diloco(seed, 2, codec, H, K, fragments=fragments, resume=resume)
+    resumed = run_diloco(seed, 2, codec, H, K, fragments=fragments, resume=resume, **settings)
     for r in range(2):
         for (w1, e1), (w2, e2) in zip(whole[r][0], resumed[r][0]):
             for a, b in zip(w1 + e1, w2 + e2):

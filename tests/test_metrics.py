@@ -199,7 +199,7 @@ def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere():
 def _run_metrics(tmp_path, **kw):
     return RunMetrics(out_dir=str(tmp_path), node_rank=0, is_logger=True, local_world=1, num_nodes=2, total_steps=20,
                       log_every=5, tokens_per_step=256, flops_per_token=1e6, peak=None, local_sum=lambda v: list(v),
-                      codec="int8", block_size=256, inner_steps=5, model_numel=1000, **kw)
+                      **dict(dict(codec="int8", block_size=256), **kw), inner_steps=5, model_numel=1000)
 
 
 def test_the_summary_says_where_the_wall_time_went(tmp_path, capsys, seed):
@@ -293,3 +293,27 @@ def test_prime_train_in_a_terminal_draws_the_bar_and_in_a_pipe_prints_lines(tmp_
     assert piped.returncode == 0, piped.stderr
     assert "\r" not in piped.stdout and "\x1b" not in piped.stdout and "[####" not in piped.stdout
     assert "step      5/12 | loss" in piped.stdout and "where the wall time went" in piped.stdout
+
+
+def test_an_outer_step_of_a_dense_start_says_so_and_counts_int8_bytes(tmp_path, capsys, seed):
+    """topk's dense start (OuterStepResult.dense): the line ends with the note, the record has dense=True, and an
+    unmeasured byte count is estimated at int8's bytes a value, not topk's (a later sparse step: topk's)."""
+    from prime.codecs import CODECS
+
+    rng = random.Random(seed)
+    numel = rng.randrange(1 << 16, 1 << 20)
+    m = _run_metrics(tmp_path, codec="topk", block_size=4096, density=48 / 4096, average_density=96 / 4096)
+    m.open(progress="lines")
+    for k, dense in ((1, True), (2, False)):
+        m.outer_step(5 * k, OuterStepResult(did_sync=True, inner_step=5 * k, outer_step=k, numel=numel, dense=dense))
+    m.close()
+    out = capsys.readouterr().out.splitlines()
+    lines = [l for l in out if l.startswith("outer ")]
+    assert "dense start (int8)" in lines[0] and "dense start" not in lines[1], lines
+    recs = [json.loads(l) for l in open(glob.glob(str(tmp_path / "metrics_node0.jsonl"))[0])]
+    outer = [r for r in recs if r["kind"] == "outer"]
+    assert outer[0]["dense"] is True and "dense" not in outer[1]
+    int8 = CODECS["int8"].bytes_per_value(64)
+    topk = (CODECS["topk"].bytes_per_value(4096, 48 / 4096) + CODECS["topk"].bytes_per_value(4096, 96 / 4096)) / 2
+    assert outer[0]["bytes_sent"] == pytest.approx(numel * int8)  # 2 (N-1)/N = 1 at N = 2
+    assert outer[1]["bytes_sent"] == pytest.approx(numel * topk)
