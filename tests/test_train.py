@@ -289,6 +289,34 @@ def test_two_nodes_two_procs_learn_and_agree(tmp_path, seed):
 
 
 @needs_ring
+def test_topk_with_a_dense_start_on_nodes_of_two_processes_and_one(tmp_path, seed):
+    """prime-simulate --procs-per-node 2,1 with topk (chunks of 256), 2 fragments with overlap and a dense start
+    of one outer step per fragment: the DiLoCo line names it, each fragment's first outer step is marked dense in
+    the line and the record and sends int8's bytes (more than its sparse ones), later ones are not; the loss goes
+    down and the final weights agree."""
+    out_dir = str(tmp_path / "run")
+    args = QUICK + ["--train.steps", "30", "--diloco.inner_steps", "10", "--train.seed", str(seed),
+                    "--diloco.fragments", "2", "--diloco.overlap", "true", "--diloco.codec", "topk",
+                    "--diloco.block_size", "256", "--diloco.dense_outer_steps", "1", "--metrics.out_dir", out_dir,
+                    "--metrics.log_every", "1"]
+    rc, out = run_simulate(2, "2,1", args)
+    assert rc == 0, out
+    assert "the first 1 outer step of each fragment dense (int8)" in out, out
+    assert "dense start (int8)" in out, out
+    for node in (0, 1):
+        ls = losses(out_dir, node)
+        assert sum(ls[s] for s in range(28, 31)) / 3 < sum(ls[s] for s in range(1, 4)) / 3 - 1.0, node
+        outer = [r for r in records(out_dir, node, "outer") if not r.get("final_sync")]
+        # with overlap a record's bytes and its dense mark are the average applied there: fragment p's first
+        # (outer step p + 1) is applied at outer step p + 3
+        dense = {r["outer_step"] for r in outer if r.get("dense")}
+        assert dense == {3, 4}, (node, [(r["outer_step"], r.get("dense"), r["bytes_sent"]) for r in outer])
+        sent = {r["outer_step"]: r["bytes_sent"] for r in outer}
+        assert min(sent[3], sent[4]) > 2 * max(v for k, v in sent.items() if k > 4), sent
+    assert len(final_digests(out)) == 2, out  # each node's line: its weights agree with the other node's
+
+
+@needs_ring
 def test_a_node_of_two_processes_and_one_of_one_learn_and_agree_ring_by_ring(tmp_path, seed):
     """prime-simulate --procs-per-node 2,1: node 0 shards the model over 2 FSDP2 processes, node 1 runs one
     process on both rings. 2 fragments with overlap; loss goes down; node 1's outer state of ring g is node 0's
