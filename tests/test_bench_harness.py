@@ -403,3 +403,58 @@ def test_ring_order_model_meets_the_closed_forms_of_a_uniform_ring():
     assert model.ring_time(list(range(n)), rates, delays, small) == pytest.approx(want_small, rel=1e-9)
     # the order of a uniform ring does not matter
     assert model.ring_time([0, 2, 1, 3], rates, delays, big) == pytest.approx(want_big, rel=0.02)
+
+
+# ---------------------------------------------------------------------------
+# run summaries of GPU runs: a sparse codec's dense start is stated apart
+
+
+def test_run_summaries_leave_a_dense_start_out_of_the_utilization(tmp_path, seed):
+    """Two nodes' metrics with the first three outer steps marked dense (slow: the int8 wire) and the rest fast:
+    run_summary.py's utilization after the dense start and outer_split.py --brief's count only the phases after
+    it, and run_summary states the dense start's time and utilization apart; without the marks the first outer
+    step alone is left out, as before."""
+    import random as _random
+
+    import run_summary
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    import outer_split
+
+    rng = _random.Random(seed)
+    phases = [(rng.uniform(5, 9), rng.uniform(1, 3)) for _ in range(3)] + [(10.0, rng.uniform(9.8, 9.99))
+                                                                          for _ in range(5)]
+
+    def write(dense: bool, where):
+        where.mkdir()
+        for node in (0, 1):
+            with open(where / f"metrics_node{node}.jsonl", "w") as f:
+                f.write(json.dumps({"kind": "step", "step": 80, "loss": 1.0, "step_s": 0.1}) + "\n")
+                for k, (wall, comp) in enumerate(phases, 1):
+                    rec = {"kind": "outer", "step": 10 * k, "outer_step": k, "node": node, "phase_s": wall,
+                           "phase_compute_s": comp, "utilization": comp / wall, "outer_s": 0.01, "bytes_sent": 1}
+                    if dense and k <= 3:
+                        rec["dense"] = True
+                    f.write(json.dumps(rec) + "\n")
+        (where / "log.txt").write_text("[node 0] final weights identical on all 2 nodes: blake2b 00\n")
+
+    write(True, tmp_path / "dense")
+    write(False, tmp_path / "plain")
+    after = sum(c for _, c in phases[3:]) / sum(w for w, _ in phases[3:])
+    s = run_summary.summarize(str(tmp_path / "dense"))["nodes"][0]
+    assert s["utilization_after_first_outer"] == pytest.approx(after) and s["dense_outer_steps"] == 3
+    assert s["dense_start_s"] == pytest.approx(sum(w for w, _ in phases[:3]))
+    assert s["utilization_dense_start"] == pytest.approx(sum(c for _, c in phases[:3]) / sum(w for w, _ in phases[:3]))
+    plain = run_summary.summarize(str(tmp_path / "plain"))["nodes"][0]
+    assert plain["utilization_after_first_outer"] == pytest.approx(sum(c for _, c in phases[1:]) /
+                                                                   sum(w for w, _ in phases[1:]))
+    assert plain["dense_outer_steps"] == 0
+    import contextlib
+    import io
+
+    for run, words, mean in (("dense", "after the dense start (outer 3)", phases[3:]), ("plain", "after outer 1", phases[1:])):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            outer_split.main(["--brief", str(tmp_path / run), str(tmp_path / run / "log.txt")])
+        line = buf.getvalue()
+        util = sum(c / w for w, c in mean) / len(mean)
+        assert f"utilization {100 * util:.1f}% {words}" in line and "weights identical" in line, line

@@ -3,9 +3,9 @@
     python benchmarks/gpu/outer_split.py RUN_DIR              # one line per node and outer step
     python benchmarks/gpu/outer_split.py --brief RUN_DIR LOG  # one line for a summary table
 
---brief: the mean compute utilization of the outer steps after the first (each node's; not the final syncs
-after the last inner step), the mean outer step on the critical path, and whether the log says the final
-weights are identical.
+--brief: the mean compute utilization of the outer steps after the first, or after a sparse codec's dense start
+(the last outer step marked dense; each node's; not the final syncs after the last inner step), the mean outer
+step on the critical path, and whether the log says the final weights are identical.
 """
 
 import glob
@@ -28,14 +28,18 @@ def main(argv: list) -> int:
     if argv and argv[0] == "--brief":
         run_dir, log = argv[1], argv[2]
         # (the final syncs after the last inner step train nothing: their utilization is 0 by construction)
-        recs = [r for r in outer_records(run_dir) if r.get("outer_step", 0) > 1 and not r.get("final_sync")]
+        every = outer_records(run_dir)
+        last_dense = max((r.get("outer_step", 0) for r in every if r.get("dense")), default=0)
+        after = max(1, last_dense)
+        recs = [r for r in every if r.get("outer_step", 0) > after and not r.get("final_sync")]
         util = [r["utilization"] for r in recs if isinstance(r.get("utilization"), (int, float))]
         outer = [r["outer_s"] for r in recs if isinstance(r.get("outer_s"), (int, float))]
         text = open(log, errors="replace").read()
         agree = "weights identical" if "final weights identical" in text else "NO weight agreement line"
         parts = []
         if util:
-            parts.append(f"utilization {100 * sum(util) / len(util):.1f}% after outer 1")
+            parts.append(f"utilization {100 * sum(util) / len(util):.1f}% after "
+                         + (f"the dense start (outer {last_dense})" if last_dense else "outer 1"))
         if outer:
             parts.append(f"outer step {sum(outer) / len(outer):.2f} s")
         print(", ".join(parts + [agree]))
