@@ -256,6 +256,9 @@ class DiLoCo:
             if inner_optimizer is None:
                 self.states.take()  # no first inner step to wait for
         self._hooks = InnerStepHooks(inner_optimizer, before=self._before_inner_step, count=self._count)
+        self.resume_changes: list = []
+        """After load_state_dict(): the outer update's settings that differ from the checkpoint's run, as (name,
+        the checkpoint's value, this run's); empty when none do or the checkpoint did not record them."""
 
     def work_buffers(self) -> tuple:
         """(pseudo-gradient buffers, start buffers) of the largest fragment's size this DiLoCo keeps at most on
@@ -447,18 +450,34 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """Counters, and each fragment's outer weights and momentum under "fragments" (CPU tensors; the caller
-        may save them with torch.save).
+        may save them with torch.save), and under "settings" the outer update's settings (update_settings()).
 
         With overlap, first waits for the averages in flight and applies them to the outer weights (what their
         due step would do first, with the same bits): a checkpoint never holds anything in flight. The eager
         schemes add "start", the point the current inner steps started from (eager-adaptive also its weight
         "alpha")."""
-        return self.steps.state_dict()
+        return dict(self.steps.state_dict(), settings=self.update_settings())
+
+    def update_settings(self) -> dict:
+        """The settings that decide what an outer step does with a pseudo-gradient (the codec, its counts, error
+        feedback and its decay, the outer update, the dense start), each with its value in effect, unset ones
+        resolved: what a checkpoint records so that a resume can say what changed (resume_changes)."""
+        s = self.settings()
+        return {name: s.get(name, default) for name, default in UPDATE_SETTINGS.items()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores state_dict(); the model's local weights must already be restored. Also loads the layout
-        one-fragment runs wrote before every run wrote "fragments" (the fragment's part at the top level)."""
+        one-fragment runs wrote before every run wrote "fragments" (the fragment's part at the top level). The
+        outer update's settings may differ from the checkpoint's (a run may change them on purpose): each one that
+        does is in resume_changes (logged at INFO; prime-train prints it); a checkpoint written before they were
+        recorded is not compared."""
         self.steps.load_state_dict(sd)
+        saved, now = sd.get("settings"), self.update_settings()
+        self.resume_changes = [] if saved is None else [
+            (name, saved.get(name, UPDATE_SETTINGS[name]), value) for name, value in now.items()
+            if saved.get(name, UPDATE_SETTINGS[name]) != value]
+        if self.resume_changes:
+            logger.info(describe_changes(self.resume_changes))
 
     def close(self, wait: bool = True) -> None:
         """Removes the optimizer hooks and closes what this DiLoCo created (a ring or sync passed in stays open).
@@ -511,6 +530,19 @@ def _sparse_keep(codec: str, block_size: int, density: Optional[float], name: st
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     return keep
+
+
+UPDATE_SETTINGS = {"codec": None, "block_size": None, "keep": None, "keep_average": None, "error_feedback": False,
+                   "feedback_decay": 1.0, "outer_lr": None, "outer_momentum": None, "nesterov": None,
+                   "outer_optimizer": None, "outer_defaults": None, "dense_outer_steps": 0}
+"""DiLoCo.update_settings(): the name of each setting in DiLoCo.settings() that decides what an outer step does
+with a pseudo-gradient, and its value when settings() leaves it out (keep_average: the same as keep)."""
+
+
+def describe_changes(changes: list) -> str:
+    """One line for the outer update's settings a resumed run changed: [(name, the checkpoint's, now)]."""
+    return ("the outer step's settings differ from the checkpoint's run, and apply from here on: "
+            + "; ".join(f"{name} {now!r} (was {was!r})" for name, was, now in changes))
 
 
 def _dense_steps(steps, codec: str, outer_optimizer) -> int:

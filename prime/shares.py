@@ -280,6 +280,7 @@ class DiLoCoRings:
     since_sync = _of_first("since_sync")
     steps_to_sync = _of_first("steps_to_sync")
     result = _of_first("result")
+    resume_changes = _of_first("resume_changes")
 
     @property
     def fragments(self) -> list:

@@ -28,7 +28,7 @@ from prime.builders import (build_checkpoints, build_data, build_memory_plan, bu
                             build_model_and_optimizer, build_outer_step)
 from prime.checkpoint import CheckpointError
 from prime.config import Config
-from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError
+from prime.diloco import OuterStepResult, OuterSyncError, ReplicaMismatchError, describe_changes
 from prime.memory import MemoryPlanError
 from prime.nodes import AfterOuter
 from prime.phases import PhaseClock
@@ -391,6 +391,8 @@ def _describe(t: Trainer) -> None:
         lines.append(t.diloco.placement)
     if t.resumed_from is not None:
         lines.append(f"resumed from the checkpoint of step {t.resumed_from}")
+        if getattr(t.diloco, "resume_changes", None):  # (the outer update set otherwise than before, or new defaults)
+            lines.append(describe_changes(t.diloco.resume_changes))
     if t.cfg.train.slowdown > 1:
         lines.append(f"inner steps slowed {t.cfg.train.slowdown:g}x (train.slowdown): an emulated slower node")
     if t.clock is not None:

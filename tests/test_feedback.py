@@ -966,3 +966,45 @@ def test_fragments_with_overlap_keep_nodes_identical(seed):
     for (w0, e0), (w1, e1) in zip(got[0][0], got[1][0]):
         assert all(torch.equal(a, b) for a, b in zip(w0, w1)), f"seed {seed}: outer weights differ"
         assert any(not torch.equal(a, b) for a, b in zip(e0, e1)), f"seed {seed}: residuals are the same"
+
+
+def test_a_resume_names_each_outer_setting_that_changed(tmp_path, seed):
+    """A checkpoint records the outer update's settings in effect (unset ones resolved: topk's defaults); a run
+    resumed with other ones loads and names each change, (name, the checkpoint's, now), through the checkpoint
+    format; the same settings, or a checkpoint that did not record them, name none."""
+    from prime.checkpoint import Checkpointer, TrainCheckpoints
+    from prime.diloco import describe_changes
+    from test_builders import _Position
+
+    def build(**kw):
+        model = tiny_model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = DiLoCo(model, opt, DirectFakeRing(FakeGroup(1), 0), inner_steps=4, codec="topk", block_size=BS, **kw)
+        return model, opt, d
+
+    model, opt, d = build()
+    for step in range(1, 6):
+        inner_step(model, opt, seed, 0, step)
+        d.step()
+    ck = TrainCheckpoints(Checkpointer(str(tmp_path), 0, 0, 1, async_save=False), model, opt, _Position(), d,
+                          local_sum=lambda v: list(v))
+    assert ck.save(5, block=True)
+    ck.close()
+    sd = d.state_dict()
+    assert sd["settings"]["outer_lr"] == 3.0 and sd["settings"]["keep"] == max(1, round(48 / 4096 * BS))
+    d.close()
+    for kw, want in ((dict(outer_lr=2.0, dense_outer_steps=1), [("outer_lr", 3.0, 2.0), ("dense_outer_steps", 0, 1)]),
+                     (dict(feedback_decay=1.0), [("feedback_decay", 0.8, 1.0)]), ({}, [])):
+        model, opt, d = build(**kw)
+        ck = TrainCheckpoints(Checkpointer(str(tmp_path), 0, 0, 1, async_save=False), model, opt, _Position(), d,
+                              local_sum=lambda v: list(v))
+        assert ck.resume(None, 0, 1, publish=True) == 5
+        assert d.resume_changes == want, d.resume_changes
+        ck.close()
+        d.close()
+    line = describe_changes([("outer_lr", 3.0, 2.0)])
+    assert "outer_lr 2.0 (was 3.0)" in line and line.count("\n") == 0
+    model, opt, d = build(outer_lr=2.0)
+    d.load_state_dict({k: v for k, v in sd.items() if k != "settings"})  # written before settings were recorded
+    assert d.resume_changes == []
+    d.close()

@@ -416,6 +416,19 @@ def test_two_nodes_resume_matches_uninterrupted_run(two_node_runs, tmp_path):
 
 
 @needs_ring
+def test_a_resume_with_another_outer_lr_says_so_on_both_nodes(two_node_runs, tmp_path):
+    """Resumed from the step-8 checkpoint with diloco.outer_lr 0.5 (the run had int8's default, 0.7): each node
+    prints the change under the resume line, and the run goes on with it."""
+    copy = str(tmp_path / "ck_lr")
+    shutil.copytree(two_node_runs["ck"], copy)
+    rc, out = run_simulate(2, 1, two_node_runs["common"] + ["--checkpoint.dir", copy, "--metrics.out_dir",
+                                                            str(tmp_path / "lr"), "--diloco.outer_lr", "0.5"])
+    assert rc == 0 and out.count("resumed from the checkpoint of step 8") == 2, out
+    assert out.count("the outer step's settings differ from the checkpoint's run, and apply from here on: "
+                     "outer_lr 0.5 (was 0.7)") == 2, out
+
+
+@needs_ring
 def test_two_nodes_agree_to_fall_back_when_one_has_a_damaged_checkpoint(two_node_runs, tmp_path):
     """Node 1's newest checkpoint is truncated, node 0's is intact: both resume from the older one (the same
     step, the same losses as the run without the kill), without a traceback on either node."""
