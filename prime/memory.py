@@ -233,6 +233,9 @@ class _OuterBuffers:
     """Values of the largest all-reduce one ring runs (a pipelined synchronous step: of one piece)."""
     ring_host: int = 0
     """The ring's host staging."""
+    device_reduce: bool = False
+    """The ring runs its codec on the GPU (a CUDA build of prime._C); else it stages CUDA tensors through pinned
+    host memory and codes them on the CPU."""
     rings_here: int = 1
     """Rings this process takes part in (prime.shares: a DiLoCo on each, their outer steps side by side)."""
     outer_numel: int = 0
@@ -258,7 +261,8 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
     b.ring_values = b.largest // max(f.pieces for f in frags)
     nodes = max(1, env.num_nodes)
-    if cfg.diloco.codec == "topk" and on_gpu:
+    b.device_reduce = on_gpu and ring_reduces_on_gpu()
+    if cfg.diloco.codec == "topk" and b.device_reduce:
         # the sparse codec on the GPU: only the records cross to the host (pinned), those this rank sends and
         # those it receives, under a tenth of a byte a value
         from prime.codecs import CODECS
@@ -275,8 +279,21 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
         ring_host = _int8_ring_host(b.ring_values, nodes, cfg.diloco.resolved_block_size()) if on_gpu else 0
     if on_gpu and cfg.diloco.dense_outer_steps:  # a sparse codec's first outer steps go dense, as int8
         ring_host += _int8_ring_host(b.ring_values, nodes, DENSE_START[1])
+    if on_gpu and not b.device_reduce:  # staged: pinned copies of the all-reduce's input and of its result
+        ring_host += 8 * b.ring_values
     b.ring_host = b.rings_here * ring_host
     return b
+
+
+def ring_reduces_on_gpu() -> bool:
+    """Whether rings reduce CUDA tensors on their GPU (prime.comm.ring.reduces_on_gpu: a CUDA build of prime._C);
+    False without prime._C."""
+    from prime.comm.ring import reduces_on_gpu
+
+    try:
+        return reduces_on_gpu()
+    except RuntimeError:  # no prime._C (the run itself says so, once it builds a ring)
+        return False
 
 
 def _int8_ring_host(values: int, nodes: int, block: int) -> int:
@@ -317,6 +334,8 @@ def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
         return []
     items = [(outer.home_name, outer.home)] if outer.home_gpu else []
     items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
+    if not outer.device_reduce:  # the ring stages through the host and codes there (_outer_buffers)
+        return items
     if cfg.diloco.codec == "topk":  # what the selections dropped, filled on the device as the collective runs
         items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
         if cfg.diloco.dense_outer_steps:  # the int8 buffers of the dense start stay in the ring's cache after it

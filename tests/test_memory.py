@@ -29,6 +29,12 @@ class _Param:
         return torch.empty(1, device="meta").expand(self._local)
 
 
+@pytest.fixture(autouse=True)
+def _rings_reduce_on_the_gpu(monkeypatch):
+    """The plans below are of CUDA builds, as in the runs they are checked against, whatever this build is."""
+    monkeypatch.setattr("prime.memory.ring_reduces_on_gpu", lambda: True)
+
+
 def _fake_run(name="10B", *, fragments=1, overlap=False, home="cpu", procs=2, nodes=2, mb=1, accum=2,
               ckpt=True, checkpoint_dir="ck", seq=4096, uneven=False):
     """cfg, env, parts and a DiLoCo stand-in for `name` on `procs` GPUs per node: the numbers the plan reads."""
@@ -198,3 +204,27 @@ def test_the_topk_codec_plans_its_buffers_on_the_gpu():
     assert dict(topk.gpu)["ring: the dropped part"] == 4 * largest and "ring buffers" not in dict(topk.gpu)
     assert 62.1 * GIB <= topk.gpu_bytes <= 1.25 * 62.1 * GIB, topk.describe()
     assert topk.host_bytes >= 2.2 * GIB, topk.describe()
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_build_without_cuda_kernels_plans_the_staging_through_the_host(codec, monkeypatch):
+    """A CUDA torch with prime._C built without the CUDA kernels (no toolkit at install time): the ring copies each
+    all-reduce's input and result through pinned host memory and codes it on the CPU, so its buffers move from
+    the GPU to the host. The 1B run over 100 Mbit/s staged that way peaked at 8.6 GiB of host memory a process
+    (benchmarks/RESULTS.md), against 2.2 GiB on the GPU path."""
+    kw = dict(name="1B", procs=1, mb=4, accum=1, seq=2048, ckpt=False, overlap=True, fragments=4, home="gpu")
+    cfg, env, parts, d = _fake_run(**kw)
+    d.error_feedback = codec == "topk"
+    cfg.diloco.codec = codec
+    on_gpu = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    monkeypatch.setattr("prime.memory.ring_reduces_on_gpu", lambda: False)
+    staged = plan_memory(cfg, env, parts, d, host_procs=4, gpu_total=H200, host_total=HOST4)
+    largest = max(f.state.numel for f in d.fragments)
+    ring = dict(staged.host)["ring staging (pinned)"]
+    assert ring >= 8 * largest + dict(on_gpu.host)["ring staging (pinned)"] * (codec == "int8")
+    gpu_ring = [k for k, _ in on_gpu.gpu if k.startswith("ring")]
+    assert gpu_ring and not [k for k, _ in staged.gpu if k.startswith("ring")]
+    assert staged.gpu_bytes < on_gpu.gpu_bytes
+    if codec == "topk":  # (that run saved no checkpoint: the plan's host items before the checkpoint's staging)
+        before_checkpoints = lambda plan: sum(v for k, v in plan.host if not k.startswith("checkpoint"))  # noqa: E731
+        assert before_checkpoints(on_gpu) < 8.6 * GIB <= before_checkpoints(staged), staged.describe()
