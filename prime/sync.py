@@ -42,7 +42,7 @@ from prime.codecs import wire_codec
 from prime.comm.ring import RING_TIMERS
 
 __all__ = ["Sync", "SyncExtras", "complete", "SyncResult", "RingSync", "OuterSyncError", "ReplicaMismatchError", "LeftBehind", "work_stats",
-           "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS"]
+           "is_comm_error", "node_local_group", "all_local", "QUANT_ERROR_FIELDS", "start_all_reduce"]
 
 
 class OuterSyncError(RuntimeError):
@@ -342,6 +342,16 @@ def sparse_all_reduce(ring, buf: torch.Tensor, op: str, chunk: int, keep: int,
                             keep_average=keep_average), dropped)
 
 
+def start_all_reduce(ring, buf: torch.Tensor, op: str, codec: str, block_size: int, keep: Optional[int] = None,
+                     keep_average: Optional[int] = None) -> tuple:
+    """Queues buf's all-reduce on ring with the wire codec (codec, block_size) that prime.codecs.wire_codec chose
+    for the outer step: (its Work, the buffer the topk codec's selections drop into, or None for a dense
+    codec). What the fixed ring (RingSync) and the elastic rings both launch."""
+    if codec == "topk":
+        return sparse_all_reduce(ring, buf, op, block_size, keep, keep_average)
+    return ring.all_reduce(buf, op=op, codec=codec, block_size=block_size), None
+
+
 def dropped_on_device(dropped: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """A CUDA buffer's dropped part goes up to its device on this thread's stream as soon as the collective
     succeeded (from pinned memory, not blocking): an overlapped average then hands the outer state a device
@@ -570,8 +580,7 @@ class RingSync(SyncExtras):
                         restore(j)
                     break
                 _add_stats(totals, stats)
-                if codec == "topk":
-                    self._dropped_to(buffer(j))
+                self._dropped_to(buffer(j))  # topk: its dropped part to its device once the collective succeeded
                 if apply is not None:
                     buf = buffer(j)
                     if buf.is_cuda:
@@ -607,12 +616,10 @@ class RingSync(SyncExtras):
             self.ring = self.ring_factory(tag)
         if pipelined and buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()  # the piece is written
-        codec, block_size = codec
-        if codec == "topk":  # the owners' selections' losses, for the residual (take_dropped)
-            work, self._dropped[buf.data_ptr()] = sparse_all_reduce(self.ring, buf, op, block_size, self.keep,
-                                                                    self.keep_average)
-            return work
-        return self.ring.all_reduce(buf, op=op, codec=codec, block_size=block_size)
+        work, dropped = start_all_reduce(self.ring, buf, op, *codec, self.keep, self.keep_average)
+        if dropped is not None:  # topk: the owners' selections' losses, for the residual (take_dropped)
+            self._dropped[buf.data_ptr()] = dropped
+        return work
 
     @staticmethod
     def _wait(work) -> tuple:

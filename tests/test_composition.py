@@ -224,6 +224,33 @@ def test_elastic_topk_hands_each_owners_dropped_part_to_its_residual(monkeypatch
     assert len(taken) >= 4 and all(t > 0 for t in taken), taken
 
 
+@needs_ring
+@pytest.mark.parametrize("scheme,fragments", [("sync", 1), ("eager-merge", 2)])
+def test_fixed_ring_topk_hands_each_dropped_part_on_once_the_collective_succeeded(scheme, fragments, monkeypatch):
+    """The fixed ring's sparse all-reduce: once a piece's collective succeeded, its dropped part (not zero) goes
+    where the outer state takes it from (dropped_on_device: up to the buffer's GPU for a CUDA buffer), once per
+    outer step, synchronous or in the background; the nodes stay identical."""
+    import prime.sync
+
+    seed = random.randrange(1 << 20)
+    print(f"seed {seed}")
+    monkeypatch.setenv("PRIME_RING_SECRET", SECRET)
+    moved = []
+    move = prime.sync.dropped_on_device
+
+    def spy(dropped, buf):
+        moved.append(float(dropped.abs().sum()))
+        return move(dropped, buf)
+
+    monkeypatch.setattr(prime.sync, "dropped_on_device", spy)
+    kw = _diloco_kwargs(scheme, fragments, "topk", True)
+    kw.pop("dense_outer_steps", None)  # every outer step sparse
+    nodes = _ring_run(seed, kw)
+    assert _check_identical(nodes) >= 2
+    steps = sum(f.outer_step for n in nodes for f in n.diloco.fragments)
+    assert len(moved) == steps and all(m > 0 for m in moved), (steps, moved)
+
+
 # Time phases' token weights with every scheme, fragments, both memberships and the codecs (nothing refused)
 WEIGHTED = [("sync", 1, False, "int8", False), ("eager-merge", 4, True, "fp4", True), ("eager", 4, False, "topk", True),
             ("delayed", 1, True, "int8", True), ("sync", 4, True, "none", False), ("eager-adaptive", 1, True, "fp4", True)]

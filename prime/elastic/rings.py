@@ -19,7 +19,7 @@ import torch
 from prime import faults
 from prime.codecs import wire_codec
 from prime.elastic.membership import Membership, Plan
-from prime.sync import is_comm_error, sparse_all_reduce, work_stats
+from prime.sync import is_comm_error, start_all_reduce, work_stats
 
 __all__ = ["ElasticRings"]
 
@@ -74,10 +74,9 @@ class ElasticRings:
         ring = self.ring
         self._k = None  # set again once this outer step commits through it
         try:
-            if codec == "topk":
-                work, self.dropped = sparse_all_reduce(ring, g, op, block_size, self.keep, self.keep_average)
-            else:
-                work = ring.all_reduce(g, op=op, codec=codec, block_size=block_size)
+            work, dropped = start_all_reduce(ring, g, op, codec, block_size, self.keep, self.keep_average)
+            if dropped is not None:
+                self.dropped = dropped
             faults.hit("allreduce.inside", k, log=self.membership.log)
             while not work.is_completed():
                 dead = self._dead_member(members)
