@@ -47,6 +47,10 @@ class CudaCodecBase : public WireCodec {
   // schedule announces every own segment first; other callers (the test hooks) get the
   // segment prefetched now, one at a time.
   Prefetched take_prefetched(const void* own, int64_t len);
+  // The end of a non-empty prefetch_input: downloads the own segment's payload (`bytes` at
+  // device `src`, made by the kernels since event a) into p's pinned buffer, records p.done,
+  // and times the kernels as gpu_codec and the copy as d2h.
+  void download_prefetched(Prefetched& p, cudaEvent_t a, const char* src, int64_t len, size_t bytes);
 
   cudaEvent_t record();  // an event recorded on the stream now (returned to the context at the end)
   void span(double* sink, cudaEvent_t a, cudaEvent_t b) { spans_.push_back(Span{sink, a, b}); }

@@ -292,6 +292,15 @@ void CudaCodecBase::staged_done() {
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
 }
 
+void CudaCodecBase::download_prefetched(Prefetched& p, cudaEvent_t a, const char* src, int64_t len,
+                                        size_t bytes) {
+  cudaEvent_t b = record();
+  download(p.host->data(), src, len, bytes);
+  p.done = record();
+  span(&gpu_codec_, a, b);
+  span(&d2h_, b, p.done);
+}
+
 void CudaCodecBase::download(char* host, const char* device, int64_t len, size_t bytes) {
   if (len > 0) {
     cuda_check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (download)");
@@ -382,11 +391,7 @@ class CudaWireCodec final : public cuda_detail::CudaCodecBase {
               "widen (own values)");
         src = out;
       }
-      cudaEvent_t b = record();
-      download(p.host->data(), src, len, bytes);
-      p.done = record();
-      span(&gpu_codec_, a, b);
-      span(&d2h_, b, p.done);
+      download_prefetched(p, a, src, len, bytes);
     }
     prefetched_.push_back(std::move(p));
   }

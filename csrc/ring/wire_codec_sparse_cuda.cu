@@ -76,11 +76,7 @@ class CudaSparseCodec final : public CudaCodecBase {
         check(sparse::cuda::decode(sparse::cuda::DecodeMode::kSubtract, out, len, chunk_, k_, d, nullptr, stream_),
               "sparse decode (dropped)");
       }
-      cudaEvent_t b = record();
-      download(p.host->data(), reinterpret_cast<const char*>(out), len, p.host->size());
-      p.done = record();
-      span(&gpu_codec_, a, b);
-      span(&d2h_, b, p.done);
+      download_prefetched(p, a, reinterpret_cast<const char*>(out), len, p.host->size());
     }
     prefetched_.push_back(std::move(p));
   }
