@@ -232,6 +232,59 @@ def _seconds(t: Union[float, int, timedelta]) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
 
+@dataclass(frozen=True)
+class _RingArguments:
+    """Ring()'s settings, checked, with their defaults and environment variables resolved."""
+
+    timeout_s: float
+    streams: int
+    schedule: str
+    order: Union[str, List[int]]
+    max_rate: float
+    segment_elems: int
+    encrypt: bool
+    quant_error: bool
+
+
+def _ring_arguments(rank, world_size, timeout, streams, schedule, order, max_rate, segment_bytes, encrypt,
+                    quant_error) -> _RingArguments:
+    """Checks Ring()'s arguments (ValueError naming the first bad one) and resolves what is unset from the
+    environment or the defaults."""
+    if not isinstance(world_size, int) or not 1 <= world_size <= 64:
+        raise ValueError(f"world_size must be an int from 1 to 64, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    timeout_s = _seconds(timeout)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    streams = int(os.environ.get(ENV_STREAMS, DEFAULT_STREAMS)) if streams is None else streams
+    if not isinstance(streams, int) or not 0 <= streams <= 64:
+        raise ValueError(f"streams must be an int from 0 (chosen per link) to 64, got {streams!r}")
+    schedule = (os.environ.get(ENV_SCHEDULE) or "auto") if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    order = "auto" if order is None else order
+    if isinstance(order, str):
+        if order not in ("auto", "rank"):
+            raise ValueError(f"order must be 'auto', 'rank' or a permutation of the ranks, got {order!r}")
+    elif sorted(order) != list(range(world_size)):
+        raise ValueError(f"order must be a permutation of range({world_size}), got {order!r}")
+    if max_rate is None:
+        max_rate = float(os.environ.get(ENV_MAX_RATE, 0))
+    if max_rate < 0:
+        raise ValueError(f"max_rate must be >= 0 bytes/s (0: unlimited), got {max_rate}")
+    segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
+        raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
+    if encrypt is None:
+        encrypt = _env_flag(ENV_ENCRYPT, False)
+    if quant_error is None:
+        quant_error = _env_flag(ENV_QUANT_ERROR, False)
+    segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
+    return _RingArguments(timeout_s, streams, schedule, order, float(max_rate), segment_elems, bool(encrypt),
+                          bool(quant_error))
+
+
 def _cuda_reduce_mode() -> str:
     mode = os.environ.get(ENV_CUDA_REDUCE, "auto").strip().lower() or "auto"
     if mode not in ("auto", "gpu", "cpu"):
@@ -322,46 +375,17 @@ class Ring:
         link_history: Optional[dict] = None,
     ):
         C = _extension.require()
-        if not isinstance(world_size, int) or not 1 <= world_size <= 64:
-            raise ValueError(f"world_size must be an int from 1 to 64, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-        timeout_s = _seconds(timeout)
-        if timeout_s <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
-        streams = int(os.environ.get(ENV_STREAMS, DEFAULT_STREAMS)) if streams is None else streams
-        if not isinstance(streams, int) or not 0 <= streams <= 64:
-            raise ValueError(f"streams must be an int from 0 (chosen per link) to 64, got {streams!r}")
-        schedule = (os.environ.get(ENV_SCHEDULE) or "auto") if schedule is None else schedule
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        order = "auto" if order is None else order
-        if isinstance(order, str):
-            if order not in ("auto", "rank"):
-                raise ValueError(f"order must be 'auto', 'rank' or a permutation of the ranks, got {order!r}")
-        elif sorted(order) != list(range(world_size)):
-            raise ValueError(f"order must be a permutation of range({world_size}), got {order!r}")
-        if max_rate is None:
-            max_rate = float(os.environ.get(ENV_MAX_RATE, 0))
-        if max_rate < 0:
-            raise ValueError(f"max_rate must be >= 0 bytes/s (0: unlimited), got {max_rate}")
-        segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
-        if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
-            raise ValueError(f"segment_bytes must be an int from {4 * _SEGMENT_ALIGN} to 2^30, got {segment_bytes!r}")
-        if encrypt is None:
-            encrypt = _env_flag(ENV_ENCRYPT, False)
-        if quant_error is None:
-            quant_error = _env_flag(ENV_QUANT_ERROR, False)
-        self.quant_error = bool(quant_error)
-        segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
-        self._segment_elems = segment_elems
+        a = _ring_arguments(rank, world_size, timeout, streams, schedule, order, max_rate, segment_bytes, encrypt,
+                            quant_error)
+        self.quant_error = a.quant_error
+        self._segment_elems = a.segment_elems
 
         self.rank = rank
         self.world_size = world_size
         self.job_id = job_id or os.environ.get(ENV_JOB_ID, "prime")
-        self.timeout = timeout_s
-        self.streams = streams
-        self.schedule = schedule
+        self.timeout = a.timeout_s
+        self.streams = a.streams
+        self.schedule = a.schedule
         self.address: Optional[str] = None
         self.order: List[int] = list(range(world_size))  # the ring schedule's order (agreed while forming)
         self.link_table: Optional[LinkTable] = None  # what the ranks agreed about their links
@@ -372,28 +396,36 @@ class Ring:
         self.rejected_connections: list = []
         self._ring = None
         self._cuda_contexts: dict = {}  # device index -> prime._C._CudaRingContext
-        deadline = time.monotonic() + timeout_s
-        timeout_ms = int(timeout_s * 1000)
-        ns = rendezvous.namespace(self.job_id)
         common = dict(
             rank=rank,
             world_size=world_size,
             job_id=self.job_id,
-            timeout_s=timeout_s,
-            streams=streams,
-            max_rate=float(max_rate),
-            encrypt=bool(encrypt),
-            segment_elems=segment_elems,
+            timeout_s=a.timeout_s,
+            streams=a.streams,
+            max_rate=a.max_rate,
+            encrypt=a.encrypt,
+            segment_elems=a.segment_elems,
             socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
             corrupt_after_bytes=_corrupt_offset(),
             measure_quant_error=self.quant_error,
             restart_bbr=_env_flag(ENV_RESTART_BBR, True),
         )
         if world_size == 1:
-            self._ring = C._Ring(secret=b"", rendezvous_timeout_s=timeout_s, bind_addr="", **common)
+            self._ring = C._Ring(secret=b"", rendezvous_timeout_s=a.timeout_s, bind_addr="", **common)
             self._ring.connect([("", 0)])
             return
+        self._form(C, store, common, secret, bind_addr, advertise_addr, a.order, a.max_rate)
 
+    def _form(self, C, store: dist.Store, common: dict, secret, bind_addr: Optional[str],
+              advertise_addr: Optional[str], order, max_rate: float) -> None:
+        """The rendezvous of a ring of several ranks, within the timeout: claims the job's name, agrees on the
+        job's secret, listens, publishes this rank's address (authenticated) and finds the others', connects,
+        measures the links and agrees on the order, then a barrier. A failure is reported to the others through
+        the store and raised, the ring closed."""
+        rank, world_size, timeout_s = self.rank, self.world_size, self.timeout
+        deadline = time.monotonic() + timeout_s
+        timeout_ms = int(timeout_s * 1000)
+        ns = rendezvous.namespace(self.job_id)
         rendezvous.claim_job(store, ns, rank, world_size, self.job_id)
         key = b""
         try:
