@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from prime.codecs import DENSE_START
+from prime.codecs import CODECS, DENSE_START
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
            "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
@@ -265,8 +265,6 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
     if cfg.diloco.codec == "topk" and b.device_reduce:
         # the sparse codec on the GPU: only the records cross to the host (pinned), those this rank sends and
         # those it receives, under a tenth of a byte a value
-        from prime.codecs import CODECS
-
         topk, settings, chunk = CODECS["topk"], cfg.diloco.outer_settings(), cfg.diloco.resolved_block_size()
         ring_host = int(b.ring_values * (topk.bytes_per_value(chunk, settings["density"])
                                          + topk.bytes_per_value(chunk, settings["average_density"])))

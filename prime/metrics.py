@@ -455,11 +455,12 @@ class RunMetrics:
         """Logs outer step `r` (a prime.diloco.OuterStepResult) at inner step `step`: all-reduce time and bytes
         (summed over the node's processes), error, utilization; `note` ends the line, `fields` join the record."""
         n = len(r.members) or self.num_nodes
+        dense = getattr(r, "dense", False)  # a sparse codec's dense start: this average went as int8
         measured = r.bytes_sent is not None
         if measured:
             sent = float(r.bytes_sent)
         else:  # estimate a ring all-reduce of the wire format: 2 (N-1)/N of the encoded buffer
-            per_value = self.dense_bytes_per_value if getattr(r, "dense", False) else self.wire_bytes_per_value
+            per_value = self.dense_bytes_per_value if dense else self.wire_bytes_per_value
             sent = 2 * (n - 1) / n * r.numel * per_value
         measured = self.local_sum([1.0 if measured else 0.0])[0] == self.local_world
         sent, ar_s = self.local_sum([sent, r.allreduce_s])
@@ -476,7 +477,7 @@ class RunMetrics:
         util = compute / wall if wall > 0 else float("nan")
         self.phase_t0, self.phase_compute = now, 0.0
         err_s = f"{100 * err:.2f}%" if err is not None else "n/a"
-        if getattr(r, "dense", False):  # a sparse codec's dense start: this average went as int8
+        if dense:
             fields = dict(fields or {}, dense=True)
             note = " | dense start (int8)" + note
         w = getattr(r, "weights", None)  # a token-weighted average: each node's inner steps and share
