@@ -409,6 +409,9 @@ def main() -> int:
     print(f"fidelity: model {cfg.model.name} ({sum(p.numel() for p in s.model().parameters()) / 1e6:.1f}M), "
           f"{a.nodes} nodes x {cfg.train.steps} steps x {cfg.train.micro_batch_size} x {cfg.data.seq_len} = "
           f"{tokens / 1e6:.2f}M tokens per method, H = {cfg.diloco.inner_steps}, on {device} ({machine})")
+    epochs = tokens / max(1, s.train_src.num_tokens)
+    print(f"data: {s.train_src.description}; the run reads {epochs:.2f} epochs of it (a run of several epochs "
+          f"rewards memorizing)")
     results = {}
     for m in methods:
         t0 = time.perf_counter()
@@ -437,7 +440,8 @@ def main() -> int:
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
             "device": str(device), "machine": machine, "argv": sys.argv[1:], "merge_alpha": prime.fragments.MERGE_ALPHA,
-            "stand_in_others": prime.fragments.STAND_IN_OTHERS, "slowdowns": slowdowns}
+            "stand_in_others": prime.fragments.STAND_IN_OTHERS, "slowdowns": slowdowns,
+            "data": s.train_src.description, "epochs": epochs}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(a.out + ".csv", "w", newline="") as f:

@@ -87,3 +87,16 @@ def _check_config_flags(args):
 def test_an_unknown_diloco_variant_fails_the_suite(tmp_path):
     p = _dry_run("diloco-1b", tmp_path, VARIANTS="sync_3g")
     assert p.returncode == 1 and "unknown variant sync_3g" in p.stdout
+
+
+def test_the_fidelity_suite_reads_the_standard_library_corpus_when_asked(tmp_path):
+    p = _dry_run("fidelity", tmp_path, CORPUS="stdlib", TMPDIR=str(tmp_path), RUNS="1:diloco-int8-plain")
+    assert p.returncode == 0, p.stdout + p.stderr
+    corpus = tmp_path / "prime_stdlib_corpus"
+    files = [f for _, _, names in os.walk(corpus) for f in names]
+    assert len(files) > 100 and all(f.endswith(".py") for f in files)
+    assert not any("site-packages" in d for d, _, _ in os.walk(corpus))
+    cmd = next(line for line in p.stdout.splitlines() if "bench_fidelity.py" in line and line.startswith("   "))
+    assert f"--data.source text --data.path {corpus}" in cmd and "embedded" not in cmd
+    p = _dry_run("fidelity", tmp_path, CORPUS="books")
+    assert p.returncode == 2 and "CORPUS must be embedded or stdlib, got books" in p.stdout

@@ -7,11 +7,21 @@
 # count for the i-th entry.
 # env: RUNS ("0"), METHODS ("dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10"), STEPS (400), H (40),
 #      FIDELITY_TIMEOUT (540), EXTRA (more flags for bench_fidelity.py), BUILD (cuda; ring: prime._C without the
-#      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host)
+#      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host), CORPUS (embedded,
+#      read about 3 times over in 800 steps; stdlib: every .py file of the standard library, under once:
+#      benchmarks/stdlib_corpus.py)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
 if [ "${BUILD:-cuda}" = ring ]; then build_ring; else build_cuda; fi
+data=(--data.source embedded)
+if [ "${CORPUS:-embedded}" = stdlib ]; then
+  corpus=${TMPDIR:-/tmp}/prime_stdlib_corpus
+  rm -rf "$corpus"; python3 benchmarks/stdlib_corpus.py "$corpus" | tee -a "$out/machine.txt"
+  data=(--data.source text --data.path "$corpus")
+elif [ "${CORPUS:-embedded}" != embedded ]; then
+  echo "fidelity: CORPUS must be embedded or stdlib, got ${CORPUS}"; exit 2
+fi
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))
@@ -28,7 +38,7 @@ for entry in ${RUNS:-0}; do
   tags+=("$tag")
   log=$tag.log
   cmd=(env CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_fidelity.py --config configs/150M.toml
-       --data.source embedded --train.steps ${STEPS:-400} --optim.warmup_steps 40 --optim.decay_steps 100
+       "${data[@]}" --train.steps ${STEPS:-400} --optim.warmup_steps 40 --optim.decay_steps 100
        --diloco.inner_steps ${H:-40} --train.micro_batch_size 16 --data.seq_len 512 --eval-batches 16
        --train.seed $seed --methods "$methods" --out "$out/$tag" ${EXTRA:-})
   # in the background, one per GPU: each row is filled in when its run ends
