@@ -124,8 +124,17 @@ class MemoryPlan:
         """The measured peaks of this process beside the plan (one line)."""
         line = f"memory: host peak {peak_host_bytes() / GIB:.1f} GiB of this process (plan {self.host_peak / GIB:.1f})"
         if device.type == "cuda":
-            line += (f", GPU peak {torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved (plan "
-                     f"{self.gpu_bytes / GIB:.1f})")
+            from prime.comm.ring import device_buffer_bytes
+
+            reserved = torch.cuda.max_memory_reserved(device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            ring = device_buffer_bytes(index)
+            line += f", GPU peak {(reserved + ring) / GIB:.1f} GiB"
+            if ring:  # (the ring's own cudaMalloc'd buffers: torch's statistics do not see them)
+                line += f" ({reserved / GIB:.1f} reserved by torch, {ring / GIB:.1f} the ring's buffers)"
+            else:
+                line += " reserved"
+            line += f" (plan {self.gpu_bytes / GIB:.1f})"
         return line
 
     def check(self) -> None:

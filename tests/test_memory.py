@@ -228,3 +228,28 @@ def test_a_build_without_cuda_kernels_plans_the_staging_through_the_host(codec, 
     if codec == "topk":  # (that run saved no checkpoint: the plan's host items before the checkpoint's staging)
         before_checkpoints = lambda plan: sum(v for k, v in plan.host if not k.startswith("checkpoint"))  # noqa: E731
         assert before_checkpoints(on_gpu) < 8.6 * GIB <= before_checkpoints(staged), staged.describe()
+
+
+def test_the_gpu_peak_adds_the_rings_own_buffers(monkeypatch):
+    # The ring's GPU staging is cudaMalloc'd, out of torch's sight: the peak line adds it to torch's reserved
+    # peak, per GPU, from the open rings' contexts (stand-ins here: no GPU needed).
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+    from prime.comm.ring import device_buffer_bytes
+
+    cfg, env, parts, diloco = _fake_run("1B", procs=1, nodes=2, home="gpu")
+    plan = plan_memory(cfg, env, parts, diloco, host_procs=1, gpu_total=H200, host_total=HOST4)
+    reserved = int(3.25 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    base = device_buffer_bytes()  # (rings other tests left open, if any)
+    with Ring(dist.HashStore(), 0, 1) as ring:
+        ring._cuda_contexts = {0: SimpleNamespace(device_bytes=GIB // 2), 1: SimpleNamespace(device_bytes=GIB // 4)}
+        assert device_buffer_bytes(0) - base == GIB // 2 and device_buffer_bytes() - base == 3 * GIB // 4
+        line = plan.peaks(torch.device("cuda", 0))
+        assert "GPU peak 3.8 GiB (3.2 reserved by torch, 0.5 the ring's buffers)" in line, line
+        line = plan.peaks(torch.device("cuda"))  # the current device's: 1
+        assert "GPU peak 3.5 GiB (3.2 reserved by torch, 0.2 the ring's buffers)" in line, line
+    assert device_buffer_bytes() == base  # closed: freed
+    assert f"GPU peak 3.2 GiB reserved (plan {plan.gpu_bytes / GIB:.1f})" in plan.peaks(torch.device("cuda", 0))

@@ -330,3 +330,45 @@ def test_back_to_back_collectives_on_one_ring():
         ref = run_ring(inputs[k], ["cpu"] * world, "avg", "int8" if k % 2 else "none")
         for r in range(world):
             assert torch.equal(_bits(out[r][k]), _bits(ref[r][0])), f"round {k} rank {r} (SEED={SEED})"
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_the_rings_device_buffers_are_counted_while_it_is_open(codec):
+    # cudaMalloc'd by the ring, out of torch.cuda's statistics: prime.comm.ring.device_buffer_bytes reports them
+    # (the memory line adds them to the GPU peak), at least each rank's accumulator of its chunk, until close.
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+    from prime.comm.ring import device_buffer_bytes
+
+    world, n = 2, 1 << 20
+    store = dist.HashStore()
+    seen = [None] * world
+    opened, closing = threading.Barrier(world), threading.Barrier(world)
+
+    def rank_main(r):
+        x = make_input(SEED, r, n, torch.float32).to(_device(r))
+        with Ring(store, r, world, timeout=60, job_id=f"cuda-bytes-{codec}", segment_bytes=SEGMENT_BYTES) as ring:
+            if codec == "topk":
+                residual = torch.zeros_like(x)
+                ring.all_reduce(x, op="avg", codec="topk", block_size=4096, keep=48, keep_average=96,
+                                residual=residual).wait()
+            else:
+                ring.all_reduce(x, op="avg", codec="int8").wait()
+            torch.cuda.synchronize(x.device)
+            opened.wait()
+            own = ring._cuda_contexts[x.device.index].device_bytes
+            seen[r] = (own, device_buffer_bytes(x.device.index), device_buffer_bytes())
+            closing.wait()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), f"a rank hung (SEED={SEED})"
+    owns = [s[0] for s in seen]
+    for r, (own, here, everywhere) in enumerate(seen):
+        assert own >= 4 * n // world, (r, own)
+        assert here >= own and everywhere == sum(owns), (r, here, everywhere, owns)
+    assert device_buffer_bytes() == 0

@@ -363,6 +363,7 @@ void init_ring_bindings(py::module_& m) {
       m, "_CudaRingContext", "A ring's stream and staging on one GPU (csrc/ring/wire_codec_cuda.h).")
       .def(py::init<int>(), py::arg("device"))
       .def_property_readonly("device", &ring::CudaContext::device)
+      .def_property_readonly("device_bytes", &ring::CudaContext::device_bytes)
       .def_property("pageable_upload", &ring::CudaContext::pageable_upload, &ring::CudaContext::set_pageable_upload);
   m.def(
       "_ring_cuda_kernel_times",

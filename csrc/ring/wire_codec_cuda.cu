@@ -149,6 +149,7 @@ char* CudaContext::device_buffer(Slot slot, size_t bytes) {
   if (buffers_[slot]) {
     cuda_check(cudaFree(buffers_[slot]), "cudaFree");
     buffers_[slot] = nullptr;
+    device_bytes_ -= buffer_bytes_[slot];
     buffer_bytes_[slot] = 0;
   }
   const size_t want = std::max<size_t>(bytes, 256);
@@ -156,6 +157,7 @@ char* CudaContext::device_buffer(Slot slot, size_t bytes) {
   cuda_check(cudaMalloc(&p, want), "cudaMalloc (ring device buffer)");
   buffers_[slot] = static_cast<char*>(p);
   buffer_bytes_[slot] = want;
+  device_bytes_ += want;
   return buffers_[slot];
 }
 

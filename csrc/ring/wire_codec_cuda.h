@@ -17,6 +17,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -82,6 +83,9 @@ class CudaContext {
   // Device memory of slot `slot`, at least `bytes` long. Growing waits for the stream
   // first (work queued earlier may still use the old buffer).
   char* device_buffer(Slot slot, size_t bytes);
+  // Bytes of device memory the slots hold now (cudaMalloc'd: torch's memory statistics do
+  // not see them; prime.memory adds them to the GPU peak it reports). Read from any thread.
+  size_t device_bytes() const { return device_bytes_.load(std::memory_order_relaxed); }
 
   cudaEvent_t take_event();  // a timing event
   void give_event(cudaEvent_t e);
@@ -103,6 +107,7 @@ class CudaContext {
   std::shared_ptr<PinnedPool> pinned_;
   char* buffers_[kSlots] = {};
   size_t buffer_bytes_[kSlots] = {};
+  std::atomic<size_t> device_bytes_{0};  // the sum of buffer_bytes_
   std::vector<cudaEvent_t> events_;
   uint32_t* host_flags_ = nullptr;
   bool pageable_upload_ = false;  // (set and read under the GIL, at submit)

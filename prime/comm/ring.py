@@ -16,6 +16,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,8 @@ from prime.comm.errors import CommError, error_from_info
 from prime.comm.links import LinkTable, choose_schedule
 from prime.ops import CODECS, check_block_size, default_block_size, wire_bytes
 
-__all__ = ["Ring", "Work", "WorkStats", "RING_TIMERS", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS"]
+__all__ = ["Ring", "Work", "WorkStats", "RING_TIMERS", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS",
+           "device_buffer_bytes"]
 
 logger = logging.getLogger("prime.comm")
 
@@ -292,6 +294,22 @@ def _cuda_reduce_mode() -> str:
     return mode
 
 
+_RINGS: "weakref.WeakSet[Ring]" = weakref.WeakSet()
+"""The rings of this process not yet garbage (device_buffer_bytes walks their GPU contexts)."""
+
+
+def device_buffer_bytes(device: Optional[int] = None) -> int:
+    """Bytes of GPU memory the open rings of this process hold for their collectives on CUDA tensors (on GPU
+    `device`, an index; None: every GPU): staging the ring allocates itself, with cudaMalloc, which
+    torch.cuda's memory statistics do not count. Grow-only while a ring is open, freed when it closes."""
+    total = 0
+    for ring in list(_RINGS):
+        for index, context in list(ring._cuda_contexts.items()):
+            if device is None or index == device:
+                total += int(context.device_bytes)
+    return total
+
+
 def reduces_on_gpu() -> bool:
     """True when rings reduce CUDA tensors on their GPU (a CUDA build of prime._C, and
     $PRIME_RING_CUDA_REDUCE not "cpu"), as Ring.reduces_on_device says of one tensor."""
@@ -396,6 +414,7 @@ class Ring:
         self.rejected_connections: list = []
         self._ring = None
         self._cuda_contexts: dict = {}  # device index -> prime._C._CudaRingContext
+        _RINGS.add(self)
         common = dict(
             rank=rank,
             world_size=world_size,
