@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from prime.codecs import CODECS, DENSE_START
+from prime.metrics import human_bytes
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
            "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
@@ -131,7 +132,7 @@ class MemoryPlan:
             ring = device_buffer_bytes(index)
             line += f", GPU peak {(reserved + ring) / GIB:.1f} GiB"
             if ring:  # (the ring's own cudaMalloc'd buffers: torch's statistics do not see them)
-                line += f" ({reserved / GIB:.1f} reserved by torch, {ring / GIB:.1f} the ring's buffers)"
+                line += f" ({reserved / GIB:.1f} reserved by torch, {human_bytes(ring)} the ring's buffers)"
             else:
                 line += " reserved"
             line += f" (plan {self.gpu_bytes / GIB:.1f})"

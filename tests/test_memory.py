@@ -248,8 +248,8 @@ def test_the_gpu_peak_adds_the_rings_own_buffers(monkeypatch):
         ring._cuda_contexts = {0: SimpleNamespace(device_bytes=GIB // 2), 1: SimpleNamespace(device_bytes=GIB // 4)}
         assert device_buffer_bytes(0) - base == GIB // 2 and device_buffer_bytes() - base == 3 * GIB // 4
         line = plan.peaks(torch.device("cuda", 0))
-        assert "GPU peak 3.8 GiB (3.2 reserved by torch, 0.5 the ring's buffers)" in line, line
+        assert "GPU peak 3.8 GiB (3.2 reserved by torch, 512.0 MiB the ring's buffers)" in line, line
         line = plan.peaks(torch.device("cuda"))  # the current device's: 1
-        assert "GPU peak 3.5 GiB (3.2 reserved by torch, 0.2 the ring's buffers)" in line, line
+        assert "GPU peak 3.5 GiB (3.2 reserved by torch, 256.0 MiB the ring's buffers)" in line, line
     assert device_buffer_bytes() == base  # closed: freed
     assert f"GPU peak 3.2 GiB reserved (plan {plan.gpu_bytes / GIB:.1f})" in plan.peaks(torch.device("cuda", 0))
