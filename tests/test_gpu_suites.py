@@ -98,5 +98,12 @@ def test_the_fidelity_suite_reads_the_standard_library_corpus_when_asked(tmp_pat
     assert not any("site-packages" in d for d, _, _ in os.walk(corpus))
     cmd = next(line for line in p.stdout.splitlines() if "bench_fidelity.py" in line and line.startswith("   "))
     assert f"--data.source text --data.path {corpus}" in cmd and "embedded" not in cmd
+    archive = tmp_path / "corpus.tar.xz"  # the same corpus carried as an archive
+    subprocess.run(["tar", "cJf", str(archive), "-C", str(corpus), "."], check=True)
+    p = _dry_run("fidelity", tmp_path, CORPUS=str(archive), TMPDIR=str(tmp_path), RUNS="1:diloco-int8-plain")
+    assert p.returncode == 0, p.stdout + p.stderr
+    unpacked = tmp_path / "prime_corpus_corpus"
+    assert sorted(f for _, _, names in os.walk(unpacked) for f in names) == sorted(files)
+    assert f"--data.source text --data.path {unpacked}" in p.stdout
     p = _dry_run("fidelity", tmp_path, CORPUS="books")
-    assert p.returncode == 2 and "CORPUS must be embedded or stdlib, got books" in p.stdout
+    assert p.returncode == 2 and "CORPUS must be embedded, stdlib, a directory or a .tar.xz, got books" in p.stdout

@@ -8,8 +8,9 @@
 # env: RUNS ("0"), METHODS ("dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10"), STEPS (400), H (40),
 #      FIDELITY_TIMEOUT (540), EXTRA (more flags for bench_fidelity.py), BUILD (cuda; ring: prime._C without the
 #      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host), CORPUS (embedded,
-#      read about 3 times over in 800 steps; stdlib: every .py file of the standard library, under once:
-#      benchmarks/stdlib_corpus.py)
+#      read about 3 times over in 800 steps; stdlib: every .py file of the host's standard library
+#      (benchmarks/stdlib_corpus.py); or a directory of text files, or a .tar.xz of one, such as
+#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
@@ -19,8 +20,15 @@ if [ "${CORPUS:-embedded}" = stdlib ]; then
   corpus=${TMPDIR:-/tmp}/prime_stdlib_corpus
   rm -rf "$corpus"; python3 benchmarks/stdlib_corpus.py "$corpus" | tee -a "$out/machine.txt"
   data=(--data.source text --data.path "$corpus")
+elif [ -d "${CORPUS:-embedded}" ]; then
+  data=(--data.source text --data.path "$CORPUS")
+elif [[ ${CORPUS:-embedded} == *.tar.xz && -f $CORPUS ]]; then
+  corpus=${TMPDIR:-/tmp}/prime_corpus_$(basename "$CORPUS" .tar.xz)
+  rm -rf "$corpus"; mkdir -p "$corpus"; tar xJf "$CORPUS" -C "$corpus" || exit 2
+  echo "corpus: $CORPUS, $(find "$corpus" -type f | wc -l) files, $(du -sm "$corpus" | cut -f1) MB" | tee -a "$out/machine.txt"
+  data=(--data.source text --data.path "$corpus")
 elif [ "${CORPUS:-embedded}" != embedded ]; then
-  echo "fidelity: CORPUS must be embedded or stdlib, got ${CORPUS}"; exit 2
+  echo "fidelity: CORPUS must be embedded, stdlib, a directory or a .tar.xz, got ${CORPUS}"; exit 2
 fi
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
