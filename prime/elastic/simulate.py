@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["run_elastic", "parse_kill", "parse_join", "chaos_victims"]
 
@@ -271,6 +271,60 @@ class _Launcher:
         return stop_nodes(procs, sig, self.grace_s + 5, hurry=hurry)
 
 
+class _Chaos:
+    """--chaos: for `seconds` from the start, one event every `every` to 2 x `every` steps (every: 20 when 0),
+    drawn from Random(seed): a kill (SIGKILL, or for an admitted member, half the time, death inside its next
+    all-reduce) or a joiner, the mix kept even (at most two of a kind ahead), never leaving fewer than
+    max(1, min_nodes) admitted members alive (chaos_victims)."""
+
+    def __init__(self, seconds: float, seed: int, min_nodes: int, every: int, t_start: float):
+        self.seed, self.min_nodes, self.every = seed, min_nodes, every or 20
+        self.end = t_start + seconds
+        self.rng = random.Random(seed)
+        self.next_step: Optional[int] = None
+        self.kills = self.joins = 0
+
+    def tick(self, L: "_Launcher", step: int, start_joiner: Callable[[str], None]) -> None:
+        """The event due at `step`, if any (nothing once the chaos time is over)."""
+        if time.monotonic() >= self.end:
+            return
+        rng, every = self.rng, self.every
+        if self.next_step is None:
+            self.next_step = step + rng.randint(every, 2 * every)
+            return
+        if step < self.next_step:
+            return
+        self.next_step = step + rng.randint(every, 2 * every)
+        with L.lock:
+            live = [n for n in L.s.nodes.values() if n.proc.poll() is None]
+            victims = sorted(chaos_victims(live, self.min_nodes), key=lambda n: n.rank)
+        kill = rng.random() < 0.5
+        if abs(self.kills - self.joins) >= 2:  # keep the mix even: at most two of a kind ahead
+            kill = self.kills < self.joins
+        if victims and kill:
+            self.kills += 1
+            victim = rng.choice(victims)
+            if victim.member and rng.random() < 0.5:
+                L.doom(victim.rank)
+            else:
+                L.kill(victim.rank)
+        else:
+            self.joins += 1
+            start_joiner(f"chaos: starting node {{rank}} (joiner) at step {step}")
+
+
+def _failed_status(L: "_Launcher", status: int) -> int:
+    """status, or the exit status of the first node that failed on its own (not killed by us), said once."""
+    with L.lock:
+        nodes = list(L.s.nodes.values())
+    for n in nodes:
+        rc = n.proc.poll()
+        if rc is not None and rc != 0 and n.killed_at is None and n.drained and status == 0:
+            status = rc
+            L.say(f"node {n.rank} exited with status {rc} (not killed by us)")
+    return status
+
+
 def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chaos_s: float = 0.0,
                 chaos_seed: Optional[int] = None, chaos_min_nodes: int = 2, chaos_every_steps: int = 0,
                 stop_after_s: Optional[float] = None, faults: Optional[dict] = None, env: Optional[dict] = None,
@@ -296,58 +350,37 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     signals.install()
     kills = sorted(kills, key=lambda x: x[1])
     joins = sorted(joins)
-    next_rank = initial
-    if chaos_seed is None:
-        chaos_seed = random.randrange(1 << 31)
-    rng = random.Random(chaos_seed)
-    if chaos_s:
-        L.say(f"chaos for {chaos_s:g} s, seed {chaos_seed} (replay: --chaos-seed {chaos_seed}), never fewer than "
-              f"{max(1, chaos_min_nodes)} admitted members alive")
+    next_rank = [initial]
+
+    def start_joiner(why: str) -> None:
+        L.say(why.format(rank=next_rank[0]))
+        L.start(next_rank[0])
+        next_rank[0] += 1
+
     t_start = time.monotonic()
-    chaos_end = t_start + chaos_s
-    next_chaos_step = None
-    chaos_kills = chaos_joins = 0
+    chaos = None
+    if chaos_s:
+        chaos = _Chaos(chaos_s, random.randrange(1 << 31) if chaos_seed is None else chaos_seed, chaos_min_nodes,
+                       chaos_every_steps, t_start)
+        L.say(f"chaos for {chaos_s:g} s, seed {chaos.seed} (replay: --chaos-seed {chaos.seed}), never fewer than "
+              f"{max(1, chaos_min_nodes)} admitted members alive")
     status = 0
     try:
         for r in range(initial):
             L.start(r)
         while True:
             step = L.s.step
-            while kills and step >= kills[0][1]:
+            while kills and step >= kills[0][1]:  # --kill-node
                 r, _ = kills.pop(0)
                 if r in L.s.nodes:
                     L.kill(r)
                 else:
                     L.say(f"--kill-node {r}: there is no node {r}")
-            while joins and step >= joins[0]:
+            while joins and step >= joins[0]:  # --join-at
                 joins.pop(0)
-                L.say(f"starting node {next_rank} (joiner) at step {step}")
-                L.start(next_rank)
-                next_rank += 1
-            if chaos_s and time.monotonic() < chaos_end:
-                every = chaos_every_steps or 20
-                if next_chaos_step is None:
-                    next_chaos_step = step + rng.randint(every, 2 * every)
-                elif step >= next_chaos_step:
-                    next_chaos_step = step + rng.randint(every, 2 * every)
-                    with L.lock:
-                        live = [n for n in L.s.nodes.values() if n.proc.poll() is None]
-                        victims = sorted(chaos_victims(live, chaos_min_nodes), key=lambda n: n.rank)
-                    kill = rng.random() < 0.5
-                    if abs(chaos_kills - chaos_joins) >= 2:  # keep the mix even: at most two of a kind ahead
-                        kill = chaos_kills < chaos_joins
-                    if victims and kill:
-                        chaos_kills += 1
-                        victim = rng.choice(victims)
-                        if victim.member and rng.random() < 0.5:
-                            L.doom(victim.rank)
-                        else:
-                            L.kill(victim.rank)
-                    else:
-                        chaos_joins += 1
-                        L.say(f"chaos: starting node {next_rank} (joiner) at step {step}")
-                        L.start(next_rank)
-                        next_rank += 1
+                start_joiner(f"starting node {{rank}} (joiner) at step {step}")
+            if chaos is not None:
+                chaos.tick(L, step, start_joiner)
             if stop_after_s is not None and time.monotonic() - t_start > stop_after_s:
                 L.say(f"stopping every node after {stop_after_s:g} s (--stop-after)")
                 with L.lock:
@@ -355,13 +388,9 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                         if n.killed_at is None and n.proc.poll() is None:
                             n.killed_at = time.monotonic()  # on purpose: not a failure
                 break
+            status = _failed_status(L, status)
             with L.lock:
                 nodes = list(L.s.nodes.values())
-            for n in nodes:
-                rc = n.proc.poll()
-                if rc is not None and rc != 0 and n.killed_at is None and n.drained and status == 0:
-                    status = rc
-                    L.say(f"node {n.rank} exited with status {rc} (not killed by us)")
             if all(n.proc.poll() is not None and n.drained for n in nodes) and not (kills or joins):
                 break
             if all(n.proc.poll() is not None for n in nodes) and (kills or joins):
