@@ -497,8 +497,8 @@ def _prepare_tokenizer(s: Settings, shards: list, say: Callable[[str], None]) ->
             "trained": True, "requested_vocab_size": s.vocab_size}, tok
 
 
-def tokenize(s: Settings, say: Callable[[str], None] = print) -> dict:
-    """Runs (or resumes) a tokenization; returns the metadata written to OUT/meta.json."""
+def _check_settings(s: Settings) -> None:
+    """Raises TokenizeError naming the option that is wrong."""
     if bool(s.tokenizer) == bool(s.vocab_size):
         raise TokenizeError("give either --tokenizer tokenizer.json or --vocab-size N (to train a BPE)")
     if s.vocab_size is not None and not 258 <= s.vocab_size <= 2**32:
@@ -510,10 +510,12 @@ def tokenize(s: Settings, say: Callable[[str], None] = print) -> dict:
         raise TokenizeError("--shard-size-mb and --train-sample-mb must be > 0")
     if s.tokenizer and not os.path.isfile(s.tokenizer):
         raise TokenizeError(f"--tokenizer {s.tokenizer!r} is not a file")
-    t_start = time.perf_counter()
-    os.makedirs(s.out, exist_ok=True)
-    files, skipped = list_inputs(s.inputs, s.out)
-    shards = plan_inputs(files, int(s.shard_size_mb * 2**20))
+
+
+def _plan_or_resume(s: Settings, files: list, shards: list, say: Callable[[str], None]) -> tuple:
+    """(tokenizer, its info, its path under OUT): the plan in OUT resumed when it is of these inputs and settings
+    and its tokenizer is intact, else a new plan (shards of another tokenizer removed, the tokenizer loaded or
+    trained). Raises TokenizeError when OUT holds another tokenization and --overwrite is not given."""
     settings = {"jsonl_field": s.jsonl_field, "shard_size_mb": s.shard_size_mb, "eos_token": s.eos_token,
                 "tokenizer": os.path.abspath(s.tokenizer) if s.tokenizer else None,
                 "tokenizer_sha256": _sha256(s.tokenizer) if s.tokenizer else None,
@@ -528,15 +530,25 @@ def tokenize(s: Settings, say: Callable[[str], None] = print) -> dict:
         raise TokenizeError(f"{s.out} holds a tokenization of other {' and '.join(what)} ({PLAN_FILE}); resume "
                             "it with the same command, or pass --overwrite to start again, or use another --out")
     if old is not None and os.path.exists(tok_path) and _sha256(tok_path) == old.get("tokenizer_sha256"):
-        tok, tok_info = load_tokenizer(tok_path), old["tokenizer_info"]
         say(f"resuming the tokenization in {s.out} ({PLAN_FILE} matches these inputs)")
-    else:
-        for name in os.listdir(s.out):  # shards of an unfinished plan with another tokenizer are not ours
-            if name.startswith("shard_") or name in (PROGRESS_FILE, META_FILE):
-                os.remove(os.path.join(s.out, name))
-        tok_info, tok = _prepare_tokenizer(s, shards, say)
-        plan["tokenizer_sha256"], plan["tokenizer_info"] = _sha256(tok_path), tok_info
-        _write_json(os.path.join(s.out, PLAN_FILE), plan)
+        return load_tokenizer(tok_path), old["tokenizer_info"], tok_path
+    for name in os.listdir(s.out):  # shards of an unfinished plan with another tokenizer are not ours
+        if name.startswith("shard_") or name in (PROGRESS_FILE, META_FILE):
+            os.remove(os.path.join(s.out, name))
+    tok_info, tok = _prepare_tokenizer(s, shards, say)
+    plan["tokenizer_sha256"], plan["tokenizer_info"] = _sha256(tok_path), tok_info
+    _write_json(os.path.join(s.out, PLAN_FILE), plan)
+    return tok, tok_info, tok_path
+
+
+def tokenize(s: Settings, say: Callable[[str], None] = print) -> dict:
+    """Runs (or resumes) a tokenization; returns the metadata written to OUT/meta.json."""
+    _check_settings(s)
+    t_start = time.perf_counter()
+    os.makedirs(s.out, exist_ok=True)
+    files, skipped = list_inputs(s.inputs, s.out)
+    shards = plan_inputs(files, int(s.shard_size_mb * 2**20))
+    tok, tok_info, tok_path = _plan_or_resume(s, files, shards, say)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_token, eos_id = _eos_id(tok, s.eos_token, s.tokenizer or tok_path)
     dtype = token_dtype_for(vocab)
