@@ -48,6 +48,27 @@ def _device(i: int) -> torch.device:
 _jobs = iter(range(1 << 30))
 
 
+def _run_ranks(rank_main, world: int) -> None:
+    """rank_main(r) for every rank r on a thread of its own; raises the first rank's error, fails on a hang."""
+    errors = [None] * world
+
+    def main(r: int) -> None:
+        try:
+            rank_main(r)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), f"a rank hung (SEED={SEED})"
+    for e in errors:
+        if e is not None:
+            raise e
+
+
 def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, layout=None, block_size=None,
              schedule=None):
     """One all_reduce with rank r's input on devices[r] ("cpu" or "cuda"); returns per rank
@@ -61,37 +82,25 @@ def run_ring(inputs, devices, op, codec, *, reduce_mode=None, monkeypatch=None, 
     store = dist.HashStore()
     job = f"cuda-test-{next(_jobs)}"
     results = [None] * world
-    errors = [None] * world
 
     def rank_main(r: int) -> None:
-        try:
-            x = inputs[r].clone()
-            if devices[r] == "cuda":
-                x = x.to(_device(r))
-            if layout == "strided":  # every other element of a twice-as-long tensor
-                wide = torch.zeros(2 * x.numel(), dtype=x.dtype, device=x.device)
-                wide[::2] = x
-                x = wide[::2]
-            with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES, quant_error=True) as ring:
-                work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size, schedule=schedule)
-                try:
-                    work.wait()
-                    outcome = work.stats()
-                except Exception as e:  # noqa: BLE001 - returned to the test
-                    outcome = e
-            results[r] = (x.cpu(), outcome)
-        except BaseException as e:  # noqa: BLE001
-            errors[r] = e
+        x = inputs[r].clone()
+        if devices[r] == "cuda":
+            x = x.to(_device(r))
+        if layout == "strided":  # every other element of a twice-as-long tensor
+            wide = torch.zeros(2 * x.numel(), dtype=x.dtype, device=x.device)
+            wide[::2] = x
+            x = wide[::2]
+        with Ring(store, r, world, timeout=60, job_id=job, segment_bytes=SEGMENT_BYTES, quant_error=True) as ring:
+            work = ring.all_reduce(x, op=op, codec=codec, block_size=block_size, schedule=schedule)
+            try:
+                work.wait()
+                outcome = work.stats()
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                outcome = e
+        results[r] = (x.cpu(), outcome)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), f"a rank hung (SEED={SEED})"
-    for e in errors:
-        if e is not None:
-            raise e
+    _run_ranks(rank_main, world)
     return results
 
 
@@ -321,11 +330,7 @@ def test_back_to_back_collectives_on_one_ring():
                 w.wait()
                 out[r][k] = xs[k].cpu()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _run_ranks(rank_main, world)
     for k in range(rounds):
         ref = run_ring(inputs[k], ["cpu"] * world, "avg", "int8" if k % 2 else "none")
         for r in range(world):
@@ -345,7 +350,7 @@ def test_the_rings_device_buffers_are_counted_while_it_is_open(codec):
     world, n = 2, 1 << 20
     store = dist.HashStore()
     seen = [None] * world
-    opened, closing = threading.Barrier(world), threading.Barrier(world)
+    opened, closing = threading.Barrier(world, timeout=60), threading.Barrier(world, timeout=60)
 
     def rank_main(r):
         x = make_input(SEED, r, n, torch.float32).to(_device(r))
@@ -362,12 +367,7 @@ def test_the_rings_device_buffers_are_counted_while_it_is_open(codec):
             seen[r] = (own, device_buffer_bytes(x.device.index), device_buffer_bytes())
             closing.wait()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), f"a rank hung (SEED={SEED})"
+    _run_ranks(rank_main, world)
     owns = [s[0] for s in seen]
     print(f"ring device buffers of {n} values, {codec}: {owns} bytes (rank 0, 1)")
     for r, (own, here, everywhere) in enumerate(seen):
