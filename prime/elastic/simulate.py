@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 __all__ = ["run_elastic", "parse_kill", "parse_join", "chaos_victims"]
 
@@ -143,6 +143,13 @@ class _Launcher:
 
     def die_file(self, rank: int) -> str:
         return os.path.join(self.chaos_dir, f"die-{rank}")
+
+    def start_joiner(self, step: int, by: str = "") -> None:
+        """Starts the next node (ranks count up from 0 in the order nodes start) as a joiner, saying so."""
+        with self.lock:
+            rank = len(self.s.nodes)
+        self.say(f"{by}starting node {rank} (joiner) at step {step}")
+        self.start(rank)
 
     def start(self, rank: int) -> None:
         from prime.faults import ENV as FAULTS_ENV
@@ -284,7 +291,7 @@ class _Chaos:
         self.next_step: Optional[int] = None
         self.kills = self.joins = 0
 
-    def tick(self, L: "_Launcher", step: int, start_joiner: Callable[[str], None]) -> None:
+    def tick(self, L: "_Launcher", step: int) -> None:
         """The event due at `step`, if any (nothing once the chaos time is over)."""
         if time.monotonic() >= self.end:
             return
@@ -310,13 +317,11 @@ class _Chaos:
                 L.kill(victim.rank)
         else:
             self.joins += 1
-            start_joiner(f"chaos: starting node {{rank}} (joiner) at step {step}")
+            L.start_joiner(step, by="chaos: ")
 
 
-def _failed_status(L: "_Launcher", status: int) -> int:
-    """status, or the exit status of the first node that failed on its own (not killed by us), said once."""
-    with L.lock:
-        nodes = list(L.s.nodes.values())
+def _failed_status(L: "_Launcher", nodes: list, status: int) -> int:
+    """status, or the exit status of the first of `nodes` that failed on its own (not killed by us), said once."""
     for n in nodes:
         rc = n.proc.poll()
         if rc is not None and rc != 0 and n.killed_at is None and n.drained and status == 0:
@@ -350,13 +355,6 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
     signals.install()
     kills = sorted(kills, key=lambda x: x[1])
     joins = sorted(joins)
-    next_rank = [initial]
-
-    def start_joiner(why: str) -> None:
-        L.say(why.format(rank=next_rank[0]))
-        L.start(next_rank[0])
-        next_rank[0] += 1
-
     t_start = time.monotonic()
     chaos = None
     if chaos_s:
@@ -378,9 +376,9 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                     L.say(f"--kill-node {r}: there is no node {r}")
             while joins and step >= joins[0]:  # --join-at
                 joins.pop(0)
-                start_joiner(f"starting node {{rank}} (joiner) at step {step}")
+                L.start_joiner(step)
             if chaos is not None:
-                chaos.tick(L, step, start_joiner)
+                chaos.tick(L, step)
             if stop_after_s is not None and time.monotonic() - t_start > stop_after_s:
                 L.say(f"stopping every node after {stop_after_s:g} s (--stop-after)")
                 with L.lock:
@@ -388,9 +386,9 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                         if n.killed_at is None and n.proc.poll() is None:
                             n.killed_at = time.monotonic()  # on purpose: not a failure
                 break
-            status = _failed_status(L, status)
             with L.lock:
                 nodes = list(L.s.nodes.values())
+            status = _failed_status(L, nodes, status)
             if all(n.proc.poll() is not None and n.drained for n in nodes) and not (kills or joins):
                 break
             if all(n.proc.poll() is not None for n in nodes) and (kills or joins):
