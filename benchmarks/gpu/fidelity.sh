@@ -15,21 +15,21 @@ cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
 if [ "${BUILD:-cuda}" = ring ]; then build_ring; else build_cuda; fi
-data=(--data.source embedded)
+corpus=  # a directory of text files (data.source text), or none: the embedded corpus
 if [ "${CORPUS:-embedded}" = stdlib ]; then
   corpus=${TMPDIR:-/tmp}/prime_stdlib_corpus
   rm -rf "$corpus"; python3 benchmarks/stdlib_corpus.py "$corpus" | tee -a "$out/machine.txt"
-  data=(--data.source text --data.path "$corpus")
 elif [ -d "${CORPUS:-embedded}" ]; then
-  data=(--data.source text --data.path "$CORPUS")
+  corpus=$CORPUS
 elif [[ ${CORPUS:-embedded} == *.tar.xz && -f $CORPUS ]]; then
   corpus=${TMPDIR:-/tmp}/prime_corpus_$(basename "$CORPUS" .tar.xz)
   rm -rf "$corpus"; mkdir -p "$corpus"; tar xJf "$CORPUS" -C "$corpus" || exit 2
   echo "corpus: $CORPUS, $(find "$corpus" -type f | wc -l) files, $(du -sm "$corpus" | cut -f1) MB" | tee -a "$out/machine.txt"
-  data=(--data.source text --data.path "$corpus")
 elif [ "${CORPUS:-embedded}" != embedded ]; then
   echo "fidelity: CORPUS must be embedded, stdlib, a directory or a .tar.xz, got ${CORPUS}"; exit 2
 fi
+data=(--data.source embedded)
+[ -n "$corpus" ] && data=(--data.source text --data.path "$corpus")
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))
