@@ -1,0 +1,220 @@
+"""A low-rank outer step against int8 and topk, in training: final loss at equal tokens, one process, no ring.
+
+    nice python3 benchmarks/bench_lowrank.py --config configs/demo.toml --train.steps 800 --diloco.inner_steps 5 \
+        --methods int8,topk,lowrank --out benchmarks/results/lowrank/tiny_s1
+
+A study harness, not the product's path: the N nodes (threads of this process) train as bench_fidelity's do (its
+Setup: the same model, shards, learning-rate schedule and held-out batches), and every H inner steps their
+pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
+
+  int8          each contribution through the int8 codec (blocks of 64) and averaged; outer lr 1, no momentum
+                (bench_fidelity's diloco-int8-plain up to the ring's order of additions)
+  topk          prime.sparse.owner_average, the topk collective's arithmetic bit for bit, with topk's defaults
+                (48 / 96 of every 4096 values, error feedback decayed by 0.8, outer lr 3, no momentum) over the
+                parameters as one flat vector (bench_fidelity's diloco-topk-defaults up to the fragment layout)
+  lowrank       PowerSGD's shape for every 2-D weight (Vogels et al., 2019): with Q (n x r) shared by all nodes,
+                P = mean_i(M_i Q), orthonormalized, Q = mean_i(M_i^T P), the average taken as P Q^T, each mean
+                through the int8 codec column by column; M_i = pseudo-gradient + decay x residual and residual = M_i - P Q_i^T
+                (each node's own error); Q starts random (the same seed everywhere) and each round starts from
+                the last one's. The rank r of an m x n weight is the largest whose int8 factors, (m + n) r
+                values at 65 bytes per 64, fit --bytes-per-value (topk's 0.0222 by default) of its m n values;
+                a weight where even rank 1 does not fit, and every 1-D parameter, is averaged as int8.
+                lowrank-bB.BBB sets the bytes a value, -efDD the decay 0.DD (default 0.8: unset, 1.0), -lrX the
+                outer lr of the low-rank weights (default 1; the int8 ones always take 1)
+
+Prints and writes <out>.json in bench_fidelity's layout (meta, results with eval_loss, train_loss_last10, curve),
+plus, for lowrank, the ranks and the bytes a value it sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_fidelity import Setup, _machine  # noqa: E402
+from prime import ops, sparse  # noqa: E402
+from prime.config import load_config, parse_cli  # noqa: E402
+from prime.data import ShardedLoader  # noqa: E402
+
+INT8_BYTES = 65 / 64
+TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
+LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef(\d+))?(?:-lr([\d.]+))?$")
+
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    q, s = ops.quantize_int8(x.reshape(-1).contiguous(), 64)
+    return ops.dequantize_int8(q, s, 64).view_as(x)
+
+
+def int8_mean(xs: list) -> torch.Tensor:
+    return sum(int8_round_trip(x) for x in xs) / len(xs)
+
+
+def factor_mean(xs: list) -> torch.Tensor:
+    """int8_mean of m x r factors, quantized column by column (blocks of 64 of one column: the columns' norms are the
+    singular values', far apart, and a block across a row would quantize the small ones with the large one's scale)."""
+    return int8_mean([x.t().contiguous() for x in xs]).t()
+
+
+def rank_for(shape: tuple, bytes_per_value: float) -> int:
+    """The largest r whose int8 factors ((m + n) r values) fit bytes_per_value of the m n values; 0 for none."""
+    m, n = shape
+    return int(bytes_per_value * m * n // (INT8_BYTES * (m + n)))
+
+
+def orthonormal(p: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(p.double(), mode="reduced").Q.to(p.dtype)
+
+
+class LowRank:
+    """PowerSGD's round over N nodes' m x n matrices, one Q carried from round to round."""
+
+    def __init__(self, shape: tuple, r: int, nodes: int, decay: float, seed: int, device=None):
+        g = torch.Generator().manual_seed(seed)
+        self.q = orthonormal(torch.randn(shape[1], r, generator=g)).to(device)
+        self.residual = [torch.zeros(shape, device=device) for _ in range(nodes)]
+        self.decay = decay
+
+    def average(self, deltas: list) -> torch.Tensor:
+        ms = [d + self.decay * e for d, e in zip(deltas, self.residual)]
+        p = orthonormal(factor_mean([m @ self.q for m in ms]))
+        qs = [m.t() @ p for m in ms]
+        self.q = factor_mean(qs)
+        for i, (m, qi) in enumerate(zip(ms, qs)):
+            self.residual[i] = m - p @ qi.t()
+        return p @ self.q.t()
+
+    def bytes(self) -> int:
+        """The int8 factors' bytes one round puts in each all-reduce's payload (P and Q)."""
+        return round(INT8_BYTES * (self.residual[0].shape[0] + self.residual[0].shape[1]) * self.q.shape[1])
+
+
+def parse_method(m: str) -> dict:
+    if m in ("int8", "topk"):
+        return {"kind": m}
+    got = LOWRANK_SPEC.match(m)
+    if got is None:
+        raise SystemExit(f"unknown method {m!r}: int8, topk or lowrank[-bB][-efDD][-lrX]")
+    b, ef, lr = got.groups()
+    return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
+            "decay": int(ef) / 10 ** len(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0}
+
+
+def run(s: Setup, eval_batches, method: dict, seed: int):
+    cfg, n, h = s.cfg, s.nodes, s.cfg.diloco.inner_steps
+    models = [s.model() for _ in range(n)]
+    opts = [s.optimizer(m) for m in models]
+    loaders = [s.loader(r) for r in range(n)]
+    outer = [p.detach().clone().float() for p in models[0].parameters()]  # on the models' device
+    curves = [[] for _ in range(n)]
+    kind = method["kind"]
+    coders, residual, sent = {}, None, 0.0
+    if kind == "lowrank":
+        for i, p in enumerate(outer):
+            r = rank_for(tuple(p.shape), method["bytes_per_value"]) if p.ndim == 2 else 0
+            if r > 0:
+                coders[i] = LowRank(tuple(p.shape), min(r, *p.shape), n, method["decay"], seed + i, p.device)
+    if kind == "topk":
+        residual = [torch.zeros(sum(p.numel() for p in outer)) for _ in range(n)]  # owner_average runs on the CPU
+
+    def phase(r, first, last):
+        for step in range(first, last + 1):
+            curves[r].append(s.inner_step(models[r], opts[r], [loaders[r].next_batch()], step))
+
+    step = 0
+    while step < cfg.train.steps:
+        last = min(cfg.train.steps, step + h)
+        threads = [threading.Thread(target=phase, args=(r, step + 1, last)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        step = last
+        with torch.no_grad():
+            deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
+            if kind == "topk":
+                flat = [torch.cat([d.reshape(-1) for d in ds]).cpu() + TOPK["decay"] * e for ds, e in zip(deltas, residual)]
+                avg = sparse.owner_average(flat, TOPK["chunk"], TOPK["k"], "avg", TOPK["k_average"])
+                residual = avg.residuals
+                sent += sum(avg.sent) / n / flat[0].numel()
+                lo = 0
+                for o in outer:
+                    o.sub_(TOPK["lr"] * avg.average[lo : lo + o.numel()].view_as(o).to(o.device))
+                    lo += o.numel()
+            else:
+                total = 0
+                for i, o in enumerate(outer):
+                    ds = [d[i] for d in deltas]
+                    if i in coders:
+                        o.sub_(method["lr"] * coders[i].average(ds))
+                        total += 2 * coders[i].bytes()
+                    else:
+                        o.sub_(int8_mean(ds))
+                        total += 2 * INT8_BYTES * o.numel()  # the int8 ring: 2 (N - 1) / N of its values
+                sent += total * (n - 1) / n / sum(o.numel() for o in outer)  # P's and Q's ring all-reduces
+            for m in models:
+                for p, o in zip(m.parameters(), outer):
+                    p.copy_(o)
+    model = s.model()
+    with torch.no_grad():
+        for p, o in zip(model.parameters(), outer):
+            p.copy_(o)
+    curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
+    outer_steps = -(-cfg.train.steps // h)
+    info = {"outer_steps": outer_steps, "bytes_per_value_per_outer_step": sent / outer_steps}
+    if coders:
+        info["ranks"] = {str(tuple(outer[i].shape)): c.q.shape[1] for i, c in coders.items()}
+    return s.evaluate(model, eval_batches), curve, info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--methods", default="int8,topk,lowrank")
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--out", default="benchmarks/results/lowrank/run")
+    a, rest = ap.parse_known_args()
+    path, overrides, _ = parse_cli(rest)
+    cfg = load_config(path, overrides).validate()
+    torch.set_num_threads(a.threads)
+    dev = cfg.train.device
+    device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+    s = Setup(cfg, a.nodes, device)
+    ev = ShardedLoader(s.eval_src, cfg.data.seq_len, cfg.train.micro_batch_size, shard=0, num_shards=1, seed=12345,
+                       vocab_size=s.args.vocab_size)
+    eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
+    methods = {m: parse_method(m) for m in a.methods.split(",") if m}
+    tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len
+    print(f"lowrank study: model {cfg.model.name}, {a.nodes} nodes x {cfg.train.steps} steps x "
+          f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, H = {cfg.diloco.inner_steps}, on {device}; "
+          f"data: {s.train_src.description}, {tokens / max(1, s.train_src.num_tokens):.2f} epochs", flush=True)
+    results = {}
+    for name, method in methods.items():
+        t0 = time.perf_counter()
+        loss, curve, info = run(s, eval_batches, method, cfg.train.seed)
+        results[name] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]), "curve": curve,
+                         "wall_s": time.perf_counter() - t0, **info}
+        print(f"  {name:24s} eval loss {loss:.4f}   train loss (last 10) {results[name]['train_loss_last10']:.4f}   "
+              f"{info['bytes_per_value_per_outer_step']:.4f} bytes a value   {results[name]['wall_s']:.0f} s", flush=True)
+    meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
+            "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
+            "device": str(device), "machine": _machine(device), "argv": sys.argv[1:], "data": s.train_src.description}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

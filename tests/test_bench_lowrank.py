@@ -1,0 +1,86 @@
+"""benchmarks/bench_lowrank.py: its low-rank round against float64 references on fresh random matrices (a full rank
+gives the mean, error feedback keeps what a round leaves out), its rank rule against the byte budget, and a short
+run end to end."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_lowrank as bench  # noqa: E402
+
+SEED = random.SystemRandom().randrange(1 << 30)
+
+
+def _matrices(g, nodes, m, n):
+    return [torch.randn(m, n, generator=g) * torch.rand(1, n, generator=g) for _ in range(nodes)]
+
+
+def test_a_full_rank_round_gives_the_mean():
+    g = torch.Generator().manual_seed(SEED)
+    ms = [torch.randn(40, 24, generator=g) for _ in range(3)]  # well conditioned: int8's error in P stays small in
+    # its span (an ill-conditioned mean turns it into large errors along its small singular directions)
+    lr = bench.LowRank((40, 24), 24, 3, decay=1.0, seed=SEED % 1000)
+    got = lr.average(ms).double()
+    ref = sum(m.double() for m in ms) / 3
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 0.02, (err, SEED)  # two int8 passes (P and Q), each about 0.5%
+
+
+def test_error_feedback_keeps_what_the_rounds_leave_out():
+    g = torch.Generator().manual_seed(SEED)
+    nodes, rounds = 2, 6
+    lr = bench.LowRank((48, 32), 2, nodes, decay=1.0, seed=SEED % 1000)
+    sent = torch.zeros(48, 32, dtype=torch.float64)
+    given = torch.zeros(48, 32, dtype=torch.float64)
+    for _ in range(rounds):
+        ms = _matrices(g, nodes, 48, 32)
+        given += sum(m.double() for m in ms) / nodes
+        sent += lr.average(ms).double()
+    left = sum(e.double() for e in lr.residual) / nodes
+    err = float((sent + left - given).norm() / given.norm())
+    assert err < 0.02, (err, SEED)  # what was applied plus what the residuals hold is what the nodes gave
+    assert float(left.norm() / given.norm()) > 0.2, SEED  # rank 2 of 32 leaves much behind: the check can fail
+
+
+def test_the_rank_is_the_largest_that_fits_the_bytes():
+    rnd = random.Random(SEED)
+    for _ in range(50):
+        m, n, b = rnd.randrange(8, 3000), rnd.randrange(8, 3000), rnd.uniform(0.005, 0.2)
+        r = bench.rank_for((m, n), b)
+        assert bench.INT8_BYTES * (m + n) * r <= b * m * n < bench.INT8_BYTES * (m + n) * (r + 1), (m, n, b, r)
+
+
+def test_methods_parse_and_bad_ones_are_refused():
+    assert bench.parse_method("lowrank-b0.03-ef9-lr2") == {"kind": "lowrank", "bytes_per_value": 0.03, "decay": 0.9,
+                                                          "lr": 2.0}
+    assert bench.parse_method("lowrank")["decay"] == 1.0
+    try:
+        bench.parse_method("lowrank-x")
+    except SystemExit as e:
+        assert "unknown method" in str(e)
+    else:
+        raise AssertionError("lowrank-x was accepted")
+
+
+def test_a_short_run_of_every_method(tmp_path):
+    out = tmp_path / "lr"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_lowrank.py"), "--config",
+                        os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
+                        "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
+                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads((tmp_path / "lr.json").read_text())["results"]
+    assert set(r) == {"int8", "topk", "lowrank-ef8"}
+    for name, res in r.items():
+        assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
+    assert abs(r["topk"]["bytes_per_value_per_outer_step"] - 0.0222) < 0.002
+    assert 0.005 < r["lowrank-ef8"]["bytes_per_value_per_outer_step"] < 0.03  # the rank rule's budget, plus 1-D int8
+    assert r["lowrank-ef8"]["ranks"]["(192, 192)"] == 2
