@@ -107,3 +107,13 @@ def test_the_fidelity_suite_reads_the_standard_library_corpus_when_asked(tmp_pat
     assert f"--data.source text --data.path {unpacked}" in p.stdout
     p = _dry_run("fidelity", tmp_path, CORPUS="books")
     assert p.returncode == 2 and "CORPUS must be embedded, stdlib, a directory or a .tar.xz, got books" in p.stdout
+
+
+def test_the_fidelity_suite_runs_the_low_rank_harness_when_asked(tmp_path):
+    p = _dry_run("fidelity", tmp_path, BENCH="bench_lowrank", RUNS="1:int8,lowrank 2:lowrank-ef9")
+    assert p.returncode == 0, p.stdout + p.stderr
+    cmds = [shlex.split(line) for line in p.stdout.splitlines() if line.startswith("   ") and "CUDA_VISIBLE" in line]
+    assert len(cmds) == 2 and all("benchmarks/bench_lowrank.py" in c for c in cmds), p.stdout
+    assert [c[c.index("--methods") + 1] for c in cmds] == ["int8,lowrank", "lowrank-ef9"]
+    p = _dry_run("fidelity", tmp_path, BENCH="bench_nothing")
+    assert p.returncode == 2 and "BENCH must be bench_fidelity or bench_lowrank, got bench_nothing" in p.stdout

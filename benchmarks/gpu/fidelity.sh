@@ -10,7 +10,8 @@
 #      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host), CORPUS (embedded,
 #      read about 3 times over in 800 steps; stdlib: every .py file of the host's standard library
 #      (benchmarks/stdlib_corpus.py); or a directory of text files, or a .tar.xz of one, such as
-#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger)
+#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger), BENCH (bench_fidelity;
+#      bench_lowrank: the low-rank study harness, methods int8, topk, lowrank[-...], the same flags otherwise)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
@@ -28,6 +29,8 @@ elif [[ ${CORPUS:-embedded} == *.tar.xz && -f $CORPUS ]]; then
 elif [ "${CORPUS:-embedded}" != embedded ]; then
   echo "fidelity: CORPUS must be embedded, stdlib, a directory or a .tar.xz, got ${CORPUS}"; exit 2
 fi
+bench=${BENCH:-bench_fidelity}
+[[ $bench == bench_fidelity || $bench == bench_lowrank ]] || { echo "fidelity: BENCH must be bench_fidelity or bench_lowrank, got $bench"; exit 2; }
 data=(--data.source embedded)
 [ -n "$corpus" ] && data=(--data.source text --data.path "$corpus")
 gpus=(${CUDA_VISIBLE_DEVICES:-})
@@ -40,12 +43,12 @@ for entry in ${RUNS:-0}; do
   methods=${METHODS:-dp,diloco-exact,diloco-int8,overlap-int8-eager-merge@9/10}
   [[ $entry == *:* ]] && methods=${entry#*:}
   gpu=${gpus[$(( i % ${#gpus[@]} ))]}
-  name="bench_fidelity 150M, ${STEPS:-400} steps, seed $seed, GPU $gpu: $methods"
+  name="$bench 150M, ${STEPS:-400} steps, seed $seed, GPU $gpu: $methods"
   tag=fidelity_seed${seed}_gpu$gpu
   [[ " ${tags[*]:-} " == *" $tag "* ]] && tag=${tag}_$i  # the same seed twice on one GPU: files of their own
   tags+=("$tag")
   log=$tag.log
-  cmd=(env CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_fidelity.py --config configs/150M.toml
+  cmd=(env CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/$bench.py --config configs/150M.toml
        "${data[@]}" --train.steps ${STEPS:-400} --optim.warmup_steps 40 --optim.decay_steps 100
        --diloco.inner_steps ${H:-40} --train.micro_batch_size 16 --data.seq_len 512 --eval-batches 16
        --train.seed $seed --methods "$methods" --out "$out/$tag" ${EXTRA:-})
