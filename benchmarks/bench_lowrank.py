@@ -48,7 +48,7 @@ from prime.data import ShardedLoader  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef(\d+))?(?:-lr([\d.]+))?$")
+LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef(\d+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,9 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
 class LowRank:
     """PowerSGD's round over N nodes' m x n matrices, one Q carried from round to round."""
 
-    def __init__(self, shape: tuple, r: int, nodes: int, decay: float, seed: int, device=None):
+    def __init__(self, shape: tuple, r: int, nodes: int, decay: float, seed: int, device=None, iterations: int = 1,
+                 svd: bool = False):
+        self.iterations, self.svd = iterations, svd
         g = torch.Generator().manual_seed(seed)
         self.q = orthonormal(torch.randn(shape[1], r, generator=g)).to(device)
         self.residual = [torch.zeros(shape, device=device) for _ in range(nodes)]
@@ -87,16 +89,23 @@ class LowRank:
 
     def average(self, deltas: list) -> torch.Tensor:
         ms = [d + self.decay * e for d, e in zip(deltas, self.residual)]
-        p = orthonormal(factor_mean([m @ self.q for m in ms]))
-        qs = [m.t() @ p for m in ms]
-        self.q = factor_mean(qs)
+        if self.svd:  # the bound: the truncated SVD of the exact mean (no wire could carry it at these bytes)
+            u, _, _ = torch.linalg.svd((sum(ms) / len(ms)).double(), full_matrices=False)
+            p = u[:, : self.q.shape[1]].to(ms[0].dtype)
+            qs = [m.t() @ p for m in ms]
+            self.q = sum(qs) / len(qs)
+        for _ in range(0 if self.svd else self.iterations):
+            p = orthonormal(factor_mean([m @ self.q for m in ms]))
+            qs = [m.t() @ p for m in ms]
+            self.q = factor_mean(qs)
         for i, (m, qi) in enumerate(zip(ms, qs)):
             self.residual[i] = m - p @ qi.t()
         return p @ self.q.t()
 
     def bytes(self) -> int:
         """The int8 factors' bytes one round puts in each all-reduce's payload (P and Q)."""
-        return round(INT8_BYTES * (self.residual[0].shape[0] + self.residual[0].shape[1]) * self.q.shape[1])
+        return round(INT8_BYTES * (self.residual[0].shape[0] + self.residual[0].shape[1]) * self.q.shape[1]
+                     * self.iterations)
 
 
 def parse_method(m: str) -> dict:
@@ -105,9 +114,10 @@ def parse_method(m: str) -> dict:
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: int8, topk or lowrank[-bB][-efDD][-lrX]")
-    b, ef, lr = got.groups()
+    b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
-            "decay": int(ef) / 10 ** len(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0}
+            "decay": int(ef) / 10 ** len(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
+            "iterations": int(it) if it else 1, "svd": bool(svd)}
 
 
 def run(s: Setup, eval_batches, method: dict, seed: int):
@@ -123,7 +133,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         for i, p in enumerate(outer):
             r = rank_for(tuple(p.shape), method["bytes_per_value"]) if p.ndim == 2 else 0
             if r > 0:
-                coders[i] = LowRank(tuple(p.shape), min(r, *p.shape), n, method["decay"], seed + i, p.device)
+                coders[i] = LowRank(tuple(p.shape), min(r, *p.shape), n, method["decay"], seed + i, p.device,
+                                    method["iterations"], method["svd"])
     if kind == "topk":
         residual = [torch.zeros(sum(p.numel() for p in outer)) for _ in range(n)]  # owner_average runs on the CPU
 
