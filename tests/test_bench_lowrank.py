@@ -59,7 +59,9 @@ def test_the_rank_is_the_largest_that_fits_the_bytes():
 
 def test_methods_parse_and_bad_ones_are_refused():
     assert bench.parse_method("lowrank-b0.03-ef9-lr2") == {"kind": "lowrank", "bytes_per_value": 0.03, "decay": 0.9,
-                                                          "lr": 2.0}
+                                                          "lr": 2.0, "iterations": 1, "svd": False}
+    assert bench.parse_method("lowrank-ef85-it3-svd") == {"kind": "lowrank", "bytes_per_value": 0.0222, "decay": 0.85,
+                                                         "lr": 1.0, "iterations": 3, "svd": True}
     assert bench.parse_method("lowrank")["decay"] == 1.0
     try:
         bench.parse_method("lowrank-x")
