@@ -11,7 +11,12 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 (bench_fidelity's diloco-int8-plain up to the ring's order of additions)
   topk          prime.sparse.owner_average, the topk collective's arithmetic bit for bit, with topk's defaults
                 (48 / 96 of every 4096 values, error feedback decayed by 0.8, outer lr 3, no momentum) over the
-                parameters as one flat vector (bench_fidelity's diloco-topk-defaults up to the fragment layout)
+                parameters as one flat vector (bench_fidelity's diloco-topk-defaults up to the fragment layout);
+                -efDD and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
+                are the outer weights minus its decayed residual (what it did not send stays in its weights, not
+                undone until it returns through the residual), and the pseudo-gradient, outer - local, holds it.
+                A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
+                decayed residuals whole (exact), at int8's bytes once (with keep: the mean of the nodes' weights)
   lowrank       PowerSGD's shape for every 2-D weight (Vogels et al., 2019): with Q (n x r) shared by all nodes,
                 P = mean_i(M_i Q), orthonormalized, Q = mean_i(M_i^T P), the average taken as P Q^T, each mean
                 through the int8 codec column by column; M_i = pseudo-gradient + decay x residual and residual = M_i - P Q_i^T
@@ -48,6 +53,7 @@ from prime.data import ShardedLoader  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
+TOPK_SPEC = re.compile(r"topk(-keep)?(?:-ef(\d+))?(?:-lr([\d.]+))?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef(\d+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -109,11 +115,17 @@ class LowRank:
 
 
 def parse_method(m: str) -> dict:
-    if m in ("int8", "topk"):
+    if m == "int8":
         return {"kind": m}
+    got = TOPK_SPEC.match(m)
+    if got:
+        keep, ef, lr = got.groups()
+        return {"kind": "topk", "keep": bool(keep), "decay": int(ef) / 10 ** len(ef) if ef else TOPK["decay"],
+                "lr": float(lr) if lr else TOPK["lr"]}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: int8, topk or lowrank[-bB][-efDD][-lrX]")
+        raise SystemExit(f"unknown method {m!r}: int8, topk[-keep][-efDD][-lrX] or "
+                         "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
             "decay": int(ef) / 10 ** len(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
@@ -136,7 +148,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 coders[i] = LowRank(tuple(p.shape), min(r, *p.shape), n, method["decay"], seed + i, p.device,
                                     method["iterations"], method["svd"])
     if kind == "topk":
-        residual = [torch.zeros(sum(p.numel() for p in outer)) for _ in range(n)]  # owner_average runs on the CPU
+        residual = [torch.zeros(sum(p.numel() for p in outer), device=outer[0].device) for _ in range(n)]
 
     def phase(r, first, last):
         for step in range(first, last + 1):
@@ -154,13 +166,15 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         with torch.no_grad():
             deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
             if kind == "topk":
-                flat = [torch.cat([d.reshape(-1) for d in ds]).cpu() + TOPK["decay"] * e for ds, e in zip(deltas, residual)]
+                flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
+                if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
+                    flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
                 avg = sparse.owner_average(flat, TOPK["chunk"], TOPK["k"], "avg", TOPK["k_average"])
                 residual = avg.residuals
                 sent += sum(avg.sent) / n / flat[0].numel()
                 lo = 0
                 for o in outer:
-                    o.sub_(TOPK["lr"] * avg.average[lo : lo + o.numel()].view_as(o).to(o.device))
+                    o.sub_(method["lr"] * avg.average[lo : lo + o.numel()].view_as(o))
                     lo += o.numel()
             else:
                 total = 0
@@ -173,9 +187,13 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                         o.sub_(int8_mean(ds))
                         total += 2 * INT8_BYTES * o.numel()  # the int8 ring: 2 (N - 1) / N of its values
                 sent += total * (n - 1) / n / sum(o.numel() for o in outer)  # P's and Q's ring all-reduces
-            for m in models:
+            for r, m in enumerate(models):
+                lo = 0
                 for p, o in zip(m.parameters(), outer):
                     p.copy_(o)
+                    if kind == "topk" and method["keep"]:  # the node keeps what it did not send
+                        p.sub_(method["decay"] * residual[r][lo : lo + o.numel()].view_as(o))
+                    lo += o.numel()
     model = s.model()
     with torch.no_grad():
         for p, o in zip(model.parameters(), outer):
@@ -183,6 +201,14 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
     curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
     outer_steps = -(-cfg.train.steps // h)
     info = {"outer_steps": outer_steps, "bytes_per_value_per_outer_step": sent / outer_steps}
+    if kind == "topk":  # a last outer step that sends the decayed residuals whole (exact): what it would reach
+        flushed = s.model()
+        with torch.no_grad():
+            lo = 0
+            for p, o in zip(flushed.parameters(), outer):
+                p.copy_(o - method["decay"] * sum(e[lo : lo + o.numel()] for e in residual).view_as(o) / n)
+                lo += o.numel()
+        info["eval_loss_flushed"] = s.evaluate(flushed, eval_batches)
     if coders:
         info["ranks"] = {str(tuple(outer[i].shape)): c.q.shape[1] for i, c in coders.items()}
     return s.evaluate(model, eval_batches), curve, info

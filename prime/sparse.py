@@ -393,8 +393,11 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str 
     for c in contributions:
         if c.dtype != torch.float32 or c.dim() != 1 or c.numel() != n:
             raise ValueError("owner_average: every contribution must be a flat float32 tensor of the same size")
-    average = torch.zeros(n, dtype=torch.float32)
-    residuals = [torch.zeros(n, dtype=torch.float32) for _ in range(world)]
+    device = contributions[0].device  # (encode and decode run there: the GPU kernels for CUDA tensors)
+    if any(c.device != device for c in contributions):
+        raise ValueError("owner_average: every contribution must be on the same device")
+    average = torch.zeros(n, dtype=torch.float32, device=device)
+    residuals = [torch.zeros(n, dtype=torch.float32, device=device) for _ in range(world)]
     sent = [0] * world
     for owner, (lo, hi) in enumerate(shards(n, world, chunk)):
         if hi == lo:

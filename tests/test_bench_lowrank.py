@@ -63,6 +63,8 @@ def test_methods_parse_and_bad_ones_are_refused():
     assert bench.parse_method("lowrank-ef85-it3-svd") == {"kind": "lowrank", "bytes_per_value": 0.0222, "decay": 0.85,
                                                          "lr": 1.0, "iterations": 3, "svd": True}
     assert bench.parse_method("lowrank")["decay"] == 1.0
+    assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0}
+    assert bench.parse_method("topk-keep-ef95-lr1.5") == {"kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5}
     try:
         bench.parse_method("lowrank-x")
     except SystemExit as e:
@@ -76,13 +78,14 @@ def test_a_short_run_of_every_method(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_lowrank.py"), "--config",
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
-                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8", "--out", str(out)],
+                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-keep-lr1", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
-    assert set(r) == {"int8", "topk", "lowrank-ef8"}
+    assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-keep-lr1"}
     for name, res in r.items():
         assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
     assert abs(r["topk"]["bytes_per_value_per_outer_step"] - 0.0222) < 0.002
+    assert 0 < r["topk"]["eval_loss_flushed"] < 10 and r["topk"]["eval_loss_flushed"] != r["topk"]["eval_loss"]
     assert 0.005 < r["lowrank-ef8"]["bytes_per_value_per_outer_step"] < 0.03  # the rank rule's budget, plus 1-D int8
     assert r["lowrank-ef8"]["ranks"]["(192, 192)"] == 2

@@ -331,6 +331,23 @@ def test_owner_average_matches_a_plain_reference_and_conserves_every_contributio
         assert got.sent[r] == others + own
 
 
+@needs_cuda_kernels
+def test_owner_average_on_the_gpu_gives_the_cpu_bits():
+    n, chunk, k, world = 70000, 4096, 48, 3
+    gen = torch.Generator().manual_seed(7)
+    contributions = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen)) for _ in range(world)]
+    want = sparse.owner_average(contributions, chunk, k, k_average=96)
+    got = sparse.owner_average([c.cuda() for c in contributions], chunk, k, k_average=96)
+    assert got.average.is_cuda and torch.equal(got.average.cpu(), want.average)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got.residuals, want.residuals)) and got.sent == want.sent
+
+
+def test_owner_average_refuses_contributions_on_two_devices():
+    x = torch.randn(512)
+    with pytest.raises(ValueError, match="same device"):
+        sparse.owner_average([x, x.to("meta")], 256, 8)
+
+
 def test_identical_contributions_that_the_format_holds_come_back_exact():
     # one kept magnitude per half, bf16-exact, on the same positions on every rank: the sum of 4 is held exactly
     chunk, k, world = 64, 4, 4
