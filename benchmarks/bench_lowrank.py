@@ -12,7 +12,7 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
   topk          prime.sparse.owner_average, the topk collective's arithmetic bit for bit, with topk's defaults
                 (48 / 96 of every 4096 values, error feedback decayed by 0.8, outer lr 3, no momentum) over the
                 parameters as one flat vector (bench_fidelity's diloco-topk-defaults up to the fragment layout);
-                -efDD and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
+                -efDD (0.DD; -ef1.0: 1) and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
                 are the outer weights minus its decayed residual (what it did not send stays in its weights, not
                 undone until it returns through the residual), and the pseudo-gradient, outer - local, holds it.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
@@ -53,8 +53,8 @@ from prime.data import ShardedLoader  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(-keep)?(?:-ef(\d+))?(?:-lr([\d.]+))?$")
-LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef(\d+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
+TOPK_SPEC = re.compile(r"topk(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?$")
+LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -114,13 +114,18 @@ class LowRank:
                      * self.iterations)
 
 
+def _decay(spelled: str) -> float:
+    """-efDD: 0.DD (ef8 0.8, ef95 0.95); with a point, the number itself (ef1.0)."""
+    return float(spelled) if "." in spelled else int(spelled) / 10 ** len(spelled)
+
+
 def parse_method(m: str) -> dict:
     if m == "int8":
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
         keep, ef, lr = got.groups()
-        return {"kind": "topk", "keep": bool(keep), "decay": int(ef) / 10 ** len(ef) if ef else TOPK["decay"],
+        return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
                 "lr": float(lr) if lr else TOPK["lr"]}
     got = LOWRANK_SPEC.match(m)
     if got is None:
@@ -128,7 +133,7 @@ def parse_method(m: str) -> dict:
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
-            "decay": int(ef) / 10 ** len(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
+            "decay": _decay(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
             "iterations": int(it) if it else 1, "svd": bool(svd)}
 
 

@@ -65,6 +65,7 @@ def test_methods_parse_and_bad_ones_are_refused():
     assert bench.parse_method("lowrank")["decay"] == 1.0
     assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0}
     assert bench.parse_method("topk-keep-ef95-lr1.5") == {"kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5}
+    assert bench.parse_method("topk-keep-ef1.0")["decay"] == 1.0 and bench.parse_method("topk-ef08")["decay"] == 0.08
     try:
         bench.parse_method("lowrank-x")
     except SystemExit as e:
