@@ -15,6 +15,8 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 -efDD (0.DD; -ef1.0: 1) and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
                 are the outer weights minus its decayed residual (what it did not send stays in its weights, not
                 undone until it returns through the residual), and the pseudo-gradient, outer - local, holds it.
+                topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
+                (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
                 decayed residuals whole (exact), at int8's bytes once (with keep: the mean of the nodes' weights)
   lowrank       PowerSGD's shape for every 2-D weight (Vogels et al., 2019): with Q (n x r) shared by all nodes,
@@ -47,13 +49,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_fidelity import Setup, _machine  # noqa: E402
+from bench_pg_rank import topk_kept  # noqa: E402
 from prime import ops, sparse  # noqa: E402
 from prime.config import load_config, parse_cli  # noqa: E402
 from prime.data import ShardedLoader  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?$")
+TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -114,6 +117,33 @@ class LowRank:
                      * self.iterations)
 
 
+def exact_owner_average(contributions: list, chunk: int, k: int, op: str, k_average: int) -> sparse.OwnerAverage:
+    """prime.sparse.owner_average with the selections' values exact (fp32), not coded at 2 bits: the same
+    positions, shards, order of additions and residuals. Its bytes are counted as the coded payload's."""
+    world, n = len(contributions), contributions[0].numel()
+    assert op == "avg"
+    average = torch.zeros_like(contributions[0])
+    residuals = [torch.zeros_like(c) for c in contributions]
+    sent = [0] * world
+    for owner, (lo, hi) in enumerate(sparse.shards(n, world, chunk)):
+        if hi == lo:
+            continue
+        acc = contributions[owner][lo:hi].clone()
+        for j in range(1, world):
+            r = (owner + j) % world
+            part = contributions[r][lo:hi]
+            got = topk_kept(part, k, chunk)
+            sent[r] += sparse.payload_bytes(hi - lo, chunk, k)
+            residuals[r][lo:hi] += part - got
+            acc += got
+        acc = acc / world
+        got = topk_kept(acc, k_average, chunk)
+        sent[owner] += (world - 1) * sparse.payload_bytes(hi - lo, chunk, k_average)
+        residuals[owner][lo:hi] += (acc - got) * world
+        average[lo:hi] = got
+    return sparse.OwnerAverage(average, residuals, sent)
+
+
 def _decay(spelled: str) -> float:
     """-efDD: 0.DD (ef8 0.8, ef95 0.95); with a point, the number itself (ef1.0)."""
     return float(spelled) if "." in spelled else int(spelled) / 10 ** len(spelled)
@@ -124,9 +154,10 @@ def parse_method(m: str) -> dict:
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
-        keep, ef, lr = got.groups()
+        k, ka, exact, keep, ef, lr = got.groups()
         return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
-                "lr": float(lr) if lr else TOPK["lr"]}
+                "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
+                "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact)}
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: int8, topk[-keep][-efDD][-lrX] or "
@@ -174,7 +205,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
                 if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
-                avg = sparse.owner_average(flat, TOPK["chunk"], TOPK["k"], "avg", TOPK["k_average"])
+                average = exact_owner_average if method["exact"] else sparse.owner_average
+                avg = average(flat, TOPK["chunk"], method["k"], "avg", method["k_average"])
                 residual = avg.residuals
                 sent += sum(avg.sent) / n / flat[0].numel()
                 lo = 0

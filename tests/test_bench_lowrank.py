@@ -49,6 +49,21 @@ def test_error_feedback_keeps_what_the_rounds_leave_out():
     assert float(left.norm() / given.norm()) > 0.2, SEED  # rank 2 of 32 leaves much behind: the check can fail
 
 
+def test_the_exact_valued_collective_keeps_every_contribution_and_the_selections_size():
+    g = torch.Generator().manual_seed(SEED)
+    world, n, chunk = 3, 30000, 4096
+    cs = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) for _ in range(world)]
+    got = bench.exact_owner_average(cs, chunk, 48, "avg", 96)
+    put = sum(c.double() for c in cs)
+    kept = world * got.average.double() + sum(r.double() for r in got.residuals)
+    assert torch.allclose(kept, put, rtol=0, atol=1e-5 * float(put.abs().max())), SEED
+    for lo in range(0, n, chunk):  # the average keeps at most 96 a chunk, each an exact mean of what arrived
+        assert int((got.average[lo : lo + chunk] != 0).sum()) <= 96
+    ref = bench.sparse.owner_average(cs, chunk, 48, "avg", 96)
+    assert got.sent == ref.sent  # counted as the coded payload's bytes
+    assert not torch.equal(got.average, ref.average)  # the 2-bit values differ from the exact ones
+
+
 def test_the_rank_is_the_largest_that_fits_the_bytes():
     rnd = random.Random(SEED)
     for _ in range(50):
@@ -63,8 +78,10 @@ def test_methods_parse_and_bad_ones_are_refused():
     assert bench.parse_method("lowrank-ef85-it3-svd") == {"kind": "lowrank", "bytes_per_value": 0.0222, "decay": 0.85,
                                                          "lr": 1.0, "iterations": 3, "svd": True}
     assert bench.parse_method("lowrank")["decay"] == 1.0
-    assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0}
-    assert bench.parse_method("topk-keep-ef95-lr1.5") == {"kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5}
+    assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0, "k": 48,
+                                          "k_average": 96, "exact": False}
+    assert bench.parse_method("topk-k40-a80-exact-keep-ef95-lr1.5") == {
+        "kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5, "k": 40, "k_average": 80, "exact": True}
     assert bench.parse_method("topk-keep-ef1.0")["decay"] == 1.0 and bench.parse_method("topk-ef08")["decay"] == 0.08
     try:
         bench.parse_method("lowrank-x")
@@ -79,11 +96,11 @@ def test_a_short_run_of_every_method(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_lowrank.py"), "--config",
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
-                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-keep-lr1", "--out", str(out)],
+                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-exact-keep-lr1", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
-    assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-keep-lr1"}
+    assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-exact-keep-lr1"}
     for name, res in r.items():
         assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
     assert abs(r["topk"]["bytes_per_value_per_outer_step"] - 0.0222) < 0.002
