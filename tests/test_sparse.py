@@ -339,8 +339,9 @@ def test_owner_average_on_the_gpu_gives_the_cpu_average():
     want = sparse.owner_average(contributions, chunk, k, k_average=96)
     got = sparse.owner_average([c.cuda() for c in contributions], chunk, k, k_average=96)
     assert got.average.is_cuda and torch.equal(got.average.cpu(), want.average) and got.sent == want.sent
-    # the residuals are each device's own (the owners' differ from the CPU's in the last bit of the division by
-    # the world size, which the coded average does not show): they keep every contribution on the GPU too
+    # the residuals are each device's own: on an H200 they were not the CPU's bits while the average was (most
+    # likely the last bit of the division by the world size, which the 2-bit coding does not show; a residual
+    # stays on its owner). They must still keep every contribution
     put = sum(c.double() for c in contributions)
     kept = world * got.average.double().cpu() + sum(r.double().cpu() for r in got.residuals)
     assert torch.allclose(kept, put, rtol=0, atol=1e-5 * float(put.abs().max())), float((kept - put).abs().max())
