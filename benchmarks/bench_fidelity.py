@@ -217,6 +217,19 @@ class Setup:
         return total / len(batches)
 
 
+def setup(config_args: list, nodes: int, threads: int, eval_batches: int):
+    """(config, device, Setup, the held-out batches) from the config's command-line fields (--config, --a.b)."""
+    path, overrides, _ = parse_cli(config_args)
+    cfg = load_config(path, overrides).validate()
+    torch.set_num_threads(threads)
+    dev = cfg.train.device
+    device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+    s = Setup(cfg, nodes, device)
+    ev = ShardedLoader(s.eval_src, cfg.data.seq_len, cfg.train.micro_batch_size, shard=0, num_shards=1, seed=12345,
+                       vocab_size=s.args.vocab_size)
+    return cfg, device, s, [ev.next_batch() for _ in range(eval_batches)]
+
+
 def run_dp(s: Setup, eval_batches):
     model, loaders = s.model(), [s.loader(r) for r in range(s.nodes)]
     opt = s.optimizer(model)
@@ -368,15 +381,7 @@ def main() -> int:
     for name, value in (("MERGE_ALPHA", a.merge_alpha), ("STAND_IN_OTHERS", a.stand_in_others)):
         if value is not None:
             setattr(prime.fragments, name, value)
-    path, overrides, _ = parse_cli(rest)
-    cfg = load_config(path, overrides).validate()
-    torch.set_num_threads(a.threads)
-    dev = cfg.train.device
-    device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
-    s = Setup(cfg, a.nodes, device)
-    ev = ShardedLoader(s.eval_src, cfg.data.seq_len, cfg.train.micro_batch_size, shard=0, num_shards=1, seed=12345,
-                       vocab_size=s.args.vocab_size)
-    eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
+    cfg, device, s, eval_batches = setup(rest, a.nodes, a.threads, a.eval_batches)
     methods = [m for m in a.methods.split(",") if m]
     slowdowns = [float(x) for x in a.slowdowns.split(",")] if a.slowdowns else None
     if slowdowns is not None and len(slowdowns) != a.nodes:
@@ -389,8 +394,9 @@ def main() -> int:
         m, _, frags = m.partition(":f")
         base, _, frac = m.partition("@")
         known = method_options(base)
-        if known is None or (frac and not known or frac and not known.get("overlap")) \
-                or (frags and (not known or not frags.isdigit())):
+        if base == "dp" and not (frac or frags or timed):
+            return None  # data parallel: no DiLoCo options
+        if known is None or (frac and not known.get("overlap")) or (frags and not frags.isdigit()):
             raise SystemExit(f"unknown method {m!r}; choose from {list(METHODS)} (overlap ones may end in @F, "
                              "DiLoCo ones in :fP)")
         extra = {"fragments": int(frags)} if frags else {}

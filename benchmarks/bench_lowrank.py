@@ -48,11 +48,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_fidelity import Setup, _machine  # noqa: E402
+from bench_fidelity import Setup, _machine, setup  # noqa: E402
 from bench_pg_rank import topk_kept  # noqa: E402
 from prime import ops, sparse  # noqa: E402
-from prime.config import load_config, parse_cli  # noqa: E402
-from prime.data import ShardedLoader  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
@@ -117,31 +115,10 @@ class LowRank:
                      * self.iterations)
 
 
-def exact_owner_average(contributions: list, chunk: int, k: int, op: str, k_average: int) -> sparse.OwnerAverage:
-    """prime.sparse.owner_average with the selections' values exact (fp32), not coded at 2 bits: the same
-    positions, shards, order of additions and residuals. Its bytes are counted as the coded payload's."""
-    world, n = len(contributions), contributions[0].numel()
-    assert op == "avg"
-    average = torch.zeros_like(contributions[0])
-    residuals = [torch.zeros_like(c) for c in contributions]
-    sent = [0] * world
-    for owner, (lo, hi) in enumerate(sparse.shards(n, world, chunk)):
-        if hi == lo:
-            continue
-        acc = contributions[owner][lo:hi].clone()
-        for j in range(1, world):
-            r = (owner + j) % world
-            part = contributions[r][lo:hi]
-            got = topk_kept(part, k, chunk)
-            sent[r] += sparse.payload_bytes(hi - lo, chunk, k)
-            residuals[r][lo:hi] += part - got
-            acc += got
-        acc = acc / world
-        got = topk_kept(acc, k_average, chunk)
-        sent[owner] += (world - 1) * sparse.payload_bytes(hi - lo, chunk, k_average)
-        residuals[owner][lo:hi] += (acc - got) * world
-        average[lo:hi] = got
-    return sparse.OwnerAverage(average, residuals, sent)
+def exact_coding(x: torch.Tensor, chunk: int, k: int) -> tuple:
+    """prime.sparse.owner_average's coding with the selection's values exact (fp32), not at 2 bits: the same
+    positions; its bytes counted as the coded payload's."""
+    return topk_kept(x, k, chunk), sparse.payload_bytes(x.numel(), chunk, k)
 
 
 def _decay(spelled: str) -> float:
@@ -205,8 +182,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
                 if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
-                average = exact_owner_average if method["exact"] else sparse.owner_average
-                avg = average(flat, TOPK["chunk"], method["k"], "avg", method["k_average"])
+                coding = dict(coding=exact_coding) if method["exact"] else {}
+                avg = sparse.owner_average(flat, TOPK["chunk"], method["k"], "avg", method["k_average"], **coding)
                 residual = avg.residuals
                 sent += sum(avg.sent) / n / flat[0].numel()
                 lo = 0
@@ -259,15 +236,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default="benchmarks/results/lowrank/run")
     a, rest = ap.parse_known_args()
-    path, overrides, _ = parse_cli(rest)
-    cfg = load_config(path, overrides).validate()
-    torch.set_num_threads(a.threads)
-    dev = cfg.train.device
-    device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
-    s = Setup(cfg, a.nodes, device)
-    ev = ShardedLoader(s.eval_src, cfg.data.seq_len, cfg.train.micro_batch_size, shard=0, num_shards=1, seed=12345,
-                       vocab_size=s.args.vocab_size)
-    eval_batches = [ev.next_batch() for _ in range(a.eval_batches)]
+    cfg, device, s, eval_batches = setup(rest, a.nodes, a.threads, a.eval_batches)
     methods = {m: parse_method(m) for m in a.methods.split(",") if m}
     tokens = a.nodes * cfg.train.steps * cfg.train.micro_batch_size * cfg.data.seq_len
     print(f"lowrank study: model {cfg.model.name}, {a.nodes} nodes x {cfg.train.steps} steps x "

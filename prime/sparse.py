@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -371,8 +371,13 @@ class OwnerAverage:
     each."""
 
 
+def _coded(x: torch.Tensor, chunk: int, k: int) -> tuple:
+    payload = encode(x, chunk, k)
+    return decode(payload, x.numel(), chunk, k), payload.numel()
+
+
 def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str = "avg",
-                  k_average: Optional[int] = None) -> OwnerAverage:
+                  k_average: Optional[int] = None, coding: Callable = _coded) -> OwnerAverage:
     """The topk all-reduce over len(contributions) ranks, computed in one process: the arithmetic the wire
     carries bit for bit (prime.comm.Ring.all_reduce(codec="topk"), the direct schedule; docs/wire-format-sparse.md,
     "The collective").
@@ -384,7 +389,9 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str 
     3. It sends that payload to every rank; each decodes it.
     Bytes per rank: (N - 1) / N of a payload of n values at k and as much at k_average, as int8's ring and direct
     schedules, so flat in N;
-    each shard's sum is selected once, by its owner, whatever N."""
+    each shard's sum is selected once, by its owner, whatever N.
+    `coding(x, chunk, k)` -> (what arrives of x, its payload's bytes): the format's encode and decode; a study
+    may put another coding of the same selection in its place (benchmarks/bench_lowrank.py: exact values)."""
     world = len(contributions)
     n = contributions[0].numel()
     ka = k if k_average is None else k_average
@@ -406,17 +413,15 @@ def owner_average(contributions: list, chunk: int = CHUNK, k: int = 64, op: str 
         for j in range(1, world):
             r = (owner + j) % world
             part = contributions[r][lo:hi]
-            payload = encode(part, chunk, k)
-            sent[r] += payload.numel()
-            got = decode(payload, hi - lo, chunk, k)
+            got, sent_bytes = coding(part, chunk, k)
+            sent[r] += sent_bytes
             residuals[r][lo:hi] += part - got
             acc += got
         divisor = float(world) if op == "avg" else 1.0
         if op == "avg":
             acc = acc / divisor
-        payload = encode(acc, chunk, ka)
-        sent[owner] += (world - 1) * payload.numel()
-        got = decode(payload, hi - lo, chunk, ka)
+        got, sent_bytes = coding(acc, chunk, ka)
+        sent[owner] += (world - 1) * sent_bytes
         residuals[owner][lo:hi] += (acc - got) * divisor
         average[lo:hi] = got
     return OwnerAverage(average, residuals, sent)

@@ -53,7 +53,7 @@ def test_the_exact_valued_collective_keeps_every_contribution_and_the_selections
     g = torch.Generator().manual_seed(SEED)
     world, n, chunk = 3, 30000, 4096
     cs = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) for _ in range(world)]
-    got = bench.exact_owner_average(cs, chunk, 48, "avg", 96)
+    got = bench.sparse.owner_average(cs, chunk, 48, "avg", 96, coding=bench.exact_coding)
     put = sum(c.double() for c in cs)
     kept = world * got.average.double() + sum(r.double() for r in got.residuals)
     assert torch.allclose(kept, put, rtol=0, atol=1e-5 * float(put.abs().max())), SEED
