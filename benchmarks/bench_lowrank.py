@@ -15,6 +15,7 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 -efDD (0.DD; -ef1.0: 1) and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
                 are the outer weights minus its decayed residual (what it did not send stays in its weights, not
                 undone until it returns through the residual), and the pseudo-gradient, outer - local, holds it.
+                topk-...-taper: the outer lr goes linearly from its value to 1 over the inner lr's decay;
                 topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
@@ -54,7 +55,7 @@ from prime import ops, sparse  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?$")
+TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -121,6 +122,16 @@ def exact_coding(x: torch.Tensor, chunk: int, k: int) -> tuple:
     return topk_kept(x, k, chunk), sparse.payload_bytes(x.numel(), chunk, k)
 
 
+def outer_lr(method: dict, step: int, cfg) -> float:
+    """topk's outer lr at the outer step after inner step `step`: the method's, or with -taper going linearly from it
+    to 1 over the inner lr's decay (the last optim.decay_steps steps)."""
+    lr = method["lr"]
+    if not method.get("taper") or cfg.optim.decay_steps <= 0:
+        return lr
+    start = cfg.train.steps - cfg.optim.decay_steps
+    return lr + (1.0 - lr) * min(1.0, max(0.0, (step - start) / cfg.optim.decay_steps))
+
+
 def _decay(spelled: str) -> float:
     """-efDD: 0.DD (ef8 0.8, ef95 0.95); with a point, the number itself (ef1.0)."""
     return float(spelled) if "." in spelled else int(spelled) / 10 ** len(spelled)
@@ -131,10 +142,10 @@ def parse_method(m: str) -> dict:
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
-        k, ka, exact, keep, ef, lr = got.groups()
+        k, ka, exact, keep, ef, lr, taper = got.groups()
         return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
                 "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
-                "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact)}
+                "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper)}
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: int8, topk[-keep][-efDD][-lrX] or "
@@ -188,7 +199,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 sent += sum(avg.sent) / n / flat[0].numel()
                 lo = 0
                 for o in outer:
-                    o.sub_(method["lr"] * avg.average[lo : lo + o.numel()].view_as(o))
+                    o.sub_(outer_lr(method, step, cfg) * avg.average[lo : lo + o.numel()].view_as(o))
                     lo += o.numel()
             else:
                 total = 0

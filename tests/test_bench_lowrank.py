@@ -64,6 +64,16 @@ def test_the_exact_valued_collective_keeps_every_contribution_and_the_selections
     assert not torch.equal(got.average, ref.average)  # the 2-bit values differ from the exact ones
 
 
+def test_the_taper_goes_from_the_outer_lr_to_1_over_the_decay():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(train=SimpleNamespace(steps=800), optim=SimpleNamespace(decay_steps=100))
+    m = bench.parse_method("topk-taper")
+    got = [bench.outer_lr(m, step, cfg) for step in (5, 700, 725, 750, 800)]
+    assert got == [3.0, 3.0, 2.5, 2.0, 1.0]
+    assert bench.outer_lr(bench.parse_method("topk"), 800, cfg) == 3.0
+
+
 def test_the_rank_is_the_largest_that_fits_the_bytes():
     rnd = random.Random(SEED)
     for _ in range(50):
@@ -79,9 +89,10 @@ def test_methods_parse_and_bad_ones_are_refused():
                                                          "lr": 1.0, "iterations": 3, "svd": True}
     assert bench.parse_method("lowrank")["decay"] == 1.0
     assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0, "k": 48,
-                                          "k_average": 96, "exact": False}
+                                          "k_average": 96, "exact": False, "taper": False}
     assert bench.parse_method("topk-k40-a80-exact-keep-ef95-lr1.5") == {
-        "kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5, "k": 40, "k_average": 80, "exact": True}
+        "kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5, "k": 40, "k_average": 80, "exact": True, "taper": False}
+    assert bench.parse_method("topk-keep-taper")["taper"]
     assert bench.parse_method("topk-keep-ef1.0")["decay"] == 1.0 and bench.parse_method("topk-ef08")["decay"] == 0.08
     try:
         bench.parse_method("lowrank-x")
