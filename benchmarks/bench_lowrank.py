@@ -12,9 +12,10 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
   topk          prime.sparse.owner_average, the topk collective's arithmetic bit for bit, with topk's defaults
                 (48 / 96 of every 4096 values, error feedback decayed by 0.8, outer lr 3, no momentum) over the
                 parameters as one flat vector (bench_fidelity's diloco-topk-defaults up to the fragment layout);
-                -efDD (0.DD; -ef1.0: 1) and -lrX set the decay and the outer lr; topk-keep: after the outer step each node's weights
-                are the outer weights minus its decayed residual (what it did not send stays in its weights, not
-                undone until it returns through the residual), and the pseudo-gradient, outer - local, holds it.
+                -efDD (0.DD; -ef1.0: 1) and -lrX set the decay and the outer lr; topk-keep: after the outer
+                step each node's weights are the outer weights minus its decayed residual (what it did not send
+                stays in its weights, not undone until it returns through the residual), and the
+                pseudo-gradient, outer - local, holds it.
                 topk-...-taper: the outer lr goes linearly from its value to 1 over the inner lr's decay;
                 topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
@@ -22,12 +23,12 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 decayed residuals whole (exact), at int8's bytes once (with keep: the mean of the nodes' weights)
   lowrank       PowerSGD's shape for every 2-D weight (Vogels et al., 2019): with Q (n x r) shared by all nodes,
                 P = mean_i(M_i Q), orthonormalized, Q = mean_i(M_i^T P), the average taken as P Q^T, each mean
-                through the int8 codec column by column; M_i = pseudo-gradient + decay x residual and residual = M_i - P Q_i^T
-                (each node's own error); Q starts random (the same seed everywhere) and each round starts from
-                the last one's. The rank r of an m x n weight is the largest whose int8 factors, (m + n) r
+                through the int8 codec column by column; M_i = pseudo-gradient + decay x residual and
+                residual = M_i - P Q_i^T (each node's own error); Q starts random (the same seed everywhere)
+                and each round starts from the last one's. The rank r of an m x n weight is the largest whose int8 factors, (m + n) r
                 values at 65 bytes per 64, fit --bytes-per-value (topk's 0.0222 by default) of its m n values;
                 a weight where even rank 1 does not fit, and every 1-D parameter, is averaged as int8.
-                lowrank-bB.BBB sets the bytes a value, -efDD the decay 0.DD (default 0.8: unset, 1.0), -lrX the
+                lowrank-bB.BBB sets the bytes a value, -efDD the decay 0.DD (unset: 1.0), -lrX the
                 outer lr of the low-rank weights (default 1; the int8 ones always take 1)
 
 Prints and writes <out>.json in bench_fidelity's layout (meta, results with eval_loss, train_loss_last10, curve),
@@ -148,12 +149,17 @@ def parse_method(m: str) -> dict:
                 "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper)}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: int8, topk[-keep][-efDD][-lrX] or "
+        raise SystemExit(f"unknown method {m!r}: int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
             "decay": _decay(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
             "iterations": int(it) if it else 1, "svd": bool(svd)}
+
+
+def shaped(flat: torch.Tensor, like: list) -> list:
+    """Views of a flat tensor in the shapes of the tensors `like`, in their order."""
+    return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def run(s: Setup, eval_batches, method: dict, seed: int):
@@ -197,10 +203,9 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 avg = sparse.owner_average(flat, TOPK["chunk"], method["k"], "avg", method["k_average"], **coding)
                 residual = avg.residuals
                 sent += sum(avg.sent) / n / flat[0].numel()
-                lo = 0
-                for o in outer:
-                    o.sub_(outer_lr(method, step, cfg) * avg.average[lo : lo + o.numel()].view_as(o))
-                    lo += o.numel()
+                lr = outer_lr(method, step, cfg)
+                for o, a in zip(outer, shaped(avg.average, outer)):
+                    o.sub_(lr * a)
             else:
                 total = 0
                 for i, o in enumerate(outer):
@@ -213,12 +218,11 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                         total += 2 * INT8_BYTES * o.numel()  # the int8 ring: 2 (N - 1) / N of its values
                 sent += total * (n - 1) / n / sum(o.numel() for o in outer)  # P's and Q's ring all-reduces
             for r, m in enumerate(models):
-                lo = 0
                 for p, o in zip(m.parameters(), outer):
                     p.copy_(o)
-                    if kind == "topk" and method["keep"]:  # the node keeps what it did not send
-                        p.sub_(method["decay"] * residual[r][lo : lo + o.numel()].view_as(o))
-                    lo += o.numel()
+                if kind == "topk" and method["keep"]:  # the node keeps what it did not send
+                    for p, e in zip(m.parameters(), shaped(residual[r], outer)):
+                        p.sub_(method["decay"] * e)
     model = s.model()
     with torch.no_grad():
         for p, o in zip(model.parameters(), outer):
@@ -229,10 +233,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
     if kind == "topk":  # a last outer step that sends the decayed residuals whole (exact): what it would reach
         flushed = s.model()
         with torch.no_grad():
-            lo = 0
-            for p, o in zip(flushed.parameters(), outer):
-                p.copy_(o - method["decay"] * sum(e[lo : lo + o.numel()] for e in residual).view_as(o) / n)
-                lo += o.numel()
+            for p, o, e in zip(flushed.parameters(), outer, shaped(sum(residual), outer)):
+                p.copy_(o - method["decay"] * e / n)
         info["eval_loss_flushed"] = s.evaluate(flushed, eval_batches)
     if coders:
         info["ranks"] = {str(tuple(outer[i].shape)): c.q.shape[1] for i, c in coders.items()}
@@ -260,7 +262,8 @@ def main() -> int:
         results[name] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]), "curve": curve,
                          "wall_s": time.perf_counter() - t0, **info}
         print(f"  {name:24s} eval loss {loss:.4f}   train loss (last 10) {results[name]['train_loss_last10']:.4f}   "
-              f"{info['bytes_per_value_per_outer_step']:.4f} bytes a value   {results[name]['wall_s']:.0f} s", flush=True)
+              f"{info['bytes_per_value_per_outer_step']:.4f} bytes a value   {results[name]['wall_s']:.0f} s",
+              flush=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,
             "device": str(device), "machine": _machine(device), "argv": sys.argv[1:], "data": s.train_src.description}

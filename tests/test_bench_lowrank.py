@@ -107,7 +107,8 @@ def test_a_short_run_of_every_method(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_lowrank.py"), "--config",
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
-                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-exact-keep-lr1", "--out", str(out)],
+                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-exact-keep-lr1",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
