@@ -27,9 +27,9 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 residual = M_i - P Q_i^T (each node's own error); Q starts random (the same seed everywhere)
                 and each round starts from the last one's. The rank r of an m x n weight is the largest whose
                 int8 factors, (m + n) r values at 65 bytes per 64, fit --bytes-per-value (topk's 0.0222 by
-                default) of its m n values; a weight where even rank 1 does not fit, and every 1-D parameter, is averaged as int8.
-                lowrank-bB.BBB sets the bytes a value, -efDD the decay 0.DD (unset: 1.0), -lrX the
-                outer lr of the low-rank weights (default 1; the int8 ones always take 1)
+                default) of its m n values; a weight where even rank 1 does not fit, and every 1-D parameter,
+                is averaged as int8. lowrank-bB.BBB sets the bytes a value, -efDD the decay 0.DD (unset: 1.0),
+                -lrX the outer lr of the low-rank weights (default 1; the int8 ones always take 1)
 
 Prints and writes <out>.json in bench_fidelity's layout (meta, results with eval_loss, train_loss_last10, curve),
 plus, for lowrank, the ranks and the bytes a value it sent.
