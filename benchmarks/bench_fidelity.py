@@ -168,8 +168,8 @@ class Setup:
         big = max(range(len(arrays)), key=lambda i: arrays[i].shape[0])
         cut = int(arrays[big].shape[0] * (1 - EVAL_FRACTION))  # held out: the tail of the largest array
         train = arrays[:big] + [arrays[big][:cut]] + arrays[big + 1 :]
-        self.train_src = TokenSource(train, src.description + " (training split)")
-        self.eval_src = TokenSource([arrays[big][cut:]], src.description + " (held-out split)")
+        self.train_src = TokenSource(train, src.description + " (training split)", src.vocab_size)
+        self.eval_src = TokenSource([arrays[big][cut:]], src.description + " (held-out split)", src.vocab_size)
         self.args = cfg.model.args()
         self.bf16 = device.type == "cuda"
 

@@ -7,6 +7,8 @@ A study harness, not the product's path: the N nodes (threads of this process) t
 Setup: the same model, shards, learning-rate schedule and held-out batches), and every H inner steps their
 pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
 
+  none          no outer step at all: each node trains alone on its shard, and node 0's model is evaluated (what
+                the nodes reach without communicating: the floor every codec is measured against)
   int8          each contribution through the int8 codec (blocks of 64) and averaged; outer lr 1, no momentum
                 (bench_fidelity's diloco-int8-plain up to the ring's order of additions)
   topk          prime.sparse.owner_average, the topk collective's arithmetic bit for bit, with topk's defaults
@@ -139,7 +141,7 @@ def _decay(spelled: str) -> float:
 
 
 def parse_method(m: str) -> dict:
-    if m == "int8":
+    if m in ("int8", "none"):
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
@@ -149,7 +151,7 @@ def parse_method(m: str) -> dict:
                 "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper)}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper] or "
+        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
@@ -160,6 +162,24 @@ def parse_method(m: str) -> dict:
 def shaped(flat: torch.Tensor, like: list) -> list:
     """Views of a flat tensor in the shapes of the tensors `like`, in their order."""
     return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+@torch.no_grad()
+def evaluate_seen(s: Setup, model, batches) -> dict:
+    """The held-out loss over the tokens the data can hold (its tokenizer's vocabulary; 256 for bytes), and the
+    probability mass the model puts on the other rows of a larger vocabulary (rows no token ever trains)."""
+    seen = s.train_src.max_token_bound() or s.args.vocab_size
+    loss = mass = 0.0
+    model.eval()
+    for x, y in batches:
+        with s.autocast():
+            logits = model(x.to(s.device)).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        mass += float(logp[..., seen:].exp().sum(-1).mean()) if logits.shape[-1] > seen else 0.0
+        loss += float(torch.nn.functional.cross_entropy(logits[..., :seen].flatten(0, 1),
+                                                        y.to(s.device).flatten()))
+    model.train()
+    return {"eval_loss_seen": loss / len(batches), "unseen_mass": mass / len(batches)}
 
 
 def run(s: Setup, eval_batches, method: dict, seed: int):
@@ -193,6 +213,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         for t in threads:
             t.join()
         step = last
+        if kind == "none":  # no outer step: every node trains alone on its shard
+            continue
         with torch.no_grad():
             deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
             if kind == "topk":
@@ -227,6 +249,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
     with torch.no_grad():
         for p, o in zip(model.parameters(), outer):
             p.copy_(o)
+    if kind == "none":
+        model = models[0]  # node 0, alone
     curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
     outer_steps = -(-cfg.train.steps // h)
     info = {"outer_steps": outer_steps, "bytes_per_value_per_outer_step": sent / outer_steps}
@@ -238,6 +262,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         info["eval_loss_flushed"] = s.evaluate(flushed, eval_batches)
     if coders:
         info["ranks"] = {str(tuple(outer[i].shape)): c.q.shape[1] for i, c in coders.items()}
+    info.update(evaluate_seen(s, model, eval_batches))
     return s.evaluate(model, eval_batches), curve, info
 
 
@@ -262,7 +287,9 @@ def main() -> int:
         results[name] = {"eval_loss": loss, "train_loss_last10": sum(curve[-10:]) / len(curve[-10:]), "curve": curve,
                          "wall_s": time.perf_counter() - t0, **info}
         print(f"  {name:24s} eval loss {loss:.4f}   train loss (last 10) {results[name]['train_loss_last10']:.4f}   "
-              f"{info['bytes_per_value_per_outer_step']:.4f} bytes a value   {results[name]['wall_s']:.0f} s",
+              f"{info['bytes_per_value_per_outer_step']:.4f} bytes a value   over the data's tokens "
+              f"{info['eval_loss_seen']:.4f} (unseen rows' mass {info['unseen_mass']:.4f})   "
+              f"{results[name]['wall_s']:.0f} s",
               flush=True)
     meta = {"model": cfg.model.name, "nodes": a.nodes, "steps": cfg.train.steps, "inner_steps": cfg.diloco.inner_steps,
             "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len, "tokens_per_method": tokens,

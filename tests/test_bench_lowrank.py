@@ -3,6 +3,7 @@ gives the mean, error feedback keeps what a round leaves out), its rank rule aga
 run end to end."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -107,14 +108,18 @@ def test_a_short_run_of_every_method(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_lowrank.py"), "--config",
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
-                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-exact-keep-lr1",
-                        "--out", str(out)],
+                        "--train.seed", str(SEED % 1000), "--methods", "int8,topk,lowrank-ef8,topk-exact-keep-lr1,none",
+                        "--model.vocab_size", "320", "--out", str(out)],  # 64 rows no byte token reaches
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
-    assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-exact-keep-lr1"}
+    assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-exact-keep-lr1", "none"}
     for name, res in r.items():
         assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
+        # the loss over the 256 byte tokens alone is lower, by at least -log(1 - the mass on the other rows)
+        assert 0 < res["unseen_mass"] < 1 and res["eval_loss_seen"] < res["eval_loss"], name
+        assert res["eval_loss"] - res["eval_loss_seen"] >= -math.log(1 - res["unseen_mass"]) * 0.99, name
+    assert r["none"]["bytes_per_value_per_outer_step"] == 0 and r["none"]["eval_loss"] != r["int8"]["eval_loss"]
     assert abs(r["topk"]["bytes_per_value_per_outer_step"] - 0.0222) < 0.002
     assert 0 < r["topk"]["eval_loss_flushed"] < 10 and r["topk"]["eval_loss_flushed"] != r["topk"]["eval_loss"]
     assert 0.005 < r["lowrank-ef8"]["bytes_per_value_per_outer_step"] < 0.03  # the rank rule's budget, plus 1-D int8

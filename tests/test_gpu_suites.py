@@ -117,3 +117,28 @@ def test_the_fidelity_suite_runs_the_low_rank_harness_when_asked(tmp_path):
     assert [c[c.index("--methods") + 1] for c in cmds] == ["int8,lowrank", "lowrank-ef9"]
     p = _dry_run("fidelity", tmp_path, BENCH="bench_nothing")
     assert p.returncode == 2 and "BENCH must be bench_fidelity or bench_lowrank, got bench_nothing" in p.stdout
+
+
+def test_the_fidelity_suite_reads_tokenized_shards_as_bin_data(tmp_path):
+    shards = tmp_path / "bpe"  # prime-tokenize's output: the suite only looks for its meta.json
+    shards.mkdir()
+    (shards / "meta.json").write_text("{}")
+    (shards / "shard_00000.bin").write_bytes(b"\0\0")
+    p = _dry_run("fidelity", tmp_path, CORPUS=str(shards), RUNS="1:diloco-int8-plain")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"--data.source bin --data.path {shards}" in p.stdout and "--data.source text" not in p.stdout
+
+
+def test_the_corpus_script_adds_installed_packages_and_names_a_missing_one(tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import stdlib_corpus
+    finally:
+        sys.path.pop(0)
+    alone = stdlib_corpus.build(str(tmp_path / "alone"))
+    both = stdlib_corpus.build(str(tmp_path / "both"), ("json",))
+    added = sorted(os.listdir(tmp_path / "both" / "site-packages" / "json"))
+    assert "decoder.py" in added and both[0] == alone[0] + len(added) and both[1] > alone[1]
+    with pytest.raises(SystemExit, match="'no_such_package_x' is not an installed package"):
+        stdlib_corpus.build(str(tmp_path / "x"), ("no_such_package_x",))

@@ -10,7 +10,8 @@
 #      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host), CORPUS (embedded,
 #      read about 3 times over in 800 steps; stdlib: every .py file of the host's standard library
 #      (benchmarks/stdlib_corpus.py); or a directory of text files, or a .tar.xz of one, such as
-#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger), BENCH (bench_fidelity;
+#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger; or prime-tokenize's output
+#      directory, or a .tar.xz of one: its tokens, with the model's vocabulary from its meta.json), BENCH (bench_fidelity;
 #      bench_lowrank: the low-rank study harness, methods int8, topk, lowrank[-...], the same flags otherwise)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
@@ -33,6 +34,7 @@ bench=${BENCH:-bench_fidelity}
 [[ $bench == bench_fidelity || $bench == bench_lowrank ]] || { echo "fidelity: BENCH must be bench_fidelity or bench_lowrank, got $bench"; exit 2; }
 data=(--data.source embedded)
 [ -n "$corpus" ] && data=(--data.source text --data.path "$corpus")
+[ -f "$corpus/meta.json" ] && data=(--data.source bin --data.path "$corpus")  # prime-tokenize's shards
 gpus=(${CUDA_VISIBLE_DEVICES:-})
 gpus=(${gpus[@]//,/ })
 [ ${#gpus[@]} -gt 0 ] || gpus=($(seq 0 $(( ngpu > 0 ? ngpu - 1 : 0 ))))
