@@ -10,9 +10,10 @@
 #      CUDA kernels, a shorter build: the ring then stages the GPU tensors through the host), CORPUS (embedded,
 #      read about 3 times over in 800 steps; stdlib: every .py file of the host's standard library
 #      (benchmarks/stdlib_corpus.py); or a directory of text files, or a .tar.xz of one, such as
-#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger; or prime-tokenize's output
-#      directory, or a .tar.xz of one: its tokens, with the model's vocabulary from its meta.json), BENCH (bench_fidelity;
-#      bench_lowrank: the low-rank study harness, methods int8, topk, lowrank[-...], the same flags otherwise)
+#      benchmarks/stdlib_corpus.py's output on a machine whose standard library is larger; or prime-tokenize's
+#      output directory, or a .tar.xz of one: its tokens, the model's vocabulary from its meta.json), BENCH
+#      (bench_fidelity; bench_lowrank: the study harness, methods none, int8, topk[-...], lowrank[-...], the same
+#      flags otherwise)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
