@@ -166,20 +166,23 @@ def shaped(flat: torch.Tensor, like: list) -> list:
 
 @torch.no_grad()
 def evaluate_seen(s: Setup, model, batches) -> dict:
-    """The held-out loss over the tokens the data can hold (its tokenizer's vocabulary; 256 for bytes), and the
-    probability mass the model puts on the other rows of a larger vocabulary (rows no token ever trains)."""
+    """Setup.evaluate's held-out loss ("eval_loss", the same arithmetic), in the same pass the loss over the tokens
+    the data can hold (its tokenizer's vocabulary; 256 for bytes) and the probability mass the model puts on the
+    other rows of a larger vocabulary (rows no token ever trains)."""
     seen = s.train_src.max_token_bound() or s.args.vocab_size
-    loss = mass = 0.0
+    full = loss = mass = 0.0
     model.eval()
     for x, y in batches:
         with s.autocast():
-            logits = model(x.to(s.device)).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        mass += float(logp[..., seen:].exp().sum(-1).mean()) if logits.shape[-1] > seen else 0.0
-        loss += float(torch.nn.functional.cross_entropy(logits[..., :seen].flatten(0, 1),
-                                                        y.to(s.device).flatten()))
+            logits = model(x.to(s.device))
+        logits, y = logits.flatten(0, 1).float(), y.to(s.device).flatten()
+        full += float(torch.nn.functional.cross_entropy(logits, y))
+        mass += float(torch.log_softmax(logits, dim=-1)[:, seen:].exp().sum(-1).mean()) if logits.shape[-1] > seen \
+            else 0.0
+        loss += float(torch.nn.functional.cross_entropy(logits[:, :seen], y))
     model.train()
-    return {"eval_loss_seen": loss / len(batches), "unseen_mass": mass / len(batches)}
+    return {"eval_loss": full / len(batches), "eval_loss_seen": loss / len(batches),
+            "unseen_mass": mass / len(batches)}
 
 
 def run(s: Setup, eval_batches, method: dict, seed: int):
@@ -245,12 +248,13 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 if kind == "topk" and method["keep"]:  # the node keeps what it did not send
                     for p, e in zip(m.parameters(), shaped(residual[r], outer)):
                         p.sub_(method["decay"] * e)
-    model = s.model()
-    with torch.no_grad():
-        for p, o in zip(model.parameters(), outer):
-            p.copy_(o)
     if kind == "none":
         model = models[0]  # node 0, alone
+    else:
+        model = s.model()
+        with torch.no_grad():
+            for p, o in zip(model.parameters(), outer):
+                p.copy_(o)
     curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
     outer_steps = -(-cfg.train.steps // h)
     info = {"outer_steps": outer_steps, "bytes_per_value_per_outer_step": sent / outer_steps}
@@ -263,7 +267,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
     if coders:
         info["ranks"] = {str(tuple(outer[i].shape)): c.q.shape[1] for i, c in coders.items()}
     info.update(evaluate_seen(s, model, eval_batches))
-    return s.evaluate(model, eval_batches), curve, info
+    return info.pop("eval_loss"), curve, info
 
 
 def main() -> int:

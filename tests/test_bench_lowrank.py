@@ -124,3 +124,13 @@ def test_a_short_run_of_every_method(tmp_path):
     assert 0 < r["topk"]["eval_loss_flushed"] < 10 and r["topk"]["eval_loss_flushed"] != r["topk"]["eval_loss"]
     assert 0.005 < r["lowrank-ef8"]["bytes_per_value_per_outer_step"] < 0.03  # the rank rule's budget, plus 1-D int8
     assert r["lowrank-ef8"]["ranks"]["(192, 192)"] == 2
+
+
+def test_the_one_pass_evaluation_gives_setups_loss_and_the_empty_rows_share():
+    args = ["--config", os.path.join(ROOT, "configs", "demo.toml"), "--train.micro_batch_size", "2",
+            "--data.seq_len", "32", "--model.vocab_size", "300"]  # 44 rows no byte token reaches
+    _, _, s, batches = bench.setup(args, 2, 1, 2)
+    model = s.model()
+    got = bench.evaluate_seen(s, model, batches)
+    assert got["eval_loss"] == s.evaluate(model, batches)  # the same arithmetic, bit for bit
+    assert 0 < got["unseen_mass"] < 1 and got["eval_loss_seen"] < got["eval_loss"]

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -130,7 +131,6 @@ def test_the_fidelity_suite_reads_tokenized_shards_as_bin_data(tmp_path):
 
 
 def test_the_corpus_script_adds_installed_packages_and_names_a_missing_one(tmp_path):
-    import sys
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import stdlib_corpus
