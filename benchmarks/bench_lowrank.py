@@ -19,6 +19,8 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 stays in its weights, not undone until it returns through the residual), and the
                 pseudo-gradient, outer - local, holds it.
                 topk-...-taper: the outer lr goes linearly from its value to 1 over the inner lr's decay;
+                topk-...-endW: a dense end, the last W outer steps as int8 does them (lr 1), the first of them
+                with each node's decayed residual added, so that nothing is left unsent;
                 topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
@@ -58,7 +60,7 @@ from prime import ops, sparse  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?$")
+TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?(?:-end(\d+))?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -145,13 +147,15 @@ def parse_method(m: str) -> dict:
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
-        k, ka, exact, keep, ef, lr, taper = got.groups()
+        k, ka, exact, keep, ef, lr, taper, end = got.groups()
         return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
                 "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
-                "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper)}
+                "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper),
+                "dense_end": int(end) if end else 0}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper] or "
+        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW] "
+                         "or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
@@ -207,7 +211,9 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         for step in range(first, last + 1):
             curves[r].append(s.inner_step(models[r], opts[r], [loaders[r].next_batch()], step))
 
-    step = 0
+    outer_steps = -(-cfg.train.steps // h)
+    dense_from = outer_steps - method.get("dense_end", 0)  # outer steps after this one are int8's (topk-...-endW)
+    step = j = 0
     while step < cfg.train.steps:
         last = min(cfg.train.steps, step + h)
         threads = [threading.Thread(target=phase, args=(r, step + 1, last)) for r in range(n)]
@@ -215,12 +221,21 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             t.start()
         for t in threads:
             t.join()
-        step = last
+        step, j = last, j + 1
         if kind == "none":  # no outer step: every node trains alone on its shard
             continue
         with torch.no_grad():
             deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
-            if kind == "topk":
+            if kind == "topk" and j > dense_from:  # the dense end: int8, lr 1, the residuals sent with the first
+                flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
+                if not method["keep"]:
+                    flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
+                residual = [torch.zeros_like(e) for e in residual]
+                parts = [shaped(f, outer) for f in flat]
+                for i, o in enumerate(outer):  # as the int8 method does it, parameter by parameter
+                    o.sub_(int8_mean([p[i] for p in parts]))
+                sent += 2 * INT8_BYTES * (n - 1) / n
+            elif kind == "topk":
                 flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
                 if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
@@ -256,7 +271,6 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             for p, o in zip(model.parameters(), outer):
                 p.copy_(o)
     curve = [sum(c[i] for c in curves) / n for i in range(cfg.train.steps)]
-    outer_steps = -(-cfg.train.steps // h)
     info = {"outer_steps": outer_steps, "bytes_per_value_per_outer_step": sent / outer_steps}
     if kind == "topk":  # a last outer step that sends the decayed residuals whole (exact): what it would reach
         flushed = s.model()
