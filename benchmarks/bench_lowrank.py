@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_fidelity import Setup, _machine, setup  # noqa: E402
 from bench_pg_rank import topk_kept  # noqa: E402
-from prime import ops, sparse  # noqa: E402
+from prime import feedback, sparse  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
@@ -65,8 +65,7 @@ LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+)
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    q, s = ops.quantize_int8(x.reshape(-1).contiguous(), 64)
-    return ops.dequantize_int8(q, s, 64).view_as(x)
+    return feedback.round_trip(x.contiguous(), "int8", 64).view_as(x)
 
 
 def int8_mean(xs: list) -> torch.Tensor:
