@@ -20,7 +20,9 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 pseudo-gradient, outer - local, holds it.
                 topk-...-taper: the outer lr goes linearly from its value to 1 over the inner lr's decay;
                 topk-...-endW: a dense end, the last W outer steps as int8 does them (lr 1), the first of them
-                with each node's decayed residual added, so that nothing is left unsent;
+                with each node's decayed residual added, so that nothing is left unsent; topk-...-soloW: the
+                last W - 1 outer steps skipped (each node trains on from its own weights, as none does) and the
+                last one as the dense end's first;
                 topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
@@ -60,7 +62,7 @@ from prime import feedback, sparse  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?(?:-end(\d+))?$")
+TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?(?:-(end|solo)(\d+))?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -146,14 +148,14 @@ def parse_method(m: str) -> dict:
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
-        k, ka, exact, keep, ef, lr, taper, end = got.groups()
+        k, ka, exact, keep, ef, lr, taper, end_kind, end = got.groups()
         return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
                 "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
                 "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper),
-                "dense_end": int(end) if end else 0}
+                "dense_end": int(end) if end else 0, "solo": end_kind == "solo"}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW] "
+        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW] "
                          "or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
@@ -221,8 +223,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
         for t in threads:
             t.join()
         step, j = last, j + 1
-        if kind == "none":  # no outer step: every node trains alone on its shard
-            continue
+        if kind == "none" or (method.get("solo") and dense_from < j < outer_steps):
+            continue  # no outer step: every node trains on alone on its shard
         with torch.no_grad():
             deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
             if kind == "topk" and j > dense_from:  # the dense end: int8, lr 1, the residuals sent with the first
