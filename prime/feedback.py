@@ -93,10 +93,10 @@ def round_trip(x: torch.Tensor, codec: str, block_size: int, keep: Optional[int]
         return sparse.decode(sparse.encode(flat, block_size, keep), flat.numel(), block_size, keep).to(x.device).view_as(x)
     if codec == "int8":
         q, s = ops.quantize_int8(x, block_size, check_finite=False)
-        return ops.dequantize_int8(q, s, block_size)
+        return ops.dequantize_int8(q, s, block_size).view_as(x)
     assert codec == "fp4", codec
     q, s = ops.quantize_fp4(x, block_size, check_finite=False)
-    return ops.dequantize_fp4(q, s, x.numel(), block_size)
+    return ops.dequantize_fp4(q, s, x.numel(), block_size).view_as(x)
 
 
 def compensate(g: torch.Tensor, residual: torch.Tensor, codec: str, block_size: int, commit: bool,

@@ -131,6 +131,22 @@ def test_a_topk_round_trip_of_a_gpu_tensor_gives_the_cpu_bits_on_the_gpu(seed):
     assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
 
 
+@pytest.mark.parametrize("codec", CODECS + ("topk",))
+def test_round_trip_keeps_the_shape_and_gives_the_flat_bits(seed, codec):
+    """feedback.round_trip of a 2-D tensor: its shape back, every codec, with the bits of the flat tensor's round
+    trip (the flat one: ops' quantize and dequantize, or prime.sparse's encode and decode, called here)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(96, 128, generator=gen) * torch.rand(96, 1, generator=gen)
+    y = round_trip(x, codec, 4096 if codec == "topk" else 64, 64 if codec == "topk" else None)
+    flat = x.reshape(-1)
+    if codec == "topk":
+        ref = sparse.decode(sparse.encode(flat, 4096, 64), flat.numel(), 4096, 64)
+    else:
+        ref = _round_trip(flat, codec, 64, None)
+    assert y.shape == x.shape, f"seed {seed}: {codec}"
+    assert torch.equal(y.reshape(-1), ref), f"seed {seed}: {codec}"
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_round_trip_is_a_fixed_point_of_the_codec(seed, codec):
     """quantize(dequantize(quantize(x))) gives the same codes and scales, so the ring's quantization of a
