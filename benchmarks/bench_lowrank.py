@@ -62,7 +62,8 @@ from prime import feedback, sparse  # noqa: E402
 
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
-TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?(?:-(end|solo)(\d+))?$")
+TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?"
+                       r"(?:-(end|solo)(\d+))?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -155,8 +156,8 @@ def parse_method(m: str) -> dict:
                 "dense_end": int(end) if end else 0, "solo": end_kind == "solo"}
     got = LOWRANK_SPEC.match(m)
     if got is None:
-        raise SystemExit(f"unknown method {m!r}: none, int8, topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW] "
-                         "or "
+        raise SystemExit(f"unknown method {m!r}: none, int8, "
+                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
