@@ -228,19 +228,15 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             continue  # no outer step: every node trains on alone on its shard
         with torch.no_grad():
             deltas = [[o - p.detach().float() for o, p in zip(outer, m.parameters())] for m in models]
-            if kind == "topk" and j > dense_from:  # the dense end: int8, lr 1, the residuals sent with the first
-                flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
-                if not method["keep"]:
-                    flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
-                residual = [torch.zeros_like(e) for e in residual]
-                parts = [shaped(f, outer) for f in flat]
-                for i, o in enumerate(outer):  # as the int8 method does it, parameter by parameter
-                    o.sub_(int8_mean([p[i] for p in parts]))
-                sent += 2 * INT8_BYTES * (n - 1) / n
-            elif kind == "topk":
+            dense_end = kind == "topk" and j > dense_from  # int8, lr 1, the residuals sent with the first
+            if kind == "topk":
                 flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
                 if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
+            if dense_end:  # the int8 method's average below, of the contributions with their residuals
+                deltas = [shaped(f, outer) for f in flat]
+                residual = [torch.zeros_like(e) for e in residual]
+            if kind == "topk" and not dense_end:
                 coding = dict(coding=exact_coding) if method["exact"] else {}
                 avg = sparse.owner_average(flat, TOPK["chunk"], method["k"], "avg", method["k_average"], **coding)
                 residual = avg.residuals
