@@ -33,6 +33,8 @@ import torch
 
 from prime.codecs import CODECS, DENSE_START
 from prime.metrics import human_bytes
+from prime.ops import INT8_HEADER_BYTES, fp4_bytes, num_blocks
+from prime.sparse import keep_for_density, payload_bytes
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan_memory", "host_memory_bytes", "RUNTIME_HOST_BYTES",
            "peak_host_bytes", "training_gpu_items", "auto_margin_bytes"]
@@ -246,6 +248,8 @@ class _OuterBuffers:
     device_reduce: bool = False
     """The ring runs its codec on the GPU (a CUDA build of prime._C); else it stages CUDA tensors through pinned
     host memory and codes them on the CPU."""
+    ranks: int = 1
+    """Ranks of the ring (the nodes)."""
     rings_here: int = 1
     """Rings this process takes part in (prime.shares: a DiLoCo on each, their outer steps side by side)."""
     outer_numel: int = 0
@@ -270,7 +274,7 @@ def _outer_buffers(cfg, env, diloco) -> _OuterBuffers:
     # the ring's pinned host staging: the int8 payload of this rank's chunk of the largest all-reduce, sent and
     # received (a pipelined synchronous step all-reduces pieces of about SYNC_PIECE_VALUES)
     b.ring_values = b.largest // max(f.pieces for f in frags)
-    nodes = max(1, env.num_nodes)
+    nodes = b.ranks = max(1, env.num_nodes)
     b.device_reduce = on_gpu and ring_reduces_on_gpu()
     if cfg.diloco.codec == "topk" and b.device_reduce:
         # the sparse codec on the GPU: only the records cross to the host (pinned), those this rank sends and
@@ -310,10 +314,65 @@ def _int8_ring_host(values: int, nodes: int, block: int) -> int:
     return int(2 * values / nodes * (1 + 2 / block))
 
 
-def _int8_ring_gpu(values: int, block: int) -> int:
-    """The ring's GPU buffers of an int8 all-reduce of `values`: the payload, encoded and received, and its scales
-    (widened to fp32 on the GPU)."""
-    return int(2 * values * (1 + 4 / block))
+RING_SLOT_MIN_BYTES = 256
+"""The least a slot of the ring's CUDA context holds (CudaContext::device_buffer)."""
+_RING_FLAGS_BYTES = 64
+"""kFlags: the collective's flags and error sums (held as RING_SLOT_MIN_BYTES)."""
+
+
+def ring_segment_values(segment_bytes: Optional[int] = None) -> int:
+    """Values of one pipeline segment of a ring of `segment_bytes` (None: the ring's default, what every run uses):
+    prime.comm.ring's rounding, down to a multiple of 4096 values and at least 4096."""
+    from prime.comm.ring import _SEGMENT_ALIGN, DEFAULT_SEGMENT_BYTES
+
+    segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    return max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
+
+
+def _slots(*sizes: int) -> int:
+    """Bytes of the ring context's slots of these sizes (each at least RING_SLOT_MIN_BYTES)."""
+    return sum(max(RING_SLOT_MIN_BYTES, s) for s in sizes)
+
+
+def _dense_ring_gpu(values: int, block: int, codec: str = "int8", segment: Optional[int] = None,
+                    ranks: int = 2) -> int:
+    """The ring's own GPU buffers (its CUDA context's slots, grow-only; csrc/ring/wire_codec_cuda.cu) after an
+    all-reduce of `values` with a dense codec: int8 or fp4 in blocks of `block`, or "none" (fp32 values). The
+    result's image, gathered on the device (kImageQ: its codes or values; kImageS: an fp32 scale a block), and a
+    segment's worth (`segment` values, default the ring's): the received payload (kUploadIn) and the encoded one
+    (kOut) with fp32 scales, int8's packed wire scales (kPackedScales), the flags (kFlags), and the fp32 sum
+    (kAcc) where it is used: blocks above 1024 (no fused kernel) or a direct schedule's owner adding several
+    contributions (more than 2 ranks)."""
+    if values <= 0:
+        return 0
+    seg = min(values, ring_segment_values() if segment is None else segment)
+    if codec == "none":
+        sizes = [4 * values, 4 * seg, 4 * seg]
+    else:
+        codes = fp4_bytes if codec == "fp4" else int
+        payload = codes(seg) + 4 * num_blocks(seg, block)
+        sizes = [codes(values), 4 * num_blocks(values, block), payload, payload]
+        if codec == "int8":
+            sizes.append(INT8_HEADER_BYTES + num_blocks(seg, block))
+    if ranks > 2 or (codec != "none" and block > 1024):
+        sizes.append(4 * seg)
+    return _slots(_RING_FLAGS_BYTES, *sizes)
+
+
+def _topk_ring_gpu(values: int, chunk: int, keep: int, keep_average: int, segment: Optional[int] = None,
+                   own_dropped: bool = True) -> int:
+    """The ring's own GPU buffers after a topk all-reduce of `values` (csrc/ring/wire_codec_sparse_cuda.cu): the
+    final records of the whole tensor (kImageQ), what this rank's selections dropped, fp32 (kDropped: with
+    Ring.all_reduce's `residual`; with its `dropped`, DiLoCo's way, the caller's tensor holds them instead:
+    own_dropped False), and a segment's worth (`segment` values, default the ring's): a received record
+    (kUploadIn), the encoded one, a contribution's or the average's (kOut), the fp32 sum (kAcc), the average's
+    selection decoded (kDecoded) and the flags (kFlags)."""
+    if values <= 0:
+        return 0
+    seg = min(values, ring_segment_values() if segment is None else segment)
+    sent, average = payload_bytes(seg, chunk, keep), payload_bytes(seg, chunk, keep_average)
+    sizes = [payload_bytes(values, chunk, keep_average), sent, max(sent, average), 4 * seg, 4 * seg, _RING_FLAGS_BYTES]
+    return _slots(*sizes) + (_slots(4 * values) if own_dropped else 0)
 
 
 def plan_memory(cfg, env, parts, diloco, host_procs: int = 1, *, gpu_total: Optional[int] = None,
@@ -344,14 +403,23 @@ def _outer_gpu_items(cfg, outer: _OuterBuffers) -> list:
     items += [("outer work buffers", outer.work), ("outer staging", outer.staging)]
     if not outer.device_reduce:  # the ring stages through the host and codes there (_outer_buffers)
         return items
-    if cfg.diloco.codec == "topk":  # what the selections dropped, filled on the device as the collective runs
+    block = cfg.diloco.resolved_block_size()
+    if cfg.diloco.codec == "topk":
+        # what the selections dropped (Ring.all_reduce's `dropped`, filled on the device as the collective runs),
+        # and the ring's own: the final records and a segment's buffers
+        settings = cfg.diloco.outer_settings()
+        keep, keep_average = (keep_for_density(settings[k], block) for k in ("density", "average_density"))
         items.append(("ring: the dropped part", outer.rings_here * 4 * outer.ring_values))
+        items.append(("ring buffers", outer.rings_here * _topk_ring_gpu(outer.ring_values, block, keep,
+                                                                        keep_average, own_dropped=False)))
         if cfg.diloco.dense_outer_steps:  # the int8 buffers of the dense start stay in the ring's cache after it
-            items.append(("ring buffers (dense start)", outer.rings_here * _int8_ring_gpu(outer.ring_values,
-                                                                                        DENSE_START[1])))
-    else:  # the ring on the GPU: the int8 payload of the all-reduce (encoded and received) and its scales
-        block = cfg.diloco.resolved_block_size()
-        items.append(("ring buffers", outer.rings_here * _int8_ring_gpu(outer.ring_values, block)))
+            # (both codecs grow the same slots: their sum is an upper bound)
+            dense = _dense_ring_gpu(outer.ring_values, min(DENSE_START[1], block), DENSE_START[0],
+                                    ranks=outer.ranks)
+            items.append(("ring buffers (dense start)", outer.rings_here * dense))
+    else:  # the image of the result (codes and scales) and a segment's buffers
+        dense = _dense_ring_gpu(outer.ring_values, block, cfg.diloco.codec, ranks=outer.ranks)
+        items.append(("ring buffers", outer.rings_here * dense))
     return items
 
 
