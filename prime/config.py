@@ -107,7 +107,8 @@ class ModelConfig:
     ffn_dim: Optional[int] = None
     """SwiGLU hidden size (None: the preset's)."""
     vocab_size: Optional[int] = None
-    """Vocabulary size (None: the tokenizer's when data.path has prime-tokenize's meta.json, else the preset's; byte-level data needs >= 256)."""
+    """Vocabulary size (None: the tokenizer's when data.path has prime-tokenize's meta.json, else the preset's;
+    byte-level data needs >= 256)."""
     max_seq_len: Optional[int] = None
     """Longest sequence (None: the preset's)."""
     rope_theta: Optional[float] = None
@@ -175,25 +176,42 @@ class DiLoCoConfig:
     inner_steps: int = 100
     """H: inner optimizer steps between two outer steps (INTELLECT-1 used 100)."""
     outer_lr: Optional[float] = None
-    """Learning rate of the outer SGD. Unset (none): the codec's, 0.7 (INTELLECT-1's), for topk 3 (docs/codec.md, "The sparse codec")."""
+    """Learning rate of the outer SGD. Unset (none): the codec's, 0.7 (INTELLECT-1's), for topk 3 (docs/codec.md, "The
+    sparse codec")."""
     outer_momentum: Optional[float] = None
     """Momentum of the outer SGD. Unset (none): the codec's, 0.9, for topk 0 (its error feedback is the memory)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (False: heavy ball)."""
     codec: str = "int8"
-    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x), topk (sparse: the largest values of every chunk at 2 bits with their positions, about 180x at the default density; docs/wire-format-sparse.md) or none (exact fp32)."""
+    """Wire codec of the pseudo-gradient all-reduce: int8 (about 3.9x fewer bytes), fp4 (about 7.8x), topk (sparse: the
+    largest values of every chunk at 2 bits with their positions, about 180x at the default density;
+    docs/wire-format-sparse.md) or none (exact fp32)."""
     block_size: Optional[int] = None
-    """Codec block (int8, fp4): one scale per block_size values; topk: values per chunk (power of two, 32..4096). Unset (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales), 4096 for topk."""
+    """Codec block (int8, fp4): one scale per block_size values; topk: values per chunk (power of two, 32..4096). Unset
+    (none): the codec's default, 64 for int8 (1-byte scales), 256 for fp4 (fp32 scales), 4096 for topk."""
     density: Optional[float] = None
-    """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1). Unset (none): 48/4096. Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
+    """topk: the share of each chunk's values sent per outer step, in (0, 1] (k = density x block_size, at least 1).
+    Unset (none): 48/4096. Error feedback is always on with topk: what a round leaves out is sent in later rounds."""
     average_density: Optional[float] = None
-    """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): 96/4096 when diloco.density is unset too (with 48/4096: 0.0222 bytes a value, 1/45 of int8's), else diloco.density. The sum of N nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
+    """topk: the share of each chunk of the average that its owner sends back, in (0, 1]. Unset (none): 96/4096 when
+    diloco.density is unset too (with 48/4096: 0.0222 bytes a value, 1/45 of int8's), else diloco.density. The sum of N
+    nodes' selections holds up to N x density of a chunk; a higher average density drops less of it (docs/codec.md, "The
+    sparse codec"), for (density + average_density) / 2 of the bytes per value of density alone."""
     feedback_decay: Optional[float] = None
-    """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1 old residual fades geometrically, as SparseLoCo's accumulator; needs error feedback on. Unset (none): 1, for topk 0.8."""
+    """Error feedback: the share of the residual added to the next pseudo-gradient, in (0, 1] (1: all of it). Below 1
+    old residual fades geometrically, as SparseLoCo's accumulator; needs error feedback on. Unset (none): 1, for topk
+    0.8."""
     dense_outer_steps: int = 0
-    """topk: each fragment's first dense_outer_steps outer steps send the pseudo-gradient dense, as int8, and apply the average as it is (outer lr 1, no momentum), before the sparse codec takes over: early pseudo-gradients are large and dense, and a sparse round there undoes most of each node's progress. Costs int8's bytes for those outer steps; measured to help on short runs at H = 5, not at H = 10 (docs/codec.md, "Dense start"). 0: none. Above 0 only with topk."""
+    """topk: each fragment's first dense_outer_steps outer steps send the pseudo-gradient dense, as int8, and apply the
+    average as it is (outer lr 1, no momentum), before the sparse codec takes over: early pseudo-gradients are large and
+    dense, and a sparse round there undoes most of each node's progress. Costs int8's bytes for those outer steps;
+    measured to help on short runs at H = 5, not at H = 10 (docs/codec.md, "Dense start"). 0: none. Above 0 only with
+    topk."""
     error_feedback: Optional[bool] = None
-    """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md, "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner starts from a zero residual."""
+    """Error feedback: each node keeps what its contribution to the all-reduce lost to the codec (a residual of the
+    outer state's size, per node, saved in its checkpoints) and adds it to its next pseudo-gradient (docs/training.md,
+    "Error feedback"). Unset (none): on for codec fp4, off for int8; true with codec none is refused. An elastic joiner
+    starts from a zero residual."""
     retries: int = 2
     """How many times a failed all-reduce is retried, each on a freshly built ring, before the job stops."""
     timeout_s: float = 300.0
@@ -203,23 +221,44 @@ class DiLoCoConfig:
     max_rate_mbit: float = 0.0
     """Cap the ring's send rate per link in Mbit/s, to emulate slow links (0: unlimited)."""
     compression_error: bool = True
-    """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one quantize+dequantize)."""
+    """Measure the int8 round-trip error of the local pseudo-gradient at each outer step (costs one
+    quantize+dequantize)."""
     check_replicas: bool = True
-    """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at the end, that their final weights are bit-identical."""
+    """At start and after a resume, check through the ring that all nodes hold identical outer weights and settings; at
+    the end, that their final weights are bit-identical."""
     overlap: bool = False
-    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer step (docs/training.md, "Overlapping the all-reduce")."""
+    """Run each outer step's all-reduce in the background during the next inner steps and apply it at the next outer
+    step (docs/training.md, "Overlapping the all-reduce")."""
     overlap_scheme: str = "eager-merge"
-    """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps, docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives), eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
+    """With overlap: eager-merge (default: eager, but when the average arrives the local weights keep half of their
+    start's offset from the outer weights, Streaming DiLoCo's merge: the smallest loss cost at high overlap_steps,
+    docs/training.md), eager (the next inner steps start from the outer update the local pseudo-gradient gives),
+    eager-adaptive (from the one it gives shrunk by ||average||^2 / ||local||^2 of the previous outer step, within
+    [1/nodes, 1]) or delayed (from the outer weights without the step in flight)."""
     overlap_steps: int = 0
-    """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
+    """With overlap: apply the average in flight after this many inner steps of the next outer step, shifting the local
+    weights by what their start missed (0: inner_steps, the whole phase); fewer cost less loss, enough to hide the
+    all-reduce is enough. Below inner_steps it needs an eager overlap_scheme."""
     fragments: int = 1
-    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap, overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more, so that every node ends with the same weights."""
+    """Streaming fragments: cut the model into this many fragments of whole layers with balanced bytes, each with its
+    own outer step at its own offset in the phase (fragment p at inner steps (p + 1) inner_steps / fragments + k
+    inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with
+    overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap,
+    overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more,
+    so that every node ends with the same weights."""
     phase: str = "steps"
-    """What ends a node's phase between two outer steps: steps (each node runs inner_steps inner steps; nodes of different speeds wait for the slowest) or time (each node runs inner steps for phase_seconds, so a faster node runs more of them; the outer step weights each node's pseudo-gradient by the tokens it trained; docs/heterogeneous.md)."""
+    """What ends a node's phase between two outer steps: steps (each node runs inner_steps inner steps; nodes of
+    different speeds wait for the slowest) or time (each node runs inner steps for phase_seconds, so a faster node runs
+    more of them; the outer step weights each node's pseudo-gradient by the tokens it trained; docs/heterogeneous.md).
+    """
     phase_seconds: float = 0.0
-    """With phase = time: the seconds of compute in a phase (inner_steps nominal steps of phase_seconds / inner_steps each: the schedule of fragments, overlap, the learning rate, checkpoints and train.steps runs on them). Required with phase = time."""
+    """With phase = time: the seconds of compute in a phase (inner_steps nominal steps of phase_seconds / inner_steps
+    each: the schedule of fragments, overlap, the learning rate, checkpoints and train.steps runs on them). Required
+    with phase = time."""
     outer_state_device: str = "auto"
-    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
+    """Where the outer weights and momentum live: cpu (pinned memory), gpu (the parameters' GPU) or auto (gpu when they
+    fit in the GPU memory free when DiLoCo is built, less the gradients and inner optimizer state still to come and a
+    margin of max(8 GiB, 15% of the card) for activations; prime.outer.resolve_device, logged)."""
 
     def resolved_block_size(self) -> int:
         """block_size, or the codec's default when it is unset."""
@@ -259,9 +298,9 @@ class DiLoCoConfig:
         if self.overlap and not eager and self.fragments > 1:
             # delayed starts from the outer weights without the average in flight, so that average can only land
             # at a boundary (overlap_steps = inner_steps); fragments land theirs within inner_steps / fragments.
-            raise ValueError(f"diloco.overlap_scheme = {self.overlap_scheme!r} needs diloco.overlap_steps = inner_steps, which "
-                             f"diloco.fragments = {self.fragments} cannot have (at most inner_steps / fragments): use "
-                             "an eager overlap_scheme with fragments")
+            raise ValueError(f"diloco.overlap_scheme = {self.overlap_scheme!r} needs diloco.overlap_steps = "
+                             f"inner_steps, which diloco.fragments = {self.fragments} cannot have (at most "
+                             "inner_steps / fragments): use an eager overlap_scheme with fragments")
         _require(self.phase in ("steps", "time"), "diloco.phase", "'steps' or 'time'", self.phase)
         if self.phase == "time":
             _require(self.phase_seconds > 0, "diloco.phase_seconds", "> 0 with diloco.phase = 'time'",
@@ -327,10 +366,13 @@ class TrainConfig:
     threads: int = 0
     """torch CPU threads per process (0: torch's default)."""
     stop_grace_s: float = 30.0
-    """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md). prime-simulate waits this long and 5 s more for its nodes, then kills what is left."""
+    """On SIGTERM, SIGINT or SIGHUP a process stops at once and exits with 128 + the signal's number; one still stopping
+    this many seconds later (a write, a collective stuck in C++) is ended without waiting more (docs/stopping.md).
+    prime-simulate waits this long and 5 s more for its nodes, then kills what is left."""
 
     slowdown: float = 1.0
-    """Each inner step takes this many times its own time (a sleep after it, counted in the step): a slower node, emulated for tests and benchmarks (prime-simulate --slow-node R:F sets it for node R)."""
+    """Each inner step takes this many times its own time (a sleep after it, counted in the step): a slower node,
+    emulated for tests and benchmarks (prime-simulate --slow-node R:F sets it for node R)."""
 
     def validate(self) -> None:
         _require(self.steps >= 1, "train.steps", ">= 1", self.steps)
@@ -354,7 +396,8 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"
-    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin (token shards: prime-tokenize's output, or nanoGPT-style *.bin)."""
+    """embedded (the Python standard library's own .py files, bytes), text (a directory of text files, bytes) or bin
+    (token shards: prime-tokenize's output, or nanoGPT-style *.bin)."""
     path: str = ""
     """Directory for source = text or bin (ignored for embedded)."""
     bin_dtype: str = "auto"
@@ -398,7 +441,8 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     log_every: int = 1
-    """Print a step line every this many inner steps (the first, the last and outer steps always; the JSONL file gets every step)."""
+    """Print a step line every this many inner steps (the first, the last and outer steps always; the JSONL file gets
+    every step)."""
     out_dir: str = "runs/default"
     """Where metrics_node<rank>.jsonl and loss.png go."""
     plot: bool = True
@@ -406,17 +450,21 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak bf16 TFLOP/s per device for MFU (0: from the table for H100/H200/A100; CPU: MFU shown as n/a)."""
     tensorboard: bool = False
-    """Also log every step, outer step and summary field to TensorBoard, under out_dir/tb/<nodes.run_id>/node<rank> (needs the tensorboard package)."""
+    """Also log every step, outer step and summary field to TensorBoard, under out_dir/tb/<nodes.run_id>/node<rank>
+    (needs the tensorboard package)."""
     wandb: bool = False
-    """Also log every field to Weights & Biases: one W&B run per node, named node<rank>, grouped by nodes.run_id (needs the wandb package)."""
+    """Also log every field to Weights & Biases: one W&B run per node, named node<rank>, grouped by nodes.run_id (needs
+    the wandb package)."""
     wandb_project: str = "prime"
     """W&B project name."""
     wandb_mode: str = ""
-    """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them later) or empty (the WANDB_MODE environment variable, else online)."""
+    """W&B mode: online (needs a login), offline (files under out_dir/wandb, no network; `wandb sync` uploads them
+    later) or empty (the WANDB_MODE environment variable, else online)."""
     progress: str = "auto"
     """auto: a progress bar with ETA and tokens/s when the output is a terminal, plain lines otherwise; bar; lines."""
     outer_hash: bool = False
-    """Record a 64-bit hash (blake2b) of the outer weights after every outer step (outer_hash in the metrics JSONL), to show that the nodes agree after each one; a pass over this process's outer weights."""
+    """Record a 64-bit hash (blake2b) of the outer weights after every outer step (outer_hash in the metrics JSONL), to
+    show that the nodes agree after each one; a pass over this process's outer weights."""
 
     def validate(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", ">= 1", self.log_every)
@@ -433,13 +481,16 @@ class MetricsConfig:
 @dataclass
 class MemoryConfig:
     check: bool = True
-    """Refuse to start when the memory plan printed at start (every process's GPU and host memory, checkpoints included) does not fit, naming the settings to change (prime/memory.py)."""
+    """Refuse to start when the memory plan printed at start (every process's GPU and host memory, checkpoints included)
+    does not fit, naming the settings to change (prime/memory.py)."""
     host_gib: float = 0.0
-    """Host memory for all of this job's processes on one host, GiB (0: detected, the cgroup limit or the machine's memory)."""
+    """Host memory for all of this job's processes on one host, GiB (0: detected, the cgroup limit or the machine's
+    memory)."""
     gpu_gib: float = 0.0
     """Memory of each GPU, GiB (0: the device's)."""
     host_procs: int = 0
-    """Processes of this job sharing one host's memory (0: counted, the processes that report this host through the store, else this node's)."""
+    """Processes of this job sharing one host's memory (0: counted, the processes that report this host through the
+    store, else this node's)."""
 
     def validate(self) -> None:
         _require_range(self.host_gib, "memory.host_gib", 0, 1 << 20, " GiB (0: detected)")
@@ -454,11 +505,14 @@ class NodesConfig:
     node_rank: int = 0
     """This node's rank, 0..num_nodes-1 (env PRIME_NODE_RANK, flag --node-rank)."""
     store_addr: str = "127.0.0.1:29600"
-    """host:port of the cross-node TCPStore, hosted by node 0's first process (env PRIME_STORE_ADDR, flag --store-addr)."""
+    """host:port of the cross-node TCPStore, hosted by node 0's first process (env PRIME_STORE_ADDR, flag --store-addr).
+    """
     run_id: str = "prime"
     """Name of the run; nodes with another run_id never join this ring (env PRIME_RUN_ID)."""
     procs: str = ""
-    """Processes of each node, comma-separated, when nodes run different numbers (e.g. "2,1"; each node runs the most of any node, or one: prime/shares.py). Empty: every node runs as many as this one (prime-simulate --procs-per-node sets it)."""
+    """Processes of each node, comma-separated, when nodes run different numbers (e.g. "2,1"; each node runs the most of
+    any node, or one: prime/shares.py). Empty: every node runs as many as this one (prime-simulate --procs-per-node sets
+    it)."""
 
     def validate(self) -> None:
         _require(self.num_nodes >= 1, "nodes.num_nodes", ">= 1", self.num_nodes)
@@ -467,15 +521,18 @@ class NodesConfig:
         )
         if self.procs:
             parse_procs(self.procs, self.num_nodes)
+        self._check_store_addr()
+
+    def _check_store_addr(self) -> None:
         host, _, port = self.store_addr.rpartition(":")
-        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port",
+                 self.store_addr)
 
     def validate_elastic(self) -> None:
         """As validate(), except that node_rank may be >= num_nodes: such a node joins a running job."""
         _require(self.num_nodes >= 1, "nodes.num_nodes", ">= 1", self.num_nodes)
         _require(self.node_rank >= 0, "nodes.node_rank", ">= 0", self.node_rank)
-        host, _, port = self.store_addr.rpartition(":")
-        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "nodes.store_addr", "host:port", self.store_addr)
+        self._check_store_addr()
 
     @property
     def store_host(self) -> str:
@@ -489,7 +546,8 @@ class NodesConfig:
 @dataclass
 class ElasticConfig:
     enabled: bool = False
-    """Elastic membership: nodes may die, leave and join mid-training (docs/elastic.md). One or more processes per node; a node started with node_rank >= num_nodes joins the running job."""
+    """Elastic membership: nodes may die, leave and join mid-training (docs/elastic.md). One or more processes per node;
+    a node started with node_rank >= num_nodes joins the running job."""
     heartbeat_interval_s: float = 1.0
     """Each node bumps its heartbeat counter in the store this often (seconds)."""
     heartbeat_timeout_s: float = 10.0
@@ -507,9 +565,11 @@ class ElasticConfig:
     join_timeout_s: float = 600.0
     """A joiner stops when it cannot download the state and be admitted within this long."""
     external_store: bool = False
-    """The TCPStore at nodes.store_addr is hosted outside the nodes (python -m prime.elastic.store, prime-simulate --elastic); else node 0 hosts it and its death stops the job."""
+    """The TCPStore at nodes.store_addr is hosted outside the nodes (python -m prime.elastic.store, prime-simulate
+    --elastic); else node 0 hosts it and its death stops the job."""
     digest: bool = False
-    """Hash the outer weights and momentum after every outer step (SHA-256, about 1 GB/s here) and record it, to prove that the nodes agree."""
+    """Hash the outer weights and momentum after every outer step (SHA-256, about 1 GB/s here) and record it, to prove
+    that the nodes agree."""
 
     def validate(self) -> None:
         _require(self.heartbeat_interval_s > 0, "elastic.heartbeat_interval_s", "> 0", self.heartbeat_interval_s)
@@ -523,7 +583,8 @@ class ElasticConfig:
         _require_range(self.max_attempts, "elastic.max_attempts", 1, 100)
         _require(self.min_nodes >= 1, "elastic.min_nodes", ">= 1", self.min_nodes)
         _require(self.transfer_timeout_s > 0, "elastic.transfer_timeout_s", "> 0", self.transfer_timeout_s)
-        _require_range(self.transfer_timeout_s, "elastic.transfer_timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S, " seconds")
+        _require_range(self.transfer_timeout_s, "elastic.transfer_timeout_s", _MIN_TIMEOUT_S, _MAX_TIMEOUT_S,
+                       " seconds")
         _require(self.transfer_max_rate_mbit >= 0, "elastic.transfer_max_rate_mbit", ">= 0 (0: unlimited)",
                  self.transfer_max_rate_mbit)
         _require_rate(self.transfer_max_rate_mbit, "elastic.transfer_max_rate_mbit")
@@ -753,7 +814,8 @@ def config_from_argv(argv: Optional[list[str]] = None) -> Config:
     argv = sys.argv[1:] if argv is None else argv
     path, overrides, want_help = parse_cli(argv)
     if want_help:
-        print("usage: prime-train --config FILE [--section.field VALUE ...] [--node-rank N --num-nodes N --store-addr H:P]\n")
+        print("usage: prime-train --config FILE [--section.field VALUE ...] "
+              "[--node-rank N --num-nodes N --store-addr H:P]\n")
         print(describe())
         raise SystemExit(0)
     return load_config(path, overrides).validate()
