@@ -22,7 +22,8 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 topk-...-endW: a dense end, the last W outer steps as int8 does them (lr 1), the first of them
                 with each node's decayed residual added, so that nothing is left unsent; topk-...-soloW: the
                 last W - 1 outer steps skipped (each node trains on from its own weights, as none does) and the
-                last one as the dense end's first;
+                last one as the dense end's first; -endW-drop (or -soloW-drop): the residuals left out, not sent
+                with the dense end's first outer step (what flushing them at once costs);
                 topk-kK-aA keeps K / A of every 4096 (48 / 96); topk-exact sends the selections' values exact
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
@@ -63,7 +64,7 @@ from prime import feedback, sparse  # noqa: E402
 INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
 TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?"
-                       r"(?:-(end|solo)(\d+))?$")
+                       r"(?:-(end|solo)(\d+)(-drop)?)?$")
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -149,15 +150,17 @@ def parse_method(m: str) -> dict:
         return {"kind": m}
     got = TOPK_SPEC.match(m)
     if got:
-        k, ka, exact, keep, ef, lr, taper, end_kind, end = got.groups()
+        k, ka, exact, keep, ef, lr, taper, end_kind, end, drop = got.groups()
+        if drop and keep:
+            raise SystemExit(f"{m}: -drop leaves out the residuals at the dense end, which -keep holds in the weights")
         return {"kind": "topk", "keep": bool(keep), "decay": _decay(ef) if ef else TOPK["decay"],
                 "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
                 "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper),
-                "dense_end": int(end) if end else 0, "solo": end_kind == "solo"}
+                "dense_end": int(end) if end else 0, "solo": end_kind == "solo", "drop": bool(drop)}
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: none, int8, "
-                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW] or "
+                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW][-drop] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
@@ -231,7 +234,8 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             dense_end = kind == "topk" and j > dense_from  # int8, lr 1, the residuals sent with the first
             if kind == "topk":
                 flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
-                if not method["keep"]:  # with keep the local weights hold the residual: outer - local has it
+                if not method["keep"] and not (dense_end and method["drop"]):
+                    # (with keep the local weights hold the residual: outer - local has it)
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
             if dense_end:  # the int8 method's average below, of the contributions with their residuals
                 deltas = [shaped(f, outer) for f in flat]

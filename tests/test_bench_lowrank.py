@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,13 +92,16 @@ def test_methods_parse_and_bad_ones_are_refused():
     assert bench.parse_method("lowrank")["decay"] == 1.0
     assert bench.parse_method("topk") == {"kind": "topk", "keep": False, "decay": 0.8, "lr": 3.0, "k": 48,
                                           "k_average": 96, "exact": False, "taper": False, "dense_end": 0,
-                                          "solo": False}
+                                          "solo": False, "drop": False}
     assert bench.parse_method("topk-k40-a80-exact-keep-ef95-lr1.5") == {
         "kind": "topk", "keep": True, "decay": 0.95, "lr": 1.5, "k": 40, "k_average": 80, "exact": True, "taper": False,
-        "dense_end": 0, "solo": False}
+        "dense_end": 0, "solo": False, "drop": False}
     assert bench.parse_method("topk-keep-taper")["taper"]
     assert bench.parse_method("topk-lr2-taper-end20")["dense_end"] == 20
     assert bench.parse_method("topk-solo3")["solo"] and bench.parse_method("topk-solo3")["dense_end"] == 3
+    assert bench.parse_method("topk-end20-drop")["drop"] and not bench.parse_method("topk-end20")["drop"]
+    with pytest.raises(SystemExit, match="-keep holds"):
+        bench.parse_method("topk-keep-end20-drop")
     assert bench.parse_method("topk-keep-ef1.0")["decay"] == 1.0 and bench.parse_method("topk-ef08")["decay"] == 0.08
     try:
         bench.parse_method("lowrank-x")
@@ -113,13 +117,13 @@ def test_a_short_run_of_every_method(tmp_path):
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
                         "--train.seed", str(SEED % 1000), "--methods",
-                        "int8,topk,lowrank-ef8,topk-exact-keep-lr1,none,topk-end2,topk-end1,topk-solo2",
+                        "int8,topk,lowrank-ef8,topk-exact-keep-lr1,none,topk-end2,topk-end1,topk-solo2,topk-end1-drop",
                         "--model.vocab_size", "320", "--out", str(out)],  # 64 rows no byte token reaches
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
     assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-exact-keep-lr1", "none", "topk-end2", "topk-end1",
-                      "topk-solo2"}
+                      "topk-solo2", "topk-end1-drop"}
     for name, res in r.items():
         assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
         # the loss over the 256 byte tokens alone is lower, by at least -log(1 - the mass on the other rows)
@@ -135,6 +139,10 @@ def test_a_short_run_of_every_method(tmp_path):
     # (its training is topk's: the dense outer step is the last, after step 6)
     assert r["topk-end1"]["curve"] == r["topk"]["curve"]
     assert r["topk-end1"]["eval_loss"] not in (r["int8"]["eval_loss"], r["topk"]["eval_loss"])
+    # the same without the residuals: the same training and bytes, another last outer step
+    assert r["topk-end1-drop"]["curve"] == r["topk"]["curve"]
+    assert r["topk-end1-drop"]["eval_loss"] not in (r["topk-end1"]["eval_loss"], r["topk"]["eval_loss"])
+    assert r["topk-end1-drop"]["bytes_per_value_per_outer_step"] == r["topk-end1"]["bytes_per_value_per_outer_step"]
     # solo over both outer steps: the first skipped (the nodes train on alone, as none does), the last dense
     assert r["topk-solo2"]["curve"] == r["none"]["curve"] and r["topk-solo2"]["curve"] != r["topk"]["curve"]
     half = r["int8"]["bytes_per_value_per_outer_step"] / 2
