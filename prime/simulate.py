@@ -296,12 +296,8 @@ def main(argv=None) -> int:
     return status
 
 
-def _main(argv: list[str]) -> int:
-    if "--" in argv:
-        i = argv.index("--")
-        own, train_args = argv[:i], argv[i + 1 :]
-    else:
-        own, train_args = argv, []
+def _parser() -> argparse.ArgumentParser:
+    """prime-simulate's own flags (those before '--')."""
     parser = argparse.ArgumentParser(prog="prime-simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     parser.add_argument("--procs-per-node", default="1", metavar="P[,P...]",
@@ -330,7 +326,11 @@ def _main(argv: list[str]) -> int:
                         help="arm a named fault point (prime/faults.py) in node R, or in every node without R= "
                              "(repeatable); e.g. 2=allreduce.inside@8, 1=train.before_step@22=stall:5, "
                              "0=transfer.serve@0.4. Points: " + describe().replace("\n", ";"))
-    args = parser.parse_args(own)
+    return parser
+
+
+def _node_faults(parser: argparse.ArgumentParser, args) -> dict:
+    """--fault: {node rank (None: every node): [fault specs]}; a bad one ends with the parser's error."""
     faults: dict = {}
     for text in args.fault:
         try:
@@ -340,6 +340,31 @@ def _main(argv: list[str]) -> int:
         if rank is not None and rank >= args.nodes and not (args.elastic or args.join_at or args.chaos):
             parser.error(f"--fault {text}: there is no node {rank} (--nodes {args.nodes})")
         faults.setdefault(rank, []).append(spec)
+    return faults
+
+
+def _slow_nodes(parser: argparse.ArgumentParser, texts: list, nodes: int) -> dict:
+    """--slow-node: {node rank: its extra train flags} (`nodes`: the ranks allowed; elastic: a joiner's rank may be
+    beyond --nodes); a bad one ends with the parser's error."""
+    node_args: dict = {}
+    for text in texts:
+        try:
+            rank, factor = parse_slow_node(text, nodes)
+        except ValueError as e:
+            parser.error(f"--slow-node {text}: {e}")
+        node_args[rank] = ["--train.slowdown", repr(factor)]
+    return node_args
+
+
+def _main(argv: list[str]) -> int:
+    if "--" in argv:
+        i = argv.index("--")
+        own, train_args = argv[:i], argv[i + 1 :]
+    else:
+        own, train_args = argv, []
+    parser = _parser()
+    args = parser.parse_args(own)
+    faults = _node_faults(parser, args)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
     elastic = bool(args.elastic or args.kill_node or args.join_at or args.chaos or args.stop_after)
@@ -353,13 +378,7 @@ def _main(argv: list[str]) -> int:
         parser.error(f"--procs-per-node {args.procs_per_node}: nodes that run different numbers of processes need a "
                      "fixed set of nodes (no --elastic, --kill-node, --join-at, --chaos or --stop-after)")
     procs_per_node = procs if len(set(procs)) > 1 else procs[0]
-    node_args: dict = {}
-    for text in args.slow_node:
-        try:  # elastic: a joiner's rank may be beyond --nodes
-            rank, factor = parse_slow_node(text, args.nodes if not elastic else 1 << 20)
-        except ValueError as e:
-            parser.error(f"--slow-node {text}: {e}")
-        node_args[rank] = ["--train.slowdown", repr(factor)]
+    node_args = _slow_nodes(parser, args.slow_node, args.nodes if not elastic else 1 << 20)
     try:  # every node would stop on a bad setting: say it once, before starting any
         cfg = check_train_args(train_args + _procs_args(procs), args.nodes, elastic)
     except ValueError as e:
