@@ -367,24 +367,7 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
         for r in range(initial):
             L.start(r)
         while True:
-            step = L.s.step
-            while kills and step >= kills[0][1]:  # --kill-node
-                r, _ = kills.pop(0)
-                if r in L.s.nodes:
-                    L.kill(r)
-                else:
-                    L.say(f"--kill-node {r}: there is no node {r}")
-            while joins and step >= joins[0]:  # --join-at
-                joins.pop(0)
-                L.start_joiner(step)
-            if chaos is not None:
-                chaos.tick(L, step)
-            if stop_after_s is not None and time.monotonic() - t_start > stop_after_s:
-                L.say(f"stopping every node after {stop_after_s:g} s (--stop-after)")
-                with L.lock:
-                    for n in L.s.nodes.values():
-                        if n.killed_at is None and n.proc.poll() is None:
-                            n.killed_at = time.monotonic()  # on purpose: not a failure
+            if _act(L, kills, joins, chaos, stop_after_s, t_start):
                 break
             with L.lock:
                 nodes = list(L.s.nodes.values())
@@ -396,16 +379,7 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
                 break
             time.sleep(0.05)
     except stop.Stopped as e:
-        t0 = time.monotonic()
-        with L.lock:
-            for n in L.s.nodes.values():
-                n.killed_at = n.killed_at or time.monotonic()  # stopped on purpose: not a failure
-        killed = L.stop_all(e.signum, hurry=lambda: signals.again)
-        status = e.code
-        L.say(f"stopped by {stop.signal_name(e.signum)}: every node stopped "
-              + (f"within {time.monotonic() - t0:.1f} s" if not killed else
-                 f"({len(killed)} process(es) still running after the grace were killed)")
-              + f"; exit status {status}")
+        status = _stop_on_signal(L, e, hurry=lambda: signals.again)
     finally:
         signals.hold()
         L.stop_all(hurry=lambda: signals.again)
@@ -414,6 +388,54 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
         signals.uninstall()
         if chaos_dir is not None:
             shutil.rmtree(chaos_dir, ignore_errors=True)
+    _say_summary(L)
+    return status
+
+
+def _act(L: _Launcher, kills: list, joins: list, chaos, stop_after_s: Optional[float], t_start: float) -> bool:
+    """What is due at the job's step now: --kill-node, --join-at, chaos; True once --stop-after stopped the job
+    (every node still running marked as stopped on purpose, not as failed)."""
+    step = L.s.step
+    while kills and step >= kills[0][1]:  # --kill-node
+        r, _ = kills.pop(0)
+        if r in L.s.nodes:
+            L.kill(r)
+        else:
+            L.say(f"--kill-node {r}: there is no node {r}")
+    while joins and step >= joins[0]:  # --join-at
+        joins.pop(0)
+        L.start_joiner(step)
+    if chaos is not None:
+        chaos.tick(L, step)
+    if stop_after_s is None or time.monotonic() - t_start <= stop_after_s:
+        return False
+    L.say(f"stopping every node after {stop_after_s:g} s (--stop-after)")
+    with L.lock:
+        for n in L.s.nodes.values():
+            if n.killed_at is None and n.proc.poll() is None:
+                n.killed_at = time.monotonic()  # on purpose: not a failure
+    return True
+
+
+def _stop_on_signal(L: _Launcher, e, hurry) -> int:
+    """A signal stopped this process: every node stopped with it (on purpose, not failed), one line saying so;
+    returns the exit status (128 + the signal)."""
+    from prime import stop
+
+    t0 = time.monotonic()
+    with L.lock:
+        for n in L.s.nodes.values():
+            n.killed_at = n.killed_at or time.monotonic()  # stopped on purpose: not a failure
+    killed = L.stop_all(e.signum, hurry=hurry)
+    L.say(f"stopped by {stop.signal_name(e.signum)}: every node stopped "
+          + (f"within {time.monotonic() - t0:.1f} s" if not killed else
+             f"({len(killed)} process(es) still running after the grace were killed)")
+          + f"; exit status {e.code}")
+    return e.code
+
+
+def _say_summary(L: _Launcher) -> None:
+    """One line: each recovery from a killed node and each admitted joiner, with their times."""
     rec = [e for e in L.s.events if e[0] == "recovery"]
     jn = [e for e in L.s.events if e[0] == "join"]
     if rec or jn:
@@ -421,4 +443,3 @@ def run_elastic(initial: int, train_args: list[str], *, kills=(), joins=(), chao
             [f"node {r} killed, recovered in {dt:.2f} s" for _, r, dt in rec]
             + [f"node {r} admitted {dt:.1f} s after start (join {j:.2f} s, download {d:.2f} s)"
                for _, r, dt, j, d in jn]))
-    return status
