@@ -471,32 +471,9 @@ class Fragment:
         except BaseException:
             s.grads.give(base)
             raise
-        w0 = time.perf_counter()
-        prev, r = self._inflight, None
-        if prev is not None:
-            self._inflight = None
-            try:
-                r = self._join(prev)
-            except BaseException:
-                s.grads.give(base)
-                s.grads.give(prev.base)
-                raise
-        wait_s = time.perf_counter() - w0
-        applied = prev.outer_step if prev is not None else None
-        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
-            r, applied, wait_s = self._midway
-            self._midway = None
+        prev, r, wait_s, applied = self._join_previous(base)
         u0 = time.perf_counter()
-        if prev is not None:
-            s.sync.applying(r)
-            a_sq = st.update(prev.buf, load=not eager, norm=True,  # the average of k-1, in order, everywhere
-                             dense=s.dense(prev.outer_step))
-            st.add_to_residual(s.sync.take_dropped(prev.buf))
-            s.sync.committed(r)
-            policy.adapt(a_sq)
-            s.grads.give(prev.base)
-        elif not eager:
-            st.load_into_model()
+        self._apply_previous(prev, r)
         if fused:
             policy.seen(sq)
         else:
@@ -511,14 +488,55 @@ class Fragment:
         update_s = time.perf_counter() - u0
         self.outer_step += 1
         self.since_sync = self.trained = self.early = 0
-        flight = _InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None, weighing)
+        self._launch(_InFlight(outer_step, inner_step, g, base, g.clone() if s.keep_input else None, weighing))
+        return r, {"prepare_s": prepare_s, "update_s": update_s, "wait_s": wait_s}, norm, own_err, applied
+
+    def _join_previous(self, base) -> tuple:
+        """Waits for the average in flight, if any: (its _InFlight or None, the SyncResult to report, seconds
+        waited, the outer step it belongs to). An average already applied midway (after overlap_steps inner steps)
+        is reported here instead. A failed one gives both gradient buffers back before it raises."""
+        w0 = time.perf_counter()
+        prev, r = self._inflight, None
+        if prev is not None:
+            self._inflight = None
+            try:
+                r = self._join(prev)
+            except BaseException:
+                self.s.grads.give(base)
+                self.s.grads.give(prev.base)
+                raise
+        wait_s = time.perf_counter() - w0
+        applied = prev.outer_step if prev is not None else None
+        if self._midway is not None:  # applied after overlap_steps inner steps: report it here
+            r, applied, wait_s = self._midway
+            self._midway = None
+        return prev, r, wait_s, applied
+
+    def _apply_previous(self, prev, r) -> None:
+        """The average of the outer step before (prev: its _InFlight), in order, the same on every node: the outer
+        update, what its selections dropped into the residual, the policy told its size. Without one, a delayed
+        scheme loads the outer weights into the model (eager ones start from their lookahead)."""
+        st, s = self.state, self.s
+        if prev is not None:
+            s.sync.applying(r)
+            a_sq = st.update(prev.buf, load=not self.policy.eager, norm=True, dense=s.dense(prev.outer_step))
+            st.add_to_residual(s.sync.take_dropped(prev.buf))
+            s.sync.committed(r)
+            self.policy.adapt(a_sq)
+            s.grads.give(prev.base)
+        elif not self.policy.eager:
+            st.load_into_model()
+
+    def _launch(self, flight: "_InFlight") -> None:
+        """Starts the average of this outer step's contribution in the background, once the current stream has
+        written it (a CUDA event the ring waits on)."""
+        g = flight.buf
         ready = None
         if g.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(g.device))
-        flight.start(s.sync, ready, g.device)
+        flight.start(self.s.sync, ready, g.device)
         self._inflight = flight
-        return r, {"prepare_s": prepare_s, "update_s": update_s, "wait_s": wait_s}, norm, own_err, applied
 
     def _give_start(self) -> None:
         if self.start is not None:
