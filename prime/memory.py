@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from prime.codecs import CODECS, DENSE_START
+from prime.comm.ring import segment_values
 from prime.metrics import human_bytes
 from prime.ops import INT8_HEADER_BYTES, fp4_bytes, num_blocks
 from prime.sparse import keep_for_density, payload_bytes
@@ -320,15 +321,6 @@ _RING_FLAGS_BYTES = 64
 """kFlags: the collective's flags and error sums (held as RING_SLOT_MIN_BYTES)."""
 
 
-def ring_segment_values(segment_bytes: Optional[int] = None) -> int:
-    """Values of one pipeline segment of a ring of `segment_bytes` (None: the ring's default, what every run uses):
-    prime.comm.ring's rounding, down to a multiple of 4096 values and at least 4096."""
-    from prime.comm.ring import _SEGMENT_ALIGN, DEFAULT_SEGMENT_BYTES
-
-    segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
-    return max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
-
-
 def _slots(*sizes: int) -> int:
     """Bytes of the ring context's slots of these sizes (each at least RING_SLOT_MIN_BYTES)."""
     return sum(max(RING_SLOT_MIN_BYTES, s) for s in sizes)
@@ -345,7 +337,7 @@ def _dense_ring_gpu(values: int, block: int, codec: str = "int8", segment: Optio
     contributions (more than 2 ranks)."""
     if values <= 0:
         return 0
-    seg = min(values, ring_segment_values() if segment is None else segment)
+    seg = min(values, segment_values() if segment is None else segment)
     if codec == "none":
         sizes = [4 * values, 4 * seg, 4 * seg]
     else:
@@ -369,7 +361,7 @@ def _topk_ring_gpu(values: int, chunk: int, keep: int, keep_average: int, segmen
     selection decoded (kDecoded) and the flags (kFlags)."""
     if values <= 0:
         return 0
-    seg = min(values, ring_segment_values() if segment is None else segment)
+    seg = min(values, segment_values() if segment is None else segment)
     sent, average = payload_bytes(seg, chunk, keep), payload_bytes(seg, chunk, keep_average)
     sizes = [payload_bytes(values, chunk, keep_average), sent, max(sent, average), 4 * seg, 4 * seg, _RING_FLAGS_BYTES]
     return _slots(*sizes) + (_slots(4 * values) if own_dropped else 0)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from prime.config import Config
-from prime.memory import GIB, MemoryPlanError, _dense_ring_gpu, _topk_ring_gpu, plan_memory, ring_segment_values
+from prime.comm.ring import segment_values
+from prime.memory import GIB, MemoryPlanError, _dense_ring_gpu, _topk_ring_gpu, plan_memory
 from prime.model import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,7 +221,7 @@ def test_the_rings_own_gpu_buffers_are_planned_as_measured(codec):
     """The plan's count of the ring's cudaMalloc'd buffers is at least what the ring held on the GPU and at most 5%
     more: int8 the result's image (a byte a value and an fp32 scale a block of 64) and a segment's buffers; topk
     (with `residual`) what its selections dropped, 4 bytes a value, the final records and a segment's buffers."""
-    n, segment = 1 << 20, ring_segment_values(1 << 16)
+    n, segment = 1 << 20, segment_values(1 << 16)
     assert segment == 1 << 14
     if codec == "int8":
         plan = _dense_ring_gpu(n, 64, "int8", segment=segment, ranks=2)
@@ -233,7 +234,7 @@ def test_the_ring_buffers_follow_the_segment_and_the_schedule():
     """The per-segment buffers scale with the segment (a run's: prime.comm.ring's default, 1 MiB of fp32), not with
     the tensor; the fp32 sum of a segment counts where the ring may take it (blocks above 1024: no fused kernel;
     more than 2 ranks: the direct schedule's owner adds several contributions)."""
-    n, seg = 1 << 26, ring_segment_values()
+    n, seg = 1 << 26, segment_values()
     assert seg == 1 << 18
     base = _dense_ring_gpu(n, 64, "int8")
     assert n * (1 + 4 / 64) < base < n * (1 + 4 / 64) + 3 * seg

@@ -346,7 +346,8 @@ def test_the_rings_device_buffers_are_counted_while_it_is_open(codec):
 
     from prime.comm import Ring
     from prime.comm.ring import device_buffer_bytes
-    from prime.memory import _dense_ring_gpu, _topk_ring_gpu, ring_segment_values
+    from prime.comm.ring import segment_values
+    from prime.memory import _dense_ring_gpu, _topk_ring_gpu
 
     world, n = 2, 1 << 20
     store = dist.HashStore()
@@ -371,7 +372,7 @@ def test_the_rings_device_buffers_are_counted_while_it_is_open(codec):
     _run_ranks(rank_main, world)
     owns = [s[0] for s in seen]
     print(f"ring device buffers of {n} values, {codec}: {owns} bytes (rank 0, 1)")
-    segment = ring_segment_values(SEGMENT_BYTES)
+    segment = segment_values(SEGMENT_BYTES)
     if codec == "int8":  # the result's image (codes and scales) and a segment's buffers
         plan = _dense_ring_gpu(n, 64, "int8", segment=segment, ranks=world)
     else:  # the dropped part (with `residual`, the ring's own), the final records and a segment's buffers

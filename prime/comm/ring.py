@@ -31,7 +31,7 @@ from prime.comm.errors import CommError, error_from_info
 from prime.comm.links import LinkTable, choose_schedule
 from prime.ops import CODECS, check_block_size, default_block_size, wire_bytes
 
-__all__ = ["Ring", "Work", "WorkStats", "RING_TIMERS", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS",
+__all__ = ["Ring", "Work", "WorkStats", "RING_TIMERS", "RingProtocol", "WorkProtocol", "DEFAULT_SEGMENT_BYTES", "DEFAULT_STREAMS", "segment_values",
            "device_buffer_bytes"]
 
 logger = logging.getLogger("prime.comm")
@@ -282,9 +282,15 @@ def _ring_arguments(rank, world_size, timeout, streams, schedule, order, max_rat
         encrypt = _env_flag(ENV_ENCRYPT, False)
     if quant_error is None:
         quant_error = _env_flag(ENV_QUANT_ERROR, False)
-    segment_elems = max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
-    return _RingArguments(timeout_s, streams, schedule, order, float(max_rate), segment_elems, bool(encrypt),
-                          bool(quant_error))
+    return _RingArguments(timeout_s, streams, schedule, order, float(max_rate), segment_values(segment_bytes),
+                          bool(encrypt), bool(quant_error))
+
+
+def segment_values(segment_bytes: Optional[int] = None) -> int:
+    """Values of one pipeline segment of a ring of `segment_bytes` (None: DEFAULT_SEGMENT_BYTES): its fp32 values
+    rounded down to whole segments of the largest codec block (4096 values), at least one."""
+    segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    return max(_SEGMENT_ALIGN, segment_bytes // 4 // _SEGMENT_ALIGN * _SEGMENT_ALIGN)
 
 
 def _cuda_reduce_mode() -> str:
