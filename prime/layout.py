@@ -63,6 +63,12 @@ come, margin 12 GB) keeps its 5 buffers of eager overlap (30 GB) on the GPU; a f
 before) sent them to the CPU, costing 1.5-2.2 s per outer step (benchmarks/RESULTS.md)."""
 
 
+def inspect_piece(on_gpu: bool) -> int:
+    """Values per piece of a norm or error pass (outer.OuterState.inspect, int8_error_sq): on a GPU one kernel per
+    64M values, the piece only bounding temporaries; on the CPU a pass's cache-sized piece."""
+    return _GPU_CHUNK if on_gpu else _CHUNK
+
+
 def pass_piece(on_gpu: bool) -> int:
     """Values per piece of a pass over the flat buffers (and per cut of a pipelined step's ranges)."""
     return _PIPE_CHUNK if on_gpu else _CHUNK

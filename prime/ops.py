@@ -426,7 +426,9 @@ def _triton():
     return codec
 
 
-def _triton_usable(device: torch.device) -> bool:
+def triton_usable(device: torch.device) -> bool:
+    """True when the Triton kernels run on `device` (triton installed and working there; on CPU tensors only under
+    TRITON_INTERPRET=1)."""
     try:
         return _triton().available(device)
     except ImportError:
@@ -440,12 +442,12 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     if device.type == "cuda":
         if _extension.has_cuda_kernels():
             out.append("cuda")
-        if _triton_usable(device):
+        if triton_usable(device):
             out.append("triton")
     elif device.type == "cpu":
         if _extension.available():
             out.append("cpu")
-        if _triton_usable(device):  # only under TRITON_INTERPRET=1; slow, for tests
+        if triton_usable(device):  # only under TRITON_INTERPRET=1; slow, for tests
             out.append("triton")
     out.append("torch")
     return out

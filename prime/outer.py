@@ -191,7 +191,7 @@ class OuterState(FlatLayout, OverlapPasses):
 
         err = torch.zeros((), dtype=torch.float64, device=g.device)
         bs = self.block_size
-        chunk = ((layout._GPU_CHUNK if g.is_cuda else layout._CHUNK) // bs) * bs or bs  # whole blocks, as the ring cuts them
+        chunk = (layout.inspect_piece(g.is_cuda) // bs) * bs or bs  # whole blocks, as the ring cuts them
         for s in range(0, g.numel(), chunk):
             c = g[s : s + chunk]
             q, scales = ops.quantize_int8(c, bs, check_finite=False)
@@ -204,7 +204,7 @@ class OuterState(FlatLayout, OverlapPasses):
     def inspect(self, g: torch.Tensor, compression_error: bool) -> tuple[float, Optional[float]]:
         """L2 norm of g and, when asked, the relative L2 error of its int8 quantize/dequantize round trip."""
         sq = 0.0
-        bs = layout._GPU_CHUNK if g.is_cuda else layout._CHUNK
+        bs = layout.inspect_piece(g.is_cuda)
         for s in range(0, g.numel(), bs):
             c = g[s : s + bs]
             sq += float(torch.dot(c, c).double())

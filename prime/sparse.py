@@ -218,11 +218,11 @@ goes through the host); for a CPU tensor cpu, else torch."""
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """The backends that run on tensors of this device, the default first."""
-    from prime.ops import _triton_usable
+    from prime.ops import triton_usable
 
     device = torch.device(device)
     on_gpu = device.type == "cuda"
-    usable = {"cuda": on_gpu and _extension.has_cuda_kernels(), "triton": _triton_usable(device),
+    usable = {"cuda": on_gpu and _extension.has_cuda_kernels(), "triton": triton_usable(device),
               "cpu": _extension.available()}
     # (triton on CPU tensors is the interpreter, for tests: after the CPU kernels)
     return [b for b in (("cuda", "triton", "cpu") if on_gpu else ("cpu", "triton")) if usable[b]] + ["torch"]
