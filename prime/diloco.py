@@ -242,23 +242,23 @@ class DiLoCo:
         """The engine: the counters and the outer steps of the fragments (prime.stepper)."""
         self.shard = shard
         """shard(p): the tensor of parameter p this DiLoCo averages (None: the process's local shard)."""
-        if step_weight != 1:
-            if not (isinstance(step_weight, int) and step_weight >= 1):
-                raise ValueError(f"step_weight must be an int >= 1, got {step_weight!r}")
-            if self.weights != "tokens":
-                raise ValueError("step_weight is what an inner step counts in a token-weighted average: it needs "
-                                 "weights='tokens'")
-            self.steps.step_weight = step_weight
+        self.steps.step_weight = _check_step_weight(step_weight, self.weights)
         if self.distributed:
-            self._sync.bind(self.states, self.settings())
-            if codec == "topk":  # whichever sync carries it (fixed ring or elastic rings)
-                warm_sparse_staging(self.states)
-            if inner_optimizer is None:
-                self.states.take()  # no first inner step to wait for
+            self._bind_sync()
         self._hooks = InnerStepHooks(inner_optimizer, before=self._before_inner_step, count=self._count)
         self.resume_changes: list = []
         """After load_state_dict(): the outer update's settings that differ from the checkpoint's run, as (name,
         the checkpoint's value, this run's); empty when none do or the checkpoint did not record them."""
+
+    def _bind_sync(self) -> None:
+        """Hands the sync the outer states and the run's settings; topk's staging is warmed whichever sync carries
+        it (fixed ring or elastic rings), and without an inner optimizer the states are taken now (no first inner
+        step to wait for)."""
+        self._sync.bind(self.states, self.settings())
+        if self.codec == "topk":
+            warm_sparse_staging(self.states)
+        if self.inner_optimizer is None:
+            self.states.take()
 
     def work_buffers(self) -> tuple:
         """(pseudo-gradient buffers, start buffers) of the largest fragment's size this DiLoCo keeps at most on
@@ -570,6 +570,18 @@ def _check_sync(keep: Optional[int], weights: str, sync) -> str:
         raise ValueError(f"weights='tokens' needs a sync that exchanges each node's inner-step count "
                          f"(prime.sync.SyncExtras.weighs); {type(sync).__name__} does not declare it")
     return weights
+
+
+def _check_step_weight(step_weight, weights: str) -> int:
+    """What an inner step counts in a token-weighted average (1 unless weights='tokens')."""
+    if step_weight == 1:
+        return 1
+    if not (isinstance(step_weight, int) and step_weight >= 1):
+        raise ValueError(f"step_weight must be an int >= 1, got {step_weight!r}")
+    if weights != "tokens":
+        raise ValueError("step_weight is what an inner step counts in a token-weighted average: it needs "
+                         "weights='tokens'")
+    return step_weight
 
 
 def _check_arguments(inner_steps, outer_lr, outer_momentum, block_size, retries, overlap, overlap_scheme,
