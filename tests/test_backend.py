@@ -414,6 +414,53 @@ def test_a_failed_collective_raises_everywhere_and_leaves_the_tensor(ranks):
         assert res["unchanged"], f"rank {r}: a failed all_reduce changed the tensor {_note()}"
 
 
+def _rank_interrupted_wait(ctx, seed):
+    import signal
+
+    import torch.distributed as dist
+
+    with _prime_world(ctx):
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(seed + ctx.rank))
+        out = {}
+        if ctx.rank == 1:  # enters the all-reduce late, so that rank 0's wait is interrupted while it runs
+            time.sleep(1.0)
+            dist.all_reduce(x)
+            return {"x": x}
+        work = dist.all_reduce(x, async_op=True)
+
+        def interrupt(*_):
+            raise KeyboardInterrupt("interrupted wait")
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            work.wait()
+            out["first"] = "returned"
+        except BaseException as e:  # the interrupt itself, not a stand-in for it
+            out["first"] = type(e).__name__
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        out["running_after_interrupt"] = not work.is_completed() and work.exception() is None
+        out["second"] = work.wait()  # the collective still completes, and its future with it
+        out["future"] = work.get_future().wait()[0] is x
+        out["x"] = x
+    return out
+
+
+def test_an_interrupted_wait_propagates_and_the_collective_still_completes(ranks):
+    """A KeyboardInterrupt (or a stop) raised in the thread that waits is not the collective's outcome: it reaches
+    the caller as itself, the work stays running, and a later wait() and the future complete with the result."""
+    results = ranks.run(_rank_interrupted_wait, SEED, world_size=2)
+    res = results[0]
+    assert res["first"] == "KeyboardInterrupt", res["first"]
+    assert res["running_after_interrupt"], "an interrupted wait completed the work with the interrupt as its error"
+    assert res["second"] is True and res["future"] is True
+    assert torch.equal(res["x"], results[1]["x"]), _note()
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(SEED + r)).double() for r in range(2)]
+    assert (res["x"].double() - (xs[0] + xs[1])).abs().max().item() <= 1e-5, _note()
+
+
 # ---------------------------------------------------------------------------
 # the int8 option
 

@@ -115,8 +115,10 @@ class PrimeWork(dist._Work):
         try:
             self._ring_work.wait()
             ring_error = None
-        except BaseException as e:  # handed to the waiter, never swallowed
+        except Exception as e:  # the collective's outcome: handed to the waiter, never swallowed
             ring_error = e
+        # A KeyboardInterrupt or a stop (SystemExit) raised while this thread waited is not the collective's
+        # outcome: it propagates, and the work stays running (the completion thread completes it later).
         with self._lock:
             if self._done.is_set():
                 return
@@ -124,7 +126,7 @@ class PrimeWork(dist._Work):
             if ring_error is None:
                 try:
                     result = self._finish_fn()
-                except BaseException as e:
+                except Exception as e:
                     error = e
             self._result, self._error = result, error
             self._done.set()  # before the future: its callbacks (DDP, torchft) run in this thread
