@@ -29,6 +29,7 @@ error that names the spec and lists what the point accepts.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -144,6 +145,8 @@ def _parse_one(spec: str) -> Fault:
     else:
         try:
             at = float(when)
+            if not math.isfinite(at):
+                raise ValueError(when)
         except ValueError:
             raise FaultSpecError(f"fault spec {spec!r}: AT must be a number or file:PATH, got {when!r}; "
                                  f"accepted: {_accepted(name)}") from None
@@ -163,8 +166,10 @@ def _parse_one(spec: str) -> Fault:
     if need in ("seconds", "status"):
         try:
             v = float(arg)
+            if not math.isfinite(v):
+                raise ValueError(arg)
         except ValueError:
-            raise FaultSpecError(f"fault spec {spec!r}: {action} takes a number ({need}), got {arg!r}") from None
+            raise FaultSpecError(f"fault spec {spec!r}: {action} takes a finite number ({need}), got {arg!r}") from None
         if v < 0 or (need == "status" and (v != int(v) or not 0 < v < 256)):
             raise FaultSpecError(f"fault spec {spec!r}: {action}:{arg} is out of range")
     return Fault(name, at, path, action, arg or None, text)

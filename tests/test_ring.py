@@ -293,6 +293,8 @@ def test_bad_arguments_are_refused_before_any_network():
         Ring(store, 0, 2, order=[0, 0])
     with pytest.raises(ValueError, match="segment_bytes"):
         Ring(store, 0, 2, segment_bytes=100)
+    with pytest.raises(ValueError, match="max_rate"):
+        Ring(store, 0, 2, max_rate=float("nan"))
     with Ring(store, 0, 1) as ring:
         with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
             ring.all_reduce(torch.zeros(3, dtype=torch.int32))
@@ -304,6 +306,37 @@ def test_bad_arguments_are_refused_before_any_network():
             ring.all_reduce(torch.zeros(3), block_size=100)
         with pytest.raises(ValueError, match="schedule"):
             ring.all_reduce(torch.zeros(3), schedule="tree")
+
+
+@pytest.mark.parametrize("name, raw", [
+    ("PRIME_RING_STREAMS", "two"), ("PRIME_RING_STREAMS", "-1"), ("PRIME_RING_STREAMS", "1.5"),
+    ("PRIME_RING_MAX_RATE", "abc"), ("PRIME_RING_MAX_RATE", "nan"), ("PRIME_RING_MAX_RATE", "-inf"),
+    ("PRIME_RING_MAX_RATE", "-5"), ("PRIME_RING_SOCKET_BUFFER", "big"), ("PRIME_RING_SOCKET_BUFFER", "-5"),
+])
+def test_bad_environment_variables_are_refused_naming_them(monkeypatch, name, raw):
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=f"{name} must be .* got {raw!r}"):
+        Ring(dist.HashStore(), 0, 1)
+
+
+def test_numeric_environment_variables_are_read(monkeypatch):
+    import torch.distributed as dist
+
+    from prime.comm import Ring
+
+    monkeypatch.setenv("PRIME_RING_STREAMS", " 3 ")
+    monkeypatch.setenv("PRIME_RING_MAX_RATE", "1.5e6")
+    monkeypatch.setenv("PRIME_RING_SOCKET_BUFFER", "")
+    from prime.comm.ring import _ring_arguments
+
+    a = _ring_arguments(0, 2, 30.0, None, None, None, None, None, None, None)
+    assert (a.streams, a.max_rate) == (3, 1.5e6)
+    with Ring(dist.HashStore(), 0, 1) as ring:
+        assert ring.streams == 3
 
 
 # ---------------------------------------------------------------------------

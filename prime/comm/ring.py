@@ -12,6 +12,7 @@ See docs/ring.md for the guarantees, the failure behaviour and the wire format.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -224,6 +225,22 @@ def _env_flag(name: str, default: bool) -> bool:
     return default
 
 
+def _env_number(name: str, default: Union[int, float], kind: type = int) -> Union[int, float]:
+    """A numeric environment variable (int or float), finite and >= 0; unset or empty: default. A bad value is a
+    ValueError naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < 0:
+        what = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what} >= 0, got {raw!r}")
+    return value
+
+
 def _corrupt_offset() -> int:
     """The byte offset of fault point ring.send in this process (-1: none armed)."""
     f = faults.standing("ring.send", "corrupt")
@@ -259,7 +276,7 @@ def _ring_arguments(rank, world_size, timeout, streams, schedule, order, max_rat
     timeout_s = _seconds(timeout)
     if timeout_s <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
-    streams = int(os.environ.get(ENV_STREAMS, DEFAULT_STREAMS)) if streams is None else streams
+    streams = _env_number(ENV_STREAMS, DEFAULT_STREAMS) if streams is None else streams
     if not isinstance(streams, int) or not 0 <= streams <= 64:
         raise ValueError(f"streams must be an int from 0 (chosen per link) to 64, got {streams!r}")
     schedule = (os.environ.get(ENV_SCHEDULE) or "auto") if schedule is None else schedule
@@ -272,8 +289,8 @@ def _ring_arguments(rank, world_size, timeout, streams, schedule, order, max_rat
     elif sorted(order) != list(range(world_size)):
         raise ValueError(f"order must be a permutation of range({world_size}), got {order!r}")
     if max_rate is None:
-        max_rate = float(os.environ.get(ENV_MAX_RATE, 0))
-    if max_rate < 0:
+        max_rate = _env_number(ENV_MAX_RATE, 0.0, float)
+    if not isinstance(max_rate, (int, float)) or not math.isfinite(max_rate) or max_rate < 0:
         raise ValueError(f"max_rate must be >= 0 bytes/s (0: unlimited), got {max_rate}")
     segment_bytes = DEFAULT_SEGMENT_BYTES if segment_bytes is None else segment_bytes
     if not isinstance(segment_bytes, int) or not 4 * _SEGMENT_ALIGN <= segment_bytes <= 1 << 30:
@@ -430,7 +447,7 @@ class Ring:
             max_rate=a.max_rate,
             encrypt=a.encrypt,
             segment_elems=a.segment_elems,
-            socket_buffer_bytes=int(os.environ.get(ENV_SOCKET_BUFFER, 0)),
+            socket_buffer_bytes=_env_number(ENV_SOCKET_BUFFER, 0),
             corrupt_after_bytes=_corrupt_offset(),
             measure_quant_error=self.quant_error,
             restart_bbr=_env_flag(ENV_RESTART_BBR, True),
@@ -506,7 +523,7 @@ class Ring:
 
         codec="topk" (docs/wire-format-sparse.md; float32 only, always the direct schedule):
         per chunk of `block_size` values (default 4096) the `keep` largest magnitudes (default
-        64) at 2 bits each with their positions, 0.028x the bytes of fp32 at the defaults.
+        64) at 2 bits each with their positions, 0.005x the bytes of fp32 at the defaults.
         Each rank's contribution is selected once by its sender and each chunk's sum once by
         its owner, who adds its own values of its chunk unselected and keeps `keep_average`
         values of every chunk of the sum (default: keep); with `residual` (a contiguous
