@@ -224,7 +224,7 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
         keep = (length * K + CHUNK - 1) // CHUNK
         lb = _lower_bits(keep, BITS)
         count, low, hi = _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK, R, SUB, CAP)
-        status = tl.where(hi >= _INF_BITS, 1, 0)
+        status = tl.where(hi >= _INF_BITS, 2, 0)  # EncodeStatus: 2 not finite, 1 overflow
         tl.debug_barrier()
         inside = j < count
         xb = tl.load(cx_row + j, mask=inside, other=0)
@@ -269,7 +269,7 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
         hi_bits = _bf16_bits((sum_hi / n_hi.to(tl.float64)).to(tl.float32))
         lo_bits = tl.where(keep > n_hi,
                            _bf16_bits((sum_lo / tl.maximum(keep - n_hi, 1).to(tl.float64)).to(tl.float32)), hi_bits)
-        status = tl.where((status == 0) & ((hi_bits & 0x7FFF) >= 0x7F80), 2, status)
+        status = tl.where((status == 0) & ((hi_bits & 0x7FFF) >= 0x7F80), 1, status)
         tl.store(status_ptr + c, status)
         negative = xb.to(tl.float32, bitcast=True) < 0.0  # -0 codes as positive
         code = h.to(tl.int32) | (negative.to(tl.int32) << 1)  # bit 0: hi, bit 1: negative

@@ -83,9 +83,9 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
                                               SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS,
                                               **shape, **_lower_shape(chunk, k), **_COMPILE_OPTIONS)
     worst = int(status.max())
-    if worst == 1:
+    if worst == 2:  # not finite: reported before an overflow elsewhere (csrc/codec/sparse.h's EncodeStatus)
         raise ValueError("sparse encode: the input holds NaN or Inf")
-    if worst == 2:
+    if worst == 1:
         raise ValueError("sparse encode: a chunk's magnitude overflows bf16")
     return out
 

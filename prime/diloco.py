@@ -64,7 +64,7 @@ DiLoCo's arguments:
     outer_optimizer:  outer_optimizer(params) -> any torch optimizer over the outer parameters, in place of the
                       default update (nodes then agree bit for bit only on the same torch build and CPU)
     codec:            "int8" (default: 0.254x the bytes of fp32, ~1% relative L2 error per node), "fp4"
-                      (half of int8's bytes, ~11%), "topk" (sparse, 0.008x at the default densities: each round
+                      (half of int8's bytes, ~11%), "topk" (sparse, 0.0055x at the default densities: each round
                       sends the largest values of every chunk, error feedback the rest later; fixed or elastic
                       nodes) or "none" (exact fp32); prime/codecs.py
     block_size:       codec block size, topk's chunk; None: the codec's default (int8 64, fp4 256, topk 4096)

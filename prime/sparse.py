@@ -68,6 +68,8 @@ def chunk_keep(length: int, chunk: int, k: int) -> int:
 
 def lower_bits(keep: int, chunk: int) -> int:
     """b, the lower bits of a position kept directly: the largest with keep 2^b <= chunk."""
+    if not 1 <= keep <= chunk:
+        raise ValueError(f"sparse: values kept per chunk must be in [1, chunk={chunk}], got {keep}")
     b = 0
     while keep << (b + 1) <= chunk:
         b += 1

@@ -135,6 +135,16 @@ def test_the_kernels_refuse_what_the_reference_refuses():
         sparse.encode(torch.full((16,), 3.4e38), chunk=16, k=2, backend="cpu")
     with pytest.raises(ValueError, match="overflows bf16"):
         sparse.encode_reference(torch.full((16,), 3.4e38), chunk=16, k=2)
+    for nan_at in (3, 40):  # NaN in one chunk, an overflow in another: the input is not finite, whatever the order
+        both = torch.cat([torch.randn(32), torch.full((16,), 3.4e38)]) if nan_at == 3 else \
+            torch.cat([torch.full((16,), 3.4e38), torch.randn(32)])
+        both[nan_at] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            sparse.encode(both, chunk=16, k=2, backend="cpu")
+        with pytest.raises(ValueError, match="non-finite"):
+            sparse.encode_reference(both, chunk=16, k=2)
+    with pytest.raises(ValueError, match=r"values kept per chunk must be in \[1"):
+        sparse.lower_bits(0, 4096)
     payload = sparse.encode(torch.randn(100), chunk=16, k=4, backend="cpu")
     with pytest.raises(ValueError, match="expected"):
         sparse.decode(payload[:-1], 100, chunk=16, k=4, backend="cpu")
@@ -221,6 +231,10 @@ def test_the_cuda_kernels_refuse_bad_input_and_leave_the_accumulator():
         sparse.encode(x, 32, 4, backend="cuda")
     with pytest.raises(ValueError, match="overflows bf16"):
         sparse.encode(torch.full((32,), 3.4e38, device="cuda"), 32, 4, backend="cuda")
+    both = torch.cat([torch.full((32,), 3.4e38), torch.randn(32)]).cuda()
+    both[40] = float("nan")  # NaN in one chunk, an overflow in another: not finite
+    with pytest.raises(ValueError, match="non-finite"):
+        sparse.encode(both, 32, 4, backend="cuda")
     payload = sparse.encode(torch.arange(64.0, device="cuda"), 32, 4, backend="cuda")
     for what, bad in malformed_payloads():
         acc = torch.arange(21.0, device="cuda")

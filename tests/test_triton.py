@@ -582,6 +582,10 @@ def test_sparse_refuses_bad_input_and_leaves_the_accumulator(device):
         triton_sparse.encode(x, 32, 4)
     with pytest.raises(ValueError, match="overflows bf16"):
         triton_sparse.encode(torch.full((32,), 3.4e38, device=device), 32, 4)
+    both = torch.cat([torch.full((32,), 3.4e38), torch.randn(32)]).to(device)
+    both[40] = float("nan")  # NaN in one chunk, an overflow in another: not finite
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        triton_sparse.encode(both, 32, 4)
     payload = triton_sparse.encode(torch.arange(64.0, device=device), 32, 4)
     bad = payload.clone()
     bad[4] = 0xFF  # the first position becomes 15 and the second 15 or more: not ascending

@@ -41,7 +41,9 @@ inline int64_t payload_bytes(int64_t n, int64_t chunk, int64_t k) {
   return full * record_bytes(k, chunk) + (rest ? record_bytes(chunk_keep(rest, chunk, k), chunk) : 0);
 }
 
-enum class EncodeStatus : int { kOk = 0, kNonFinite = 1, kOverflow = 2 };
+// Ordered by precedence: encoders keep the largest status of any chunk, so input that is not finite is
+// reported as such even where another chunk overflows.
+enum class EncodeStatus : int { kOk = 0, kOverflow = 1, kNonFinite = 2 };
 
 // out[0, payload_bytes(n)) = the payload of x[0, n) (fp32). kNonFinite: x holds NaN or Inf;
 // kOverflow: a chunk's larger magnitude rounds to bf16 infinity (out is then not a payload).
