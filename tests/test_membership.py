@@ -260,3 +260,24 @@ def test_the_elastic_average_is_over_the_contributors(joiners):
     if joiners:
         wrong = total.double() / len(members)
         assert not torch.allclose(wrong, want, rtol=0, atol=1e-3)
+
+
+def test_an_outcome_that_commits_a_member_whose_all_reduce_failed_is_not_applied():
+    """No outcome decided from this run's reports commits a member whose all-reduce failed (decide_outcome above),
+    but one read from the store might (a record of another run): the node leaves (Evicted, to join again) instead
+    of applying what its buffer holds, its own pseudo-gradient, as the average."""
+    from types import SimpleNamespace
+
+    from prime.elastic.attempts import OuterStepAttempts
+    from prime.elastic.membership import Attempt, Evicted, Outcome, Plan
+
+    plan = Plan(k=3, attempt=0, members=[0, 1], contributors=[0, 1], slots={}, step=30)
+    outcome = Outcome(k=3, attempt=0, commit=True, members=[0, 1])
+    attempts = OuterStepAttempts(SimpleNamespace(node_id=1, log=lambda *a, **kw: None), None, None)
+    attempts._attempt = lambda *a, **kw: Attempt(plan=plan, outcome=outcome, ok=False, error="connection lost",
+                                                 stats={}, planned_at=0.0, wait_s=0.0, allreduce_s=0.0)
+    g = torch.randn(8)
+    before = g.clone()
+    with pytest.raises(Evicted, match="this node's all-reduce failed"):
+        attempts.run(3, g, 30, prev=plan, since=0.0)
+    assert torch.equal(g, before)

@@ -85,6 +85,10 @@ class OuterStepAttempts:
             if outcome.commit:
                 if me not in outcome.members:
                     raise Evicted(f"outer step {k} committed without this node's result ({err or 'it was late'})")
+                if not ok:  # no outcome decided from this run's reports commits a member whose all-reduce failed:
+                    # g holds this node's own input, not the average; applying it would split the replicas
+                    raise Evicted(f"outer step {k}: the outcome commits with this node among its members, but this "
+                                  f"node's all-reduce failed ({err}); not applying it")
                 if outcome.missing:  # died after its data went through: the average has it, the node is out
                     lost += outcome.missing
                     m.log(f"outer step {k} committed by nodes {outcome.members}; " + "; ".join(
