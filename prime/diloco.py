@@ -26,7 +26,10 @@ guarantees it).
 
 Failure: the sync retries or gives up with OuterSyncError, leaving the outer
 weights as they were: the caller saves a checkpoint and stops. It never
-continues with replicas that differ.
+continues with replicas that differ, given a sync whose nodes agree on each
+all-reduce's outcome (prime's trainer: RingSync.agree_through(), elastic
+nodes); a RingSync made here from a ring or a ring_factory alone agrees only
+within the node (docs/ring-failures.md).
 
 With overlap=True the average of outer step k runs on a background thread
 during the inner steps of outer step k+1 and is applied after overlap_steps of

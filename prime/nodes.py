@@ -179,6 +179,7 @@ class FixedNodes:
         self._last_ring: dict = {}  # ring -> its newest Ring: its link measurements seed the next one's order
         self._stores: dict = {}  # ring -> its own store connection, when this process is on several rings
         self._closed = False
+        self._launch: Optional[str] = None  # launch_scope(), once drawn
         self._pool = None  # a process on several rings: their exchanges run at once on its threads
         self.group: Optional[MemberGroup] = None
         """The agreement of this process's rings when it takes part in several (prime.shares)."""
@@ -197,7 +198,8 @@ class FixedNodes:
             self.syncs[g] = RingSync(None, ring_factory=functools.partial(self.make_ring, ring=g),
                                      retries=cfg.diloco.retries, local_group=group)
         self.sync = self.syncs[self.shares.mine[0]]
-        self.records = signed_records(cfg, env.store, self._secret())
+        self._job_secret = self._secret()
+        self.records = signed_records(cfg, env.store, self._job_secret)
 
     def _secret(self) -> bytes:
         """$PRIME_RING_SECRET, else (one host only) drawn by node 0's first process and shared through the store."""
@@ -252,9 +254,15 @@ class FixedNodes:
         """A name for this launch that every process of every node agrees on and no earlier launch had: each
         node's first process draws 48 random bits, shares them in the node, and every ring exchanges the nodes'
         draws (authenticated and fresh, unlike a record in the store, which a stranger could replay). The resume
-        agreement's keys carry it. Empty on a single node."""
+        agreement's and the outcomes' keys carry it. Drawn at the first call (every process makes it at the same
+        point: the resume, else start()). Empty on a single node."""
         if self.sync is None:
             return ""
+        if self._launch is None:
+            self._launch = self._draw_launch()
+        return self._launch
+
+    def _draw_launch(self) -> str:
         import secrets
 
         env = self.env
@@ -296,11 +304,23 @@ class FixedNodes:
         """Checks that every node holds the same weights and settings; runs the outer step that a checkpoint
         written after a failed outer step still owes."""
         d = self.diloco
+        if self.multi_node:  # every all-reduce from here on is applied on every node or on none
+            self._agree_through_store()
         if d.distributed and self.cfg.diloco.check_replicas:
             d.check_replicas()
         if d.owes_outer_step():
             return d.sync()
         return OuterStepResult(False, d.inner_step, d.outer_step)
+
+    def _agree_through_store(self) -> None:
+        from prime.outcomes import StoreOutcomes
+
+        env, launch = self.env, self.launch_scope()
+        for g, sync in self.syncs.items():
+            connect = env.connect if env.connect is not None else (lambda g=g: self._stores.get(g, env.store))
+            sync.agree_through(StoreOutcomes(connect, self._job_secret, self.cfg.nodes.run_id, f"{launch}/g{g}",
+                                             node=env.node_rank, nodes=env.num_nodes,
+                                             timeout_s=self.cfg.diloco.timeout_s))
 
     def meet(self) -> None:
         """Every node's processes exchange one number over their ring (authenticated, like every exchange)."""

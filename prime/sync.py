@@ -403,7 +403,11 @@ class RingSync(SyncExtras):
 
     A CommError is retried after every process of the node agrees that the
     attempt failed; when no attempt works, OuterSyncError is raised and the
-    caller's outer weights are left as they were.
+    caller's outer weights are left as they were. A rank may fail after its
+    peers had all they needed (they complete, it raises): with agree_through()
+    (prime's trainer does it) every node then follows one decision taken
+    through the job's store (prime.outcomes), else only the node's processes
+    agree and the node that completed applies while the other gives up.
     """
 
     pipelined = True
@@ -432,6 +436,14 @@ class RingSync(SyncExtras):
         """average_pieces(): seconds the last piece's apply() took (the update left after the wire)."""
         self.ring = ring if ring is not None else ring_factory("start")
         self.rank, self.world_size = self.ring.rank, self.ring.world_size
+        self.outcomes = None
+        """prime.outcomes.StoreOutcomes: every node's outcome of each all-reduce, agreed (agree_through())."""
+        self._collectives = 0  # all-reduces run (their order is the same on every node: the ring requires it)
+
+    def agree_through(self, outcomes) -> None:
+        """From now on, apply an all-reduce only where every node's worked (prime.outcomes.StoreOutcomes: a
+        decision taken through the job's store); before, only this node's processes agree."""
+        self.outcomes = outcomes
 
     def bind(self, states, settings: dict) -> None:
         self.codec, self.block_size, self.keep = settings["codec"], settings["block_size"], settings.get("keep")
@@ -546,6 +558,7 @@ class RingSync(SyncExtras):
         process's input of piece j when its own all-reduce had worked. Errors other than network failures are
         raised at once (a bug or a bad argument: no retry)."""
         t0, pipelined = time.perf_counter(), prepare is not None
+        collective, self._collectives = self._collectives, self._collectives + 1
         buffer = buffer or (lambda j: pieces[j])
         attempts = 1 + (self.retries if self.ring_factory is not None else 0)
         totals: dict = {}
@@ -573,8 +586,11 @@ class RingSync(SyncExtras):
             launch_upto(done + window)
             for j in range(done, len(pieces)):
                 err, stats = (launch["err"], {}) if j not in works else self._wait(works[j])
-                if not all_local(group, err is None):
-                    last = err or last or RuntimeError("the all-reduce failed on another process of this node")
+                node_ok = all_local(group, err is None)
+                if not self._everywhere(group, f"c{collective}a{attempt}j{j}", node_ok, outer_step, done, pipelined,
+                                        len(pieces)):
+                    last = err or last or RuntimeError("the all-reduce failed on another process of this node"
+                                                       if not node_ok else "the all-reduce failed on another node")
                     self._drop_ring()
                     if err is None and restore is not None:
                         restore(j)
@@ -603,6 +619,23 @@ class RingSync(SyncExtras):
             f"{len(pieces)} (last error: {last}). Pieces 1 to {done} were applied; the rest was not. Stopping so that "
             "nodes do not diverge: restart every node from the last checkpoint."
         )
+
+    def _everywhere(self, group, name: str, node_ok: bool, outer_step: int, done: int, pipelined: bool,
+                    pieces: int) -> bool:
+        """Whether every node applies all-reduce `name` (node_ok: it worked on every process of this node): the
+        store's decision with agree_through(), else node_ok. Raises OuterSyncError on every process of the node
+        when the decision cannot be learned (another node may have applied it)."""
+        if self.outcomes is None:
+            return node_ok
+        verdict = self.outcomes.decide(name, node_ok)
+        if not all_local(group, verdict is not None):
+            self._drop_ring()
+            applied = f" Pieces 1 to {done} of {pieces} were applied; the rest was not." if pipelined else ""
+            raise OuterSyncError(
+                f"outer step {outer_step}: could not learn from the store whether every node's all-reduce worked "
+                f"(within {2 * self.outcomes.timeout_s:g} s, or the store failed); other nodes may have applied it."
+                f"{applied} Stopping: restart every node from the last checkpoint.")
+        return all_local(group, verdict)
 
     def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: tuple, pipelined: bool):
         """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none; codec:

@@ -43,6 +43,8 @@ secret for the job ``trainer/<run_id>``:
     finished/<r>/<g>           signed: process g of node r is done with the store
     host/<r>/<g>               signed: the host process g of node r runs on (the memory plan counts them)
     plan/<r>                   signed: whether node r's memory plan fits ("ok" or why not)
+    out/<launch>/g<g>/<name>/n<r>  signed: whether node r's all-reduce <name> on ring g worked (prime.outcomes)
+    out/<launch>/g<g>/<name>/d     signed, first writer wins: whether every node applies it
 """
 
 from __future__ import annotations
@@ -181,3 +183,13 @@ def host_of(node: int, local_rank: int) -> str:
 
 def memory_plan(node: int) -> str:
     return f"plan/{node}"
+
+
+def outcome_report(scope: str, name: str, node: int) -> str:
+    """Node `node`'s outcome of all-reduce `name` (prime.outcomes; scope: the launch and the ring)."""
+    return f"out/{scope}/{name}/n{node}"
+
+
+def outcome_decision(scope: str, name: str) -> str:
+    """Whether every node applies all-reduce `name` (first writer wins)."""
+    return f"out/{scope}/{name}/d"
