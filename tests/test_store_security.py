@@ -520,3 +520,193 @@ def test_resume_agreement_over_signed_records():
     for t in ts:
         t.join(10)
     assert out == [8, 8]
+
+
+# -- reads never wait for a key ------------------------------------------------------------------------
+#
+# A TCPStore get of a missing key waits until the client's timeout (diloco.timeout_s). Reads used to be a
+# check() and then a get(): a stranger who deleted the key in between stalled the reader (in the elastic
+# layer, node 0's heartbeat thread, which got a live node evicted). Reads are now one compare_set with a
+# random sentinel (prime.comm.signed_store.read_now), which never waits.
+
+
+@pytest.mark.parametrize("view", ["tcp", "prefix"])
+def test_read_now_never_waits_never_creates_a_missing_key_and_leaves_a_present_one_as_it_is(view, monkeypatch):
+    import os
+
+    import prime.comm.signed_store as signed_store
+    from prime.comm.signed_store import read_now
+
+    store = _tcp_store()
+    tag = "%016x" % random.getrandbits(64)
+    s = _client(store.port, f"now{tag}") if view == "prefix" else _client(store.port, "x").underlying_store
+    n0 = store.num_keys()
+    for _ in range(20):
+        missing = "missing/%016x" % random.getrandbits(64)
+        t0 = time.monotonic()
+        assert read_now(s, missing) is None
+        assert time.monotonic() - t0 < 1.0, "read_now waited for a missing key"
+        assert not s.check([missing]), "read_now created a missing key"
+    assert store.num_keys() == n0, "read_now wrote a key"
+    values = [os.urandom(random.randrange(1, 300)) for _ in range(20)]
+    values += [b"", b"prime-absent:" + ("%032x" % random.getrandbits(128)).encode(), b"ps1:" + os.urandom(80)]
+    for i, value in enumerate(values):
+        key = f"present/{tag}/{i}"
+        s.set(key, value)
+        assert read_now(s, key) == value
+        assert s.get(key) == value, "read_now changed the value"
+    # the sentinel itself under the key (a stranger would have to guess 128 random bits): it reads as
+    # missing, and the compare_set writes back the same bytes, i.e. changes nothing
+    fixed = "%032x" % random.getrandbits(128)
+    monkeypatch.setattr(signed_store.secrets, "token_hex", lambda n: fixed)
+    sentinel = b"prime-absent:" + fixed.encode()
+    s.set("holds-sentinel", sentinel)
+    assert read_now(s, "holds-sentinel") is None
+    assert s.check(["holds-sentinel"]) and s.get("holds-sentinel") == sentinel
+    assert read_now(s, "still-missing") is None and not s.check(["still-missing"])
+
+
+def test_signed_reads_return_at_once_while_a_stranger_deletes_and_rewrites_the_key():
+    """A stranger deletes a heartbeat record and writes it back (a replay of the valid record) in a tight
+    loop, and now and then leaves it deleted for 1.5 s. A reader's get() and get_many() (of 100 nodes'
+    heartbeats, as the monitor reads them) each return within a second (the store client's timeout is
+    30 s), with either nothing or the valid record, and a key that was never written stays missing. The
+    old check-then-get blocked there until the key came back (or the client's timeout), and read an
+    empty value when the key went away between the get's wait and its read."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    prefix = "race%016x" % random.getrandbits(64)
+    s = SignedStore(_client(store.port, prefix), SECRET, "job")
+    key, never = "hb/0", "hb/%d" % random.randrange(100, 1000)
+    values = [{"node": i, "seq": random.randrange(1 << 30), "left": False} for i in range(100)]
+    ks = [f"hb/{i}" for i in range(len(values))]
+    for k, v in zip(ks, values):
+        s.put(k, v)
+    raw = s.store.get(key)
+    stranger = _client(store.port, prefix)
+    stop, flips, holds, hold_s = threading.Event(), [0], [0], 1.5
+
+    def flap():
+        while not stop.is_set():
+            t_end = time.monotonic() + 0.2
+            while time.monotonic() < t_end:
+                stranger.delete_key(key)
+                stranger.set(key, raw)
+                flips[0] += 1
+            time.sleep(random.uniform(0, 0.03))
+            stranger.delete_key(key)
+            holds[0] += 1
+            stop.wait(hold_s)
+            stranger.set(key, raw)
+
+    calls, min_holds = 300, 3
+    durations: list = []
+    results: list = []
+    errors: list = []
+
+    def read():
+        try:
+            i = 0
+            while i < calls or holds[0] < min_holds:
+                t0 = time.monotonic()
+                got = [s.get(key)] if i % 2 else s.get_many(ks + [never])
+                durations.append(time.monotonic() - t0)
+                results.append(got)
+                i += 1
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    flapper = threading.Thread(target=flap, daemon=True)
+    flapper.start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(40)
+    stop.set()
+    flapper.join(5)
+    assert not reader.is_alive(), f"a read blocked: {len(durations)} calls returned in 40 s"
+    assert not errors, errors
+    assert max(durations) < 1.0, f"slowest read {max(durations):.2f} s (the stranger held the key deleted {hold_s} s)"
+    assert len(durations) >= calls and flips[0] > calls and holds[0] >= min_holds, (len(durations), flips, holds)
+    for i, got in enumerate(results):
+        if i % 2:
+            assert got[0] in (None, values[0]), got
+        else:
+            assert got[0] in (None, values[0]) and got[1:] == values[1:] + [None], got
+    assert any(got[0] == values[0] for got in results), "the reader never saw the record"
+    assert any(got[0] is None for got in results), "the reader never saw the key missing"
+    assert not s.store.check([never]), "a read created a key"
+    assert s.rejected == {}, s.rejected
+
+
+class _DeletesAfterCheck:
+    """A store client whose keys a stranger (on its own connection) deletes right after every check() that
+    found them, and writes back (a replay) just before the next check(): the worst timing of the
+    check-then-read race, every time."""
+
+    def __init__(self, store, stranger):
+        self._store, self._stranger, self._taken = store, stranger, {}
+        self.deletes = 0
+
+    def check(self, ks):
+        for k, raw in self._taken.items():
+            self._stranger.set(k, raw)
+        found = self._store.check(ks)
+        if found:
+            for k in ks:
+                self._taken[k] = self._stranger.get(k)
+                self._stranger.delete_key(k)
+                self.deletes += 1
+        return found
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("read", ["secret", "address", "barrier"])
+def test_rendezvous_reads_do_not_block_when_a_stranger_deletes_the_key_after_each_check(read, monkeypatch):
+    """The ring's rendezvous reads finish by their deadline (not the store's 30 s timeout) when a stranger
+    deletes every key the rank checked right after the check: the drawn secret is read, and a record that
+    is never there when read ends in the rendezvous timeout error."""
+    from prime.comm import rendezvous
+    from prime.comm.errors import CommError
+    from prime.comm.signed_store import SignedStore
+
+    monkeypatch.delenv("PRIME_RING_SECRET", raising=False)
+    store = _tcp_store()
+    prefix = "rdv%016x" % random.getrandbits(64)
+    job = "job%08x" % random.getrandbits(32)
+    ns = rendezvous.namespace(job)
+    proxy = _DeletesAfterCheck(_client(store.port, prefix), _client(store.port, prefix))
+    setup = _client(store.port, prefix)
+    secret = "%064x" % random.getrandbits(256)
+    deadline_s = 1.5
+    out: list = []
+
+    def run():
+        deadline = time.monotonic() + deadline_s
+        try:
+            if read == "secret":
+                setup.set(f"{ns}/secret", secret)  # what rank 0 writes
+                out.append(rendezvous.shared_secret(proxy, ns, 1, None, deadline, 1500))
+            elif read == "address":
+                SignedStore(setup, SECRET, ns).put(f"{ns}/addr/1", "127.0.0.1:%d" % random.randrange(1024, 65535))
+                out.append(rendezvous.publish_and_find_all(proxy, ns, 0, 2, "127.0.0.1:1", deadline, 1500, SECRET))
+            else:
+                SignedStore(setup, SECRET, ns).put(f"{ns}/ready/1", "1")
+                out.append(rendezvous.barrier(proxy, ns, 0, 2, deadline, 1500, SECRET))
+        except BaseException as e:  # the test looks at it
+            out.append(e)
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(deadline_s + 8)
+    took = time.monotonic() - t0
+    assert not t.is_alive(), f"the rendezvous read blocked ({took:.1f} s; the store's timeout is 30 s)"
+    assert took < deadline_s + 5, took
+    if read == "secret":
+        assert out == [secret.encode()], out
+    else:
+        assert proxy.deletes > 0, "the stranger never deleted anything: the test tests nothing"
+        assert len(out) == 1 and isinstance(out[0], CommError) and out[0].kind == "timeout", out

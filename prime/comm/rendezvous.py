@@ -29,7 +29,7 @@ import torch.distributed as dist
 from prime.comm import store_keys as keys
 from prime.comm.errors import CommError
 from prime.comm.links import LinkTable, plan_order
-from prime.comm.signed_store import SignedStore
+from prime.comm.signed_store import SignedStore, read_now
 
 logger = logging.getLogger("prime.comm")
 
@@ -118,6 +118,18 @@ def _wait(store: dist.Store, keys, deadline: float) -> bool:
             return True
         if time.monotonic() >= deadline:
             return False
+        time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _read_by(store: dist.Store, key: str, deadline: float) -> Optional[bytes]:
+    """The bytes under `key`, polling (one read_now per poll, never a blocking get) until the deadline; None
+    then. A stranger who deletes the key between polls delays the reader, but cannot make it block."""
+    while True:
+        raw = read_now(store, key)
+        if raw is not None:
+            return raw
+        if time.monotonic() >= deadline:
+            return None
         time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
@@ -259,7 +271,8 @@ def shared_secret(
     if rank == 0:
         store.set(key, secrets.token_hex(32))
         logger.info("prime ring: no secret given; rank 0 generated one and shared it through the (loopback) store")
-    elif not _wait(store, [key], deadline):
+    got = _read_by(store, key, deadline)
+    if got is None:
         raise CommError(
             f"rank {rank}: timed out after {timeout_ms} ms waiting for rank 0 to publish the ring secret "
             f"(store key {key!r}); is rank 0 running with the same job_id?",
@@ -269,7 +282,7 @@ def shared_secret(
             origin=rank,
             phase="rendezvous",
         )
-    return store.get(key)
+    return got
 
 
 def records(store: dist.Store, secret: bytes, ns: str) -> SignedStore:
@@ -293,12 +306,12 @@ def _wait_signed(signed: SignedStore, store: dist.Store, key: str, deadline: flo
     (a record that is not signed is ignored: the wait goes on); None at the deadline."""
     while True:
         if _wait(store, [key], deadline):
-            got = signed.get(key)
+            got = signed.get(key)  # never waits: None if a stranger deleted the key since the check
             if got is not None:
                 return got
         if time.monotonic() >= deadline:
             return None
-        time.sleep(0.05)  # a forged record is there: wait for the rank to write a valid one
+        time.sleep(0.05)  # a forged record is there (or the key went away): wait for the rank to write a valid one
 
 
 def _missing_record(rank: int, other: int, key: str, timeout_ms: int, signed: SignedStore, what: str) -> CommError:
@@ -416,11 +429,16 @@ def barrier(
     signed.put(keys.ring_ready(ns, rank), "1")
     ready: set[int] = set()
     while True:
-        # One store round trip per poll while ranks are missing: cheap next to forming TCP links.
+        # One store round trip per poll while ranks are missing: cheap next to forming TCP links. Once every
+        # pending key exists, each is read with read_now (never a blocking get: a stranger may delete a key
+        # after the check; it then counts as not ready yet).
         pending = [r for r in range(world_size) if r not in ready]
         pending_keys = [keys.ring_ready(ns, r) for r in pending]
         if store.check(pending_keys):
-            for r, k, raw in zip(pending, pending_keys, store.multi_get(pending_keys)):
+            for r, k in zip(pending, pending_keys):
+                raw = read_now(store, k)
+                if raw is None:
+                    continue
                 if signed.open(k, raw) == "1":
                     ready.add(r)
                 else:
@@ -429,11 +447,9 @@ def barrier(
             return
         failed = {}
         for r in range(world_size):
-            fk = keys.ring_failed(ns, r)
-            if store.check([fk]):
-                why = signed.get(fk)
-                if why is not None:
-                    failed[r] = str(why)
+            why = signed.get(keys.ring_failed(ns, r))  # one round trip, never waits: None while missing
+            if why is not None:
+                failed[r] = str(why)
         if failed or time.monotonic() >= deadline:
             missing = [r for r in range(world_size) if r not in ready]
             if failed:

@@ -17,6 +17,10 @@ the body (a heartbeat's sequence number, an outer step number) and the reader
 checks it. A record that fails the check is ignored: the reader treats the
 key as unwritten and logs one warning per kind of key (not one per read).
 
+Reads never wait for a key (read_now): a TCPStore `get` of a missing key blocks
+until the client's timeout, and a stranger can delete a key between a `check`
+that saw it and the `get` that follows.
+
 HMAC and SHA-256 come from Python's hmac/hashlib, i.e. from OpenSSL.
 """
 
@@ -27,6 +31,7 @@ import hmac
 import json
 import logging
 import re
+import secrets
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -42,6 +47,22 @@ _INVALID = object()
 
 class ForgedRecordsError(RuntimeError):
     """A first-writer-wins key holds nothing but forged records in all its slots: the store is under attack."""
+
+
+def read_now(store, key: str) -> Optional[bytes]:
+    """The bytes under `key`, or None when it is missing; never waits, whatever happens to the key meanwhile.
+
+    One round trip: store.compare_set(key, X, X) with a fresh random sentinel X. On a missing key a
+    compare_set whose expected value is not empty writes nothing and returns the expected value X (an
+    empty expected value would create the key: X never is empty); on a present key it returns the value
+    there, and writes X over it only when the value already is X, i.e. changes nothing. A stored value
+    equal to X reads as missing: X is drawn per call (128 random bits) and is not a signed record.
+    A check() followed by a get() is not safe: a get of a key deleted in between waits until the
+    client's timeout (up to diloco.timeout_s)."""
+    sentinel = b"prime-absent:" + secrets.token_hex(16).encode()
+    got = store.compare_set(key, sentinel, sentinel)
+    got = got.encode() if isinstance(got, str) else bytes(got)
+    return None if got == sentinel else got
 
 
 def record_kind(key: str) -> str:
@@ -115,10 +136,8 @@ class SignedStore:
         return self.store.check([key])
 
     def _raw(self, key: str):
-        """The raw bytes under key, or None when it does not exist (get() would block)."""
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key)
+        """The raw bytes under key, or None when it does not exist (read_now: never waits for the key)."""
+        return read_now(self.store, key)
 
     def get(self, key: str) -> Any:
         """The value under key; None when the key is missing or its record is not validly signed (logged)."""
@@ -132,15 +151,14 @@ class SignedStore:
         return v
 
     def get_many(self, ks: list[str]) -> list:
-        """get() of every key, with one round trip for the keys that exist."""
-        have = [k for k in ks if self.store.check([k])]
-        raws = dict(zip(have, self.store.multi_get(have))) if have else {}
+        """get() of every key (one round trip per key, none of which waits for a missing key)."""
         out = []
         for k in ks:
-            if k not in raws:
+            raw = read_now(self.store, k)
+            if raw is None:
                 out.append(None)
                 continue
-            v = self.open(k, raws[k])
+            v = self.open(k, raw)
             if v is _INVALID:
                 self.reject(k)
                 v = None

@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from prime.comm import store_keys as keys
+from prime.comm.signed_store import read_now
 from prime.elastic.membership import MAX_JOINERS, JobFinished, JoinError, Membership, Outcome, Plan
 
 __all__ = ["Admission"]
@@ -96,7 +97,7 @@ class Admission:
             if i == m.node_id or m.monitor.gone(i):
                 continue
             key = keys.state_addr(i, m.local_rank)  # local rank g downloads shard g from local rank g
-            raw = m.store.get(key) if m.store.check([key]) else None
+            raw = read_now(m.store, key)  # never waits (a key deleted after a check would)
             addr = None if raw is None else m.records.open(key, raw)
             if isinstance(addr, str):
                 out.append((i, addr))
@@ -128,7 +129,7 @@ class Admission:
             if i in exclude:
                 continue
             key = keys.join_offer(i)
-            raw = m.store.get(key) if m.store.check([key]) else None
+            raw = read_now(m.store, key)  # never waits (a key deleted after a check would)
             if raw is None:
                 continue
             d = m.records.open(key, raw)
