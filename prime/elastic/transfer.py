@@ -31,6 +31,17 @@ offset o in pieces of PIECE bytes (a piece never spans two tensors), and a
 trailer {"digest": SHA-256 of the whole state}. A joiner that loses its source
 asks another node for the same step from the last verified piece; the digest
 proves that the pieces from different sources make up one state.
+
+Deadlines (links are the open internet: a stranger can connect, or sit on the
+path and slow the bytes down). The server gives a connection HANDSHAKE_TIMEOUT_S
+in all to prove the secret (not per recv()), counts it against max_sessions only
+once it did, and holds at most MAX_PENDING_HANDSHAKES unproven connections,
+dropping the oldest for a new one: strangers' idle or dribbling connections
+cannot keep a joiner out. The joiner gives the handshake HANDSHAKE_TIMEOUT_S in
+all, and every later frame timeout_s plus its size at MIN_RATE from when it
+starts waiting for it (and nothing at all for timeout_s fails at once); the
+download never goes on past give_up_s. A source too slow for that is a failed
+source: the joiner resumes from another.
 """
 
 from __future__ import annotations
@@ -66,6 +77,16 @@ _MAC = 32
 PIECE = 4 << 20
 _MAX_JSON = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
+"""The whole handshake (both sides' hellos and proofs) must be done within this long: one absolute deadline."""
+MAX_PENDING_HANDSHAKES = 32
+"""A state server handshakes with at most this many connections that have not proved the secret yet; a new one
+drops the oldest (a joiner's handshake takes a few round trips, a flood of strangers cannot starve it)."""
+MIN_RATE = 64 << 10
+"""Bytes/s. A joiner gives each frame from a source timeout_s plus its size at this rate (69 s for a 4 MiB piece
+with the default 60 s), counted from when it starts waiting for it: a source (or a link) slower than that is
+dropped for another. A throttled server (max_rate) sends each piece at the link's speed and then waits, within
+timeout_s, as before."""
+_MAX_REJECTED_LINES = 256
 # A joiner waits this long before it asks a source again that just failed (refused, reset,
 # closed, stalled), doubling up to RETRY_MAX_S while it keeps failing: a dead source is
 # listed until its heartbeat times out, and asking it every few ms only burns the CPU.
@@ -107,16 +128,59 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+class _Due:
+    """An absolute deadline (time.monotonic()) for what is being received, and what set it (for the error)."""
+
+    __slots__ = ("at", "why")
+
+    def __init__(self, at: float, why: str):
+        self.at, self.why = at, why
+
+    def sooner(self, other: "_Due") -> "_Due":
+        return self if self.at <= other.at else other
+
+
+class _Overdue(TransferError):
+    """Bytes that were not all in by their deadline (got of want)."""
+
+    def __init__(self, due: _Due, got: int, want: int):
+        super().__init__(f"{got} of {want} bytes had come by {due.why}", "connection")
+        self.due, self.got, self.want = due, got, want
+
+
+def _arm(sock: socket.socket, due: Optional[_Due], idle: Optional[float] = None, got: int = 0, want: int = 0) -> bool:
+    """Sets the socket's timeout to the time left before `due` (at most `idle`); raises _Overdue when none is
+    left. True when `due`, not `idle`, bounds the wait."""
+    if due is None:
+        return False
+    left = due.at - time.monotonic()
+    if left <= 0:
+        raise _Overdue(due, got, want)
+    sock.settimeout(left if idle is None else min(left, idle))
+    return idle is None or left <= idle
+
+
+def _recv_exact(sock: socket.socket, n: int, due: Optional[_Due] = None, idle: Optional[float] = None) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    _recv_into(sock, memoryview(buf), due, idle)
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, due: Optional[_Due] = None,
+               idle: Optional[float] = None) -> None:
+    """Fills view. With `due`, every recv() waits at most the time left before it (and at most `idle`): raises
+    _Overdue at the deadline, TransferError when nothing came for `idle` s. Without, the socket's timeout."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        by_due = _arm(sock, due, idle, got, len(view))
+        try:
+            n = sock.recv_into(view[got:])
+        except socket.timeout:
+            if due is None:
+                raise
+            if by_due or time.monotonic() >= due.at:
+                raise _Overdue(due, got, len(view)) from None
+            raise TransferError(f"nothing came for {idle:g} s (a stalled source or link)") from None
         if n == 0:
             raise TransferError("the peer closed the connection (did it die?)")
         got += n
@@ -144,6 +208,13 @@ class _Channel:
         self.sock, self.key = sock, key
         self.send_dir, self.recv_dir = send_dir, recv_dir
         self.sent = self.received = 0
+        # due(t, n): the deadline of a frame of n bytes that the receiver started waiting for at time t (None:
+        # the socket's timeout per recv()); idle: the longest wait for a single recv() under it.
+        self.due: Optional[Callable[[float, int], _Due]] = None
+        self.idle: Optional[float] = None
+
+    def _due(self, t: float, n: int) -> Optional[_Due]:
+        return None if self.due is None else self.due(t, n)
 
     def _tag(self, direction: bytes, counter: int, body) -> bytes:
         m = hmac.new(self.key, direction + _COUNTER.pack(counter, len(body)), hashlib.sha256)
@@ -172,24 +243,44 @@ class _Channel:
 
     def recv_piece_into(self, view: memoryview) -> None:
         """Receives one piece of exactly len(view) bytes into view; checks the header's tag and the CRC."""
-        head = _recv_exact(self.sock, _PIECE.size)
-        tag = _recv_exact(self.sock, _MAC)
+        size = _PIECE.size + _MAC + len(view)
+        due = self._due(time.monotonic(), size)
+        try:
+            head = _recv_exact(self.sock, _PIECE.size, due, self.idle)
+        except _Overdue as e:
+            raise _Overdue(e.due, e.got, size) from None
+        try:
+            tag = _recv_exact(self.sock, _MAC, due, self.idle)
+        except _Overdue as e:
+            raise _Overdue(e.due, _PIECE.size + e.got, size) from None
         if not hmac.compare_digest(tag, self._tag(self.recv_dir, self.received, head)):
             raise TransferError(f"frame {self.received} failed its authentication tag", "corrupt")
         self.received += 1
         n, crc = _PIECE.unpack(head)
         if n != len(view):
             raise TransferError(f"protocol error: a piece of {n} bytes where {len(view)} were expected", "corrupt")
-        _recv_into(self.sock, view)
+        try:
+            _recv_into(self.sock, view, due, self.idle)
+        except _Overdue as e:
+            raise _Overdue(e.due, _PIECE.size + _MAC + e.got, size) from None
         if _crc32c(view) != crc:
             raise TransferError("a piece failed its CRC32C (corrupted in transit)", "corrupt")
 
     def recv_json(self) -> dict:
-        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
+        t = time.monotonic()
+        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size, self._due(t, _LEN.size), self.idle))
         if n > _MAX_JSON:
             raise TransferError(f"protocol error: a {n}-byte message", "corrupt")
-        body = _recv_exact(self.sock, n)
-        tag = _recv_exact(self.sock, _MAC)
+        size = _LEN.size + n + _MAC
+        due = self._due(t, size)
+        try:
+            body = _recv_exact(self.sock, n, due, self.idle)
+        except _Overdue as e:
+            raise _Overdue(e.due, _LEN.size + e.got, size) from None
+        try:
+            tag = _recv_exact(self.sock, _MAC, due, self.idle)
+        except _Overdue as e:
+            raise _Overdue(e.due, _LEN.size + n + e.got, size) from None
         if not hmac.compare_digest(tag, self._tag(self.recv_dir, self.received, body)):
             raise TransferError(f"message {self.received} failed its authentication tag", "corrupt")
         self.received += 1
@@ -227,6 +318,17 @@ class ServerStats:
     frozen_copies: int = 0
     """Times retract() had to copy the state for a session still reading it."""
     rejected_log: list = field(default_factory=list)
+    """The first 256 rejections (all of them are counted in `rejected`)."""
+    dropped: int = 0
+    """Connections dropped before they proved the secret to make room for newer ones (MAX_PENDING_HANDSHAKES)."""
+
+
+class _Pending:
+    """A connection that has not proved the job secret yet."""
+
+    def __init__(self, conn: socket.socket, peer):
+        self.conn, self.peer = conn, peer
+        self.evicted = False
 
 
 class StateServer:
@@ -234,7 +336,11 @@ class StateServer:
 
     publish(step, parts, meta) makes the tensors servable; retract() must be
     called before they change (it copies the state for sessions still reading
-    it). Sessions run on their own threads; at most max_sessions at once.
+    it). Sessions run on their own threads; at most max_sessions at once that
+    proved the job secret (a joiner over that is told the server is busy and
+    asks another node), and at most max_pending (MAX_PENDING_HANDSHAKES) that
+    have not yet, each for HANDSHAKE_TIMEOUT_S at most (a new connection drops
+    the oldest).
     """
 
     def __init__(self, secret: bytes, job: str, node_id: int, *, bind_addr: str = "127.0.0.1",
@@ -247,6 +353,8 @@ class StateServer:
         self._current: Optional[_Snapshot] = None
         self._frozen: list[_Snapshot] = []
         self._sessions = 0
+        self.max_pending = MAX_PENDING_HANDSHAKES
+        self._pending: list[_Pending] = []  # oldest first
         self._closed = False
         self.stats = ServerStats()
         self._sock = socket.create_server((bind_addr, 0), family=socket.AF_INET6 if ":" in bind_addr else socket.AF_INET)
@@ -309,74 +417,160 @@ class StateServer:
                 continue
             except OSError:
                 return
+            p = _Pending(conn, peer)
             with self._lock:
-                busy = self._sessions >= self.max_sessions
-                if not busy:
-                    self._sessions += 1
-            if busy:
-                conn.close()  # the joiner tries another node
-                continue
-            threading.Thread(target=self._session, args=(conn, peer), daemon=True,
-                             name=f"prime-state-session-{self.node_id}").start()
+                # Make room: drop the oldest connection that has not proved the secret yet (its thread sees
+                # EOF at once and ends). A joiner's handshake takes a few round trips, so strangers would
+                # have to open max_pending connections within them to drop it.
+                while len(self._pending) >= max(1, self.max_pending):
+                    self._evict(self._pending.pop(0))
+                self._pending.append(p)
+            try:
+                threading.Thread(target=self._session, args=(p,), daemon=True,
+                                 name=f"prime-state-session-{self.node_id}").start()
+            except RuntimeError as e:  # out of threads: refuse this one, keep accepting
+                with self._lock:
+                    self._unlist(p)
+                conn.close()
+                self._reject(peer, f"cannot start a session thread: {e}")
+
+    def _evict(self, p: _Pending) -> None:
+        """With the lock held: p is no longer listed, and its connection is cut (it is still open: a session
+        unlists itself under the lock before it closes the connection)."""
+        p.evicted = True
+        self.stats.dropped += 1
+        try:
+            p.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _unlist(self, p: _Pending) -> None:
+        if p in self._pending:
+            self._pending.remove(p)
 
     def _reject(self, peer, why: str) -> None:
         line = f"state server of node {self.node_id}: rejected a connection from {peer[0]}:{peer[1]}: {why}"
-        self.stats.rejected += 1
-        self.stats.rejected_log.append(line)
-        self._log(line)
+        with self._lock:
+            self.stats.rejected += 1
+            n = self.stats.rejected
+            listed = len(self.stats.rejected_log) < _MAX_REJECTED_LINES
+            if listed:
+                self.stats.rejected_log.append(line)
+        if listed:
+            self._log(line)
+        elif n % _MAX_REJECTED_LINES == 0:  # a flood: a line now and then, not one per connection
+            self._log(f"{line} ({n} connections rejected so far)")
 
-    def _session(self, conn: socket.socket, peer) -> None:
-        snap = None
+    def _session(self, p: _Pending) -> None:
+        conn, peer = p.conn, p.peer
+        snap, slot = None, False
         try:
-            with conn:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                hello_c = _recv_exact(conn, _HELLO.size)
-                magic, client_id, _ = _HELLO.unpack(hello_c)
-                if magic != MAGIC:
-                    self._reject(peer, "not a PRIME state request (bad magic)")
-                    return
-                hello_s = _HELLO.pack(MAGIC, self.node_id, secrets.token_bytes(32))
-                mac_s, mac_c, session = _transcript_keys(self.secret, self.job, hello_c, hello_s)
-                conn.sendall(hello_s + mac_s)
-                try:
-                    got = _recv_exact(conn, _MAC)
-                except TransferError:
-                    self._reject(peer, f"node {client_id} hung up during the handshake (it could not verify this "
-                                       "node's proof: the two sides have different job secrets)")
-                    return
-                if not hmac.compare_digest(got, mac_c):
-                    conn.sendall(b"\x01")
-                    self._reject(peer, f"node {client_id} did not prove the job secret (wrong secret?)")
-                    return
-                conn.sendall(b"\x00")
-                conn.settimeout(self.timeout_s)
-                ch = _Channel(conn, session, b"s2c", b"c2s")
-                req = ch.recv_json()
-                want, offset = int(req.get("step", -1)), int(req.get("offset", 0))
-                snap = self._acquire(want)
-                if snap is None:
-                    ch.send_json({"ok": False, "newest": self.step if self.step is not None else -1,
-                                  "error": f"node {self.node_id} no longer holds the state after outer step {want}"
-                                  if want >= 0 else f"node {self.node_id} has no committed state to serve yet"})
-                    return
-                cuts = list(_pieces(snap.sizes))
-                if offset not in {c[0] for c in cuts} | {snap.total}:
-                    ch.send_json({"ok": False, "newest": snap.step, "error": f"offset {offset} is not a piece boundary"})
-                    return
-                ch.send_json({"ok": True, "step": snap.step, "total": snap.total, "meta": snap.meta,
-                              "piece": PIECE})
-                self.stats.sessions += 1
-                self._log(f"state server of node {self.node_id}: serving outer step {snap.step} to node {client_id} "
-                          f"from byte {offset} of {snap.total}")
-                self._stream(ch, snap, cuts, offset)
+                ch, client_id, slot = self._handshake(p)
+            finally:
+                with self._lock:
+                    self._unlist(p)  # before the connection closes: _evict never cuts a closed one
+            if ch is None:
+                return
+            # The request follows at once: it has timeout_s in all (not per recv()), then each send
+            # timeout_s (sendall's timeout is for the whole call).
+            ch.due = lambda t, n: _Due(t + self.timeout_s, f"{self.timeout_s:g} s (timeout_s)")
+            req = ch.recv_json()
+            ch.due = None
+            conn.settimeout(self.timeout_s)
+            if not slot:
+                ch.send_json({"ok": False, "error": f"node {self.node_id} is busy: it serves {self.max_sessions} "
+                                                    "joiners already"})
+                self._log(f"state server of node {self.node_id}: turned node {client_id} away: it serves "
+                          f"{self.max_sessions} joiners already")
+                return
+            want, offset = int(req.get("step", -1)), int(req.get("offset", 0))
+            snap = self._acquire(want)
+            if snap is None:
+                ch.send_json({"ok": False, "newest": self.step if self.step is not None else -1,
+                              "error": f"node {self.node_id} no longer holds the state after outer step {want}"
+                              if want >= 0 else f"node {self.node_id} has no committed state to serve yet"})
+                return
+            cuts = list(_pieces(snap.sizes))
+            if offset not in {c[0] for c in cuts} | {snap.total}:
+                ch.send_json({"ok": False, "newest": snap.step, "error": f"offset {offset} is not a piece boundary"})
+                return
+            ch.send_json({"ok": True, "step": snap.step, "total": snap.total, "meta": snap.meta,
+                          "piece": PIECE})
+            self.stats.sessions += 1
+            self._log(f"state server of node {self.node_id}: serving outer step {snap.step} to node {client_id} "
+                      f"from byte {offset} of {snap.total}")
+            self._stream(ch, snap, cuts, offset)
         except (OSError, TransferError) as e:
             self._log(f"state server of node {self.node_id}: session with {peer[0]}:{peer[1]} ended: {e}")
         finally:
+            conn.close()
             if snap is not None:
                 self._release(snap)
-            with self._lock:
-                self._sessions -= 1
+            if slot:
+                with self._lock:
+                    self._sessions -= 1
+
+    def _handshake(self, p: _Pending) -> tuple:
+        """The server's side of the handshake, all of it within HANDSHAKE_TIMEOUT_S: (channel, client id, whether
+        it holds a session slot), or (None, None, False) after a rejection (logged)."""
+        conn, peer = p.conn, p.peer
+        limit = HANDSHAKE_TIMEOUT_S
+        due = _Due(time.monotonic() + limit, f"the handshake's deadline ({limit:g} s after it connected)")
+        client_id = None
+        try:
+            hello_c = _recv_exact(conn, _HELLO.size, due)
+            magic, client_id, _ = _HELLO.unpack(hello_c)
+            if magic != MAGIC:
+                self._reject(peer, "not a PRIME state request (bad magic)")
+                return None, None, False
+            hello_s = _HELLO.pack(MAGIC, self.node_id, secrets.token_bytes(32))
+            mac_s, mac_c, session = _transcript_keys(self.secret, self.job, hello_c, hello_s)
+            _arm(conn, due)
+            conn.sendall(hello_s + mac_s)
+            try:
+                got = _recv_exact(conn, _MAC, due)
+            except _Overdue:
+                raise
+            except TransferError:
+                if p.evicted:
+                    raise
+                self._reject(peer, f"node {client_id} hung up during the handshake (it could not verify this "
+                                   "node's proof: the two sides have different job secrets)")
+                return None, None, False
+            if not hmac.compare_digest(got, mac_c):
+                _arm(conn, due)
+                conn.sendall(b"\x01")
+                self._reject(peer, f"node {client_id} did not prove the job secret (wrong secret?)")
+                return None, None, False
+            with self._lock:  # it proved the secret: now it counts against max_sessions
+                if p.evicted:
+                    raise TransferError("dropped")
+                self._unlist(p)
+                slot = self._sessions < self.max_sessions
+                if slot:
+                    self._sessions += 1
+            try:
+                _arm(conn, due)
+                conn.sendall(b"\x00")
+            except BaseException:
+                if slot:
+                    with self._lock:
+                        self._sessions -= 1
+                raise
+            return _Channel(conn, session, b"s2c", b"c2s"), client_id, slot
+        except (OSError, TransferError) as e:
+            who = "a client" if client_id is None else f"node {client_id}"
+            if p.evicted:
+                why = (f"dropped to make room for new connections ({self.max_pending} handshakes were pending; "
+                       "this one had not finished)")
+            elif isinstance(e, _Overdue):
+                why = f"{who} did not finish the handshake within {limit:g} s ({e})"
+            else:
+                why = f"the handshake with {who} failed: {e}"
+            self._reject(peer, why)
+            return None, None, False
 
     def _stream(self, ch: _Channel, snap: _Snapshot, cuts, offset: int) -> None:
         h = hashlib.sha256()
@@ -429,10 +623,12 @@ def _connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
-def _handshake(sock: socket.socket, secret: bytes, job: bytes, my_id: int, source: int) -> _Channel:
+def _handshake(sock: socket.socket, secret: bytes, job: bytes, my_id: int, source: int,
+               due: Optional[_Due] = None) -> _Channel:
     hello_c = _HELLO.pack(MAGIC, my_id, secrets.token_bytes(32))
+    _arm(sock, due)
     sock.sendall(hello_c)
-    reply = _recv_exact(sock, _HELLO.size + _MAC)
+    reply = _recv_exact(sock, _HELLO.size + _MAC, due)
     hello_s, mac_s = reply[: _HELLO.size], reply[_HELLO.size:]
     if _HELLO.unpack(hello_s)[0] != MAGIC:
         raise TransferError(f"node {source} did not answer as a PRIME state server", "auth")
@@ -440,8 +636,9 @@ def _handshake(sock: socket.socket, secret: bytes, job: bytes, my_id: int, sourc
     if not hmac.compare_digest(mac_s, want_s):
         raise TransferError(f"node {source} could not prove the job secret: this node and the job have different "
                             "secrets (set the same PRIME_RING_SECRET on every node)", "auth")
+    _arm(sock, due)
     sock.sendall(mac_c)
-    if _recv_exact(sock, 1) != b"\x00":
+    if _recv_exact(sock, 1, due) != b"\x00":
         raise TransferError(f"node {source} rejected this node's proof of the job secret", "auth")
     return _Channel(sock, session, b"c2s", b"s2c")
 
@@ -462,9 +659,12 @@ def fetch_state(
     """Downloads the newest committed state from a live peer into `parts` (written in place).
 
     sources() lists (node id, address) of candidate peers, asked again after
-    each failure. When a source dies or stalls (nothing for timeout_s), the
-    download resumes at the last verified piece from another source that
-    holds the same outer step, or restarts from the newest step if none does.
+    each failure. When a source dies, stalls (nothing for timeout_s) or is too
+    slow (a frame not in within timeout_s plus its size at MIN_RATE; the
+    handshake not done within HANDSHAKE_TIMEOUT_S), the download resumes at
+    the last verified piece from another source that holds the same outer
+    step, or restarts from the newest step if none does. Nothing waits past
+    give_up_s after the start: then TransferError(kind="unavailable").
     A source that failed is asked again only after a pause (RETRY_MIN_S,
     doubling up to RETRY_MAX_S while it keeps failing); the others meanwhile.
     check_meta(meta) returns an error message when the peer's settings do not
@@ -473,7 +673,7 @@ def fetch_state(
     TransferError(kind="auth") when every peer rejects the handshake.
     """
     fetch = _Fetch(parts, secret=secret, job=job.encode(), my_id=my_id, check_meta=check_meta,
-                   timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step)
+                   timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step, give_up_s=give_up_s)
     while True:
         cands = [s for s in sources() if s[0] not in fetch.auth_failed]
         source = fetch.choose(cands, give_up_s)
@@ -486,7 +686,7 @@ def fetch_state(
             if isinstance(e, TransferError) and e.kind == "mismatch":
                 raise
             fetch.failed(sid, e, several=len(cands) > 1)
-        if time.monotonic() - fetch.t0 > give_up_s:
+        if time.monotonic() - fetch.t0 >= give_up_s:
             raise TransferError(f"could not download the state within {give_up_s:g} s: "
                                 + "; ".join(fetch.failures[-3:]), "unavailable")
 
@@ -497,7 +697,7 @@ class _Fetch:
 
     def __init__(self, parts: list[torch.Tensor], *, secret: bytes, job: bytes, my_id: int,
                  check_meta: Callable[[dict], Optional[str]], timeout_s: float, log: Callable[[str], None],
-                 step: Optional[int]):
+                 step: Optional[int], give_up_s: float = float("inf")):
         self.parts = parts
         self.views = [_bytes_view(p) for p in parts]
         for v, p in zip(self.views, parts):
@@ -510,6 +710,10 @@ class _Fetch:
         self.check_meta, self.timeout_s, self.log = check_meta, timeout_s, log
         self.step = step  # the outer step being downloaded (None: the newest, until a source names it)
         self.t0 = time.monotonic()
+        # Nothing is waited for past this: a source slower than the frames' deadlines is left for another, and
+        # the last one is cut off here.
+        self.give_up = _Due(self.t0 + give_up_s, f"the give-up deadline ({give_up_s:g} s after the download "
+                                                 "began, elastic.join_timeout_s)")
         self.meta: dict = {}
         self.received = 0  # bytes verified so far (a resume continues from here)
         self.segments: list = []
@@ -548,19 +752,36 @@ class _Fetch:
         """The rest of the state from source `sid` (from the last verified piece when it holds the same outer
         step). Raises TransferError or OSError when the source fails."""
         self.start, self.moved_on = self.received, False
-        with _connect(addr, min(self.timeout_s, HANDSHAKE_TIMEOUT_S)) as sock:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            ch = _handshake(sock, self.secret, self.job, self.my_id, sid)
-            sock.settimeout(self.timeout_s)
-            step = self.step
-            ch.send_json({"step": -1 if step is None else step, "offset": self.received if step is not None else 0})
-            self._accept_header(sid, ch.recv_json())
-            for off, i, s, e in self.cuts:
-                if off < self.received:
-                    continue
-                ch.recv_piece_into(memoryview(self.views[i][s:e].numpy()))
-                self.received = off + (e - s)
-            trailer = ch.recv_json()
+        limit = HANDSHAKE_TIMEOUT_S
+        due = _Due(time.monotonic() + limit, f"the handshake's deadline ({limit:g} s)").sooner(self.give_up)
+        try:
+            sock = _connect(addr, max(1e-3, min(self.timeout_s, due.at - time.monotonic())))
+        except socket.timeout:
+            raise TransferError(f"could not connect to node {sid} at {addr} by {due.why}") from None
+        with sock:
+            try:
+                ch = _handshake(sock, self.secret, self.job, self.my_id, sid, due)
+                # Every frame from now on: timeout_s plus its size at MIN_RATE from when this node starts waiting
+                # for it (and at most timeout_s without a byte), never past give_up_s.
+                ch.due, ch.idle = self._frame_due, self.timeout_s
+                step = self.step
+                _arm(sock, self._frame_due(time.monotonic(), 0))
+                ch.send_json({"step": -1 if step is None else step,
+                              "offset": self.received if step is not None else 0})
+                self._accept_header(sid, ch.recv_json())
+                for off, i, s, e in self.cuts:
+                    if off < self.received:
+                        continue
+                    ch.recv_piece_into(memoryview(self.views[i][s:e].numpy()))
+                    self.received = off + (e - s)
+                trailer = ch.recv_json()
+            except _Overdue as e:
+                what = (f"{e.got} of the {e.want} bytes of the frame it was sending had come by {e.due.why}"
+                        if e.want else f"{e.due.why} passed")
+                raise TransferError(
+                    f"node {sid} at {addr} was too slow (a slowed or stalled link?): {what}; "
+                    f"{self.received - self.start} bytes of state came from it ({self.received} of {self.total} "
+                    "verified in all)", "connection") from None
             self.segments.append([sid, self.start, self.received])
             digest = state_digest(self.parts)
             if digest != trailer.get("digest"):
@@ -570,6 +791,12 @@ class _Fetch:
             return FetchResult(step=self.step, meta=self.meta, total_bytes=self.total,
                                seconds=time.monotonic() - self.t0, digest=digest, segments=self.segments,
                                failures=self.failures)
+
+    def _frame_due(self, t: float, n: int) -> _Due:
+        """The deadline of a frame of n bytes that this node started waiting for at time t."""
+        limit = self.timeout_s + n / MIN_RATE
+        return _Due(t + limit, f"its deadline ({limit:.3g} s: timeout_s {self.timeout_s:g} s + {n} bytes at the "
+                               f"minimum rate of {MIN_RATE / 1024:g} KiB/s)").sooner(self.give_up)
 
     def _accept_header(self, sid: int, hdr: dict) -> None:
         """Checks a source's answer to the request: it serves the step asked for, of this node's job and size."""
