@@ -20,8 +20,13 @@ named with its file and skipped. Nodes agree on the newest step that every one
 of them holds intact (a few rounds through the cross-node store: each node
 verifies only the step proposed in that round), so a node that died mid-write
 or whose disk damaged a file does not resume from a different step than the
-others. When checkpoints exist but none is intact everywhere, every process
+others. When some node holds checkpoints but no step is intact on every node
+(one damaged, one never completed or its directory emptied), every process
 stops with CheckpointError rather than silently starting over.
+
+Once a checkpoint of step n is complete, the node's steps newer than n are
+removed (with a line naming them): they are of another run (one started with
+checkpoint.resume = false over it) and a restart would resume from them.
 
 Saving is asynchronous when asked: dcp.async_save stages (copies) the state to
 CPU memory before returning, and a background thread writes it, the extra
@@ -228,10 +233,13 @@ class Checkpointer:
         keep: int = 2,
         async_save: bool = True,
         key: Optional[bytes] = None,
+        log: Optional[Callable[[str], None]] = None,
     ):
         self.root = root
         self.key = key
         """Signs and checks the manifests (manifest_key(); None: unsigned)."""
+        self.log = log
+        """Where local rank 0 says which checkpoints it removed as left by another run (None: print)."""
         self.node_dir = os.path.join(root, f"node{node_rank}")
         self.local_rank, self.local_world = local_rank, local_world
         self.pg, self.keep, self.async_save = process_group, keep, async_save
@@ -335,12 +343,42 @@ class Checkpointer:
             fut, self._pending = self._pending, None
             fut.result()
 
+    def _step_dirs(self) -> list[int]:
+        """Steps of this node that have a directory (complete or not), oldest first."""
+        return sorted(int(m.group(1)) for m in (_STEP_DIR.match(n) for n in os.listdir(self.node_dir)) if m
+                      and os.path.isdir(os.path.join(self.node_dir, m.group(0))))
+
+    def _remove_step(self, step: int) -> Optional[str]:
+        """Removes the directory of `step`, its manifest first (interrupted, it leaves no step that looks complete);
+        None, or why it could not."""
+        path = self.step_dir(step)
+        try:
+            os.remove(os.path.join(path, MANIFEST))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return f"{path}: {e}"
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+
     def _prune(self, newest: int) -> None:
+        """Once the checkpoint of `newest` is complete (its manifest written, never before): removes this node's
+        steps newer than it, complete or not (left by a run that this one started over: a restart would resume
+        from them, not from this run), then all but the `keep` newest complete steps up to it."""
+        newer = [s for s in self._step_dirs() if s > newest]
+        if newer:
+            failed = [p for p in map(self._remove_step, newer) if p]
+            msg = (f"removed the checkpoints of steps {newer} from {self.node_dir}: newer than step {newest}, which "
+                   "this run has just saved, they were left by an earlier run that this one started over (e.g. "
+                   "with checkpoint.resume = false), and a restart would have resumed from them")
+            if failed:
+                msg += f"; could not remove {failed}: remove them by hand before restarting"
+            (self.log or _print)(msg)
         if self.keep <= 0:
             return
         complete = [s for s in self.complete_steps() if s <= newest]
         for s in complete[: -self.keep]:
-            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+            self._remove_step(s)
 
     # -- resuming ------------------------------------------------------------------
 
@@ -359,7 +397,7 @@ class Checkpointer:
                     + "\n  ".join(problems))
             return problems
 
-        step, damaged, bad_nodes = agree_on_resume_step(
+        step, damaged, bad_nodes, held = agree_on_resume_step(
             self.complete_steps(), verify, store, node_rank, num_nodes, publish, scope)
         if step is None and bad_nodes:
             here = "; ".join(f"step {s}: {p[0]}" for s, p in sorted(damaged.items()))
@@ -368,8 +406,16 @@ class Checkpointer:
                 + (f" (here: {here})" if here else "")
                 + ". Restore them from a copy, or remove them (or set checkpoint.resume = false) to start fresh."
             )
-        if step is None and self.complete_steps() and log is not None:
-            log(f"checkpoints of steps {self.complete_steps()} exist here but not on every node: starting fresh")
+        if step is None and any(held):  # every node decides alike: on the offers that all of them read
+            holders = "; ".join(f"node {r}: steps {s}" for r, s in enumerate(held) if s)
+            lacking = [r for r, s in enumerate(held) if not s]
+            raise CheckpointError(
+                f"no checkpoint under {self.root} is complete on every node: {holders}"
+                + (f"; node(s) {lacking}: none" if lacking else "; no step is common to all")
+                + " (a writer that died before its manifest, or a node's directory emptied or replaced). Restore "
+                "the missing node's directory from a copy to resume, or set checkpoint.resume = false to start "
+                "fresh (the checkpoints left here are then removed once the new run's first one is complete)."
+            )
         return step
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -429,6 +475,8 @@ class TrainCheckpoints:
         """Loads the newest step that every node holds intact (Checkpointer.choose_resume_step) into the model,
         the optimizer, the data and DiLoCo; returns that step, or None (nothing to resume: start fresh).
         Raises CheckpointError on every process of every node alike when checkpoints exist but none is intact."""
+        if log is not None and self.checkpointer.log is None:
+            self.checkpointer.log = log  # also where the saves say what they removed
         step = self.checkpointer.choose_resume_step(store, node_rank, num_nodes, publish=publish, log=log, scope=scope)
         if step is None:
             return None
@@ -474,11 +522,19 @@ class TrainCheckpoints:
         self.checkpointer.close()
 
 
+def _print(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def agree_on_resume_step(
     local_steps: list[int], verify: Callable[[int], list[str]], store, node_rank: int, num_nodes: int, publish: bool,
     scope: str = "",
-) -> tuple[Optional[int], dict, list[int]]:
-    """The newest step that every node holds intact: (step or None, {step: problems} found here, nodes that found damage).
+) -> tuple[Optional[int], dict, list[int], list[list[int]]]:
+    """The newest step that every node holds intact: (step or None, {step: problems} found here, nodes that found
+    damage, the complete steps that each node held, intact or not, by node rank).
+
+    Every node gets the same answer but the second: the rest is read from the offers that all of them read (a node
+    holding checkpoints while none is common to all is seen alike everywhere).
 
     Rounds through `store` (the cross-node store; None: one node): each node
     offers its complete steps minus those it found damaged; the newest step
@@ -502,11 +558,12 @@ def agree_on_resume_step(
             offers = [json.loads(store.get(keys.resume_offer(rnd, r, scope)).decode()) for r in range(num_nodes)]
         common = set(offers[0]["steps"]).intersection(*(o["steps"] for o in offers[1:]))
         bad_nodes = [r for r, o in enumerate(offers) if o["damaged"]]
+        held = [sorted(set(o["steps"]) | set(o["damaged"])) for o in offers]  # an offer drops only damaged steps
         if not common:
-            return None, damaged, bad_nodes
+            return None, damaged, bad_nodes, held
         step = max(common)
         if step in intact:  # every node offered it again after verifying it: all hold it intact
-            return step, damaged, bad_nodes
+            return step, damaged, bad_nodes, held
         problems = verify(step)
         if problems:
             damaged[step] = problems

@@ -323,3 +323,150 @@ def test_resume_offers_of_another_launch_are_not_read():
     assert agree_on_resume_step([4, 8], lambda s: [], _trainer_kv(store, timeout_s=0.5), 1, 1, True, "launch-b")[0] == 8
     with pytest.raises(TimeoutError, match=r"ckpt/launch-b/r0/node1"):
         agree_on_resume_step([4, 8, 12], lambda s: [], kv, 0, 2, publish=True, scope="launch-b")
+
+
+# -- checkpoints on some node but no step common to all; a run started over older checkpoints ----------------
+
+
+def _choose_on_nodes(root, n):
+    """choose_resume_step on nodes 0..n-1 of `root` at once (threads, one in-memory store); each node's step or error."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    out = [None] * n
+
+    def node(r):
+        ck = Checkpointer(root, r, 0, 1)
+        try:
+            out[r] = ck.choose_resume_step(store, r, n, publish=True)
+        except CheckpointError as e:
+            out[r] = e
+        finally:
+            ck.close()
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _copy_node(root, src, dst):
+    """Copies node `src`'s checkpoint tree to node `dst` (unsigned manifests name no directory)."""
+    import shutil
+
+    shutil.copytree(os.path.join(root, f"node{src}"), os.path.join(root, f"node{dst}"), dirs_exist_ok=True)
+
+
+@pytest.mark.parametrize("case", ["died_before_manifest", "emptied", "disjoint"])
+def test_every_node_stops_when_checkpoints_exist_but_no_step_is_common(tmp_path, seed, case):
+    """Node 0 holds an intact step 8; node 1 holds none of it (its writer died before the manifest, its directory
+    was emptied) or only another step: every node stops with the same CheckpointError instead of starting fresh
+    (and overwriting node 0's checkpoints), and the message says how to go on. Before: every node started fresh."""
+    root = str(tmp_path)
+    ck, _, _ = _save(tmp_path, seed, [8])
+    ck.close()
+    if case == "died_before_manifest":
+        _copy_node(root, 0, 1)
+        os.remove(os.path.join(root, "node1", "step_00000008", MANIFEST))
+    elif case == "emptied":
+        os.makedirs(os.path.join(root, "node1"))
+    else:
+        _copy_node(root, 0, 1)
+        os.rename(os.path.join(root, "node1", "step_00000008"), os.path.join(root, "node1", "step_00000004"))
+        mpath = os.path.join(root, "node1", "step_00000004", MANIFEST)
+        with open(mpath) as f:
+            doc = json.load(f)
+        doc["step"] = 4
+        with open(mpath, "w") as f:
+            json.dump(doc, f)
+    out = _choose_on_nodes(root, 2)
+    assert all(isinstance(e, CheckpointError) for e in out), out
+    msgs = [str(e) for e in out]
+    assert msgs[0] == msgs[1], msgs  # the same decision, from the same offers, on every node
+    assert "is complete on every node: node 0: steps [8]" in msgs[0]
+    if case == "disjoint":
+        assert "node 1: steps [4]; no step is common to all" in msgs[0]
+    else:
+        assert "node(s) [1]: none" in msgs[0]
+    assert "Restore the missing node's directory" in msgs[0] and "checkpoint.resume = false" in msgs[0]
+    assert os.path.exists(os.path.join(root, "node0", "step_00000008", MANIFEST))  # nothing was touched
+
+
+def test_agreement_reports_what_each_node_held():
+    results, _ = _agree([[2, 4], [4], []], {1: {4}})
+    assert all(r[0] is None and r[3] == [[2, 4], [4], []] for r in results), results
+    results, _ = _agree([[], []], {})
+    assert [r[0] for r in results] == [None, None] and all(r[3] == [[], []] for r in results)
+
+
+def test_no_checkpoint_on_any_node_starts_fresh(tmp_path):
+    os.makedirs(tmp_path / "node0" / "step_00000004")  # a step without manifest is no checkpoint
+    assert _choose_on_nodes(str(tmp_path), 2) == [None, None]
+
+
+def test_a_run_started_over_older_checkpoints_removes_their_newer_steps_once_its_first_is_complete(
+        tmp_path, seed, monkeypatch):
+    """An earlier run left steps 8 and 12 (and an incomplete 16); a run started over it (checkpoint.resume = false)
+    saves step 4: once that checkpoint is complete, and not before, the newer steps are removed with one line
+    naming them, so a restart resumes from this run's step 4, not from the other run's 12. Before: 8 and 12 were
+    kept and resumed."""
+    import prime.checkpoint as pc
+
+    old, _, _ = _save(tmp_path, seed, [4, 8, 12], keep=2)
+    old.close()
+    os.makedirs(old.step_dir(16))
+    assert old.complete_steps() == [8, 12]
+    model, opt = _model_and_optim(seed + 1)
+    logged = []
+    ck = Checkpointer(str(tmp_path), 0, 0, 1, keep=2, async_save=True)
+    ck.log = logged.append
+    seen = []
+    write = pc.write_manifest
+
+    def failing_write(path, step, files, key=None):
+        seen.append(sorted(os.listdir(ck.node_dir)))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pc, "write_manifest", failing_write)
+    ck.save(4, model, opt, {"step": 4})
+    with pytest.raises(OSError, match="disk full"):
+        ck.wait()
+    # the new checkpoint is not complete: nothing of the old run was removed
+    assert seen == [["step_00000004", "step_00000008", "step_00000012", "step_00000016"]]
+    assert ck.complete_steps() == [8, 12] and logged == []
+
+    def checked_write(path, step, files, key=None):
+        seen.append(sorted(os.listdir(ck.node_dir)))
+        write(path, step, files, key)
+
+    monkeypatch.setattr(pc, "write_manifest", checked_write)
+    ck.save(4, model, opt, {"step": 4})
+    ck.wait()
+    assert seen[-1] == ["step_00000004", "step_00000008", "step_00000012", "step_00000016"]  # still there at the manifest
+    assert sorted(os.listdir(ck.node_dir)) == ["step_00000004"]
+    assert len(logged) == 1 and "removed the checkpoints of steps [8, 12, 16]" in logged[0], logged
+    assert "newer than step 4" in logged[0] and ck.node_dir in logged[0]
+    assert ck.choose_resume_step(None, 0, 1, True) == 4
+    ck.save(8, model, opt, {"step": 8}, block=True)
+    assert ck.complete_steps() == [4, 8] and len(logged) == 1  # nothing newer left: no more lines
+    ck.close()
+
+
+def test_train_checkpoints_resume_routes_the_removal_line_to_its_log(tmp_path, seed):
+    """TrainCheckpoints.resume's log (the metrics printer) is where later saves say what they removed."""
+    from prime.checkpoint import TrainCheckpoints
+
+    old, _, _ = _save(tmp_path, seed, [12])
+    old.close()
+    ck = Checkpointer(str(tmp_path), 0, 0, 1, keep=0, async_save=False)
+    tc = TrainCheckpoints(ck, *_model_and_optim(seed), data=None, diloco=None, local_sum=lambda v: [0.0 for _ in v])
+    logged = []
+    os.rename(ck.step_dir(12), ck.step_dir(12) + ".moved")  # nothing to resume: a fresh start
+    assert tc.resume(None, 0, 1, publish=True, log=logged.append) is None
+    os.rename(ck.step_dir(12) + ".moved", ck.step_dir(12))  # as if left by another run meanwhile
+    ck.save(4, tc.model, tc.optimizer, {"step": 4})
+    assert ck.complete_steps() == [4] and len(logged) == 1 and "steps [12]" in logged[0]
+    ck.close()
