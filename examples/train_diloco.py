@@ -8,7 +8,15 @@ through the int8 ring and take an outer Nesterov step. Two nodes on one machine:
     python examples/train_diloco.py 1 2 127.0.0.1:29600
 
 On two machines, run the first line on machine A and the second on machine B
-with A's address instead of 127.0.0.1 (port 29600 and the ring's ports open).
+with A's address instead of 127.0.0.1 (port 29600 and the ring's ports open),
+after exporting the same job secret on both: a job over several hosts refuses to
+start without it (docs/security.md):
+
+    export PRIME_RING_SECRET=$(cat prime.secret)   # the same file on A and B
+
+Node 0 hosts the store with prime.comm.host_store, which listens on the given
+address only (torch's TCPStore server listens on every interface, and then even a
+one-machine job refuses to run without a secret).
 """
 
 import sys  # DiLoCo
@@ -23,7 +31,10 @@ from prime.data import ShardedLoader, load_source
 from prime.model import Transformer, preset
 
 node, nodes, (host, port) = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].rsplit(":", 1)  # DiLoCo
-store = dist.TCPStore(host, int(port), is_master=node == 0, wait_for_workers=False)  # DiLoCo
+if node == 0:  # DiLoCo: node 0 hosts the store, listening on `host` only
+    store = prime.comm.host_store(host, int(port))  # DiLoCo
+else:  # DiLoCo
+    store = dist.TCPStore(host, int(port), is_master=False)  # DiLoCo
 ring = prime.comm.Ring(store, node, nodes, timeout=timedelta(seconds=60))  # DiLoCo
 
 torch.manual_seed(0)  # the same seed on every node: the same initial weights (unchanged line)

@@ -15,6 +15,7 @@ be called (and tested) on its own.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -213,10 +214,18 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
 
 
 def build_checkpoints(cfg: Config, env: Environment, parts: ModelAndOptimizer, data: TrainData,
-                      diloco: DiLoCo) -> Optional[TrainCheckpoints]:
-    """The run's checkpoints under checkpoint.dir (None when it is not set)."""
+                      diloco: DiLoCo, say=None) -> Optional[TrainCheckpoints]:
+    """The run's checkpoints under checkpoint.dir (None when it is not set). checkpoint.every without
+    checkpoint.dir writes nothing: the node's logging process says so in one line (`say`, default stderr)."""
     c = cfg.checkpoint
     if not c.dir:
+        if c.every and env.is_logger:
+            line = (f"prime-train: warning: checkpoint.every = {c.every} but checkpoint.dir is not set: no checkpoint "
+                    "is written; set checkpoint.dir to save them (or checkpoint.every = 0)")
+            if say is None:
+                print(line, file=sys.stderr, flush=True)
+            else:
+                say(line)
         return None
     checkpointer = Checkpointer(c.dir, env.node_rank, env.local_rank, env.local_world,
                                 process_group=env.new_local_group(), keep=c.keep, async_save=c.async_save,

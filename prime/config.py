@@ -92,6 +92,20 @@ def _check_numbers(section: Any, section_name: str) -> None:
             raise ValueError(f"{name} must fit a 64-bit integer, got {v!r}")
 
 
+def model_layers(args) -> list:
+    """The layers (prime.fragments.layer_units) of the model prime-train builds from `args` (prime.model.ModelArgs),
+    as diloco.fragments cuts it: the blocks, the embedding, the final norm and an untied output. Built on the meta
+    device (no memory), with the parameter names the trainer's model has."""
+    import torch
+
+    from prime.fragments import layer_units
+    from prime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return [unit for unit, _ in layer_units([name for name, _ in model.named_parameters()])]
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -245,7 +259,8 @@ class DiLoCoConfig:
     inner_steps), so that one fragment's all-reduce is in flight at a time with 1/fragments of the bytes, and with
     overlap its buffers are 1/fragments of the model (docs/training.md, "Streaming fragments"). With overlap,
     overlap_steps is at most inner_steps / fragments (0: that). At the end of training every fragment syncs once more,
-    so that every node ends with the same weights."""
+    so that every node ends with the same weights. At most inner_steps and the model's layers (its blocks, the
+    embedding, the final norm and an untied output)."""
     phase: str = "steps"
     """What ends a node's phase between two outer steps: steps (each node runs inner_steps inner steps; nodes of
     different speeds wait for the slowest) or time (each node runs inner steps for phase_seconds, so a faster node runs
@@ -425,7 +440,8 @@ class CheckpointConfig:
     dir: str = ""
     """Checkpoint directory (each node writes under dir/node<rank>/step_<n>/); empty: no checkpoints."""
     every: int = 0
-    """Save every this many inner steps (0: only at the end and when the job stops on an error)."""
+    """Save every this many inner steps (0: only at the end and when the job stops on an error). Needs dir: without
+    it nothing is saved (a warning says so)."""
     resume: bool = True
     """Resume from the newest checkpoint that every node has, when dir holds one."""
     async_save: bool = True
@@ -559,7 +575,10 @@ class ElasticConfig:
     min_nodes: int = 1
     """Stop when fewer nodes than this would contribute to an outer step."""
     transfer_timeout_s: float = 60.0
-    """Live recovery: a joiner gives up on a source that sends nothing for this long and resumes from another."""
+    """Live recovery: a joiner gives up on a source that sends nothing for this long, or that has not delivered a
+    frame this long plus its size at 64 KiB/s after the joiner began waiting for it (69 s for a 4 MiB piece at 60 s),
+    and resumes from another; the handshake has 10 s in all, and no wait goes past join_timeout_s from the download's
+    start (prime/elastic/transfer.py). A source gives a joiner's request, and each of its sends, this long."""
     transfer_max_rate_mbit: float = 0.0
     """Cap on the rate at which a node serves its state to a joiner, Mbit/s (0: unlimited)."""
     join_timeout_s: float = 600.0
@@ -627,6 +646,13 @@ class Config:
             )
         if self.data.seq_len > args.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({args.max_seq_len})")
+        if self.diloco.fragments > 1:  # fragments = 1 fits every model
+            layers = model_layers(args)
+            if self.diloco.fragments > len(layers):
+                raise ValueError(
+                    f"diloco.fragments ({self.diloco.fragments}) is more than the model's {len(layers)} layers "
+                    f"(model.name = {self.model.name!r}: {args.n_layers} blocks, and "
+                    f"{', '.join(u for u in layers if not u.startswith('layers.'))}); a fragment holds whole layers")
         return self
 
     def _resolve_vocab_size(self) -> None:

@@ -193,3 +193,52 @@ def test_absurd_values_name_the_field(override, message):
 ])
 def test_the_ends_of_each_range_are_accepted(override):
     load_config(None, [override], env={}).validate()
+
+
+def _layers_by_hand(args):
+    """The layers diloco.fragments cuts a model into, counted from the shape: one per block, the embedding, the final
+    norm and the output projection unless it is tied to the embedding."""
+    return args.n_layers + 2 + (0 if args.tie_embeddings else 1)
+
+
+@pytest.mark.parametrize("argv", [["--model.name", "tiny"], ["--model.name", "tiny", "--model.n_layers", "2"],
+                                  ["--model.name", "1B"], ["--model.name", "tiny", "--model.tie_embeddings", "true"]])
+def test_fragments_above_the_models_layers_are_refused_naming_the_field(argv):
+    """diloco.fragments above the model's layers is refused at validation (prime-simulate's pre-check, before any node
+    starts), naming the field and the count, which is the one the runtime cut (prime.fragments.split_fragments) has."""
+    import torch
+
+    from prime.fragments import layer_units
+    from prime.model import Transformer
+
+    base = argv + ["--data.seq_len", "64"]
+    args = config_from_argv(base).model.args()
+    n = _layers_by_hand(args)
+    with torch.device("meta"):
+        names = [name for name, _ in Transformer(args).named_parameters()]
+    assert len(layer_units(names)) == n  # the runtime's count
+    assert config_from_argv(base + ["--diloco.fragments", str(n)]).diloco.fragments == n  # as many as layers: fine
+    with pytest.raises(ValueError) as info:
+        config_from_argv(base + ["--diloco.fragments", str(n + 1)])
+    assert f"diloco.fragments ({n + 1}) is more than the model's {n} layers" in str(info.value)
+
+
+def test_checkpoint_every_without_dir_says_nothing_is_saved(capsys):
+    """checkpoint.every without checkpoint.dir writes nothing: build_checkpoints says so in one line naming both fields,
+    on the node's logging process only; checkpoint.every = 0 (the default) without dir says nothing."""
+    import torch
+
+    from prime.builders import build_checkpoints
+    from prime.runtime import Environment
+
+    logger, other = (Environment(torch.device("cpu"), rank, 2, 0, 1, fsdp=False) for rank in (0, 1))
+    assert Config().checkpoint.every == 0 and Config().checkpoint.dir == ""  # the defaults: no warning
+    cfg = config_from_argv(["--checkpoint.every", "2"])
+    said = []
+    assert build_checkpoints(cfg, logger, None, None, None, say=said.append) is None
+    assert len(said) == 1 and "checkpoint.every = 2" in said[0] and "checkpoint.dir is not set" in said[0], said
+    assert build_checkpoints(cfg, other, None, None, None, say=said.append) is None and len(said) == 1
+    assert build_checkpoints(Config(), logger, None, None, None, say=said.append) is None and len(said) == 1
+    build_checkpoints(cfg, logger, None, None, None)  # the trainer's call: the line goes to stderr
+    err = capsys.readouterr().err
+    assert err.count("checkpoint.every = 2 but checkpoint.dir is not set") == 1, err

@@ -67,7 +67,8 @@ class ElasticSync(Joining):
                    the node and starts its heartbeat and its state server
     ring_timeout_s, streams, max_rate: the rings' settings (prime.comm.Ring)
     transfer_max_rate: bytes/s cap when serving the state to a joiner (0: none)
-    transfer_timeout_s: a joiner gives up on a source silent for this long
+    transfer_timeout_s: a joiner gives up on a source silent for this long, or late with a frame by this long
+                   plus its size at 64 KiB/s (prime/elastic/transfer.py)
     join_timeout_s: a joiner gives up when not admitted within this long
     total_steps:   the job's last inner step (a joiner that arrives after it exits)
     digest:        hash the outer state after every outer step (for checks)
