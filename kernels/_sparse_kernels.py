@@ -199,7 +199,7 @@ def _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK: tl.constexp
 
 
 @triton.jit
-def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks, programs,
+def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
                           CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
                           UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
                           LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
@@ -216,8 +216,7 @@ def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks, pr
     bit_row = code_row + K
     tl.store(bit_row + tl.arange(0, 8 * UB), tl.full((8 * UB,), -1, dtype=tl.int32))
     j = tl.arange(0, CAP)
-    for c32 in range(pid, chunks, programs):  # (the grid's size, given: Triton 3.6's interpreter cannot step by
-        # tl.num_programs(0))
+    for c32 in range(pid, chunks, tl.num_programs(0)):
         tl.debug_barrier()  # the previous chunk's reads of the scratch are done
         c = tl.cast(c32, tl.int64)
         start = c * CHUNK

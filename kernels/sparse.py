@@ -78,7 +78,7 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     status = torch.empty(chunks, dtype=torch.int32, device=x.device)
     cbytes = triton.next_power_of_2((k + 3) // 4)
     with _on_device(x.device):
-        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, programs, CBYTES=cbytes,
+        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, CBYTES=cbytes,
                                               LOGK=(k - 1).bit_length(), R=chunk // group,
                                               SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS,
                                               **shape, **_lower_shape(chunk, k), **_COMPILE_OPTIONS)
