@@ -374,8 +374,10 @@ class Fragment:
         that a run resumed from the final checkpoint keeps the schedule (fragments never come due together)."""
         self._pipeline = PipelinedStep(state, settings)  # the synchronous outer step, in pieces
         self.start: Optional[torch.Tensor] = None
-        """Eager overlap: the weights the current inner steps started from (a work buffer; None: the outer
-        weights)."""
+        """Overlap: the weights the current inner steps started from, the anchor of this fragment's next
+        pseudo-gradient (a work buffer; None: the outer weights). Eager schemes: their lookahead. delayed: set
+        only when drain() applied the average in flight before its outer step (a checkpoint): the outer weights
+        as they were before it (_keep_anchor)."""
         self.policy: Optional[OverlapPolicy] = make_policy(settings.overlap_scheme, settings) if settings.overlap \
             else None
         """How the inner steps start while this fragment's average is in flight (prime.overlap; None: no overlap)."""
@@ -538,10 +540,27 @@ class Fragment:
         flight.start(self.s.sync, ready, g.device)
         self._inflight = flight
 
+    def _start_pool(self) -> BufferPool:
+        """Where `start` comes from: the start buffers of eager schemes; delayed (which has none) borrows a
+        pseudo-gradient buffer: a whole-phase overlap has two and uses one between outer steps, so its anchor
+        needs no memory beyond the second, which its next outer step takes anyway."""
+        return self.s.starts if self.policy is None or self.policy.eager else self.s.grads
+
     def _give_start(self) -> None:
         if self.start is not None:
-            self.s.starts.give(self.start._base if self.start._base is not None else self.start)
+            self._start_pool().give(self.start._base if self.start._base is not None else self.start)
             self.start = None
+
+    def _keep_anchor(self) -> None:
+        """delayed, before drain() applies the average in flight to the outer weights: the current inner steps
+        started from the outer weights as they are now, and the next pseudo-gradient must be taken from there
+        (as it is when the average lands at its outer step); they are kept in `start`, its anchor, until then.
+        Eager schemes keep theirs in `start` already."""
+        if self.policy is None or self.policy.eager or self.start is not None:
+            return
+        start = self._start_pool().take()[: self.state.numel]
+        start.copy_(self.state.outer)  # fp32 to fp32, from a resident, pinned or plain home: the same bits
+        self.start = start
 
     @torch.no_grad()
     def apply_midway(self) -> None:
@@ -581,11 +600,14 @@ class Fragment:
     def drain(self) -> Optional[int]:
         """Waits for the average in flight and applies it to the outer weights (not to the model). Returns the
         outer step it completed, or None when nothing was in flight. Bit for bit the same state as applying it
-        at its due time: nothing else touches this fragment's outer weights in between."""
+        at its due time: nothing else touches this fragment's outer weights in between; and a delayed scheme,
+        whose next pseudo-gradient is taken from the outer weights, first keeps them as they were in `start`
+        (_keep_anchor), so that it is the same too."""
         flight, self._inflight = self._inflight, None
         if flight is None:
             return None
         r = self._join(flight)
+        self._keep_anchor()  # delayed: the next pseudo-gradient's anchor, before the outer weights move
         self.s.sync.applying(r)
         self.policy.adapt(self.state.update(flight.buf, norm=True, dense=self.s.dense(flight.outer_step)))
         self.state.add_to_residual(self.s.sync.take_dropped(flight.buf))
@@ -622,7 +644,9 @@ class Fragment:
     # -- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Counters, outer weights and momentum (after draining the average in flight), and the overlap start."""
+        """Counters, outer weights and momentum (after draining the average in flight), and the overlap start:
+        "start" for eager schemes, "anchor" for delayed (the outer weights before the drained average, only
+        while its outer step is still to come)."""
         self.drain()
         sd = {"outer_step": self.outer_step, "since_sync": self.since_sync}
         if self.s.weights == "tokens":
@@ -631,7 +655,7 @@ class Fragment:
             sd["early"] = self.early
         sd.update(self.state.state_dict())
         if self.start is not None:
-            sd["start"] = self.start.cpu()
+            sd[self._start_key()] = self.start.cpu()
         if self.policy is not None:
             sd.update(self.policy.state_dict())
         if self.pieces_done:
@@ -647,14 +671,20 @@ class Fragment:
         if "outer" not in sd:
             return
         self.state.load_state_dict(sd)
-        if "start" in sd and self.policy is not None and self.policy.eager:
+        key = self._start_key()
+        if self.policy is not None and key in sd:
             if self.start is None:
-                self.start = self.s.starts.take()[: self.state.numel]
-            self.start.copy_(sd["start"])
+                self.start = self._start_pool().take()[: self.state.numel]
+            self.start.copy_(sd[key])
         else:
             self._give_start()
         if self.policy is not None:
             self.policy.load_state_dict(sd)
+
+    def _start_key(self) -> str:
+        """The key of `start` in state_dict(): "start" (eager schemes' lookahead) or "anchor" (delayed's kept
+        outer weights); a run resumed with another scheme ignores the other's."""
+        return "anchor" if self.policy is not None and not self.policy.eager else "start"
 
     @property
     def alpha(self) -> float:

@@ -583,3 +583,72 @@ def test_eager_merge_config_and_settings():
                overlap=True, overlap_scheme="eager-merge", check_replicas=False)
     assert d.settings()["overlap"] == "eager-merge" and d.settings()["overlap_steps"] == 2
     d.close()
+
+
+# -- checkpoints leave the training unchanged, every scheme ---------------------------------------------------
+
+
+def run_checkpointed(w0, deltas, scheme, *, checkpoints=(), resume=False):
+    """Nodes as threads, inner_steps = len(deltas[0][0]), the whole phase overlapped (overlap_steps =
+    inner_steps, what delayed needs); after inner step j of outer step k, for every (k, j) in `checkpoints`,
+    every node calls state_dict() (a copy, as a checkpoint writes it) and, with `resume`, continues on a fresh
+    DiLoCo restored from it. Returns every node's final weights and outer weights, and the state dicts."""
+    n, H = len(deltas[0]), len(deltas[0][0])
+    group = FakeThreadGroup(n)
+    kw = dict(inner_steps=H, codec="int8", block_size=32, overlap=True, overlap_scheme=scheme,
+              check_replicas=False)
+
+    def node(r):
+        model = TwoParams(w0, torch.zeros(0))
+        d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
+        saved = []
+        for k in range(len(deltas)):
+            for j in range(H):
+                with torch.no_grad():
+                    model.a -= deltas[k][r][j]
+                d.step()
+                if (k, j) in checkpoints:
+                    sd = copy.deepcopy(d.state_dict())
+                    saved.append(sd)
+                    if resume:
+                        d.close()
+                        model = TwoParams(model.a.detach().clone(), torch.zeros(0))
+                        d = DiLoCo(model, None, FakeThreadRing(group, r), **kw)
+                        d.load_state_dict(sd)
+        frag = d.fragments[0]
+        buffers = (frag.s.grads.made, frag.s.starts.made)
+        d.finish()
+        outer = d.outer_weights().clone()
+        d.close()
+        return model.a.detach().clone(), outer, saved, buffers
+
+    return run_nodes(n, node)
+
+
+@pytest.mark.parametrize("scheme", ["delayed", "eager", "eager-merge", "eager-adaptive"])
+def test_checkpoints_mid_phase_leave_every_scheme_bit_for_bit(seed, scheme):
+    """2 nodes, inner_steps 3, int8, 4 outer steps on fresh random data: a run that calls state_dict() after an
+    outer step (its average in flight) and twice inside the next phase, and a run that resumes from each of
+    those on a fresh DiLoCo, end with the bits of the run that never checkpoints. state_dict() applies the
+    average in flight early; delayed then keeps the outer weights its inner steps started from as the anchor
+    of its next pseudo-gradient ("anchor", in a pseudo-gradient buffer: no start buffer), the eager schemes
+    their start point ("start")."""
+    gen = torch.Generator().manual_seed(seed)
+    n, H, steps, size = 2, 3, 4, 96
+    w0 = torch.randn(size, generator=gen)
+    deltas = [[[0.02 * torch.randn(size, generator=gen) for _ in range(H)] for _ in range(n)] for _ in range(steps)]
+    at = ((1, 2), (2, 0), (2, 1))  # after outer step 2 (at the boundary), then twice in the phase of step 3
+    plain = run_checkpointed(w0, deltas, scheme)
+    saved = run_checkpointed(w0, deltas, scheme, checkpoints=at)
+    resumed = run_checkpointed(w0, deltas, scheme, checkpoints=at, resume=True)
+    key, other = ("anchor", "start") if scheme == "delayed" else ("start", "anchor")
+    for r in range(n):
+        for name, got in (("state_dict() calls", saved), ("resumed", resumed)):
+            assert torch.equal(got[r][1], plain[r][1]), f"seed {seed} {scheme} node {r}: outer weights, {name}"
+            assert torch.equal(got[r][0], plain[r][0]), f"seed {seed} {scheme} node {r}: final weights, {name}"
+        for sd in saved[r][2] + resumed[r][2]:
+            part = sd["fragments"][0]
+            assert key in part and other not in part, (scheme, sorted(part))
+        if scheme == "delayed":  # the anchor borrows the second pseudo-gradient buffer: no memory beyond it
+            assert saved[r][3] == plain[r][3] == (2, 0), (saved[r][3], plain[r][3])
+    assert torch.equal(plain[0][1], plain[1][1])
