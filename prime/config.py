@@ -93,17 +93,13 @@ def _check_numbers(section: Any, section_name: str) -> None:
 
 
 def model_layers(args) -> list:
-    """The layers (prime.fragments.layer_units) of the model prime-train builds from `args` (prime.model.ModelArgs),
-    as diloco.fragments cuts it: the blocks, the embedding, the final norm and an untied output. Built on the meta
-    device (no memory), with the parameter names the trainer's model has."""
-    import torch
-
-    from prime.fragments import layer_units
-    from prime.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(args)
-    return [unit for unit, _ in layer_units([name for name, _ in model.named_parameters()])]
+    """The layers diloco.fragments cuts the trainer's model (prime.model.Transformer of `args`) into, as
+    prime.fragments.layer_units groups its parameters: the embedding, one per block, the final norm and the output
+    projection unless it is tied to the embedding. Counted from the shape: building the model, even on the meta
+    device, imports torch's compiler (about a second for every config parsed); tests/test_config.py holds this
+    list to the real model's."""
+    out = [] if args.tie_embeddings else ["output"]
+    return ["tok_embeddings"] + [f"layers.{i}" for i in range(args.n_layers)] + ["norm"] + out
 
 
 @dataclass

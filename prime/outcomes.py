@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Callable, Optional
 
 from prime.comm import store_keys as keys
 from prime.comm.signed_store import SignedStore
 
 __all__ = ["StoreOutcomes"]
+
+WAIT_S = 0.5
+"""How long one wait for the decision lasts before the reports are read again (for the timeout)."""
 
 KEEP_DECISIONS = 8
 """Decisions node 0 keeps in the store (older ones are deleted): more than a pipelined average's window."""
@@ -77,7 +81,7 @@ class StoreOutcomes:
         records.put(report, {"ok": bool(ok)})
         deadline = time.monotonic() + self.timeout_s
         seen: dict = {}
-        pause = self.poll_s
+        pause, woken = self.poll_s, False
         while True:
             got = _verdict(records.first(decision))
             if got is None:
@@ -98,8 +102,16 @@ class StoreOutcomes:
             if got is not None:
                 self._tidy(records, name, report)
                 return got
-            if time.monotonic() >= deadline + self.timeout_s:
+            now = time.monotonic()
+            if now >= deadline + self.timeout_s:
                 raise TimeoutError(f"no decision under store key {decision!r} after {2 * self.timeout_s:g} s")
+            if len(seen) < self.nodes and now < deadline and not woken:
+                # Reports are missing: the last node to report decides. Wait for its decision on the store's
+                # side (it wakes us as soon as the key is written). Woken without a valid decision there (a
+                # stranger's record), the reads go on at the polling pace instead.
+                woken = _wait(records.store, decision, min(WAIT_S, deadline - now))
+                if woken:
+                    continue
             time.sleep(pause)
             pause = min(2 * pause, self.max_poll_s)
 
@@ -113,6 +125,15 @@ class StoreOutcomes:
         self._decided.append(name)
         while len(self._decided) > KEEP_DECISIONS:
             records.delete(keys.outcome_decision(self.scope, self._decided.pop(0)))
+
+
+def _wait(store, key: str, seconds: float) -> bool:
+    """Whether `key` exists within `seconds` (the store's own wait: no polling); False on its timeout."""
+    try:
+        store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except Exception:  # the store's timeout (DistStoreError); a real store failure shows in the next read
+        return False
 
 
 def _verdict(record) -> Optional[bool]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from prime.config import Config, _field_docs, config_from_argv, describe, load_config, parse_cli
+from prime.config import Config, _field_docs, config_from_argv, describe, load_config, model_layers, parse_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -217,6 +217,7 @@ def test_fragments_above_the_models_layers_are_refused_naming_the_field(argv):
     with torch.device("meta"):
         names = [name for name, _ in Transformer(args).named_parameters()]
     assert len(layer_units(names)) == n  # the runtime's count
+    assert [unit for unit, _ in layer_units(names)] == model_layers(args)  # the config's, without the model
     assert config_from_argv(base + ["--diloco.fragments", str(n)]).diloco.fragments == n  # as many as layers: fine
     with pytest.raises(ValueError) as info:
         config_from_argv(base + ["--diloco.fragments", str(n + 1)])
