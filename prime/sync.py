@@ -465,9 +465,11 @@ class RingSync(SyncExtras):
 
     @property
     def keeps_input(self) -> bool:
-        """True when a retry after this process's own all-reduce worked needs its input back (a background
-        average on a node of several processes that can rebuild its ring)."""
-        return self.average_group is not None and self.ring_factory is not None
+        """True when a retry after this process's own all-reduce worked needs its input back: a background
+        average that can rebuild its ring, on any node (another process of the node, or with agree_through()
+        another node, may have failed while this one completed; agree_through() comes after the fragments'
+        buffers are planned, so this does not wait for it)."""
+        return self.ring_factory is not None
 
     def use_from_background(self) -> None:
         """Prepares average() to run on a background thread (DiLoCo's overlap) while the main thread keeps

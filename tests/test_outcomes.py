@@ -152,3 +152,53 @@ def test_a_rank_that_fails_after_its_peer_completed(ranks, agree):
         assert (o0, h0) == (o1, h1), results
     else:  # what the decision prevents (if the fault ever stops splitting them, this test no longer shows it)
         assert o0 != o1 and h0 != h1, results
+
+
+def _rank_overlapped_retry(ctx, fault: bool):
+    from torch import nn
+
+    from prime import faults
+    from prime.comm import Ring
+    from prime.diloco import DiLoCo
+    from prime.sync import RingSync
+
+    n = 256 * 256
+    try:
+        def factory(tag):
+            if fault and ctx.rank == 0 and tag == "start":  # the first ring: its first all-reduce, outer step 1
+                faults.arm(f"ring.send@{n * 4 - 100}")
+            else:
+                faults.disarm()
+            return Ring(ctx.store, ctx.rank, ctx.world_size, timeout=5, job_id=f"{ctx.job}/{tag}",
+                        max_rate=2e6 if ctx.rank == 0 else None)
+
+        sync = RingSync(None, ring_factory=factory, retries=1)
+        sync.agree_through(StoreOutcomes(lambda: ctx.store, SECRET, ctx.job, "launch/g0", node=ctx.rank,
+                                         nodes=ctx.world_size, timeout_s=10))
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256, bias=False)
+        d = DiLoCo(model, None, sync, inner_steps=1, codec="none", overlap=True, check_replicas=False)
+        d.reset_outer()
+        gen = torch.Generator().manual_seed(ctx.rank)
+        attempts = []
+        for _ in range(3):
+            with torch.no_grad():
+                model.weight -= 0.01 * torch.randn(model.weight.shape, generator=gen)
+            r = d.step()
+            attempts.append(getattr(r, "attempts", None))
+        d.finish()
+        return d.weights_hash(), attempts
+    finally:
+        faults.disarm()
+
+
+@needs_ring
+def test_an_overlapped_average_retried_after_another_node_failed_sends_its_own_input_again(ranks):
+    """A one-process node's background average that worked while its peer's failed is retried on the store's
+    decision: it must send its own pseudo-gradient again, not the average its buffer holds (RingSync.keeps_input),
+    so that the run ends with the weights of a run without the failure."""
+    clean = ranks.run(_rank_overlapped_retry, False, world_size=2, timeout=120)
+    failed = ranks.run(_rank_overlapped_retry, True, world_size=2, timeout=120)
+    assert clean[0][0] == clean[1][0] and failed[0][0] == failed[1][0], (clean, failed)
+    assert failed[0][1][1] == 2, failed  # the first overlapped average was retried (it lands at step 2)
+    assert failed[0][0] == clean[0][0], (clean, failed)
