@@ -289,6 +289,10 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait()  # one save in flight at a time; also surfaces errors of the previous one
+        # Steps newer than this one that are here already were left by another run (the node's other processes
+        # are at most at this save: its manifest waits for all of them). Listed now, not when pruning: by then
+        # another process may have made the directory of its next save.
+        left = [s for s in self._step_dirs() if s > step] if self.local_rank == 0 else []
         path = self.step_dir(step)
         os.makedirs(path, exist_ok=True)
         stale = os.path.join(path, MANIFEST)
@@ -331,7 +335,7 @@ class Checkpointer:
                 hashes.update(part)
             if self.local_rank == 0:
                 write_manifest(path, step, hashes, self.key)
-                self._prune(step)
+                self._prune(step, left)
 
         self._pending = self._pool.submit(finish)
         if block or not self.async_save:
@@ -361,11 +365,11 @@ class Checkpointer:
         shutil.rmtree(path, ignore_errors=True)
         return None
 
-    def _prune(self, newest: int) -> None:
-        """Once the checkpoint of `newest` is complete (its manifest written, never before): removes this node's
-        steps newer than it, complete or not (left by a run that this one started over: a restart would resume
-        from them, not from this run), then all but the `keep` newest complete steps up to it."""
-        newer = [s for s in self._step_dirs() if s > newest]
+    def _prune(self, newest: int, newer: list) -> None:
+        """Once the checkpoint of `newest` is complete (its manifest written, never before): removes `newer`, this
+        node's steps newer than it found when its save began, complete or not (left by a run that this one started
+        over: a restart would resume from them, not from this run), then all but the `keep` newest complete steps
+        up to it."""
         if newer:
             failed = [p for p in map(self._remove_step, newer) if p]
             msg = (f"removed the checkpoints of steps {newer} from {self.node_dir}: newer than step {newest}, which "

@@ -407,6 +407,29 @@ def test_no_checkpoint_on_any_node_starts_fresh(tmp_path):
     assert _choose_on_nodes(str(tmp_path), 2) == [None, None]
 
 
+def test_a_directory_made_by_another_process_for_its_next_save_is_not_removed(tmp_path, seed, monkeypatch):
+    """Local rank 0 writes the manifest last, when the node's other processes may already have made the directory
+    of their next save: only the steps newer than this save that were there when it began (another run's) go."""
+    import prime.checkpoint as pc
+
+    old, _, _ = _save(tmp_path, seed, [12], keep=2)
+    old.close()
+    model, opt = _model_and_optim(seed + 1)
+    ck = Checkpointer(str(tmp_path), 0, 0, 1, keep=2, async_save=True)
+    ck.log = lambda msg: None
+    write = pc.write_manifest
+
+    def write_while_another_process_moves_on(path, step, files, key=None):
+        os.makedirs(ck.step_dir(8), exist_ok=True)  # another process of the node, at its next save
+        write(path, step, files, key)
+
+    monkeypatch.setattr(pc, "write_manifest", write_while_another_process_moves_on)
+    ck.save(4, model, opt, {"step": 4})
+    ck.wait()
+    assert sorted(os.listdir(ck.node_dir)) == ["step_00000004", "step_00000008"]  # 12 (the other run's) removed
+    ck.close()
+
+
 def test_a_run_started_over_older_checkpoints_removes_their_newer_steps_once_its_first_is_complete(
         tmp_path, seed, monkeypatch):
     """An earlier run left steps 8 and 12 (and an incomplete 16); a run started over it (checkpoint.resume = false)
