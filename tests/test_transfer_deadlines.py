@@ -342,3 +342,27 @@ def test_a_byte_changed_on_the_path_is_caught_and_fetched_again(served):
         assert len(r.failures) == 1 and "CRC32C" in r.failures[0], r.failures
     finally:
         proxy.close()
+
+
+def test_a_server_capped_below_the_minimum_rate_still_serves_a_joiner_of_its_job():
+    """elastic.transfer_max_rate_mbit may cap the servers below the joiner's minimum rate (MIN_RATE): a joiner of
+    such a job accepts half the cap (joiner_min_rate), and the capped server paces within a piece, so that its
+    joiner is never silent for timeout_s between pieces. 160 KB at 32 KiB/s with timeout_s 2 s: about 5 s."""
+    seed = random.randrange(1 << 30)
+    parts = _state(seed, 30_000)  # 160 KB in two frames of one piece each
+    cap = 32 << 10
+    assert transfer.joiner_min_rate(cap) == cap / 2 and transfer.joiner_min_rate(0) == transfer.MIN_RATE
+    server = transfer.StateServer(SECRET, "job", 0, timeout_s=2, max_rate=cap)
+    server.publish(3, parts, {"inner_step": 30})
+    try:
+        dst = [torch.zeros_like(p) for p in parts]
+        t0 = time.monotonic()
+        r = _fetch(dst, lambda: [(0, server.address)], timeout_s=2, give_up_s=30,
+                   min_rate=transfer.joiner_min_rate(cap))
+        took = time.monotonic() - t0
+        assert r.failures == [], (r.failures, f"seed {seed}")
+        assert all(torch.equal(a, b) for a, b in zip(dst, parts))
+        total = sum(p.numel() * 4 for p in parts)
+        assert took >= 0.8 * total / cap, took  # the cap held
+    finally:
+        server.close()

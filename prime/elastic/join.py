@@ -136,7 +136,8 @@ class Joining:
             return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
                                secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=self._check_settings,
                                timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
-                               log=lambda msg: m.log(msg, event="download"), step=want)
+                               log=lambda msg: m.log(msg, event="download"), step=want,
+                               min_rate=self.transfer_min_rate)
         except TransferError as e:
             raise JoinError(f"node {self.node_id} could not download the job's state"
                             + (f" (local rank {self.local_rank})" if self.group is not None else "")
@@ -204,7 +205,7 @@ class Joining:
         download = _Download(lambda: fetch_state(
             self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
             check_meta=lambda meta: None, timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
-            log=notes.append))
+            log=notes.append, min_rate=self.transfer_min_rate))
         download.start()
         kept: dict = {}
         res = None

@@ -47,7 +47,7 @@ from prime.elastic.join import Joining, JoinInfo, store_errors
 from prime.elastic.local_ranks import LocalRanks
 from prime.elastic.membership import Evicted, Membership, Plan
 from prime.elastic.rings import ElasticRings
-from prime.elastic.transfer import StateServer, state_digest
+from prime.elastic.transfer import StateServer, joiner_min_rate, state_digest
 from prime.sync import OuterSyncError, SyncResult, all_local, dropped_on_device
 
 __all__ = ["ElasticSync", "ElasticReport", "JoinInfo"]
@@ -111,6 +111,7 @@ class ElasticSync(Joining):
         self.local_world, self.local_rank = self.local.world, self.local.rank
         self.membership = membership
         self.transfer_timeout_s, self.join_timeout_s = transfer_timeout_s, join_timeout_s
+        self.transfer_min_rate = joiner_min_rate(transfer_max_rate)  # the job's servers' cap: every node's
         self.total_steps, self.digest, self.slot_state_fn = total_steps, digest, slot_state_fn
         self.listen_when_stale = listen_when_stale
         self.quant_error = quant_error

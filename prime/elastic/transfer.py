@@ -81,11 +81,13 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_PENDING_HANDSHAKES = 32
 """A state server handshakes with at most this many connections that have not proved the secret yet; a new one
 drops the oldest (a joiner's handshake takes a few round trips, a flood of strangers cannot starve it)."""
+PACE_BYTES = 64 << 10
+"""A server with a rate cap (max_rate) paces each piece in slices of this many bytes."""
 MIN_RATE = 64 << 10
 """Bytes/s. A joiner gives each frame from a source timeout_s plus its size at this rate (69 s for a 4 MiB piece
 with the default 60 s), counted from when it starts waiting for it: a source (or a link) slower than that is
-dropped for another. A throttled server (max_rate) sends each piece at the link's speed and then waits, within
-timeout_s, as before."""
+dropped for another. A job whose servers are capped below twice this (elastic.transfer_max_rate_mbit) gives its
+joiners half the cap instead (fetch_state's min_rate); a capped server paces each piece (PACE_BYTES at a time)."""
 _MAX_REJECTED_LINES = 256
 # A joiner waits this long before it asks a source again that just failed (refused, reset,
 # closed, stalled), doubling up to RETRY_MAX_S while it keeps failing: a dead source is
@@ -232,14 +234,22 @@ class _Channel:
     def send_json(self, obj) -> None:
         self.send(json.dumps(obj).encode())
 
-    def send_piece(self, body) -> None:
-        """A piece of state: u32 length | u32 CRC32C | HMAC(header) | bytes."""
+    def send_piece(self, body, pace: Optional[Callable[[int], None]] = None) -> None:
+        """A piece of state: u32 length | u32 CRC32C | HMAC(header) | bytes. pace(n), if given, is called before
+        each PACE_BYTES of the body with the bytes about to go (a rate cap waits there, so that a throttled piece
+        trickles instead of pausing for its whole length between pieces)."""
         body = memoryview(body).cast("B")
         head = _PIECE.pack(len(body), _crc32c(body))
         tag = self._tag(self.send_dir, self.sent, head)
         self.sent += 1
         self.sock.sendall(head + tag)
-        self.sock.sendall(body)
+        if pace is None:
+            self.sock.sendall(body)
+            return
+        for at in range(0, len(body), PACE_BYTES):
+            part = body[at: at + PACE_BYTES]
+            pace(len(part))
+            self.sock.sendall(part)
 
     def recv_piece_into(self, view: memoryview) -> None:
         """Receives one piece of exactly len(view) bytes into view; checks the header's tag and the CRC."""
@@ -574,21 +584,24 @@ class StateServer:
 
     def _stream(self, ch: _Channel, snap: _Snapshot, cuts, offset: int) -> None:
         h = hashlib.sha256()
-        t0, sent = time.monotonic(), 0
+        t0, sent, paced = time.monotonic(), 0, [0]
+
+        def pace(n: int) -> None:  # keep the average at max_rate: the node still trains on this uplink
+            paced[0] += n
+            ahead = paced[0] / self.max_rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
         for off, i, s, e in cuts:
             with self._lock:  # retract() may swap the tensors for copies between two pieces
                 data = snap.views[i][s:e].numpy().tobytes()
             h.update(data)
             if off < offset:
                 continue  # the joiner has it from another node; still part of the digest
-            ch.send_piece(data)
+            ch.send_piece(data, pace if self.max_rate > 0 else None)
             sent += len(data)
             self.stats.bytes_sent += len(data)
             faults.hit("transfer.serve", sent / max(1, snap.total - offset), log=self._log)
-            if self.max_rate > 0:  # keep the average at max_rate: the node still trains on this uplink
-                ahead = sent / self.max_rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
         ch.send_json({"digest": h.hexdigest()})
 
     def close(self) -> None:
@@ -643,6 +656,12 @@ def _handshake(sock: socket.socket, secret: bytes, job: bytes, my_id: int, sourc
     return _Channel(sock, session, b"c2s", b"s2c")
 
 
+def joiner_min_rate(max_rate: float) -> float:
+    """The least rate (bytes/s) a joiner accepts from a source of a job whose servers are capped at max_rate
+    (0: no cap): MIN_RATE, or half the cap when that is lower."""
+    return MIN_RATE if max_rate <= 0 else min(MIN_RATE, max_rate / 2)
+
+
 def fetch_state(
     parts: list[torch.Tensor],
     sources: Callable[[], list[tuple[int, str]]],
@@ -655,12 +674,13 @@ def fetch_state(
     give_up_s: float = 600.0,
     log: Optional[Callable[[str], None]] = None,
     step: Optional[int] = None,
+    min_rate: float = MIN_RATE,
 ) -> FetchResult:
     """Downloads the newest committed state from a live peer into `parts` (written in place).
 
     sources() lists (node id, address) of candidate peers, asked again after
     each failure. When a source dies, stalls (nothing for timeout_s) or is too
-    slow (a frame not in within timeout_s plus its size at MIN_RATE; the
+    slow (a frame not in within timeout_s plus its size at min_rate; the
     handshake not done within HANDSHAKE_TIMEOUT_S), the download resumes at
     the last verified piece from another source that holds the same outer
     step, or restarts from the newest step if none does. Nothing waits past
@@ -673,7 +693,8 @@ def fetch_state(
     TransferError(kind="auth") when every peer rejects the handshake.
     """
     fetch = _Fetch(parts, secret=secret, job=job.encode(), my_id=my_id, check_meta=check_meta,
-                   timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step, give_up_s=give_up_s)
+                   timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step, give_up_s=give_up_s,
+                   min_rate=min_rate)
     while True:
         cands = [s for s in sources() if s[0] not in fetch.auth_failed]
         source = fetch.choose(cands, give_up_s)
@@ -697,7 +718,7 @@ class _Fetch:
 
     def __init__(self, parts: list[torch.Tensor], *, secret: bytes, job: bytes, my_id: int,
                  check_meta: Callable[[dict], Optional[str]], timeout_s: float, log: Callable[[str], None],
-                 step: Optional[int], give_up_s: float = float("inf")):
+                 step: Optional[int], give_up_s: float = float("inf"), min_rate: float = MIN_RATE):
         self.parts = parts
         self.views = [_bytes_view(p) for p in parts]
         for v, p in zip(self.views, parts):
@@ -708,6 +729,9 @@ class _Fetch:
         self.total = sum(sizes)
         self.secret, self.job, self.my_id = secret, job, my_id
         self.check_meta, self.timeout_s, self.log = check_meta, timeout_s, log
+        if not min_rate > 0:
+            raise ValueError(f"min_rate must be positive bytes/s, got {min_rate}")
+        self.min_rate = min_rate
         self.step = step  # the outer step being downloaded (None: the newest, until a source names it)
         self.t0 = time.monotonic()
         # Nothing is waited for past this: a source slower than the frames' deadlines is left for another, and
@@ -794,9 +818,9 @@ class _Fetch:
 
     def _frame_due(self, t: float, n: int) -> _Due:
         """The deadline of a frame of n bytes that this node started waiting for at time t."""
-        limit = self.timeout_s + n / MIN_RATE
+        limit = self.timeout_s + n / self.min_rate
         return _Due(t + limit, f"its deadline ({limit:.3g} s: timeout_s {self.timeout_s:g} s + {n} bytes at the "
-                               f"minimum rate of {MIN_RATE / 1024:g} KiB/s)").sooner(self.give_up)
+                               f"minimum rate of {self.min_rate / 1024:g} KiB/s)").sooner(self.give_up)
 
     def _accept_header(self, sid: int, hdr: dict) -> None:
         """Checks a source's answer to the request: it serves the step asked for, of this node's job and size."""
