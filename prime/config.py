@@ -573,8 +573,9 @@ class ElasticConfig:
     transfer_timeout_s: float = 60.0
     """Live recovery: a joiner gives up on a source that sends nothing for this long, or that has not delivered a
     frame this long plus its size at 64 KiB/s (half transfer_max_rate_mbit where that is lower) after the joiner began
-    waiting for it (69 s for a 4 MiB piece at 60 s), and resumes from another; the handshake has 10 s in all, and no wait goes past join_timeout_s from the download's
-    start (prime/elastic/transfer.py). A source gives a joiner's request, and each of its sends, this long."""
+    waiting for it (69 s for a 4 MiB piece at 60 s), and resumes from another; the handshake has 10 s in all, and no
+    wait goes past join_timeout_s from the download's start (prime/elastic/transfer.py). A source gives a joiner's
+    request, and each of its sends, this long."""
     transfer_max_rate_mbit: float = 0.0
     """Cap on the rate at which a node serves its state to a joiner, Mbit/s (0: unlimited)."""
     join_timeout_s: float = 600.0

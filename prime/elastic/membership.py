@@ -378,8 +378,9 @@ class Monitor:
 
     Every `interval` seconds: write a signed heartbeat record {node, seq, left}
     with the next sequence number, then read every known node's record (one
-    compare_set each: SignedStore.get_many, which never waits for a key). A node whose valid records stopped advancing for `timeout`
-    seconds (on this node's clock) is dead; one that signed left=True left. A
+    compare_set each: SignedStore.get_many, which never waits for a key). A
+    node whose valid records stopped advancing for `timeout` seconds (on this
+    node's clock) is dead; one that signed left=True left. A
     node never seen counts from the moment this monitor started. A record that
     is not validly signed, or whose sequence number went back (a replay), is
     ignored: nobody without the secret can keep a dead node alive, evict a live
