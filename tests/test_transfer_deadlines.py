@@ -346,12 +346,16 @@ def test_a_byte_changed_on_the_path_is_caught_and_fetched_again(served):
 
 def test_a_server_capped_below_the_minimum_rate_still_serves_a_joiner_of_its_job():
     """elastic.transfer_max_rate_mbit may cap the servers below the joiner's minimum rate (MIN_RATE): a joiner of
-    such a job accepts half the cap (joiner_min_rate), and the capped server paces within a piece, so that its
-    joiner is never silent for timeout_s between pieces. 160 KB at 32 KiB/s with timeout_s 2 s: about 5 s."""
+    such a job accepts half the cap (joiner_min_rate), and the capped server paces within a piece in slices of
+    PACE_S at the cap, so that its joiner is never silent for timeout_s. 107 KB at 24 KiB/s with timeout_s 2 s:
+    about 4.4 s (slices of PACE_BYTES would leave 2.7 s between two)."""
     seed = random.randrange(1 << 30)
-    parts = _state(seed, 30_000)  # 160 KB in two frames of one piece each
-    cap = 32 << 10
+    parts = _state(seed, 20_000)  # 107 KB in two frames of one piece each
+    cap = 24 << 10
     assert transfer.joiner_min_rate(cap) == cap / 2 and transfer.joiner_min_rate(0) == transfer.MIN_RATE
+    assert transfer.pace_slice_bytes(cap) == int(cap * transfer.PACE_S)
+    assert transfer.pace_slice_bytes(0) == transfer.pace_slice_bytes(1e9) == transfer.PACE_BYTES
+    assert transfer.pace_slice_bytes(1) == 1 << 10
     server = transfer.StateServer(SECRET, "job", 0, timeout_s=2, max_rate=cap)
     server.publish(3, parts, {"inner_step": 30})
     try:

@@ -82,12 +82,14 @@ MAX_PENDING_HANDSHAKES = 32
 """A state server handshakes with at most this many connections that have not proved the secret yet; a new one
 drops the oldest (a joiner's handshake takes a few round trips, a flood of strangers cannot starve it)."""
 PACE_BYTES = 64 << 10
-"""A server with a rate cap (max_rate) paces each piece in slices of this many bytes."""
+PACE_S = 0.05
+"""A server with a rate cap (max_rate) paces each piece in slices of PACE_BYTES, or of PACE_S at the cap where that
+is less (1 KiB at least): its joiner never waits longer than one slice's worth of the cap for the next bytes."""
 MIN_RATE = 64 << 10
 """Bytes/s. A joiner gives each frame from a source timeout_s plus its size at this rate (69 s for a 4 MiB piece
 with the default 60 s), counted from when it starts waiting for it: a source (or a link) slower than that is
 dropped for another. A job whose servers are capped below twice this (elastic.transfer_max_rate_mbit) gives its
-joiners half the cap instead (fetch_state's min_rate); a capped server paces each piece (PACE_BYTES at a time)."""
+joiners half the cap instead (fetch_state's min_rate); a capped server paces each piece (pace_slice_bytes at a time)."""
 _MAX_REJECTED_LINES = 256
 # A joiner waits this long before it asks a source again that just failed (refused, reset,
 # closed, stalled), doubling up to RETRY_MAX_S while it keeps failing: a dead source is
@@ -234,9 +236,9 @@ class _Channel:
     def send_json(self, obj) -> None:
         self.send(json.dumps(obj).encode())
 
-    def send_piece(self, body, pace: Optional[Callable[[int], None]] = None) -> None:
+    def send_piece(self, body, pace: Optional[Callable[[int], None]] = None, slice_bytes: int = PACE_BYTES) -> None:
         """A piece of state: u32 length | u32 CRC32C | HMAC(header) | bytes. pace(n), if given, is called before
-        each PACE_BYTES of the body with the bytes about to go (a rate cap waits there, so that a throttled piece
+        each slice_bytes of the body with the bytes about to go (a rate cap waits there, so that a throttled piece
         trickles instead of pausing for its whole length between pieces)."""
         body = memoryview(body).cast("B")
         head = _PIECE.pack(len(body), _crc32c(body))
@@ -246,8 +248,8 @@ class _Channel:
         if pace is None:
             self.sock.sendall(body)
             return
-        for at in range(0, len(body), PACE_BYTES):
-            part = body[at: at + PACE_BYTES]
+        for at in range(0, len(body), slice_bytes):
+            part = body[at: at + slice_bytes]
             pace(len(part))
             self.sock.sendall(part)
 
@@ -598,7 +600,7 @@ class StateServer:
             h.update(data)
             if off < offset:
                 continue  # the joiner has it from another node; still part of the digest
-            ch.send_piece(data, pace if self.max_rate > 0 else None)
+            ch.send_piece(data, pace if self.max_rate > 0 else None, pace_slice_bytes(self.max_rate))
             sent += len(data)
             self.stats.bytes_sent += len(data)
             faults.hit("transfer.serve", sent / max(1, snap.total - offset), log=self._log)
@@ -654,6 +656,14 @@ def _handshake(sock: socket.socket, secret: bytes, job: bytes, my_id: int, sourc
     if _recv_exact(sock, 1, due) != b"\x00":
         raise TransferError(f"node {source} rejected this node's proof of the job secret", "auth")
     return _Channel(sock, session, b"c2s", b"s2c")
+
+
+def pace_slice_bytes(max_rate: float) -> int:
+    """The bytes a server capped at max_rate (bytes/s; 0: no cap) sends between two waits: PACE_BYTES, or PACE_S at
+    the cap where that is less, 1 KiB at least (a slice of PACE_BYTES at 32 KiB/s was a 2 s silence)."""
+    if max_rate <= 0:
+        return PACE_BYTES
+    return max(1 << 10, min(PACE_BYTES, int(max_rate * PACE_S)))
 
 
 def joiner_min_rate(max_rate: float) -> float:
