@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,8 +50,30 @@ def fault_env(faults: dict, rank: int) -> str:
     return ",".join(faults.get(None, []) + faults.get(rank, []))
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel draws ports from for bind(0) and connect() (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn at random below the kernel's ephemeral range where
+    there is room (10000 up): a port handed on to a launcher is bound a moment later, and in between every bind(0)
+    and connect() of the machine (rings, stores, tests) may take any free port of the ephemeral range."""
+    lo, _ = _ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(64 if lo > 12000 else 0):
+        port = rng.randrange(10000, lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

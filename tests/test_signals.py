@@ -136,6 +136,22 @@ def _stop_lines(text, sig):
 # -- before anything starts ---------------------------------------------------------------------
 
 
+def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
+    """A port handed on to torchrun is bound a moment later; the kernel hands out ephemeral ports (bind(0),
+    connect()) to every ring and store in between, so free_port draws below that range where there is room."""
+    import socket
+
+    from prime.simulate import _ephemeral_ports
+
+    lo, hi = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1, ports  # drawn at random, not the same each time
+    for port in ports:
+        assert lo <= 12000 or 10000 <= port < lo, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_bad_setting_is_one_line_before_any_node_starts():
     p = subprocess.run([sys.executable, "-m", "prime.simulate", "--nodes", "2", "--", "--config", "configs/demo.toml",
                         "--diloco.inner_steps", "-1"], env=_env(), cwd=ROOT, capture_output=True, text=True,
