@@ -18,8 +18,9 @@
 #                                                  server per node): utilization beside the fixed-node run's
 # Micro-batch 2 without gradient accumulation: FSDP2 accumulating unsharded gradients keeps them in fp32, 41 GB
 # per GPU for 10B, which leaves no room for the outer step's buffers (the memory plan says so).
-# env: PART (sync), STEPS (240) and LIMIT (510 s) of the elastic run, SKIP_TESTS (set: no GPU tests), MEMORY_GIB (500: the host memory for the plan; some VMs
-#      report a MemTotal that grows as memory is used)
+# env: PART (sync), STEPS (240) and LIMIT (510 s; topk 570 s) of the elastic and topk runs, H (80) of the topk
+#      run, SKIP_TESTS (set: no GPU tests), MEMORY_GIB (500: the host memory for the plan; some VMs report a
+#      MemTotal that grows as memory is used)
 cd "$(dirname "$0")/../.."
 source benchmarks/gpu/common.sh "$@"
 machine_info
@@ -53,8 +54,9 @@ overlap)
   run10b overlap 570 500 --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 --train.steps 240
   ;;
 topk)
-  run10b topk 570 50 --diloco.codec topk --diloco.fragments 4 --diloco.overlap true --diloco.inner_steps 80 \
-    --train.steps 240
+  run10b topk "${LIMIT:-570}" 50 --diloco.codec topk --diloco.fragments 4 --diloco.overlap true \
+    --diloco.inner_steps "${H:-80}" --train.steps "${STEPS:-240}"
+  [ -n "${DRY_RUN:-}" ] || grep -E "identical|differ" "$out/topk/log.txt" | tail -2
   ;;
 elastic)
   SIMULATE_ARGS="--elastic " run10b elastic "${LIMIT:-510}" 500 --diloco.fragments 4 --diloco.overlap true \
