@@ -76,7 +76,6 @@ import platform
 import queue
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -91,6 +90,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, REPO)  # the prime of this checkout, in this process and (PYTHONPATH) in the ranks
 import netem  # noqa: E402  (benchmarks/netem.py, next to this file)
 import netns  # noqa: E402
+from prime.simulate import free_port  # noqa: E402  (drawn outside the kernel's ephemeral range)
 
 MiB = 1 << 20
 CHUNK = 1 << 20  # elements per seeded chunk of the input: 4 MiB of fp32
@@ -747,13 +747,6 @@ def worker_main(spec: dict) -> None:
 
 # ---------------------------------------------------------------------------
 # parent: launch rank processes per (condition, world size), collect rows
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mem_available_bytes() -> int:

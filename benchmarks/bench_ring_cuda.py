@@ -36,12 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+from prime.simulate import free_port  # drawn outside the kernel's ephemeral range
 
 METHODS = ("gpu-int8", "gpu-fp4", "gpu-fp32", "host-int8", "host-fp4", "host-fp32", "gpu-topk", "host-topk",
            "gloo-fp32")
@@ -60,12 +61,6 @@ SPLIT = (  # WorkStats fields shown, in ms (rank 0's median)
     ("copy_back_s", "copy back"),
     ("total_s", "total"),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def split_method(method: str) -> tuple[str, int | None, bool, str | None]:

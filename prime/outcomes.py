@@ -80,7 +80,7 @@ class StoreOutcomes:
         decision = keys.outcome_decision(self.scope, name)
         records.put(report, {"ok": bool(ok)})
         deadline = time.monotonic() + self.timeout_s
-        seen: dict = {}
+        seen: dict = {self.node: bool(ok)}  # this node's own report is known: one store read fewer a decision
         pause, woken = self.poll_s, False
         while True:
             got = _verdict(records.first(decision))

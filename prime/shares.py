@@ -165,8 +165,9 @@ class MemberGroup:
     """The rings of a one-process node agree on failures as the processes of a node do (prime.sync.all_local: a
     ring that failed anywhere on the node is retried on every ring of it, so that the node never applies an
     average on one ring that the other nodes retry). The members, threads of one process, call all_min(ok) at the
-    same points; each gets the AND of all. `background`: the twin the averages behind overlap agree through (their
-    threads run beside the members' own, as a node's background all-reduce has a gloo group of its own)."""
+    same points; each gets the MIN of all (the AND of bools). `background`: the twin the averages behind overlap
+    agree through (their threads run beside the members' own, as a node's background all-reduce has a gloo group
+    of its own)."""
 
     def __init__(self, n: int, timeout_s: float, twin: bool = True):
         self.n, self.timeout_s = n, timeout_s
@@ -184,14 +185,15 @@ class MemberGroup:
         if self.background is not None:
             self.background.abort(why)
 
-    def all_min(self, ok: bool) -> bool:
+    def all_min(self, ok):
+        """The least of the members' values (bools: whether every member's holds; small integers: their MIN)."""
         with self._cv:
             if self._aborted:
                 raise RuntimeError(f"another ring of this node failed: {self._aborted}")
             gen = self._gen
-            self._flags.append(bool(ok))
+            self._flags.append(ok if isinstance(ok, int) else bool(ok))
             if len(self._flags) == self.n:
-                self._result, self._flags, self._gen = all(self._flags), [], gen + 1
+                self._result, self._flags, self._gen = min(self._flags), [], gen + 1
                 self._cv.notify_all()
             elif not self._cv.wait_for(lambda: self._gen != gen or self._aborted, self.timeout_s):
                 raise RuntimeError(f"the rings of this node: {len(self._flags)} of {self.n} reached their agreement "

@@ -303,13 +303,13 @@ def node_local_group(group=None):
     return group
 
 
-def all_local(group, ok: bool) -> bool:
-    """True when `ok` holds on every process of `group` (a tiny MIN all-reduce; None: this process alone; a group
-    of threads, prime.shares.MemberGroup: its all_min)."""
+def min_local(group, value: int) -> int:
+    """The least of `value` (a small integer) over every process of `group` (a tiny MIN all-reduce; None: this
+    process alone; a group of threads, prime.shares.MemberGroup: its all_min)."""
     if group is None:
-        return ok
+        return int(value)
     if hasattr(group, "all_min"):
-        return group.all_min(ok)
+        return int(group.all_min(int(value)))
     import torch.distributed as dist
 
     dev = "cpu"
@@ -319,9 +319,14 @@ def all_local(group, ok: bool) -> bool:
         backend = ""
     if backend == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    flag = torch.tensor([int(value)], dtype=torch.int32, device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    return int(flag.item())
+
+
+def all_local(group, ok: bool) -> bool:
+    """True when `ok` holds on every process of `group` (min_local over 0 / 1)."""
+    return min_local(group, 1 if ok else 0) == 1
 
 
 # -- a fixed ring ------------------------------------------------------------------------
@@ -630,14 +635,16 @@ class RingSync(SyncExtras):
         if self.outcomes is None:
             return node_ok
         verdict = self.outcomes.decide(name, node_ok)
-        if not all_local(group, verdict is not None):
+        # One agreement for both questions: 0 when a process learned no decision, 1 a retry, 2 every node applies.
+        agreed = min_local(group, 0 if verdict is None else 1 + int(verdict))
+        if agreed == 0:
             self._drop_ring()
             applied = f" Pieces 1 to {done} of {pieces} were applied; the rest was not." if pipelined else ""
             raise OuterSyncError(
                 f"outer step {outer_step}: could not learn from the store whether every node's all-reduce worked "
                 f"(within {2 * self.outcomes.timeout_s:g} s, or the store failed); other nodes may have applied it."
                 f"{applied} Stopping: restart every node from the last checkpoint.")
-        return all_local(group, verdict)
+        return agreed == 2
 
     def _launch(self, buf: torch.Tensor, tag: str, op: str, codec: tuple, pipelined: bool):
         """Queues buf's all-reduce on the ring, building one (ring_factory(tag)) when there is none; codec:

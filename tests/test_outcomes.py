@@ -89,6 +89,29 @@ def test_a_store_that_fails_gives_no_decision():
     assert o.decide("c0a0j0", True) is None
 
 
+def test_a_node_counts_its_own_outcome_even_when_its_report_is_deleted_from_the_store():
+    """A node knows how its own all-reduce went: it never reads its report back (one store read fewer per decision
+    over a WAN link), so a stranger who deletes that report as soon as it is written cannot stall its decision."""
+
+    class Deleting:
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+        def set(self, key, value):
+            self.store.set(key, value)
+            if key == keys.outcome_report("L/g0", "c0a0j0", 0):
+                self.store.delete_key(key)
+
+    store = Deleting(dist.HashStore())
+    o = StoreOutcomes(lambda: store, SECRET, "job", "L/g0", node=0, nodes=1, timeout_s=3.0)
+    t0 = time.monotonic()
+    assert o.decide("c0a0j0", True) is True
+    assert time.monotonic() - t0 < 2, "decided only at the timeout: the node waited for its own deleted report"
+
+
 def test_reports_are_deleted_and_node_0_keeps_only_the_newest_decisions():
     store = dist.HashStore()
     for c in range(12):

@@ -240,6 +240,10 @@ def test_the_rings_agreement_ands_the_flags_and_a_failed_ring_releases_the_other
     flags = [[True, True, True], [True, False, True], [True, True, True]]
     got = each(pool, lambda i: [group.all_min(flags[k][i]) for k in range(3)], [0, 1, 2])
     assert got == [[True, False, True]] * 3
+    # small integers (prime.sync.min_local: a decision learned or not, and which, in one agreement): their MIN
+    codes = [[2, 2, 2], [2, 1, 2], [1, 0, 2]]
+    got = each(pool, lambda i: [group.all_min(codes[i][k]) for k in range(3)], [0, 1, 2])
+    assert got == [[1, 0, 2]] * 3
 
     def member(i):
         if i == 2:
