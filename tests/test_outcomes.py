@@ -107,9 +107,7 @@ def test_a_node_counts_its_own_outcome_even_when_its_report_is_deleted_from_the_
 
     store = Deleting(dist.HashStore())
     o = StoreOutcomes(lambda: store, SECRET, "job", "L/g0", node=0, nodes=1, timeout_s=3.0)
-    t0 = time.monotonic()
-    assert o.decide("c0a0j0", True) is True
-    assert time.monotonic() - t0 < 2, "decided only at the timeout: the node waited for its own deleted report"
+    assert o.decide("c0a0j0", True) is True  # False, at the timeout, when it waits for its own report
 
 
 def test_reports_are_deleted_and_node_0_keeps_only_the_newest_decisions():

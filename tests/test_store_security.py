@@ -545,7 +545,7 @@ def test_read_now_never_waits_never_creates_a_missing_key_and_leaves_a_present_o
         missing = "missing/%016x" % random.getrandbits(64)
         t0 = time.monotonic()
         assert read_now(s, missing) is None
-        assert time.monotonic() - t0 < 1.0, "read_now waited for a missing key"
+        assert time.monotonic() - t0 < 10.0, "read_now waited for a missing key (the store's timeout is 30 s)"
         assert not s.check([missing]), "read_now created a missing key"
     assert store.num_keys() == n0, "read_now wrote a key"
     values = [os.urandom(random.randrange(1, 300)) for _ in range(20)]
