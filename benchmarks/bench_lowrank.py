@@ -28,6 +28,12 @@ pseudo-gradients (outer - local) are averaged here, in plain torch, by one of:
                 (fp32) where the codec has 2 bits and a scale per half-chunk: what the value coding costs.
                 A topk run also reports eval_loss_flushed: the loss after one more outer step that would send the
                 decayed residuals whole (exact), at int8's bytes once (with keep: the mean of the nodes' weights)
+  randk         random blocks: every outer step the same 1 / D of the pseudo-gradient's blocks of 64 on every node
+                (drawn from the seed and the outer step, so no positions go on the wire), each node's blocks
+                through a dense block codec (fp4 or int8) and averaged, error feedback on the rest (residual =
+                what the node did not send, and its selection's coding error); randk-dD-CODEC[-keep][-efDD][-lrX]
+                (default: D 16, fp4, decay 1, outer lr 1): 1/16 of the blocks at fp4's 33 bytes per 64 values
+                is 0.032 bytes a value, 1/31 of int8's; -keep as topk's (the unsent part stays in the weights)
   lowrank       PowerSGD's shape for every 2-D weight (Vogels et al., 2019): with Q (n x r) shared by all nodes,
                 P = mean_i(M_i Q), orthonormalized, Q = mean_i(M_i^T P), the average taken as P Q^T, each mean
                 through the int8 codec column by column; M_i = pseudo-gradient + decay x residual and
@@ -65,6 +71,8 @@ INT8_BYTES = 65 / 64
 TOPK = dict(chunk=4096, k=48, k_average=96, decay=0.8, lr=3.0)
 TOPK_SPEC = re.compile(r"topk(?:-k(\d+)-a(\d+))?(-exact)?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(-taper)?"
                        r"(?:-(end|solo)(\d+)(-drop)?)?$")
+RANDK_SPEC = re.compile(r"randk(?:-d(\d+))?(?:-(fp4|int8))?(-keep)?(?:-ef([\d.]+))?(?:-lr([\d.]+))?$")
+CODEC_BYTES = {"int8": 65 / 64, "fp4": 33 / 64}
 LOWRANK_SPEC = re.compile(r"lowrank(?:-b([\d.]+))?(?:-ef([\d.]+))?(?:-lr([\d.]+))?(?:-it(\d+))?(-svd)?$")
 
 
@@ -157,15 +165,48 @@ def parse_method(m: str) -> dict:
                 "lr": float(lr) if lr else TOPK["lr"], "k": int(k) if k else TOPK["k"],
                 "k_average": int(ka) if ka else TOPK["k_average"], "exact": bool(exact), "taper": bool(taper),
                 "dense_end": int(end) if end else 0, "solo": end_kind == "solo", "drop": bool(drop)}
+    got = RANDK_SPEC.match(m)
+    if got:
+        d, codec, keep, ef, lr = got.groups()
+        return {"kind": "randk", "fraction": int(d) if d else 16, "codec": codec or "fp4", "keep": bool(keep),
+                "decay": _decay(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0}
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: none, int8, "
-                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW][-drop] or "
+                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW][-drop], randk[-dD][-fp4|-int8][-keep]"
+                         "[-efDD][-lrX] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
             "decay": _decay(ef) if ef else 1.0, "lr": float(lr) if lr else 1.0,
             "iterations": int(it) if it else 1, "svd": bool(svd)}
+
+
+def random_blocks(numel: int, fraction: int, seed: int, outer_step: int) -> torch.Tensor:
+    """The indices of the blocks of 64 that every node sends at this outer step: 1 / fraction of them (at least
+    one), drawn from the seed and the outer step alone, sorted."""
+    blocks = -(-numel // 64)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + outer_step)
+    return torch.randperm(blocks, generator=g)[: max(1, blocks // fraction)].sort().values
+
+
+def randk_average(flat: list, residual: list, method: dict, seed: int, outer_step: int) -> tuple:
+    """(the average to apply, each node's new residual, the values sent a node): flat[i] is node i's pseudo-
+    gradient with its decayed residual added; each node's chosen blocks go through the codec, the rest waits."""
+    n, numel = len(flat), flat[0].numel()
+    idx = random_blocks(numel, method["fraction"], seed, outer_step).to(flat[0].device)
+    pad = -numel % 64
+    avg = torch.zeros(numel + pad, device=flat[0].device)
+    out = []
+    for f in flat:
+        blocks = torch.nn.functional.pad(f, (0, pad)).view(-1, 64)
+        sent = int8_round_trip(blocks[idx]) if method["codec"] == "int8" else \
+            feedback.round_trip(blocks[idx].contiguous(), "fp4", 64)
+        avg.view(-1, 64)[idx] += sent / n
+        kept = blocks.clone()
+        kept[idx] -= sent
+        out.append(kept.view(-1)[:numel])
+    return avg[:numel], out, idx.numel() * 64
 
 
 def shaped(flat: torch.Tensor, like: list) -> list:
@@ -209,7 +250,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             if r > 0:
                 coders[i] = LowRank(tuple(p.shape), min(r, *p.shape), n, method["decay"], seed + i, p.device,
                                     method["iterations"], method["svd"])
-    if kind == "topk":
+    if kind in ("topk", "randk"):
         residual = [torch.zeros(sum(p.numel() for p in outer), device=outer[0].device) for _ in range(n)]
 
     def phase(r, first, last):
@@ -237,7 +278,15 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 if not method["keep"] and not (dense_end and method["drop"]):
                     # (with keep the local weights hold the residual: outer - local has it)
                     flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
-            if dense_end:  # the int8 method's average below, of the contributions with their residuals
+            if kind == "randk":
+                flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
+                if not method["keep"]:
+                    flat = [f + method["decay"] * e for f, e in zip(flat, residual)]
+                avg, residual, values = randk_average(flat, residual, method, seed, j)
+                sent += 2 * CODEC_BYTES[method["codec"]] * values * (n - 1) / n / flat[0].numel()
+                for o, a in zip(outer, shaped(avg, outer)):
+                    o.sub_(method["lr"] * a)
+            elif dense_end:  # the int8 method's average below, of the contributions with their residuals
                 deltas = [shaped(f, outer) for f in flat]
                 residual = [torch.zeros_like(e) for e in residual]
             if kind == "topk" and not dense_end:
@@ -248,7 +297,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
                 lr = outer_lr(method, step, cfg)
                 for o, a in zip(outer, shaped(avg.average, outer)):
                     o.sub_(lr * a)
-            else:
+            elif kind != "randk":
                 total = 0
                 for i, o in enumerate(outer):
                     ds = [d[i] for d in deltas]
@@ -262,7 +311,7 @@ def run(s: Setup, eval_batches, method: dict, seed: int):
             for r, m in enumerate(models):
                 for p, o in zip(m.parameters(), outer):
                     p.copy_(o)
-                if kind == "topk" and method["keep"]:  # the node keeps what it did not send
+                if kind in ("topk", "randk") and method["keep"]:  # the node keeps what it did not send
                     for p, e in zip(m.parameters(), shaped(residual[r], outer)):
                         p.sub_(method["decay"] * e)
     if kind == "none":
