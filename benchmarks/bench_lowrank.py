@@ -173,8 +173,8 @@ def parse_method(m: str) -> dict:
     got = LOWRANK_SPEC.match(m)
     if got is None:
         raise SystemExit(f"unknown method {m!r}: none, int8, "
-                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW][-drop], randk[-dD][-fp4|-int8][-keep]"
-                         "[-efDD][-lrX] or "
+                         "topk[-kK-aA][-exact][-keep][-efDD][-lrX][-taper][-endW|-soloW][-drop], "
+                         "randk[-dD][-fp4|-int8][-keep][-efDD][-lrX] or "
                          "lowrank[-bB][-efDD][-lrX][-itN][-svd]")
     b, ef, lr, it, svd = got.groups()
     return {"kind": "lowrank", "bytes_per_value": float(b) if b else 0.0222,
