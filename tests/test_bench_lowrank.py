@@ -66,6 +66,34 @@ def test_the_exact_valued_collective_keeps_every_contribution_and_the_selections
     assert not torch.equal(got.average, ref.average)  # the 2-bit values differ from the exact ones
 
 
+def test_random_blocks_are_the_same_everywhere_and_error_feedback_keeps_the_rest():
+    """randk: every node sends the same 1 / D of the blocks of 64 (a function of the seed and the outer step alone);
+    the average is the mean of their codec round trips there and zero elsewhere (a float64 reference), and each
+    node's residual is exactly what it did not get across: its contribution minus what it sent."""
+    g = torch.Generator().manual_seed(SEED)
+    nodes, n = 3, 64 * 200 + 17  # a last, partial block
+    flat = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) for _ in range(nodes)]
+    for codec, d in (("fp4", 16), ("int8", 8)):
+        method = bench.parse_method(f"randk-d{d}-{codec}")
+        idx = bench.random_blocks(n, d, SEED, 5)
+        assert torch.equal(idx, bench.random_blocks(n, d, SEED, 5)) and len(idx) == 201 // d
+        assert not torch.equal(idx, bench.random_blocks(n, d, SEED, 6))  # another outer step, other blocks
+        avg, residual, values = bench.randk_average(flat, None, method, SEED, 5)
+        assert values == 64 * len(idx)
+        chosen = torch.zeros(n + (-n % 64), dtype=torch.bool)
+        chosen.view(-1, 64)[idx] = True
+        chosen = chosen[:n]
+        ref = torch.zeros(n, dtype=torch.float64)
+        for f, r in zip(flat, residual):
+            sent = f.double() - r.double()
+            assert torch.equal(r[~chosen], f[~chosen]), SEED  # unsent values wait whole
+            assert torch.equal(sent[~chosen], torch.zeros_like(sent[~chosen]))
+            err = float((sent[chosen] - f[chosen].double()).norm() / f[chosen].double().norm())
+            assert 0 < err < (0.25 if codec == "fp4" else 0.03), (codec, err, SEED)  # the codec's rounding
+            ref += sent
+        assert torch.allclose(avg.double(), ref / nodes, rtol=0, atol=1e-6 * float(ref.abs().max())), SEED
+
+
 def test_the_taper_goes_from_the_outer_lr_to_1_over_the_decay():
     from types import SimpleNamespace
 
@@ -117,13 +145,14 @@ def test_a_short_run_of_every_method(tmp_path):
                         os.path.join(ROOT, "configs", "demo.toml"), "--train.steps", "6", "--diloco.inner_steps", "3",
                         "--train.micro_batch_size", "2", "--data.seq_len", "32", "--eval-batches", "1",
                         "--train.seed", str(SEED % 1000), "--methods",
-                        "int8,topk,lowrank-ef8,topk-exact-keep-lr1,none,topk-end2,topk-end1,topk-solo2,topk-end1-drop",
+                        "int8,topk,lowrank-ef8,topk-exact-keep-lr1,none,topk-end2,topk-end1,topk-solo2,topk-end1-drop,"
+                        "randk,randk-keep",
                         "--model.vocab_size", "320", "--out", str(out)],  # 64 rows no byte token reaches
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "lr.json").read_text())["results"]
     assert set(r) == {"int8", "topk", "lowrank-ef8", "topk-exact-keep-lr1", "none", "topk-end2", "topk-end1",
-                      "topk-solo2", "topk-end1-drop"}
+                      "topk-solo2", "topk-end1-drop", "randk", "randk-keep"}
     for name, res in r.items():
         assert 0 < res["eval_loss"] < 10 and res["outer_steps"] == 2 and len(res["curve"]) == 6, name
         # the loss over the 256 byte tokens alone is lower, by at least -log(1 - the mass on the other rows)
@@ -131,6 +160,12 @@ def test_a_short_run_of_every_method(tmp_path):
         assert res["eval_loss"] - res["eval_loss_seen"] >= -math.log(1 - res["unseen_mass"]) * 0.99, name
     assert r["none"]["bytes_per_value_per_outer_step"] == 0 and r["none"]["eval_loss"] != r["int8"]["eval_loss"]
     assert abs(r["topk"]["bytes_per_value_per_outer_step"] - 0.0222) < 0.002
+    # randk: 1/16 of the blocks at fp4's 33 bytes per 64 values, 2 (N - 1) / N of them on the ring (the tiny model's
+    # values are not a whole number of blocks: within a block's worth)
+    assert abs(r["randk"]["bytes_per_value_per_outer_step"] - 33 / 64 / 16) < 0.001
+    # with keep the first phase is the same (its outer step comes after it) and the second is not
+    assert r["randk-keep"]["curve"][:3] == r["randk"]["curve"][:3]
+    assert r["randk-keep"]["curve"][3:] != r["randk"]["curve"][3:]
     assert 0 < r["topk"]["eval_loss_flushed"] < 10 and r["topk"]["eval_loss_flushed"] != r["topk"]["eval_loss"]
     assert 0.005 < r["lowrank-ef8"]["bytes_per_value_per_outer_step"] < 0.03  # the rank rule's budget, plus 1-D int8
     assert r["lowrank-ef8"]["ranks"]["(192, 192)"] == 2
