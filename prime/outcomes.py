@@ -80,7 +80,7 @@ class StoreOutcomes:
         decision = keys.outcome_decision(self.scope, name)
         records.put(report, {"ok": bool(ok)})
         deadline = time.monotonic() + self.timeout_s
-        seen: dict = {self.node: bool(ok)}  # this node's own report is known: one store read fewer a decision
+        seen: dict = {self.node: bool(ok)}  # its own report is known: one store read fewer each time reports are read
         pause, woken = self.poll_s, False
         while True:
             got = _verdict(records.first(decision))
