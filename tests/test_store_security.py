@@ -710,3 +710,140 @@ def test_rendezvous_reads_do_not_block_when_a_stranger_deletes_the_key_after_eac
     else:
         assert proxy.deletes > 0, "the stranger never deleted anything: the test tests nothing"
         assert len(out) == 1 and isinstance(out[0], CommError) and out[0].kind == "timeout", out
+
+
+# -- reads of many keys: two round trips --------------------------------------------------------------
+#
+# SignedStore.get_many reads every key with a check and then, when all are there, one multi_get under a
+# short timeout; a key missing, or deleted in between, falls back to read_now per key. Each store call is a
+# round trip to the store, which may be a continent away: the heartbeat monitor reads every node's record
+# each second.
+
+
+class _Counting:
+    """A store client that records each call that goes to the store (a round trip each)."""
+
+    _CALLS = ("check", "multi_get", "compare_set", "get", "set", "add", "delete_key")
+
+    def __init__(self, store, before_multi_get=None):
+        self.underlying_store, self.calls, self._before = store, [], before_multi_get
+
+    def __getattr__(self, name):
+        attr = getattr(self.underlying_store, name)
+        if name not in self._CALLS:
+            return attr
+
+        def call(*args):
+            self.calls.append(name)
+            if name == "multi_get" and self._before is not None:
+                return self._before(attr, *args)
+            return attr(*args)
+
+        return call
+
+
+def _heartbeats(s, n: int):
+    values = [{"node": i, "seq": random.randrange(1 << 30), "left": random.random() < 0.5} for i in range(n)]
+    ks = [f"hb/{i}" for i in range(n)]
+    for k, v in zip(ks, values):
+        s.put(k, v)
+    return ks, values
+
+
+def test_get_many_reads_present_keys_in_two_round_trips_and_a_missing_one_key_by_key():
+    from prime.comm.signed_store import SignedStore, batched_reads
+
+    store = _tcp_store()
+    prefix = "many%016x" % random.getrandbits(64)
+    counted = _Counting(_client(store.port, prefix))
+    s = SignedStore(counted, SECRET, "job")
+    assert batched_reads(counted)
+    n = random.randrange(20, 60)
+    ks, values = _heartbeats(s, n)
+    counted.calls.clear()
+    assert s.get_many(ks) == values
+    assert counted.calls == ["check", "multi_get"], counted.calls
+    assert counted.underlying_store.timeout == timedelta(seconds=30), "the client's timeout was not restored"
+
+    gone = random.randrange(n)
+    counted.underlying_store.delete_key(ks[gone])
+    counted.calls.clear()
+    assert s.get_many(ks) == values[:gone] + [None] + values[gone + 1:]
+    assert counted.calls == ["check"] + ["compare_set"] * n, counted.calls
+    assert s.get_many(ks[:1]) == values[:1] and not s.rejected
+
+
+def test_get_many_reads_key_by_key_where_a_batch_could_break_the_connection():
+    """The older TCPStore backend's server drops the connection when a multi_get finds a key deleted after
+    its wait, and a HashStore is in-process: both are read a key at a time."""
+    import torch.distributed as dist
+
+    from prime.comm.signed_store import SignedStore, batched_reads
+
+    old = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
+                        use_libuv=False)
+    client = dist.TCPStore("127.0.0.1", old.port, is_master=False, timeout=timedelta(seconds=30), use_libuv=False)
+    counted = _Counting(dist.PrefixStore("old", client))
+    assert not batched_reads(counted) and not batched_reads(dist.HashStore())
+    s = SignedStore(counted, SECRET, "job")
+    ks, values = _heartbeats(s, 5)
+    counted.calls.clear()
+    assert s.get_many(ks) == values
+    assert counted.calls == ["compare_set"] * 5, counted.calls
+
+
+def test_get_many_with_a_key_deleted_between_its_check_and_its_multi_get_returns_soon_and_reads_it_missing():
+    """The worst timing: a stranger deletes a key after the check saw it. The multi_get waits for it only for
+    its short timeout (the client's is 30 s), then each key is read by itself; the client's timeout is
+    restored and its connection still serves a batched read."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    prefix = "gone%016x" % random.getrandbits(64)
+    stranger = _client(store.port, prefix)
+    n = random.randrange(10, 40)
+    gone = random.randrange(n)
+
+    def delete_first(multi_get, ks):
+        stranger.delete_key(ks[gone])
+        return multi_get(ks)
+
+    counted = _Counting(_client(store.port, prefix), before_multi_get=delete_first)
+    s = SignedStore(counted, SECRET, "job")
+    ks, values = _heartbeats(s, n)
+    raw = stranger.get(ks[gone])
+    counted.calls.clear()
+    t0 = time.monotonic()
+    got = s.get_many(ks)
+    took = time.monotonic() - t0
+    assert got == values[:gone] + [None] + values[gone + 1:]
+    assert counted.calls == ["check", "multi_get"] + ["compare_set"] * n, counted.calls
+    assert took < 10, f"the read waited {took:.1f} s for the deleted key"
+    assert counted.underlying_store.timeout == timedelta(seconds=30), "the client's timeout was not restored"
+    stranger.set(ks[gone], raw)
+    counted._before = None
+    counted.calls.clear()
+    assert s.get_many(ks) == values and counted.calls == ["check", "multi_get"]
+    assert not s.rejected, s.rejected
+
+
+def test_get_many_reads_an_empty_value_from_its_multi_get_as_missing_not_forged():
+    """The libuv server answers a key deleted between the multi_get's wait and its read with an empty value:
+    that key is missing (no record is empty), not a forgery to warn about."""
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    n = random.randrange(5, 20)
+    gone = random.randrange(n)
+
+    def empty_one(multi_get, ks):
+        got = multi_get(ks)
+        got[gone] = b""
+        return got
+
+    counted = _Counting(_client(store.port, "empty%016x" % random.getrandbits(64)), before_multi_get=empty_one)
+    warnings: list = []
+    s = SignedStore(counted, SECRET, "job", warn=warnings.append)
+    ks, values = _heartbeats(s, n)
+    assert s.get_many(ks) == values[:gone] + [None] + values[gone + 1:]
+    assert not s.rejected and not warnings, (s.rejected, warnings)

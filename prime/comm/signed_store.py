@@ -19,7 +19,11 @@ key as unwritten and logs one warning per kind of key (not one per read).
 
 Reads never wait for a key (read_now): a TCPStore `get` of a missing key blocks
 until the client's timeout, and a stranger can delete a key between a `check`
-that saw it and the `get` that follows.
+that saw it and the `get` that follows. Reads of many keys (a heartbeat sweep,
+an agreement's offers) take two round trips instead of one per key: a `check`
+of them all and, when every one is there, a `multi_get` under a short timeout
+(4 x the check's round trip, at least 0.25 s); a key deleted in between costs
+that timeout, and then each key is read on its own as above.
 
 HMAC and SHA-256 come from Python's hmac/hashlib, i.e. from OpenSSL.
 """
@@ -34,6 +38,7 @@ import re
 import secrets
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from prime.comm import store_keys as keys
@@ -65,6 +70,53 @@ def read_now(store, key: str) -> Optional[bytes]:
     return None if got == sentinel else got
 
 
+BATCH_WAIT_MIN_S = 0.25
+"""The shortest wait of a batched read (its multi_get) for keys that its check saw; 4 x the check's round
+trip when that is longer. A key deleted in between costs this wait, then a read of each key on its own."""
+
+
+def batched_reads(store) -> bool:
+    """Whether read_many may read keys that a check saw in one multi_get: a TCPStore client with the libuv
+    backend (under any PrefixStores), taken to mean a server with it too (torch's default since 2.4, and the
+    stores PRIME hosts). That server answers a key deleted between the multi_get's wait and its read with an
+    empty value; the older backend's server drops the connection there, so its clients read a key at a time."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(store, dist.TCPStore) and bool(getattr(store, "libuvBackend", False))
+
+
+def read_many(store, ks: list[str], batched: bool) -> list[Optional[bytes]]:
+    """read_now of every key: None for a missing one. With `batched` (see batched_reads) two round trips when
+    every key is there (a check, then a multi_get that waits at most BATCH_WAIT_MIN_S or 4 x the check's
+    round trip), else one per key. Never waits for a key for long, whatever happens to it meanwhile: a key
+    deleted after the check makes the multi_get time out or read an empty value, and an empty value is never
+    a record, so it reads as missing."""
+    if batched and len(ks) > 1:
+        t0 = time.monotonic()
+        if store.check(ks):
+            import torch.distributed as dist
+
+            wait_s = max(BATCH_WAIT_MIN_S, 4 * (time.monotonic() - t0))
+            before = store.timeout
+            shorter = wait_s < before.total_seconds()
+            if shorter:
+                store.set_timeout(timedelta(seconds=wait_s))
+            try:
+                got = store.multi_get(ks)
+            except dist.DistStoreError as e:  # a key went away after the check: the wait timed out
+                logger.debug("a batched store read fell back to one read per key: %s", e)
+            else:
+                return [bytes(v) or None for v in got]
+            finally:
+                if shorter:
+                    store.set_timeout(before)
+    return [read_now(store, k) for k in ks]
+
+
 def record_kind(key: str) -> str:
     """The kind of a key for warnings: its numbers replaced (b/12/a0/plan -> b/*/a*/plan)."""
     return re.sub(r"\d+", "*", key.split("#", 1)[0])
@@ -86,6 +138,7 @@ class SignedStore:
         self.job = job
         self._key = hmac.new(bytes(secret), b"prime store records v1|" + job.encode(), hashlib.sha256).digest()
         self._warn = warn or (lambda msg: logger.warning("%s", msg))
+        self._batched = batched_reads(store)
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self.rejected: dict[str, int] = {}
@@ -151,10 +204,9 @@ class SignedStore:
         return v
 
     def get_many(self, ks: list[str]) -> list:
-        """get() of every key (one round trip per key, none of which waits for a missing key)."""
+        """get() of every key (read_many: two round trips when all are there, none of which waits for long)."""
         out = []
-        for k in ks:
-            raw = read_now(self.store, k)
+        for k, raw in zip(ks, read_many(self.store, ks, self._batched)):
             if raw is None:
                 out.append(None)
                 continue

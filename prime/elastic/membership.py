@@ -377,8 +377,9 @@ class Monitor:
     """Heartbeat of this node and liveness of every other, on a thread with its own store connection.
 
     Every `interval` seconds: write a signed heartbeat record {node, seq, left}
-    with the next sequence number, then read every known node's record (one
-    compare_set each: SignedStore.get_many, which never waits for a key). A
+    with the next sequence number, then read every known node's record
+    (SignedStore.get_many: when all are there, a check and a multi_get, three
+    round trips to the store whatever the node count; never a long wait). A
     node whose valid records stopped advancing for `timeout` seconds (on this
     node's clock) is dead; one that signed left=True left. A
     node never seen counts from the moment this monitor started. A record that

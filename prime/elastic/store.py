@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     # torch's TCPStore server listens on every interface of the machine, whatever host it is
     # given: keep the port reachable only by the job's machines (firewall, VPN).
     store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+                          timeout=timedelta(seconds=60), use_libuv=True)  # batched reads rely on it (signed_store)
     print(f"prime store listening on port {store.port} (every interface of this machine)", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
