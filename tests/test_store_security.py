@@ -847,3 +847,41 @@ def test_get_many_reads_an_empty_value_from_its_multi_get_as_missing_not_forged(
     ks, values = _heartbeats(s, n)
     assert s.get_many(ks) == values[:gone] + [None] + values[gone + 1:]
     assert not s.rejected and not warnings, (s.rejected, warnings)
+
+
+def test_an_outer_step_agreement_polls_only_the_records_still_missing():
+    """A wait for every member's arrival (or result) polls the store; each round reads only the records not
+    yet seen, so waiting for the last of N nodes costs a round trip a poll, not N. A record seen once counts
+    though a stranger deletes or overwrites it afterwards (a node writes each of these records once)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore
+    from prime.elastic.agreement import OuterStepAgreement
+
+    counted = _Counting(dist.HashStore())
+    records = SignedStore(counted, SECRET, "job")
+    agreement = OuterStepAgreement(SimpleNamespace(records=records))
+    n, k = random.randrange(5, 12), random.randrange(1, 100)
+    ids = random.sample(range(3 * n), n)
+    arrivals = {i: {"step": random.randrange(1000), "time": random.random()} for i in ids}
+    early = ids[:-2]
+    for i in early:
+        records.put(keys.arrival(k, i), arrivals[i])
+    seen: dict = {}
+
+    def poll():
+        counted.calls.clear()
+        return agreement._read_new(seen, lambda i: keys.arrival(k, i), ids)
+
+    assert poll() == {i: arrivals[i] for i in early} and len(counted.calls) == n
+    assert poll() == {i: arrivals[i] for i in early} and len(counted.calls) == 2
+    counted.underlying_store.delete_key(keys.arrival(k, early[0]))
+    counted.underlying_store.set(keys.arrival(k, early[1]), "forged")
+    records.put(keys.arrival(k, ids[-2]), arrivals[ids[-2]])
+    assert poll() == {i: arrivals[i] for i in ids[:-1]} and len(counted.calls) == 2
+    records.put(keys.arrival(k, ids[-1]), arrivals[ids[-1]])
+    assert poll() == arrivals and len(counted.calls) == 1
+    assert poll() == arrivals and counted.calls == []

@@ -65,6 +65,7 @@ class OuterStepAgreement:
         """The plan of attempt `attempt` of outer step k; proposes it when it is this node's turn."""
         m = self.membership
         key = keys.plan(k, attempt)
+        arrived: dict = {}
         if attempt > 0 and prev_outcome is None:  # the plan of a retry follows an outcome that asked for it
             raise MembershipError(f"internal: no outcome for attempt {attempt - 1} of outer step {k}")
         while True:
@@ -74,7 +75,7 @@ class OuterStepAgreement:
             waited = time.monotonic() - since
             proposal = None
             if attempt == 0:
-                arrivals = self._read_all(keys.arrival, k, prev.members)
+                arrivals = self._read_new(arrived, lambda i: keys.arrival(k, i), prev.members)
                 view = m.monitor.view(prev.members)
                 if first_plan_due(prev, arrivals, step, view, waited, m.barrier_timeout):
                     joiners = m.admission.ready_joiners(k - 1, exclude=set(prev.members))
@@ -98,12 +99,13 @@ class OuterStepAgreement:
         """Waits for (or, in its turn, decides) whether the attempt commits (decide_outcome)."""
         m = self.membership
         key = keys.outcome(k, plan.attempt)
+        reported: dict = {}
         t0 = time.monotonic()
         while True:
             got = m.records.first(key)
             if got is not None:
                 return Outcome.from_dict(got)
-            results = self._results(k, plan.attempt, plan.members)
+            results = self._read_new(reported, lambda i: keys.result(k, plan.attempt, i), plan.members)
             view = m.monitor.view(plan.members)
             waited = time.monotonic() - t0
             if outcome_due(plan, results, view, waited, m.report_timeout):
@@ -113,12 +115,16 @@ class OuterStepAgreement:
                 continue
             time.sleep(m.poll_s)
 
-    def _read_all(self, key_of, k: int, ids) -> dict:
-        ids = list(ids)
-        values = self.membership.records.get_many([key_of(k, i) for i in ids])
-        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
+    def _read_new(self, seen: dict, key_of: Callable[[int], str], ids) -> dict:
+        """The valid records under key_of(i) of the nodes `ids`, reading only those not in `seen` (a node
+        writes each such record once) and adding what it reads there: a wait that polls reads each round
+        only the records still missing, one store round trip each, instead of every node's again."""
+        missing = [i for i in ids if i not in seen]
+        if missing:
+            for i, v in zip(missing, self.membership.records.get_many([key_of(i) for i in missing])):
+                if isinstance(v, dict):
+                    seen[i] = v
+        return {i: seen[i] for i in ids if i in seen}
 
     def _results(self, k: int, attempt: int, ids) -> dict:
-        ids = list(ids)
-        values = self.membership.records.get_many([keys.result(k, attempt, i) for i in ids])
-        return {i: v for i, v in zip(ids, values) if isinstance(v, dict)}
+        return self._read_new({}, lambda i: keys.result(k, attempt, i), list(ids))
