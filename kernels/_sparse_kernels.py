@@ -199,114 +199,148 @@ def _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK: tl.constexp
 
 
 @triton.jit
-def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
-                          CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
-                          UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
-                          LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
-    pid = tl.program_id(0)
-    # this program's scratch: candidates (fp32 bits, positions), then by slot: positions, magnitudes,
-    # upper-half flags, codes; then the unary stream's bit slots, each holding the index of the chunk
-    # that last set it (-1 at first)
-    cx_row = scratch_ptr + pid.to(tl.int64) * (2 * CAP + 4 * K + 8 * UB)
+def _scratch_row(scratch_ptr, row, K: tl.constexpr, UB: tl.constexpr, CAP: tl.constexpr):
+    """Scratch row `row` (one per program), its bit slots set to -1. The row holds the candidates (fp32 bits,
+    positions), then by slot: positions, magnitudes, upper-half flags, codes; then the unary stream's bit
+    slots, each holding the index of the chunk that last set it."""
+    cx_row = scratch_ptr + row * (2 * CAP + 4 * K + 8 * UB)
+    bit_row = cx_row + 2 * CAP + 4 * K
+    tl.store(bit_row + tl.arange(0, 8 * UB), tl.full((8 * UB,), -1, dtype=tl.int32))
+    return cx_row
+
+
+@triton.jit
+def _encode_chunk(x_ptr, out_ptr, status_ptr, n, c32, cx_row,
+                  CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
+                  UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
+                  LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
+    """Chunk c32 into its record and its status, with a program's scratch row (_scratch_row)."""
     cpos_row = cx_row + CAP
     pos_row = cpos_row + CAP
     mag_row = pos_row + K
     up_row = mag_row + K
     code_row = up_row + K
     bit_row = code_row + K
-    tl.store(bit_row + tl.arange(0, 8 * UB), tl.full((8 * UB,), -1, dtype=tl.int32))
     j = tl.arange(0, CAP)
+    tl.debug_barrier()  # the previous chunk's reads of the scratch are done
+    c = tl.cast(c32, tl.int64)
+    start = c * CHUNK
+    length = tl.minimum(n - start, CHUNK).to(tl.int32)
+    keep = (length * K + CHUNK - 1) // CHUNK
+    lb = _lower_bits(keep, BITS)
+    count, low, hi = _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK, R, SUB, CAP)
+    status = tl.where(hi >= _INF_BITS, 2, 0)  # EncodeStatus: 2 not finite, 1 overflow
+    tl.debug_barrier()
+    inside = j < count
+    xb = tl.load(cx_row + j, mask=inside, other=0)
+    offs = tl.load(cpos_row + j, mask=inside, other=0)
+    m = tl.where(inside, xb & _ABS, -1)
+
+    sel = _at_or_above(m, keep, _kth_largest(m, keep, low, count, hi))
+    slot = tl.cumsum(sel.to(tl.int32), axis=0) - sel.to(tl.int32)
+    upper = (keep + 1) // 2
+    m_sel = tl.where(sel, m, -1)
+    t_sel = tl.min(tl.where(sel, m, _ABS), axis=0)
+    up = _at_or_above(m_sel, upper, _kth_largest(m_sel, upper, t_sel, keep, hi))
+    mk = tl.where(sel, m, 0)
+    v = mk.to(tl.float32, bitcast=True).to(tl.float64)
+    # The format's sums are float64 in ascending position order. When every kept magnitude is a multiple of
+    # the smallest nonzero one's ulp and k of the largest stay below 2^53 of those ulps, every partial sum is
+    # exact and any order gives the same bits: a vector sum. Otherwise (kept magnitudes spanning more than
+    # 2^(29 - log2 K), rare) a loop over the kept values, left to right.
+    top = tl.max(mk, axis=0)
+    small = tl.min(tl.where(sel & (m > 0), m, _INF_BITS), axis=0)
+    exact = (top == 0) | ((top >> 23) - tl.maximum(small >> 23, 1) <= 29 - LOGK)
+    tl.store(pos_row + slot, offs, mask=sel)
+    tl.store(mag_row + slot, m, mask=sel)
+    tl.store(up_row + slot, up.to(tl.int32), mask=sel)
+    tl.store(bit_row + (offs >> lb) + slot, tl.zeros_like(slot) + c32, mask=sel)  # distinct slots
+    tl.debug_barrier()
+    if exact:
+        s_hi = tl.sum(tl.where(up, v, 0.0), axis=0)
+        s_lo = tl.sum(tl.where(sel & ~up, v, 0.0), axis=0)
+    else:
+        s_hi, s_lo = _ordered_sums(mag_row, up_row, keep, 0.0, False, K)
+    c_hi = s_hi / upper.to(tl.float64)
+    c_lo = tl.where(keep > upper, s_lo / tl.maximum(keep - upper, 1).to(tl.float64), c_hi)
+    mid = (c_lo + c_hi) / 2.0
+    h = sel & (v >= mid)
+    n_hi = tl.sum(h.to(tl.int32), axis=0)
+    if exact:
+        sum_hi = tl.sum(tl.where(h, v, 0.0), axis=0)
+        sum_lo = tl.sum(tl.where(sel & ~h, v, 0.0), axis=0)
+    else:
+        sum_hi, sum_lo = _ordered_sums(mag_row, up_row, keep, mid, True, K)
+    hi_bits = _bf16_bits((sum_hi / n_hi.to(tl.float64)).to(tl.float32))
+    lo_bits = tl.where(keep > n_hi,
+                       _bf16_bits((sum_lo / tl.maximum(keep - n_hi, 1).to(tl.float64)).to(tl.float32)), hi_bits)
+    status = tl.where((status == 0) & ((hi_bits & 0x7FFF) >= 0x7F80), 1, status)
+    tl.store(status_ptr + c, status)
+    negative = xb.to(tl.float32, bitcast=True) < 0.0  # -0 codes as positive
+    code = h.to(tl.int32) | (negative.to(tl.int32) << 1)  # bit 0: hi, bit 1: negative
+    tl.store(code_row + slot, code, mask=sel)
+    tl.debug_barrier()
+
+    rec = out_ptr + c * RECORD
+    head = tl.arange(0, 4)
+    word = tl.where(head < 2, lo_bits, hi_bits)
+    tl.store(rec + head, ((word >> ((head % 2) * 8)) & 0xFF).to(tl.uint8))
+    # upper bits: bit s of the unary stream is set where slot s holds this chunk's index
+    ubytes = (keep + (CHUNK >> lb) + 7) // 8
+    s = tl.arange(0, UB)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    ones = (tl.load(bit_row + s, mask=s < ubytes * 8, other=-1) == c32).to(tl.int32)
+    q = tl.arange(0, UB)
+    tl.store(rec + 4 + q, tl.sum(ones << (s % 8), axis=1).to(tl.uint8), mask=q < ubytes)
+    # lower bits: byte q holds bits [8q, 8q + 8) of the stream of the positions' lb-bit low parts
+    lbytes = (keep * lb + 7) // 8
+    q = tl.arange(0, LB)
+    acc = tl.zeros((LB,), dtype=tl.int32)
+    for t in tl.static_range(PER):
+        i = (q * 8) // tl.maximum(lb, 1) + t
+        ok = (q < lbytes) & (i < keep) & (i * lb < q * 8 + 8)
+        p = tl.load(pos_row + i, mask=ok, other=0) & ((1 << lb) - 1)
+        shift = i * lb - q * 8
+        part = tl.where(shift >= 0, p << tl.maximum(shift, 0), p >> tl.maximum(-shift, 0))
+        acc = acc | tl.where(ok, part & 0xFF, 0)
+    tl.store(rec + 4 + ubytes + q, acc.to(tl.uint8), mask=q < lbytes)
+    # codes: byte q holds the codes of kept values 4q .. 4q + 3
+    cbytes = (keep + 3) // 4
+    q = tl.arange(0, CBYTES)
+    packed = tl.zeros((CBYTES,), dtype=tl.int32)
+    for t in tl.static_range(4):
+        i = q * 4 + t
+        ok = (q < cbytes) & (i < keep)
+        packed = packed | (tl.load(code_row + i, mask=ok, other=0) << (2 * t))
+    tl.store(rec + 4 + ubytes + lbytes + q, packed.to(tl.uint8), mask=q < cbytes)
+
+
+@triton.jit
+def _sparse_encode_kernel(x_ptr, out_ptr, scratch_ptr, status_ptr, n, chunks,
+                          CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
+                          UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
+                          LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
+    """The encoder: each program takes chunks pid, pid + programs, ... with a scratch row of its own."""
+    pid = tl.program_id(0)
+    cx_row = _scratch_row(scratch_ptr, pid.to(tl.int64), K, UB, CAP)
     for c32 in range(pid, chunks, tl.num_programs(0)):
-        tl.debug_barrier()  # the previous chunk's reads of the scratch are done
-        c = tl.cast(c32, tl.int64)
-        start = c * CHUNK
-        length = tl.minimum(n - start, CHUNK).to(tl.int32)
-        keep = (length * K + CHUNK - 1) // CHUNK
-        lb = _lower_bits(keep, BITS)
-        count, low, hi = _candidates(x_ptr, start, length, keep, cx_row, cpos_row, CHUNK, R, SUB, CAP)
-        status = tl.where(hi >= _INF_BITS, 2, 0)  # EncodeStatus: 2 not finite, 1 overflow
-        tl.debug_barrier()
-        inside = j < count
-        xb = tl.load(cx_row + j, mask=inside, other=0)
-        offs = tl.load(cpos_row + j, mask=inside, other=0)
-        m = tl.where(inside, xb & _ABS, -1)
+        _encode_chunk(x_ptr, out_ptr, status_ptr, n, c32, cx_row,
+                      CHUNK, K, BITS, RECORD, UB, LB, PER, CBYTES, LOGK, R, SUB, CAP)
 
-        sel = _at_or_above(m, keep, _kth_largest(m, keep, low, count, hi))
-        slot = tl.cumsum(sel.to(tl.int32), axis=0) - sel.to(tl.int32)
-        upper = (keep + 1) // 2
-        m_sel = tl.where(sel, m, -1)
-        t_sel = tl.min(tl.where(sel, m, _ABS), axis=0)
-        up = _at_or_above(m_sel, upper, _kth_largest(m_sel, upper, t_sel, keep, hi))
-        mk = tl.where(sel, m, 0)
-        v = mk.to(tl.float32, bitcast=True).to(tl.float64)
-        # The format's sums are float64 in ascending position order. When every kept magnitude is a multiple of
-        # the smallest nonzero one's ulp and k of the largest stay below 2^53 of those ulps, every partial sum is
-        # exact and any order gives the same bits: a vector sum. Otherwise (kept magnitudes spanning more than
-        # 2^(29 - log2 K), rare) a loop over the kept values, left to right.
-        top = tl.max(mk, axis=0)
-        small = tl.min(tl.where(sel & (m > 0), m, _INF_BITS), axis=0)
-        exact = (top == 0) | ((top >> 23) - tl.maximum(small >> 23, 1) <= 29 - LOGK)
-        tl.store(pos_row + slot, offs, mask=sel)
-        tl.store(mag_row + slot, m, mask=sel)
-        tl.store(up_row + slot, up.to(tl.int32), mask=sel)
-        tl.store(bit_row + (offs >> lb) + slot, tl.zeros_like(slot) + c32, mask=sel)  # distinct slots
-        tl.debug_barrier()
-        if exact:
-            s_hi = tl.sum(tl.where(up, v, 0.0), axis=0)
-            s_lo = tl.sum(tl.where(sel & ~up, v, 0.0), axis=0)
-        else:
-            s_hi, s_lo = _ordered_sums(mag_row, up_row, keep, 0.0, False, K)
-        c_hi = s_hi / upper.to(tl.float64)
-        c_lo = tl.where(keep > upper, s_lo / tl.maximum(keep - upper, 1).to(tl.float64), c_hi)
-        mid = (c_lo + c_hi) / 2.0
-        h = sel & (v >= mid)
-        n_hi = tl.sum(h.to(tl.int32), axis=0)
-        if exact:
-            sum_hi = tl.sum(tl.where(h, v, 0.0), axis=0)
-            sum_lo = tl.sum(tl.where(sel & ~h, v, 0.0), axis=0)
-        else:
-            sum_hi, sum_lo = _ordered_sums(mag_row, up_row, keep, mid, True, K)
-        hi_bits = _bf16_bits((sum_hi / n_hi.to(tl.float64)).to(tl.float32))
-        lo_bits = tl.where(keep > n_hi,
-                           _bf16_bits((sum_lo / tl.maximum(keep - n_hi, 1).to(tl.float64)).to(tl.float32)), hi_bits)
-        status = tl.where((status == 0) & ((hi_bits & 0x7FFF) >= 0x7F80), 1, status)
-        tl.store(status_ptr + c, status)
-        negative = xb.to(tl.float32, bitcast=True) < 0.0  # -0 codes as positive
-        code = h.to(tl.int32) | (negative.to(tl.int32) << 1)  # bit 0: hi, bit 1: negative
-        tl.store(code_row + slot, code, mask=sel)
-        tl.debug_barrier()
 
-        rec = out_ptr + c * RECORD
-        head = tl.arange(0, 4)
-        word = tl.where(head < 2, lo_bits, hi_bits)
-        tl.store(rec + head, ((word >> ((head % 2) * 8)) & 0xFF).to(tl.uint8))
-        # upper bits: bit s of the unary stream is set where slot s holds this chunk's index
-        ubytes = (keep + (CHUNK >> lb) + 7) // 8
-        s = tl.arange(0, UB)[:, None] * 8 + tl.arange(0, 8)[None, :]
-        ones = (tl.load(bit_row + s, mask=s < ubytes * 8, other=-1) == c32).to(tl.int32)
-        q = tl.arange(0, UB)
-        tl.store(rec + 4 + q, tl.sum(ones << (s % 8), axis=1).to(tl.uint8), mask=q < ubytes)
-        # lower bits: byte q holds bits [8q, 8q + 8) of the stream of the positions' lb-bit low parts
-        lbytes = (keep * lb + 7) // 8
-        q = tl.arange(0, LB)
-        acc = tl.zeros((LB,), dtype=tl.int32)
-        for t in tl.static_range(PER):
-            i = (q * 8) // tl.maximum(lb, 1) + t
-            ok = (q < lbytes) & (i < keep) & (i * lb < q * 8 + 8)
-            p = tl.load(pos_row + i, mask=ok, other=0) & ((1 << lb) - 1)
-            shift = i * lb - q * 8
-            part = tl.where(shift >= 0, p << tl.maximum(shift, 0), p >> tl.maximum(-shift, 0))
-            acc = acc | tl.where(ok, part & 0xFF, 0)
-        tl.store(rec + 4 + ubytes + q, acc.to(tl.uint8), mask=q < lbytes)
-        # codes: byte q holds the codes of kept values 4q .. 4q + 3
-        cbytes = (keep + 3) // 4
-        q = tl.arange(0, CBYTES)
-        packed = tl.zeros((CBYTES,), dtype=tl.int32)
-        for t in tl.static_range(4):
-            i = q * 4 + t
-            ok = (q < cbytes) & (i < keep)
-            packed = packed | (tl.load(code_row + i, mask=ok, other=0) << (2 * t))
-        tl.store(rec + 4 + ubytes + lbytes + q, packed.to(tl.uint8), mask=q < cbytes)
+@triton.jit
+def _sparse_encode_interpreted(x_ptr, out_ptr, scratch_ptr, status_ptr, n,
+                               CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
+                               CHUNK: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, RECORD: tl.constexpr,
+                               UB: tl.constexpr, LB: tl.constexpr, PER: tl.constexpr, CBYTES: tl.constexpr,
+                               LOGK: tl.constexpr, R: tl.constexpr, SUB: tl.constexpr, CAP: tl.constexpr):
+    """_sparse_encode_kernel under Triton's interpreter, launched as one program that runs PROGRAMS programs in
+    turn, so that every loop bound is a Python int: the interpreter turns a tensor bound (a program id) into one
+    with int(), which NumPy 2 refuses for the one-element arrays of Triton 3.6's interpreter."""
+    for p in range(0, PROGRAMS):
+        cx_row = _scratch_row(scratch_ptr, p, K, UB, CAP)
+        for c32 in range(p, CHUNKS, PROGRAMS):
+            _encode_chunk(x_ptr, out_ptr, status_ptr, n, c32, cx_row,
+                          CHUNK, K, BITS, RECORD, UB, LB, PER, CBYTES, LOGK, R, SUB, CAP)
 
 
 @triton.jit

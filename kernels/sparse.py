@@ -17,7 +17,7 @@ import torch
 import triton
 
 from . import _sparse_kernels as _k
-from .codec import _COMPILE_OPTIONS, _check_device, _on_device
+from .codec import _COMPILE_OPTIONS, _check_device, _is_interpreted, _on_device
 
 __all__ = ["encode", "decode", "decode_add_"]
 
@@ -77,11 +77,14 @@ def encode(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     scratch = torch.empty(programs, row, dtype=torch.int32, device=x.device)
     status = torch.empty(chunks, dtype=torch.int32, device=x.device)
     cbytes = triton.next_power_of_2((k + 3) // 4)
+    consts = dict(CBYTES=cbytes, LOGK=(k - 1).bit_length(), R=chunk // group, SUB=min(chunk, max(group, ENCODE_PIECE)),
+                  CAP=cap, **shape, **_lower_shape(chunk, k))
     with _on_device(x.device):
-        _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, CBYTES=cbytes,
-                                              LOGK=(k - 1).bit_length(), R=chunk // group,
-                                              SUB=min(chunk, max(group, ENCODE_PIECE)), CAP=cap, num_warps=ENCODE_WARPS,
-                                              **shape, **_lower_shape(chunk, k), **_COMPILE_OPTIONS)
+        if not _is_interpreted():
+            _k._sparse_encode_kernel[(programs,)](x, out, scratch, status, n, chunks, num_warps=ENCODE_WARPS, **consts,
+                                                  **_COMPILE_OPTIONS)
+        else:  # the interpreter: its programs in turn, in one launch (_k._sparse_encode_interpreted says why)
+            _k._sparse_encode_interpreted[(1,)](x, out, scratch, status, n, CHUNKS=chunks, PROGRAMS=programs, **consts)
     worst = int(status.max())
     if worst == 2:  # not finite: reported before an overflow elsewhere (csrc/codec/sparse.h's EncodeStatus)
         raise ValueError("sparse encode: the input holds NaN or Inf")
