@@ -885,3 +885,42 @@ def test_an_outer_step_agreement_polls_only_the_records_still_missing():
     records.put(keys.arrival(k, ids[-1]), arrivals[ids[-1]])
     assert poll() == arrivals and len(counted.calls) == 1
     assert poll() == arrivals and counted.calls == []
+
+
+def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
+    """Over a long run with many joins, the ids of nodes that came and went pile up: the coordinator reads the
+    offers of the live nodes and of nodes never seen (one signing with another secret is reported), not the
+    others', and admits only live nodes whose offer is signed and names the outer step."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore
+    from prime.elastic.admission import Admission
+
+    counted = _Counting(dist.HashStore())
+    records = SignedStore(counted, SECRET, "job")
+    initial, joined = 2, random.randrange(20, 60)
+    counted.underlying_store.add(keys.JOINERS, joined)
+    ids = list(range(initial + joined))
+    came_and_went = set(random.sample(ids[initial:], joined // 2))
+    never_seen = set(random.sample(sorted(set(ids[initial:]) - came_and_went), 3))
+    k = random.randrange(1, 100)
+    for i in ids[initial:]:
+        records.put(keys.join_offer(i), {"node": i, "outer_step": k})
+    forger = sorted(never_seen)[0]
+    SignedStore(counted.underlying_store, b"another-secret", "job").put(keys.join_offer(forger),
+                                                                     {"node": forger, "outer_step": k})
+    monitor = SimpleNamespace(was_seen=lambda i: i not in never_seen,
+                              gone=lambda i: i in came_and_went or i in never_seen)
+    logged: list = []
+    m = SimpleNamespace(store=counted, records=records, monitor=monitor, node_id=0, local_rank=0,
+                        initial_nodes=initial, log=lambda msg, **_: logged.append(msg))
+    counted.calls.clear()
+    got = Admission(m).ready_joiners(k, exclude={0, 1})
+    live = [i for i in ids[initial:] if i not in came_and_went and i not in never_seen]
+    assert got == live
+    reads = [c for c in counted.calls if c != "add"]
+    assert len(reads) == len(live) + len(never_seen), (len(reads), len(live), len(never_seen))
+    assert any(f"ignoring node {forger}: its join request is not signed" in line for line in logged), logged

@@ -14,7 +14,6 @@ import time
 from typing import Optional
 
 from prime.comm import store_keys as keys
-from prime.comm.signed_store import read_now
 from prime.elastic.membership import MAX_JOINERS, JobFinished, JoinError, Membership, Outcome, Plan
 
 __all__ = ["Admission"]
@@ -93,11 +92,9 @@ class Admission:
             raise JoinError(f"every member of the job ({members}) is gone: nobody to download the state from"
                             + self._secret_hint())
         out, forged = [], 0
-        for i in members:
-            if i == m.node_id or m.monitor.gone(i):
-                continue
-            key = keys.state_addr(i, m.local_rank)  # local rank g downloads shard g from local rank g
-            raw = read_now(m.store, key)  # never waits (a key deleted after a check would)
+        live = [i for i in members if i != m.node_id and not m.monitor.gone(i)]
+        ks = [keys.state_addr(i, m.local_rank) for i in live]  # local rank g downloads shard g from local rank g
+        for i, key, raw in zip(live, ks, m.records.raw_many(ks)):  # never waits for a key deleted meanwhile
             addr = None if raw is None else m.records.open(key, raw)
             if isinstance(addr, str):
                 out.append((i, addr))
@@ -125,11 +122,12 @@ class Admission:
         m = self.membership
         out = []
         n = m.initial_nodes + min(int(m.store.add(keys.JOINERS, 0)), MAX_JOINERS)
-        for i in range(n):
-            if i in exclude:
-                continue
-            key = keys.join_offer(i)
-            raw = read_now(m.store, key)  # never waits (a key deleted after a check would)
+        # The offers of nodes that beat and are gone since are not read: their ids pile up over a long run with
+        # many joins (each read is a store round trip at most), and their offers would not count. A node never
+        # seen is read, so that one signing with another secret is reported.
+        ids = [i for i in range(n) if i not in exclude and not (m.monitor.was_seen(i) and m.monitor.gone(i))]
+        ks = [keys.join_offer(i) for i in ids]
+        for i, key, raw in zip(ids, ks, m.records.raw_many(ks)):  # never waits for a key deleted meanwhile
             if raw is None:
                 continue
             d = m.records.open(key, raw)

@@ -488,12 +488,15 @@ class Monitor:
             return False
         return self.left(node) or self.silent_s(node) > self.timeout
 
+    def was_seen(self, node: int) -> bool:
+        """Whether a valid heartbeat of the node was ever read (a node that signs with another secret never is)."""
+        with self._lock:
+            return node in self._seen
+
     def why_gone(self, node: int) -> str:
         if self.left(node):
             return "left cleanly"
-        with self._lock:
-            seen = node in self._seen
-        if not seen:
+        if not self.was_seen(node):
             return f"never sent a valid heartbeat ({self.silent_s(node):.1f} s)"
         return f"no heartbeat for {self.silent_s(node):.1f} s (timeout {self.timeout:g} s)"
 
