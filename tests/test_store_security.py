@@ -924,3 +924,43 @@ def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
     reads = [c for c in counted.calls if c != "add"]
     assert len(reads) == len(live) + len(never_seen), (len(reads), len(live), len(never_seen))
     assert any(f"ignoring node {forger}: its join request is not signed" in line for line in logged), logged
+
+
+class _SlowAdds:
+    """A store client whose add() (the joiner counter the monitor reads each sweep) takes `delay_s`."""
+
+    def __init__(self, store, delay_s: float):
+        self._store, self._delay_s = store, delay_s
+
+    def add(self, key, amount):
+        time.sleep(self._delay_s)
+        return self._store.add(key, amount)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_slow_read_of_the_other_heartbeats_does_not_delay_this_nodes_beat():
+    """A node beats on its own thread and connection: a sweep of the others' records that takes ten intervals
+    (a distant store, many ids to check) leaves its beat at its interval, where a beat after each sweep
+    would let the others time the node out."""
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore
+    from prime.elastic.membership import Monitor
+
+    store, interval, slow_s, watch_s = dist.HashStore(), 0.05, 0.5, 1.5
+    node = random.randrange(4)
+    monitor = Monitor(SignedStore(_SlowAdds(store, slow_s), SECRET, "job"), node, 4, interval, 30.0,
+                      beat_records=SignedStore(store, SECRET, "job"))
+    reader = SignedStore(store, SECRET, "job")
+    monitor.start()
+    try:
+        first = reader.get(keys.heartbeat(node))["seq"]
+        time.sleep(watch_s)
+        last = reader.get(keys.heartbeat(node))["seq"]
+    finally:
+        assert monitor.stop(leave=True)
+    assert last - first >= watch_s / interval / 3, (first, last)  # a beat after each sweep: at most 3 or 4
+    assert reader.get(keys.heartbeat(node))["left"] is True

@@ -374,7 +374,9 @@ def reduce_op(plan: Plan) -> tuple[str, int]:
 
 
 class Monitor:
-    """Heartbeat of this node and liveness of every other, on a thread with its own store connection.
+    """Heartbeat of this node and liveness of every other, on a thread with its own store connection (two with
+    `beat_records`: the beats then have their own thread and connection, so that a slow read of the others'
+    records, e.g. of many ids a stranger made the joiner counter hand out, never delays this node's beat).
 
     Every `interval` seconds: write a signed heartbeat record {node, seq, left}
     with the next sequence number, then read every known node's record
@@ -389,9 +391,10 @@ class Monitor:
     """
 
     def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float,
-                 beats: bool = True):
+                 beats: bool = True, beat_records: Optional[SignedStore] = None):
         self.beats = beats  # False: watch only (the other processes of a node; its local rank 0 beats)
         self._records = records
+        self._beat_records = beat_records
         self.node_id, self.initial_nodes = node_id, initial_nodes
         self.interval, self.timeout = interval, timeout
         self._lock = threading.Lock()
@@ -402,6 +405,7 @@ class Monitor:
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._beater: Optional[threading.Thread] = None
         self._warned_cap = False
         self.last_error: Optional[str] = None
 
@@ -409,20 +413,29 @@ class Monitor:
         if not self.beats:
             return
         self._seq += 1
-        self._records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
+        records = self._beat_records or self._records
+        records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
 
     def start(self) -> None:
         self._beat()  # the key exists before anyone looks for it
         self.watch()
-        self._thread = threading.Thread(target=self._run, name=f"prime-elastic-hb-{self.node_id}", daemon=True)
+        separate = self.beats and self._beat_records is not None
+        if separate:
+            self._beater = threading.Thread(target=self._run, args=(True, False),
+                                            name=f"prime-elastic-beat-{self.node_id}", daemon=True)
+            self._beater.start()
+        self._thread = threading.Thread(target=self._run, args=(not separate, True),
+                                        name=f"prime-elastic-hb-{self.node_id}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, beat: bool, watch: bool) -> None:
         warned = False
         while not self._stop.wait(self.interval):
             try:
-                self._beat()
-                self.watch()
+                if beat:
+                    self._beat()
+                if watch:
+                    self.watch()
                 if warned:
                     logger.warning("elastic node %d: the store answers again", self.node_id)
                 warned = False
@@ -430,7 +443,8 @@ class Monitor:
             except Exception as e:  # the store may be down; keep trying, say so once
                 self.last_error = str(e)
                 if not warned:
-                    logger.warning("elastic node %d: heartbeat failed (store unreachable?): %s", self.node_id, e)
+                    what = "heartbeat" if beat else "reading the heartbeats"
+                    logger.warning("elastic node %d: %s failed (store unreachable?): %s", self.node_id, what, e)
                     warned = True
 
     def watch(self) -> None:
@@ -513,8 +527,9 @@ class Monitor:
     def stop(self, leave: bool) -> bool:
         """Stops the heartbeat; `leave` tells the others at once that this node exits cleanly. False: could not."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5 + self.interval)
+        for thread in (self._beater, self._thread):
+            if thread is not None:
+                thread.join(timeout=5 + self.interval)
         if leave:
             try:
                 self._beat(left=True)
@@ -633,10 +648,13 @@ class Membership:
             self.node_id = self.node_rank
         else:
             self.node_id = self.initial_nodes + int(self.store.add(keys.JOINERS, 1)) - 1
-        # The heartbeat thread warns through the logger only (the metrics writer belongs to the main thread).
-        hb_records = SignedStore(self._factory(), self._secret, self.run_id,
-                                 warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
-        self.monitor = Monitor(hb_records, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
+        # The heartbeat threads warn through the logger only (the metrics writer belongs to the main thread).
+        def records() -> SignedStore:
+            return SignedStore(self._factory(), self._secret, self.run_id,
+                               warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+
+        self.monitor = Monitor(records(), self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout,
+                               beat_records=records())
         self.monitor.start()
         role = "initial node" if self.genesis else "joiner"
         self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()})", event="register",
