@@ -888,9 +888,10 @@ def test_an_outer_step_agreement_polls_only_the_records_still_missing():
 
 
 def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
-    """Over a long run with many joins, the ids of nodes that came and went pile up: the coordinator reads the
-    offers of the live nodes and of nodes never seen (one signing with another secret is reported), not the
-    others', and admits only live nodes whose offer is signed and names the outer step."""
+    """Over a long run with many joins, the ids of nodes that came and went pile up (and a stranger can inflate
+    the joiner counter): the coordinator reads the offers of the live nodes and of nodes that wrote a heartbeat
+    record but never a valid one (one signing with another secret is reported), not the others', and admits
+    only live nodes whose offer is signed and names the outer step."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -898,6 +899,7 @@ def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
     from prime.comm import store_keys as keys
     from prime.comm.signed_store import SignedStore
     from prime.elastic.admission import Admission
+    from prime.elastic.membership import NEW_IDS_PER_SWEEP
 
     counted = _Counting(dist.HashStore())
     records = SignedStore(counted, SECRET, "job")
@@ -912,8 +914,14 @@ def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
     forger = sorted(never_seen)[0]
     SignedStore(counted.underlying_store, b"another-secret", "job").put(keys.join_offer(forger),
                                                                      {"node": forger, "outer_step": k})
+    # ids with no heartbeat record (the newest few, which are read as a joiner may just have registered there)
+    junk = set(random.sample(range(initial + joined, initial + joined + 100 - NEW_IDS_PER_SWEEP), 10))
+    counted.underlying_store.add(keys.JOINERS, 100)
+    for i in junk:
+        records.put(keys.join_offer(i), {"node": i, "outer_step": k})
     monitor = SimpleNamespace(was_seen=lambda i: i not in never_seen,
-                              gone=lambda i: i in came_and_went or i in never_seen)
+                              gone=lambda i: i in came_and_went or i in never_seen or i in junk,
+                              known_ids=lambda: ids)
     logged: list = []
     m = SimpleNamespace(store=counted, records=records, monitor=monitor, node_id=0, local_rank=0,
                         initial_nodes=initial, log=lambda msg, **_: logged.append(msg))
@@ -922,7 +930,7 @@ def test_the_coordinator_reads_no_join_offer_of_a_node_that_beat_and_is_gone():
     live = [i for i in ids[initial:] if i not in came_and_went and i not in never_seen]
     assert got == live
     reads = [c for c in counted.calls if c != "add"]
-    assert len(reads) == len(live) + len(never_seen), (len(reads), len(live), len(never_seen))
+    assert len(reads) == len(live) + len(never_seen) + NEW_IDS_PER_SWEEP // 2, (len(reads), len(live))
     assert any(f"ignoring node {forger}: its join request is not signed" in line for line in logged), logged
 
 
@@ -964,3 +972,39 @@ def test_a_slow_read_of_the_other_heartbeats_does_not_delay_this_nodes_beat():
         assert monitor.stop(leave=True)
     assert last - first >= watch_s / interval / 3, (first, last)  # a beat after each sweep: at most 3 or 4
     assert reader.get(keys.heartbeat(node))["left"] is True
+
+
+def test_a_sweep_checks_a_bounded_number_of_ids_without_a_heartbeat_record():
+    """A stranger adds a thousand to the joiner counter: a sweep of the heartbeats checks every initial node,
+    the newest joiner ids and a few older ones in turn for a record (a store round trip each), not a thousand
+    ids, and still finds a joiner that registered last at once and one buried among the junk in turn."""
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore
+    from prime.elastic.membership import NEW_IDS_PER_SWEEP, Monitor
+
+    counted = _Counting(dist.HashStore())
+    records = SignedStore(counted, SECRET, "job")
+    initial = random.randrange(2, 5)
+    for i in range(initial):
+        records.put(keys.heartbeat(i), {"node": i, "seq": 1, "left": False})
+    junk = random.randrange(500, 1000)
+    buried = initial + random.randrange(junk // 2)  # a joiner id among the junk ids, written late
+    counted.underlying_store.add(keys.JOINERS, junk + 1)
+    newest = initial + junk
+    records.put(keys.heartbeat(newest), {"node": newest, "seq": 1, "left": False})
+    monitor = Monitor(records, 0, initial, 1.0, 30.0, beats=False)
+    counted.calls.clear()
+    monitor.watch()
+    assert counted.calls.count("check") <= initial + NEW_IDS_PER_SWEEP, counted.calls.count("check")
+    assert set(monitor.known_ids()) == set(range(initial)) | {newest}
+    records.put(keys.heartbeat(buried), {"node": buried, "seq": 1, "left": False})
+    sweeps = 0
+    while buried not in monitor.known_ids():
+        counted.calls.clear()
+        monitor.watch()
+        sweeps += 1
+        assert counted.calls.count("check") <= NEW_IDS_PER_SWEEP
+        assert sweeps <= 2 * junk // NEW_IDS_PER_SWEEP + 1, "the buried joiner was never looked for"
+    assert monitor.was_seen(buried) and monitor.was_seen(newest)

@@ -14,7 +14,8 @@ import time
 from typing import Optional
 
 from prime.comm import store_keys as keys
-from prime.elastic.membership import MAX_JOINERS, JobFinished, JoinError, Membership, Outcome, Plan
+from prime.elastic.membership import (MAX_JOINERS, NEW_IDS_PER_SWEEP, JobFinished, JoinError, Membership,
+                                      Outcome, Plan)
 
 __all__ = ["Admission"]
 
@@ -122,10 +123,14 @@ class Admission:
         m = self.membership
         out = []
         n = m.initial_nodes + min(int(m.store.add(keys.JOINERS, 0)), MAX_JOINERS)
-        # The offers of nodes that beat and are gone since are not read: their ids pile up over a long run with
-        # many joins (each read is a store round trip at most), and their offers would not count. A node never
-        # seen is read, so that one signing with another secret is reported.
-        ids = [i for i in range(n) if i not in exclude and not (m.monitor.was_seen(i) and m.monitor.gone(i))]
+        # Read: the offers of the nodes whose heartbeat record the monitor found (a joiner writes one when it
+        # registers) and of the newest ids (one that registered since the monitor's last sweep), but not of
+        # those that beat and are gone since, whose ids pile up over a long run with many joins (a read is a
+        # store round trip at most) and whose offers would not count. One that never beat with a valid record
+        # is read, so that a node signing with another secret is reported.
+        newest = range(max(m.initial_nodes, n - NEW_IDS_PER_SWEEP // 2), n)
+        ids = [i for i in sorted(set(m.monitor.known_ids()) | set(newest))
+               if i < n and i not in exclude and not (m.monitor.was_seen(i) and m.monitor.gone(i))]
         ks = [keys.join_offer(i) for i in ids]
         for i, key, raw in zip(ids, ks, m.records.raw_many(ks)):  # never waits for a key deleted meanwhile
             if raw is None:

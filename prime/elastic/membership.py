@@ -68,6 +68,12 @@ MAX_JOINERS = 1024
 """Node ids the monitor looks at beyond the initial nodes (the joiner counter is unsigned: a stranger could
 inflate it; ids past this are not watched)."""
 
+NEW_IDS_PER_SWEEP = 16
+"""Joiner ids without a heartbeat record yet that one sweep of the monitor checks for one (a store round trip
+each): the newest half, where a joiner that just registered is, and half of the others in turn. Ids that never
+get a record (a joiner that died before its first beat, a counter a stranger inflated) then cost a sweep at most
+this many round trips, however many there are."""
+
 
 class MembershipError(OuterSyncError):
     """The membership protocol cannot go on (store unreachable, too few nodes, too many failed attempts).
@@ -407,6 +413,7 @@ class Monitor:
         self._thread: Optional[threading.Thread] = None
         self._beater: Optional[threading.Thread] = None
         self._warned_cap = False
+        self._turn = 0  # where the next sweep's look at the older joiner ids without a record starts
         self.last_error: Optional[str] = None
 
     def _beat(self, left: bool = False) -> None:
@@ -457,8 +464,8 @@ class Monitor:
                 logger.warning("elastic node %d: the joiner counter says %d nodes; watching only the first %d "
                                "(a stranger inflating the counter?)", self.node_id, n, self.initial_nodes + MAX_JOINERS)
             n = self.initial_nodes + MAX_JOINERS
-        for i in range(n):
-            if i not in self._exists and store.check([keys.heartbeat(i)]):
+        for i in self._ids_to_look_for(n):
+            if store.check([keys.heartbeat(i)]):
                 self._exists.add(i)
         known = sorted(self._exists)
         values = self._records.get_many([keys.heartbeat(i) for i in known]) if known else []
@@ -483,6 +490,20 @@ class Monitor:
                     self._left.add(i)
                 if prev is None or seq > prev[0]:
                     self._seen[i] = (seq, now)
+
+    def _ids_to_look_for(self, n: int) -> list[int]:
+        """The ids below n without a heartbeat record yet that this sweep checks: every initial node's (their
+        count is configured), and NEW_IDS_PER_SWEEP of the joiners' (the newest half, and half of the rest in
+        turn)."""
+        initial = [i for i in range(min(n, self.initial_nodes)) if i not in self._exists]
+        joiners = [i for i in range(self.initial_nodes, n) if i not in self._exists]
+        if len(joiners) <= NEW_IDS_PER_SWEEP:
+            return initial + joiners
+        half = NEW_IDS_PER_SWEEP // 2
+        rest = joiners[:-half]
+        start = self._turn % len(rest)
+        self._turn += half
+        return initial + (rest + rest)[start:start + half] + joiners[-half:]
 
     def silent_s(self, node: int) -> float:
         """Seconds since node's heartbeat last advanced (since this monitor started, if never seen)."""
