@@ -1008,3 +1008,54 @@ def test_a_sweep_checks_a_bounded_number_of_ids_without_a_heartbeat_record():
         assert counted.calls.count("check") <= NEW_IDS_PER_SWEEP
         assert sweeps <= 2 * junk // NEW_IDS_PER_SWEEP + 1, "the buried joiner was never looked for"
     assert monitor.was_seen(buried) and monitor.was_seen(newest)
+
+
+def test_a_ring_rendezvous_costs_a_few_store_round_trips_whatever_the_ring_size():
+    """Forming a ring of N ranks: finding every rank's address and the ready barrier read all ranks' records
+    in one batch each (a check, then a multi_get), not a round trip or two per rank: an elastic job forms its
+    rings at every outer step, and its store may be a continent away."""
+    from prime.comm import rendezvous
+    from prime.comm.signed_store import SignedStore
+
+    store = _tcp_store()
+    prefix = "rdvn%016x" % random.getrandbits(64)
+    ns = rendezvous.namespace("job%08x" % random.getrandbits(32))
+    n = random.randrange(6, 13)
+    setup = SignedStore(_client(store.port, prefix), SECRET, ns)
+    addresses = {r: "127.0.0.%d:%d" % (1 + r, random.randrange(1024, 65535)) for r in range(n)}
+    for r in range(1, n):
+        setup.put(f"{ns}/addr/{r}", addresses[r])
+        setup.put(f"{ns}/ready/{r}", "1")
+    counted = _Counting(_client(store.port, prefix))
+    deadline = time.monotonic() + 20
+    got = rendezvous.publish_and_find_all(counted, ns, 0, n, addresses[0], deadline, 20000, SECRET)
+    assert got == [rendezvous.parse_address(addresses[r]) for r in range(n)]
+    assert len(counted.calls) <= 4, counted.calls  # the own address, a check, then a check and a multi_get
+    counted.calls.clear()
+    rendezvous.barrier(counted, ns, 0, n, deadline, 20000, SECRET)
+    assert len(counted.calls) <= 4, counted.calls
+
+
+def test_a_rank_that_reports_a_failure_stops_the_others_barrier_at_once():
+    """A rank that cannot form its links says why (signed): every rank waiting in the barrier raises at once,
+    naming it and its reason. A stranger who bumps the failure counter without a signed record stops nobody."""
+    from prime.comm import rendezvous
+    from prime.comm.errors import CommError
+
+    store = _tcp_store()
+    prefix = "rdvf%016x" % random.getrandbits(64)
+    ns = rendezvous.namespace("job%08x" % random.getrandbits(32))
+    n, bad = 4, random.randrange(1, 4)
+    client = _client(store.port, prefix)
+    client.add(f"{ns}/failures", 1)  # a stranger's bump, and an unsigned failure record of its own
+    client.set(f"{ns}/failed/{bad}", "a stranger says so")
+    with pytest.raises(CommError) as timed_out:
+        rendezvous.barrier(client, ns, 0, n, time.monotonic() + 1.0, 1000, SECRET)
+    assert timed_out.value.kind == "timeout", timed_out.value
+    why = "connection refused by %016x" % random.getrandbits(64)
+    rendezvous.report_failure(_client(store.port, prefix), ns, bad, why, secret=SECRET)
+    t0 = time.monotonic()
+    with pytest.raises(CommError) as failed:
+        rendezvous.barrier(client, ns, 0, n, time.monotonic() + 20, 20000, SECRET)
+    assert time.monotonic() - t0 < 10
+    assert failed.value.kind == "peer_failed" and failed.value.peer == bad and why in str(failed.value), failed.value

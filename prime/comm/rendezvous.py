@@ -314,6 +314,21 @@ def _wait_signed(signed: SignedStore, store: dist.Store, key: str, deadline: flo
         time.sleep(0.05)  # a forged record is there (or the key went away): wait for the rank to write a valid one
 
 
+def _wait_all_signed(signed: SignedStore, store: dist.Store, ks: dict, deadline: float) -> dict:
+    """{rank: value} of the validly signed records under ks = {rank: key}, waiting for them until the deadline:
+    once every key exists, one batched read of all (SignedStore.get_many), then a wait of its own for each that
+    was not there or not validly signed. A rank missing from the result had none by the deadline."""
+    got: dict = {}
+    if ks and _wait(store, list(ks.values()), deadline):
+        got = {r: v for r, v in zip(ks, signed.get_many(list(ks.values()))) if v is not None}
+    for r, key in ks.items():
+        if r not in got:
+            v = _wait_signed(signed, store, key, deadline)
+            if v is not None:
+                got[r] = v
+    return got
+
+
 def _missing_record(rank: int, other: int, key: str, timeout_ms: int, signed: SignedStore, what: str) -> CommError:
     why = (
         f"the record there is not signed with this ring's secret (rewritten by someone outside the job, or rank "
@@ -349,14 +364,12 @@ def publish_and_find_all(
     that a forged record was seen. No address that is not signed is ever dialled."""
     signed = records(store, secret, ns)
     signed.put(keys.ring_addr(ns, rank), address)
-    out = []
+    ks = {r: keys.ring_addr(ns, r) for r in range(world_size) if r != rank}
+    got = {rank: address, **_wait_all_signed(signed, store, ks, deadline)}
     for r in range(world_size):
-        key = keys.ring_addr(ns, r)
-        got = address if r == rank else _wait_signed(signed, store, key, deadline)
-        if got is None:
-            raise _missing_record(rank, r, key, timeout_ms, signed, "its address")
-        out.append(parse_address(str(got)))
-    return out
+        if r not in got:
+            raise _missing_record(rank, r, ks[r], timeout_ms, signed, "its address")
+    return [parse_address(str(got[r])) for r in range(world_size)]
 
 
 def agree_links(
@@ -380,12 +393,12 @@ def agree_links(
     plan_key = keys.ring_plan(ns)
     if rank == 0:
         rtt_rows, rate_rows = [], []
+        ks = {r: keys.ring_links(ns, r) for r in range(world_size)}
+        rows = _wait_all_signed(signed, store, ks, deadline)
         for r in range(world_size):
-            key = keys.ring_links(ns, r)
-            got = _wait_signed(signed, store, key, deadline)
-            if got is None:
-                raise _missing_record(rank, r, key, timeout_ms, signed, "its link measurements")
-            row = json.loads(str(got))
+            if r not in rows:
+                raise _missing_record(rank, r, ks[r], timeout_ms, signed, "its link measurements")
+            row = json.loads(str(rows[r]))
             if len(row["rtt_s"]) != world_size or len(row["rate"]) != world_size:
                 raise CommError(f"rank {rank}: rank {r} published link measurements for another world size",
                                 kind="protocol", rank=rank, peer=r, origin=r, phase="rendezvous")
@@ -409,6 +422,7 @@ def report_failure(store: dist.Store, ns: str, rank: int, message: str, secret: 
             records(store, secret, ns).put(keys.ring_failed(ns, rank), message)
         else:
             store.set(keys.ring_failed(ns, rank), message)
+        store.add(keys.ring_failures(ns), 1)  # the others read the failure records only once this moved
     except Exception as e:  # the store itself may be what failed
         logger.warning("prime ring: could not report the failure of rank %d to the store: %s", rank, e)
 
@@ -429,14 +443,14 @@ def barrier(
     signed.put(keys.ring_ready(ns, rank), "1")
     ready: set[int] = set()
     while True:
-        # One store round trip per poll while ranks are missing: cheap next to forming TCP links. Once every
-        # pending key exists, each is read with read_now (never a blocking get: a stranger may delete a key
-        # after the check; it then counts as not ready yet).
+        # Two store round trips per poll while ranks are missing (the check and the failure counter): cheap
+        # next to forming TCP links, whatever the ring's size. Once every pending key exists, they are read in
+        # one batch (SignedStore.raw_many: never a blocking get, a stranger may delete a key after the check;
+        # it then counts as not ready yet).
         pending = [r for r in range(world_size) if r not in ready]
         pending_keys = [keys.ring_ready(ns, r) for r in pending]
         if store.check(pending_keys):
-            for r, k in zip(pending, pending_keys):
-                raw = read_now(store, k)
+            for r, k, raw in zip(pending, pending_keys, signed.raw_many(pending_keys)):
                 if raw is None:
                     continue
                 if signed.open(k, raw) == "1":
@@ -446,10 +460,9 @@ def barrier(
         if len(ready) == world_size:
             return
         failed = {}
-        for r in range(world_size):
-            why = signed.get(keys.ring_failed(ns, r))  # one round trip, never waits: None while missing
-            if why is not None:
-                failed[r] = str(why)
+        if int(store.add(keys.ring_failures(ns), 0)) > 0:  # some rank reported a failure (or a stranger added)
+            failure_keys = [keys.ring_failed(ns, r) for r in range(world_size)]
+            failed = {r: str(why) for r, why in enumerate(signed.get_many(failure_keys)) if why is not None}
         if failed or time.monotonic() >= deadline:
             missing = [r for r in range(world_size) if r not in ready]
             if failed:

@@ -12,6 +12,8 @@ Ring rendezvous (prime.comm.rendezvous), under ``prime_ring/<job_id>/``:
     plan               signed by rank 0: the merged link table and the ring order every rank uses
     ready/<rank>       signed: the rank formed its links
     failed/<rank>      signed: why the rank gave up forming the ring
+    failures           counter: how many ranks wrote failed/<rank> (unsigned: a stranger can only make the
+                       others read those records)
 
 Elastic membership (prime.elastic.membership), under ``elastic/`` of the job:
 
@@ -85,6 +87,10 @@ def ring_failed(ns: str, rank: int) -> str:
     return f"{ns}/failed/{rank}"
 
 
+def ring_failures(ns: str) -> str:
+    return f"{ns}/failures"
+
+
 # -- elastic membership ------------------------------------------------------------------------------
 
 ELASTIC_PREFIX = "elastic"
@@ -145,7 +151,7 @@ def ring_job_id(run_id: str, k: int, attempt: int, local_rank: int = 0) -> str:
 def elastic_ring_keys(run_id: str, k: int, attempt: int, rank: int, local_rank: int = 0) -> list[str]:
     """The keys a member of rank `rank` writes when forming that ring (as seen through the membership's store)."""
     ns = f"{ring_prefix(k, attempt, local_rank)}/{ring_namespace(ring_job_id(run_id, k, attempt, local_rank))}"
-    return [ring_addr(ns, rank), ring_ready(ns, rank), ring_failed(ns, rank), ring_joined(ns)]
+    return [ring_addr(ns, rank), ring_ready(ns, rank), ring_failed(ns, rank), ring_failures(ns), ring_joined(ns)]
 
 
 # -- first-writer-wins slots --------------------------------------------------------------------------
