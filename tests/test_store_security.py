@@ -994,7 +994,7 @@ def test_a_sweep_checks_a_bounded_number_of_ids_without_a_heartbeat_record():
     counted.underlying_store.add(keys.JOINERS, junk + 1)
     newest = initial + junk
     records.put(keys.heartbeat(newest), {"node": newest, "seq": 1, "left": False})
-    monitor = Monitor(records, 0, initial, 1.0, 30.0, beats=False)
+    monitor = Monitor(records, 0, initial, 1.0, 30.0)
     counted.calls.clear()
     monitor.watch()
     assert counted.calls.count("check") <= initial + NEW_IDS_PER_SWEEP, counted.calls.count("check")

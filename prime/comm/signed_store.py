@@ -80,12 +80,10 @@ def batched_reads(store) -> bool:
     backend (under any PrefixStores), taken to mean a server with it too (torch's default since 2.4, and the
     stores PRIME hosts). That server answers a key deleted between the multi_get's wait and its read with an
     empty value; the older backend's server drops the connection there, so its clients read a key at a time."""
+    import torch.distributed as dist
+
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
     return isinstance(store, dist.TCPStore) and bool(getattr(store, "libuvBackend", False))
 
 

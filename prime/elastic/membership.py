@@ -380,12 +380,12 @@ def reduce_op(plan: Plan) -> tuple[str, int]:
 
 
 class Monitor:
-    """Heartbeat of this node and liveness of every other, on a thread with its own store connection (two with
-    `beat_records`: the beats then have their own thread and connection, so that a slow read of the others'
-    records, e.g. of many ids a stranger made the joiner counter hand out, never delays this node's beat).
+    """Liveness of every node, on a thread with its own store connection, and (given `beat_records`, a second
+    connection) this node's heartbeat, on a thread of its own: a slow read of the others' records, e.g. of many
+    ids a stranger made the joiner counter hand out, never delays this node's beat.
 
     Every `interval` seconds: write a signed heartbeat record {node, seq, left}
-    with the next sequence number, then read every known node's record
+    with the next sequence number (when beating), and read every known node's record
     (SignedStore.get_many: when all are there, a check and a multi_get, three
     round trips to the store whatever the node count; never a long wait). A
     node whose valid records stopped advancing for `timeout` seconds (on this
@@ -397,8 +397,8 @@ class Monitor:
     """
 
     def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float,
-                 beats: bool = True, beat_records: Optional[SignedStore] = None):
-        self.beats = beats  # False: watch only (the other processes of a node; its local rank 0 beats)
+                 beat_records: Optional[SignedStore] = None):
+        self.beats = beat_records is not None  # False: watch only (a node's other processes: local rank 0 beats)
         self._records = records
         self._beat_records = beat_records
         self.node_id, self.initial_nodes = node_id, initial_nodes
@@ -420,29 +420,24 @@ class Monitor:
         if not self.beats:
             return
         self._seq += 1
-        records = self._beat_records or self._records
-        records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
+        self._beat_records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
 
     def start(self) -> None:
         self._beat()  # the key exists before anyone looks for it
         self.watch()
-        separate = self.beats and self._beat_records is not None
-        if separate:
-            self._beater = threading.Thread(target=self._run, args=(True, False),
+        if self.beats:
+            self._beater = threading.Thread(target=self._run, args=(self._beat, "heartbeat"),
                                             name=f"prime-elastic-beat-{self.node_id}", daemon=True)
             self._beater.start()
-        self._thread = threading.Thread(target=self._run, args=(not separate, True),
+        self._thread = threading.Thread(target=self._run, args=(self.watch, "reading the heartbeats"),
                                         name=f"prime-elastic-hb-{self.node_id}", daemon=True)
         self._thread.start()
 
-    def _run(self, beat: bool, watch: bool) -> None:
+    def _run(self, work: Callable[[], None], what: str) -> None:
         warned = False
         while not self._stop.wait(self.interval):
             try:
-                if beat:
-                    self._beat()
-                if watch:
-                    self.watch()
+                work()
                 if warned:
                     logger.warning("elastic node %d: the store answers again", self.node_id)
                 warned = False
@@ -450,7 +445,6 @@ class Monitor:
             except Exception as e:  # the store may be down; keep trying, say so once
                 self.last_error = str(e)
                 if not warned:
-                    what = "heartbeat" if beat else "reading the heartbeats"
                     logger.warning("elastic node %d: %s failed (store unreachable?): %s", self.node_id, what, e)
                     warned = True
 
@@ -702,8 +696,7 @@ class Membership:
         self.records = self._signed(self.store)
         watch = SignedStore(self._factory(), self._secret, self.run_id,
                             warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
-        self.monitor = Monitor(watch, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout,
-                               beats=False)
+        self.monitor = Monitor(watch, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
         self.monitor.start()
 
     def _resolve_secret(self) -> bytes:
