@@ -39,7 +39,7 @@ def _run(argv) -> int:
         return 2
 
     from prime.checkpoint import CheckpointError
-    from prime.trainer import Trainer, TrainingStopped
+    from prime.trainer import NothingToDo, Trainer, TrainingStopped
 
     run = _Run(cfg)
     if argv is None:
@@ -55,6 +55,14 @@ def _run(argv) -> int:
         except CheckpointError as e:  # the Trainer closed itself
             print(f"prime-train: stopped: {e}", file=sys.stderr)
             return 3
+        except TrainingStopped as e:  # the nodes could not start (an elastic node found no launch to take part in)
+            print(f"prime-train: stopped: {e}", file=sys.stderr)
+            _destroy_process_group()
+            return 3
+        except NothingToDo as e:
+            print(f"prime-train: {e}; nothing to do", file=sys.stderr)
+            _destroy_process_group()
+            return 0
         failed = True
         try:
             run.trainer.train()

@@ -34,12 +34,16 @@ from prime.nodes import AfterOuter
 from prime.phases import PhaseClock
 from prime.runtime import build_environment
 
-__all__ = ["Trainer", "lr_at", "likely_divergence_cause", "TrainingStopped", "TrainingDiverged"]
+__all__ = ["Trainer", "lr_at", "likely_divergence_cause", "TrainingStopped", "TrainingDiverged", "NothingToDo"]
 
 
 
 class TrainingStopped(RuntimeError):
     """Training stopped on an error that a checkpoint and a restart can get past (message says what to do)."""
+
+
+class NothingToDo(Exception):
+    """The job ended before this process could take part in it (an elastic joiner that started too late)."""
 
 
 class TrainingDiverged(TrainingStopped):

@@ -31,6 +31,7 @@ from prime.config import Config
 from prime.diloco import DiLoCo
 from prime.outer import OuterState
 from conftest import needs_ring
+from hand_launch import launch_client
 from test_elastic import _run_threads as _threads  # nodes as threads; a hang or an error fails the test
 
 SCHEMES = ("sync", "eager", "eager-merge", "eager-adaptive", "delayed")
@@ -343,7 +344,7 @@ def _elastic_run(seed: int, kw: dict, device: str = "cpu") -> list:
     def join():
         j = _elastic_node(store.port, 5, seed, kw, device)
         joiner.append(j)
-        ready = dist.PrefixStore(f"c{seed}/elastic", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+        ready = launch_client(store.port, j.sync.membership)
 
         def watch():
             deadline = time.monotonic() + 120

@@ -32,6 +32,7 @@ import torch
 
 from prime.simulate import free_port
 from conftest import needs_ring
+from hand_launch import HandLaunch, launch_client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "test-job-secret"
@@ -110,13 +111,28 @@ class Job:
     def _pending(self, rank: int) -> bool:
         return False
 
+    def launch(self, timeout: float = 60) -> tuple:
+        """(the store prefix, the signing job) of the launch node 0 founded (prime.elastic.launch)."""
+        import torch.distributed as dist
+
+        from prime.comm import store_keys as keys
+        from prime.comm.signed_store import SignedStore
+
+        run = SignedStore(dist.PrefixStore("prime/prime/elastic", self.store), SECRET.encode(), "prime")
+        deadline = time.monotonic() + timeout
+        while (got := run.get(keys.LAUNCH_CURRENT)) is None:
+            assert time.monotonic() < deadline, "node 0 founded no launch"
+            time.sleep(0.05)
+        return f"prime/prime/elastic/{keys.launch_prefix(got['launch'])}", f"prime/{got['launch']}"
+
     def wait_ready(self, node_id: int, outer_step: int, timeout: float = 120) -> None:
         """Waits until joiner `node_id` says it holds the state after `outer_step` (its ready key in the store)."""
         import torch.distributed as dist
 
         from prime.comm.signed_store import SignedStore
 
-        store = SignedStore(dist.PrefixStore("prime/prime/elastic", self.store), SECRET.encode(), "prime")
+        prefix, job = self.launch()
+        store = SignedStore(dist.PrefixStore(prefix, self.store), SECRET.encode(), job)
         key = f"ready/{node_id}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -318,6 +334,18 @@ def test_loss_goes_down_across_membership_changes(scenario_a):
     assert last < first - 1.0, (first, last, seed)
 
 
+def test_a_joiner_that_starts_after_the_job_ended_has_nothing_to_do(scenario_a):
+    """Once the job committed its last outer step and no node of it is alive, a new node stops at once with
+    status 0 (the launch recorded its end), not with an error after waiting to be admitted."""
+    job, _, _ = scenario_a
+    job.start(9)
+    code = job.procs[9].wait(timeout=120)
+    time.sleep(0.3)  # let the pump drain
+    out = job.text(9)
+    assert code == 0, out
+    assert "committed its last outer step" in out and "nothing to do" in out, out
+
+
 # -- scenario B: the source of a live recovery dies; strangers try to join -------------------------
 
 
@@ -327,7 +355,7 @@ def _forge_join_requests(job: Job, stop: threading.Event, out: list) -> None:
 
     import torch.distributed as dist
 
-    store = dist.PrefixStore("prime/prime/elastic", dist.TCPStore("127.0.0.1", job.store.port, is_master=False))
+    store = dist.PrefixStore(job.launch()[0], dist.TCPStore("127.0.0.1", job.store.port, is_master=False))
     node = job.initial + int(store.add("joiners", 1)) - 1
     out.append(node)
     while not stop.is_set():
@@ -343,7 +371,7 @@ def _wait_forged(job: Job, forged: list, timeout: float = 30) -> None:
     """Waits until the forger planted its join request (for the outer step the job holds at)."""
     import torch.distributed as dist
 
-    store = dist.PrefixStore("prime/prime/elastic", job.store)
+    store = dist.PrefixStore(job.launch()[0], job.store)
     deadline = time.monotonic() + timeout
     while not (forged and store.check([f"ready/{forged[0]}"])):
         assert time.monotonic() < deadline, "the forger planted no join request"
@@ -420,7 +448,8 @@ def test_a_node_with_the_wrong_secret_cannot_join(scenario_b):
     job, codes, _ = scenario_b
     out = job.text(3)
     assert codes[3] == 3, out
-    assert "could not download the job's state" in out and "secret" in out, out
+    # it cannot learn the launch's name: the members read its ask as forged, and it theirs
+    assert "could not register" in out and "PRIME_RING_SECRET the job's" in out, out
     assert not os.path.exists(os.path.join(job.ck, "node3")) or not os.listdir(os.path.join(job.ck, "node3"))
     for r in (1, 2):
         assert all(3 not in rec["members"] for rec in job.outer(r).values())
@@ -695,7 +724,7 @@ def test_the_average_is_over_the_nodes_that_contributed():
         got = []
         jt = threading.Thread(target=lambda: got.append(joiner.join()), daemon=True)
         jt.start()
-        ready = dist.PrefixStore("api/elastic", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+        ready = launch_client(store.port, joiner.sync.membership)
         deadline = time.monotonic() + 60
         while not ready.check([f"ready/{joiner.node_id}"]) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -835,10 +864,9 @@ def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
 
     from prime.elastic import JobFinished
 
-    from prime.comm.signed_store import SignedStore
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    raw = SignedStore(dist.PrefixStore("m/elastic", store), b"m-secret", "m")  # nodes 0 and 1, written by hand
+    launch = HandLaunch(store.port, "m", b"m-secret")
+    raw = launch.records  # nodes 0 and 1, written by hand
     for i in (0, 1):
         raw.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
         raw.put(f"addr/{i}", f"127.0.0.1:{1000 + i}")
@@ -859,6 +887,7 @@ def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
         assert [i for i, _ in m.live_sources(None)] == [0, 1]  # an open-ended job goes on
     finally:
         m.leave()
+        launch.close()
 
 
 def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
@@ -872,12 +901,12 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
 
     from dataclasses import asdict
 
-    from prime.comm.signed_store import SignedStore
     from prime.elastic import Outcome, Plan
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    raw = dist.PrefixStore("m/elastic", store)
-    signed = SignedStore(raw, b"m-secret", "m")  # node 1 and the decisions of attempt 0, written by hand
+    launch = HandLaunch(store.port, "m", b"m-secret")  # node 0 enters it (the test's thread answers its ask)
+    raw = launch.records.store
+    signed = launch.records  # node 1 and the decisions of attempt 0, written by hand
     signed.put("hb/1", {"node": 1, "seq": 1, "left": False})
     m = _membership(store.port, 0, 2)
     m.register(start_timeout_s=5)
@@ -913,6 +942,7 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
     finally:
         joiner.leave()
         m.leave()
+        launch.close()
 
 
 # -- chaos (long; PRIME_CHAOS=1) ------------------------------------------------------------------

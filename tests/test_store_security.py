@@ -24,6 +24,7 @@ from datetime import timedelta
 import pytest
 import torch
 from conftest import needs_ring
+from hand_launch import HandLaunch, launch_client
 
 SECRET = b"store-security-secret"
 HB_INTERVAL, HB_TIMEOUT = 0.1, 1.5
@@ -41,23 +42,24 @@ def _client(port: int, prefix: str):
     return dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))
 
 
-def _stranger_add(stranger, port: int, prefix: str, key: str, amount: int):
+def _stranger_add(stranger, port: int, membership, key: str, amount: int):
     """A stranger's add to `key`. The store refuses to add to a signed record (it is not a number) and
     drops the connection; that happens whenever the node's beat lands first (even between a delete and
     the add), so the refused try still counts as an attack, and the stranger reconnects."""
     try:
         stranger.add(key, amount)
     except Exception:
-        return _client(port, prefix)
+        return launch_client(port, membership)
     return stranger
 
 
 def _membership(port: int, rank: int, initial: int, run_id: str, **kw):
     from prime.elastic import Membership
 
+    kw = dict(dict(heartbeat_interval_s=HB_INTERVAL, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=20,
+                   report_timeout_s=20), **kw)
     return Membership(lambda: _client(port, f"{run_id}/elastic"), node_rank=rank, initial_nodes=initial,
-                      run_id=run_id, secret=SECRET, heartbeat_interval_s=HB_INTERVAL, heartbeat_timeout_s=HB_TIMEOUT,
-                      barrier_timeout_s=20, report_timeout_s=20, **kw)
+                      run_id=run_id, secret=SECRET, **kw)
 
 
 def _register_all(port: int, n: int, run_id: str, **kw) -> list:
@@ -116,11 +118,11 @@ def test_a_strangers_heartbeat_add_or_replay_does_not_evict_a_live_node():
     and replays an old valid record: node 0 keeps seeing node 1 alive, and never as left."""
     store = _tcp_store()
     ms = _register_all(store.port, 2, "hb")
-    stranger = _client(store.port, "hb/elastic")
+    stranger = launch_client(store.port, ms[0])
     try:
         old = stranger.get("hb/1")
         time.sleep(3 * HB_INTERVAL)
-        stranger = _stranger_add(stranger, store.port, "hb/elastic", "hb/1", 1 << 40)
+        stranger = _stranger_add(stranger, store.port, ms[0], "hb/1", 1 << 40)
         time.sleep(3 * HB_INTERVAL)  # node 0 read the key again meanwhile
         assert not ms[0].gone(1), "one add by a stranger evicted a live node"
         deadline = time.monotonic() + 2 * HB_TIMEOUT
@@ -129,7 +131,7 @@ def test_a_strangers_heartbeat_add_or_replay_does_not_evict_a_live_node():
         # denial of service, docs/security.md; what must not happen is a forgery counted as the node's).
         while time.monotonic() < deadline:
             stranger.delete_key("hb/1")
-            stranger = _stranger_add(stranger, store.port, "hb/elastic", "hb/1", 1 << 40)
+            stranger = _stranger_add(stranger, store.port, ms[0], "hb/1", 1 << 40)
             time.sleep(1.5 * HB_INTERVAL)
             stranger.set("hb/1", old)  # a replay of node 1's own, older, validly signed heartbeat
             time.sleep(1.5 * HB_INTERVAL)
@@ -147,7 +149,7 @@ def test_a_stranger_cannot_keep_a_dead_node_alive():
     """A stranger who keeps writing counters and replays under a dead node's key does not keep it alive."""
     store = _tcp_store()
     ms = _register_all(store.port, 2, "dead")
-    stranger = _client(store.port, "dead/elastic")
+    stranger = launch_client(store.port, ms[0])
     try:
         old = stranger.get("hb/1")
         ms[1].monitor.stop(leave=False)
@@ -171,7 +173,7 @@ def test_an_outcome_written_first_by_a_stranger_does_not_stop_the_job():
 
     store = _tcp_store()
     ms = _register_all(store.port, 2, "out")
-    stranger = _client(store.port, "out/elastic")
+    stranger = launch_client(store.port, ms[0])
     try:
         forged = Outcome(k=1, attempt=0, commit=False, members=[], give_up="stop, says the stranger", by=0)
         stranger.set("b/1/a0/outcome", json.dumps(asdict(forged), sort_keys=True))
@@ -191,7 +193,7 @@ def test_a_forged_plan_does_not_evict_a_node():
 
     store = _tcp_store()
     ms = _register_all(store.port, 2, "plan")
-    stranger = _client(store.port, "plan/elastic")
+    stranger = launch_client(store.port, ms[0])
     try:
         forged = Plan(k=1, attempt=0, members=[0], contributors=[0], slots={"0": 0}, step=10,
                       evicted=[[1, "evicted by a stranger"]], by=0)
@@ -210,7 +212,7 @@ def test_a_signed_decision_replayed_under_another_outer_step_is_ignored():
     arrival there: outer step 2 is decided afresh, at its own inner step."""
     store = _tcp_store()
     ms = _register_all(store.port, 2, "replay")
-    stranger = _client(store.port, "replay/elastic")
+    stranger = launch_client(store.port, ms[0])
     try:
         first = _outer_step(ms, 1, 10)
         assert all(not isinstance(r, BaseException) for r in first), first
@@ -223,6 +225,131 @@ def test_a_signed_decision_replayed_under_another_outer_step_is_ignored():
             assert plan.k == 2 and plan.step == 20 and plan.members == [0, 1] and outcome.commit, plan
     finally:
         _leave(ms)
+
+
+# -- launches ------------------------------------------------------------------------------------------
+
+
+def _copy_keys(src, dst, ks) -> list:
+    """A stranger's replay: the keys of `ks` that `src` holds, written under the same keys in `dst`."""
+    copied = []
+    for k in ks:
+        if src.check([k]):
+            dst.set(k, src.get(k))
+            copied.append(k)
+    return copied
+
+
+def test_an_earlier_launch_replayed_into_the_store_does_not_steer_the_next_one():
+    """A stranger kept every record of launch A (same run id and secret: node 0's claim of its initial slot,
+    the heartbeats, the newest committed outer step, the store's current launch) and writes them into the
+    store of launch B before its nodes start. B's nodes still start as B's initial nodes, in a launch of
+    their own, and read nothing of A's: node 0 founds B once A neither answers nor beats."""
+    from prime.comm import store_keys as keys
+
+    store_a = _tcp_store()
+    a = _register_all(store_a.port, 2, "again")
+    assert all(not isinstance(r, BaseException) for r in _outer_step(a, 1, 10))
+    for m, (plan, outcome) in zip(a, _outer_step(a, 2, 20)):
+        m.commit(plan, outcome)
+    name_a = a[0].launch
+    for m in a:
+        m.monitor.stop(leave=False)  # killed: A's heartbeats stay as they were
+    store_b = _tcp_store()
+    kept = _copy_keys(_client(store_a.port, "again/elastic"), _client(store_b.port, "again/elastic"),
+                      [keys.LAUNCH_CURRENT])
+    kept += _copy_keys(launch_client(store_a.port, a[0]), _client(store_b.port, f"again/elastic/launch/{name_a}"),
+                       [keys.genesis(0), keys.genesis(1), keys.heartbeat(0), keys.heartbeat(1), keys.COMMITTED])
+    assert len(kept) == 6, kept
+    t0 = time.monotonic()
+    b = _register_all(store_b.port, 2, "again")
+    try:
+        assert b[0].launch == b[1].launch != name_a
+        assert [m.node_id for m in b] == [0, 1] and all(m.genesis for m in b), "B's nodes became joiners"
+        assert all(m.latest_committed() is None for m in b), "a node of B read A's committed outer step"
+        assert time.monotonic() - t0 < 15, "founding B waited for the start timeout (20 s)"
+        got = _outer_step(b, 1, 10)
+        assert all(not isinstance(r, BaseException) and r[1].commit for r in got), got
+    finally:
+        _leave(b)
+
+
+def test_a_restarted_node_0_enters_the_live_launch_as_a_joiner():
+    """Node 0 dies and starts again while node 1 lives: the live launch answers its ask, and it joins that
+    launch with a new id (its initial slot is taken) instead of founding another."""
+    slow = dict(heartbeat_timeout_s=10.0)  # founding instead would take 10 s
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "restart", **slow)
+    ms[0].monitor.stop(leave=False)
+    again = _membership(store.port, 0, 2, "restart", **slow)
+    t0 = time.monotonic()
+    again.register(start_timeout_s=20)
+    try:
+        assert again.launch == ms[1].launch
+        assert not again.genesis and again.node_id == 2
+        assert time.monotonic() - t0 < 5, "a live launch answers within a sweep or two"
+    finally:
+        _leave([again, ms[1]])
+
+
+def test_a_job_started_again_in_the_same_store_founds_a_new_launch_and_a_late_joiner_stops():
+    """Every node of launch A left cleanly. The same ranks started again in the same store found launch B
+    at once (as its initial nodes). A joiner that starts when no node of B is alive is told the job ended
+    where B recorded its end (its last outer step committed), and that there is nothing to join otherwise."""
+    from prime.elastic import JobFinished, JoinError
+
+    slow = dict(heartbeat_timeout_s=10.0)  # waiting for the old launch's heartbeats to stop would take 10 s
+    store = _tcp_store()
+    a = _register_all(store.port, 2, "twice", **slow)
+    _leave(a)
+    t0 = time.monotonic()
+    b = _register_all(store.port, 2, "twice", **slow)
+    assert b[0].launch == b[1].launch != a[0].launch
+    assert all(m.genesis for m in b) and [m.node_id for m in b] == [0, 1]
+    assert time.monotonic() - t0 < 5, "a launch whose nodes all left is over at once"
+    _leave(b)
+    late = _membership(store.port, 5, 2, "twice", **slow)
+    with pytest.raises(JoinError, match="nothing to join"):
+        late.register(start_timeout_s=20)
+    b[0].mark_ended(40)
+    late = _membership(store.port, 6, 2, "twice", **slow)
+    with pytest.raises(JobFinished, match="at step 40"):
+        late.register(start_timeout_s=20)
+
+
+def test_an_answer_is_taken_only_from_the_askers_own_nonce_and_the_secret():
+    """A stranger's answers (unsigned, or signed with another secret) are ignored, and an answer signed for
+    another nonce is never read: the asker times out with a clear error rather than take a name."""
+    import threading as th
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore
+    from prime.elastic import MembershipError
+
+    store = _tcp_store()
+    stranger = _client(store.port, "lone/elastic")
+    other = SignedStore(_client(store.port, "lone/elastic"), b"another-secret", "lone")
+    mine = SignedStore(_client(store.port, "lone/elastic"), SECRET, "lone")
+    stop = th.Event()
+
+    def forge():  # answers every ask as it appears: unsigned, with another secret, and for another nonce
+        while not stop.wait(0.01):
+            for i in range(int(stranger.add(keys.LAUNCH_ASKS, 0))):
+                ask = json.loads(stranger.get(keys.launch_ask(i)).split(b":", 2)[2])
+                stranger.set(keys.launch_answer(ask["nonce"]), json.dumps({"launch": "0" * 16}))
+                other.put(keys.launch_answer(ask["nonce"]), {"launch": "1" * 16})
+                mine.put(keys.launch_answer("f" * 32), {"launch": "2" * 16})
+
+    t = th.Thread(target=forge, daemon=True)
+    t.start()
+    m = _membership(store.port, 1, 2, "lone")
+    try:
+        with pytest.raises(MembershipError, match="node rank 0 founds each launch"):
+            m.register(start_timeout_s=0.5)
+        assert m.launch == ""
+    finally:
+        stop.set()
+        t.join(5)
 
 
 # -- ring addresses ------------------------------------------------------------------------------------
@@ -413,7 +540,8 @@ def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
     from prime.comm.signed_store import SignedStore
 
     store = _tcp_store()
-    nodes = SignedStore(_client(store.port, "back/elastic"), SECRET, "back")  # nodes 0 and 1, by hand
+    launch = HandLaunch(store.port, "back", SECRET)
+    nodes = launch.records  # nodes 0 and 1, by hand
     for i in (0, 1):
         nodes.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
     joiner = _membership(store.port, 5, 2, "back")
@@ -431,6 +559,7 @@ def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
         assert joiner.latest_committed()["k"] == 3
     finally:
         joiner.leave()
+        launch.close()
 
 
 # -- the trainer's own records (resume agreement, final digests, finish) ------------------------------

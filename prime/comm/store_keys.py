@@ -15,9 +15,17 @@ Ring rendezvous (prime.comm.rendezvous), under ``prime_ring/<job_id>/``:
     failures           counter: how many ranks wrote failed/<rank> (unsigned: a stranger can only make the
                        others read those records)
 
-Elastic membership (prime.elastic.membership), under ``elastic/`` of the job:
+Elastic membership (prime.elastic.membership), under ``elastic/`` of the job: who founded which launch
+(prime.elastic.launch), signed for the run id,
 
     secret                  the job secret when none is configured (one-host jobs only)
+    launch/current          signed by node rank 0: the name of the launch it founded last
+    launch/asks             counter: ask indices (unsigned: a stranger can only make members read more)
+    launch/ask/<i>          signed: a process's fresh nonce, asking for the live launch's name
+    launch/for/<nonce>      signed by a member of the live launch: its name
+
+and the records of one launch, under ``elastic/launch/<name>/``, signed for ``<run_id>/<name>``:
+
     genesis/<r>             signed, first writer wins: claim of initial node r
     joiners                 counter: joiner ids are initial_nodes, initial_nodes + 1, ... (unsigned: ids only)
     hb/<id>                 signed heartbeat {node, seq, left}: liveness is a valid record whose seq grew
@@ -29,6 +37,7 @@ Elastic membership (prime.elastic.membership), under ``elastic/`` of the job:
     b/<k>/a<a>/outcome      signed, first writer wins: commit, retry or give up
     members                 signed: the newest committed outer step and its members (for joiners)
     slot/<s>                signed: data position of data slot s after the newest outer step
+    ended                   signed: the launch committed its last outer step (for a joiner that starts later)
     ring/<k>/<a>/...        the ring rendezvous of attempt a of outer step k (keys above)
 
 "First writer wins" keys are written with compare_set. A record already
@@ -98,6 +107,30 @@ ELASTIC_PREFIX = "elastic"
 SECRET = "secret"
 JOINERS = "joiners"
 COMMITTED = "members"
+
+
+LAUNCH_CURRENT = "launch/current"
+"""The launch rank 0 founded last (a hint: whether a launch of this run may be live; prime.elastic.launch)."""
+LAUNCH_ASKS = "launch/asks"
+"""The counter that hands out ask indices."""
+
+
+LAUNCH_ENDED = "ended"
+"""Under a launch's prefix: it committed its last outer step (prime.elastic.launch)."""
+
+
+def launch_prefix(name: str) -> str:
+    """Where every other record of launch `name` lives (under the elastic prefix)."""
+    return f"launch/{name}"
+
+
+def launch_ask(i: int) -> str:
+    return f"launch/ask/{i}"
+
+
+def launch_answer(nonce: str) -> str:
+    """A member's answer to the ask that carried `nonce`: the launch's name."""
+    return f"launch/for/{nonce}"
 
 
 def genesis(rank: int) -> str:

@@ -13,7 +13,7 @@
     diloco.close(); sync.close()        # leave cleanly: the others drop this node at once
 
 membership.py: registration, heartbeats and the per-outer-step decisions in the
-TCPStore; transfer.py: the authenticated state download; node.py: the
+TCPStore; launch.py: each launch's fresh name, under which its records live; transfer.py: the authenticated state download; node.py: the
 ElasticSync (the average with membership changes); join.py: its joins (the
 download and the admission); store.py: a standalone store host.
 """

@@ -134,7 +134,7 @@ class Joining:
         m = self.membership
         try:
             return fetch_state(self._state.tensors(), lambda: m.live_sources(self._last_outer_at()),
-                               secret=m.secret, job=m.run_id, my_id=self.node_id, check_meta=self._check_settings,
+                               secret=m.secret, job=m.job, my_id=self.node_id, check_meta=self._check_settings,
                                timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
                                log=lambda msg: m.log(msg, event="download"), step=want,
                                min_rate=self.transfer_min_rate)
@@ -203,7 +203,7 @@ class Joining:
         self._sources = self._node_sources(last)
         notes: list = []
         download = _Download(lambda: fetch_state(
-            self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.run_id, my_id=self.node_id,
+            self._state.tensors(), lambda: list(self._sources), secret=m.secret, job=m.job, my_id=self.node_id,
             check_meta=lambda meta: None, timeout_s=self.transfer_timeout_s, give_up_s=self.join_timeout_s,
             log=notes.append, min_rate=self.transfer_min_rate))
         download.start()

@@ -75,6 +75,19 @@ get a record (a joiner that died before its first beat, a counter a stranger inf
 this many round trips, however many there are."""
 
 
+def sample_ids(pending: list, count: int, turn: int) -> tuple[list, int]:
+    """(at most `count` of the ascending ids `pending` for one sweep to read, the next sweep's turn): all of them
+    when they fit, else the newest half (where a process that just started is) and half of the others from
+    position `turn` on, so that ids which never get a record (a counter a stranger inflated) cost a sweep at
+    most `count` reads, and every id is read in turn."""
+    if len(pending) <= count:
+        return pending, turn
+    half = count // 2
+    rest = pending[:-half]
+    start = turn % len(rest)
+    return (rest + rest)[start:start + half] + pending[-half:], turn + half
+
+
 class MembershipError(OuterSyncError):
     """The membership protocol cannot go on (store unreachable, too few nodes, too many failed attempts).
 
@@ -397,8 +410,9 @@ class Monitor:
     """
 
     def __init__(self, records: SignedStore, node_id: int, initial_nodes: int, interval: float, timeout: float,
-                 beat_records: Optional[SignedStore] = None):
+                 beat_records: Optional[SignedStore] = None, chore: Optional[Callable[[], object]] = None):
         self.beats = beat_records is not None  # False: watch only (a node's other processes: local rank 0 beats)
+        self._chore = chore  # more work for the watch thread after each sweep (a member answers launch asks)
         self._records = records
         self._beat_records = beat_records
         self.node_id, self.initial_nodes = node_id, initial_nodes
@@ -424,12 +438,12 @@ class Monitor:
 
     def start(self) -> None:
         self._beat()  # the key exists before anyone looks for it
-        self.watch()
+        self._sweep()
         if self.beats:
             self._beater = threading.Thread(target=self._run, args=(self._beat, "heartbeat"),
                                             name=f"prime-elastic-beat-{self.node_id}", daemon=True)
             self._beater.start()
-        self._thread = threading.Thread(target=self._run, args=(self.watch, "reading the heartbeats"),
+        self._thread = threading.Thread(target=self._run, args=(self._sweep, "reading the heartbeats"),
                                         name=f"prime-elastic-hb-{self.node_id}", daemon=True)
         self._thread.start()
 
@@ -447,6 +461,11 @@ class Monitor:
                 if not warned:
                     logger.warning("elastic node %d: %s failed (store unreachable?): %s", self.node_id, what, e)
                     warned = True
+
+    def _sweep(self) -> None:
+        self.watch()
+        if self._chore is not None:
+            self._chore()
 
     def watch(self) -> None:
         """Reads every known node's heartbeat record once."""
@@ -490,14 +509,9 @@ class Monitor:
         count is configured), and NEW_IDS_PER_SWEEP of the joiners' (the newest half, and half of the rest in
         turn)."""
         initial = [i for i in range(min(n, self.initial_nodes)) if i not in self._exists]
-        joiners = [i for i in range(self.initial_nodes, n) if i not in self._exists]
-        if len(joiners) <= NEW_IDS_PER_SWEEP:
-            return initial + joiners
-        half = NEW_IDS_PER_SWEEP // 2
-        rest = joiners[:-half]
-        start = self._turn % len(rest)
-        self._turn += half
-        return initial + (rest + rest)[start:start + half] + joiners[-half:]
+        joiners, self._turn = sample_ids([i for i in range(self.initial_nodes, n) if i not in self._exists],
+                                         NEW_IDS_PER_SWEEP, self._turn)
+        return initial + joiners
 
     def silent_s(self, node: int) -> float:
         """Seconds since node's heartbeat last advanced (since this monitor started, if never seen)."""
@@ -619,6 +633,10 @@ class Membership:
         self.poll_s = poll_s
         self.node_id: int = -1
         self.genesis = False
+        self._founded = False
+        self.launch = ""
+        """This launch's name (register() or attach()): the records of the launch live under it
+        (prime.elastic.launch)."""
         self.monitor: Optional[Monitor] = None
         self.records: Optional[SignedStore] = None
         self.registered_at = 0.0
@@ -637,12 +655,47 @@ class Membership:
 
     def log(self, msg: str, **fields) -> None:
         """Prints a membership event (with the wall-clock time) and records it in the metrics."""
-        self._log(f"elastic [{wall()}] node {self.node_id}: {msg}")
+        who = f"node {self.node_id}" if self.node_id >= 0 else f"rank {self.node_rank}"  # before it has an id
+        self._log(f"elastic [{wall()}] {who}: {msg}")
         if self._record is not None:
             self._record(msg=msg, time=time.time(), **fields)
 
+    @property
+    def job(self) -> str:
+        """What this launch's records, rings and state transfers are bound to: the run id and the launch's name."""
+        from prime.elastic.launch import launch_job
+
+        return launch_job(self.run_id, self.launch) if self.launch else self.run_id
+
     def _signed(self, store) -> SignedStore:
-        return SignedStore(store, self._secret, self.run_id, warn=lambda msg: self.log(msg, event="reject"))
+        return SignedStore(store, self._secret, self.job, warn=lambda msg: self.log(msg, event="reject"))
+
+    def _enter(self, launch: str) -> None:
+        """From now on, every store connection of this membership is under launch `launch`'s prefix."""
+        import torch.distributed as dist
+
+        prefix, base = keys.launch_prefix(launch), self._factory
+        self.launch, self._base_factory = launch, base
+        self._factory = lambda: dist.PrefixStore(prefix, base())
+        self.store = dist.PrefixStore(prefix, self.store)
+        self.records = self._signed(self.store)
+
+    def _find_launch(self, start_timeout_s: float) -> None:
+        """Takes the live launch's name, or founds one (node rank 0), and enters it (prime.elastic.launch)."""
+        import torch.distributed as dist
+
+        from prime.elastic.launch import find_launch, launch_job
+
+        def launch_records(name: str) -> SignedStore:  # on the main thread's connection, as `run` below
+            return SignedStore(dist.PrefixStore(keys.launch_prefix(name), self.store), self._secret,
+                               launch_job(self.run_id, name), warn=lambda msg: self.log(msg, event="reject"))
+
+        run = SignedStore(self.store, self._secret, self.run_id, warn=lambda msg: self.log(msg, event="reject"))
+        name, founded = find_launch(run, launch_records, node_rank=self.node_rank, initial_nodes=self.initial_nodes,
+                                    interval=self.hb_interval, timeout=self.hb_timeout,
+                                    wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s)
+        self._enter(name)
+        self._founded = founded
 
     # -- registration ------------------------------------------------------------
 
@@ -654,7 +707,7 @@ class Membership:
         """
         self.registered_at = time.monotonic()
         self._secret = self._resolve_secret()
-        self.records = self._signed(self.store)
+        self._find_launch(start_timeout_s)
         if self.node_rank < self.initial_nodes:
             token = secrets.token_hex(8)
             got = self.records.set_first(keys.genesis(self.node_rank), {"rank": self.node_rank, "token": token})
@@ -664,16 +717,21 @@ class Membership:
         else:
             self.node_id = self.initial_nodes + int(self.store.add(keys.JOINERS, 1)) - 1
         # The heartbeat threads warn through the logger only (the metrics writer belongs to the main thread).
-        def records() -> SignedStore:
-            return SignedStore(self._factory(), self._secret, self.run_id,
-                               warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
+        def warn(msg: str) -> None:
+            logger.warning("elastic node %d: %s", self.node_id, msg)
 
-        self.monitor = Monitor(records(), self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout,
-                               beat_records=records())
+        from prime.elastic.launch import LaunchDoor
+
+        watch = self._base_factory()  # the watch thread's connection: it also answers the asks (the run's keys)
+        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch)
+        self.monitor = Monitor(self._signed_quietly(watch_base=watch, warn=warn), self.node_id, self.initial_nodes,
+                               self.hb_interval, self.hb_timeout, beat_records=self._signed_quietly(warn=warn),
+                               chore=door.answer)
         self.monitor.start()
         role = "initial node" if self.genesis else "joiner"
-        self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()})", event="register",
-                 role=role)
+        how = "founded" if self._founded else "entered"
+        self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()}; {how} launch {self.launch})",
+                 event="register", role=role, launch=self.launch, founded=self._founded)
         if self.genesis:
             deadline = time.monotonic() + start_timeout_s
             hb = [keys.heartbeat(i) for i in range(self.initial_nodes)]
@@ -686,17 +744,26 @@ class Membership:
                          missing=missing)
         return self.node_id
 
-    def attach(self, node_id: int, genesis: bool, secret: bytes, local_rank: int) -> None:
+    def _signed_quietly(self, warn: Callable[[str], None], watch_base=None) -> SignedStore:
+        """This launch's records on a new store connection (or on `watch_base`, a connection to the run's keys),
+        warning through `warn`: for the heartbeat threads, which must not write the metrics (the main thread's)."""
+        import torch.distributed as dist
+
+        store = self._factory() if watch_base is None else dist.PrefixStore(keys.launch_prefix(self.launch),
+                                                                             watch_base)
+        return SignedStore(store, self._secret, self.job, warn=warn)
+
+    def attach(self, node_id: int, genesis: bool, secret: bytes, launch: str, local_rank: int) -> None:
         """For local rank g > 0 of a node with several processes: the node registered through its local rank
         0 (register()), which beats for it and takes part in every decision. This process only watches the
         heartbeats (to give up on a ring when a member dies), forms ring g and serves shard g."""
         assert local_rank > 0, local_rank
         self.registered_at = time.monotonic()
         self.node_id, self.genesis, self._secret, self.local_rank = node_id, genesis, secret, local_rank
-        self.records = self._signed(self.store)
-        watch = SignedStore(self._factory(), self._secret, self.run_id,
-                            warn=lambda msg: logger.warning("elastic node %d: %s", self.node_id, msg))
-        self.monitor = Monitor(watch, self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
+        self._enter(launch)
+        self.monitor = Monitor(self._signed_quietly(warn=lambda msg: logger.warning("elastic node %d: %s",
+                                                                                    self.node_id, msg)),
+                               self.node_id, self.initial_nodes, self.hb_interval, self.hb_timeout)
         self.monitor.start()
 
     def _resolve_secret(self) -> bytes:
@@ -744,9 +811,9 @@ class Membership:
         import torch.distributed as dist
 
         g = self.local_rank  # ring g: local rank g of every member
-        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.run_id, k, attempt, rank, g))
+        self._own_keys.setdefault(k, []).extend(keys.elastic_ring_keys(self.job, k, attempt, rank, g))
         return (dist.PrefixStore(keys.ring_prefix(k, attempt, g), self.new_store()),
-                keys.ring_job_id(self.run_id, k, attempt, g))
+                keys.ring_job_id(self.job, k, attempt, g))
 
     # -- one attempt of an outer step ------------------------------------------------------------
 
@@ -829,6 +896,14 @@ class Membership:
         return self.admission.live_sources(last_step)
 
     # -- leaving -----------------------------------------------------------------------
+
+    def mark_ended(self, step: int) -> None:
+        """Records that this launch committed its last outer step (at inner step `step`): a joiner that finds no
+        live node of it stops with JobFinished instead of JoinError (prime.elastic.launch)."""
+        try:
+            self.records.put(keys.LAUNCH_ENDED, {"step": int(step)})
+        except Exception as e:  # only a nicer message for a late joiner
+            logger.warning("elastic node %d: could not record the launch's end: %s", self.node_id, e)
 
     def leave(self) -> None:
         """Stops the heartbeat and tells the others that this node exits (it is dropped at once)."""

@@ -125,9 +125,12 @@ class ElasticSync(Joining):
         self._committed: Optional[Plan] = None
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining = None  # the join that average() admitted (join.py), completed in committed()
-        if self.local_rank == 0:
+        def register() -> tuple:
             membership.register(start_timeout_s)
-        who = self.local.share((membership.node_id, membership.genesis, membership.secret))
+            return membership.node_id, membership.genesis, membership.secret, membership.launch
+
+        # local rank 0 registers for the node; its error (no launch answered, the job ended) is every process's
+        who = self.local.lead(register, 0, lambda _: None)
         if self.local_rank > 0:
             membership.attach(*who, local_rank=self.local_rank)
         self.node_id = membership.node_id
@@ -137,7 +140,7 @@ class ElasticSync(Joining):
         from prime.comm.rendezvous import resolve_addresses
 
         bind, advertise = resolve_addresses(membership.store, None, None)
-        self.server = StateServer(membership.secret, membership.run_id, self.node_id, bind_addr=bind,
+        self.server = StateServer(membership.secret, membership.job, self.node_id, bind_addr=bind,
                                   advertise_addr=advertise, max_rate=transfer_max_rate, timeout_s=transfer_timeout_s,
                                   log=lambda m: membership.log(m, event="serve"))
         membership.publish_address(self.server.address)
@@ -352,6 +355,10 @@ class ElasticSync(Joining):
         stop choosing this node as a source before its port goes away."""
         try:
             self.rings.drop()
+            last = self._last_outer_at() if self._state is not None else None
+            if self.local.is_leader and self._committed is not None and last is not None \
+                    and self._committed.step >= last:
+                self.membership.mark_ended(self._committed.step)  # a joiner that starts now has nothing to do
         finally:
             try:
                 self.membership.leave()

@@ -62,14 +62,21 @@ class ElasticNodes:
             max_attempts=e.max_attempts, min_nodes=e.min_nodes,
             log=metrics.print, record=self._record,
         )
-        self.sync = ElasticSync(
-            self.membership, ring_timeout_s=d.timeout_s, streams=d.streams or None,
-            max_rate=d.max_rate_mbit * 1e6 / 8 if d.max_rate_mbit else None,
-            transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
-            join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
-            digest=e.digest, slot_state_fn=data.state_dict,
-            quant_error=d.compression_error and CODECS[d.codec].lossy,  # the ring measures DiLoCo's compression_error
-        )
+        from prime.trainer import NothingToDo, TrainingStopped
+
+        try:  # registers: takes the live launch's name (or founds one) and a node id
+            self.sync = ElasticSync(
+                self.membership, ring_timeout_s=d.timeout_s, streams=d.streams or None,
+                max_rate=d.max_rate_mbit * 1e6 / 8 if d.max_rate_mbit else None,
+                transfer_max_rate=e.transfer_max_rate_mbit * 1e6 / 8, transfer_timeout_s=e.transfer_timeout_s,
+                join_timeout_s=e.join_timeout_s, start_timeout_s=d.timeout_s, total_steps=cfg.train.steps,
+                digest=e.digest, slot_state_fn=data.state_dict,
+                quant_error=d.compression_error and CODECS[d.codec].lossy,  # the ring measures compression_error
+            )
+        except JobFinished as err:
+            raise NothingToDo(f"elastic: {err}") from err
+        except (JoinError, MembershipError) as err:
+            raise TrainingStopped(f"elastic: this node could not register: {err}") from err
         optimizer.register_step_pre_hook(lambda *_: self.sync.before_inner_step(self.diloco.inner_step + 1))
         self.records = signed_records(cfg, env.store, self.membership.secret)
         self.resumes = not self.sync.is_joiner  # a joiner downloads the job's state instead
@@ -109,12 +116,9 @@ class ElasticNodes:
         return self.env.local_world
 
     def launch_scope(self) -> str:
-        """This launch's name for the resume agreement: the token node 0 drew when it claimed its initial slot
-        (only the initial nodes of a launch resume, and they all read the same claim)."""
-        from prime.comm import store_keys as keys
-
-        claim = self.membership.records.get_many([keys.genesis(0)])[0] if self.membership.records else None
-        return str(claim.get("token", "")) if isinstance(claim, dict) else ""
+        """This launch's name for the resume agreement: the one every node of the launch took (its records live
+        under it; prime.elastic.launch)."""
+        return self.membership.launch
 
     def nodes_that_do_not_fit(self, fits: bool) -> list:
         """Elastic nodes decide alone: [this node] when one of its processes' plans does not fit."""
