@@ -275,12 +275,17 @@ def test_an_earlier_launch_replayed_into_the_store_does_not_steer_the_next_one()
 
 
 def test_a_restarted_node_0_enters_the_live_launch_as_a_joiner():
-    """Node 0 dies and starts again while node 1 lives: the live launch answers its ask, and it joins that
-    launch with a new id (its initial slot is taken) instead of founding another."""
+    """Node 0 dies and starts again while node 1 lives, and a stranger deleted the record that names the
+    store's current launch: the live launch still answers node 0's ask, and it joins that launch with a new id
+    (its initial slot is taken) instead of founding another; the record is written back."""
+    from prime.comm import store_keys as keys
+
     slow = dict(heartbeat_timeout_s=10.0)  # founding instead would take 10 s
     store = _tcp_store()
     ms = _register_all(store.port, 2, "restart", **slow)
     ms[0].monitor.stop(leave=False)
+    run = _client(store.port, "restart/elastic")
+    run.delete_key(keys.LAUNCH_CURRENT)
     again = _membership(store.port, 0, 2, "restart", **slow)
     t0 = time.monotonic()
     again.register(start_timeout_s=20)
@@ -288,6 +293,7 @@ def test_a_restarted_node_0_enters_the_live_launch_as_a_joiner():
         assert again.launch == ms[1].launch
         assert not again.genesis and again.node_id == 2
         assert time.monotonic() - t0 < 5, "a live launch answers within a sweep or two"
+        assert ms[1].launch in run.get(keys.LAUNCH_CURRENT).decode()
     finally:
         _leave([again, ms[1]])
 

@@ -633,7 +633,7 @@ class Membership:
         self.poll_s = poll_s
         self.node_id: int = -1
         self.genesis = False
-        self._founded = False
+        self._founded, self._ask = False, 0
         self.launch = ""
         """This launch's name (register() or attach()): the records of the launch live under it
         (prime.elastic.launch)."""
@@ -691,11 +691,11 @@ class Membership:
                                launch_job(self.run_id, name), warn=lambda msg: self.log(msg, event="reject"))
 
         run = SignedStore(self.store, self._secret, self.run_id, warn=lambda msg: self.log(msg, event="reject"))
-        name, founded = find_launch(run, launch_records, node_rank=self.node_rank, initial_nodes=self.initial_nodes,
-                                    interval=self.hb_interval, timeout=self.hb_timeout,
-                                    wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s)
-        self._enter(name)
-        self._founded = founded
+        found = find_launch(run, launch_records, node_rank=self.node_rank, initial_nodes=self.initial_nodes,
+                            interval=self.hb_interval, timeout=self.hb_timeout,
+                            wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s)
+        self._enter(found.name)
+        self._founded, self._ask = found.founded, found.ask
 
     # -- registration ------------------------------------------------------------
 
@@ -723,7 +723,7 @@ class Membership:
         from prime.elastic.launch import LaunchDoor
 
         watch = self._base_factory()  # the watch thread's connection: it also answers the asks (the run's keys)
-        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch)
+        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch, since=self._ask)
         self.monitor = Monitor(self._signed_quietly(watch_base=watch, warn=warn), self.node_id, self.initial_nodes,
                                self.hb_interval, self.hb_timeout, beat_records=self._signed_quietly(warn=warn),
                                chore=door.answer)
