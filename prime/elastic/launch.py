@@ -14,9 +14,9 @@ process takes a name only from a record that answers a fresh nonce of its own:
     members                answer the asks on their heartbeat-watch thread (LaunchDoor: a few a sweep, the
                            newest first and the others in turn)
 
-Rank 0 asks too. In a store that names no launch of the run (a fresh store, or a fresh run id) it founds once
-no answer came for two heartbeat intervals (a live launch answers within a sweep, and writes ``launch/current``
-back where a stranger deleted it). Where one is named, it founds only once that launch answered nothing and none
+Rank 0 asks too. In a store where no process of the run asked before it (a fresh store, or a fresh run id) it
+founds at once; in one that names no launch of the run, once no answer came for two heartbeat intervals (a live
+launch answers within a sweep, and writes ``launch/current`` back where a stranger deleted it). Where one is named, it founds only once that launch answered nothing and none
 of its heartbeats advanced for heartbeat_timeout_s (the job's own rule for a dead node), or every node of it left:
 a restarted node 0 joins the live launch, a whole job started again in the same store starts a new one. A
 stranger can delay a start (replayed heartbeats look alive; a replayed ``launch/current`` makes rank 0 watch it
@@ -143,8 +143,10 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
                 if node_rank == 0:
                     log(f"the store names launch {named} of this run: founding a new launch only if it does not "
                         f"answer and none of its heartbeats advances for {timeout:g} s")
-            elif node_rank == 0 and waited >= quiet_s:
-                return Launch(_found(records), True, i)  # the store names no launch, and none answered
+            elif node_rank == 0 and (i == 0 or waited >= quiet_s):
+                # The store names no launch, and none answered; or no process of this run ever asked before
+                # this one (every member of a launch asks when it starts): no launch of the run ever ran here.
+                return Launch(_found(records), True, i)
         if watch is not None:
             watch.watch()
             known = watch.known_ids()
