@@ -137,12 +137,11 @@ def test_a_one_process_node_on_every_ring_matches_a_float64_reference(seed, code
 
 
 def test_the_rings_state_is_saved_and_loaded_per_ring():
-    group = FakeThreadGroup(1)
     model = TwoParams(torch.randn(7), torch.randn(3, 5))
     cut = Shares([2, 1], 1, 0)
 
-    def rings(m):
-        return DiLoCoRings([DiLoCo(m, None, FakeThreadRing(group, 0), inner_steps=2, codec="none",
+    def rings(m):  # a group of its own per ring: the rings average at the same time, on threads
+        return DiLoCoRings([DiLoCo(m, None, FakeThreadRing(FakeThreadGroup(1), 0), inner_steps=2, codec="none",
                                    weights="tokens", shard=cut.view(g), rings=2) for g in (0, 1)], [0, 1])
 
     d = rings(model)

@@ -70,6 +70,17 @@ def read_now(store, key: str) -> Optional[bytes]:
     return None if got == sentinel else got
 
 
+def read_counter(store, key: str) -> int:
+    """The value of a counter that the store's `add` keeps, read without an `add`: an add on a value that is not
+    a number (a stranger's) makes the server drop the connection, which would leave a reading thread blind for
+    good. 0 when the key is missing or holds no number."""
+    raw = read_now(store, key)
+    try:
+        return max(0, int(raw)) if raw is not None else 0
+    except ValueError:
+        return 0
+
+
 BATCH_WAIT_MIN_S = 0.25
 """The shortest wait of a batched read (its multi_get) for keys that its check saw; 4 x the check's round
 trip when that is longer. A key deleted in between costs this wait, then a read of each key on its own."""

@@ -50,7 +50,8 @@ secret for the job ``trainer/<run_id>``:
 
     trainer/secret             the job secret when none is configured (one-host jobs only)
     ckpt/<launch>/r<n>/node<r> signed: node r's offer in round n of the resume agreement of this launch
-    final/<g>/<r>              signed: the digest of node r's final weights (local rank g)
+    final/<g>/<r>              signed: the digest of node r's final weights (local rank g); an elastic
+                               job's under final/<launch>/<g>/<id>
     finished/<r>/<g>           signed: process g of node r is done with the store
     host/<r>/<g>               signed: the host process g of node r runs on (the memory plan counts them)
     plan/<r>                   signed: whether node r's memory plan fits ("ok" or why not)
@@ -208,8 +209,9 @@ def resume_offer(rnd: int, node: int, scope: str = "") -> str:
     return f"ckpt/{scope}/r{rnd}/node{node}" if scope else f"ckpt/r{rnd}/node{node}"
 
 
-def final_digest(local_rank: int, node: int) -> str:
-    return f"final/{local_rank}/{node}"
+def final_digest(local_rank: int, node: int, scope: str = "") -> str:
+    """scope: an elastic launch's name (its node ids repeat in every launch of the run)."""
+    return f"final/{scope}/{local_rank}/{node}" if scope else f"final/{local_rank}/{node}"
 
 
 def finished(node: int, local_rank: int) -> str:

@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from prime.comm import store_keys as keys
+from prime.comm.signed_store import read_counter
 from prime.elastic.membership import (MAX_JOINERS, NEW_IDS_PER_SWEEP, JobFinished, JoinError, Membership,
                                       Outcome, Plan)
 
@@ -122,7 +123,7 @@ class Admission:
         """Joiners that hold the state after `outer_step`, signed their offer with the job secret, and are alive."""
         m = self.membership
         out = []
-        n = m.initial_nodes + min(int(m.store.add(keys.JOINERS, 0)), MAX_JOINERS)
+        n = m.initial_nodes + min(read_counter(m.store, keys.JOINERS), MAX_JOINERS)
         # Read: the offers of the nodes whose heartbeat record the monitor found (a joiner writes one when it
         # registers) and of the newest ids (one that registered since the monitor's last sweep), but not of
         # those that beat and are gone since, whose ids pile up over a long run with many joins (a read is a

@@ -36,7 +36,7 @@ from datetime import datetime
 from typing import Callable, Optional
 
 from prime.comm import store_keys as keys
-from prime.comm.signed_store import SignedStore
+from prime.comm.signed_store import SignedStore, read_counter
 from prime.sync import LeftBehind, OuterSyncError
 
 __all__ = [
@@ -73,6 +73,16 @@ NEW_IDS_PER_SWEEP = 16
 each): the newest half, where a joiner that just registered is, and half of the others in turn. Ids that never
 get a record (a joiner that died before its first beat, a counter a stranger inflated) then cost a sweep at most
 this many round trips, however many there are."""
+
+
+def bump(store, key: str) -> int:
+    """The store's `add(key, 1)`; a MembershipError that says why when the key holds no number (a stranger wrote
+    over the counter, and the server dropped this connection)."""
+    try:
+        return int(store.add(key, 1))
+    except Exception as e:  # DistNetworkError / DistStoreError
+        raise MembershipError(f"could not count on store key {key!r} ({e}): a record that is not a number was "
+                              "written over the counter (a stranger with access to the store?)") from e
 
 
 def sample_ids(pending: list, count: int, turn: int) -> tuple[list, int]:
@@ -470,7 +480,7 @@ class Monitor:
     def watch(self) -> None:
         """Reads every known node's heartbeat record once."""
         store = self._records.store
-        n = self.initial_nodes + int(store.add(keys.JOINERS, 0))
+        n = self.initial_nodes + read_counter(store, keys.JOINERS)
         if n > self.initial_nodes + MAX_JOINERS:
             if not self._warned_cap:
                 self._warned_cap = True
@@ -596,6 +606,8 @@ class Membership:
     heartbeat thread another (a store client is not shared between threads).
     secret: the job secret (default $PRIME_RING_SECRET; without either, one is
     drawn into the store, which only a one-host job may do).
+    fresh_store: this process made the store (node 0 hosts it): node 0 founds
+    its launch at once (prime.elastic.launch).
     """
 
     def __init__(
@@ -615,6 +627,7 @@ class Membership:
         log: Optional[Callable[[str], None]] = None,
         record: Optional[Callable[..., None]] = None,
         poll_s: float = 0.02,
+        fresh_store: bool = False,
     ):
         if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= heartbeat_interval_s:
             raise ValueError(
@@ -631,6 +644,7 @@ class Membership:
         self._log = log or (lambda msg: logger.info("%s", msg))
         self._record = record
         self.poll_s = poll_s
+        self.fresh_store = fresh_store  # node 0's process made the store: no launch of the run can be live there
         self.node_id: int = -1
         self.genesis = False
         self._founded, self._ask = False, 0
@@ -693,7 +707,8 @@ class Membership:
         run = SignedStore(self.store, self._secret, self.run_id, warn=lambda msg: self.log(msg, event="reject"))
         found = find_launch(run, launch_records, node_rank=self.node_rank, initial_nodes=self.initial_nodes,
                             interval=self.hb_interval, timeout=self.hb_timeout,
-                            wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s)
+                            wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s,
+                            fresh_store=self.fresh_store)
         self._enter(found.name)
         self._founded, self._ask = found.founded, found.ask
 
@@ -715,7 +730,7 @@ class Membership:
         if self.genesis:
             self.node_id = self.node_rank
         else:
-            self.node_id = self.initial_nodes + int(self.store.add(keys.JOINERS, 1)) - 1
+            self.node_id = self.initial_nodes + bump(self.store, keys.JOINERS) - 1
         # The heartbeat threads warn through the logger only (the metrics writer belongs to the main thread).
         def warn(msg: str) -> None:
             logger.warning("elastic node %d: %s", self.node_id, msg)
@@ -723,7 +738,8 @@ class Membership:
         from prime.elastic.launch import LaunchDoor
 
         watch = self._base_factory()  # the watch thread's connection: it also answers the asks (the run's keys)
-        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch, since=self._ask)
+        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch, since=self._ask,
+                          warn=warn)
         self.monitor = Monitor(self._signed_quietly(watch_base=watch, warn=warn), self.node_id, self.initial_nodes,
                                self.hb_interval, self.hb_timeout, beat_records=self._signed_quietly(warn=warn),
                                chore=door.answer)

@@ -61,6 +61,7 @@ class ElasticNodes:
             report_timeout_s=2 * d.timeout_s + e.heartbeat_timeout_s,
             max_attempts=e.max_attempts, min_nodes=e.min_nodes,
             log=metrics.print, record=self._record,
+            fresh_store=not e.external_store,  # node 0's first process hosts the store: it made it just now
         )
         from prime.trainer import NothingToDo, TrainingStopped
 
@@ -152,12 +153,12 @@ class ElasticNodes:
         when any differs. A node that is not a member of that outer step has nothing to compare with."""
         if not self.cfg.diloco.check_replicas:
             return {}
-        env, r = self.env, self.records
+        env, r, launch = self.env, self.records, self.membership.launch
         digest, what = final_weights_digest(model, self.diloco)
         me = self.sync.node_id
-        same, differ = self.sync.final_agreement(
-            lambda d: r.set(keys.final_digest(env.local_rank, me), d),
-            lambda i: r.records.get(keys.final_digest(env.local_rank, i)), digest, self.cfg.diloco.timeout_s)
+        same, differ = self.sync.final_agreement(  # node ids repeat in every launch: the keys carry its name
+            lambda d: r.set(keys.final_digest(env.local_rank, me, launch), d),
+            lambda i: r.records.get(keys.final_digest(env.local_rank, i, launch)), digest, self.cfg.diloco.timeout_s)
         if same is None:
             return {"weights_digest": digest}
         return final_agreement_result(env, self.metrics.print, me, what, digest, differ, len(same))
