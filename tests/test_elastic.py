@@ -890,6 +890,64 @@ def test_a_joiner_stops_at_once_when_the_job_committed_its_last_outer_step():
         launch.close()
 
 
+def test_a_node_evicted_at_a_retry_does_not_take_part_in_an_attempt_already_decided():
+    """Node 2 was a member of attempt 0 of outer step 5, which failed, and was left out of attempt 1. Waiting
+    to be admitted again after its download, it finds attempt 0's plan with itself in it: that attempt is over
+    (its outcome is written), and the node waits for the next plan that takes it instead of forming attempt
+    0's ring again (which its other members formed long ago)."""
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from prime.elastic import Outcome, Plan
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launch = HandLaunch(store.port, "m", b"m-secret")
+    signed = launch.records
+    for i in (0, 1):
+        signed.put(f"hb/{i}", {"node": i, "seq": 1, "left": False})
+    node = _membership(store.port, 5, 2)
+    node.register()
+    try:
+        k, me = 5, node.node_id
+        both = Plan(k=k, attempt=0, members=[0, me], contributors=[0, me], slots={"0": 0, str(me): 1},
+                    step=k * INNER)
+        signed.put(f"b/{k}/a0/plan", asdict(both))
+        signed.put(f"b/{k}/a0/outcome", asdict(Outcome(k=k, attempt=0, commit=False, members=[0],
+                                                       failed={str(me): "closed"}, by=0)))
+        signed.put(f"b/{k}/a1/plan", asdict(Plan(k=k, attempt=1, members=[0], contributors=[0], slots={"0": 0},
+                                                 step=k * INNER, evicted=[[me, "blamed"]])))
+        signed.put(f"b/{k}/a1/outcome", asdict(Outcome(k=k, attempt=1, commit=False, members=[0],
+                                                       failed={"0": "retry"}, by=0)))
+        again = Plan(k=k, attempt=2, members=[0, me], contributors=[0], slots={"0": 0, str(me): 1},
+                     step=k * INNER, joined=[me])
+        signed.put(f"b/{k}/a2/plan", asdict(again))
+        got = node.await_admission(k - 1, None, timeout_s=10)
+        assert got is not None and got.attempt == 2 and got.joined == [me], got
+    finally:
+        node.leave()
+        launch.close()
+
+
+def test_a_joiner_this_node_never_saw_is_not_dead_before_a_sweep_could_see_it():
+    """A joiner that began to beat just after this node's last heartbeat sweep, admitted at once: this node's
+    monitor has never seen it, yet the ring must not give up on it as dead (Monitor.expect)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    m = _membership(store.port, 0, 1)
+    m.register(start_timeout_s=5)
+    try:
+        time.sleep(HB_TIMEOUT + 0.3)
+        assert m.gone(9), "an id never seen counts as silent since the monitor started"
+        m.monitor.expect([0, 9])
+        assert not m.gone(9)
+        time.sleep(HB_TIMEOUT + 0.3)
+        assert m.gone(9), "a member that never beats is dead a heartbeat timeout after it was expected"
+    finally:
+        m.leave()
+
+
 def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
     """Outer step 5, attempt 0 with nodes [0, 1] fails (node 1 died). A joiner that became ready with the
     state after outer step 4 meanwhile is admitted in attempt 1 (taking the free data slot), not left to

@@ -57,14 +57,17 @@ class Admission:
             got = m.records.first(keys.plan(k, attempt))
             if got is not None:
                 plan = Plan.from_dict(got)
-                if m.node_id in plan.members:
-                    return plan
+                # An attempt that was decided already is over, with this node in it or not (a node evicted at
+                # a later attempt of the same outer step finds its earlier plans here): the next one, or a newer
+                # state where it committed.
                 out = m.records.first(keys.outcome(k, attempt))
                 if out is not None:
                     if Outcome.from_dict(out).commit:
                         return None
                     attempt += 1
                     continue
+                if m.node_id in plan.members:
+                    return plan
             latest = m.latest_committed()
             if latest is not None and int(latest["k"]) >= k:
                 return None

@@ -433,6 +433,7 @@ class Monitor:
         self._exists: set[int] = set()
         self._left: set[int] = set()
         self._t0 = time.monotonic()
+        self._expected: dict[int, float] = {}  # id never seen -> when it was named a member (expect())
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._beater: Optional[threading.Thread] = None
@@ -529,7 +530,18 @@ class Monitor:
             return 0.0
         with self._lock:
             prev = self._seen.get(node)
-        return time.monotonic() - (prev[1] if prev else self._t0)
+            since = prev[1] if prev else self._expected.get(node, self._t0)
+        return time.monotonic() - since
+
+    def expect(self, nodes) -> None:
+        """These nodes are members of what this node takes part in now: one this monitor never saw (a joiner
+        that began to beat after this monitor's last sweep) counts as silent from now on, not from the
+        monitor's start, so that it is not taken for dead before a sweep could see it."""
+        now = time.monotonic()
+        with self._lock:
+            for i in nodes:
+                if i not in self._seen:
+                    self._expected.setdefault(i, now)
 
     def left(self, node: int) -> bool:
         with self._lock:

@@ -60,6 +60,8 @@ class ElasticRings:
         if len(members) == 1:
             self.drop()
             return True, "", -1, {}
+        if self.membership.monitor is not None:  # a joiner this node's monitor has not swept yet is not dead
+            self.membership.monitor.expect(members)
         # The ring of outer step k-1 serves again only when every member holds it: the same members
         # committed k-1 through it, and nobody joins now (a joiner, or a node back from an eviction,
         # has none). Otherwise a fresh ring under a fresh name.
