@@ -659,7 +659,6 @@ class Membership:
         self.fresh_store = fresh_store  # node 0's process made the store: no launch of the run can be live there
         self.node_id: int = -1
         self.genesis = False
-        self._founded, self._ask = False, 0
         self.launch = ""
         """This launch's name (register() or attach()): the records of the launch live under it
         (prime.elastic.launch)."""
@@ -706,8 +705,9 @@ class Membership:
         self.store = dist.PrefixStore(prefix, self.store)
         self.records = self._signed(self.store)
 
-    def _find_launch(self, start_timeout_s: float) -> None:
-        """Takes the live launch's name, or founds one (node rank 0), and enters it (prime.elastic.launch)."""
+    def _find_launch(self, start_timeout_s: float):
+        """Takes the live launch's name, or founds one (node rank 0), and enters it; returns what was found
+        (prime.elastic.launch.Launch: whether it founded it, its ask index)."""
         import torch.distributed as dist
 
         from prime.elastic.launch import find_launch, launch_job
@@ -722,7 +722,7 @@ class Membership:
                             wait_s=start_timeout_s + self.hb_timeout, log=self.log, poll_s=self.poll_s,
                             fresh_store=self.fresh_store)
         self._enter(found.name)
-        self._founded, self._ask = found.founded, found.ask
+        return found
 
     # -- registration ------------------------------------------------------------
 
@@ -734,7 +734,7 @@ class Membership:
         """
         self.registered_at = time.monotonic()
         self._secret = self._resolve_secret()
-        self._find_launch(start_timeout_s)
+        found = self._find_launch(start_timeout_s)
         if self.node_rank < self.initial_nodes:
             token = secrets.token_hex(8)
             got = self.records.set_first(keys.genesis(self.node_rank), {"rank": self.node_rank, "token": token})
@@ -750,16 +750,16 @@ class Membership:
         from prime.elastic.launch import LaunchDoor
 
         watch = self._base_factory()  # the watch thread's connection: it also answers the asks (the run's keys)
-        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch, since=self._ask,
+        door = LaunchDoor(SignedStore(watch, self._secret, self.run_id, warn=warn), self.launch, since=found.ask,
                           warn=warn)
         self.monitor = Monitor(self._signed_quietly(watch_base=watch, warn=warn), self.node_id, self.initial_nodes,
                                self.hb_interval, self.hb_timeout, beat_records=self._signed_quietly(warn=warn),
                                chore=door.answer)
         self.monitor.start()
         role = "initial node" if self.genesis else "joiner"
-        how = "founded" if self._founded else "entered"
+        how = "founded" if found.founded else "entered"
         self.log(f"registered as {role} (rank {self.node_rank}, pid {os.getpid()}; {how} launch {self.launch})",
-                 event="register", role=role, launch=self.launch, founded=self._founded)
+                 event="register", role=role, launch=self.launch, founded=found.founded)
         if self.genesis:
             deadline = time.monotonic() + start_timeout_s
             hb = [keys.heartbeat(i) for i in range(self.initial_nodes)]
