@@ -192,8 +192,8 @@ def build_outer_step(cfg: Config, env: Environment, parts: ModelAndOptimizer, da
             parts.model, parts.optimizer, sync,
             inner_steps=d.inner_steps, nesterov=d.nesterov, **outer,
             codec=d.codec, block_size=d.resolved_block_size(), measure_compression_error=d.compression_error,
-            # elastic joiners check a digest of the state they download instead
-            check_replicas=d.check_replicas and not cfg.elastic.enabled, overlap=d.overlap,
+            # elastic: the initial nodes compare at their first outer step (ElasticSync.verify); joiners download
+            check_replicas=d.check_replicas, overlap=d.overlap,
             overlap_scheme=d.overlap_scheme, overlap_steps=d.overlap_steps or None,
             outer_state_device=d.outer_state_device, fragments=d.fragments, error_feedback=d.error_feedback,
             dense_outer_steps=d.dense_outer_steps,

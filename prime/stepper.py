@@ -168,6 +168,7 @@ class OuterSteps:
             f.forget_flight_state()
         r = self.sync.rejoin(reason, outer_step=self.outer_step + 1)
         self.inner_step, self.outer_step = r.inner_step, r.outer_step
+        self.check_pending = False  # the state is the job's, downloaded
         for f in self.fragments:
             f.outer_step, f.since_sync = self.schedule.position(f.index, self.inner_step)
         self.sync.committed(r)

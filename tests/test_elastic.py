@@ -616,11 +616,12 @@ def test_a_join_whose_download_is_slower_than_a_round_converges(tmp_path):
 class _ApiNode:
     """One elastic node of the API test: prime.DiLoCo over an ElasticSync, no inner optimizer."""
 
-    def __init__(self, model, sync):
+    def __init__(self, model, sync, **diloco):
         from prime.diloco import DiLoCo
 
         self.model, self.sync, self.node_id = model, sync, sync.node_id
-        self.diloco = DiLoCo(model, None, sync, inner_steps=1, codec="none", measure_compression_error=False)
+        self.diloco = DiLoCo(model, None, sync, inner_steps=1, codec="none", measure_compression_error=False,
+                             **diloco)
         self.outer, self.momentum = self.diloco.state.outer, self.diloco.state.momentum
 
     def start(self):
@@ -637,7 +638,7 @@ class _ApiNode:
         self.sync.close()
 
 
-def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
+def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor, **diloco):
     """An elastic node around a bias-free Linear whose weights start at w0 (exact codec, 1 s heartbeats)."""
     import torch.distributed as dist
 
@@ -652,7 +653,7 @@ def _api_node(port: int, rank: int, initial: int, w0: torch.Tensor):
     m = Membership(factory, node_rank=rank, initial_nodes=initial, run_id="api", secret=b"api-secret",
                    heartbeat_interval_s=0.2, heartbeat_timeout_s=HB_TIMEOUT, barrier_timeout_s=60,
                    report_timeout_s=30)
-    return _ApiNode(model, ElasticSync(m, ring_timeout_s=RING_TIMEOUT, start_timeout_s=30))
+    return _ApiNode(model, ElasticSync(m, ring_timeout_s=RING_TIMEOUT, start_timeout_s=30), **diloco)
 
 
 def _run_threads(fns) -> list:
@@ -739,6 +740,98 @@ def test_the_average_is_over_the_nodes_that_contributed():
     finally:
         for n in nodes + ([joiner] if joiner else []):
             n.close()
+
+
+def test_initial_nodes_that_start_from_different_states_all_stop_at_their_first_outer_step():
+    """Node 1 starts from other weights, node 2 with another outer lr: at the first outer step every node
+    raises ReplicaMismatchError naming what differs and where, before anything is averaged; the outer
+    weights stay as they were. The same nodes started alike average (the check can pass)."""
+    import torch.distributed as dist
+
+    from prime.diloco import ReplicaMismatchError
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(8, 12, generator=gen)
+    w1 = w0.clone()
+    w1[random.randrange(8), random.randrange(12)] += 1e-3
+    for differ in (True, False):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        starts = [(w0, 0.7), (w1, 0.7), (w0, 0.5)] if differ else [(w0, 0.7)] * 3
+        nodes = _run_threads([lambda r=r, w=w, lr=lr: _api_node(store.port, r, 3, w, outer_lr=lr)
+                              for r, (w, lr) in enumerate(starts)])
+        try:
+            for n in nodes:
+                n.start()
+            before = [n.outer.clone() for n in nodes]
+            for n in nodes:
+                with torch.no_grad():
+                    n.model.weight.sub_(torch.randn(w0.shape, generator=gen))
+            got = [None] * 3
+
+            def step(i):
+                try:
+                    got[i] = nodes[i].step()
+                except ReplicaMismatchError as e:
+                    got[i] = e
+
+            _run_threads([lambda i=i: step(i) for i in range(3)])
+        finally:
+            for n in nodes:
+                n.close()
+        if not differ:
+            assert all(r.members == [0, 1, 2] and r.contributors == 3 for r in got), got
+            assert torch.equal(nodes[0].outer, nodes[1].outer) and torch.equal(nodes[0].outer, nodes[2].outer)
+            continue
+        assert all(isinstance(e, ReplicaMismatchError) for e in got), got
+        weights = {0: [1], 1: [0, 2], 2: [1]}  # node 2's weights are node 0's
+        settings = {0: [2], 1: [2], 2: [0, 1]}
+        for i, e in enumerate(got):
+            msg = str(e)
+            assert msg.startswith(f"node {i}: at outer step 1, the first since the start"), msg
+            assert f"outer weights differ from node(s) {weights[i]}" in msg, msg
+            assert f"outer step) differ from node(s) {settings[i]}" in msg, msg
+            assert "sizes differ" not in msg and "per node differ" not in msg, msg
+            assert torch.equal(nodes[i].outer, before[i])
+
+
+def test_start_mismatches_names_each_kind_of_difference():
+    """The comparison on its own: per process (local rank) of a node, sizes, settings and weights."""
+    from prime.elastic.agreement import start_mismatches
+
+    rng = random.Random()
+    mine = [[rng.getrandbits(64), rng.getrandbits(64), rng.randrange(1, 1 << 40)] for _ in range(2)]
+
+    def changed(g, j):
+        other = [list(f) for f in mine]
+        other[g][j] ^= 1 << rng.randrange(40)
+        return other
+
+    assert start_mismatches(mine, {3: [list(f) for f in mine], 5: [list(f) for f in mine]}) == []
+    assert start_mismatches(mine, {3: changed(1, 0), 5: mine}) == ["outer weights differ from node(s) [3]"]
+    assert start_mismatches(mine, {3: changed(0, 1), 4: changed(1, 1)}) == [
+        "settings (inner_steps, outer lr/momentum, codec, shapes, outer step) differ from node(s) [3, 4]"]
+    assert start_mismatches(mine, {3: changed(0, 2), 4: mine[:1], 6: "junk"}) == [
+        "processes per node differ from node(s) [4, 6]", "shard sizes differ from node(s) [3]"]
+
+
+def test_an_initial_node_with_another_seed_stops_the_launch_at_the_first_outer_step(tmp_path):
+    """Two prime.train processes whose initial weights differ (another --train.seed): both stop with status 3
+    at outer step 1, naming each other, instead of training apart and finding out at the end."""
+    job = Job(tmp_path, initial=2, steps=4 * INNER, seed=5)
+    try:
+        job.start(0)
+        job.start(1, args=["--train.seed", "6"])
+        codes = job.wait(120)
+    finally:
+        job.stop()
+    assert codes == {0: 3, 1: 3}, "\n".join(job.text(r) for r in (0, 1))
+    for r in (0, 1):
+        _, line = job.wait_line(r, r"at outer step 1, the first since the start", timeout=1)
+        assert f"outer weights differ from node(s) [{1 - r}]" in line, line
+        assert "settings (inner_steps" not in line, line
+        assert all(o.get("outer_step", 0) < 1 for o in job.records(r, "outer")), job.records(r, "outer")
 
 
 # -- the state transfer alone (in-process) -------------------------------------------------------

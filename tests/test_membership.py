@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from prime.elastic.membership import (
+    Evicted,
+    MembershipError,
     Outcome,
     Plan,
     View,
@@ -281,3 +283,22 @@ def test_an_outcome_that_commits_a_member_whose_all_reduce_failed_is_not_applied
     with pytest.raises(Evicted, match="this node's all-reduce failed"):
         attempts.run(3, g, 30, prev=plan, since=0.0)
     assert torch.equal(g, before)
+
+
+def test_local_rank_0s_errors_reach_the_other_processes_named_by_where_they_happened():
+    """LocalRanks' _portable: what the node's other processes raise for local rank 0's error. Decisions pass
+    as they are (ReplicaMismatchError too: every process stops alike); other errors become MembershipError
+    naming the outer step, or the registration."""
+    import torch.distributed as dist
+
+    from prime.elastic.local_ranks import _portable
+    from prime.sync import ReplicaMismatchError
+
+    for e in (Evicted("late"), ReplicaMismatchError("node 1: outer weights differ")):
+        assert _portable(e, 4) is e
+    k = random.randrange(1, 1000)
+    got = _portable(dist.DistError("connection reset"), k)
+    assert isinstance(got, MembershipError) and str(got).startswith(f"outer step {k}: the job's store is unreachable")
+    got = _portable(dist.DistError("connection reset"), None)
+    assert str(got).startswith("registration: the job's store is unreachable from local rank 0 (connection reset")
+    assert str(_portable(KeyError("x"), None)) == "registration: local rank 0 of this node failed: KeyError: 'x'"

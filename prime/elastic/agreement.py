@@ -18,8 +18,28 @@ from typing import Callable, Optional
 from prime.comm import store_keys as keys
 from prime.elastic.membership import (Attempt, Evicted, Membership, MembershipError, Outcome, Plan, decide_outcome,
                                       first_plan_due, outcome_due, propose_first, propose_retry, retry_plan_due)
+from prime.sync import ReplicaMismatchError
 
-__all__ = ["OuterStepAgreement"]
+__all__ = ["OuterStepAgreement", "start_mismatches"]
+
+_PARTS = (("processes per node", None), ("shard sizes", 2),
+          ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 1), ("outer weights", 0))
+
+
+def start_mismatches(mine: list, others: dict) -> list:
+    """What differs between this node's fingerprints (one [weights hash, settings hash, numel] per process, in
+    local-rank order) and each other node's (node id -> the same): one line per kind of difference, naming
+    the nodes; [] when all agree."""
+    differ: dict = {what: [] for what, _ in _PARTS}
+    for i, theirs in sorted(others.items()):
+        if not (isinstance(theirs, list) and all(isinstance(f, list) and len(f) == 3 for f in theirs)) \
+                or len(theirs) != len(mine):
+            differ["processes per node"].append(i)
+            continue
+        for what, j in _PARTS[1:]:
+            if [f[j] for f in theirs] != [f[j] for f in mine]:
+                differ[what].append(i)
+    return [f"{what} differ from node(s) {ids}" for what, ids in differ.items() if ids]
 
 
 class OuterStepAgreement:
@@ -44,14 +64,20 @@ class OuterStepAgreement:
         Raises Evicted when the plan leaves this node out."""
         m = self.membership
         t_wait = time.monotonic()
+        mine = None  # this node's fingerprints, when its arrival carries them
         if plan is None:
             if attempt == 0:
                 arrival = {"step": step, "time": time.time(), **({"listen": True} if listen else {})}
+                fp, m.start_fingerprint = m.start_fingerprint, None
+                if fp is not None and fp[0] == k:
+                    mine = arrival["fingerprint"] = fp[1]
                 m.records.put(m.own_key(k, keys.arrival(k, m.node_id)), arrival)
             plan = self._await_plan(k, attempt, prev, since, step, prev_outcome)
         planned_at = time.monotonic()
         if m.node_id not in plan.members:
             raise Evicted(plan.reason_for(m.node_id))
+        if mine is not None:
+            self._compare_start(k, plan, mine)
         ok, error, blame, stats = allreduce(plan)
         allreduce_s = time.monotonic() - planned_at
         m.records.put(m.own_key(k, keys.result(k, plan.attempt, m.node_id)),
@@ -114,6 +140,23 @@ class OuterStepAgreement:
                 m.records.set_first(key, asdict(decision))
                 continue
             time.sleep(m.poll_s)
+
+    def _compare_start(self, k: int, plan: Plan, mine: list) -> None:
+        """An initial node's first outer step since the start: raises ReplicaMismatchError when the
+        fingerprints another member of the plan sent with its arrival differ from this node's. Every member
+        reads the same arrivals of the same plan, so all of them raise, before the all-reduce, or none does;
+        a joiner in the plan sent none (it downloads the job's state)."""
+        m = self.membership
+        others = self._read_new({}, lambda i: keys.arrival(k, i), [i for i in plan.members if i != m.node_id])
+        problems = start_mismatches(mine, {i: a["fingerprint"] for i, a in others.items() if "fingerprint" in a})
+        if problems:
+            m.log(f"outer step {k}: the initial nodes' states differ: {'; '.join(problems)}", event="mismatch", k=k)
+            raise ReplicaMismatchError(
+                f"node {m.node_id}: at outer step {k}, the first since the start, {'; '.join(problems)}. The initial "
+                "nodes of an elastic launch must start from the same seed (or resume from the same checkpoint step) "
+                "with the same model, [diloco] settings and processes per node (diloco.check_replicas = false "
+                "skips this check)."
+            )
 
     def _read_new(self, seen: dict, key_of: Callable[[int], str], ids) -> dict:
         """The valid records under key_of(i) of the nodes `ids`, reading only those not in `seen` (a node

@@ -9,10 +9,10 @@ no-op.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from prime.elastic.membership import Evicted, JobFinished, JoinError, MembershipError
-from prime.sync import OuterSyncError, node_local_group
+from prime.sync import OuterSyncError, ReplicaMismatchError, node_local_group
 
 __all__ = ["LocalRanks"]
 
@@ -59,20 +59,22 @@ class LocalRanks:
         dist.broadcast_object_list(box, src=self._src, group=self.group)
         return box[0]
 
-    def gather(self, obj) -> list:
-        """`obj` of every process of the node, in local-rank order."""
+    def gather(self, obj, group=None) -> list:
+        """`obj` of every process of the node, in local-rank order (over `group`, another of the node's groups,
+        when given)."""
         if self.group is None:
             return [obj]
         import torch.distributed as dist
 
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=group if group is not None else self.group)
         return out
 
-    def lead(self, fn: Callable[[], object], k: int, follow: Callable[[object], None]):
+    def lead(self, fn: Callable[[], object], k: Optional[int], follow: Callable[[object], None]):
         """Runs fn() on local rank 0 and returns its value (or raises its exception) on every process of
         the node. Meanwhile the other processes call follow(plan) for every plan local rank 0 hands them
-        (hand_out(), from within fn)."""
+        (hand_out(), from within fn). k: the outer step, for the other processes' errors (None: the
+        registration)."""
         if self.group is None:
             return fn()
         if self.is_leader:
@@ -109,12 +111,14 @@ class LocalRanks:
         return False, "; ".join(f"local rank {g}: {e}" for g, e, _ in bad), blame, res[3]
 
 
-def _portable(e: BaseException, k: int) -> BaseException:
-    """An exception of local rank 0 as the node's other processes raise it (they must stop, or join, alike)."""
+def _portable(e: BaseException, k: Optional[int]) -> BaseException:
+    """An exception of local rank 0 as the node's other processes raise it (they must stop, or join, alike).
+    k: the outer step it was at (None: the node's registration)."""
     import torch.distributed as dist
 
-    if isinstance(e, (Evicted, JobFinished, JoinError, OuterSyncError)):
+    if isinstance(e, (Evicted, JobFinished, JoinError, OuterSyncError, ReplicaMismatchError)):
         return e
+    where = f"outer step {k}" if k is not None else "registration"
     if isinstance(e, dist.DistError):
-        return MembershipError(f"outer step {k}: the job's store is unreachable from local rank 0 ({e})")
-    return MembershipError(f"outer step {k}: local rank 0 of this node failed: {type(e).__name__}: {e}")
+        return MembershipError(f"{where}: the job's store is unreachable from local rank 0 ({e})")
+    return MembershipError(f"{where}: local rank 0 of this node failed: {type(e).__name__}: {e}")

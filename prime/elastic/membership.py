@@ -668,6 +668,10 @@ class Membership:
         self._own_keys: dict[int, list] = {}
         self._latest: Optional[dict] = None
         self.local_rank = 0  # attach() sets it in the other processes of a node
+        self.start_fingerprint: Optional[tuple] = None
+        """(outer step k, [[weights hash, settings hash, numel] of each process of the node]): an initial node's
+        state at its first outer step, sent with its arrival at k and compared with the other members'
+        (prime.elastic.agreement; ElasticSync.verify sets it)."""
         # The per-outer-step agreement and the joins, through this membership's store records (imported
         # here: their modules import this one's Plan, Outcome and errors).
         from prime.elastic.admission import Admission

@@ -123,6 +123,7 @@ class ElasticSync(Joining):
         self._settings: dict = {}
         self.codec, self.block_size, self.inner_steps = "int8", 64, 1  # from bind()
         self._committed: Optional[Plan] = None
+        self._check_start = False  # an initial node's first outer step sends its fingerprints (verify())
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining = None  # the join that average() admitted (join.py), completed in committed()
         def register() -> tuple:
@@ -130,7 +131,7 @@ class ElasticSync(Joining):
             return membership.node_id, membership.genesis, membership.secret, membership.launch
 
         # local rank 0 registers for the node; its error (no launch answered, the job ended) is every process's
-        who = self.local.lead(register, 0, lambda _: None)
+        who = self.local.lead(register, None, lambda _: None)
         if self.local_rank > 0:
             membership.attach(*who, local_rank=self.local_rank)
         self.node_id = membership.node_id
@@ -241,13 +242,24 @@ class ElasticSync(Joining):
             self._state.ensure_taken()
             self._committed = self.membership.genesis_plan(outer_step, inner_step)
             self._publish_state(outer_step, inner_step)
+            self._check_start = True
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every process of this node."""
         return all_local(self.agree_group, ok)
 
     def verify(self, fingerprint: tuple, *, outer_step: int) -> None:
-        """Nothing: a joiner checks the job's settings when it downloads, and the digests show divergence."""
+        """An initial node, before its first outer step since the start (DiLoCo's check_replicas): the
+        fingerprints of the node's processes (weights hash, settings hash, numel) go with the node's arrival
+        at that outer step, and every member of its plan compares them (prime.elastic.agreement): all raise
+        ReplicaMismatchError, before the all-reduce, when any two initial nodes differ. Nothing later, and
+        nothing on a joiner: it downloads the job's state, and checks the job's settings then."""
+        if not self._check_start:
+            return
+        self._check_start = False
+        every = self.local.gather([int(x) for x in fingerprint], group=self.agree_group)
+        if self.local.is_leader:
+            self.membership.start_fingerprint = (outer_step, every)
 
     # -- fault points on the inner steps ------------------------------------------------
 
