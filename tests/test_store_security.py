@@ -399,6 +399,44 @@ def test_a_counter_a_stranger_overwrote_blinds_no_node_and_stops_a_newcomer_with
         _leave(ms)
 
 
+def test_an_ask_left_behind_by_an_inflated_counter_is_asked_again_and_answered():
+    """A stranger adds more than the members look back over to the ask counter just after a joiner asked (the
+    heartbeats sweep once a second, so before any member read the ask): the joiner asks again under the newest
+    index and enters the live launch within a few sweeps, instead of waiting out its start timeout."""
+    import threading as th
+
+    from prime.comm import store_keys as keys
+    from prime.elastic.launch import MAX_ASKS
+
+    slow = dict(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "inflate", **slow)
+    run = _client(store.port, "inflate/elastic")
+    before = int(run.add(keys.LAUNCH_ASKS, 0))
+    late = _membership(store.port, 7, 2, "inflate", **slow)
+    errs: list = []
+
+    def register():
+        try:
+            late.register(start_timeout_s=20)
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+
+    t0 = time.monotonic()
+    t = th.Thread(target=register, daemon=True)
+    t.start()
+    try:
+        while int(run.add(keys.LAUNCH_ASKS, 0)) == before:  # the joiner took its ask index
+            assert time.monotonic() - t0 < 10, "the joiner never asked"
+        run.add(keys.LAUNCH_ASKS, MAX_ASKS + 10)
+        t.join(20)
+        assert not t.is_alive() and not errs, errs
+        assert late.launch == ms[0].launch and not late.genesis
+        assert time.monotonic() - t0 < 8, "the joiner waited for its start timeout"
+    finally:
+        _leave(ms + ([late] if late.launch else []))
+
+
 def test_an_answer_is_taken_only_from_the_askers_own_nonce_and_the_secret():
     """A stranger's answers (unsigned, or signed with another secret) are ignored, and an answer signed for
     another nonce is never read: the asker times out with a clear error rather than take a name."""

@@ -12,7 +12,8 @@ process takes a name only from a record that answers a fresh nonce of its own:
                            takes the name from a member's signed answer under ``launch/for/<nonce>``, which no
                            earlier launch can have written
     members                answer the asks on their heartbeat-watch thread (LaunchDoor: a few a sweep, the
-                           newest first and the others in turn)
+                           newest first and the others in turn, among the newest MAX_ASKS indices; an asker
+                           whose index falls MAX_ASKS / 2 behind the counter asks again)
 
 Rank 0 asks too, and judges nothing before a live launch had two heartbeat intervals to answer (its members
 answer within a sweep). It founds where the store then names no launch of the run (a fresh store, a fresh run
@@ -152,6 +153,11 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
         got = _name(records.get(keys.launch_answer(nonce)))
         if got is not None:
             return Launch(got, False, i)
+        if read_counter(records.store, keys.LAUNCH_ASKS) - i > MAX_ASKS // 2:
+            # others asked since, or a stranger inflated the counter: before this ask falls out of the indices
+            # the members read, ask again under the newest one (the same nonce)
+            i = bump(records.store, keys.LAUNCH_ASKS) - 1
+            records.put(keys.launch_ask(i), {"nonce": nonce, "rank": node_rank})
         now = time.monotonic()
         current = _name(records.get(keys.LAUNCH_CURRENT))
         if current != named:  # (re)watch the launch the store names now: it may have changed (a new founding)
