@@ -24,12 +24,12 @@ error-feedback residual (it made no contribution yet) and no average in flight
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
 import torch
 
 from prime.fragments import FragmentSchedule
+from prime.hashing import tensors_hash
 from prime.layout import pinned_zeros
 from prime.outer import OuterState
 
@@ -152,12 +152,11 @@ class OuterStates:
         return s
 
     def weights_hash(self) -> int:
-        """64-bit hash (blake2b) of every fragment's outer weights' bytes, in fragment order."""
-        h = hashlib.blake2b(digest_size=8)
+        """64-bit hash of every fragment's outer weights' bytes, in fragment order (prime.hashing: a tree of
+        blake2b, on several threads)."""
         for st in self.states:
             st.ensure_taken()
-            h.update(st.outer.cpu().numpy().data)
-        return int.from_bytes(h.digest(), "little")
+        return int.from_bytes(tensors_hash([st.outer for st in self.states], 8), "little")
 
     def outer_weights(self) -> torch.Tensor:
         """Every fragment's outer weights, flat, in order (a CPU tensor)."""
