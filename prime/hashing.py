@@ -1,7 +1,7 @@
 """A hash of tensors that nodes compare (the replica check's weights hash, metrics.outer_hash), on many threads.
 
 blake2b hashes 0.6 GB/s on one core of an H200 host (benchmarks/RESULTS.md), so one stream over a 10B
-model's outer weights (20 GB a process, with two processes per node) took 45 s at every start. Here every
+model's outer weights (20 GB a process, with two processes per node) took about 34 s at every start. Here every
 PIECE_BYTES piece of each tensor is hashed on its own (a leaf) on a pool of threads (hashlib lets go of the
 GIL for large buffers), and the root hashes, for each tensor in order, its length and its leaves' digests:
 

@@ -796,6 +796,52 @@ def test_initial_nodes_that_start_from_different_states_all_stop_at_their_first_
             assert torch.equal(nodes[i].outer, before[i])
 
 
+def test_a_joiner_admitted_where_the_initial_nodes_differ_stops_with_them():
+    """Two initial nodes whose weights differ, and a joiner ready before their first outer step: the plan of
+    that step admits it, and it stops with the initial nodes, naming their difference, instead of going on to a
+    ring that nobody else forms."""
+    import torch.distributed as dist
+
+    from prime.diloco import ReplicaMismatchError
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w0 = torch.randn(8, 12, generator=gen)
+    w1 = w0.clone()
+    w1[random.randrange(8), random.randrange(12)] -= 1e-3
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = _run_threads([lambda r=r, w=w: _api_node(store.port, r, 2, w) for r, w in enumerate([w0, w1])])
+    joiner = None
+    try:
+        for n in nodes:
+            n.start()
+        joiner = _api_node(store.port, 5, 2, torch.zeros_like(w0))
+        got = [None] * 3
+
+        def run(i, fn):
+            try:
+                got[i] = fn()
+            except ReplicaMismatchError as e:
+                got[i] = e
+
+        jt = threading.Thread(target=run, args=(2, joiner.join), daemon=True)
+        jt.start()
+        ready = launch_client(store.port, joiner.sync.membership)
+        deadline = time.monotonic() + 60
+        while not ready.check([f"ready/{joiner.node_id}"]):
+            assert time.monotonic() < deadline, "the joiner never became ready"
+            time.sleep(0.05)
+        _run_threads([lambda i=i: run(i, nodes[i].step) for i in range(2)])
+        jt.join(60)
+        assert not jt.is_alive(), "the joiner hung"
+        assert all(isinstance(e, ReplicaMismatchError) for e in got), got
+        assert str(got[2]).startswith(f"node {joiner.node_id}: at outer step 1, which admits this node, the initial "
+                                      "nodes' states differ: against node 0's, outer weights differ from node(s) [1]")
+        assert "outer weights differ from node(s) [1]" in str(got[0]) and "from node(s) [0]" in str(got[1])
+    finally:
+        for n in nodes + ([joiner] if joiner else []):
+            n.close()
+
+
 def test_start_mismatches_names_each_kind_of_difference():
     """The comparison on its own: per process (local rank) of a node, sizes, settings and weights."""
     from prime.elastic.agreement import start_mismatches

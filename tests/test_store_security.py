@@ -437,6 +437,47 @@ def test_an_ask_left_behind_by_an_inflated_counter_is_asked_again_and_answered()
         _leave(ms + ([late] if late.launch else []))
 
 
+def test_a_founder_that_asked_again_answers_from_its_first_ask_on():
+    """Node 0 (the store outside the nodes) asks, a stranger inflates the ask counter while node 0 waits for a
+    live launch to answer, and node 0 asks again before it founds. Its door still starts from its first ask: the
+    other initial node, which asked again a little before it (after the inflation, and more than the door's
+    look-back below node 0's second ask), is answered."""
+    import threading as th
+
+    import torch.distributed as dist
+
+    from prime.comm import store_keys as keys
+    from prime.comm.signed_store import SignedStore, read_counter
+    from prime.elastic.launch import LOOK_BACK, MAX_ASKS, LaunchDoor, find_launch
+
+    store = _tcp_store()
+    run = SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound")
+    raw = _client(store.port, "refound/elastic")
+    got = []
+    t = th.Thread(target=lambda: got.append(find_launch(
+        run, lambda name: SignedStore(dist.PrefixStore(keys.launch_prefix(name), run.store), SECRET, f"refound/{name}"),
+        node_rank=0, initial_nodes=2, interval=0.5, timeout=3.0, wait_s=20, log=lambda msg: None)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while read_counter(raw, keys.LAUNCH_ASKS) == 0:  # node 0 asked (index 0) and waits a second at least
+        assert time.monotonic() < deadline
+    raw.add(keys.LAUNCH_ASKS, MAX_ASKS // 2 + LOOK_BACK)
+    node1 = SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound")
+    j = int(raw.add(keys.LAUNCH_ASKS, 1)) - 1  # node 1's ask again, just after the inflation
+    node1.put(keys.launch_ask(j), {"nonce": "a" * 32, "rank": 1})
+    raw.add(keys.LAUNCH_ASKS, LOOK_BACK + 50)  # node 0 falls half the look-back behind: it asks again
+    t.join(20)
+    assert got and got[0].founded and got[0].ask == 0, got
+    assert read_counter(raw, keys.LAUNCH_ASKS) > j + LOOK_BACK + 51, "node 0 did not ask again"
+    door = LaunchDoor(SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound"), got[0].name,
+                      since=got[0].ask)
+    for _ in range(200):  # among the junk indices, a few a sweep: the newest first, then the others in turn
+        door.answer()
+        if node1.get(keys.launch_answer("a" * 32)) is not None:
+            break
+    assert node1.get(keys.launch_answer("a" * 32)) == {"launch": got[0].name}
+
+
 def test_an_answer_is_taken_only_from_the_askers_own_nonce_and_the_secret():
     """A stranger's answers (unsigned, or signed with another secret) are ignored, and an answer signed for
     another nonce is never read: the asker times out with a clear error rather than take a name."""

@@ -76,7 +76,7 @@ class OuterStepAgreement:
         planned_at = time.monotonic()
         if m.node_id not in plan.members:
             raise Evicted(plan.reason_for(m.node_id))
-        if mine is not None:
+        if mine is not None or m.node_id in plan.joined:  # (a joiner: once, at the outer step admitting it)
             self._compare_start(k, plan, mine)
         ok, error, blame, stats = allreduce(plan)
         allreduce_s = time.monotonic() - planned_at
@@ -141,21 +141,30 @@ class OuterStepAgreement:
                 continue
             time.sleep(m.poll_s)
 
-    def _compare_start(self, k: int, plan: Plan, mine: list) -> None:
-        """An initial node's first outer step since the start: raises ReplicaMismatchError when the
-        fingerprints another member of the plan sent with its arrival differ from this node's. Every member
-        reads the same arrivals of the same plan, so all of them raise, before the all-reduce, or none does;
-        a joiner in the plan sent none (it downloads the job's state)."""
+    def _compare_start(self, k: int, plan: Plan, mine: Optional[list]) -> None:
+        """Raises ReplicaMismatchError when fingerprints that members of the plan sent with their arrivals
+        differ: an initial node's (`mine`) from another's, at its first outer step since the start; or, on a
+        joiner that the plan admits (mine None: it downloads the job's state, and sent none), any two. Every
+        member that sent them reads the same arrivals of the same plan, as does a joiner, so all of them
+        raise before the all-reduce, or none does."""
         m = self.membership
         others = self._read_new({}, lambda i: keys.arrival(k, i), [i for i in plan.members if i != m.node_id])
-        problems = start_mismatches(mine, {i: a["fingerprint"] for i, a in others.items() if "fingerprint" in a})
+        sent = {i: a["fingerprint"] for i, a in others.items() if "fingerprint" in a}
+        if mine is None:  # a joiner: the initial nodes against the lowest of them
+            if len(sent) < 2:
+                return
+            ref = min(sent)
+            problems = start_mismatches(sent.pop(ref), sent)
+            where = f"which admits this node, the initial nodes' states differ: against node {ref}'s, "
+        else:
+            problems = start_mismatches(mine, sent)
+            where = "the first since the start, "
         if problems:
             m.log(f"outer step {k}: the initial nodes' states differ: {'; '.join(problems)}", event="mismatch", k=k)
             raise ReplicaMismatchError(
-                f"node {m.node_id}: at outer step {k}, the first since the start, {'; '.join(problems)}. The initial "
-                "nodes of an elastic launch must start from the same seed (or resume from the same checkpoint step) "
-                "with the same model, [diloco] settings and processes per node (diloco.check_replicas = false "
-                "skips this check)."
+                f"node {m.node_id}: at outer step {k}, {where}{'; '.join(problems)}. The initial nodes of an elastic "
+                "launch must start from the same seed (or resume from the same checkpoint step) with the same "
+                "model, [diloco] settings and processes per node (diloco.check_replicas = false skips this check)."
             )
 
     def _read_new(self, seen: dict, key_of: Callable[[int], str], ids) -> dict:

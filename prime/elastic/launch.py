@@ -76,7 +76,8 @@ class Launch:
     founded: bool
     """This process founded the launch (node rank 0 only)."""
     ask: int
-    """This process's ask index: where its door starts to look (LaunchDoor)."""
+    """This process's first ask index: where its door starts to look (LaunchDoor). Not a later one it asked
+    again under: the other initial nodes asked about when it first did."""
 
 
 class LaunchDoor:
@@ -139,10 +140,10 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
     Raises, for a joiner (node_rank >= initial_nodes) when no node of the launch the store names is alive:
     JobFinished when that launch recorded its end (Membership.mark_ended), else JoinError."""
     nonce = secrets.token_hex(16)
-    i = bump(records.store, keys.LAUNCH_ASKS) - 1
+    i = first = bump(records.store, keys.LAUNCH_ASKS) - 1
     records.put(keys.launch_ask(i), {"nonce": nonce, "rank": node_rank})
     if node_rank == 0 and fresh_store:
-        return Launch(_found(records), True, i)
+        return Launch(_found(records), True, first)
     quiet_s = max(QUIET_SWEEPS * interval, 0.5)  # a live launch answers within a sweep of its members
     t0 = time.monotonic()
     named: Optional[str] = None
@@ -152,7 +153,7 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
     while True:
         got = _name(records.get(keys.launch_answer(nonce)))
         if got is not None:
-            return Launch(got, False, i)
+            return Launch(got, False, first)
         if read_counter(records.store, keys.LAUNCH_ASKS) - i > MAX_ASKS // 2:
             # others asked since, or a stranger inflated the counter: before this ask falls out of the indices
             # the members read, ask again under the newest one (the same nonce)
@@ -172,7 +173,7 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
         # Nothing is judged before a live launch had a sweep to answer (its members answer within one).
         if now - t0 >= quiet_s and now - since >= quiet_s:
             if named is None and node_rank == 0:
-                return Launch(_found(records), True, i)  # the store names no launch, and none answered
+                return Launch(_found(records), True, first)  # the store names no launch, and none answered
             # A joiner gives a launch that looks over the heartbeat timeout first: node 0 of a job started again
             # may be about to found the next one (the store then names it, and it answers).
             if watch is not None and (node_rank == 0 or now - since >= timeout):
@@ -182,7 +183,7 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
                     why = "every node of it left" if left else f"no heartbeat of it advanced for {timeout:g} s"
                     if node_rank == 0:
                         log(f"launch {named} is over ({why}): founding a new launch")
-                        return Launch(_found(records), True, i)
+                        return Launch(_found(records), True, first)
                     if node_rank >= initial_nodes:
                         ended = view.get(keys.LAUNCH_ENDED)
                         if isinstance(ended, dict):
