@@ -438,10 +438,10 @@ def test_an_ask_left_behind_by_an_inflated_counter_is_asked_again_and_answered()
 
 
 def test_a_founder_that_asked_again_answers_from_its_first_ask_on():
-    """Node 0 (the store outside the nodes) asks, a stranger inflates the ask counter while node 0 waits for a
-    live launch to answer, and node 0 asks again before it founds. Its door still starts from its first ask: the
-    other initial node, which asked again a little before it (after the inflation, and more than the door's
-    look-back below node 0's second ask), is answered."""
+    """Node 0 (the store outside the nodes) asks at index 0; node 1 asks 300 indices later (a stranger inflates
+    the counter); another 300, and node 0, now more than half the members' look-back behind, asks again before
+    it founds. Its door still starts from its first ask: node 1's ask, more than the door's look-back below
+    node 0's second one, is answered."""
     import threading as th
 
     import torch.distributed as dist
@@ -454,21 +454,23 @@ def test_a_founder_that_asked_again_answers_from_its_first_ask_on():
     run = SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound")
     raw = _client(store.port, "refound/elastic")
     got = []
-    t = th.Thread(target=lambda: got.append(find_launch(
+    t = th.Thread(target=lambda: got.append(find_launch(  # judges nothing for 2 heartbeat intervals: 4 s
         run, lambda name: SignedStore(dist.PrefixStore(keys.launch_prefix(name), run.store), SECRET, f"refound/{name}"),
-        node_rank=0, initial_nodes=2, interval=0.5, timeout=3.0, wait_s=20, log=lambda msg: None)), daemon=True)
+        node_rank=0, initial_nodes=2, interval=2.0, timeout=6.0, wait_s=30, log=lambda msg: None)), daemon=True)
     t.start()
     deadline = time.monotonic() + 10
-    while read_counter(raw, keys.LAUNCH_ASKS) == 0:  # node 0 asked (index 0) and waits a second at least
+    while read_counter(raw, keys.LAUNCH_ASKS) == 0:  # node 0 asked, at index 0
         assert time.monotonic() < deadline
-    raw.add(keys.LAUNCH_ASKS, MAX_ASKS // 2 + LOOK_BACK)
+    step = MAX_ASKS // 2 - 200  # node 0 asks again only past MAX_ASKS // 2 behind: after the second
+    raw.add(keys.LAUNCH_ASKS, step)
     node1 = SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound")
-    j = int(raw.add(keys.LAUNCH_ASKS, 1)) - 1  # node 1's ask again, just after the inflation
+    j = int(raw.add(keys.LAUNCH_ASKS, 1)) - 1
     node1.put(keys.launch_ask(j), {"nonce": "a" * 32, "rank": 1})
-    raw.add(keys.LAUNCH_ASKS, LOOK_BACK + 50)  # node 0 falls half the look-back behind: it asks again
-    t.join(20)
+    raw.add(keys.LAUNCH_ASKS, step)
+    t.join(30)
     assert got and got[0].founded and got[0].ask == 0, got
-    assert read_counter(raw, keys.LAUNCH_ASKS) > j + LOOK_BACK + 51, "node 0 did not ask again"
+    assert read_counter(raw, keys.LAUNCH_ASKS) == 2 * step + 3, "node 0 did not ask again (once)"
+    assert 2 * step + 2 - j > LOOK_BACK  # node 1's ask is below the look-back of node 0's second ask
     door = LaunchDoor(SignedStore(_client(store.port, "refound/elastic"), SECRET, "refound"), got[0].name,
                       since=got[0].ask)
     for _ in range(200):  # among the junk indices, a few a sweep: the newest first, then the others in turn
