@@ -131,3 +131,46 @@ def test_nodes_of_two_processes_survive_kills_and_a_join(tmp_path):
         assert len(set(d.values())) == 1, f"outer step {k}: nodes differ: {d}"
     assert members[1] == [0, 1, 2] and members[STEPS // INNER] == [0, 3], members
     assert set(by_step[admitted]) == {0, 2, 3}
+
+
+@needs_ring
+def test_nodes_of_two_processes_whose_weights_differ_stop_every_process_at_the_first_outer_step(tmp_path):
+    """Two elastic nodes of two processes each (one torchrun a node, the store in this process), node 1 started
+    with another seed: local rank 0 of each node finds the difference in the arrivals of outer step 1, and its
+    other process stops with the same error (LocalRanks' lead); every process and both torchruns exit 3."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from prime.simulate import free_port
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               PRIME_RING_SECRET="procs-test-secret")
+    for k in ("PRIME_FAULTS", "PRIME_NODE_RANK", "PRIME_NUM_NODES", "PRIME_STORE_ADDR"):
+        env.pop(k, None)
+    procs = []
+    for rank, seed in ((0, 5), (1, 6)):
+        cmd = [sys.executable, "-m", "prime.torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train",
+               *QUICK, "--train.steps", str(4 * INNER), "--train.seed", str(seed), "--elastic.enabled", "true",
+               "--elastic.external_store", "true", "--node-rank", str(rank), "--num-nodes", "2",
+               "--store-addr", f"127.0.0.1:{store.port}", "--metrics.out_dir", str(tmp_path / "metrics")]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n".join(outs)
+    with open(tmp_path / "torchruns.log", "w") as f:
+        f.write(text)
+    assert [p.returncode for p in procs] == [3, 3], text[-6000:]
+    for rank, out in enumerate(outs):
+        stops = re.findall(r"prime-train: stopped: node (\d+): at outer step 1, the first since the start, "
+                           r"outer weights differ from node\(s\) \[(\d+)\]", out)
+        assert stops == [(str(rank), str(1 - rank))] * 2, out[-4000:]  # both processes of the node
+    assert "final weights" not in text and "outer 1 (" not in text, text[-4000:]
