@@ -53,6 +53,16 @@ class ReplicaMismatchError(RuntimeError):
     """Nodes hold different outer weights or settings: they did not start from the same seed or checkpoint."""
 
 
+FINGERPRINT_PARTS = ("outer weights", "settings (inner_steps, outer lr/momentum, codec, shapes, outer step)",
+                     "shard sizes")
+"""What each part of a replica check's fingerprint (weights hash, settings hash, element count) is, as
+ReplicaMismatchError names it (the fixed rings' check here, the elastic one in prime.elastic.agreement)."""
+
+SAME_START = ("start from the same seed (or resume from the same checkpoint step) with the same model, [diloco] "
+              "settings and processes per node")
+"""What ReplicaMismatchError asks of the nodes."""
+
+
 class LeftBehind(Exception):
     """This node is not part of the outer step being decided (an elastic eviction seen by an average running in
     the background): the outer step calls Sync.rejoin() on its main thread, which brings the job's state."""
@@ -716,19 +726,14 @@ class RingSync(SyncExtras):
         pieces += [(n >> (16 * i)) & 0xFFFF for i in range(3)]
         table = self.exchange(pieces, outer_step=outer_step)
         problems = []
-        for what, lo, hi in (("shard sizes", 8, 11),
-                             ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 4, 8),
-                             ("outer weights", 0, 4)):
+        for what, lo, hi in ((FINGERPRINT_PARTS[2], 8, 11), (FINGERPRINT_PARTS[1], 4, 8), (FINGERPRINT_PARTS[0], 0, 4)):
             mine = table[rank][lo:hi]
             differ = [r for r in range(size) if table[r][lo:hi] != mine]
             if differ:
                 problems.append(f"{what} differ from node(s) {differ}")
         if not self.agree(not problems):
             detail = "; ".join(problems) or "another process of this node found a mismatch"
-            raise ReplicaMismatchError(
-                f"node {rank}: {detail}. Every node must start from the same seed (or resume from the same "
-                "checkpoint step) with the same model, [diloco] settings and processes per node."
-            )
+            raise ReplicaMismatchError(f"node {rank}: {detail}. Every node must {SAME_START}.")
 
     def close(self) -> None:
         """Closes the rings this sync built (not one passed to it). An average still running on a background

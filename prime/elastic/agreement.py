@@ -18,12 +18,11 @@ from typing import Callable, Optional
 from prime.comm import store_keys as keys
 from prime.elastic.membership import (Attempt, Evicted, Membership, MembershipError, Outcome, Plan, decide_outcome,
                                       first_plan_due, outcome_due, propose_first, propose_retry, retry_plan_due)
-from prime.sync import ReplicaMismatchError
+from prime.sync import FINGERPRINT_PARTS, SAME_START, ReplicaMismatchError
 
 __all__ = ["OuterStepAgreement", "start_mismatches"]
 
-_PARTS = (("processes per node", None), ("shard sizes", 2),
-          ("settings (inner_steps, outer lr/momentum, codec, shapes, outer step)", 1), ("outer weights", 0))
+_PARTS = (("processes per node", None), *((FINGERPRINT_PARTS[j], j) for j in (2, 1, 0)))
 
 
 def start_mismatches(mine: list, others: dict) -> list:
@@ -163,8 +162,7 @@ class OuterStepAgreement:
             m.log(f"outer step {k}: the initial nodes' states differ: {'; '.join(problems)}", event="mismatch", k=k)
             raise ReplicaMismatchError(
                 f"node {m.node_id}: at outer step {k}, {where}{'; '.join(problems)}. The initial nodes of an elastic "
-                "launch must start from the same seed (or resume from the same checkpoint step) with the same "
-                "model, [diloco] settings and processes per node (diloco.check_replicas = false skips this check)."
+                f"launch must {SAME_START} (diloco.check_replicas = false skips this check)."
             )
 
     def _read_new(self, seen: dict, key_of: Callable[[int], str], ids) -> dict:
