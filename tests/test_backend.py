@@ -291,6 +291,7 @@ def _rank_barrier_and_async(ctx, seed):
         if ctx.rank == last:
             time.sleep(0.5)
             ctx.store.set(f"{ctx.job}/late", "here")
+            ctx.store.check([f"{ctx.job}/late"])  # on the server before the barrier: a set is not answered
         dist.barrier()
         seen = ctx.store.check([f"{ctx.job}/late"])
         # async_op: three in flight, waited in reverse order, through Work and Future.

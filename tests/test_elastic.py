@@ -32,7 +32,7 @@ import torch
 
 from prime.simulate import free_port
 from conftest import needs_ring
-from hand_launch import HandLaunch, launch_client
+from hand_launch import HandLaunch, landed_set, launch_client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "test-job-secret"
@@ -1113,12 +1113,20 @@ def test_a_joiner_ready_during_a_failed_attempt_takes_part_in_the_retry():
     raw.add(f"hb/{fake}", 1)
     try:
         assert joiner.node_id == 2 and fake == 3
+        # Node 0's monitor sees the joiner beat before the coordinator looks for offers: one it never saw counts
+        # as silent since the monitor started, which a slow store connect (a reverse DNS lookup on some
+        # machines) can put more than the heartbeat timeout back.
+        deadline = time.monotonic() + 10
+        while not m.monitor.was_seen(2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m.monitor.was_seen(2)
         k = 5
         prev = Plan(k=k, attempt=0, members=[0, 1], contributors=[0, 1], slots={"0": 0, "1": 1}, step=k * INNER)
         signed.put(f"b/{k}/a0/plan", asdict(prev))
         joiner.set_ready(k - 1)
+        raw.wait([f"ready/{joiner.node_id}"])  # on the store before the coordinator reads the offers once
         mac = hmac.new(b"not-the-secret", f"m|ready|{fake}|{k - 1}".encode(), hashlib.sha256).hexdigest()
-        raw.set(f"ready/{fake}", json.dumps({"outer_step": k - 1, "mac": mac}))
+        landed_set(raw, f"ready/{fake}", json.dumps({"outer_step": k - 1, "mac": mac}))
         outcome = Outcome(k=k, attempt=0, commit=False, members=[0], failed={"0": "connection to rank 1 lost"},
                           missing=[[1, "did not report attempt 0"]])
         signed.put(f"b/{k}/a0/outcome", asdict(outcome))

@@ -24,7 +24,7 @@ from datetime import timedelta
 import pytest
 import torch
 from conftest import needs_ring
-from hand_launch import HandLaunch, launch_client
+from hand_launch import HandLaunch, landed_set, launch_client
 
 SECRET = b"store-security-secret"
 HB_INTERVAL, HB_TIMEOUT = 0.1, 1.5
@@ -176,7 +176,7 @@ def test_an_outcome_written_first_by_a_stranger_does_not_stop_the_job():
     stranger = launch_client(store.port, ms[0])
     try:
         forged = Outcome(k=1, attempt=0, commit=False, members=[], give_up="stop, says the stranger", by=0)
-        stranger.set("b/1/a0/outcome", json.dumps(asdict(forged), sort_keys=True))
+        landed_set(stranger, "b/1/a0/outcome", json.dumps(asdict(forged), sort_keys=True))
         got = _outer_step(ms, 1, 10)
         for r in got:
             assert not isinstance(r, BaseException), got
@@ -197,7 +197,7 @@ def test_a_forged_plan_does_not_evict_a_node():
     try:
         forged = Plan(k=1, attempt=0, members=[0], contributors=[0], slots={"0": 0}, step=10,
                       evicted=[[1, "evicted by a stranger"]], by=0)
-        stranger.set("b/1/a0/plan", json.dumps(asdict(forged), sort_keys=True))
+        landed_set(stranger, "b/1/a0/plan", json.dumps(asdict(forged), sort_keys=True))
         got = _outer_step(ms, 1, 10)
         for r in got:
             assert not isinstance(r, BaseException), got
@@ -216,8 +216,8 @@ def test_a_signed_decision_replayed_under_another_outer_step_is_ignored():
     try:
         first = _outer_step(ms, 1, 10)
         assert all(not isinstance(r, BaseException) for r in first), first
-        stranger.set("b/2/a0/plan", stranger.get("b/1/a0/plan"))
-        stranger.set("b/2/arrive/1", stranger.get("b/1/arrive/1"))
+        landed_set(stranger, "b/2/a0/plan", stranger.get("b/1/a0/plan"))
+        landed_set(stranger, "b/2/arrive/1", stranger.get("b/1/arrive/1"))
         got = _outer_step(ms, 2, 20)
         for r in got:
             assert not isinstance(r, BaseException), got
@@ -235,7 +235,7 @@ def _copy_keys(src, dst, ks) -> list:
     copied = []
     for k in ks:
         if src.check([k]):
-            dst.set(k, src.get(k))
+            landed_set(dst, k, src.get(k))
             copied.append(k)
     return copied
 
@@ -337,7 +337,7 @@ def test_an_ended_launch_written_back_as_the_current_one_does_not_make_node_0_fo
     _leave(c)
     a = _register_all(store.port, 2, "ended", **slow)
     a[0].monitor.stop(leave=False)
-    run.set(keys.LAUNCH_CURRENT, kept)
+    landed_set(run, keys.LAUNCH_CURRENT, kept)
     again = _membership(store.port, 0, 2, "ended", **slow)
     again.register(start_timeout_s=20)
     try:
@@ -574,7 +574,7 @@ def test_a_ring_address_rewritten_by_a_stranger_is_never_dialled():
         t1 = _ring_in_thread(_client(store.port, "r1"), 1, out, "rewrite", 3.0)
         peek = _client(store.port, "r1")
         peek.wait(["prime_ring/rewrite/addr/1"], timedelta(seconds=30))
-        peek.set("prime_ring/rewrite/addr/1", trap.address)
+        landed_set(peek, "prime_ring/rewrite/addr/1", trap.address)
         t0 = _ring_in_thread(_client(store.port, "r1"), 0, out, "rewrite", 3.0)
         t0.join(30)
         t1.join(30)
@@ -600,7 +600,7 @@ def test_a_ring_forms_with_the_right_peer_when_a_stranger_wrote_its_address_firs
     trap = _Trap()
     out: dict = {}
     try:
-        _client(store.port, "r2").set("prime_ring/first/addr/1", trap.address)
+        landed_set(_client(store.port, "r2"), "prime_ring/first/addr/1", trap.address)
         ts = [_ring_in_thread(_client(store.port, "r2"), r, out, "first", 20.0) for r in (1, 0)]
         for t in ts:
             t.join(60)
@@ -718,7 +718,7 @@ def test_a_replayed_older_committed_step_does_not_send_a_joiner_back():
         assert joiner.latest_committed()["k"] == 2
         commit(3)
         assert joiner.latest_committed()["k"] == 3
-        nodes.store.set("members", old)
+        landed_set(nodes.store, "members", old)
         assert joiner.latest_committed()["k"] == 3
     finally:
         joiner.leave()
@@ -1112,7 +1112,7 @@ def test_get_many_with_a_key_deleted_between_its_check_and_its_multi_get_returns
     assert counted.calls == ["check", "multi_get"] + ["compare_set"] * n, counted.calls
     assert took < 10, f"the read waited {took:.1f} s for the deleted key"
     assert counted.underlying_store.timeout == timedelta(seconds=30), "the client's timeout was not restored"
-    stranger.set(ks[gone], raw)
+    landed_set(stranger, ks[gone], raw)
     counted._before = None
     counted.calls.clear()
     assert s.get_many(ks) == values and counted.calls == ["check", "multi_get"]
@@ -1318,7 +1318,7 @@ def test_a_ring_rendezvous_costs_a_few_store_round_trips_whatever_the_ring_size(
     addresses = {r: "127.0.0.%d:%d" % (1 + r, random.randrange(1024, 65535)) for r in range(n)}
     for r in range(1, n):
         setup.put(f"{ns}/addr/{r}", addresses[r])
-        setup.put(f"{ns}/ready/{r}", "1")
+        setup.put(f"{ns}/ready/{r}", "1", landed=True)  # and every record before it on this connection
     counted = _Counting(_client(store.port, prefix))
     deadline = time.monotonic() + 20
     got = rendezvous.publish_and_find_all(counted, ns, 0, n, addresses[0], deadline, 20000, SECRET)

@@ -191,8 +191,17 @@ class SignedStore:
 
     # -- reads and writes ---------------------------------------------------------------------------
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, key: str, value: Any, landed: bool = False) -> None:
+        """Writes the signed record of `value` under key.
+
+        A TCPStore `set` is not answered: the record may reach the server after a read that another connection
+        makes later, and a store that is gone shows only at this connection's next request. landed=True returns
+        once the server holds the record (one more round trip on this connection, answered after the write)
+        and raises when the store is gone: for a record that a reader elsewhere reads once, on the strength of
+        something this node does next (its leave)."""
         self.store.set(key, self.seal(key, value))
+        if landed:
+            self.store.check([key])
 
     def exists(self, key: str) -> bool:
         return self.store.check([key])

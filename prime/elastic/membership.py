@@ -445,7 +445,9 @@ class Monitor:
         if not self.beats:
             return
         self._seq += 1
-        self._beat_records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
+        # the leave is landed: "left cleanly" is said only once the store holds it
+        self._beat_records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left},
+                               landed=left)
 
     def start(self) -> None:
         self._beat()  # the key exists before anyone looks for it
@@ -933,7 +935,8 @@ class Membership:
         """Records that this launch committed its last outer step (at inner step `step`): a joiner that finds no
         live node of it stops with JobFinished instead of JoinError (prime.elastic.launch)."""
         try:
-            self.records.put(keys.LAUNCH_ENDED, {"step": int(step)})
+            # landed: a joiner that sees every node of this launch leave reads it once, on another connection
+            self.records.put(keys.LAUNCH_ENDED, {"step": int(step)}, landed=True)
         except Exception as e:  # only a nicer message for a late joiner
             logger.warning("elastic node %d: could not record the launch's end: %s", self.node_id, e)
 

@@ -159,6 +159,9 @@ class ElasticNodes:
         same, differ = self.sync.final_agreement(  # node ids repeat in every launch: the keys carry its name
             lambda d: r.set(keys.final_digest(env.local_rank, me, launch), d),
             lambda i: r.records.get(keys.final_digest(env.local_rank, i, launch)), digest, self.cfg.diloco.timeout_s)
+        # Local rank 0 leaves for the node (close()), and another node stops waiting for a node that left: every
+        # process of this node has its digest compared before it does.
+        self.sync.local.gather(None)
         if same is None:
             return {"weights_digest": digest}
         return final_agreement_result(env, self.metrics.print, me, what, digest, differ, len(same))
