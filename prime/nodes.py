@@ -180,6 +180,7 @@ class FixedNodes:
         self._stores: dict = {}  # ring -> its own store connection, when this process is on several rings
         self._closed = False
         self._launch: Optional[str] = None  # launch_scope(), once drawn
+        self._checks: Optional[list] = None  # every node's diloco.check_replicas, drawn with the launch
         self._pool = None  # a process on several rings: their exchanges run at once on its threads
         self.group: Optional[MemberGroup] = None
         """The agreement of this process's rings when it takes part in several (prime.shares)."""
@@ -266,10 +267,25 @@ class FixedNodes:
         import secrets
 
         env = self.env
-        mine = [secrets.randbits(16) for _ in range(3)] if env.local_rank == 0 else [0, 0, 0]
+        # With the draw goes whether the node checks replicas: start() stops every node alike when they differ
+        # (the check is an exchange every node must take part in)
+        mine = [secrets.randbits(16) for _ in range(3)] + [int(self.cfg.diloco.check_replicas)] \
+            if env.local_rank == 0 else [0, 0, 0, 0]
         node_draw = [int(v) for v in env.local_sum([float(v) for v in mine])]
         tables = self._on_every_ring(lambda sync: sync.exchange(node_draw))  # the same table on every ring
+        self._checks = [bool(row[3]) for row in tables[0]]
         return hashlib.blake2b(repr(tables[0]).encode(), digest_size=8).hexdigest()
+
+    def _same_checks(self) -> None:
+        """Raises ReplicaMismatchError on every node when some nodes check replicas and others do not (the
+        nodes' diloco.check_replicas, exchanged with the launch's draw)."""
+        checks = self._checks
+        if checks is None or len(set(checks)) < 2:
+            return
+        off = [n for n, c in enumerate(checks) if not c]
+        on = [n for n, c in enumerate(checks) if c]
+        raise ReplicaMismatchError(f"node {self.env.node_rank}: diloco.check_replicas is false on node(s) {off} and "
+                                   f"true on node(s) {on}: set it alike on every node")
 
     def nodes_that_do_not_fit(self, fits: bool) -> list:
         """Every node tells (through the store) whether all its processes' memory plans fit; returns the nodes
@@ -306,6 +322,7 @@ class FixedNodes:
         d = self.diloco
         if self.multi_node:  # every all-reduce from here on is applied on every node or on none
             self._agree_through_store()
+            self._same_checks()
         if d.distributed and self.cfg.diloco.check_replicas:
             d.check_replicas()
         if d.owes_outer_step():

@@ -862,6 +862,38 @@ def test_start_mismatches_names_each_kind_of_difference():
         "processes per node differ from node(s) [4, 6]", "shard sizes differ from node(s) [3]"]
 
 
+def test_start_mismatches_names_the_nodes_that_do_not_check():
+    """A node whose diloco.check_replicas is false sends UNCHECKED: where some nodes check and some do not,
+    every node's comparison names both sets; where none checks, nothing differs."""
+    from prime.elastic.agreement import UNCHECKED, start_mismatches
+
+    rng = random.Random()
+    mine = [[rng.getrandbits(64), rng.getrandbits(64), rng.randrange(1, 1 << 40)]]
+    line = "diloco.check_replicas is false on node(s) [2, 5] and true on node(s) [0, 3]: set it alike on every node"
+    assert start_mismatches(mine, {2: UNCHECKED, 3: mine, 5: UNCHECKED}, me=0) == [line]
+    assert start_mismatches(UNCHECKED, {0: mine, 3: mine, 5: UNCHECKED}, me=2) == [line]
+    assert start_mismatches(UNCHECKED, {0: UNCHECKED, 3: UNCHECKED}, me=2) == []
+    other = [[mine[0][0] ^ 1, *mine[0][1:]]]
+    assert start_mismatches(mine, {3: other}, me=0) == ["outer weights differ from node(s) [3]"]
+
+
+def test_an_initial_node_that_does_not_check_replicas_stops_the_launch_with_the_others(tmp_path):
+    """Node 1 runs with diloco.check_replicas = false, node 0 with the default: instead of node 0 checking
+    alone (and node 1 never compared), both stop with status 3 at outer step 1 and say to set it alike."""
+    job = Job(tmp_path, initial=2, steps=4 * INNER, seed=5)
+    try:
+        job.start(0)
+        job.start(1, args=["--diloco.check_replicas", "false"])
+        codes = job.wait(120)
+    finally:
+        job.stop()
+    assert codes == {0: 3, 1: 3}, "\n".join(job.text(r) for r in (0, 1))
+    for r in (0, 1):
+        _, line = job.wait_line(r, r"at outer step 1, the first since the start", timeout=1)
+        assert "diloco.check_replicas is false on node(s) [1] and true on node(s) [0]" in line, line
+        assert all(o.get("outer_step", 0) < 1 for o in job.records(r, "outer")), job.records(r, "outer")
+
+
 def test_an_initial_node_with_another_seed_stops_the_launch_at_the_first_outer_step(tmp_path):
     """Two prime.train processes whose initial weights differ (another --train.seed): both stop with status 3
     at outer step 1, naming each other, instead of training apart and finding out at the end."""

@@ -484,6 +484,29 @@ def test_lost_peer_stops_with_a_checkpoint_and_status_3(tmp_path):
     assert state["step"] == 5 and state["diloco"]["outer_step"] == 0 and state["diloco"]["since_sync"] == 5
 
 
+@needs_ring
+def test_nodes_that_differ_in_checking_replicas_both_stop_saying_so(tmp_path):
+    """Node 0 checks replicas (the default) and node 1 does not: the check is an exchange every node takes part
+    in, so instead of node 0's check meeting node 1's first all-reduce, both stop with status 3 before it."""
+    store = f"127.0.0.1:{free_port()}"
+    args = QUICK + ["--train.steps", "10", "--diloco.inner_steps", "5", "--diloco.timeout_s", "20",
+                    "--num-nodes", "2", "--store-addr", store]
+    procs = []
+    for node, check in ((0, "true"), (1, "false")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "prime.train", *args,
+               "--node-rank", str(node), "--diloco.check_replicas", check,
+               "--metrics.out_dir", str(tmp_path / f"m{node}")]
+        procs.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0 and "exitcode  : 3" in out, out
+        assert (f"prime-train: stopped: node {node}: diloco.check_replicas is false on node(s) [1] and true on "
+                "node(s) [0]: set it alike on every node") in out, out
+        assert "all_reduce" not in out, out
+
+
 # -- GPU (skipped without CUDA) ------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,15 +20,28 @@ from prime.elastic.membership import (Attempt, Evicted, Membership, MembershipEr
                                       first_plan_due, outcome_due, propose_first, propose_retry, retry_plan_due)
 from prime.sync import FINGERPRINT_PARTS, SAME_START, ReplicaMismatchError
 
-__all__ = ["OuterStepAgreement", "start_mismatches"]
+__all__ = ["OuterStepAgreement", "start_mismatches", "UNCHECKED"]
 
 _PARTS = (("processes per node", None), *((FINGERPRINT_PARTS[j], j) for j in (2, 1, 0)))
 
+UNCHECKED = "unchecked"
+"""What an initial node whose diloco.check_replicas is false sends instead of its fingerprints: a node that does
+not check would otherwise go unchecked by the others, which do."""
 
-def start_mismatches(mine: list, others: dict) -> list:
+
+def start_mismatches(mine, others: dict, me: Optional[int] = None) -> list:
     """What differs between this node's fingerprints (one [weights hash, settings hash, numel] per process, in
-    local-rank order) and each other node's (node id -> the same): one line per kind of difference, naming
-    the nodes; [] when all agree."""
+    local-rank order, or UNCHECKED) and each other node's (node id -> the same): one line per kind of
+    difference, naming the nodes; [] when all agree. me: the id of the node that `mine` is of (for the
+    line on nodes that check and nodes that do not)."""
+    every = {**others, **({me: mine} if me is not None else {})}
+    off = sorted(i for i, t in every.items() if t == UNCHECKED)
+    on = sorted(i for i, t in every.items() if t != UNCHECKED)
+    if (off or mine == UNCHECKED) and (on or mine != UNCHECKED):  # some nodes check, some do not
+        return [f"diloco.check_replicas is false on node(s) {off} and true on node(s) {on}: set it alike on "
+                "every node"]
+    if mine == UNCHECKED:  # no node checks
+        return []
     differ: dict = {what: [] for what, _ in _PARTS}
     for i, theirs in sorted(others.items()):
         if not (isinstance(theirs, list) and all(isinstance(f, list) and len(f) == 3 for f in theirs)) \
@@ -153,17 +166,17 @@ class OuterStepAgreement:
             if len(sent) < 2:
                 return
             ref = min(sent)
-            problems = start_mismatches(sent.pop(ref), sent)
+            problems = start_mismatches(sent.pop(ref), sent, me=ref)
             where = f"which admits this node, the initial nodes' states differ: against node {ref}'s, "
         else:
-            problems = start_mismatches(mine, sent)
+            problems = start_mismatches(mine, sent, me=m.node_id)
             where = "the first since the start, "
         if problems:
             m.log(f"outer step {k}: the initial nodes' states differ: {'; '.join(problems)}", event="mismatch", k=k)
-            raise ReplicaMismatchError(
-                f"node {m.node_id}: at outer step {k}, {where}{'; '.join(problems)}. The initial nodes of an elastic "
-                f"launch must {SAME_START} (diloco.check_replicas = false skips this check)."
-            )
+            rule = "" if problems[0].startswith("diloco.check_replicas") else (
+                f" The initial nodes of an elastic launch must {SAME_START} (diloco.check_replicas = false on every "
+                "node skips this check).")
+            raise ReplicaMismatchError(f"node {m.node_id}: at outer step {k}, {where}{'; '.join(problems)}.{rule}")
 
     def _read_new(self, seen: dict, key_of: Callable[[int], str], ids) -> dict:
         """The valid records under key_of(i) of the nodes `ids`, reading only those not in `seen` (a node

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from prime import faults
+from prime.elastic.agreement import UNCHECKED
 from prime.elastic.attempts import ElasticReport, OuterStepAttempts
 from prime.elastic.final import final_agreement
 from prime.elastic.join import Joining, JoinInfo, store_errors
@@ -123,7 +124,7 @@ class ElasticSync(Joining):
         self._settings: dict = {}
         self.codec, self.block_size, self.inner_steps = "int8", 64, 1  # from bind()
         self._committed: Optional[Plan] = None
-        self._check_start = False  # an initial node's first outer step sends its fingerprints (verify())
+        self._check_start = False  # an initial node's first outer step sends its fingerprints (verify()), or UNCHECKED
         self._pending: Optional[tuple] = None  # (plan, outcome, contributed) between average() and committed()
         self._joining = None  # the join that average() admitted (join.py), completed in committed()
         def register() -> tuple:
@@ -281,6 +282,10 @@ class ElasticSync(Joining):
                 raise RuntimeError("call start() (initial nodes) before training")
             raise Evicted("new node")  # DiLoCo joins a joiner before its first average (must_join)
         arrived = time.monotonic()
+        if self._check_start:  # an initial node's first average without verify(): its check_replicas is false
+            self._check_start = False
+            if self.local.is_leader:
+                self.membership.start_fingerprint = (k, UNCHECKED)  # the others' check names it
         try:
             with store_errors(k):
                 return self._boundary(k, g, inner_step, since=arrived, recompute=recompute, trained=trained)
