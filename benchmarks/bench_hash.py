@@ -2,10 +2,12 @@
 
     python3 benchmarks/bench_hash.py --gib 2 --threads 1,2 --repeats 3                   # CPU only
     python3 benchmarks/bench_hash.py --gib 8 --threads 1,4,8 --device cuda,cpu --out R.json
+    python3 benchmarks/bench_hash.py --device cuda --before OLD_hashing.py    # an earlier version side by side
 
 For each device (the outer state on the GPU, or in host memory), times over --repeats, alternated:
   stream   hashlib.blake2b over the tensor's bytes (the tensor copied to the host first when on the GPU)
   tree@T   prime.hashing.tensors_hash with T threads
+  before@T the same of an earlier prime/hashing.py (--before), checked to give the same value
 and prints GB/s (medians) and the ratio to the stream. Random fp32 data, fresh each run.
 """
 
@@ -39,9 +41,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default="1,2", help="thread counts of the tree hash")
     ap.add_argument("--device", default="cpu", help="devices, comma-separated (cpu, cuda)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", default=None,
+                    help="a file holding an earlier prime/hashing.py: its tree@T runs too, as before@T")
     ap.add_argument("--out", default=None, help="JSON with every sample")
     args = ap.parse_args(argv)
     threads = [int(x) for x in args.threads.split(",")]
+    before = None
+    if args.before:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("hashing_before", args.before)
+        before = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(before)
     n = int(args.gib * (1 << 30)) // 4
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "gib": args.gib,
@@ -50,14 +61,21 @@ def main(argv=None) -> dict:
         x = torch.randn(n, generator=gen).to(device)
         methods = {"stream": lambda: _stream(x)}
         methods.update({f"tree@{t}": (lambda t=t: tensors_hash([x], 8, threads=t)) for t in threads})
+        if before is not None:
+            methods.update({f"before@{t}": (lambda t=t: before.tensors_hash([x], 8, threads=t)) for t in threads})
         samples: dict = {m: [] for m in methods}
+        digests: dict = {}
         for _ in range(args.repeats):
             for m, fn in methods.items():  # alternated: the machine's noise falls on every method alike
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                fn()
+                got = fn()
                 samples[m].append(time.perf_counter() - t0)
+                if m != "stream":  # every tree gives the same value, whatever its threads and version
+                    digests.setdefault(got, []).append(m)
+        if len(digests) != 1:
+            raise SystemExit(f"bench_hash: the tree hashes differ on {device}: {digests}")
         gb = n * 4 / 1e9
         med = {m: statistics.median(s) for m, s in samples.items()}
         for m in methods:

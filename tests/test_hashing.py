@@ -34,8 +34,10 @@ def test_the_tree_hash_is_its_definition_whatever_the_threads(monkeypatch, devic
     tensors = [torch.randn(n, generator=gen).to(device) for n in sizes]
     tensors.append(torch.randn(37, 129, generator=gen).to(torch.bfloat16).t().to(device))  # not contiguous
     want = _reference(tensors, 8, piece)
-    for threads in (1, 3, 8):
+    for threads in (1, 3, 8):  # (on the GPU: 2, 4 and 9 staging buffers, each filled again many times)
         assert tensors_hash(tensors, 8, threads=threads) == want
+    mixed = [t.cpu() if i % 2 else t for i, t in enumerate(tensors)]  # host and GPU tensors in one call
+    assert tensors_hash(mixed, 8, threads=2) == want
     assert tensors_hash(tensors, 16) == _reference(tensors, 16, piece)
     changed = [t.clone() for t in tensors]
     i = rng.randrange(changed[0].numel())
