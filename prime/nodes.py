@@ -40,7 +40,7 @@ from prime.diloco import DiLoCo, OuterStepResult, ReplicaMismatchError
 from prime.parallelize import local_shard
 from prime.runtime import Environment, local_wait_s
 from prime.shares import MemberGroup, Shares, each
-from prime.sync import RingSync, node_local_group
+from prime.sync import RingSync, checks_differ, node_local_group
 
 __all__ = ["Nodes", "AfterOuter", "FixedNodes", "signed_records", "final_weights_digest"]
 
@@ -284,8 +284,7 @@ class FixedNodes:
             return
         off = [n for n, c in enumerate(checks) if not c]
         on = [n for n, c in enumerate(checks) if c]
-        raise ReplicaMismatchError(f"node {self.env.node_rank}: diloco.check_replicas is false on node(s) {off} and "
-                                   f"true on node(s) {on}: set it alike on every node")
+        raise ReplicaMismatchError(f"node {self.env.node_rank}: {checks_differ(off, on)}")
 
     def nodes_that_do_not_fit(self, fits: bool) -> list:
         """Every node tells (through the store) whether all its processes' memory plans fit; returns the nodes

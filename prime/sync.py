@@ -63,6 +63,12 @@ SAME_START = ("start from the same seed (or resume from the same checkpoint step
 """What ReplicaMismatchError asks of the nodes."""
 
 
+def checks_differ(off: list, on: list) -> str:
+    """The ReplicaMismatchError line when some nodes check replicas and others do not (fixed and elastic)."""
+    return f"diloco.check_replicas is false on node(s) {sorted(off)} and true on node(s) {sorted(on)}: set it alike " \
+           "on every node"
+
+
 class LeftBehind(Exception):
     """This node is not part of the outer step being decided (an elastic eviction seen by an average running in
     the background): the outer step calls Sync.rejoin() on its main thread, which brings the job's state."""

@@ -880,36 +880,34 @@ def test_start_mismatches_names_the_nodes_that_do_not_check():
 def test_an_initial_node_that_does_not_check_replicas_stops_the_launch_with_the_others(tmp_path):
     """Node 1 runs with diloco.check_replicas = false, node 0 with the default: instead of node 0 checking
     alone (and node 1 never compared), both stop with status 3 at outer step 1 and say to set it alike."""
+    for r, line in _first_outer_step_stops(tmp_path, ["--diloco.check_replicas", "false"]).items():
+        assert "diloco.check_replicas is false on node(s) [1] and true on node(s) [0]" in line, line
+
+
+def _first_outer_step_stops(tmp_path, node1_args: list) -> dict:
+    """Two prime.train processes, node 1 with node1_args: both must exit 3 at outer step 1, before anything
+    was averaged. Returns each node's line that says why."""
     job = Job(tmp_path, initial=2, steps=4 * INNER, seed=5)
     try:
         job.start(0)
-        job.start(1, args=["--diloco.check_replicas", "false"])
+        job.start(1, args=node1_args)
         codes = job.wait(120)
     finally:
         job.stop()
     assert codes == {0: 3, 1: 3}, "\n".join(job.text(r) for r in (0, 1))
+    lines = {}
     for r in (0, 1):
-        _, line = job.wait_line(r, r"at outer step 1, the first since the start", timeout=1)
-        assert "diloco.check_replicas is false on node(s) [1] and true on node(s) [0]" in line, line
+        _, lines[r] = job.wait_line(r, r"at outer step 1, the first since the start", timeout=1)
         assert all(o.get("outer_step", 0) < 1 for o in job.records(r, "outer")), job.records(r, "outer")
+    return lines
 
 
 def test_an_initial_node_with_another_seed_stops_the_launch_at_the_first_outer_step(tmp_path):
     """Two prime.train processes whose initial weights differ (another --train.seed): both stop with status 3
     at outer step 1, naming each other, instead of training apart and finding out at the end."""
-    job = Job(tmp_path, initial=2, steps=4 * INNER, seed=5)
-    try:
-        job.start(0)
-        job.start(1, args=["--train.seed", "6"])
-        codes = job.wait(120)
-    finally:
-        job.stop()
-    assert codes == {0: 3, 1: 3}, "\n".join(job.text(r) for r in (0, 1))
-    for r in (0, 1):
-        _, line = job.wait_line(r, r"at outer step 1, the first since the start", timeout=1)
+    for r, line in _first_outer_step_stops(tmp_path, ["--train.seed", "6"]).items():
         assert f"outer weights differ from node(s) [{1 - r}]" in line, line
         assert "settings (inner_steps" not in line, line
-        assert all(o.get("outer_step", 0) < 1 for o in job.records(r, "outer")), job.records(r, "outer")
 
 
 # -- the state transfer alone (in-process) -------------------------------------------------------

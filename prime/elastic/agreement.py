@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from prime.comm import store_keys as keys
 from prime.elastic.membership import (Attempt, Evicted, Membership, MembershipError, Outcome, Plan, decide_outcome,
                                       first_plan_due, outcome_due, propose_first, propose_retry, retry_plan_due)
-from prime.sync import FINGERPRINT_PARTS, SAME_START, ReplicaMismatchError
+from prime.sync import FINGERPRINT_PARTS, SAME_START, ReplicaMismatchError, checks_differ
 
 __all__ = ["OuterStepAgreement", "start_mismatches", "UNCHECKED"]
 
@@ -38,8 +38,7 @@ def start_mismatches(mine, others: dict, me: Optional[int] = None) -> list:
     off = sorted(i for i, t in every.items() if t == UNCHECKED)
     on = sorted(i for i, t in every.items() if t != UNCHECKED)
     if (off or mine == UNCHECKED) and (on or mine != UNCHECKED):  # some nodes check, some do not
-        return [f"diloco.check_replicas is false on node(s) {off} and true on node(s) {on}: set it alike on "
-                "every node"]
+        return [checks_differ(off, on)]
     if mine == UNCHECKED:  # no node checks
         return []
     differ: dict = {what: [] for what, _ in _PARTS}
@@ -162,6 +161,7 @@ class OuterStepAgreement:
         m = self.membership
         others = self._read_new({}, lambda i: keys.arrival(k, i), [i for i in plan.members if i != m.node_id])
         sent = {i: a["fingerprint"] for i, a in others.items() if "fingerprint" in a}
+        unchecked = mine == UNCHECKED or UNCHECKED in sent.values()  # then the one problem is checks_differ's
         if mine is None:  # a joiner: the initial nodes against the lowest of them
             if len(sent) < 2:
                 return
@@ -173,7 +173,7 @@ class OuterStepAgreement:
             where = "the first since the start, "
         if problems:
             m.log(f"outer step {k}: the initial nodes' states differ: {'; '.join(problems)}", event="mismatch", k=k)
-            rule = "" if problems[0].startswith("diloco.check_replicas") else (
+            rule = "" if unchecked else (
                 f" The initial nodes of an elastic launch must {SAME_START} (diloco.check_replicas = false on every "
                 "node skips this check).")
             raise ReplicaMismatchError(f"node {m.node_id}: at outer step {k}, {where}{'; '.join(problems)}.{rule}")
