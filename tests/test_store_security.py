@@ -437,6 +437,45 @@ def test_an_ask_left_behind_by_an_inflated_counter_is_asked_again_and_answered()
         _leave(ms + ([late] if late.launch else []))
 
 
+def test_an_ask_above_a_lowered_counter_is_asked_again_and_answered():
+    """A stranger sets the ask counter back to 0 just after a joiner asked (before any member's sweep read the
+    ask): the members read only the indices below the counter, so the joiner asks again under the counter's
+    new value, the members read the indices they had answered again, and it enters the live launch within a
+    few sweeps instead of waiting out its start timeout."""
+    import threading as th
+
+    from prime.comm import store_keys as keys
+
+    slow = dict(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    store = _tcp_store()
+    ms = _register_all(store.port, 2, "lower", **slow)
+    run = _client(store.port, "lower/elastic")
+    before = int(run.add(keys.LAUNCH_ASKS, 0))
+    assert before >= 2  # the initial nodes' asks: indices a later ask under a lowered counter takes again
+    late = _membership(store.port, 7, 2, "lower", **slow)
+    errs: list = []
+
+    def register():
+        try:
+            late.register(start_timeout_s=20)
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+
+    t0 = time.monotonic()
+    t = th.Thread(target=register, daemon=True)
+    t.start()
+    try:
+        while int(run.add(keys.LAUNCH_ASKS, 0)) == before:  # the joiner took its ask index
+            assert time.monotonic() - t0 < 10, "the joiner never asked"
+        landed_set(run, keys.LAUNCH_ASKS, "0")
+        t.join(20)
+        assert not t.is_alive() and not errs, errs
+        assert late.launch == ms[0].launch and not late.genesis
+        assert time.monotonic() - t0 < 8, "the joiner waited for its start timeout"
+    finally:
+        _leave(ms + ([late] if late.launch else []))
+
+
 def test_a_founder_that_asked_again_answers_from_its_first_ask_on():
     """Node 0 (the store outside the nodes) asks at index 0; node 1 asks 300 indices later (a stranger inflates
     the counter); another 300, and node 0, now more than half the members' look-back behind, asks again before

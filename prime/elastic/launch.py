@@ -13,7 +13,8 @@ process takes a name only from a record that answers a fresh nonce of its own:
                            earlier launch can have written
     members                answer the asks on their heartbeat-watch thread (LaunchDoor: a few a sweep, the
                            newest first and the others in turn, among the newest MAX_ASKS indices; an asker
-                           whose index falls MAX_ASKS / 2 behind the counter asks again)
+                           whose index falls MAX_ASKS / 2 behind the counter, or not below it (a stranger
+                           lowered it), asks again)
 
 Rank 0 asks too, and judges nothing before a live launch had two heartbeat intervals to answer (its members
 answer within a sweep). It founds where the store then names no launch of the run (a fresh store, a fresh run
@@ -100,6 +101,8 @@ class LaunchDoor:
         self._warned = False
         self._done: set = set()
         self._turn = 0
+        self._high = 0  # the ask counter at the last sweep
+        self._warned_back = False
 
     def answer(self) -> int:
         """Answers the asks written since the last sweep (ASKS_PER_SWEEP at most); returns how many."""
@@ -111,6 +114,13 @@ class LaunchDoor:
                           f"one ({self.name}): written back (a stranger's replay, or a second launch of the run)")
             self.records.put(keys.LAUNCH_CURRENT, {"launch": self.name})
         n = read_counter(self.records.store, keys.LAUNCH_ASKS)
+        if n < self._high:  # lowered or deleted (a stranger): the asks under it reuse indices, read them all again
+            if not self._warned_back:
+                self._warned_back = True
+                self.warn(f"the ask counter went back from {self._high} to {n} (a stranger's write?): answering "
+                          "the asks under it again")
+            self.since, self._done = 0, set()
+        self._high = n
         lo = max(self.since, n - MAX_ASKS)
         self._done = {i for i in self._done if i >= lo}
         look, self._turn = sample_ids([i for i in range(lo, n) if i not in self._done], ASKS_PER_SWEEP, self._turn)
@@ -154,9 +164,11 @@ def find_launch(records: SignedStore, launch_records: Callable[[str], SignedStor
         got = _name(records.get(keys.launch_answer(nonce)))
         if got is not None:
             return Launch(got, False, first)
-        if read_counter(records.store, keys.LAUNCH_ASKS) - i > MAX_ASKS // 2:
+        asks = read_counter(records.store, keys.LAUNCH_ASKS)
+        if asks - i > MAX_ASKS // 2 or asks <= i:
             # others asked since, or a stranger inflated the counter: before this ask falls out of the indices
-            # the members read, ask again under the newest one (the same nonce)
+            # the members read, ask again under the newest one (the same nonce); likewise when a stranger
+            # lowered or deleted it, since the members read only the indices below it
             i = bump(records.store, keys.LAUNCH_ASKS) - 1
             records.put(keys.launch_ask(i), {"nonce": nonce, "rank": node_rank})
         now = time.monotonic()
