@@ -370,3 +370,27 @@ def test_a_server_capped_below_the_minimum_rate_still_serves_a_joiner_of_its_job
         assert took >= 0.8 * total / cap, took  # the cap held
     finally:
         server.close()
+
+
+def test_the_running_digest_is_the_state_digest_whatever_order_the_pieces_came_in():
+    """The joiner hashes the pieces while the next ones arrive: in order it gives state_digest without a second
+    pass; a restart at byte 0 starts it over; a piece out of order leaves it behind, and the digest is then
+    computed over the whole state, never wrong."""
+    seed = random.randrange(1 << 30)
+    parts = _state(seed, 50_000)
+    views = [transfer._bytes_view(p) for p in parts]
+    cuts = [(off, memoryview(views[i][s:e].numpy())) for off, i, s, e in
+            transfer._pieces([v.numel() for v in views])]
+    total = sum(v.numel() for v in views)
+    want = transfer.state_digest(parts)
+    orders = {"in order": cuts, "a restart at 0": cuts[: len(cuts) // 2] + cuts,
+              "out of order": cuts[1:] + cuts[:1]}
+    for what, order in orders.items():
+        running = transfer._RunningDigest()
+        try:
+            for off, piece in order:
+                running.add(off, piece)
+            assert (running.upto == total) == (what != "out of order"), (what, running.upto, total, seed)
+            assert running.digest(parts, total) == want, (what, seed)
+        finally:
+            running.close()

@@ -118,6 +118,40 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+class _RunningDigest:
+    """state_digest of the pieces a download verified, from byte 0 on and in order, computed on a thread of
+    its own while the next pieces arrive: the joiner does not hash the whole state again after the last
+    piece (a 10B model's 20 GB share is about 15 s of SHA-256). Anything else (a resume that skips or goes
+    back) leaves it behind, and digest() then hashes the whole state as before."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prime-state-digest")  # one thread: in order
+        self._h, self.upto = hashlib.sha256(), 0
+
+    def add(self, at: int, piece: memoryview) -> None:
+        """Piece bytes [at, at + len) just verified (they are not written again unless the download restarts
+        at 0)."""
+        if at == 0 and self.upto:
+            self._h, self.upto = hashlib.sha256(), 0  # a restart: the old hash's pending updates go to waste
+        if at != self.upto:
+            self.upto = -1  # out of order: digest() hashes the whole state
+            return
+        self._pool.submit(self._h.update, piece)
+        self.upto += len(piece)
+
+    def digest(self, parts: list[torch.Tensor], total: int) -> str:
+        if self.upto != total:
+            return state_digest(parts)
+        h = self._h
+        self._pool.submit(lambda: None).result()  # every update before it has run
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)  # (what is left to hash of a failed download is dropped)
+
+
 def _pieces(sizes: list[int]):
     """(global offset, part index, start, end) of every piece: the same cut on every node."""
     off = 0
@@ -705,6 +739,13 @@ def fetch_state(
     fetch = _Fetch(parts, secret=secret, job=job.encode(), my_id=my_id, check_meta=check_meta,
                    timeout_s=timeout_s, log=log or (lambda m: logger.info("%s", m)), step=step, give_up_s=give_up_s,
                    min_rate=min_rate)
+    try:
+        return _fetch_from_sources(fetch, sources, give_up_s)
+    finally:
+        fetch.running.close()
+
+
+def _fetch_from_sources(fetch: "_Fetch", sources: Callable[[], list], give_up_s: float) -> FetchResult:
     while True:
         cands = [s for s in sources() if s[0] not in fetch.auth_failed]
         source = fetch.choose(cands, give_up_s)
@@ -756,6 +797,7 @@ class _Fetch:
         # source id -> (monotonic time before which it is not asked again, the delay that set it)
         self.backoff: dict[int, tuple[float, float]] = {}
         self.turn = my_id  # the first choice is id mod #sources: joiners spread over the members
+        self.running = _RunningDigest()  # of the pieces received so far (closed by fetch_state)
         self.start, self.moved_on = 0, False  # of the source being asked: where it started, it serves a newer step
 
     def choose(self, cands: list, give_up_s: float) -> Optional[tuple]:
@@ -806,8 +848,10 @@ class _Fetch:
                 for off, i, s, e in self.cuts:
                     if off < self.received:
                         continue
-                    ch.recv_piece_into(memoryview(self.views[i][s:e].numpy()))
+                    piece = memoryview(self.views[i][s:e].numpy())
+                    ch.recv_piece_into(piece)
                     self.received = off + (e - s)
+                    self.running.add(off, piece)
                 trailer = ch.recv_json()
             except _Overdue as e:
                 what = (f"{e.got} of the {e.want} bytes of the frame it was sending had come by {e.due.why}"
@@ -817,7 +861,7 @@ class _Fetch:
                     f"{self.received - self.start} bytes of state came from it ({self.received} of {self.total} "
                     "verified in all)", "connection") from None
             self.segments.append([sid, self.start, self.received])
-            digest = state_digest(self.parts)
+            digest = self.running.digest(self.parts, self.total)
             if digest != trailer.get("digest"):
                 # pieces from two sources that do not make one state: start over
                 self.step, self.received = None, 0
