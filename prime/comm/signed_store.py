@@ -198,7 +198,8 @@ class SignedStore:
         makes later, and a store that is gone shows only at this connection's next request. landed=True returns
         once the server holds the record (one more round trip on this connection, answered after the write)
         and raises when the store is gone: for a record that a reader elsewhere reads once, on the strength of
-        something this node does next (its leave)."""
+        something this node does next (its leave). Like every request of torch's store client, the round trip
+        waits for a server that is frozen rather than gone (measured with torch 2.13: past its timeout)."""
         self.store.set(key, self.seal(key, value))
         if landed:
             self.store.check([key])

@@ -445,9 +445,7 @@ class Monitor:
         if not self.beats:
             return
         self._seq += 1
-        # the leave is landed: "left cleanly" is said only once the store holds it
-        self._beat_records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left},
-                               landed=left)
+        self._beat_records.put(keys.heartbeat(self.node_id), {"node": self.node_id, "seq": self._seq, "left": left})
 
     def start(self) -> None:
         self._beat()  # the key exists before anyone looks for it
